@@ -1,0 +1,1 @@
+//! The stateright model of the callreg registration protocol (see `specs/model.md`).

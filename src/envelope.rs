@@ -1,0 +1,1 @@
+//! SPYC envelope (DESIGN.md §3.1).

@@ -1,0 +1,119 @@
+//! Error codes (DESIGN.md §4.3) and the error value with its context.
+//!
+//! Every failure callreg can produce, in any layer, has one [`ErrorCode`].
+//! Codes are stable: their text form is what the command and the JSON show,
+//! their numeric form is what reply frames carry.
+
+use serde::{Deserialize, Serialize};
+
+macro_rules! error_codes {
+    ($( $(#[$doc:meta])* $name:ident = $num:literal, )*) => {
+        /// One code per kind of failure (DESIGN.md §4.3 plus the codes this
+        /// implementation adds; `specs/protocol.md` lists them all).
+        ///
+        /// Text form: the `SCREAMING_SNAKE_CASE` name ([`ErrorCode::as_str`]).
+        /// Wire form: a `u16` ([`ErrorCode::as_u16`], [`ErrorCode::from_u16`]).
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+        #[allow(non_camel_case_types)]
+        pub enum ErrorCode {
+            $( $(#[$doc])* $name = $num, )*
+        }
+
+        impl ErrorCode {
+            /// Every code, in numeric order.
+            pub const ALL: &'static [ErrorCode] = &[$(ErrorCode::$name,)*];
+
+            /// The code's stable text form, e.g. `"HASHID_FORMAT_INVALID"`.
+            pub fn as_str(self) -> &'static str {
+                match self { $(ErrorCode::$name => stringify!($name),)* }
+            }
+
+            /// The code's stable wire form.
+            pub fn as_u16(self) -> u16 {
+                self as u16
+            }
+
+            /// The code for a wire value, or `None` for a value no code has.
+            pub fn from_u16(v: u16) -> Option<ErrorCode> {
+                match v { $($num => Some(ErrorCode::$name),)* _ => None }
+            }
+        }
+
+        impl std::str::FromStr for ErrorCode {
+            type Err = UnknownErrorCode;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s { $(stringify!($name) => Ok(ErrorCode::$name),)* _ => Err(UnknownErrorCode(s.to_owned())) }
+            }
+        }
+    };
+}
+
+error_codes! {
+    /// A hashid text is not `sha256:` + 64 lowercase hex digits.
+    HASHID_FORMAT_INVALID = 1,
+    /// A staged payload's recomputed digest differs from the requested one.
+    HASHID_DESCRIPTOR_MISMATCH = 2,
+    /// The callable kind is not supported by this target or operation.
+    CALLABLE_KIND_UNSUPPORTED = 3,
+    /// The target has no free slot for a new callable.
+    LOCAL_SLOT_EXHAUSTED = 4,
+    /// A post-start register failed at one or more targets and was rolled back.
+    REGISTER_PARTIAL_FAILURE = 5,
+    /// The digest is uncertain: a cleanup was not confirmed.
+    REGISTER_CLEANUP_UNCERTAIN = 6,
+    /// A register found the digest's slot tombstoned and still held by a run.
+    REGISTER_TOMBSTONE_ACTIVE = 7,
+    /// An unregister found the digest already tombstoned.
+    UNREGISTER_TOMBSTONE_ACTIVE = 8,
+    /// The staged bytes are not a valid SPYC envelope (DESIGN.md §3.1).
+    ENVELOPE_INVALID = 9,
+    /// A descriptor's fields are invalid (e.g. a bad `module:qualname`).
+    DESCRIPTOR_INVALID = 10,
+    /// The handle was not issued by this Worker (forged or foreign).
+    HANDLE_FOREIGN = 11,
+    /// The handle was issued by this Worker but is no longer live.
+    HANDLE_STALE = 12,
+    /// The handle's fields differ from what this Worker issued.
+    HANDLE_MUTATED = 13,
+    /// The handle belongs to another target namespace.
+    HANDLE_WRONG_NAMESPACE = 14,
+    /// An unregister or task named a digest the target does not hold.
+    DIGEST_NOT_INSTALLED = 15,
+    /// The runtime failed to deserialize a payload.
+    DESERIALIZE_FAILED = 16,
+    /// A target died or was fenced while the operation needed it.
+    TARGET_LOST = 17,
+    /// A target did not reply before the operation's deadline.
+    DEADLINE_EXCEEDED = 18,
+    /// An unregister failed at one or more targets.
+    UNREGISTER_PARTIAL_FAILURE = 19,
+    /// The operation is not allowed in the Worker's lifecycle state.
+    LIFECYCLE_INVALID = 20,
+    /// A task raised or otherwise failed inside the target.
+    TASK_FAILED = 21,
+    /// A frame could not be decoded or was out of protocol.
+    FRAME_INVALID = 22,
+    /// An OS-level IO operation failed (shm, pipe, fork).
+    IO_FAILED = 23,
+    /// There is no live target to run the operation on.
+    NO_LIVE_TARGET = 24,
+    /// The interpreter or serializer version differs from the payload's.
+    PYTHON_VERSION_MISMATCH = 25,
+    /// A declared dependency is not satisfied in the target.
+    DEPS_UNSATISFIED = 26,
+    /// The metadata names an executor (or attribute) the target does not know.
+    EXECUTOR_UNKNOWN = 27,
+    /// Metadata (JSON) is malformed.
+    METADATA_INVALID = 28,
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A text that names no [`ErrorCode`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown error code {0:?}")]
+pub struct UnknownErrorCode(pub String);

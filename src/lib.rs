@@ -1,0 +1,22 @@
+//! # callreg
+//!
+//! Registers serialized Python callables (SPYC envelopes of cloudpickle
+//! bytes) from a parent worker process into its forked child workers
+//! ("targets") by content identity (hashid), and dispatches tasks to them.
+//!
+//! Layers, each a module (a module never imports from a layer above it):
+//!
+//! * formats — [`envelope`] (SPYC, DESIGN.md §3.1) and [`descriptor`]
+//!   (canonical descriptors, digests and hashids, DESIGN.md §3.2);
+//! * the pure protocol — [`error`] and [`protocol`] (DESIGN.md §4): state
+//!   machines with no IO, no clock reads, no randomness and no threads.
+//!
+//! The default build holds only these; the IO layer and Python targets are
+//! behind the `io` and `python` cargo features.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+pub mod descriptor;
+pub mod envelope;
+pub mod error;
