@@ -20,3 +20,6 @@
 pub mod descriptor;
 pub mod envelope;
 pub mod error;
+
+#[cfg(feature = "io")]
+pub mod runtime;
