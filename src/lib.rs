@@ -23,3 +23,6 @@ pub mod error;
 
 #[cfg(feature = "io")]
 pub mod runtime;
+
+#[doc(hidden)]
+pub mod fuzzing;
