@@ -241,7 +241,9 @@ impl Direction {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescriptorError {
     /// A `module:qualname` text does not have exactly one `:`.
-    #[error("DESCRIPTOR_INVALID: import path {path:?} must contain exactly one ':' (found {colons})")]
+    #[error(
+        "DESCRIPTOR_INVALID: import path {path:?} must contain exactly one ':' (found {colons})"
+    )]
     ImportColonCount {
         /// The offending text.
         path: String,
@@ -273,7 +275,9 @@ pub enum DescriptorError {
         part: String,
     },
     /// A string or byte field is longer than a u32 length prefix allows.
-    #[error("DESCRIPTOR_INVALID: field {field} is {len} bytes, more than a u32 length prefix allows")]
+    #[error(
+        "DESCRIPTOR_INVALID: field {field} is {len} bytes, more than a u32 length prefix allows"
+    )]
     FieldTooLong {
         /// The field's name.
         field: &'static str,
@@ -773,12 +777,18 @@ mod tests {
         let upper = KNOWN.replace("8d96", "8D96");
         assert_eq!(
             upper.parse::<HashId>(),
-            Err(HashIdError::BadDigit { offset: 8, found: 'D' })
+            Err(HashIdError::BadDigit {
+                offset: 8,
+                found: 'D'
+            })
         );
         let spaced = KNOWN.replacen("8d", " d", 1);
         assert_eq!(
             spaced.parse::<HashId>(),
-            Err(HashIdError::BadDigit { offset: 7, found: ' ' })
+            Err(HashIdError::BadDigit {
+                offset: 7,
+                found: ' '
+            })
         );
     }
 }

@@ -34,7 +34,9 @@ pub const SERIALIZER_CLOUDPICKLE: u8 = 1;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum EnvelopeError {
     /// Fewer than [`HEADER_LEN`] staged bytes (check 1).
-    #[error("ENVELOPE_INVALID: header truncated: {staged_size} staged bytes, a SPYC header needs 16")]
+    #[error(
+        "ENVELOPE_INVALID: header truncated: {staged_size} staged bytes, a SPYC header needs 16"
+    )]
     HeaderTruncated {
         /// Number of staged bytes (0..=15).
         staged_size: usize,

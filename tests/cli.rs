@@ -40,10 +40,8 @@ fn text(bytes: &[u8]) -> String {
 
 /// A fresh scratch directory under cargo's per-test-target temp dir.
 fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "cli-{name}-{}",
-        std::process::id()
-    ));
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
@@ -199,7 +197,9 @@ fn table_lists_each_file() {
         ]
     );
     assert!(lines[2].starts_with("short_header.spyc"));
-    assert!(lines[2].contains("HeaderTruncated: ENVELOPE_INVALID: header truncated: 15 staged bytes"));
+    assert!(
+        lines[2].contains("HeaderTruncated: ENVELOPE_INVALID: header truncated: 15 staged bytes")
+    );
 }
 
 #[test]

@@ -106,8 +106,8 @@ fn python_available() -> bool {
 }
 
 fn scratch() -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("python-cross-{}", std::process::id()));
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("python-cross-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
@@ -133,23 +133,39 @@ fn callreg_agrees_with_python_byte_for_byte() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let names: Vec<&str> = results.iter().map(|r| r.name.as_str()).collect();
-    assert_eq!(names, ["lambda", "closure", "callable_object", "big_closure"]);
+    assert_eq!(
+        names,
+        ["lambda", "closure", "callable_object", "big_closure"]
+    );
 
     for r in &results {
         let payload = std::fs::read(dir.join(format!("{}.pickle", r.name))).unwrap();
         let python_envelope = std::fs::read(dir.join(format!("{}.spyc", r.name))).unwrap();
         assert_eq!(payload.len() as u64, r.payload_size, "{}", r.name);
         if r.name == "big_closure" {
-            assert!(payload.len() > 1 << 20, "big closure is {} bytes", payload.len());
+            assert!(
+                payload.len() > 1 << 20,
+                "big closure is {} bytes",
+                payload.len()
+            );
         }
 
         // Library: encoder, parser, descriptor and hashid.
-        assert!(encode(&payload) == python_envelope, "{}: envelope bytes", r.name);
+        assert!(
+            encode(&payload) == python_envelope,
+            "{}: envelope bytes",
+            r.name
+        );
         let env = Envelope::parse(&python_envelope).unwrap();
         assert!(env.payload() == &payload[..], "{}: payload view", r.name);
         let desc = PythonSerialized::from_envelope(&env);
         assert_eq!(hex(&desc.to_bytes()), r.descriptor_hex, "{}", r.name);
-        assert_eq!(python_serialized_digest(&env).to_string(), r.hashid, "{}", r.name);
+        assert_eq!(
+            python_serialized_digest(&env).to_string(),
+            r.hashid,
+            "{}",
+            r.name
+        );
 
         // Command: pack reproduces Python's envelope, hashid prints Python's hashid.
         let packed = dir.join(format!("{}.packed.spyc", r.name));
@@ -162,14 +178,21 @@ fn callreg_agrees_with_python_byte_for_byte() {
             .status()
             .unwrap();
         assert_eq!(status.code(), Some(0), "{}", r.name);
-        assert!(std::fs::read(&packed).unwrap() == python_envelope, "{}: packed bytes", r.name);
+        assert!(
+            std::fs::read(&packed).unwrap() == python_envelope,
+            "{}: packed bytes",
+            r.name
+        );
         let hashid = Command::new(env!("CARGO_BIN_EXE_callreg"))
             .arg("hashid")
             .arg(dir.join(format!("{}.spyc", r.name)))
             .output()
             .unwrap();
         assert_eq!(hashid.status.code(), Some(0), "{}", r.name);
-        assert_eq!(String::from_utf8(hashid.stdout).unwrap(), format!("{}\n", r.hashid));
+        assert_eq!(
+            String::from_utf8(hashid.stdout).unwrap(),
+            format!("{}\n", r.hashid)
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
