@@ -491,8 +491,8 @@ fn task_failure(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> Run
 }
 
 /// The last [`TRACEBACK_FRAMES_KEPT`] frames of `err`'s traceback, formatted
-/// by `traceback.format_tb`, or `None` when it has none or cannot be
-/// formatted.
+/// by `traceback.format_tb` with each file shown by its name only, or `None`
+/// when it has none or cannot be formatted.
 fn traceback_tail(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> Option<String> {
     let traceback = err.traceback(py)?;
     let frames = functions.format_tb.bind(py).call1((traceback,)).ok()?;
@@ -503,9 +503,26 @@ fn traceback_tail(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> O
         text.push_str(&format!("  ... {skipped} earlier frames\n"));
     }
     for frame in &frames[skipped..] {
-        text.push_str(frame);
+        text.push_str(&without_directories(frame));
     }
     Some(text.trim_end().to_owned())
+}
+
+/// A formatted frame (`  File "/dir/name.py", line 3, in f` then source
+/// lines) with the file's directories removed: error messages never carry
+/// a user's absolute path (DESIGN.md §4.3).
+fn without_directories(frame: &str) -> String {
+    const START: &str = "  File \"";
+    const END: &str = "\", line ";
+    let Some(rest) = frame.strip_prefix(START) else {
+        return frame.to_owned();
+    };
+    let Some(end) = rest.find(END) else {
+        return frame.to_owned();
+    };
+    let path = &rest[..end];
+    let name = path.rsplit('/').next().unwrap_or(path);
+    format!("{START}{name}{}", &rest[end..])
 }
 
 /// The exception's type name (module-qualified unless a builtin) and its
@@ -525,4 +542,24 @@ fn type_name(ty: &Bound<'_, PyType>) -> String {
     ty.fully_qualified_name()
         .map(|name| name.to_string_lossy().into_owned())
         .unwrap_or_else(|_| "<unnamed type>".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_directories;
+
+    #[test]
+    fn frame_files_lose_their_directories() {
+        assert_eq!(
+            without_directories(
+                "  File \"/home/ann/work/job.py\", line 3, in f\n    return 1 / 0\n"
+            ),
+            "  File \"job.py\", line 3, in f\n    return 1 / 0\n"
+        );
+        assert_eq!(
+            without_directories("  File \"<stdin>\", line 1, in <module>\n"),
+            "  File \"<stdin>\", line 1, in <module>\n"
+        );
+        assert_eq!(without_directories("not a frame"), "not a frame");
+    }
 }
