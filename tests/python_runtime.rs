@@ -12,7 +12,9 @@
 //! fails, unless `CALLREG_ALLOW_NO_PYTHON=1`.
 //!
 //! Run: `PYO3_PYTHON=$(python3 -c 'import sys; print(sys.executable)')
-//! cargo test --features python --test python_runtime [-- FILTER...]`.
+//! cargo test --features python --test python_runtime [-- FILTER...]`
+//! (`cargo nextest run --features python --test python_runtime` works too:
+//! the binary answers libtest's `--list` and `--exact`).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -173,11 +175,72 @@ struct Case {
     run: fn(&PythonRuntime, &Payloads) -> CaseResult,
 }
 
+/// What the command line asks for, in the subset of libtest's interface
+/// that `cargo test` and `cargo nextest` use.
+struct Selection {
+    /// `--list`: print `NAME: test` lines instead of running.
+    list: bool,
+    /// `--ignored` (no case is ignored, so with `--list` nothing is listed).
+    ignored: bool,
+    /// `--exact`: filters must equal a case name instead of being part of it.
+    exact: bool,
+    /// Names (or parts of names) to run; empty runs every case.
+    filters: Vec<String>,
+    /// `--skip NAME`: parts of names not to run.
+    skips: Vec<String>,
+}
+
+impl Selection {
+    fn from_args() -> Self {
+        let mut selection = Selection {
+            list: false,
+            ignored: false,
+            exact: false,
+            filters: Vec::new(),
+            skips: Vec::new(),
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--list" => selection.list = true,
+                "--ignored" => selection.ignored = true,
+                "--exact" => selection.exact = true,
+                "--skip" => selection.skips.extend(args.next()),
+                // Options with a separate value this binary has no use for.
+                "--format" | "--test-threads" | "--color" | "--logfile" => {
+                    args.next();
+                }
+                other if other.starts_with('-') => {}
+                filter => selection.filters.push(filter.to_owned()),
+            }
+        }
+        selection
+    }
+
+    fn selects(&self, name: &str) -> bool {
+        let matches = |filter: &String| {
+            if self.exact {
+                name == filter
+            } else {
+                name.contains(filter.as_str())
+            }
+        };
+        (self.filters.is_empty() || self.filters.iter().any(matches))
+            && !self.skips.iter().any(|skip| name.contains(skip.as_str()))
+    }
+}
+
 fn main() -> ExitCode {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|arg| !arg.starts_with('-'))
-        .collect();
+    let selection = Selection::from_args();
+    let cases = cases();
+    if selection.list {
+        if !selection.ignored {
+            for case in &cases {
+                println!("{}: test", case.name);
+            }
+        }
+        return ExitCode::SUCCESS;
+    }
     let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
     let has_cloudpickle = Command::new(&python)
         .args(["-c", "import cloudpickle"])
@@ -203,11 +266,10 @@ fn main() -> ExitCode {
         }
     };
 
-    let cases = cases();
     let mut failed = Vec::new();
     let mut ran = 0;
     for case in &cases {
-        if !filters.is_empty() && !filters.iter().any(|f| case.name.contains(f.as_str())) {
+        if !selection.selects(case.name) {
             continue;
         }
         ran += 1;
