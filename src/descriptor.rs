@@ -197,12 +197,18 @@ mod tests {
         let upper = KNOWN.replace("8d96", "8D96");
         assert_eq!(
             upper.parse::<HashId>(),
-            Err(HashIdError::BadDigit { offset: 8, found: 'D' })
+            Err(HashIdError::BadDigit {
+                offset: 8,
+                found: 'D'
+            })
         );
         let spaced = KNOWN.replacen("8d", " d", 1);
         assert_eq!(
             spaced.parse::<HashId>(),
-            Err(HashIdError::BadDigit { offset: 7, found: ' ' })
+            Err(HashIdError::BadDigit {
+                offset: 7,
+                found: ' '
+            })
         );
     }
 }

@@ -50,6 +50,9 @@ fn python_unit_tests_of_the_envelope_tool_pass() {
         output.status
     );
     // unittest reports on stderr; a run that found no tests must not pass.
-    assert!(stderr.contains("\nOK"), "unexpected unittest output:\n{stderr}");
+    assert!(
+        stderr.contains("\nOK"),
+        "unexpected unittest output:\n{stderr}"
+    );
     assert!(!stderr.contains("Ran 0 tests"), "no test ran:\n{stderr}");
 }

@@ -1017,7 +1017,7 @@ fn cases() -> Vec<Case> {
                 expect_error(
                     "second start",
                     runtime.start(),
-                    ErrorCode::TARGET_LOST,
+                    ErrorCode::LIFECYCLE_INVALID,
                     "InterpreterAlreadyInitialized",
                     "the Python interpreter is already initialised in this process; \
                      it must start only once, in a forked target",
@@ -1025,7 +1025,7 @@ fn cases() -> Vec<Case> {
                 expect_error(
                     "start of another runtime in the same process",
                     PythonRuntime::new().start(),
-                    ErrorCode::TARGET_LOST,
+                    ErrorCode::LIFECYCLE_INVALID,
                     "InterpreterAlreadyInitialized",
                     "the Python interpreter is already initialised in this process; \
                      it must start only once, in a forked target",
@@ -1039,7 +1039,7 @@ fn cases() -> Vec<Case> {
                 expect_error(
                     "deserialize before start",
                     runtime.deserialize(payloads.get("lambda_square")?),
-                    ErrorCode::TARGET_LOST,
+                    ErrorCode::LIFECYCLE_INVALID,
                     "RuntimeNotStarted",
                     "the Python runtime was used before it started in this target",
                 )?;

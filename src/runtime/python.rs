@@ -96,7 +96,7 @@ impl PythonRuntime {
 
     fn functions(&self) -> Result<&PythonFunctions, RuntimeError> {
         self.functions.get().ok_or_else(|| RuntimeError {
-            code: ErrorCode::TARGET_LOST,
+            code: ErrorCode::LIFECYCLE_INVALID,
             kind: KIND_NOT_STARTED.to_owned(),
             message: "the Python runtime was used before it started in this target".to_owned(),
         })
@@ -117,9 +117,9 @@ impl Runtime for PythonRuntime {
     /// from the target's main thread.
     ///
     /// # Errors
-    /// `TARGET_LOST` with kind `InterpreterAlreadyInitialized` when Python
-    /// already runs in this process (the parent must never run Python, and a
-    /// target starts once); `TARGET_LOST` with the Python exception's type
+    /// `LIFECYCLE_INVALID` with kind `InterpreterAlreadyInitialized` when
+    /// Python already runs in this process (the parent must never run Python,
+    /// and a target starts once); `TARGET_LOST` with the Python exception's type
     /// when a standard module cannot be imported; `TARGET_LOST` with kind
     /// `SignalSetupFailed` when SIGINT cannot be ignored.
     fn start(&self) -> Result<(), RuntimeError> {
@@ -127,7 +127,7 @@ impl Runtime for PythonRuntime {
         // before the interpreter exists.
         if unsafe { ffi::Py_IsInitialized() } != 0 || self.functions.get().is_some() {
             return Err(RuntimeError {
-                code: ErrorCode::TARGET_LOST,
+                code: ErrorCode::LIFECYCLE_INVALID,
                 kind: "InterpreterAlreadyInitialized".to_owned(),
                 message: "the Python interpreter is already initialised in this process; \
                           it must start only once, in a forked target"
@@ -195,7 +195,7 @@ impl Runtime for PythonRuntime {
     /// * kind `BufferError` when the view over the payload could not be
     ///   released (something still exports it).
     ///
-    /// `TARGET_LOST` with kind `RuntimeNotStarted` before [`Runtime::start`].
+    /// `LIFECYCLE_INVALID` with kind `RuntimeNotStarted` before [`Runtime::start`].
     fn deserialize(&self, payload: &[u8]) -> Result<PythonCallable, RuntimeError> {
         let functions = self.functions()?;
         Python::attach(|py| {
@@ -244,7 +244,7 @@ impl Runtime for PythonRuntime {
     ///   `PicklingError`, ...) and a message naming the result's type when
     ///   the result cannot be encoded.
     ///
-    /// `TARGET_LOST` with kind `RuntimeNotStarted` before [`Runtime::start`].
+    /// `LIFECYCLE_INVALID` with kind `RuntimeNotStarted` before [`Runtime::start`].
     fn call(
         &self,
         callable: &PythonCallable,
