@@ -114,6 +114,21 @@ def power(a, b=2):
 def scaled(a, *, scale=1, offset=0):
     return a * scale + offset
 
+def thread_state_count():
+    import ctypes
+    api = ctypes.pythonapi
+    api.PyInterpreterState_Get.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.argtypes = [ctypes.c_void_p]
+    api.PyThreadState_Next.restype = ctypes.c_void_p
+    api.PyThreadState_Next.argtypes = [ctypes.c_void_p]
+    count = 0
+    state = api.PyInterpreterState_ThreadHead(api.PyInterpreterState_Get())
+    while state:
+        count += 1
+        state = api.PyThreadState_Next(state)
+    return count
+
 def spin_until(path):
     spins = 0
     while not os.path.exists(path):
@@ -139,6 +154,7 @@ save("returns_lambda", lambda: (lambda: 0))
 save("power", power)
 save("scaled", scaled)
 save("spin_until", spin_until)
+save("thread_state_count", thread_state_count)
 save("identity", lambda x: x)
 save("sigint_ignored", lambda: (lambda s: s.getsignal(s.SIGINT) == s.SIG_IGN)(__import__("signal")))
 save("pickle_input", pickle.dumps(((2,), {"b": 5})), raw=True)
@@ -956,6 +972,42 @@ fn cases() -> Vec<Case> {
                     result.as_str(),
                     "15",
                 )
+            },
+        },
+        Case {
+            name: "short_lived_threads_release_their_python_thread_state",
+            started: true,
+            run: |runtime, payloads| {
+                // Each thread keeps a Python thread state while it lives and
+                // deletes it at exit (taking the GIL to do so); none of that
+                // may deadlock or disturb later calls.
+                let count = runtime
+                    .deserialize(payloads.get("thread_state_count")?)
+                    .map_err(|e| e.to_string())?;
+                let count_now = || -> Result<String, String> {
+                    runtime
+                        .call(&count, TaskEncoding::Json, b"{}")
+                        .map(|json| String::from_utf8_lossy(&json).into_owned())
+                        .map_err(|e| e.to_string())
+                };
+                let before = count_now()?;
+                expect_eq("thread states before", before.as_str(), "1")?;
+                for round in 0..50 {
+                    let during = std::thread::scope(|scope| scope.spawn(count_now).join())
+                        .map_err(|_| format!("thread {round} panicked"))??;
+                    expect_eq(
+                        "thread states seen from a second thread",
+                        during.as_slice(),
+                        b"2",
+                    )?;
+                }
+                expect_eq(
+                    "thread states after 50 threads exited",
+                    count_now()?,
+                    before,
+                )?;
+                let result = call_json(runtime, payloads, "lambda_square", r#"{"args": [9]}"#)?;
+                expect_eq("lambda_square(9) on the main thread", result.as_str(), "81")
             },
         },
         Case {

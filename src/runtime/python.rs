@@ -20,7 +20,11 @@
 //!   the call returns, so the control thread and the task thread of a target
 //!   take turns: a task running Python bytecode yields the GIL every switch
 //!   interval (5 ms by default).
+//! * Each thread that calls the runtime keeps its Python thread state until
+//!   it exits, instead of creating and destroying one per call (which costs
+//!   more than a trivial task itself).
 
+use std::cell::Cell;
 use std::ffi::c_char;
 use std::sync::OnceLock;
 
@@ -94,8 +98,14 @@ impl PythonRuntime {
         Self::default()
     }
 
+    /// The imported functions, once started; also retains the calling
+    /// thread's Python thread state, so call it before attaching.
     fn functions(&self) -> Result<&PythonFunctions, RuntimeError> {
-        self.functions.get().ok_or_else(|| RuntimeError {
+        let functions = self.functions.get();
+        if functions.is_some() {
+            retain_thread_state();
+        }
+        functions.ok_or_else(|| RuntimeError {
             code: ErrorCode::LIFECYCLE_INVALID,
             kind: KIND_NOT_STARTED.to_owned(),
             message: "the Python runtime was used before it started in this target".to_owned(),
@@ -267,6 +277,62 @@ impl Runtime for PythonRuntime {
                 TaskEncoding::Pickle => pickle_result(py, functions, &result),
             }
         })
+    }
+}
+
+/// Whether this thread created the Python thread state it keeps; released
+/// when the thread exits.
+struct RetainedThreadState {
+    retained: Cell<bool>,
+}
+
+thread_local! {
+    static THREAD_STATE: RetainedThreadState = const {
+        RetainedThreadState { retained: Cell::new(false) }
+    };
+}
+
+/// Gives the calling thread a Python thread state that outlives each
+/// attach: without one, every attach from a thread other than the one that
+/// initialised Python creates and destroys a thread state. Must be called
+/// while this thread is not attached, after the interpreter started; a
+/// thread that already has a thread state (the main thread, or one attached
+/// further up its stack) is left alone.
+fn retain_thread_state() {
+    let _ = THREAD_STATE.try_with(|state| {
+        if state.retained.get() {
+            return;
+        }
+        // SAFETY: the interpreter is initialised (the caller checked) and
+        // this thread holds no thread state, so `PyGILState_Ensure` creates
+        // one and takes the GIL, which `PyEval_SaveThread` gives back; the
+        // thread state stays registered for this thread (count 1).
+        unsafe {
+            if ffi::PyGILState_GetThisThreadState().is_null() {
+                let _ = ffi::PyGILState_Ensure();
+                ffi::PyEval_SaveThread();
+                state.retained.set(true);
+            }
+        }
+    });
+}
+
+impl Drop for RetainedThreadState {
+    fn drop(&mut self) {
+        if !self.retained.get() {
+            return;
+        }
+        // SAFETY: runs at thread exit, when this thread is not attached; its
+        // thread state is the one `retain_thread_state` registered. Taking
+        // the GIL with it and releasing the last `PyGILState` count deletes
+        // the thread state and releases the GIL.
+        unsafe {
+            let thread_state = ffi::PyGILState_GetThisThreadState();
+            if !thread_state.is_null() {
+                ffi::PyEval_RestoreThread(thread_state);
+                ffi::PyGILState_Release(ffi::PyGILState_STATE::PyGILState_UNLOCKED);
+            }
+        }
     }
 }
 
