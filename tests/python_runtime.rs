@@ -997,8 +997,8 @@ fn cases() -> Vec<Case> {
                         .map_err(|_| format!("thread {round} panicked"))??;
                     expect_eq(
                         "thread states seen from a second thread",
-                        during.as_slice(),
-                        b"2",
+                        during.as_str(),
+                        "2",
                     )?;
                 }
                 expect_eq(
