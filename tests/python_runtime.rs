@@ -129,6 +129,14 @@ def thread_state_count():
         state = api.PyThreadState_Next(state)
     return count
 
+class Finalized:
+    """Callable; writes OUT/finalized-<pid> when it is collected."""
+    def __call__(self):
+        return "alive"
+    def __del__(self):
+        with open(os.path.join(out, "finalized-%d" % os.getpid()), "w"):
+            pass
+
 def spin_until(path):
     spins = 0
     while not os.path.exists(path):
@@ -155,6 +163,7 @@ save("power", power)
 save("scaled", scaled)
 save("spin_until", spin_until)
 save("thread_state_count", thread_state_count)
+save("finalized", Finalized())
 save("identity", lambda x: x)
 save("sigint_ignored", lambda: (lambda s: s.getsignal(s.SIGINT) == s.SIG_IGN)(__import__("signal")))
 save("pickle_input", pickle.dumps(((2,), {"b": 5})), raw=True)
@@ -961,8 +970,17 @@ fn cases() -> Vec<Case> {
             started: true,
             run: |runtime, payloads| {
                 let callable = runtime
-                    .deserialize(payloads.get("callable_object")?)
+                    .deserialize(payloads.get("finalized")?)
                     .map_err(|e| e.to_string())?;
+                let result = runtime
+                    .call(&callable, TaskEncoding::Json, b"{}")
+                    .map_err(|e| e.to_string())?;
+                expect_eq("finalized()", result.as_slice(), b"\"alive\"")?;
+                let marker = payloads
+                    .directory
+                    .join(format!("finalized-{}", std::process::id()));
+                // Dropped on a thread that never attached: the release is
+                // deferred to the next attach, which runs `__del__`.
                 std::thread::spawn(move || drop(callable))
                     .join()
                     .map_err(|_| "dropping panicked".to_owned())?;
@@ -971,7 +989,10 @@ fn cases() -> Vec<Case> {
                     "Multiplier(3)(5) after a drop elsewhere",
                     result.as_str(),
                     "15",
-                )
+                )?;
+                let finalized = marker.exists();
+                let _ = std::fs::remove_file(&marker);
+                expect_eq("the dropped callable was finalized", finalized, true)
             },
         },
         Case {

@@ -2,8 +2,7 @@
 //! inside a target and runs tasks on the resulting callables (DESIGN.md §5,
 //! issue "Python targets").
 //!
-//! Rules this module keeps (measured facts in the project notes on Python in
-//! targets):
+//! Rules this module keeps:
 //!
 //! * The interpreter starts only in a target, after `fork`
 //!   ([`PythonRuntime::start`] refuses to run where Python is already
@@ -21,8 +20,7 @@
 //!   take turns: a task running Python bytecode yields the GIL every switch
 //!   interval (5 ms by default).
 //! * Each thread that calls the runtime keeps its Python thread state until
-//!   it exits, instead of creating and destroying one per call (which costs
-//!   more than a trivial task itself).
+//!   it exits, instead of creating and destroying one per call.
 
 use std::cell::Cell;
 use std::ffi::c_char;
