@@ -20,6 +20,7 @@ __all__ = [
     "power_of_2",
     "divide",
     "sleep_for",
+    "busy_for",
     "fails_to_unpickle",
     "settings",
 ]
@@ -69,6 +70,16 @@ def divide(a, b):
 def sleep_for(seconds):
     """Long-running: sleeps ``seconds`` seconds, then returns ``seconds``."""
     time.sleep(seconds)
+    return seconds
+
+
+def busy_for(seconds):
+    """Long-running and CPU-bound: runs Python bytecode (holding the GIL
+    between switch intervals) for ``seconds`` seconds, then returns
+    ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
     return seconds
 
 

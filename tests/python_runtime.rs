@@ -1046,6 +1046,7 @@ fn cases() -> Vec<Case> {
                     ("power_of_2", r#"{"args": [9]}"#, "81"),
                     ("divide", r#"{"args": [1, 4]}"#, "0.25"),
                     ("sleep_for", r#"{"args": [0.01]}"#, "0.01"),
+                    ("busy_for", r#"{"args": [0.01]}"#, "0.01"),
                 ] {
                     let callable = runtime
                         .deserialize(example(name)?)
