@@ -7,6 +7,9 @@
 
 use crate::error::ErrorCode;
 
+#[cfg(feature = "python")]
+pub mod python;
+
 /// How a task's input and result are encoded (in task and result frames).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[repr(u8)]
