@@ -1199,6 +1199,11 @@ impl Parent {
         let mut frames = Vec::new();
         for (target, progress) in op.scope.iter_mut() {
             let clean = match progress {
+                // A target lost since it confirmed holds nothing any more.
+                Progress::Confirmed if lost.contains(target) => {
+                    *progress = Progress::RolledBack;
+                    false
+                }
                 Progress::Confirmed => !skip,
                 Progress::Failed(_) | Progress::TimedOut => {
                     unconfirmed_too && !lost.contains(target)
