@@ -467,3 +467,22 @@ impl Sim {
         self.registered(op)
     }
 }
+
+impl Sim {
+    /// Like [`Sim::run_to_quiet`] but leaves every run in progress.
+    pub fn run_to_quiet_without_runs(&mut self) {
+        loop {
+            let mut moved = false;
+            for t in 0..self.targets.len() as u16 {
+                moved |= self.deliver_frame(t, None);
+                moved |= self.finish_deserialize(t, None);
+                moved |= self.deliver_reply(t);
+                moved |= self.notice(t);
+                self.check().expect("invariants hold");
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+}
