@@ -486,3 +486,21 @@ impl Sim {
         }
     }
 }
+
+#[cfg(feature = "mutants")]
+impl Sim {
+    /// Switches `mutant` on in the machine it belongs to (the parent, or
+    /// every target).
+    pub fn with_mutant(mut self, mutant: callreg::protocol::Mutant) -> Sim {
+        use callreg::protocol::Mutant;
+        match mutant {
+            Mutant::SkipDigestVerification | Mutant::FreeSlotHeldByRun => {
+                for slot in self.targets.iter_mut() {
+                    *slot = slot.take().map(|t| t.with_mutant(mutant));
+                }
+            }
+            _ => self.parent = self.parent.clone().with_mutant(mutant),
+        }
+        self
+    }
+}
