@@ -146,7 +146,7 @@ fn parent_lifecycle_by_event() {
                 "target_lost" => describe(p.target_lost(TargetId(0), now), &mut p),
                 "stage_failed" => {
                     let failure = Failure::new(ErrorCode::IO_FAILED, "no space");
-                    describe(p.stage_failed(StagingId(1), failure, now), &mut p)
+                    describe(p.stage_failed(StagingId(1), failure), &mut p)
                 }
                 "handle_timeout" => {
                     p.handle_timeout(now);
