@@ -23,6 +23,8 @@ enum Step {
     Submit(usize, u16),
     /// A target applies its next frame; a register may see a corrupt payload.
     Deliver(u16, bool),
+    /// A target applies its next frame; a register cannot open its payload.
+    DeliverFailing(u16),
     /// The parent receives a target's next reply.
     Reply(u16),
     /// A target finishes a deserialization, failing or not.
@@ -44,6 +46,7 @@ fn step(targets: u16) -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Unregister),
         2 => (any::<usize>(), t.clone()).prop_map(|(h, t)| Step::Submit(h, t)),
         8 => (t.clone(), prop::bool::weighted(0.1)).prop_map(|(t, c)| Step::Deliver(t, c)),
+        1 => t.clone().prop_map(Step::DeliverFailing),
         8 => t.clone().prop_map(Step::Reply),
         4 => (t.clone(), prop::bool::weighted(0.15)).prop_map(|(t, f)| Step::Deserialized(t, f)),
         2 => t.clone().prop_map(Step::EndRun),
@@ -106,6 +109,9 @@ fn apply(sim: &mut Sim, step: &Step) {
         }
         Step::Deliver(t, corrupt) => {
             sim.deliver_frame(t, corrupt.then(|| digest(200)));
+        }
+        Step::DeliverFailing(t) => {
+            sim.deliver_frame_failing(t);
         }
         Step::Reply(t) => {
             sim.deliver_reply(t);

@@ -61,6 +61,8 @@ pub struct Sim {
     pub completed: Vec<Completed>,
     /// Task seq -> the handle it was submitted for.
     pub tasks: BTreeMap<Seq, Handle>,
+    /// Operation -> the targets its frames were sent to (its scope).
+    pub scopes: BTreeMap<OpId, BTreeSet<TargetId>>,
     /// Digests that were uncertain after some step (to check stickiness).
     pub ever_uncertain: BTreeSet<Digest>,
     pub now: Time,
@@ -114,6 +116,7 @@ impl Sim {
             open_ops: BTreeSet::new(),
             completed: Vec::new(),
             tasks: BTreeMap::new(),
+            scopes: BTreeMap::new(),
             ever_uncertain: BTreeSet::new(),
             now: Time(0),
         }
@@ -200,6 +203,22 @@ impl Sim {
         }
         self.settle();
         true
+    }
+
+    /// Target `t` applies its next frame, but a register cannot open its
+    /// staged payload (`IO_FAILED`). Returns whether there was a frame.
+    pub fn deliver_frame_failing(&mut self, t: u16) -> bool {
+        let i = usize::from(t);
+        match (self.frames[i].front().cloned(), self.targets[i].as_mut()) {
+            (Some(ControlFrame::Register { seq, digest, .. }), Some(target)) => {
+                self.frames[i].pop_front();
+                let failure = Failure::new(ErrorCode::IO_FAILED, "cannot map the staged payload");
+                target.on_register(seq, digest, Err(failure));
+                self.settle();
+                true
+            }
+            _ => self.deliver_frame(t, None),
+        }
     }
 
     /// The parent receives target `t`'s next reply.
@@ -316,6 +335,13 @@ impl Sim {
                 );
             }
             Effect::Send { target, frame } => {
+                if let ControlFrame::Register { seq, .. } | ControlFrame::Unregister { seq, .. } =
+                    frame
+                {
+                    if self.open_ops.contains(&OpId(seq.0)) {
+                        self.scopes.entry(OpId(seq.0)).or_default().insert(target);
+                    }
+                }
                 let i = usize::from(target.0);
                 if self.targets[i].is_some() {
                     self.frames[i].push_back(frame);
