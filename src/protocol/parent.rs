@@ -1137,11 +1137,11 @@ impl Parent {
 
     fn release(&mut self, id: OpId, staging: StagingId) {
         if let Some(Op {
-            kind: OpKind::Register { staging: slot, .. },
+            kind: OpKind::Register { staging: held, .. },
             ..
         }) = self.ops.get_mut(&id)
         {
-            *slot = None;
+            *held = None;
         }
         self.staged.remove(&staging);
         self.effects.push_back(Effect::ReleaseStaged { staging });
