@@ -151,6 +151,16 @@ proptest! {
         prop_assert!(sim.parent.in_flight().is_empty());
         prop_assert!(sim.is_quiescent());
         prop_assert!(sim.parent.staged().is_empty());
+        // With fencing, nothing ever becomes uncertain (DESIGN.md §4.1: only
+        // an embedder that cannot fence reaches the uncertain path).
+        if fence {
+            for c in &sim.completed {
+                if let Err(e) = &c.result {
+                    prop_assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE, "{}", e);
+                }
+            }
+            prop_assert!(sim.ever_uncertain.is_empty(), "uncertain with fencing: {:?}", sim.ever_uncertain);
+        }
         // Every published handle is distinct.
         let mut ids: Vec<u64> = sim
             .completed
