@@ -22,13 +22,13 @@ pub struct View<'a> {
     pub parent: &'a Parent,
     /// Every target by id (`targets[i]` is `TargetId(i)`); `None` for a
     /// target that has died (crashed, fenced and killed) or never started.
-    pub targets: &'a [Option<Target>],
+    pub targets: &'a [Option<&'a Target>],
     /// Frames from the parent not yet applied by their target, each with
     /// its receiver, in send order per target.
-    pub frames: &'a [(TargetId, ControlFrame)],
+    pub frames: &'a [(TargetId, &'a ControlFrame)],
     /// Replies from targets not yet given to the parent, each with its
     /// sender.
-    pub replies: &'a [(TargetId, Reply)],
+    pub replies: &'a [(TargetId, &'a Reply)],
 }
 
 impl<'a> View<'a> {
@@ -36,7 +36,7 @@ impl<'a> View<'a> {
     fn live_targets(&self) -> impl Iterator<Item = (TargetId, &'a Target)> + '_ {
         self.targets.iter().enumerate().filter_map(|(i, t)| {
             let id = TargetId(u16::try_from(i).ok()?);
-            let target = t.as_ref()?;
+            let target = (*t)?;
             self.parent.is_target_live(id).then_some((id, target))
         })
     }
@@ -45,7 +45,7 @@ impl<'a> View<'a> {
         self.targets
             .iter()
             .enumerate()
-            .filter_map(|(i, t)| Some((TargetId(u16::try_from(i).ok()?), t.as_ref()?)))
+            .filter_map(|(i, t)| Some((TargetId(u16::try_from(i).ok()?), (*t)?)))
     }
 
     /// Quiescent (DESIGN.md §4.4): no operation in flight, no effect
@@ -603,10 +603,12 @@ mod tests {
         targets: &[Option<Target>],
         frames: &[(TargetId, ControlFrame)],
     ) -> Result<(), Violation> {
+        let targets: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let frames: Vec<(TargetId, &ControlFrame)> = frames.iter().map(|(t, f)| (*t, f)).collect();
         let view = View {
             parent,
-            targets,
-            frames,
+            targets: &targets,
+            frames: &frames,
             replies: &[],
         };
         let (_, _, predicate) = ALL[usize::from(number - 1)];
@@ -616,6 +618,7 @@ mod tests {
     #[test]
     fn a_correct_quiescent_system_keeps_every_invariant() {
         let (parent, targets) = system();
+        let targets: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
         let view = View {
             parent: &parent,
             targets: &targets,
@@ -792,6 +795,9 @@ mod tests {
                 result: Err(crate::protocol::Failure::new(ErrorCode::IO_FAILED, "x")),
             },
         )];
+        let targets: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let frames: Vec<(TargetId, &ControlFrame)> = frames.iter().map(|(t, f)| (*t, f)).collect();
+        let replies: Vec<(TargetId, &Reply)> = replies.iter().map(|(t, r)| (*t, r)).collect();
         let view = View {
             parent: &parent,
             targets: &targets,

@@ -382,27 +382,32 @@ impl Sim {
         }
     }
 
-    /// The view the invariant predicates read.
-    pub fn check(&self) -> Result<(), Violation> {
-        let frames: Vec<(TargetId, ControlFrame)> = self
+    /// Calls `f` with the view the invariant predicates read.
+    pub fn with_view<R>(&self, f: impl FnOnce(&View<'_>) -> R) -> R {
+        let targets: Vec<Option<&Target>> = self.targets.iter().map(Option::as_ref).collect();
+        let frames: Vec<(TargetId, &ControlFrame)> = self
             .frames
             .iter()
             .enumerate()
-            .flat_map(|(i, q)| q.iter().map(move |f| (TargetId(i as u16), f.clone())))
+            .flat_map(|(i, q)| q.iter().map(move |f| (TargetId(i as u16), f)))
             .collect();
-        let replies: Vec<(TargetId, Reply)> = self
+        let replies: Vec<(TargetId, &Reply)> = self
             .replies
             .iter()
             .enumerate()
-            .flat_map(|(i, q)| q.iter().map(move |r| (TargetId(i as u16), r.clone())))
+            .flat_map(|(i, q)| q.iter().map(move |r| (TargetId(i as u16), r)))
             .collect();
-        let view = View {
+        f(&View {
             parent: &self.parent,
-            targets: &self.targets,
+            targets: &targets,
             frames: &frames,
             replies: &replies,
-        };
-        invariants::check_all(&view)?;
+        })
+    }
+
+    /// Checks every invariant predicate, and the driver's own records.
+    pub fn check(&self) -> Result<(), Violation> {
+        self.with_view(invariants::check_all)?;
         // The sim's own record of staged payloads matches the parent's.
         assert_eq!(
             self.staged.keys().copied().collect::<Vec<_>>(),
@@ -418,25 +423,7 @@ impl Sim {
 
     /// Whether the whole system is quiescent.
     pub fn is_quiescent(&self) -> bool {
-        let frames: Vec<(TargetId, ControlFrame)> = self
-            .frames
-            .iter()
-            .enumerate()
-            .flat_map(|(i, q)| q.iter().map(move |f| (TargetId(i as u16), f.clone())))
-            .collect();
-        let replies: Vec<(TargetId, Reply)> = self
-            .replies
-            .iter()
-            .enumerate()
-            .flat_map(|(i, q)| q.iter().map(move |r| (TargetId(i as u16), r.clone())))
-            .collect();
-        View {
-            parent: &self.parent,
-            targets: &self.targets,
-            frames: &frames,
-            replies: &replies,
-        }
-        .is_quiescent()
+        self.with_view(|view| view.is_quiescent())
     }
 
     /// Delivers everything (deserializations succeed, runs end, crashed
