@@ -45,12 +45,15 @@ pub struct Slot(pub u16);
 /// What a slot holds.
 ///
 /// ```text
-///  free ──register (slot check ok)──▶ Deserializing ──ok──▶ Live
-///   ▲                                      │                 │ last unregister
-///   └───────────── failed ─────────────────┘                 ▼
-///   ▲──────── last unregister, no run ◀────────────── (no run?) ──▶ Tombstoned
-///   └──────────────────── last end_task ◀─────────────────────────────┘
+///  (free) ──register, slot free──▶ Deserializing ──deserialized ok──▶ Live
+///    ▲ ▲                               │                              │
+///    │ └──── deserialized failed ──────┘        last unregister       │
+///    ├─────────────────── no run holds it ◀───────────────────────────┤
+///    │                                                                ▼
+///    └──────────── last end_task ◀──────────── Tombstoned ◀── a run holds it
 /// ```
+/// (Registers and unregisters that leave the refcount above zero keep a
+/// slot `Live`.)
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(crate) enum SlotState {
     /// Reserved for a deserialization in progress.
