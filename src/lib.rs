@@ -23,4 +23,6 @@ pub mod error;
 pub mod wire;
 
 #[cfg(feature = "io")]
+pub mod io;
+#[cfg(feature = "io")]
 pub mod runtime;

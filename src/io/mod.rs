@@ -1,0 +1,13 @@
+//! The IO layer (cargo feature `io`): runs the pure protocol over real
+//! forked targets, POSIX shared memory and pipes (DESIGN.md §5).
+//!
+//! * [`staging`] — staged payloads in POSIX shm;
+//! * [`process`] — forking targets, their pipes, fencing and reaping;
+//! * [`failpoints`] — fault injection points (cargo feature `failpoints`).
+//!
+//! The IO layer moves bytes and time into the protocol's state machines and
+//! applies the effects they return; it makes no protocol decision itself.
+
+pub mod failpoints;
+pub mod process;
+pub mod staging;
