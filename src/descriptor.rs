@@ -5,6 +5,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::envelope::Envelope;
+
 /// The text prefix of every hashid (DESIGN.md §3.2).
 pub const HASHID_PREFIX: &str = "sha256:";
 
@@ -171,11 +173,589 @@ impl<'de> Deserialize<'de> for Digest {
     }
 }
 
+impl Digest {
+    /// SHA-256 of `bytes` (one pass, no copy).
+    pub fn sha256(bytes: &[u8]) -> Digest {
+        use sha2::Digest as _;
+        Digest(sha2::Sha256::digest(bytes).into())
+    }
+
+    /// The digest of canonical descriptor bytes: `sha256(descriptor)`
+    /// (DESIGN.md §3.2). Use [`Descriptor::digest`] to build and hash in one
+    /// step.
+    pub fn of_descriptor(descriptor_bytes: &[u8]) -> Digest {
+        Digest::sha256(descriptor_bytes)
+    }
+}
+
+/// `schema_version`, the first u32 of every descriptor (DESIGN.md §3.2).
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Length in bytes of every PYTHON_SERIALIZED descriptor: five u32 fields
+/// (schema, kind, format version, serializer id, digest length) + 32.
+pub const PYTHON_SERIALIZED_LEN: usize = 52;
+
+/// `callable_kind`, the second u32 of every descriptor (DESIGN.md §3.2).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum CallableKind {
+    /// A compiled chip callable (wire value 1).
+    ChipCallable = 1,
+    /// A serialized Python callable in a SPYC envelope (wire value 2).
+    PythonSerialized = 2,
+    /// A Python callable named by `module:qualname` (wire value 3).
+    PythonImport = 3,
+}
+
+impl CallableKind {
+    /// The u32 written in descriptors.
+    pub fn as_u32(self) -> u32 {
+        self as u32
+    }
+}
+
+/// Direction of one CHIP_CALLABLE argument in the signature schema
+/// (DESIGN.md §3.2).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Direction {
+    /// A by-value scalar (wire value 0).
+    Scalar = 0,
+    /// A buffer the callable reads (wire value 1).
+    In = 1,
+    /// A buffer the callable writes (wire value 2).
+    Out = 2,
+    /// A buffer the callable reads and writes (wire value 3).
+    InOut = 3,
+}
+
+impl Direction {
+    /// The u32 written in the signature schema.
+    pub fn as_u32(self) -> u32 {
+        self as u32
+    }
+}
+
+/// Why descriptor fields are invalid (error code
+/// [`ErrorCode::DESCRIPTOR_INVALID`](crate::error::ErrorCode::DESCRIPTOR_INVALID)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DescriptorError {
+    /// A `module:qualname` text does not have exactly one `:`.
+    #[error(
+        "DESCRIPTOR_INVALID: import path {path:?} must contain exactly one ':' (found {colons})"
+    )]
+    ImportColonCount {
+        /// The offending text.
+        path: String,
+        /// Number of `:` characters found.
+        colons: usize,
+    },
+    /// The module is relative (starts with `.`); it must be absolute.
+    #[error("DESCRIPTOR_INVALID: module {module:?} is relative; it must be absolute")]
+    ImportRelativeModule {
+        /// The offending module name.
+        module: String,
+    },
+    /// The qualname names a function-local object (`<locals>`), which
+    /// cannot be imported.
+    #[error("DESCRIPTOR_INVALID: qualname {qualname:?} contains <locals> and cannot be imported")]
+    ImportLocals {
+        /// The offending qualname.
+        qualname: String,
+    },
+    /// A dotted part of the module or qualname is not an identifier
+    /// (empty, or not `[A-Za-z_][A-Za-z0-9_]*` over Unicode letters and digits).
+    #[error("DESCRIPTOR_INVALID: {field} {text:?} has part {part:?} that is not an identifier")]
+    ImportBadIdentifier {
+        /// `"module"` or `"qualname"`.
+        field: &'static str,
+        /// The whole module or qualname.
+        text: String,
+        /// The offending dotted part (may be empty).
+        part: String,
+    },
+    /// A string or byte field is longer than a u32 length prefix allows.
+    #[error(
+        "DESCRIPTOR_INVALID: field {field} is {len} bytes, more than a u32 length prefix allows"
+    )]
+    FieldTooLong {
+        /// The field's name.
+        field: &'static str,
+        /// Its length in bytes.
+        len: usize,
+    },
+}
+
+impl DescriptorError {
+    /// The error code of every descriptor error.
+    pub fn code(&self) -> crate::error::ErrorCode {
+        crate::error::ErrorCode::DESCRIPTOR_INVALID
+    }
+}
+
+/// Appends `u32` little-endian.
+fn put_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// Appends a `u32 length` + bytes field (DESIGN.md §3.2 primitives).
+fn put_bytes(out: &mut Vec<u8>, field: &'static str, bytes: &[u8]) -> Result<(), DescriptorError> {
+    let len = u32::try_from(bytes.len()).map_err(|_| DescriptorError::FieldTooLong {
+        field,
+        len: bytes.len(),
+    })?;
+    put_u32(out, len);
+    out.extend_from_slice(bytes);
+    Ok(())
+}
+
+/// The canonical PYTHON_SERIALIZED descriptor (always 52 bytes,
+/// DESIGN.md §3.2): `u32 1, u32 2, u32 payload_format_version,
+/// u32 serializer_id, u32 32, sha256(payload)[32]`.
+pub fn python_serialized_descriptor(
+    payload_format_version: u8,
+    serializer_id: u8,
+    payload_sha256: &Digest,
+) -> [u8; PYTHON_SERIALIZED_LEN] {
+    let mut d = [0u8; PYTHON_SERIALIZED_LEN];
+    d[0..4].copy_from_slice(&SCHEMA_VERSION.to_le_bytes());
+    d[4..8].copy_from_slice(&CallableKind::PythonSerialized.as_u32().to_le_bytes());
+    d[8..12].copy_from_slice(&u32::from(payload_format_version).to_le_bytes());
+    d[12..16].copy_from_slice(&u32::from(serializer_id).to_le_bytes());
+    d[16..20].copy_from_slice(&32u32.to_le_bytes());
+    d[20..52].copy_from_slice(&payload_sha256.0);
+    d
+}
+
+/// The digest of an envelope's PYTHON_SERIALIZED descriptor: one SHA-256
+/// pass over the payload, then one over the 52 descriptor bytes. This is
+/// the fast path the parent and targets use (DESIGN.md §3.2).
+pub fn python_serialized_digest(envelope: &Envelope<'_>) -> Digest {
+    PythonSerialized::from_envelope(envelope).digest()
+}
+
+/// Fields of a PYTHON_SERIALIZED descriptor (DESIGN.md §3.2): the envelope's
+/// version and serializer, and the SHA-256 of the serializer payload only
+/// (not the header, not trailing slack).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub struct PythonSerialized {
+    /// The envelope's version byte.
+    pub payload_format_version: u8,
+    /// The envelope's serializer byte.
+    pub serializer_id: u8,
+    /// SHA-256 of the serializer payload (JSON: `sha256:<hex>`).
+    pub payload_sha256: Digest,
+}
+
+impl PythonSerialized {
+    /// Describes a parsed envelope; hashes its payload once.
+    pub fn from_envelope(envelope: &Envelope<'_>) -> Self {
+        PythonSerialized {
+            payload_format_version: envelope.version(),
+            serializer_id: envelope.serializer(),
+            payload_sha256: Digest::sha256(envelope.payload()),
+        }
+    }
+
+    /// The 52 canonical descriptor bytes.
+    pub fn to_bytes(&self) -> [u8; PYTHON_SERIALIZED_LEN] {
+        python_serialized_descriptor(
+            self.payload_format_version,
+            self.serializer_id,
+            &self.payload_sha256,
+        )
+    }
+
+    /// `sha256` of the canonical descriptor bytes.
+    pub fn digest(&self) -> Digest {
+        Digest::of_descriptor(&self.to_bytes())
+    }
+}
+
+/// Fields of a PYTHON_IMPORT descriptor (DESIGN.md §3.2): an absolute,
+/// dotted module and a dotted qualname without `<locals>`. Constructed only
+/// through validation ([`PythonImport::new`], [`FromStr`], serde).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(try_from = "PythonImportFields")]
+pub struct PythonImport {
+    module: String,
+    qualname: String,
+}
+
+#[derive(Deserialize)]
+struct PythonImportFields {
+    module: String,
+    qualname: String,
+}
+
+impl TryFrom<PythonImportFields> for PythonImport {
+    type Error = DescriptorError;
+    fn try_from(f: PythonImportFields) -> Result<Self, Self::Error> {
+        PythonImport::new(&f.module, &f.qualname)
+    }
+}
+
+/// True when `part` is a Python identifier: a letter or `_`, then letters,
+/// digits or `_` (Unicode letters and digits allowed, as in Python 3).
+fn is_identifier(part: &str) -> bool {
+    let mut chars = part.chars();
+    match chars.next() {
+        Some(c) if c == '_' || c.is_alphabetic() => {}
+        _ => return false,
+    }
+    chars.all(|c| c == '_' || c.is_alphanumeric())
+}
+
+fn check_dotted(field: &'static str, text: &str) -> Result<(), DescriptorError> {
+    for part in text.split('.') {
+        if !is_identifier(part) {
+            return Err(DescriptorError::ImportBadIdentifier {
+                field,
+                text: text.to_owned(),
+                part: part.to_owned(),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl PythonImport {
+    /// Validates and builds a PYTHON_IMPORT descriptor.
+    ///
+    /// # Errors
+    /// In this order: [`DescriptorError::ImportColonCount`] if either part
+    /// contains `:`; [`DescriptorError::ImportRelativeModule`] if `module`
+    /// starts with `.`; [`DescriptorError::ImportLocals`] if `qualname`
+    /// contains `<locals>`; [`DescriptorError::ImportBadIdentifier`] for the
+    /// first dotted part of the module, then of the qualname, that is not an
+    /// identifier.
+    pub fn new(module: &str, qualname: &str) -> Result<Self, DescriptorError> {
+        let colons = module.matches(':').count() + qualname.matches(':').count();
+        if colons != 0 {
+            return Err(DescriptorError::ImportColonCount {
+                path: format!("{module}:{qualname}"),
+                colons: colons + 1,
+            });
+        }
+        if module.starts_with('.') {
+            return Err(DescriptorError::ImportRelativeModule {
+                module: module.to_owned(),
+            });
+        }
+        if qualname.contains("<locals>") {
+            return Err(DescriptorError::ImportLocals {
+                qualname: qualname.to_owned(),
+            });
+        }
+        check_dotted("module", module)?;
+        check_dotted("qualname", qualname)?;
+        Ok(PythonImport {
+            module: module.to_owned(),
+            qualname: qualname.to_owned(),
+        })
+    }
+
+    /// The absolute module name, e.g. `pkg.mod`.
+    pub fn module(&self) -> &str {
+        &self.module
+    }
+
+    /// The qualified name inside the module, e.g. `Class.method`.
+    pub fn qualname(&self) -> &str {
+        &self.qualname
+    }
+
+    /// The canonical descriptor bytes: `u32 1, u32 3, string module,
+    /// string qualname`.
+    ///
+    /// # Errors
+    /// [`DescriptorError::FieldTooLong`] if a name exceeds `u32::MAX` bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, DescriptorError> {
+        let mut out = Vec::with_capacity(16 + self.module.len() + self.qualname.len());
+        put_u32(&mut out, SCHEMA_VERSION);
+        put_u32(&mut out, CallableKind::PythonImport.as_u32());
+        put_bytes(&mut out, "module", self.module.as_bytes())?;
+        put_bytes(&mut out, "qualname", self.qualname.as_bytes())?;
+        Ok(out)
+    }
+}
+
+impl FromStr for PythonImport {
+    type Err = DescriptorError;
+
+    /// Parses `module:qualname` (exactly one `:`), then validates as
+    /// [`PythonImport::new`].
+    fn from_str(path: &str) -> Result<Self, Self::Err> {
+        let colons = path.matches(':').count();
+        let Some((module, qualname)) = path.split_once(':').filter(|_| colons == 1) else {
+            return Err(DescriptorError::ImportColonCount {
+                path: path.to_owned(),
+                colons,
+            });
+        };
+        PythonImport::new(module, qualname)
+    }
+}
+
+impl fmt::Display for PythonImport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.module, self.qualname)
+    }
+}
+
+/// Fields of a CHIP_CALLABLE descriptor (DESIGN.md §3.2).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub struct ChipCallable {
+    /// Target architecture name, as the chip runtime spells it.
+    pub target_arch: String,
+    /// Platform name.
+    pub platform: String,
+    /// Runtime name.
+    pub runtime: String,
+    /// SHA-256 of the compiled callable blob (JSON: `sha256:<hex>`).
+    pub blob_sha256: Digest,
+    /// Direction of each argument, in order.
+    pub signature: Vec<Direction>,
+}
+
+impl ChipCallable {
+    /// The signature schema bytes: `u32 1, u32 count, u32 direction[count]`
+    /// (DESIGN.md §3.2).
+    ///
+    /// # Errors
+    /// [`DescriptorError::FieldTooLong`] if there are more than `u32::MAX`
+    /// arguments.
+    pub fn signature_schema(&self) -> Result<Vec<u8>, DescriptorError> {
+        let count =
+            u32::try_from(self.signature.len()).map_err(|_| DescriptorError::FieldTooLong {
+                field: "signature",
+                len: self.signature.len(),
+            })?;
+        let mut out = Vec::with_capacity(8 + 4 * self.signature.len());
+        put_u32(&mut out, 1);
+        put_u32(&mut out, count);
+        for d in &self.signature {
+            put_u32(&mut out, d.as_u32());
+        }
+        Ok(out)
+    }
+
+    /// The canonical descriptor bytes: `u32 1, u32 1, string target_arch,
+    /// string platform, string runtime, bytes(blob sha256),
+    /// bytes(sha256 of the signature schema)`.
+    ///
+    /// # Errors
+    /// [`DescriptorError::FieldTooLong`] if a string exceeds `u32::MAX`
+    /// bytes or the signature `u32::MAX` arguments.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, DescriptorError> {
+        let schema_digest = Digest::sha256(&self.signature_schema()?);
+        let mut out = Vec::with_capacity(
+            8 + 12 + self.target_arch.len() + self.platform.len() + self.runtime.len() + 72,
+        );
+        put_u32(&mut out, SCHEMA_VERSION);
+        put_u32(&mut out, CallableKind::ChipCallable.as_u32());
+        put_bytes(&mut out, "target_arch", self.target_arch.as_bytes())?;
+        put_bytes(&mut out, "platform", self.platform.as_bytes())?;
+        put_bytes(&mut out, "runtime", self.runtime.as_bytes())?;
+        put_bytes(&mut out, "blob_sha256", &self.blob_sha256.0)?;
+        put_bytes(&mut out, "signature_sha256", &schema_digest.0)?;
+        Ok(out)
+    }
+}
+
+/// A canonical descriptor of a callable (DESIGN.md §3.2): the plain data
+/// its identity is computed from. JSON form: an object with a `"kind"` tag
+/// (`CHIP_CALLABLE`, `PYTHON_SERIALIZED`, `PYTHON_IMPORT`) and the kind's
+/// fields.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Descriptor {
+    /// A compiled chip callable.
+    ChipCallable(ChipCallable),
+    /// A serialized Python callable.
+    PythonSerialized(PythonSerialized),
+    /// A Python callable named by `module:qualname`.
+    PythonImport(PythonImport),
+}
+
+impl Descriptor {
+    /// The callable kind.
+    pub fn kind(&self) -> CallableKind {
+        match self {
+            Descriptor::ChipCallable(_) => CallableKind::ChipCallable,
+            Descriptor::PythonSerialized(_) => CallableKind::PythonSerialized,
+            Descriptor::PythonImport(_) => CallableKind::PythonImport,
+        }
+    }
+
+    /// The canonical descriptor bytes of the kind (see each kind's
+    /// `to_bytes`).
+    ///
+    /// # Errors
+    /// [`DescriptorError::FieldTooLong`] when a field exceeds its u32 length
+    /// prefix (never for PYTHON_SERIALIZED).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, DescriptorError> {
+        match self {
+            Descriptor::ChipCallable(c) => c.to_bytes(),
+            Descriptor::PythonSerialized(p) => Ok(p.to_bytes().to_vec()),
+            Descriptor::PythonImport(p) => p.to_bytes(),
+        }
+    }
+
+    /// `sha256` of the canonical descriptor bytes.
+    ///
+    /// # Errors
+    /// As [`Descriptor::to_bytes`].
+    pub fn digest(&self) -> Result<Digest, DescriptorError> {
+        Ok(Digest::of_descriptor(&self.to_bytes()?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const KNOWN: &str = "sha256:8d96f0f9bfdddf028d9c22f471496088efc60377264fc7b3d6382f32782ecbd1";
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    #[test]
+    fn python_serialized_known_vector() {
+        let staged = crate::envelope::encode(&[0x80, 0x05, 0x4e, 0x2e]);
+        let env = Envelope::parse(&staged).unwrap();
+        let desc = PythonSerialized::from_envelope(&env);
+        let bytes = desc.to_bytes();
+        assert_eq!(
+            hex(&bytes),
+            "0100000002000000010000000100000020000000\
+             6c09635decb8153d3c12e3782a69fd2eb097426f912547d351a8647b27d5580a"
+        );
+        assert_eq!(python_serialized_digest(&env).to_string(), KNOWN);
+        let whole = Descriptor::PythonSerialized(desc);
+        assert_eq!(whole.kind(), CallableKind::PythonSerialized);
+        assert_eq!(whole.digest().unwrap().to_string(), KNOWN);
+    }
+
+    #[test]
+    fn python_import_known_vector() {
+        let imp: PythonImport = "pkg.mod:Class.method".parse().unwrap();
+        assert_eq!(imp.module(), "pkg.mod");
+        assert_eq!(imp.qualname(), "Class.method");
+        assert_eq!(imp.to_string(), "pkg.mod:Class.method");
+        assert_eq!(
+            hex(&imp.to_bytes().unwrap()),
+            "010000000300000007000000706b672e6d6f640c000000436c6173732e6d6574686f64"
+        );
+        assert_eq!(
+            Descriptor::PythonImport(imp).digest().unwrap().to_string(),
+            "sha256:6086292cb02d057e8b0de3739e65ba81b361f93368d5ebc4d4fc21865dbee107"
+        );
+    }
+
+    #[test]
+    fn python_import_rejects_each_fault() {
+        assert_eq!(
+            "pkg.mod".parse::<PythonImport>(),
+            Err(DescriptorError::ImportColonCount {
+                path: "pkg.mod".into(),
+                colons: 0
+            })
+        );
+        assert_eq!(
+            "a:b:c".parse::<PythonImport>(),
+            Err(DescriptorError::ImportColonCount {
+                path: "a:b:c".into(),
+                colons: 2
+            })
+        );
+        assert_eq!(
+            ".mod:f".parse::<PythonImport>(),
+            Err(DescriptorError::ImportRelativeModule {
+                module: ".mod".into()
+            })
+        );
+        assert_eq!(
+            "mod:outer.<locals>.inner".parse::<PythonImport>(),
+            Err(DescriptorError::ImportLocals {
+                qualname: "outer.<locals>.inner".into()
+            })
+        );
+        assert_eq!(
+            "pkg..mod:f".parse::<PythonImport>(),
+            Err(DescriptorError::ImportBadIdentifier {
+                field: "module",
+                text: "pkg..mod".into(),
+                part: "".into()
+            })
+        );
+        assert_eq!(
+            "pkg:1f".parse::<PythonImport>(),
+            Err(DescriptorError::ImportBadIdentifier {
+                field: "qualname",
+                text: "1f".into(),
+                part: "1f".into()
+            })
+        );
+        assert_eq!(
+            ":f".parse::<PythonImport>(),
+            Err(DescriptorError::ImportBadIdentifier {
+                field: "module",
+                text: "".into(),
+                part: "".into()
+            })
+        );
+        assert_eq!(
+            PythonImport::new("m", "a:b"),
+            Err(DescriptorError::ImportColonCount {
+                path: "m:a:b".into(),
+                colons: 2
+            })
+        );
+        // Serde goes through the same validation.
+        let bad: Result<PythonImport, _> =
+            serde_json::from_str(r#"{"module":".x","qualname":"f"}"#);
+        assert!(bad.unwrap_err().to_string().contains("relative"));
+        let good: PythonImport =
+            serde_json::from_str(r#"{"module":"_x.y2","qualname":"Cls.f"}"#).unwrap();
+        assert_eq!(good.to_string(), "_x.y2:Cls.f");
+    }
+
+    /// Expected bytes computed independently from DESIGN.md §3.2 with Python
+    /// `struct`/`hashlib` (arch "arch", platform "plat", runtime "rt",
+    /// blob b"blob", signature IN, OUT, SCALAR).
+    #[test]
+    fn chip_callable_vector() {
+        let chip = ChipCallable {
+            target_arch: "arch".into(),
+            platform: "plat".into(),
+            runtime: "rt".into(),
+            blob_sha256: Digest::sha256(b"blob"),
+            signature: vec![Direction::In, Direction::Out, Direction::Scalar],
+        };
+        assert_eq!(
+            hex(&chip.signature_schema().unwrap()),
+            "0100000003000000010000000200000000000000"
+        );
+        assert_eq!(
+            hex(&chip.to_bytes().unwrap()),
+            "0100000001000000040000006172636804000000706c617402000000727420000000\
+             fa2c8cc4f28176bbeed4b736df569a34c79cd3723e9ec42f9674b4d46ac6b8b8\
+             20000000\
+             79503f00edda36b2de80e680ae737197d02a01a92f89be2ddc3819d3667eca92"
+        );
+        let d = Descriptor::ChipCallable(chip);
+        assert_eq!(
+            d.digest().unwrap().to_string(),
+            "sha256:f2f0ecc11b4065db0305c15790d1da17d191bb4ee1456848c3b471724d0deeda"
+        );
+        let json = serde_json::to_string(&d).unwrap();
+        assert!(json.starts_with(r#"{"kind":"CHIP_CALLABLE","target_arch":"arch""#));
+        let back: Descriptor = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, d);
+        assert_eq!(Direction::InOut.as_u32(), 3);
+    }
 
     #[test]
     fn hashid_round_trips() {
@@ -197,12 +777,18 @@ mod tests {
         let upper = KNOWN.replace("8d96", "8D96");
         assert_eq!(
             upper.parse::<HashId>(),
-            Err(HashIdError::BadDigit { offset: 8, found: 'D' })
+            Err(HashIdError::BadDigit {
+                offset: 8,
+                found: 'D'
+            })
         );
         let spaced = KNOWN.replacen("8d", " d", 1);
         assert_eq!(
             spaced.parse::<HashId>(),
-            Err(HashIdError::BadDigit { offset: 7, found: ' ' })
+            Err(HashIdError::BadDigit {
+                offset: 7,
+                found: ' '
+            })
         );
     }
 }

@@ -26,3 +26,6 @@ pub mod wire;
 pub mod io;
 #[cfg(feature = "io")]
 pub mod runtime;
+
+#[doc(hidden)]
+pub mod fuzzing;

@@ -1,0 +1,34 @@
+//! `callreg hashid FILE`: print only the hashid of one envelope.
+
+use callreg::descriptor::python_serialized_digest;
+use callreg::envelope::Envelope;
+
+use super::{read_input, report, write_stdout, CliError, EXIT_INVALID, EXIT_OK};
+
+/// Arguments of `callreg hashid`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The SPYC envelope file (`-` = stdin).
+    #[arg(value_name = "FILE")]
+    file: String,
+}
+
+/// Prints `sha256:<hex>` of the envelope's PYTHON_SERIALIZED descriptor.
+/// Returns [`EXIT_INVALID`] (with the error on stderr) for an invalid
+/// envelope.
+///
+/// # Errors
+/// [`CliError`] when the file cannot be read or stdout written.
+pub fn run(args: &Args) -> Result<u8, CliError> {
+    let staged = read_input(&args.file)?;
+    match Envelope::parse(&staged) {
+        Ok(env) => {
+            write_stdout(&format!("{}\n", python_serialized_digest(&env)))?;
+            Ok(EXIT_OK)
+        }
+        Err(e) => {
+            report(&format!("{}: {} ({})", args.file, e, e.variant_name()));
+            Ok(EXIT_INVALID)
+        }
+    }
+}

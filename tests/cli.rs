@@ -1,0 +1,275 @@
+//! The `callreg` binary on the shared vectors: `inspect --json` output,
+//! the table, exit statuses (0 valid, 1 invalid, 2 usage or read error),
+//! stdin, `hashid`, and a `pack` → `inspect` round trip.
+//! Needs `--features cli` (declared in Cargo.toml).
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use common::{load_vectors, vectors_dir};
+use serde_json::Value;
+
+fn callreg() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_callreg"));
+    c.current_dir(vectors_dir());
+    c
+}
+
+fn run(args: &[&str]) -> Output {
+    callreg().args(args).output().expect("callreg runs")
+}
+
+fn run_stdin(args: &[&str], input: &[u8]) -> Output {
+    let mut child = callreg()
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("callreg runs");
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).expect("utf-8 output")
+}
+
+/// A fresh scratch directory under cargo's per-test-target temp dir.
+fn scratch(name: &str) -> PathBuf {
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The object's keys in output order (`serde_json::Value` sorts them).
+fn key_order(line: &str) -> Vec<String> {
+    let obj: Value = serde_json::from_str(line).unwrap();
+    let mut keys: Vec<(usize, String)> = obj
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| (line.find(&format!("\"{k}\":")).unwrap(), k.clone()))
+        .collect();
+    keys.sort();
+    keys.into_iter().map(|(_, k)| k).collect()
+}
+
+#[test]
+fn inspect_json_agrees_with_every_vector() {
+    let vectors = load_vectors();
+    let files: Vec<&str> = vectors.iter().map(|v| v.file.as_str()).collect();
+    let mut args = vec!["inspect", "--json"];
+    args.extend(&files);
+    let out = run(&args);
+    assert_eq!(out.status.code(), Some(1), "some vectors are invalid");
+    assert_eq!(text(&out.stderr), "");
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), vectors.len());
+    for (v, line) in vectors.iter().zip(lines) {
+        let obj: Value = serde_json::from_str(line).unwrap();
+        let keys = key_order(line);
+        if v.valid {
+            let expected = serde_json::json!({
+                "file": v.file,
+                "valid": true,
+                "version": 1,
+                "serializer": 1,
+                "payload_size": v.payload_size.unwrap(),
+                "staged_size": v.staged_size,
+                "payload_sha256": v.payload_sha256.as_deref().unwrap(),
+                "descriptor_hex": v.descriptor_hex.as_deref().unwrap(),
+                "hashid": v.hashid.as_deref().unwrap(),
+            });
+            assert_eq!(obj, expected, "{}", v.name);
+            // Key order is part of the output format.
+            assert_eq!(
+                keys,
+                [
+                    "file",
+                    "valid",
+                    "version",
+                    "serializer",
+                    "payload_size",
+                    "staged_size",
+                    "payload_sha256",
+                    "descriptor_hex",
+                    "hashid"
+                ]
+            );
+        } else {
+            assert_eq!(keys, ["file", "valid", "error", "message"], "{}", v.name);
+            assert_eq!(obj["file"], v.file.as_str());
+            assert_eq!(obj["valid"], false);
+            assert_eq!(obj["error"], v.error.as_deref().unwrap(), "{}", v.name);
+            let message = obj["message"].as_str().unwrap();
+            assert!(message.starts_with("ENVELOPE_INVALID: "), "{message}");
+        }
+    }
+}
+
+#[test]
+fn exit_status_zero_when_all_valid() {
+    let out = run(&["inspect", "--json", "func_add.spyc", "empty_payload.spyc"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(text(&out.stdout).lines().count(), 2);
+}
+
+#[test]
+fn exit_status_one_for_one_invalid_file() {
+    let out = run(&["inspect", "bad_flags.spyc"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("NonZeroFlags: ENVELOPE_INVALID: non-zero flags 0x0001 (must be 0)"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn missing_file_is_a_read_error() {
+    let out = run(&["inspect", "--json", "no_such.spyc", "func_add.spyc"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        "callreg: cannot read no_such.spyc: No such file or directory\n"
+    );
+    // The readable file is still reported.
+    let line: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(line["file"], "func_add.spyc");
+    assert_eq!(line["valid"], true);
+}
+
+#[test]
+fn usage_errors_exit_two() {
+    for args in [
+        &["inspect"][..],
+        &["inspect", "--bogus", "func_add.spyc"],
+        &["frobnicate"],
+        &[],
+        &["hashid"],
+        &["pack", "--payload", "x"],
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains("Usage:"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    assert_eq!(run(&["--help"]).status.code(), Some(0));
+}
+
+#[test]
+fn inspect_reads_stdin() {
+    let bytes = std::fs::read(vectors_dir().join("func_add.spyc")).unwrap();
+    let out = run_stdin(&["inspect", "--json", "-"], &bytes);
+    assert_eq!(out.status.code(), Some(0));
+    let line: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(line["file"], "-");
+    assert_eq!(
+        line["hashid"],
+        "sha256:51961bef7b98dd7bc6de342d7fb2cb25df63852e6b42345034c18386d1b74b07"
+    );
+}
+
+#[test]
+fn table_lists_each_file() {
+    let out = run(&["inspect", "func_add_page_slack.spyc", "short_header.spyc"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 3);
+    assert!(lines[0].starts_with("FILE"));
+    let valid: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(
+        valid,
+        [
+            "func_add_page_slack.spyc",
+            "yes",
+            "459",
+            "4096",
+            "sha256:51961bef7b98dd7bc6de342d7fb2cb25df63852e6b42345034c18386d1b74b07"
+        ]
+    );
+    assert!(lines[2].starts_with("short_header.spyc"));
+    assert!(
+        lines[2].contains("HeaderTruncated: ENVELOPE_INVALID: header truncated: 15 staged bytes")
+    );
+}
+
+#[test]
+fn hashid_prints_only_the_hashid() {
+    for v in load_vectors() {
+        let out = run(&["hashid", &v.file]);
+        if v.valid {
+            assert_eq!(out.status.code(), Some(0), "{}", v.name);
+            assert_eq!(text(&out.stdout), format!("{}\n", v.hashid.unwrap()));
+        } else {
+            assert_eq!(out.status.code(), Some(1), "{}", v.name);
+            assert_eq!(text(&out.stdout), "");
+            assert!(
+                text(&out.stderr).contains(&format!("({})", v.error.unwrap())),
+                "{}",
+                v.name
+            );
+        }
+    }
+    let missing = run(&["hashid", "no_such.spyc"]);
+    assert_eq!(missing.status.code(), Some(2));
+}
+
+#[test]
+fn pack_then_inspect_round_trips() {
+    let dir = scratch("pack");
+    let raw = dir.join("known.pickle");
+    std::fs::write(&raw, [0x80, 0x05, 0x4e, 0x2e]).unwrap();
+    let packed = dir.join("known.spyc");
+    let out = run(&[
+        "pack",
+        "--payload",
+        raw.to_str().unwrap(),
+        "-o",
+        packed.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        common::hex(&std::fs::read(&packed).unwrap()),
+        "5350594301010000040000000000000080054e2e"
+    );
+    let out = run(&["inspect", "--json", packed.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0));
+    let line: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(
+        line["hashid"],
+        "sha256:8d96f0f9bfdddf028d9c22f471496088efc60377264fc7b3d6382f32782ecbd1"
+    );
+    assert_eq!(line["payload_size"], 4);
+
+    // A real cloudpickle payload from a vector, through stdin and stdout.
+    let staged = std::fs::read(vectors_dir().join("lambda_square.spyc")).unwrap();
+    let out = run_stdin(&["pack", "--payload", "-", "-o", "-"], &staged[16..]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(out.stdout, staged);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn pack_reports_unwritable_output() {
+    let out = run(&[
+        "pack",
+        "--payload",
+        "func_add.spyc",
+        "-o",
+        "no_such_dir/out.spyc",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        "callreg: cannot write no_such_dir/out.spyc: No such file or directory\n"
+    );
+}
