@@ -26,6 +26,8 @@ pub mod wire;
 pub mod io;
 #[cfg(feature = "io")]
 pub mod runtime;
+#[cfg(feature = "io")]
+pub mod sync;
 
 #[doc(hidden)]
 pub mod fuzzing;

@@ -3,11 +3,13 @@
 //!
 //! * [`staging`] — staged payloads in POSIX shm;
 //! * [`process`] — forking targets, their pipes, fencing and reaping;
+//! * [`handoff`] — results from the IO thread to waiting callers;
 //! * [`failpoints`] — fault injection points (cargo feature `failpoints`).
 //!
 //! The IO layer moves bytes and time into the protocol's state machines and
 //! applies the effects they return; it makes no protocol decision itself.
 
 pub mod failpoints;
+pub mod handoff;
 pub mod process;
 pub mod staging;
