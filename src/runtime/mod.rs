@@ -7,6 +7,8 @@
 
 use crate::error::ErrorCode;
 
+pub mod testing;
+
 /// How a task's input and result are encoded; defined with the wire
 /// frames that carry it.
 pub use crate::wire::TaskEncoding;
