@@ -117,3 +117,144 @@ impl std::fmt::Display for ErrorCode {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown error code {0:?}")]
 pub struct UnknownErrorCode(pub String);
+
+/// What a failed call or operation was doing, as named in an [`Error`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum OperationKind {
+    /// Registering a callable (before or after start).
+    Register,
+    /// Unregistering a handle (before or after start).
+    Unregister,
+    /// The digest-owned unregister that rolls back a failed register.
+    Cleanup,
+    /// Resolving a handle to its digest.
+    Resolve,
+    /// Submitting, starting or finishing a task.
+    Task,
+    /// Starting the Worker or a target (startup snapshot).
+    Start,
+    /// Closing the Worker.
+    Close,
+    /// Receiving a reply or a deserialization result.
+    Reply,
+    /// Staging a payload in shared memory.
+    Stage,
+    /// Decoding a frame, an envelope or a hashid.
+    Decode,
+}
+
+impl OperationKind {
+    /// The stable text form, e.g. `"register"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OperationKind::Register => "register",
+            OperationKind::Unregister => "unregister",
+            OperationKind::Cleanup => "cleanup",
+            OperationKind::Resolve => "resolve",
+            OperationKind::Task => "task",
+            OperationKind::Start => "start",
+            OperationKind::Close => "close",
+            OperationKind::Reply => "reply",
+            OperationKind::Stage => "stage",
+            OperationKind::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for OperationKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A callreg error: a code with its context (DESIGN.md §4.3).
+///
+/// Names the target, namespace, hashid, operation and seq when they apply
+/// (`None` otherwise) and carries the full message. A message never contains
+/// a user's absolute path. Serializes to JSON with the field names below;
+/// `Display` gives the same facts on one line:
+/// `CODE: message (operation register, target 2, namespace LOCAL_PYTHON, hashid sha256:…, seq 7)`.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct Error {
+    /// What went wrong.
+    pub code: ErrorCode,
+    /// What was being done.
+    pub operation: OperationKind,
+    /// The target (child) involved, if one is.
+    pub target: Option<crate::protocol::TargetId>,
+    /// The target namespace involved, if known.
+    pub namespace: Option<crate::protocol::Namespace>,
+    /// The callable's hashid, if known.
+    pub hashid: Option<crate::descriptor::HashId>,
+    /// The sequence number of the operation, cleanup or task, if it has one.
+    pub seq: Option<crate::protocol::Seq>,
+    /// The full human-readable message.
+    pub message: String,
+}
+
+impl Error {
+    /// An error with no context beyond `code`, `operation` and `message`;
+    /// add context with the builder methods.
+    pub fn new(code: ErrorCode, operation: OperationKind, message: impl Into<String>) -> Error {
+        Error {
+            code,
+            operation,
+            target: None,
+            namespace: None,
+            hashid: None,
+            seq: None,
+            message: message.into(),
+        }
+    }
+
+    /// Names the target.
+    pub fn with_target(mut self, target: crate::protocol::TargetId) -> Error {
+        self.target = Some(target);
+        self
+    }
+
+    /// Names the namespace.
+    pub fn with_namespace(mut self, namespace: crate::protocol::Namespace) -> Error {
+        self.namespace = Some(namespace);
+        self
+    }
+
+    /// Names the callable by its digest (shown as a hashid).
+    pub fn with_digest(mut self, digest: crate::descriptor::Digest) -> Error {
+        self.hashid = Some(digest.hashid());
+        self
+    }
+
+    /// Names the seq.
+    pub fn with_seq(mut self, seq: crate::protocol::Seq) -> Error {
+        self.seq = Some(seq);
+        self
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} (operation {}",
+            self.code, self.message, self.operation
+        )?;
+        if let Some(t) = self.target {
+            write!(f, ", target {}", t.0)?;
+        }
+        if let Some(n) = self.namespace {
+            write!(f, ", namespace {n}")?;
+        }
+        if let Some(h) = self.hashid {
+            write!(f, ", hashid {h}")?;
+        }
+        if let Some(s) = self.seq {
+            write!(f, ", seq {}", s.0)?;
+        }
+        f.write_str(")")
+    }
+}
+
+impl std::error::Error for Error {}

@@ -20,6 +20,7 @@
 pub mod descriptor;
 pub mod envelope;
 pub mod error;
+pub mod protocol;
 pub mod wire;
 
 #[cfg(feature = "io")]

@@ -1,0 +1,569 @@
+//! DESIGN.md §4.4's invariants 1–9 as pure predicates over a [`View`] of the
+//! parent, the targets and the frames in transit. The model checker and the
+//! tests call these same functions. Invariant 10 (liveness) is a property of
+//! runs, not of one state: the drivers check it (every operation completes
+//! once every target in its scope has answered or been lost).
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use super::parent::{OpKind, Progress};
+use super::target::SlotState;
+use super::{
+    ControlFrame, Handle, Lifecycle, Namespace, OwnerToken, Parent, Reply, Target, TargetId,
+};
+use crate::descriptor::Digest;
+use crate::error::ErrorCode;
+
+/// One state of the whole system as the predicates see it.
+#[derive(Clone, Copy, Debug)]
+pub struct View<'a> {
+    /// The parent.
+    pub parent: &'a Parent,
+    /// Every target by id (`targets[i]` is `TargetId(i)`); `None` for a
+    /// target that has died (crashed, fenced and killed) or never started.
+    pub targets: &'a [Option<Target>],
+    /// Frames from the parent not yet applied by their target, each with
+    /// its receiver, in send order per target.
+    pub frames: &'a [(TargetId, ControlFrame)],
+    /// Replies from targets not yet given to the parent, each with its
+    /// sender.
+    pub replies: &'a [(TargetId, Reply)],
+}
+
+impl<'a> View<'a> {
+    /// A target that is alive and that the parent counts live.
+    fn live_targets(&self) -> impl Iterator<Item = (TargetId, &'a Target)> + '_ {
+        self.targets.iter().enumerate().filter_map(|(i, t)| {
+            let id = TargetId(u16::try_from(i).ok()?);
+            let target = t.as_ref()?;
+            self.parent.is_target_live(id).then_some((id, target))
+        })
+    }
+
+    fn alive_targets(&self) -> impl Iterator<Item = (TargetId, &'a Target)> + '_ {
+        self.targets
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| Some((TargetId(u16::try_from(i).ok()?), t.as_ref()?)))
+    }
+
+    /// Quiescent (DESIGN.md §4.4): no operation in flight, no effect
+    /// undrained, no control frame or reply in transit, no target owing a
+    /// reply. Task frames may still be in transit: they change no refcount.
+    pub fn is_quiescent(&self) -> bool {
+        self.parent.is_idle()
+            && self.replies.is_empty()
+            && self
+                .frames
+                .iter()
+                .all(|(_, f)| matches!(f, ControlFrame::Task { .. }))
+            && self.alive_targets().all(|(_, t)| !t.is_deserializing())
+    }
+
+    /// Number of live handles of `digest` that `target` confirmed.
+    fn live_handles_at(&self, digest: Digest, target: TargetId) -> u32 {
+        let n = self
+            .parent
+            .handles
+            .values()
+            .filter(|r| r.digest == digest && r.confirmed.contains(&target))
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+}
+
+/// A broken invariant: its number and name as in DESIGN.md §4.4 and what
+/// was seen.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Violation {
+    /// The invariant's number (1–9).
+    pub number: u8,
+    /// The invariant's name, e.g. `"publish after all"`.
+    pub name: &'static str,
+    /// What was seen, with the ids and digests involved.
+    pub description: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invariant {} ({}) violated: {}",
+            self.number, self.name, self.description
+        )
+    }
+}
+
+impl std::error::Error for Violation {}
+
+fn violation(number: u8, name: &'static str, description: String) -> Result<(), Violation> {
+    Err(Violation {
+        number,
+        name,
+        description,
+    })
+}
+
+/// A named invariant predicate.
+pub type Predicate = fn(&View<'_>) -> Result<(), Violation>;
+
+/// Invariants 1–9 with their numbers and names, in order.
+pub const ALL: [(u8, &str, Predicate); 9] = [
+    (1, "publish after all", inv1_publish_after_all),
+    (2, "no orphan installs", inv2_no_orphan_installs),
+    (3, "uncertain is sticky", inv3_uncertain_is_sticky),
+    (4, "refcount sanity", inv4_refcount_sanity),
+    (5, "integrity", inv5_integrity),
+    (6, "handle integrity", inv6_handle_integrity),
+    (7, "no staging leak", inv7_no_staging_leak),
+    (8, "dispatch safety", inv8_dispatch_safety),
+    (9, "slots stay private", inv9_slots_stay_private),
+];
+
+/// Every invariant 1–9, stopping at the first violation.
+///
+/// # Errors
+/// The first [`Violation`] found, in invariant order.
+pub fn check_all(view: &View<'_>) -> Result<(), Violation> {
+    ALL.iter().try_for_each(|(_, _, predicate)| predicate(view))
+}
+
+/// Invariant 1, publish after all: every live handle published by a
+/// post-start register was confirmed (replied OK to its seq) by every
+/// target in that register's scope.
+///
+/// # Errors
+/// A [`Violation`] naming the handle and the targets that had not confirmed.
+pub fn inv1_publish_after_all(view: &View<'_>) -> Result<(), Violation> {
+    for (id, record) in &view.parent.handles {
+        let missing: Vec<u16> = record
+            .scope
+            .difference(&record.confirmed)
+            .map(|t| t.0)
+            .collect();
+        if !missing.is_empty() {
+            return violation(
+                1,
+                "publish after all",
+                format!(
+                    "handle {id} ({}) published before targets {missing:?} confirmed",
+                    record.digest
+                ),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 2, no orphan installs: in a quiescent state, for every live
+/// target and every digest that is not uncertain, the target's refcount
+/// equals the number of live handles of that digest it confirmed.
+///
+/// # Errors
+/// A [`Violation`] naming the target, the digest and both counts.
+pub fn inv2_no_orphan_installs(view: &View<'_>) -> Result<(), Violation> {
+    if !view.is_quiescent() {
+        return Ok(());
+    }
+    for (id, target) in view.live_targets() {
+        let mut digests: BTreeSet<Digest> = target.installed.keys().copied().collect();
+        digests.extend(
+            view.parent
+                .handles
+                .values()
+                .filter(|r| r.confirmed.contains(&id))
+                .map(|r| r.digest),
+        );
+        for digest in digests {
+            if view.parent.is_uncertain(digest) {
+                continue;
+            }
+            let held = target.refcount(digest);
+            let live = view.live_handles_at(digest, id);
+            if held != live {
+                return violation(
+                    2,
+                    "no orphan installs",
+                    format!(
+                        "{id} holds {digest} with refcount {held} but {live} live handles name it"
+                    ),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 3, uncertain is sticky: every live handle of an uncertain
+/// digest was already live when the digest became uncertain (no register of
+/// it succeeded afterwards).
+///
+/// # Errors
+/// A [`Violation`] naming the digest and the handle published after.
+pub fn inv3_uncertain_is_sticky(view: &View<'_>) -> Result<(), Violation> {
+    for (digest, live_then) in &view.parent.uncertain {
+        for (id, record) in &view.parent.handles {
+            if record.digest == *digest && !live_then.contains(id) {
+                return violation(
+                    3,
+                    "uncertain is sticky",
+                    format!(
+                        "handle {id} of {digest} was published after {digest} became uncertain"
+                    ),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 4, refcount sanity, on every living target: every installed
+/// digest has refcount ≥ 1 and a live slot of its own; every live slot is
+/// installed under exactly one digest; a tombstoned slot is held by a run;
+/// every run holds a used (live or tombstoned) slot; a deserializing slot
+/// belongs to exactly one deserialization in progress; no slot is beyond
+/// the capacity.
+///
+/// # Errors
+/// A [`Violation`] naming the target, the slot and what is wrong.
+pub fn inv4_refcount_sanity(view: &View<'_>) -> Result<(), Violation> {
+    const NAME: &str = "refcount sanity";
+    for (id, target) in view.alive_targets() {
+        for (digest, entry) in &target.installed {
+            if entry.refcount == 0 {
+                return violation(
+                    4,
+                    NAME,
+                    format!("{id} keeps {digest} installed with refcount 0"),
+                );
+            }
+            match target.slots.get(&entry.slot) {
+                Some(used) if used.state == SlotState::Live => {}
+                other => {
+                    return violation(
+                        4,
+                        NAME,
+                        format!(
+                            "{id} resolves {digest} to slot {} in state {other:?}",
+                            entry.slot.0
+                        ),
+                    )
+                }
+            }
+        }
+        for (slot, used) in &target.slots {
+            if slot.0 >= target.config.slot_capacity {
+                return violation(
+                    4,
+                    NAME,
+                    format!("{id} uses slot {} beyond its capacity", slot.0),
+                );
+            }
+            let ok = match used.state {
+                SlotState::Live => {
+                    target
+                        .installed
+                        .values()
+                        .filter(|e| e.slot == *slot)
+                        .count()
+                        == 1
+                }
+                SlotState::Tombstoned => target.runs.values().any(|s| s == slot),
+                SlotState::Deserializing => {
+                    target.pending.values().filter(|p| p.slot == *slot).count() == 1
+                }
+            };
+            if !ok {
+                return violation(
+                    4,
+                    NAME,
+                    format!("{id} slot {} is {:?} without its owner", slot.0, used.state),
+                );
+            }
+        }
+        for (seq, slot) in &target.runs {
+            match target.slots.get(slot) {
+                Some(used) if matches!(used.state, SlotState::Live | SlotState::Tombstoned) => {}
+                other => {
+                    return violation(
+                        4,
+                        NAME,
+                        format!(
+                            "{id} run {seq} holds slot {} which is {other:?} (freed or reused)",
+                            slot.0
+                        ),
+                    )
+                }
+            }
+        }
+        for (seq, pending) in &target.pending {
+            if target.slots.get(&pending.slot).map(|u| u.state) != Some(SlotState::Deserializing) {
+                return violation(
+                    4,
+                    NAME,
+                    format!(
+                        "{id} deserialization {seq} lost its slot {}",
+                        pending.slot.0
+                    ),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 5, integrity, on every living target: every installed digest
+/// (and every deserialization in progress) sits in a slot whose payload
+/// recomputed to that same digest.
+///
+/// # Errors
+/// A [`Violation`] naming the target, the digest and the payload's digest.
+pub fn inv5_integrity(view: &View<'_>) -> Result<(), Violation> {
+    for (id, target) in view.alive_targets() {
+        let resolved = target
+            .installed
+            .iter()
+            .map(|(d, e)| (*d, e.slot))
+            .chain(target.pending.values().map(|p| (p.digest, p.slot)));
+        for (digest, slot) in resolved {
+            if let Some(used) = target.slots.get(&slot) {
+                if used.content != digest {
+                    return violation(
+                        5,
+                        "integrity",
+                        format!(
+                            "{id} installs {digest} from a payload whose digest is {}",
+                            used.content
+                        ),
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 6, handle integrity: every live handle resolves (to its own
+/// digest, or to `REGISTER_CLEANUP_UNCERTAIN` if that is uncertain); every
+/// issued id that is not live is `HANDLE_STALE`; the next id, a foreign
+/// owner token and a changed hashid are each rejected with their own code.
+///
+/// # Errors
+/// A [`Violation`] naming the handle and the unexpected resolution.
+pub fn inv6_handle_integrity(view: &View<'_>) -> Result<(), Violation> {
+    const NAME: &str = "handle integrity";
+    let parent = view.parent;
+    if parent.lifecycle() == Lifecycle::Closed {
+        return Ok(());
+    }
+    let owner = parent.config().owner;
+    let code = |h: &Handle| {
+        parent
+            .resolve(h, Namespace::LocalPython)
+            .map_err(|e| e.code)
+    };
+    for handle in parent.live_handles() {
+        let digest = handle.digest();
+        let expected = if parent.is_uncertain(digest) {
+            Err(ErrorCode::REGISTER_CLEANUP_UNCERTAIN)
+        } else {
+            Ok(digest)
+        };
+        if code(&handle) != expected {
+            return violation(
+                6,
+                NAME,
+                format!("live handle {handle:?} resolves to {:?}", code(&handle)),
+            );
+        }
+        let foreign = Handle {
+            owner: OwnerToken(owner.0 ^ 1),
+            ..handle
+        };
+        if code(&foreign) != Err(ErrorCode::HANDLE_FOREIGN) {
+            return violation(
+                6,
+                NAME,
+                format!(
+                    "foreign copy of {handle:?} resolves to {:?}",
+                    code(&foreign)
+                ),
+            );
+        }
+        let mut changed = digest;
+        changed.0[0] ^= 1;
+        let mutated = Handle {
+            hashid: changed.hashid(),
+            ..handle
+        };
+        if code(&mutated) != Err(ErrorCode::HANDLE_MUTATED) {
+            return violation(
+                6,
+                NAME,
+                format!(
+                    "mutated copy of {handle:?} resolves to {:?}",
+                    code(&mutated)
+                ),
+            );
+        }
+    }
+    let probe = |handle_id| Handle {
+        namespace: Namespace::LocalPython,
+        hashid: Digest([0; 32]).hashid(),
+        handle_id,
+        owner,
+    };
+    for handle_id in 1..parent.next_handle_id {
+        if !parent.handles.contains_key(&handle_id)
+            && code(&probe(handle_id)) != Err(ErrorCode::HANDLE_STALE)
+        {
+            return violation(
+                6,
+                NAME,
+                format!(
+                    "unregistered handle id {handle_id} resolves to {:?}",
+                    code(&probe(handle_id))
+                ),
+            );
+        }
+    }
+    let forged = probe(parent.next_handle_id);
+    if code(&forged) != Err(ErrorCode::HANDLE_FOREIGN) {
+        return violation(
+            6,
+            NAME,
+            format!(
+                "never-issued handle id {} resolves to {:?}",
+                forged.handle_id,
+                code(&forged)
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// Invariant 7, no staging leak: in a quiescent state no staged payload
+/// exists; and at any time, a staged payload is never released while a
+/// register frame naming it is in transit to a target the operation still
+/// waits for (it would find nothing to open).
+///
+/// # Errors
+/// A [`Violation`] naming the staged payload.
+pub fn inv7_no_staging_leak(view: &View<'_>) -> Result<(), Violation> {
+    const NAME: &str = "no staging leak";
+    if view.is_quiescent() && !view.parent.staged.is_empty() {
+        return violation(
+            7,
+            NAME,
+            format!(
+                "staged payloads {:?} remain while quiescent",
+                view.parent.staged()
+            ),
+        );
+    }
+    for (target, frame) in view.frames {
+        let ControlFrame::Register { seq, staging, .. } = frame else {
+            continue;
+        };
+        let waiting = view.parent.ops.values().any(|op| {
+            op.seq == *seq
+                && matches!(op.kind, OpKind::Register { cleanup: None, .. })
+                && op.scope.get(target) == Some(&Progress::Pending)
+        });
+        if waiting && !view.parent.staged.contains(staging) {
+            return violation(
+                7,
+                NAME,
+                format!(
+                    "staged payload {} released while its register {seq} is in transit to {target}",
+                    staging.0
+                ),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 8, dispatch safety: for every live target and every digest,
+/// the target's refcount minus the unregisters of that digest in transit
+/// to it is at least the number of live handles of the digest it confirmed.
+/// Tasks are only submitted for live handles to targets that confirmed them
+/// and frames are FIFO, so this guarantees that a task for a live handle
+/// never reaches a live target lacking the digest.
+///
+/// # Errors
+/// A [`Violation`] naming the target, the digest and the counts.
+pub fn inv8_dispatch_safety(view: &View<'_>) -> Result<(), Violation> {
+    for (id, target) in view.live_targets() {
+        let digests: BTreeSet<Digest> = view
+            .parent
+            .handles
+            .values()
+            .filter(|r| r.confirmed.contains(&id))
+            .map(|r| r.digest)
+            .collect();
+        for digest in digests {
+            let leaving = view
+                .frames
+                .iter()
+                .filter(|(t, f)| {
+                    *t == id
+                        && matches!(f, ControlFrame::Unregister { digest: d, .. } if *d == digest)
+                })
+                .count();
+            let held =
+                i64::from(target.refcount(digest)) - i64::try_from(leaving).unwrap_or(i64::MAX);
+            let live = i64::from(view.live_handles_at(digest, id));
+            if held < live {
+                return violation(
+                    8,
+                    "dispatch safety",
+                    format!(
+                        "{id} holds {digest} with refcount {} and {leaving} unregisters in transit, but {live} live handles may send it tasks",
+                        target.refcount(digest)
+                    ),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 9, slots stay private: no frame or reply in transit carries a
+/// slot (checked on their serialized form: no field is named like one).
+///
+/// # Errors
+/// A [`Violation`] naming the frame.
+pub fn inv9_slots_stay_private(view: &View<'_>) -> Result<(), Violation> {
+    fn has_slot(value: &serde_json::Value) -> bool {
+        match value {
+            serde_json::Value::Object(map) => {
+                map.iter().any(|(k, v)| k.contains("slot") || has_slot(v))
+            }
+            serde_json::Value::Array(items) => items.iter().any(has_slot),
+            _ => false,
+        }
+    }
+    let frames = view
+        .frames
+        .iter()
+        .map(|(t, f)| (t, serde_json::to_value(f)));
+    let replies = view
+        .replies
+        .iter()
+        .map(|(t, r)| (t, serde_json::to_value(r)));
+    for (target, value) in frames.chain(replies) {
+        match value {
+            Ok(value) if !has_slot(&value) => {}
+            other => {
+                return violation(
+                    9,
+                    "slots stay private",
+                    format!("frame for {target} carries a slot: {other:?}"),
+                )
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,278 @@
+//! The registration protocol as pure state machines (DESIGN.md §4).
+//!
+//! This module is deterministic protocol logic: it performs no IO, reads no
+//! clock, draws no random numbers and starts no threads. Time arrives as a
+//! [`Time`] argument, randomness (the [`OwnerToken`]) as configuration.
+//! Payload bytes never enter it: it holds digests and ids only.
+//!
+//! Two machines, each driven the same way (the shape of `quinn-proto` and
+//! `str0m`):
+//!
+//! * [`Parent`] — the registry, the operations in flight and their scopes.
+//!   Inputs are method calls ([`Parent::register`], [`Parent::unregister`],
+//!   [`Parent::handle_reply`], [`Parent::target_lost`],
+//!   [`Parent::handle_timeout`], ...); outputs are [`Effect`]s drained with
+//!   [`Parent::poll_effect`], plus the next deadline from
+//!   [`Parent::poll_timeout`].
+//! * [`Target`] — one child's private `digest -> slot` table. Inputs are
+//!   [`Target::on_register`], [`Target::on_unregister`],
+//!   [`Target::on_deserialized`], [`Target::begin_task`],
+//!   [`Target::end_task`]; outputs are [`TargetEffect`]s drained with
+//!   [`Target::poll_effect`].
+//!
+//! # The driving rule
+//!
+//! After every input, drain the machine's effects (`poll_effect` until
+//! `None`) and carry each out in order before giving it the next input.
+//! Frames to one target must be delivered in the order they were emitted
+//! (a pipe is FIFO); frames to different targets may interleave freely.
+//! The exact loop an IO layer runs, step by step, is in `specs/protocol.md`.
+//!
+//! [`invariants`] holds DESIGN.md §4.4's invariants as pure predicates over
+//! a [`invariants::View`] of both machines and the frames in transit; the
+//! model checker and the tests call the same functions.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::descriptor::Digest;
+use crate::error::{Error, ErrorCode};
+
+pub mod invariants;
+mod parent;
+mod target;
+
+pub use parent::{Completion, Effect, Handle, Lifecycle, Parent, ParentConfig, TargetOutcome};
+pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
+
+/// A point in time: opaque microseconds on a monotonic clock chosen by the
+/// caller (the machines only compare and add them).
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default, Serialize, Deserialize,
+)]
+pub struct Time(pub u64);
+
+impl Time {
+    /// `self + micros`, saturating at `u64::MAX` (a deadline never wraps).
+    pub fn saturating_add_micros(self, micros: u64) -> Time {
+        Time(self.0.saturating_add(micros))
+    }
+}
+
+/// A target's index, `0..ParentConfig::targets` (one child endpoint).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TargetId(pub u16);
+
+impl fmt::Display for TargetId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "target {}", self.0)
+    }
+}
+
+/// A sequence number: every operation, cleanup and task gets a fresh one
+/// from its parent, and every reply echoes the one it answers.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Seq(pub u64);
+
+impl fmt::Display for Seq {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "seq {}", self.0)
+    }
+}
+
+/// Identifies a post-start operation (a register or an unregister) from its
+/// start to its [`Effect::Completed`]. Its value is the operation's [`Seq`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct OpId(pub u64);
+
+/// Identifies one staged payload (the envelope the IO layer puts in shared
+/// memory for one register operation). The IO layer derives the shm name
+/// from it and the [`OwnerToken`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct StagingId(pub u64);
+
+/// The random token that identifies one parent (one Worker) for its whole
+/// life. The caller draws it; handles carry it so that a handle from another
+/// Worker is recognised as foreign.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct OwnerToken(pub u64);
+
+/// A target namespace (DESIGN.md §2). Python callables live in
+/// `LOCAL_PYTHON`; every target of this crate serves it.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub enum Namespace {
+    /// Serialized and imported Python callables (text form `LOCAL_PYTHON`).
+    #[serde(rename = "LOCAL_PYTHON")]
+    LocalPython,
+    /// Chip callables (text form `LOCAL_CHIP`); no target here serves it.
+    #[serde(rename = "LOCAL_CHIP")]
+    LocalChip,
+}
+
+impl Namespace {
+    /// The stable text form: `LOCAL_PYTHON` or `LOCAL_CHIP`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Namespace::LocalPython => "LOCAL_PYTHON",
+            Namespace::LocalChip => "LOCAL_CHIP",
+        }
+    }
+}
+
+impl fmt::Display for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A frame the parent sends to one target (DESIGN.md §3.3 gives its wire
+/// form). No frame carries a slot (invariant 9).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(tag = "frame", rename_all = "snake_case")]
+pub enum ControlFrame {
+    /// Install (or add a reference to) the callable whose staged payload is
+    /// `staging` and whose digest must recompute to `digest`.
+    Register {
+        /// The register operation's seq.
+        seq: Seq,
+        /// The digest the payload must have.
+        digest: Digest,
+        /// The staged payload to open (read-only).
+        staging: StagingId,
+    },
+    /// Drop one reference to `digest` (a user unregister or a rollback
+    /// cleanup; digest-owned, never slot-owned).
+    Unregister {
+        /// The unregister operation's or the cleanup's seq.
+        seq: Seq,
+        /// The digest to release.
+        digest: Digest,
+    },
+    /// Run one task on `digest` (its input travels beside the frame; the
+    /// protocol does not hold it).
+    Task {
+        /// The task's seq.
+        seq: Seq,
+        /// The callable to run.
+        digest: Digest,
+    },
+}
+
+impl ControlFrame {
+    /// The frame's seq.
+    pub fn seq(&self) -> Seq {
+        match self {
+            ControlFrame::Register { seq, .. }
+            | ControlFrame::Unregister { seq, .. }
+            | ControlFrame::Task { seq, .. } => *seq,
+        }
+    }
+
+    /// The digest the frame names.
+    pub fn digest(&self) -> Digest {
+        match self {
+            ControlFrame::Register { digest, .. }
+            | ControlFrame::Unregister { digest, .. }
+            | ControlFrame::Task { digest, .. } => *digest,
+        }
+    }
+}
+
+/// A failure as it travels in a reply, or as the IO layer reports it to a
+/// machine (e.g. the staged payload could not be opened): a code and the
+/// full UTF-8 message (never truncated).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub struct Failure {
+    /// What kind of failure.
+    pub code: ErrorCode,
+    /// The whole message.
+    pub message: String,
+}
+
+impl Failure {
+    /// A failure with `code` and `message`.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Failure {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure {
+            code: e.code,
+            message: e.message,
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.code, self.message)
+    }
+}
+
+/// A target's answer to a [`ControlFrame::Register`] or
+/// [`ControlFrame::Unregister`]: echoes the frame's seq and digest.
+/// Replies carry no slot (invariant 9).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub struct Reply {
+    /// The seq of the frame answered.
+    pub seq: Seq,
+    /// The digest of the frame answered.
+    pub digest: Digest,
+    /// `Ok(())` when the control took effect; otherwise why it did not (the
+    /// target changed nothing).
+    pub result: Result<(), Failure>,
+}
+
+/// Known-bug switches for the model checker's mutation tests: each turns
+/// on one small, real deviation in the machines' code paths, which the
+/// invariants must catch. Only with the `mutants` cargo feature; never
+/// enable in production.
+#[cfg(feature = "mutants")]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub enum Mutant {
+    /// Parent: publish the handle when the first target confirms (caught by
+    /// invariant 1).
+    PublishBeforeAllReplies,
+    /// Parent: roll back a failed register without any cleanup (caught by
+    /// invariant 2).
+    SkipCleanup,
+    /// Parent: send cleanup also to targets that did not confirm (caught by
+    /// invariants 2 and 8).
+    CleanupUnconfirmedTargets,
+    /// Parent: never mark a digest uncertain (caught by invariant 2).
+    ForgetUncertain,
+    /// Parent: release the staged payload on the first answer instead of
+    /// the last (caught by invariant 7).
+    ReleaseStagedEarly,
+    /// Target: install or add a reference without comparing the recomputed
+    /// digest with the requested one (caught by invariant 5).
+    SkipDigestVerification,
+    /// Target: free a slot at its last unregister even while a run holds it
+    /// (caught by invariant 4).
+    FreeSlotHeldByRun,
+}
+
+#[cfg(feature = "mutants")]
+impl Mutant {
+    /// Every mutant, parent ones first.
+    pub const ALL: &'static [Mutant] = &[
+        Mutant::PublishBeforeAllReplies,
+        Mutant::SkipCleanup,
+        Mutant::CleanupUnconfirmedTargets,
+        Mutant::ForgetUncertain,
+        Mutant::ReleaseStagedEarly,
+        Mutant::SkipDigestVerification,
+        Mutant::FreeSlotHeldByRun,
+    ];
+}

@@ -1,0 +1,1322 @@
+//! The parent state machine: registry, operations, scopes (DESIGN.md §4.1).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+#[cfg(feature = "mutants")]
+use super::Mutant;
+use super::{
+    ControlFrame, Failure, Namespace, OpId, OwnerToken, Reply, Seq, StagingId, TargetId, Time,
+};
+use crate::descriptor::{Digest, HashId};
+use crate::error::{Error, ErrorCode, OperationKind};
+
+/// Whether the mutant `$m` is switched on for `$self` (always `false`
+/// without the `mutants` feature, so the deviation compiles away).
+macro_rules! mutant {
+    ($self:ident, $m:ident) => {{
+        #[cfg(feature = "mutants")]
+        let on = $self.mutant == Some(Mutant::$m);
+        #[cfg(not(feature = "mutants"))]
+        let on = false;
+        on
+    }};
+}
+pub(crate) use mutant;
+
+/// How a [`Parent`] is set up. Every field is chosen by the embedder.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct ParentConfig {
+    /// Number of targets; they are `TargetId(0)..TargetId(targets)`, all
+    /// serving [`Namespace::LocalPython`], all started by [`Parent::start`].
+    pub targets: u16,
+    /// How long (microseconds) a target has to answer a register, an
+    /// unregister or a cleanup before its deadline passes.
+    pub control_timeout: u64,
+    /// At a passed deadline: `true` fences the silent target (the IO layer
+    /// kills and reaps it; it becomes lost and nothing turns uncertain);
+    /// `false` leaves it running and marks the digest uncertain
+    /// (DESIGN.md §4.1, for embedders that cannot fence).
+    pub fence_on_timeout: bool,
+    /// This Worker's random owner token, stamped on every handle it issues.
+    pub owner: OwnerToken,
+}
+
+/// The parent's lifecycle (DESIGN.md §4.1).
+///
+/// ```text
+///   New ──start()──▶ Started ──close()──▶ Closed
+///    └──────────────close()───────────────▲
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub enum Lifecycle {
+    /// No target exists yet: registrations only touch the registry and
+    /// the startup snapshot.
+    New,
+    /// Targets run: registrations are operations over a scope.
+    Started,
+    /// Closed: every call fails with `LIFECYCLE_INVALID`.
+    Closed,
+}
+
+/// A registered callable as the user holds it: plain data, serializable,
+/// checked field by field when it comes back (DESIGN.md §4.1).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+pub struct Handle {
+    /// The namespace it was registered in.
+    pub namespace: Namespace,
+    /// The callable's hashid.
+    pub hashid: HashId,
+    /// Distinct for every successful register of this Worker, even of the
+    /// same callable.
+    pub handle_id: u64,
+    /// The issuing Worker's owner token.
+    pub owner: OwnerToken,
+}
+
+impl Handle {
+    /// The callable's digest (the hashid's 32 bytes).
+    pub fn digest(&self) -> Digest {
+        self.hashid.digest()
+    }
+}
+
+/// What one target did for a completed operation (reported in
+/// [`Effect::Completed`], one per target in the operation's scope).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum TargetOutcome {
+    /// Replied OK.
+    Ok,
+    /// Replied with an error; the target changed nothing.
+    Failed {
+        /// The target's reply.
+        failure: Failure,
+    },
+    /// Lost (died or closed) before answering; it holds nothing.
+    Lost,
+    /// Its deadline passed without an answer and it was not fenced: its
+    /// effect is unknown and the digest is uncertain.
+    TimedOut,
+    /// Its deadline passed and it was fenced (killed); it holds nothing.
+    Fenced,
+    /// Replied OK to a register that failed elsewhere, and its cleanup was
+    /// confirmed (or it was lost before answering the cleanup).
+    RolledBack,
+    /// Replied OK to a register that failed elsewhere, and its cleanup was
+    /// not confirmed (an error reply, or `DEADLINE_EXCEEDED` without
+    /// fencing): the digest is uncertain.
+    CleanupUnconfirmed {
+        /// The cleanup's error reply or the passed deadline.
+        failure: Failure,
+    },
+}
+
+/// What a successful operation produced.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(tag = "completion", content = "handle", rename_all = "snake_case")]
+pub enum Completion {
+    /// A register published this new handle.
+    Registered(Handle),
+    /// An unregister dropped this handle at every target in scope.
+    Unregistered(Handle),
+}
+
+/// An output of the [`Parent`], drained with [`Parent::poll_effect`] and
+/// carried out in order.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(tag = "effect", rename_all = "snake_case")]
+pub enum Effect {
+    /// Put the envelope being registered (the one whose digest is `digest`)
+    /// in shared memory as `staging`, before sending the frames that follow.
+    /// If that fails, call [`Parent::stage_failed`] before polling again.
+    Stage {
+        /// The staged payload's id.
+        staging: StagingId,
+        /// The envelope's digest.
+        digest: Digest,
+    },
+    /// Write `frame` to `target` (FIFO per target).
+    Send {
+        /// The receiving target.
+        target: TargetId,
+        /// The frame.
+        frame: ControlFrame,
+    },
+    /// Unlink the staged payload: every target in scope has answered, been
+    /// lost or timed out.
+    ReleaseStaged {
+        /// The staged payload's id.
+        staging: StagingId,
+    },
+    /// Kill and reap `target`: its deadline passed. The parent already
+    /// counts it lost; do not call [`Parent::target_lost`] for it.
+    Fence {
+        /// The target to kill.
+        target: TargetId,
+    },
+    /// An operation finished: every target in its scope answered, was lost
+    /// or timed out, and any cleanup it needed has settled.
+    Completed {
+        /// The operation.
+        op: OpId,
+        /// The handle published or dropped, or the error:
+        /// `REGISTER_PARTIAL_FAILURE`, `REGISTER_CLEANUP_UNCERTAIN` (the
+        /// digest became uncertain while the register was in flight),
+        /// `UNREGISTER_PARTIAL_FAILURE` or `LIFECYCLE_INVALID` (closed).
+        result: Result<Completion, Error>,
+        /// Every target in the operation's scope with what it did, in
+        /// target order.
+        outcomes: Vec<(TargetId, TargetOutcome)>,
+    },
+}
+
+/// A live handle's record in the registry.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct HandleRecord {
+    pub(crate) digest: Digest,
+    pub(crate) namespace: Namespace,
+    /// The register's scope (every target, for a pre-start register once
+    /// started; empty before start).
+    pub(crate) scope: BTreeSet<TargetId>,
+    /// The targets that had replied OK when the handle was published.
+    pub(crate) confirmed: BTreeSet<TargetId>,
+}
+
+/// Where one target stands in one operation.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) enum Progress {
+    /// The control was sent; no answer yet.
+    Pending,
+    /// Replied OK.
+    Confirmed,
+    /// Replied with an error.
+    Failed(Failure),
+    /// Lost before answering.
+    Lost,
+    /// Deadline passed, not fenced.
+    TimedOut,
+    /// Deadline passed, fenced.
+    Fenced,
+    /// Confirmed a register that is being rolled back; cleanup sent.
+    CleanupPending,
+    /// Cleanup confirmed (or lost during cleanup).
+    RolledBack,
+    /// Cleanup not confirmed.
+    CleanupUnconfirmed(Failure),
+}
+
+impl Progress {
+    fn outcome(&self) -> TargetOutcome {
+        match self {
+            Progress::Confirmed => TargetOutcome::Ok,
+            Progress::Failed(f) => TargetOutcome::Failed { failure: f.clone() },
+            // Completion waits for every answer; a pending target can only
+            // reach an outcome through a mutant (early publish) or close.
+            Progress::Pending | Progress::Lost => TargetOutcome::Lost,
+            Progress::TimedOut => TargetOutcome::TimedOut,
+            Progress::Fenced => TargetOutcome::Fenced,
+            Progress::CleanupPending | Progress::RolledBack => TargetOutcome::RolledBack,
+            Progress::CleanupUnconfirmed(f) => {
+                TargetOutcome::CleanupUnconfirmed { failure: f.clone() }
+            }
+        }
+    }
+}
+
+/// What an operation is.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) enum OpKind {
+    /// A post-start register: the unpublished entry.
+    Register {
+        /// The staged payload, until released.
+        staging: Option<StagingId>,
+        /// Once rolling back: the cleanup's seq and deadline.
+        cleanup: Option<(Seq, Time)>,
+    },
+    /// A post-start unregister of `handle` (already out of the registry).
+    Unregister { handle: Handle },
+}
+
+/// One operation in flight.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct Op {
+    pub(crate) kind: OpKind,
+    pub(crate) digest: Digest,
+    pub(crate) namespace: Namespace,
+    pub(crate) seq: Seq,
+    pub(crate) deadline: Time,
+    /// The scope (live targets at the start) and where each stands.
+    pub(crate) scope: BTreeMap<TargetId, Progress>,
+}
+
+impl Op {
+    /// The deadline of the phase the operation is in.
+    fn phase_deadline(&self) -> Time {
+        match self.kind {
+            OpKind::Register {
+                cleanup: Some((_, deadline)),
+                ..
+            } => deadline,
+            _ => self.deadline,
+        }
+    }
+
+    fn waiting(&self) -> bool {
+        self.scope
+            .values()
+            .any(|p| matches!(p, Progress::Pending | Progress::CleanupPending))
+    }
+
+    fn operation_kind(&self) -> OperationKind {
+        match self.kind {
+            OpKind::Register { .. } => OperationKind::Register,
+            OpKind::Unregister { .. } => OperationKind::Unregister,
+        }
+    }
+
+    fn outcomes(&self) -> Vec<(TargetId, TargetOutcome)> {
+        self.scope.iter().map(|(t, p)| (*t, p.outcome())).collect()
+    }
+}
+
+/// The parent state machine (DESIGN.md §4.1): the registry of handles, the
+/// startup snapshot, and the register and unregister operations in flight.
+///
+/// Pure: see the module documentation for the driving rule. The state is
+/// small (`BTreeMap`s of ids and digests) and `Clone + Eq + Hash`, so a
+/// model checker can explore it.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct Parent {
+    pub(crate) config: ParentConfig,
+    pub(crate) lifecycle: Lifecycle,
+    /// Targets declared lost or fenced; they never come back.
+    pub(crate) lost: BTreeSet<TargetId>,
+    /// The next seq to issue (also names operations and staged payloads).
+    pub(crate) next_seq: u64,
+    /// The next handle id to issue; every id below it was issued.
+    pub(crate) next_handle_id: u64,
+    /// Live (published) handles by handle id.
+    pub(crate) handles: BTreeMap<u64, HandleRecord>,
+    /// Operations in flight.
+    pub(crate) ops: BTreeMap<OpId, Op>,
+    /// Uncertain digests, each with the ids of the handles that were live
+    /// when it became uncertain (invariant 3).
+    pub(crate) uncertain: BTreeMap<Digest, BTreeSet<u64>>,
+    /// Staged payloads not yet released.
+    pub(crate) staged: BTreeSet<StagingId>,
+    effects: VecDeque<Effect>,
+    #[cfg(feature = "mutants")]
+    mutant: Option<Mutant>,
+}
+
+impl Parent {
+    /// A parent in [`Lifecycle::New`] with an empty registry.
+    pub fn new(config: ParentConfig) -> Parent {
+        Parent {
+            config,
+            lifecycle: Lifecycle::New,
+            lost: BTreeSet::new(),
+            next_seq: 1,
+            next_handle_id: 1,
+            handles: BTreeMap::new(),
+            ops: BTreeMap::new(),
+            uncertain: BTreeMap::new(),
+            staged: BTreeSet::new(),
+            effects: VecDeque::new(),
+            #[cfg(feature = "mutants")]
+            mutant: None,
+        }
+    }
+
+    /// Switches on one known bug (model mutation tests only).
+    #[cfg(feature = "mutants")]
+    pub fn with_mutant(mut self, mutant: Mutant) -> Parent {
+        self.mutant = Some(mutant);
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ParentConfig {
+        &self.config
+    }
+
+    /// The lifecycle state.
+    pub fn lifecycle(&self) -> Lifecycle {
+        self.lifecycle
+    }
+
+    fn all_targets(&self) -> impl Iterator<Item = TargetId> {
+        (0..self.config.targets).map(TargetId)
+    }
+
+    fn lifecycle_error(&self, operation: OperationKind, wanted: &str) -> Error {
+        Error::new(
+            ErrorCode::LIFECYCLE_INVALID,
+            operation,
+            format!(
+                "{operation} needs a {wanted} Worker; this one is {:?}",
+                self.lifecycle
+            ),
+        )
+    }
+
+    fn check_namespace(namespace: Namespace, digest: Digest) -> Result<(), Error> {
+        if namespace == Namespace::LocalPython {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorCode::CALLABLE_KIND_UNSUPPORTED,
+            OperationKind::Register,
+            format!("no target of this Worker serves namespace {namespace}"),
+        )
+        .with_namespace(namespace)
+        .with_digest(digest))
+    }
+
+    fn issue_handle(&mut self, digest: Digest, namespace: Namespace) -> Handle {
+        let handle_id = self.next_handle_id;
+        self.next_handle_id += 1;
+        Handle {
+            namespace,
+            hashid: digest.hashid(),
+            handle_id,
+            owner: self.config.owner,
+        }
+    }
+
+    fn fresh_seq(&mut self) -> Seq {
+        let seq = Seq(self.next_seq);
+        self.next_seq += 1;
+        seq
+    }
+
+    /// Registers a callable before start: adds a handle to the registry and
+    /// one reference to `digest` in the startup snapshot. No effect.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless [`Lifecycle::New`];
+    /// `CALLABLE_KIND_UNSUPPORTED` for a namespace other than `LOCAL_PYTHON`.
+    pub fn register_before_start(
+        &mut self,
+        digest: Digest,
+        namespace: Namespace,
+    ) -> Result<Handle, Error> {
+        if self.lifecycle != Lifecycle::New {
+            return Err(self.lifecycle_error(OperationKind::Register, "new (not started)"));
+        }
+        Self::check_namespace(namespace, digest)?;
+        let handle = self.issue_handle(digest, namespace);
+        let record = HandleRecord {
+            digest,
+            namespace,
+            scope: BTreeSet::new(),
+            confirmed: BTreeSet::new(),
+        };
+        self.handles.insert(handle.handle_id, record);
+        Ok(handle)
+    }
+
+    /// Unregisters a handle before start: drops it from the registry and one
+    /// reference from the startup snapshot. No effect.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless [`Lifecycle::New`]; otherwise the
+    /// resolution errors of [`Parent::resolve`].
+    pub fn unregister_before_start(&mut self, handle: &Handle) -> Result<(), Error> {
+        if self.lifecycle != Lifecycle::New {
+            return Err(self.lifecycle_error(OperationKind::Unregister, "new (not started)"));
+        }
+        self.resolve_for(handle, Namespace::LocalPython, OperationKind::Unregister)?;
+        self.handles.remove(&handle.handle_id);
+        Ok(())
+    }
+
+    /// The startup snapshot: every digest with a live handle and its number
+    /// of live handles (the refcount a newly started target installs), in
+    /// digest order. Before start this is exactly what the targets inherit.
+    pub fn startup_snapshot(&self) -> Vec<(Digest, u32)> {
+        let mut counts: BTreeMap<Digest, u32> = BTreeMap::new();
+        for record in self.handles.values() {
+            *counts.entry(record.digest).or_insert(0) += 1;
+        }
+        counts.into_iter().collect()
+    }
+
+    /// Starts: every target `0..targets` is live and holds the startup
+    /// snapshot, so every pre-start handle counts as confirmed by all.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless [`Lifecycle::New`].
+    pub fn start(&mut self) -> Result<(), Error> {
+        if self.lifecycle != Lifecycle::New {
+            return Err(self.lifecycle_error(OperationKind::Start, "new (not started)"));
+        }
+        self.lifecycle = Lifecycle::Started;
+        let all: BTreeSet<TargetId> = self.all_targets().collect();
+        for record in self.handles.values_mut() {
+            record.scope = all.clone();
+            record.confirmed = all.clone();
+        }
+        Ok(())
+    }
+
+    /// Begins a post-start register of the envelope whose digest is
+    /// `digest`: emits [`Effect::Stage`], then a
+    /// [`ControlFrame::Register`] (one fresh seq) to every live target,
+    /// which form the operation's scope. The operation later completes with
+    /// [`Effect::Completed`]; its handle is published only after every
+    /// target in scope replied OK (invariant 1).
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless [`Lifecycle::Started`];
+    /// `CALLABLE_KIND_UNSUPPORTED` for a namespace other than `LOCAL_PYTHON`;
+    /// `REGISTER_CLEANUP_UNCERTAIN` for an uncertain digest (invariant 3);
+    /// `NO_LIVE_TARGET` when every target is lost. Nothing is emitted then.
+    pub fn register(
+        &mut self,
+        digest: Digest,
+        namespace: Namespace,
+        now: Time,
+    ) -> Result<OpId, Error> {
+        if self.lifecycle != Lifecycle::Started {
+            return Err(self.lifecycle_error(OperationKind::Register, "started"));
+        }
+        Self::check_namespace(namespace, digest)?;
+        if self.uncertain.contains_key(&digest) {
+            return Err(Error::new(
+                ErrorCode::REGISTER_CLEANUP_UNCERTAIN,
+                OperationKind::Register,
+                format!("{digest} is uncertain: a cleanup of it was never confirmed, so no target's refcount for it can be trusted"),
+            )
+            .with_namespace(namespace)
+            .with_digest(digest));
+        }
+        let scope: BTreeMap<TargetId, Progress> = self
+            .all_targets()
+            .filter(|t| !self.lost.contains(t))
+            .map(|t| (t, Progress::Pending))
+            .collect();
+        if scope.is_empty() {
+            return Err(Error::new(
+                ErrorCode::NO_LIVE_TARGET,
+                OperationKind::Register,
+                "every target is lost",
+            )
+            .with_namespace(namespace)
+            .with_digest(digest));
+        }
+        let seq = self.fresh_seq();
+        let staging = StagingId(seq.0);
+        self.staged.insert(staging);
+        self.effects.push_back(Effect::Stage { staging, digest });
+        for target in scope.keys() {
+            self.effects.push_back(Effect::Send {
+                target: *target,
+                frame: ControlFrame::Register {
+                    seq,
+                    digest,
+                    staging,
+                },
+            });
+        }
+        let op = Op {
+            kind: OpKind::Register {
+                staging: Some(staging),
+                cleanup: None,
+            },
+            digest,
+            namespace,
+            seq,
+            deadline: now.saturating_add_micros(self.config.control_timeout),
+            scope,
+        };
+        let id = OpId(seq.0);
+        self.ops.insert(id, op);
+        Ok(id)
+    }
+
+    /// Begins a post-start unregister: resolves `handle`, drops it from the
+    /// registry at once (it is stale from now on), and sends a digest-owned
+    /// [`ControlFrame::Unregister`] (one fresh seq) to every live target
+    /// that confirmed it. Completes with [`Effect::Completed`]; with no such
+    /// target it completes at once.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless [`Lifecycle::Started`]; otherwise the
+    /// resolution errors of [`Parent::resolve`] (nothing changes then).
+    pub fn unregister(&mut self, handle: &Handle, now: Time) -> Result<OpId, Error> {
+        if self.lifecycle != Lifecycle::Started {
+            return Err(self.lifecycle_error(OperationKind::Unregister, "started"));
+        }
+        let digest = self.resolve_for(handle, Namespace::LocalPython, OperationKind::Unregister)?;
+        let Some(record) = self.handles.remove(&handle.handle_id) else {
+            // resolve_for just found it; keep the error path rather than panic.
+            return Err(self.stale(handle, OperationKind::Unregister));
+        };
+        let seq = self.fresh_seq();
+        let scope: BTreeMap<TargetId, Progress> = record
+            .confirmed
+            .iter()
+            .filter(|t| !self.lost.contains(t))
+            .map(|t| (*t, Progress::Pending))
+            .collect();
+        for target in scope.keys() {
+            self.effects.push_back(Effect::Send {
+                target: *target,
+                frame: ControlFrame::Unregister { seq, digest },
+            });
+        }
+        let id = OpId(seq.0);
+        self.ops.insert(
+            id,
+            Op {
+                kind: OpKind::Unregister { handle: *handle },
+                digest,
+                namespace: record.namespace,
+                seq,
+                deadline: now.saturating_add_micros(self.config.control_timeout),
+                scope,
+            },
+        );
+        self.advance(id, now);
+        Ok(id)
+    }
+
+    fn stale(&self, handle: &Handle, operation: OperationKind) -> Error {
+        Error::new(
+            ErrorCode::HANDLE_STALE,
+            operation,
+            format!(
+                "handle {} is no longer live (unregistered)",
+                handle.handle_id
+            ),
+        )
+        .with_namespace(handle.namespace)
+        .with_digest(handle.digest())
+    }
+
+    /// Resolves a handle to its digest for use in `namespace`
+    /// (DESIGN.md §4.1, invariant 6). Checks in this order, each with its
+    /// own error:
+    ///
+    /// # Errors
+    /// * `LIFECYCLE_INVALID` once closed;
+    /// * `HANDLE_FOREIGN`: another owner token, or a handle id this Worker
+    ///   never issued (forged);
+    /// * `HANDLE_STALE`: issued here but no longer live;
+    /// * `HANDLE_MUTATED`: live, but its namespace or hashid differ from
+    ///   what was issued;
+    /// * `HANDLE_WRONG_NAMESPACE`: intact but of another namespace;
+    /// * `REGISTER_CLEANUP_UNCERTAIN`: its digest is uncertain.
+    pub fn resolve(&self, handle: &Handle, namespace: Namespace) -> Result<Digest, Error> {
+        self.resolve_for(handle, namespace, OperationKind::Resolve)
+    }
+
+    fn resolve_for(
+        &self,
+        handle: &Handle,
+        namespace: Namespace,
+        operation: OperationKind,
+    ) -> Result<Digest, Error> {
+        let digest = handle.digest();
+        let error = |code, message: String| {
+            Error::new(code, operation, message)
+                .with_namespace(handle.namespace)
+                .with_digest(digest)
+        };
+        if self.lifecycle == Lifecycle::Closed {
+            return Err(self.lifecycle_error(operation, "new or started"));
+        }
+        if handle.owner != self.config.owner {
+            return Err(error(
+                ErrorCode::HANDLE_FOREIGN,
+                format!("handle {} was issued by another Worker", handle.handle_id),
+            ));
+        }
+        if handle.handle_id == 0 || handle.handle_id >= self.next_handle_id {
+            return Err(error(
+                ErrorCode::HANDLE_FOREIGN,
+                format!(
+                    "handle id {} was never issued by this Worker (forged)",
+                    handle.handle_id
+                ),
+            ));
+        }
+        let Some(record) = self.handles.get(&handle.handle_id) else {
+            return Err(self.stale(handle, operation));
+        };
+        if record.digest != digest || record.namespace != handle.namespace {
+            return Err(error(
+                ErrorCode::HANDLE_MUTATED,
+                format!(
+                    "handle {} was issued for {} in {}; its fields were changed",
+                    handle.handle_id, record.digest, record.namespace
+                ),
+            ));
+        }
+        if record.namespace != namespace {
+            return Err(error(
+                ErrorCode::HANDLE_WRONG_NAMESPACE,
+                format!(
+                    "handle {} belongs to {}, not {namespace}",
+                    handle.handle_id, record.namespace
+                ),
+            ));
+        }
+        if self.uncertain.contains_key(&digest) {
+            return Err(error(
+                ErrorCode::REGISTER_CLEANUP_UNCERTAIN,
+                format!("{digest} is uncertain: a cleanup of it was never confirmed"),
+            ));
+        }
+        Ok(digest)
+    }
+
+    /// Submits a task for `handle` to `target`: emits
+    /// [`Effect::Send`] of a [`ControlFrame::Task`] with a fresh seq, which
+    /// it returns (the task's input travels beside the frame; results do
+    /// not pass through this machine).
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless started; the resolution errors of
+    /// [`Parent::resolve`] (for `LOCAL_PYTHON`); `NO_LIVE_TARGET` for a
+    /// target id out of range; `TARGET_LOST` for a lost target;
+    /// `DIGEST_NOT_INSTALLED` if the target never confirmed the handle.
+    pub fn submit(&mut self, handle: &Handle, target: TargetId) -> Result<Seq, Error> {
+        if self.lifecycle != Lifecycle::Started {
+            return Err(self.lifecycle_error(OperationKind::Task, "started"));
+        }
+        let digest = self.resolve_for(handle, Namespace::LocalPython, OperationKind::Task)?;
+        let error = |code, message: String| {
+            Error::new(code, OperationKind::Task, message)
+                .with_target(target)
+                .with_namespace(handle.namespace)
+                .with_digest(digest)
+        };
+        if target.0 >= self.config.targets {
+            return Err(error(
+                ErrorCode::NO_LIVE_TARGET,
+                format!(
+                    "there is no target {} (targets 0..{})",
+                    target.0, self.config.targets
+                ),
+            ));
+        }
+        if self.lost.contains(&target) {
+            return Err(error(ErrorCode::TARGET_LOST, format!("{target} is lost")));
+        }
+        let confirmed = self
+            .handles
+            .get(&handle.handle_id)
+            .is_some_and(|r| r.confirmed.contains(&target));
+        if !confirmed {
+            return Err(error(
+                ErrorCode::DIGEST_NOT_INSTALLED,
+                format!("{target} never confirmed handle {}", handle.handle_id),
+            ));
+        }
+        let seq = self.fresh_seq();
+        self.effects.push_back(Effect::Send {
+            target,
+            frame: ControlFrame::Task { seq, digest },
+        });
+        Ok(seq)
+    }
+
+    fn check_target(&self, target: TargetId, operation: OperationKind) -> Result<(), Error> {
+        if target.0 < self.config.targets {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorCode::FRAME_INVALID,
+            operation,
+            format!(
+                "there is no target {} (targets 0..{})",
+                target.0, self.config.targets
+            ),
+        )
+        .with_target(target))
+    }
+
+    /// A target's reply to a register, unregister or cleanup.
+    ///
+    /// A reply that answers nothing pending (a late answer after the
+    /// target's deadline passed, or a duplicate) marks its digest uncertain,
+    /// since the target's state is then unknown (DESIGN.md §4.1). Replies
+    /// from a lost target and replies after close are ignored.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id
+    /// out of range or a seq this parent never issued (nothing changes).
+    pub fn handle_reply(&mut self, target: TargetId, reply: Reply, now: Time) -> Result<(), Error> {
+        match self.lifecycle {
+            Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Reply, "started")),
+            Lifecycle::Closed => return Ok(()),
+            Lifecycle::Started => {}
+        }
+        self.check_target(target, OperationKind::Reply)?;
+        if self.lost.contains(&target) {
+            return Ok(());
+        }
+        if reply.seq.0 == 0 || reply.seq.0 >= self.next_seq {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Reply,
+                format!("reply for {} which this Worker never issued", reply.seq),
+            )
+            .with_target(target)
+            .with_seq(reply.seq)
+            .with_digest(reply.digest));
+        }
+        let found = self.ops.iter().find_map(|(id, op)| {
+            let progress = op.scope.get(&target)?;
+            let cleanup_seq = match op.kind {
+                OpKind::Register {
+                    cleanup: Some((seq, _)),
+                    ..
+                } => Some(seq),
+                _ => None,
+            };
+            if op.seq == reply.seq && *progress == Progress::Pending {
+                Some((*id, false))
+            } else if cleanup_seq == Some(reply.seq) && *progress == Progress::CleanupPending {
+                Some((*id, true))
+            } else {
+                None
+            }
+        });
+        let Some((id, is_cleanup)) = found else {
+            // Late or duplicate: the operation already gave up on this target.
+            self.mark_uncertain(reply.digest);
+            return Ok(());
+        };
+        let Some(op) = self.ops.get_mut(&id) else {
+            return Ok(());
+        };
+        let digest = op.digest;
+        let is_unregister = matches!(op.kind, OpKind::Unregister { .. });
+        let result = if reply.digest == digest {
+            reply.result
+        } else {
+            Err(Failure::new(
+                ErrorCode::FRAME_INVALID,
+                format!(
+                    "reply for {} names {} instead of {digest}",
+                    reply.seq, reply.digest
+                ),
+            ))
+        };
+        let mut uncertain = reply.digest != digest;
+        if let Some(progress) = op.scope.get_mut(&target) {
+            *progress = match (is_cleanup, result) {
+                (false, Ok(())) => Progress::Confirmed,
+                (false, Err(failure)) => {
+                    // An unregister the target refused means parent and
+                    // target disagree on its refcount.
+                    uncertain |= is_unregister;
+                    Progress::Failed(failure)
+                }
+                (true, Ok(())) => Progress::RolledBack,
+                (true, Err(failure)) => {
+                    uncertain = true;
+                    Progress::CleanupUnconfirmed(failure)
+                }
+            };
+        }
+        if uncertain {
+            self.mark_uncertain(digest);
+        }
+        self.advance(id, now);
+        Ok(())
+    }
+
+    /// `target` died (or was closed by the IO layer): it holds nothing, it
+    /// leaves the scope of later operations, and every operation waiting
+    /// for it counts it lost (a register fails; nothing becomes uncertain).
+    /// Idempotent; ignored after close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id out
+    /// of range.
+    pub fn target_lost(&mut self, target: TargetId, now: Time) -> Result<(), Error> {
+        match self.lifecycle {
+            Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Reply, "started")),
+            Lifecycle::Closed => return Ok(()),
+            Lifecycle::Started => {}
+        }
+        self.check_target(target, OperationKind::Reply)?;
+        self.lose(target, Progress::Lost, now);
+        Ok(())
+    }
+
+    fn lose(&mut self, target: TargetId, as_progress: Progress, now: Time) {
+        if !self.lost.insert(target) {
+            return;
+        }
+        let mut touched = Vec::new();
+        for (id, op) in self.ops.iter_mut() {
+            if let Some(progress) = op.scope.get_mut(&target) {
+                match progress {
+                    Progress::Pending => *progress = as_progress.clone(),
+                    Progress::CleanupPending => *progress = Progress::RolledBack,
+                    _ => continue,
+                }
+                touched.push(*id);
+            }
+        }
+        for id in touched {
+            self.advance(id, now);
+        }
+    }
+
+    /// The IO layer could not stage the payload of [`Effect::Stage`]
+    /// `staging`; call it before polling the next effect. Withdraws the
+    /// register's queued frames (no target has seen them) and completes the
+    /// operation with `failure` and no target outcome.
+    ///
+    /// # Errors
+    /// `FRAME_INVALID` if no register waits for `staging` or some of its
+    /// frames were already polled (nothing changes).
+    pub fn stage_failed(
+        &mut self,
+        staging: StagingId,
+        failure: Failure,
+        now: Time,
+    ) -> Result<(), Error> {
+        let id = OpId(staging.0);
+        let withdrawable = self.ops.get(&id).is_some_and(|op| {
+            let queued = self
+                .effects
+                .iter()
+                .filter(|e| matches!(e, Effect::Send { frame: ControlFrame::Register { seq, .. }, .. } if *seq == op.seq))
+                .count();
+            matches!(op.kind, OpKind::Register { staging: Some(s), cleanup: None } if s == staging)
+                && queued == op.scope.len()
+        });
+        if !withdrawable {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Stage,
+                format!(
+                    "no register waits for staged payload {} with all its frames unsent",
+                    staging.0
+                ),
+            ));
+        }
+        let _ = now;
+        let Some(op) = self.ops.remove(&id) else {
+            return Ok(());
+        };
+        self.effects
+            .retain(|e| !matches!(e, Effect::Send { frame: ControlFrame::Register { seq, .. }, .. } if *seq == op.seq));
+        self.staged.remove(&staging);
+        let error = Error::new(failure.code, OperationKind::Stage, failure.message)
+            .with_namespace(op.namespace)
+            .with_digest(op.digest)
+            .with_seq(op.seq);
+        self.effects.push_back(Effect::Completed {
+            op: id,
+            result: Err(error),
+            outcomes: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Applies every deadline at or before `now`. A target still silent for
+    /// an operation past its deadline is, with `fence_on_timeout`, fenced
+    /// ([`Effect::Fence`], then lost everywhere); without, it is timed out
+    /// and the operation's digest becomes uncertain (its effect on the
+    /// target is unknown). Does nothing before start or after close.
+    pub fn handle_timeout(&mut self, now: Time) {
+        if self.lifecycle != Lifecycle::Started {
+            return;
+        }
+        let expired: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| op.waiting() && op.phase_deadline() <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        if self.config.fence_on_timeout {
+            let mut silent = BTreeSet::new();
+            for id in &expired {
+                if let Some(op) = self.ops.get(id) {
+                    silent.extend(
+                        op.scope
+                            .iter()
+                            .filter(|(_, p)| {
+                                matches!(p, Progress::Pending | Progress::CleanupPending)
+                            })
+                            .map(|(t, _)| *t),
+                    );
+                }
+            }
+            for target in silent {
+                self.effects.push_back(Effect::Fence { target });
+                self.lose(target, Progress::Fenced, now);
+            }
+            return;
+        }
+        for id in expired {
+            let Some(op) = self.ops.get_mut(&id) else {
+                continue;
+            };
+            let digest = op.digest;
+            for progress in op.scope.values_mut() {
+                match progress {
+                    Progress::Pending => *progress = Progress::TimedOut,
+                    Progress::CleanupPending => {
+                        *progress = Progress::CleanupUnconfirmed(Failure::new(
+                            ErrorCode::DEADLINE_EXCEEDED,
+                            "no answer to the cleanup before its deadline",
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+            self.mark_uncertain(digest);
+            self.advance(id, now);
+        }
+    }
+
+    /// Closes the Worker: every operation in flight completes with
+    /// `LIFECYCLE_INVALID` (targets still pending count as lost), every
+    /// staged payload is released. Later calls fail with
+    /// `LIFECYCLE_INVALID`; replies and losses are ignored.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` if already closed.
+    pub fn close(&mut self) -> Result<(), Error> {
+        if self.lifecycle == Lifecycle::Closed {
+            return Err(self.lifecycle_error(OperationKind::Close, "new or started"));
+        }
+        self.lifecycle = Lifecycle::Closed;
+        for (id, op) in std::mem::take(&mut self.ops) {
+            if let OpKind::Register {
+                staging: Some(staging),
+                ..
+            } = op.kind
+            {
+                self.staged.remove(&staging);
+                self.effects.push_back(Effect::ReleaseStaged { staging });
+            }
+            let error = Error::new(
+                ErrorCode::LIFECYCLE_INVALID,
+                op.operation_kind(),
+                "the Worker closed before the operation completed",
+            )
+            .with_namespace(op.namespace)
+            .with_digest(op.digest)
+            .with_seq(op.seq);
+            self.effects.push_back(Effect::Completed {
+                op: id,
+                result: Err(error),
+                outcomes: op.outcomes(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The next effect to carry out, oldest first; `None` when drained.
+    pub fn poll_effect(&mut self) -> Option<Effect> {
+        self.effects.pop_front()
+    }
+
+    /// The earliest deadline among operations still waiting for a target,
+    /// if any: call [`Parent::handle_timeout`] once it has passed.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        self.ops
+            .values()
+            .filter(|op| op.waiting())
+            .map(Op::phase_deadline)
+            .min()
+    }
+
+    /// Whether `target` is live (started and not lost).
+    pub fn is_target_live(&self, target: TargetId) -> bool {
+        self.lifecycle == Lifecycle::Started
+            && target.0 < self.config.targets
+            && !self.lost.contains(&target)
+    }
+
+    /// Whether `digest` is uncertain (sticky for the Worker's life).
+    pub fn is_uncertain(&self, digest: Digest) -> bool {
+        self.uncertain.contains_key(&digest)
+    }
+
+    /// Every uncertain digest, in digest order.
+    pub fn uncertain_digests(&self) -> Vec<Digest> {
+        self.uncertain.keys().copied().collect()
+    }
+
+    /// Every live (published) handle, in handle id order.
+    pub fn live_handles(&self) -> Vec<Handle> {
+        self.handles
+            .iter()
+            .map(|(id, r)| Handle {
+                namespace: r.namespace,
+                hashid: r.digest.hashid(),
+                handle_id: *id,
+                owner: self.config.owner,
+            })
+            .collect()
+    }
+
+    /// The operations in flight, in start order.
+    pub fn in_flight(&self) -> Vec<OpId> {
+        self.ops.keys().copied().collect()
+    }
+
+    /// Staged payloads not yet released, in id order.
+    pub fn staged(&self) -> Vec<StagingId> {
+        self.staged.iter().copied().collect()
+    }
+
+    /// Whether no operation is in flight and no effect waits to be polled.
+    pub fn is_idle(&self) -> bool {
+        self.ops.is_empty() && self.effects.is_empty()
+    }
+
+    fn mark_uncertain(&mut self, digest: Digest) {
+        if mutant!(self, ForgetUncertain) || self.uncertain.contains_key(&digest) {
+            return;
+        }
+        let live = self
+            .handles
+            .iter()
+            .filter(|(_, r)| r.digest == digest)
+            .map(|(id, _)| *id)
+            .collect();
+        self.uncertain.insert(digest, live);
+    }
+
+    /// Moves operation `id` on after any change to it: releases its staged
+    /// payload once every target in scope answered, then publishes, starts
+    /// the cleanup, or completes.
+    fn advance(&mut self, id: OpId, now: Time) {
+        let Some(op) = self.ops.get(&id) else { return };
+        let answered = !op.scope.values().any(|p| *p == Progress::Pending);
+        let any_answered = op.scope.values().any(|p| *p != Progress::Pending);
+        let any_confirmed = op.scope.values().any(|p| *p == Progress::Confirmed);
+        let all_confirmed = op.scope.values().all(|p| *p == Progress::Confirmed);
+        let any_failed = op
+            .scope
+            .values()
+            .any(|p| !matches!(p, Progress::Pending | Progress::Confirmed));
+        let release_now = answered || (mutant!(self, ReleaseStagedEarly) && any_answered);
+        let kind = op.kind.clone();
+        let digest = op.digest;
+        match kind {
+            OpKind::Register { staging, cleanup } => {
+                if let (Some(staging), true) = (staging, release_now) {
+                    self.release(id, staging);
+                }
+                match cleanup {
+                    None => {
+                        let early =
+                            mutant!(self, PublishBeforeAllReplies) && any_confirmed && !any_failed;
+                        if !answered && !early {
+                            return;
+                        }
+                        if (all_confirmed || early) && !self.uncertain.contains_key(&digest) {
+                            self.publish(id);
+                        } else {
+                            self.start_cleanup(id, now);
+                        }
+                    }
+                    Some(_) => {
+                        if !op_waiting(self.ops.get(&id)) {
+                            self.complete_register_failure(id);
+                        }
+                    }
+                }
+            }
+            OpKind::Unregister { handle } => {
+                if answered {
+                    self.complete_unregister(id, handle);
+                }
+            }
+        }
+    }
+
+    fn release(&mut self, id: OpId, staging: StagingId) {
+        if let Some(Op {
+            kind: OpKind::Register { staging: slot, .. },
+            ..
+        }) = self.ops.get_mut(&id)
+        {
+            *slot = None;
+        }
+        self.staged.remove(&staging);
+        self.effects.push_back(Effect::ReleaseStaged { staging });
+    }
+
+    fn publish(&mut self, id: OpId) {
+        let Some(op) = self.ops.remove(&id) else {
+            return;
+        };
+        if let OpKind::Register {
+            staging: Some(staging),
+            ..
+        } = op.kind
+        {
+            self.staged.remove(&staging);
+            self.effects.push_back(Effect::ReleaseStaged { staging });
+        }
+        let handle = self.issue_handle(op.digest, op.namespace);
+        let confirmed = op
+            .scope
+            .iter()
+            .filter(|(_, p)| **p == Progress::Confirmed)
+            .map(|(t, _)| *t)
+            .collect();
+        let record = HandleRecord {
+            digest: op.digest,
+            namespace: op.namespace,
+            scope: op.scope.keys().copied().collect(),
+            confirmed,
+        };
+        self.handles.insert(handle.handle_id, record);
+        self.effects.push_back(Effect::Completed {
+            op: id,
+            result: Ok(Completion::Registered(handle)),
+            outcomes: op.outcomes(),
+        });
+    }
+
+    fn start_cleanup(&mut self, id: OpId, now: Time) {
+        let seq = self.fresh_seq();
+        let skip = mutant!(self, SkipCleanup);
+        let unconfirmed_too = mutant!(self, CleanupUnconfirmedTargets);
+        let deadline = now.saturating_add_micros(self.config.control_timeout);
+        let lost = self.lost.clone();
+        let Some(op) = self.ops.get_mut(&id) else {
+            return;
+        };
+        let digest = op.digest;
+        let mut frames = Vec::new();
+        for (target, progress) in op.scope.iter_mut() {
+            let clean = match progress {
+                Progress::Confirmed => !skip,
+                Progress::Failed(_) | Progress::TimedOut => {
+                    unconfirmed_too && !lost.contains(target)
+                }
+                _ => false,
+            };
+            if clean {
+                *progress = Progress::CleanupPending;
+                frames.push(Effect::Send {
+                    target: *target,
+                    frame: ControlFrame::Unregister { seq, digest },
+                });
+            } else if *progress == Progress::Confirmed {
+                // Only under SkipCleanup: the install is left in place.
+                *progress = Progress::RolledBack;
+            }
+        }
+        if let OpKind::Register { cleanup, .. } = &mut op.kind {
+            *cleanup = Some((seq, deadline));
+        }
+        self.effects.extend(frames);
+        self.advance(id, now);
+    }
+
+    fn complete_register_failure(&mut self, id: OpId) {
+        let Some(op) = self.ops.remove(&id) else {
+            return;
+        };
+        let uncertain = self.uncertain.contains_key(&op.digest);
+        let confirmed_everywhere = op
+            .scope
+            .values()
+            .all(|p| matches!(p, Progress::RolledBack | Progress::CleanupUnconfirmed(_)));
+        let mut parts = Vec::new();
+        for (target, progress) in &op.scope {
+            let text = match progress {
+                Progress::Failed(f) => format!("{target}: {f}"),
+                Progress::Lost | Progress::Pending => format!("{target}: lost"),
+                Progress::TimedOut => format!("{target}: no answer before the deadline"),
+                Progress::Fenced => format!("{target}: fenced after its deadline"),
+                Progress::RolledBack | Progress::CleanupPending => format!("{target}: rolled back"),
+                Progress::CleanupUnconfirmed(f) => format!("{target}: cleanup not confirmed ({f})"),
+                Progress::Confirmed => format!("{target}: confirmed"),
+            };
+            parts.push(text);
+        }
+        let (code, lead) = if confirmed_everywhere && uncertain {
+            (
+                ErrorCode::REGISTER_CLEANUP_UNCERTAIN,
+                format!(
+                    "{} became uncertain while its register was in flight",
+                    op.digest
+                ),
+            )
+        } else {
+            (
+                ErrorCode::REGISTER_PARTIAL_FAILURE,
+                format!("register of {} failed", op.digest),
+            )
+        };
+        let tail = if uncertain {
+            format!("; {} is uncertain", op.digest)
+        } else {
+            String::new()
+        };
+        let error = Error::new(
+            code,
+            OperationKind::Register,
+            format!("{lead}: {}{tail}", parts.join("; ")),
+        )
+        .with_namespace(op.namespace)
+        .with_digest(op.digest)
+        .with_seq(op.seq);
+        self.effects.push_back(Effect::Completed {
+            op: id,
+            result: Err(error),
+            outcomes: op.outcomes(),
+        });
+    }
+
+    fn complete_unregister(&mut self, id: OpId, handle: Handle) {
+        let Some(op) = self.ops.remove(&id) else {
+            return;
+        };
+        let failures: Vec<String> = op
+            .scope
+            .iter()
+            .filter_map(|(target, p)| match p {
+                Progress::Failed(f) => Some(format!("{target}: {f}")),
+                Progress::TimedOut => Some(format!("{target}: no answer before the deadline")),
+                _ => None,
+            })
+            .collect();
+        let result = if failures.is_empty() {
+            Ok(Completion::Unregistered(handle))
+        } else {
+            Err(Error::new(
+                ErrorCode::UNREGISTER_PARTIAL_FAILURE,
+                OperationKind::Unregister,
+                format!(
+                    "unregister of handle {} failed at {}; {} is uncertain",
+                    handle.handle_id,
+                    failures.join("; "),
+                    op.digest
+                ),
+            )
+            .with_namespace(op.namespace)
+            .with_digest(op.digest)
+            .with_seq(op.seq))
+        };
+        self.effects.push_back(Effect::Completed {
+            op: id,
+            result,
+            outcomes: op.outcomes(),
+        });
+    }
+}
+
+fn op_waiting(op: Option<&Op>) -> bool {
+    op.is_some_and(Op::waiting)
+}

@@ -1,0 +1,468 @@
+//! The target state machine: one child's private `digest -> slot` table
+//! with refcounts, tombstones and run pins (DESIGN.md §4.2).
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use super::parent::mutant;
+#[cfg(feature = "mutants")]
+use super::Mutant;
+use super::{Failure, Reply, Seq, TargetId};
+use crate::descriptor::Digest;
+use crate::error::{Error, ErrorCode, OperationKind};
+
+/// The default number of slots per target.
+pub const DEFAULT_SLOT_CAPACITY: u16 = 64;
+
+/// How a [`Target`] is set up.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct TargetConfig {
+    /// This target's id (named in its errors).
+    pub id: TargetId,
+    /// How many callables it can hold at once, counting tombstoned slots
+    /// still held by a run ([`DEFAULT_SLOT_CAPACITY`] unless configured).
+    pub slot_capacity: u16,
+}
+
+impl TargetConfig {
+    /// Target `id` with [`DEFAULT_SLOT_CAPACITY`] slots.
+    pub fn new(id: TargetId) -> TargetConfig {
+        TargetConfig {
+            id,
+            slot_capacity: DEFAULT_SLOT_CAPACITY,
+        }
+    }
+}
+
+/// A slot: where a target keeps one deserialized callable,
+/// `0..slot_capacity`. Private to the target: it never appears in a frame
+/// or a reply (invariant 9); the target's IO layer uses it to index its
+/// table of callables.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct Slot(pub u16);
+
+/// What a slot holds.
+///
+/// ```text
+///  free ──register (slot check ok)──▶ Deserializing ──ok──▶ Live
+///   ▲                                      │                 │ last unregister
+///   └───────────── failed ─────────────────┘                 ▼
+///   ▲──────── last unregister, no run ◀────────────── (no run?) ──▶ Tombstoned
+///   └──────────────────── last end_task ◀─────────────────────────────┘
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) enum SlotState {
+    /// Reserved for a deserialization in progress.
+    Deserializing,
+    /// Installed and resolvable.
+    Live,
+    /// Unresolvable (refcount reached zero) but held by at least one run.
+    Tombstoned,
+}
+
+/// One used slot.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct SlotUse {
+    /// The recomputed digest of the payload deserialized into the slot
+    /// (invariant 5 compares it with the digest it resolves under).
+    pub(crate) content: Digest,
+    pub(crate) state: SlotState,
+}
+
+/// An installed (resolvable) digest.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct Installed {
+    pub(crate) slot: Slot,
+    pub(crate) refcount: u32,
+}
+
+/// A deserialization in progress, keyed by the seq of the register that
+/// started it.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct PendingInstall {
+    pub(crate) digest: Digest,
+    pub(crate) slot: Slot,
+    /// Later registers of the same digest that wait for this result.
+    pub(crate) waiters: Vec<Seq>,
+}
+
+/// An output of the [`Target`], drained with [`Target::poll_effect`].
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub enum TargetEffect {
+    /// Write this reply to the parent.
+    Reply(Reply),
+    /// Deserialize the payload staged for register `seq` (already opened
+    /// and digest-checked) into `slot` through the runtime, then report
+    /// with [`Target::on_deserialized`].
+    Deserialize {
+        /// The register's seq.
+        seq: Seq,
+        /// The digest it installs under.
+        digest: Digest,
+        /// The reserved slot.
+        slot: Slot,
+    },
+}
+
+/// The target state machine (DESIGN.md §4.2).
+///
+/// Pure: the IO layer opens staged payloads, recomputes digests, runs the
+/// runtime and moves frames; this machine decides. Runs must be begun
+/// ([`Target::begin_task`]) in frame order, interleaved with controls, so a
+/// run pins its slot before any later unregister is applied.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct Target {
+    pub(crate) config: TargetConfig,
+    /// Used slots; absent means free.
+    pub(crate) slots: BTreeMap<Slot, SlotUse>,
+    /// The public resolution: digest -> slot and refcount.
+    pub(crate) installed: BTreeMap<Digest, Installed>,
+    /// Deserializations in progress.
+    pub(crate) pending: BTreeMap<Seq, PendingInstall>,
+    /// Runs in progress: task seq -> the slot it pins.
+    pub(crate) runs: BTreeMap<Seq, Slot>,
+    effects: VecDeque<TargetEffect>,
+    #[cfg(feature = "mutants")]
+    mutant: Option<Mutant>,
+}
+
+impl Target {
+    /// A target holding the parent's startup snapshot (each digest with its
+    /// refcount, as from [`super::Parent::startup_snapshot`]) in slots
+    /// `0..`, in snapshot order; repeated digests add up, zero counts are
+    /// skipped. The IO layer deserializes each inherited payload into its
+    /// slot before serving frames.
+    ///
+    /// # Errors
+    /// `LOCAL_SLOT_EXHAUSTED` when the snapshot holds more digests than
+    /// `slot_capacity`.
+    pub fn new(config: TargetConfig, snapshot: &[(Digest, u32)]) -> Result<Target, Error> {
+        let mut target = Target {
+            config,
+            slots: BTreeMap::new(),
+            installed: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            runs: BTreeMap::new(),
+            effects: VecDeque::new(),
+            #[cfg(feature = "mutants")]
+            mutant: None,
+        };
+        for (digest, count) in snapshot {
+            if *count == 0 {
+                continue;
+            }
+            if let Some(entry) = target.installed.get_mut(digest) {
+                entry.refcount = entry.refcount.saturating_add(*count);
+                continue;
+            }
+            let Some(slot) = target.free_slot() else {
+                return Err(Error::new(
+                    ErrorCode::LOCAL_SLOT_EXHAUSTED,
+                    OperationKind::Start,
+                    format!(
+                        "the startup snapshot holds more callables than the {} slots of {}",
+                        config.slot_capacity, config.id
+                    ),
+                )
+                .with_target(config.id)
+                .with_digest(*digest));
+            };
+            target.slots.insert(
+                slot,
+                SlotUse {
+                    content: *digest,
+                    state: SlotState::Live,
+                },
+            );
+            target.installed.insert(
+                *digest,
+                Installed {
+                    slot,
+                    refcount: *count,
+                },
+            );
+        }
+        Ok(target)
+    }
+
+    /// Switches on one known bug (model mutation tests only).
+    #[cfg(feature = "mutants")]
+    pub fn with_mutant(mut self, mutant: Mutant) -> Target {
+        self.mutant = Some(mutant);
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TargetConfig {
+        &self.config
+    }
+
+    /// The public resolution table without slots: every installed digest
+    /// with its refcount, in digest order.
+    pub fn installed(&self) -> Vec<(Digest, u32)> {
+        self.installed
+            .iter()
+            .map(|(d, e)| (*d, e.refcount))
+            .collect()
+    }
+
+    /// The refcount of `digest` (0 when not installed).
+    pub fn refcount(&self, digest: Digest) -> u32 {
+        self.installed.get(&digest).map_or(0, |e| e.refcount)
+    }
+
+    /// Number of used slots (deserializing, live or tombstoned).
+    pub fn slots_in_use(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Number of runs in progress.
+    pub fn runs_in_progress(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// Whether a deserialization is in progress (the target owes replies).
+    pub fn is_deserializing(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// The next effect, oldest first; `None` when drained.
+    pub fn poll_effect(&mut self) -> Option<TargetEffect> {
+        self.effects.pop_front()
+    }
+
+    fn free_slot(&self) -> Option<Slot> {
+        (0..self.config.slot_capacity)
+            .map(Slot)
+            .find(|s| !self.slots.contains_key(s))
+    }
+
+    fn reply(&mut self, seq: Seq, digest: Digest, result: Result<(), Failure>) {
+        self.effects.push_back(TargetEffect::Reply(Reply {
+            seq,
+            digest,
+            result,
+        }));
+    }
+
+    /// A register control for `requested` (seq `seq`), after the IO layer
+    /// opened the staged payload read-only, validated the envelope against
+    /// the mapped size and recomputed its digest: `verified` is that digest,
+    /// or the failure (`IO_FAILED`, `ENVELOPE_INVALID`, ...).
+    ///
+    /// In order: a failure is replied as is; a digest other than
+    /// `requested` is refused with `HASHID_DESCRIPTOR_MISMATCH` (nothing
+    /// installed, invariant 5); an installed digest gets refcount + 1 and an
+    /// OK reply without deserialization; a digest already being deserialized
+    /// waits for that result; with no free slot the reply is
+    /// `LOCAL_SLOT_EXHAUSTED` before any deserialization; otherwise a slot is
+    /// reserved and [`TargetEffect::Deserialize`] emitted. A tombstoned slot
+    /// of the same digest is not revived: the register takes a fresh slot.
+    /// A seq already being deserialized is refused with `FRAME_INVALID`.
+    pub fn on_register(&mut self, seq: Seq, requested: Digest, verified: Result<Digest, Failure>) {
+        let verified = match verified {
+            Ok(digest) => digest,
+            Err(failure) => return self.reply(seq, requested, Err(failure)),
+        };
+        if verified != requested && !mutant!(self, SkipDigestVerification) {
+            let message = format!(
+                "the staged payload's digest is {verified}, the register names {requested}"
+            );
+            return self.reply(
+                seq,
+                requested,
+                Err(Failure::new(ErrorCode::HASHID_DESCRIPTOR_MISMATCH, message)),
+            );
+        }
+        if self.pending.contains_key(&seq) {
+            let message = format!("{seq} is already being deserialized on {}", self.config.id);
+            return self.reply(
+                seq,
+                requested,
+                Err(Failure::new(ErrorCode::FRAME_INVALID, message)),
+            );
+        }
+        if let Some(entry) = self.installed.get_mut(&requested) {
+            entry.refcount = entry.refcount.saturating_add(1);
+            return self.reply(seq, requested, Ok(()));
+        }
+        if let Some(pending) = self.pending.values_mut().find(|p| p.digest == requested) {
+            pending.waiters.push(seq);
+            return;
+        }
+        let Some(slot) = self.free_slot() else {
+            let message = format!(
+                "{} has no free slot (capacity {}) for {requested}",
+                self.config.id, self.config.slot_capacity
+            );
+            return self.reply(
+                seq,
+                requested,
+                Err(Failure::new(ErrorCode::LOCAL_SLOT_EXHAUSTED, message)),
+            );
+        };
+        self.slots.insert(
+            slot,
+            SlotUse {
+                content: verified,
+                state: SlotState::Deserializing,
+            },
+        );
+        self.pending.insert(
+            seq,
+            PendingInstall {
+                digest: requested,
+                slot,
+                waiters: Vec::new(),
+            },
+        );
+        self.effects.push_back(TargetEffect::Deserialize {
+            seq,
+            digest: requested,
+            slot,
+        });
+    }
+
+    /// The result of the [`TargetEffect::Deserialize`] for register `seq`.
+    /// Success installs the digest with refcount 1 plus one per waiting
+    /// register and replies OK to each; failure frees the slot and replies
+    /// the failure to each.
+    ///
+    /// # Errors
+    /// `FRAME_INVALID` if no deserialization for `seq` is in progress
+    /// (nothing changes).
+    pub fn on_deserialized(&mut self, seq: Seq, result: Result<(), Failure>) -> Result<(), Error> {
+        let Some(pending) = self.pending.remove(&seq) else {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Reply,
+                format!("no deserialization for {seq} is in progress"),
+            )
+            .with_target(self.config.id)
+            .with_seq(seq));
+        };
+        let waiting = std::iter::once(seq).chain(pending.waiters.iter().copied());
+        match &result {
+            Ok(()) => {
+                if let Some(used) = self.slots.get_mut(&pending.slot) {
+                    used.state = SlotState::Live;
+                }
+                let refcount = u32::try_from(1 + pending.waiters.len()).unwrap_or(u32::MAX);
+                self.installed.insert(
+                    pending.digest,
+                    Installed {
+                        slot: pending.slot,
+                        refcount,
+                    },
+                );
+            }
+            Err(_) => {
+                self.slots.remove(&pending.slot);
+            }
+        }
+        for answered in waiting.collect::<Vec<_>>() {
+            self.reply(answered, pending.digest, result.clone());
+        }
+        Ok(())
+    }
+
+    /// An unregister control (user unregister or cleanup) for `digest`:
+    /// refcount − 1 and an OK reply; at zero the digest stops resolving and
+    /// its slot is freed, or tombstoned while a run holds it. A digest that
+    /// is not installed is refused (parent and target disagree):
+    /// `UNREGISTER_TOMBSTONE_ACTIVE` if only a tombstoned slot of it
+    /// remains, `DIGEST_NOT_INSTALLED` otherwise.
+    pub fn on_unregister(&mut self, seq: Seq, digest: Digest) {
+        let Some(entry) = self.installed.get_mut(&digest) else {
+            let tombstoned = self
+                .slots
+                .values()
+                .any(|u| u.content == digest && u.state == SlotState::Tombstoned);
+            let failure = if tombstoned {
+                Failure::new(
+                    ErrorCode::UNREGISTER_TOMBSTONE_ACTIVE,
+                    format!(
+                        "{digest} is already unregistered on {}; its slot waits for a run",
+                        self.config.id
+                    ),
+                )
+            } else {
+                Failure::new(
+                    ErrorCode::DIGEST_NOT_INSTALLED,
+                    format!("{digest} is not installed on {}", self.config.id),
+                )
+            };
+            return self.reply(seq, digest, Err(failure));
+        };
+        entry.refcount = entry.refcount.saturating_sub(1);
+        if entry.refcount == 0 {
+            let slot = entry.slot;
+            self.installed.remove(&digest);
+            let held = self.runs.values().any(|s| *s == slot);
+            if held && !mutant!(self, FreeSlotHeldByRun) {
+                if let Some(used) = self.slots.get_mut(&slot) {
+                    used.state = SlotState::Tombstoned;
+                }
+            } else {
+                self.slots.remove(&slot);
+            }
+        }
+        self.reply(seq, digest, Ok(()))
+    }
+
+    /// A task frame (seq `seq`) for `digest`: resolves it now and pins its
+    /// slot for the run; returns the slot to run from.
+    ///
+    /// # Errors
+    /// `DIGEST_NOT_INSTALLED` naming the hashid when it does not resolve;
+    /// `FRAME_INVALID` when a run with this seq is already in progress.
+    pub fn begin_task(&mut self, seq: Seq, digest: Digest) -> Result<Slot, Error> {
+        let error = |code, message: String| {
+            Error::new(code, OperationKind::Task, message)
+                .with_target(self.config.id)
+                .with_digest(digest)
+                .with_seq(seq)
+        };
+        if self.runs.contains_key(&seq) {
+            return Err(error(
+                ErrorCode::FRAME_INVALID,
+                format!("a run for {seq} is already in progress"),
+            ));
+        }
+        let Some(entry) = self.installed.get(&digest) else {
+            return Err(error(
+                ErrorCode::DIGEST_NOT_INSTALLED,
+                format!("{digest} is not installed on {}", self.config.id),
+            ));
+        };
+        self.runs.insert(seq, entry.slot);
+        Ok(entry.slot)
+    }
+
+    /// The run of task `seq` finished: unpins its slot, and frees a
+    /// tombstoned slot at its last release.
+    ///
+    /// # Errors
+    /// `FRAME_INVALID` when no run with this seq is in progress.
+    pub fn end_task(&mut self, seq: Seq) -> Result<(), Error> {
+        let Some(slot) = self.runs.remove(&seq) else {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Task,
+                format!("no run for {seq} is in progress"),
+            )
+            .with_target(self.config.id)
+            .with_seq(seq));
+        };
+        let still_held = self.runs.values().any(|s| *s == slot);
+        let tombstoned = self
+            .slots
+            .get(&slot)
+            .is_some_and(|u| u.state == SlotState::Tombstoned);
+        if tombstoned && !still_held {
+            self.slots.remove(&slot);
+        }
+        Ok(())
+    }
+}
