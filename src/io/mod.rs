@@ -4,6 +4,8 @@
 //! * [`staging`] — staged payloads in POSIX shm;
 //! * [`process`] — forking targets, their pipes, fencing and reaping;
 //! * [`handoff`] — results from the IO thread to waiting callers;
+//! * [`slots`] — a target's slot table shared by its two threads;
+//! * [`target`] — the target process: snapshot, control and task threads;
 //! * [`failpoints`] — fault injection points (cargo feature `failpoints`).
 //!
 //! The IO layer moves bytes and time into the protocol's state machines and
@@ -12,4 +14,6 @@
 pub mod failpoints;
 pub mod handoff;
 pub mod process;
+pub mod slots;
 pub mod staging;
+pub mod target;
