@@ -6,6 +6,7 @@
 //! * [`handoff`] — results from the IO thread to waiting callers;
 //! * [`slots`] — a target's slot table shared by its two threads;
 //! * [`target`] — the target process: snapshot, control and task threads;
+//! * [`worker`] — the [`Worker`]: builder, operations, the IO thread;
 //! * [`failpoints`] — fault injection points (cargo feature `failpoints`).
 //!
 //! The IO layer moves bytes and time into the protocol's state machines and
@@ -17,3 +18,9 @@ pub mod process;
 pub mod slots;
 pub mod staging;
 pub mod target;
+pub mod worker;
+
+pub use worker::{
+    OperationError, PendingOperation, PendingTask, StartReport, TargetTable, TaskError, Worker,
+    WorkerBuilder,
+};
