@@ -281,7 +281,10 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         writer,
         runs,
     };
-    serve(File::from(control), setup.max_frame_bytes, &control_thread)
+    // Never closed before the process ends: a parent that sees the pipe
+    // close then always finds an exit status, not a target still exiting.
+    let control = std::mem::ManuallyDrop::new(File::from(control));
+    serve(&control, setup.max_frame_bytes, &control_thread)
 }
 
 fn install_snapshot<R: Runtime>(
@@ -348,7 +351,7 @@ fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::
     Ok(callable)
 }
 
-fn serve<R: Runtime>(mut control: File, max_frame_bytes: usize, this: &Control<'_, R>) -> i32 {
+fn serve<R: Runtime>(mut control: &File, max_frame_bytes: usize, this: &Control<'_, R>) -> i32 {
     let Ok(mut buffer) = FrameBuffer::new(max_frame_bytes) else {
         return FRAME_EXIT_CODE;
     };

@@ -76,6 +76,10 @@ pub const DEFAULT_CONTROL_TIMEOUT: Duration = Duration::from_secs(30);
 /// control pipe closes) before killing them.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
+/// How long a lost target (its pipe closed or broke the protocol) may take
+/// to finish exiting before it is killed.
+const LOST_GRACE: Duration = Duration::from_millis(50);
+
 /// Bytes read from a reply pipe per `read` call.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
 
@@ -769,8 +773,14 @@ impl<R: Runtime> Worker<R> {
         for (target, outcome) in &outcomes {
             if *outcome != TargetOutcome::Ok {
                 if let Some(mut link) = links[usize::from(target.0)].take() {
-                    let _ = link.process.kill();
-                    if let Ok(exit) = link.process.reap(Duration::ZERO) {
+                    // A target that failed its snapshot exits on its own; one
+                    // that was not ready in time is fenced at once.
+                    let grace = if *outcome == TargetOutcome::Fenced {
+                        Duration::ZERO
+                    } else {
+                        LOST_GRACE
+                    };
+                    if let Ok(exit) = link.process.reap(grace) {
                         core.exits.insert(*target, exit);
                     }
                 }
@@ -1318,7 +1328,7 @@ impl IoLoop {
                 Effect::ReleaseStaged { staging } => {
                     self.staged.remove(&staging);
                 }
-                Effect::Fence { target } => self.bury(core, target),
+                Effect::Fence { target } => self.bury(core, target, Duration::ZERO),
                 Effect::Completed {
                     op,
                     result,
@@ -1545,13 +1555,15 @@ impl IoLoop {
 
     /// Kills and reaps a target, and fails what waits for it (not the
     /// machine's business: tasks and inspections).
-    fn bury(&mut self, core: &mut Core, target: TargetId) {
+    ///
+    /// `grace`: how long a target that is ending on its own may take to
+    /// exit before SIGKILL (its exit status then says why it ended).
+    fn bury(&mut self, core: &mut Core, target: TargetId, grace: Duration) {
         let index = usize::from(target.0);
         let Some(mut link) = self.links.get_mut(index).and_then(Option::take) else {
             return;
         };
-        let _ = link.process.kill();
-        if let Ok(exit) = link.process.reap(Duration::ZERO) {
+        if let Ok(exit) = link.process.reap(grace) {
             core.exits.insert(target, exit);
         }
         let how = core
@@ -1606,7 +1618,7 @@ impl IoLoop {
         {
             return;
         }
-        self.bury(core, target);
+        self.bury(core, target, LOST_GRACE);
         let _ = core.machine.target_lost(target, self.now());
         self.drain(core, &mut Context::default());
     }
