@@ -1313,7 +1313,7 @@ impl IoLoop {
                                 ErrorCode::IO_FAILED,
                                 "no staged payload for this register",
                             );
-                            let _ = core.machine.stage_failed(staging, failure, self.now());
+                            let _ = core.machine.stage_failed(staging, failure);
                             continue;
                         }
                     };
@@ -1321,7 +1321,7 @@ impl IoLoop {
                     if let Err(message) = failpoints::hit(failpoints::PARENT_AFTER_STAGE) {
                         self.staged.remove(&staging);
                         let failure = Failure::new(ErrorCode::IO_FAILED, message);
-                        let _ = core.machine.stage_failed(staging, failure, self.now());
+                        let _ = core.machine.stage_failed(staging, failure);
                     }
                 }
                 Effect::Send { target, frame } => self.send(core, target, frame, context),

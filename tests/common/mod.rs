@@ -1,6 +1,9 @@
-//! Shared helpers of the integration tests: the SPYC test vectors.
+//! Shared helpers of the integration tests: the SPYC test vectors, and the
+//! protocol simulator ([`sim`]) of the `protocol_*` tests.
 
 #![allow(dead_code)] // Each test crate uses a different subset.
+
+pub mod sim;
 
 use std::path::PathBuf;
 

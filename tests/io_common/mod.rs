@@ -158,9 +158,10 @@ pub fn check_invariants(worker: &Worker<TestRuntime>, targets: u16) {
         machines[usize::from(target.0)] =
             Some(Target::new(config, &table.installed).expect("a reported table fits"));
     }
+    let borrowed: Vec<Option<&Target>> = machines.iter().map(Option::as_ref).collect();
     let view = View {
         parent: &parent,
-        targets: &machines,
+        targets: &borrowed,
         frames: &[],
         replies: &[],
     };
