@@ -39,3 +39,40 @@ pub fn hashid(data: &[u8]) {
         assert_eq!(p.to_string(), text);
     }
 }
+
+/// Wire frame oracle (DESIGN.md §3.3), with a 4096-byte maximum so that
+/// oversized headers are common: decoding never panics and never asks for
+/// more than the maximum; an accepted frame re-encodes to exactly the bytes
+/// it used (the encoding is canonical); feeding the bytes one at a time to
+/// a `FrameBuffer` gives the same first outcome.
+pub fn wire(data: &[u8]) {
+    use crate::wire::{decode, Decoded, FrameBuffer};
+    const MAX: usize = 4096;
+    let whole = decode(data, MAX);
+    match &whole {
+        Ok(Decoded::Frame(frame, used)) => {
+            assert!(*used <= data.len() && *used <= MAX);
+            assert_eq!(frame.encode(MAX).as_deref(), Ok(&data[..*used]));
+        }
+        Ok(Decoded::Incomplete(needed)) => assert!(*needed > data.len() && *needed <= MAX),
+        Err(_) => {}
+    }
+    let mut buffer = FrameBuffer::new(MAX).expect("MAX is above the minimum");
+    let mut first = None;
+    for byte in data {
+        buffer.extend(std::slice::from_ref(byte));
+        match buffer.next_frame() {
+            Ok(None) => continue,
+            outcome => {
+                first = Some(outcome);
+                break;
+            }
+        }
+    }
+    match (whole, first) {
+        (Ok(Decoded::Frame(frame, _)), Some(Ok(Some(got)))) => assert_eq!(frame, got),
+        (Err(err), Some(Err(got))) => assert_eq!(err, got),
+        (Ok(Decoded::Incomplete(_)), None) => {}
+        (expected, got) => panic!("decode gave {expected:?}, the buffer gave {got:?}"),
+    }
+}

@@ -21,9 +21,14 @@ pub mod descriptor;
 pub mod envelope;
 pub mod error;
 pub mod protocol;
+pub mod wire;
 
 #[cfg(feature = "io")]
+pub mod io;
+#[cfg(feature = "io")]
 pub mod runtime;
+#[cfg(feature = "io")]
+pub mod sync;
 
 #[doc(hidden)]
 pub mod fuzzing;

@@ -220,6 +220,21 @@ impl Target {
         self.slots.len()
     }
 
+    /// Whether `slot` is used (deserializing, live or tombstoned). The IO
+    /// layer keeps one callable per used slot and drops it once the
+    /// machine frees the slot (this turns `false`).
+    pub fn is_slot_used(&self, slot: Slot) -> bool {
+        self.slots.contains_key(&slot)
+    }
+
+    /// Number of tombstoned slots: unresolvable, still pinned by a run.
+    pub fn tombstones(&self) -> usize {
+        self.slots
+            .values()
+            .filter(|u| u.state == SlotState::Tombstoned)
+            .count()
+    }
+
     /// Number of runs in progress.
     pub fn runs_in_progress(&self) -> usize {
         self.runs.len()

@@ -7,6 +7,7 @@
 
 use crate::error::ErrorCode;
 
+<<<<<<< HEAD
 #[cfg(feature = "python")]
 pub mod python;
 
@@ -21,6 +22,13 @@ pub enum TaskEncoding {
     /// return value. Decoded only in the target.
     Pickle = 2,
 }
+=======
+pub mod testing;
+
+/// How a task's input and result are encoded; defined with the wire
+/// frames that carry it.
+pub use crate::wire::TaskEncoding;
+>>>>>>> io
 
 /// A failure inside a runtime: deserializing a payload or running a task.
 #[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]

@@ -1,0 +1,178 @@
+//! A target's slot table, shared by its control thread and its task thread.
+//!
+//! The protocol's [`Target`] machine decides everything (refcounts, pins,
+//! tombstones, which slot is free); this table only keeps one deserialized
+//! callable per slot the machine uses, and drops it as soon as the machine
+//! frees the slot ([`Target::is_slot_used`] turns false). Both threads go
+//! through one mutex; a run holds its own reference to the callable, so a
+//! slot freed under it cannot pull the callable away mid-call. Checked with
+//! loom (`tests/loom_slots.rs`).
+//!
+//! Runs are begun on the control thread, in frame order between controls
+//! (the protocol's rule: a run pins its slot before any later unregister is
+//! applied), and ended on the task thread.
+
+use crate::descriptor::Digest;
+use crate::error::Error;
+use crate::protocol::{Failure, Seq, Slot, Target, TargetEffect};
+use crate::sync::{lock, Arc, Mutex};
+
+struct Inner<C> {
+    machine: Target,
+    /// `callables[slot]`: the callable deserialized into that slot.
+    callables: Vec<Option<Arc<C>>>,
+}
+
+/// The machine and its callables behind one mutex.
+pub struct SlotTable<C> {
+    inner: Mutex<Inner<C>>,
+}
+
+/// What a call returns besides its own value: the machine's effects, in
+/// order, for the caller to carry out (replies to write, a deserialization
+/// to run).
+pub type Effects = Vec<TargetEffect>;
+
+impl<C> SlotTable<C> {
+    /// A table over `machine`, with the callables of its startup snapshot:
+    /// `snapshot[i]` in slot `i` (the order [`Target::new`] fills slots in).
+    pub fn new(machine: Target, snapshot: Vec<C>) -> SlotTable<C> {
+        let capacity = usize::from(machine.config().slot_capacity);
+        let mut callables: Vec<Option<Arc<C>>> = (0..capacity).map(|_| None).collect();
+        for (slot, callable) in snapshot.into_iter().enumerate().take(capacity) {
+            callables[slot] = Some(Arc::new(callable));
+        }
+        SlotTable {
+            inner: Mutex::new(Inner { machine, callables }),
+        }
+    }
+
+    /// Runs `input` on the machine under the lock, drains its effects, and
+    /// drops (after unlocking) every callable whose slot the machine freed.
+    fn apply<R>(
+        &self,
+        input: impl FnOnce(&mut Target, &mut [Option<Arc<C>>]) -> R,
+    ) -> (R, Effects) {
+        let mut freed = Vec::new();
+        let (result, effects) = {
+            let mut inner = lock(&self.inner);
+            let Inner { machine, callables } = &mut *inner;
+            let result = input(machine, callables);
+            let mut effects = Vec::new();
+            while let Some(effect) = machine.poll_effect() {
+                effects.push(effect);
+            }
+            for (index, entry) in callables.iter_mut().enumerate() {
+                let slot = Slot(u16::try_from(index).unwrap_or(u16::MAX));
+                if entry.is_some() && !machine.is_slot_used(slot) {
+                    freed.push(entry.take());
+                }
+            }
+            (result, effects)
+        };
+        // A callable's destructor may be slow (or need an interpreter lock):
+        // never run it while holding the table.
+        drop(freed);
+        (result, effects)
+    }
+
+    /// A register control; see [`Target::on_register`].
+    pub fn on_register(
+        &self,
+        seq: Seq,
+        requested: Digest,
+        verified: Result<Digest, Failure>,
+    ) -> Effects {
+        self.apply(|m, _| m.on_register(seq, requested, verified)).1
+    }
+
+    /// The result of a [`TargetEffect::Deserialize`]: stores the callable
+    /// in its slot on success, then reports to the machine; see
+    /// [`Target::on_deserialized`].
+    ///
+    /// # Errors
+    /// The machine's error when no deserialization for `seq` is in progress
+    /// (the callable is then dropped).
+    pub fn on_deserialized(
+        &self,
+        seq: Seq,
+        slot: Slot,
+        result: Result<C, Failure>,
+    ) -> Result<Effects, Error> {
+        let (outcome, effects) = self.apply(|machine, callables| {
+            let report = match result {
+                Ok(callable) => {
+                    // Stored first: the slot is reserved for this seq, and a
+                    // refused report frees it again in `apply`'s sweep.
+                    if let Some(entry) = callables.get_mut(usize::from(slot.0)) {
+                        *entry = Some(Arc::new(callable));
+                    }
+                    Ok(())
+                }
+                Err(failure) => Err(failure),
+            };
+            machine.on_deserialized(seq, report)
+        });
+        outcome.map(|()| effects)
+    }
+
+    /// An unregister control; see [`Target::on_unregister`].
+    pub fn on_unregister(&self, seq: Seq, digest: Digest) -> Effects {
+        self.apply(|m, _| m.on_unregister(seq, digest)).1
+    }
+
+    /// Begins run `seq` of `digest`: pins its slot and returns the callable
+    /// (the run's own reference); see [`Target::begin_task`].
+    ///
+    /// # Errors
+    /// The machine's error (`DIGEST_NOT_INSTALLED`, `FRAME_INVALID`).
+    pub fn begin_task(&self, seq: Seq, digest: Digest) -> Result<Arc<C>, Error> {
+        let mut inner = lock(&self.inner);
+        let slot = inner.machine.begin_task(seq, digest)?;
+        match inner
+            .callables
+            .get(usize::from(slot.0))
+            .and_then(Clone::clone)
+        {
+            Some(callable) => Ok(callable),
+            None => {
+                // A resolvable slot always holds its callable; keep the
+                // machine consistent rather than leave the slot pinned.
+                let _ = inner.machine.end_task(seq);
+                Err(Error::new(
+                    crate::error::ErrorCode::DIGEST_NOT_INSTALLED,
+                    crate::error::OperationKind::Task,
+                    format!("{digest} resolves to a slot without a callable"),
+                )
+                .with_digest(digest)
+                .with_seq(seq))
+            }
+        }
+    }
+
+    /// Ends run `seq`: unpins its slot, freeing a tombstoned slot at its
+    /// last release; see [`Target::end_task`].
+    ///
+    /// # Errors
+    /// The machine's `FRAME_INVALID` when no run `seq` is in progress.
+    pub fn end_task(&self, seq: Seq) -> Result<(), Error> {
+        self.apply(|m, _| m.end_task(seq)).0
+    }
+
+    /// The machine's public table: installed digests with refcounts (digest
+    /// order) and the number of tombstoned slots. Never a slot.
+    pub fn table(&self) -> (Vec<(Digest, u32)>, usize) {
+        let inner = lock(&self.inner);
+        (inner.machine.installed(), inner.machine.tombstones())
+    }
+
+    /// Number of slots that hold a callable (tests: it must follow the
+    /// machine's used slots).
+    pub fn callables_held(&self) -> usize {
+        lock(&self.inner)
+            .callables
+            .iter()
+            .filter(|c| c.is_some())
+            .count()
+    }
+}

@@ -1,0 +1,181 @@
+//! Shared by the real-process test binaries (`tests/io_*.rs`): a minimal
+//! test runner for `harness = false` binaries, envelope helpers, and the
+//! checks every test ends with.
+//!
+//! Why a runner of its own: these tests fork, and forking is only safe in a
+//! single-threaded process. The runner runs each test on the main thread,
+//! one after the other, and after each one checks that no staged payload
+//! (`/dev/shm/callreg-<pid>-*`) and no child process (running or zombie) is
+//! left. It speaks enough of libtest's command line for `cargo test`
+//! (`[FILTER] [--exact]`) and `cargo nextest` (`--list --format terse`,
+//! `NAME --exact`), which runs each test in its own process.
+#![allow(dead_code)]
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Duration;
+
+use callreg::envelope::encode;
+use callreg::io::staging;
+use callreg::io::{Worker, WorkerBuilder};
+use callreg::protocol::invariants::{check_all, View};
+use callreg::protocol::{Target, TargetConfig, TargetId};
+use callreg::runtime::testing::TestRuntime;
+use nix::errno::Errno;
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+/// One test: its name and body.
+pub type Test = (&'static str, fn());
+
+/// Runs the selected tests; exits 1 if any failed.
+pub fn run(tests: &[Test]) {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--list") {
+        if !args.iter().any(|a| a == "--ignored") {
+            for (name, _) in tests {
+                println!("{name}: test");
+            }
+        }
+        return;
+    }
+    let exact = args.iter().any(|a| a == "--exact");
+    let mut skip_value = false;
+    let mut filters = Vec::new();
+    for arg in &args {
+        if skip_value {
+            skip_value = false;
+            continue;
+        }
+        match arg.as_str() {
+            "--format" | "--test-threads" | "--color" | "-Z" => skip_value = true,
+            a if a.starts_with('-') => {}
+            a => filters.push(a.to_owned()),
+        }
+    }
+    let selected: Vec<&Test> = tests
+        .iter()
+        .filter(|(name, _)| {
+            filters.is_empty()
+                || filters.iter().any(|f| {
+                    if exact {
+                        name == f
+                    } else {
+                        name.contains(f.as_str())
+                    }
+                })
+        })
+        .collect();
+    println!("\nrunning {} tests", selected.len());
+    let mut failed = Vec::new();
+    for (name, body) in &selected {
+        let outcome = catch_unwind(AssertUnwindSafe(body)).map_err(|p| panic_text(&*p));
+        let outcome = outcome.and_then(|()| leftovers());
+        match outcome {
+            Ok(()) => println!("test {name} ... ok"),
+            Err(why) => {
+                println!("test {name} ... FAILED\n  {why}");
+                failed.push(*name);
+            }
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        selected.len() - failed.len(),
+        failed.len()
+    );
+    if !failed.is_empty() {
+        std::process::exit(1);
+    }
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".to_owned())
+}
+
+/// No staged payload of this process and no child (running or zombie).
+fn leftovers() -> Result<(), String> {
+    let names = staging::own_names().map_err(|e| e.to_string())?;
+    let mut problems = Vec::new();
+    if !names.is_empty() {
+        problems.push(format!("staged payloads left in /dev/shm: {names:?}"));
+        for name in names {
+            let _ = nix::sys::mman::shm_unlink(format!("/{name}").as_str());
+        }
+    }
+    loop {
+        match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+            Err(Errno::ECHILD) => break,
+            Ok(WaitStatus::StillAlive) => {
+                problems.push("a child process is still running".to_owned());
+                break;
+            }
+            Ok(status) => problems.push(format!("an unreaped child: {status:?}")),
+            Err(e) => {
+                problems.push(format!("waitpid: {e}"));
+                break;
+            }
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems.join("; "))
+    }
+}
+
+/// An envelope whose payload is a test-runtime instruction.
+pub fn envelope(instruction: &str) -> Vec<u8> {
+    encode(instruction.as_bytes())
+}
+
+/// A builder with the test runtime, `targets` targets and a 5 s control
+/// timeout (tests that need deadlines set their own).
+pub fn builder(targets: u16) -> WorkerBuilder<TestRuntime> {
+    Worker::builder(Arc::new(TestRuntime))
+        .targets(targets)
+        .control_timeout(Duration::from_secs(5))
+}
+
+/// Asks every live target for its table and checks DESIGN.md §4.4's
+/// invariants 1–9 on the parent state and the reported tables (a lost
+/// target counts as dead). The Worker must be quiescent.
+pub fn check_invariants(worker: &Worker<TestRuntime>, targets: u16) {
+    let tables = worker.inspect().expect("inspect");
+    let parent = worker.parent_state();
+    let mut machines: Vec<Option<Target>> = vec![None; usize::from(targets)];
+    for (target, table) in tables {
+        let table = table.unwrap_or_else(|| panic!("{target} did not report its table"));
+        let config = TargetConfig {
+            id: target,
+            slot_capacity: u16::MAX,
+        };
+        machines[usize::from(target.0)] =
+            Some(Target::new(config, &table.installed).expect("a reported table fits"));
+    }
+    let borrowed: Vec<Option<&Target>> = machines.iter().map(Option::as_ref).collect();
+    let view = View {
+        parent: &parent,
+        targets: &borrowed,
+        frames: &[],
+        replies: &[],
+    };
+    assert!(
+        view.is_quiescent(),
+        "not quiescent: {:?}",
+        parent.in_flight()
+    );
+    if let Err(violation) = check_all(&view) {
+        panic!("invariant violated: {violation:?}");
+    }
+}
+
+/// The ids `0..n`.
+pub fn all_targets(n: u16) -> Vec<TargetId> {
+    (0..n).map(TargetId).collect()
+}

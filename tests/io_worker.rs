@@ -1,0 +1,569 @@
+//! The Worker over real forked targets, POSIX shm and pipes, with the test
+//! runtime (`callreg::runtime::testing`).
+//!
+//! A `harness = false` binary (see `tests/io_common/mod.rs`): each test
+//! runs on the main thread, so forking is safe under plain `cargo test`;
+//! `cargo nextest` runs each test in its own process. Every test ends with
+//! no staged payload in `/dev/shm` and no child left (checked by the
+//! runner).
+
+mod io_common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use callreg::error::ErrorCode;
+use callreg::io::process::Exit;
+use callreg::protocol::{TargetId, TargetOutcome};
+use callreg::runtime::testing::{deserialize_count, TestRuntime};
+use callreg::runtime::TaskEncoding;
+use io_common::{builder, check_invariants, envelope};
+
+const ADD_INPUT: &[u8] = br#"{"args": [40, 2], "kwargs": {}}"#;
+
+fn main() {
+    io_common::run(&[
+        (
+            "pre_start_register_reaches_every_target",
+            pre_start_register_reaches_every_target,
+        ),
+        (
+            "post_start_register_task_and_unregister",
+            post_start_register_task_and_unregister,
+        ),
+        (
+            "duplicate_register_counts_references",
+            duplicate_register_counts_references,
+        ),
+        (
+            "deserialize_failure_rolls_back_everywhere",
+            deserialize_failure_rolls_back_everywhere,
+        ),
+        (
+            "slot_exhaustion_is_refused_before_deserializing",
+            slot_exhaustion_is_refused_before_deserializing,
+        ),
+        (
+            "task_failures_name_the_target_and_keep_it_alive",
+            task_failures_name_the_target_and_keep_it_alive,
+        ),
+        (
+            "a_long_task_does_not_delay_a_register",
+            a_long_task_does_not_delay_a_register,
+        ),
+        (
+            "kill_9_mid_operation_loses_only_that_target",
+            kill_9_mid_operation_loses_only_that_target,
+        ),
+        (
+            "a_target_exiting_in_a_task_is_reaped_and_lost",
+            a_target_exiting_in_a_task_is_reaped_and_lost,
+        ),
+        (
+            "hung_targets_are_fenced_at_the_deadline",
+            hung_targets_are_fenced_at_the_deadline,
+        ),
+        ("sixty_four_targets", sixty_four_targets),
+        (
+            "many_threads_many_operations_in_flight",
+            many_threads_many_operations_in_flight,
+        ),
+        (
+            "start_refuses_a_threaded_process_unless_accepted",
+            start_refuses_a_threaded_process_unless_accepted,
+        ),
+        (
+            "stale_staging_of_a_dead_parent_is_swept_at_start",
+            stale_staging_of_a_dead_parent_is_swept_at_start,
+        ),
+        (
+            "lifecycle_errors_and_idempotent_close",
+            lifecycle_errors_and_idempotent_close,
+        ),
+        (
+            "the_parent_never_deserializes",
+            the_parent_never_deserializes,
+        ),
+    ]);
+}
+
+fn pre_start_register_reaches_every_target() {
+    let worker = builder(4).build().unwrap();
+    let add = worker.register(&envelope("add")).unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    assert_ne!(add.handle_id, echo.handle_id);
+    let report = worker.start().unwrap();
+    assert_eq!(
+        report.outcomes,
+        io_common::all_targets(4)
+            .into_iter()
+            .map(|t| (t, TargetOutcome::Ok))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(worker.live_targets(), io_common::all_targets(4));
+    for (target, result) in worker.submit_to_every(&add, TaskEncoding::Json, ADD_INPUT) {
+        assert_eq!(result.unwrap(), b"42", "{target}");
+    }
+    assert_eq!(
+        worker
+            .submit(&echo, TargetId(3), TaskEncoding::Pickle, b"raw")
+            .unwrap(),
+        b"raw"
+    );
+    check_invariants(&worker, 4);
+    worker.unregister(&add).unwrap();
+    check_invariants(&worker, 4);
+    let err = worker
+        .submit(&add, TargetId(0), TaskEncoding::Json, ADD_INPUT)
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::HANDLE_STALE);
+}
+
+fn post_start_register_task_and_unregister() {
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let add = worker.register(&envelope("add")).unwrap();
+    assert_eq!(
+        add.hashid.to_string(),
+        callreg::descriptor::python_serialized_digest(
+            &callreg::envelope::Envelope::parse(&envelope("add")).unwrap()
+        )
+        .hashid()
+        .to_string()
+    );
+    assert_eq!(
+        worker
+            .submit(&add, TargetId(1), TaskEncoding::Json, ADD_INPUT)
+            .unwrap(),
+        b"42"
+    );
+    let tables = worker.inspect().unwrap();
+    for (_, table) in &tables {
+        assert_eq!(table.as_ref().unwrap().installed, vec![(add.digest(), 1)]);
+    }
+    check_invariants(&worker, 2);
+    worker.unregister(&add).unwrap();
+    for (_, table) in worker.inspect().unwrap() {
+        assert_eq!(table.unwrap().installed, vec![]);
+    }
+    let err = worker.unregister(&add).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::HANDLE_STALE);
+    check_invariants(&worker, 2);
+    // A register after an unregister installs afresh.
+    let again = worker.register(&envelope("add")).unwrap();
+    assert_eq!(
+        worker
+            .submit(&again, TargetId(0), TaskEncoding::Json, ADD_INPUT)
+            .unwrap(),
+        b"42"
+    );
+}
+
+fn duplicate_register_counts_references() {
+    let worker = builder(3).build().unwrap();
+    let first = worker.register(&envelope("echo")).unwrap();
+    worker.start().unwrap();
+    let second = worker.register(&envelope("echo")).unwrap();
+    let third = worker.register(&envelope("echo")).unwrap();
+    assert_eq!(first.hashid, second.hashid);
+    assert_ne!(second.handle_id, third.handle_id);
+    for (_, table) in worker.inspect().unwrap() {
+        assert_eq!(table.unwrap().installed, vec![(first.digest(), 3)]);
+    }
+    worker.unregister(&second).unwrap();
+    // Unregistering one handle never invalidates another.
+    assert_eq!(
+        worker
+            .submit(&first, TargetId(2), TaskEncoding::Json, b"1")
+            .unwrap(),
+        b"1"
+    );
+    assert_eq!(
+        worker
+            .submit(&third, TargetId(0), TaskEncoding::Json, b"3")
+            .unwrap(),
+        b"3"
+    );
+    for (_, table) in worker.inspect().unwrap() {
+        assert_eq!(table.unwrap().installed, vec![(first.digest(), 2)]);
+    }
+    check_invariants(&worker, 3);
+}
+
+fn deserialize_failure_rolls_back_everywhere() {
+    let worker = builder(3).build().unwrap();
+    worker.start().unwrap();
+    let err = worker.register(&envelope("bad no luck")).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(err.outcomes.len(), 3);
+    for (target, outcome) in &err.outcomes {
+        match outcome {
+            TargetOutcome::Failed { failure } => {
+                assert_eq!(failure.code, ErrorCode::DESERIALIZE_FAILED, "{target}");
+                assert_eq!(failure.message, "TestDeserializeError: no luck");
+            }
+            other => panic!("{target}: {other:?}"),
+        }
+    }
+    assert!(
+        err.to_string()
+            .contains("target 2: failed (DESERIALIZE_FAILED: TestDeserializeError: no luck)"),
+        "{err}"
+    );
+    check_invariants(&worker, 3);
+    assert_eq!(worker.live_targets().len(), 3);
+    let echo = worker.register(&envelope("echo")).unwrap();
+    assert_eq!(
+        worker
+            .submit(&echo, TargetId(1), TaskEncoding::Json, b"x")
+            .unwrap(),
+        b"x"
+    );
+}
+
+fn slot_exhaustion_is_refused_before_deserializing() {
+    let worker = builder(2).slot_capacity(1).build().unwrap();
+    worker.start().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    // `crash` would end the target if it were deserialized.
+    let err = worker.register(&envelope("crash")).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
+    for (_, outcome) in &err.outcomes {
+        assert!(
+            matches!(outcome, TargetOutcome::Failed { failure } if failure.code == ErrorCode::LOCAL_SLOT_EXHAUSTED),
+            "{outcome:?}"
+        );
+    }
+    assert_eq!(worker.live_targets().len(), 2);
+    check_invariants(&worker, 2);
+    worker.unregister(&echo).unwrap();
+    let add = worker.register(&envelope("add")).unwrap();
+    assert_eq!(
+        worker
+            .submit(&add, TargetId(1), TaskEncoding::Json, ADD_INPUT)
+            .unwrap(),
+        b"42"
+    );
+}
+
+fn task_failures_name_the_target_and_keep_it_alive() {
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let fail = worker.register(&envelope("fail boom")).unwrap();
+    let panic = worker.register(&envelope("panic")).unwrap();
+    let add = worker.register(&envelope("add")).unwrap();
+    let err = worker
+        .submit(&fail, TargetId(1), TaskEncoding::Json, b"")
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::TASK_FAILED);
+    assert_eq!(err.kind, "TestFailure");
+    assert_eq!(err.error.message, "boom");
+    assert_eq!(err.error.target, Some(TargetId(1)));
+    assert_eq!(err.error.hashid, Some(fail.hashid));
+    let err = worker
+        .submit(&panic, TargetId(0), TaskEncoding::Json, b"")
+        .unwrap_err();
+    assert_eq!(
+        (err.error.code, err.kind.as_str()),
+        (ErrorCode::TASK_FAILED, "panic")
+    );
+    assert_eq!(err.error.message, "test callable panicked");
+    let err = worker
+        .submit(&add, TargetId(0), TaskEncoding::Json, b"not json")
+        .unwrap_err();
+    assert_eq!(
+        (err.error.code, err.kind.as_str()),
+        (ErrorCode::TASK_FAILED, "ValueError")
+    );
+    let err = worker
+        .submit(&add, TargetId(7), TaskEncoding::Json, ADD_INPUT)
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::NO_LIVE_TARGET);
+    assert_eq!(worker.live_targets().len(), 2);
+    assert_eq!(
+        worker
+            .submit(&add, TargetId(0), TaskEncoding::Json, ADD_INPUT)
+            .unwrap(),
+        b"42"
+    );
+    check_invariants(&worker, 2);
+}
+
+fn a_long_task_does_not_delay_a_register() {
+    let worker = builder(1)
+        .control_timeout(Duration::from_millis(400))
+        .build()
+        .unwrap();
+    worker.start().unwrap();
+    let sleep = worker.register(&envelope("sleep 1500")).unwrap();
+    let task = worker.submit_async(&sleep, TargetId(0), TaskEncoding::Json, b"slept");
+    std::thread::sleep(Duration::from_millis(50));
+    let started = Instant::now();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    assert!(started.elapsed() < Duration::from_millis(400));
+    worker.unregister(&sleep).unwrap();
+    // The run pinned its slot: it completes although its digest is gone.
+    assert_eq!(task.wait().unwrap(), b"slept");
+    assert_eq!(worker.live_targets(), vec![TargetId(0)]);
+    assert_eq!(
+        worker
+            .submit(&echo, TargetId(0), TaskEncoding::Json, b"e")
+            .unwrap(),
+        b"e"
+    );
+    check_invariants(&worker, 1);
+}
+
+fn kill_9_mid_operation_loses_only_that_target() {
+    let worker = builder(3).build().unwrap();
+    worker.start().unwrap();
+    let pending = worker.register_async(&envelope("slow 600")).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let pid = worker.target_pid(TargetId(1)).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let err = pending.wait().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(
+        err.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::RolledBack),
+            (TargetId(1), TargetOutcome::Lost),
+            (TargetId(2), TargetOutcome::RolledBack),
+        ]
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(2)]);
+    assert_eq!(worker.target_exit(TargetId(1)), Some(Exit::Signal(9)));
+    check_invariants(&worker, 3);
+    // The survivors accept a new register and run a task; the lost target
+    // is out of scope.
+    let add = worker.register(&envelope("add")).unwrap();
+    assert_eq!(
+        worker
+            .submit(&add, TargetId(2), TaskEncoding::Json, ADD_INPUT)
+            .unwrap(),
+        b"42"
+    );
+    let err = worker
+        .submit(&add, TargetId(1), TaskEncoding::Json, ADD_INPUT)
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::TARGET_LOST);
+    check_invariants(&worker, 3);
+}
+
+fn a_target_exiting_in_a_task_is_reaped_and_lost() {
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let exit = worker.register(&envelope("exit 9")).unwrap();
+    let err = worker
+        .submit(&exit, TargetId(0), TaskEncoding::Json, b"")
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::TARGET_LOST);
+    assert_eq!(err.error.target, Some(TargetId(0)));
+    assert!(
+        err.error.message.contains("exited with status 9"),
+        "{}",
+        err.error.message
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(1)]);
+    assert_eq!(worker.target_exit(TargetId(0)), Some(Exit::Code(9)));
+    check_invariants(&worker, 2);
+    // Unregister reaches only the survivor.
+    worker.unregister(&exit).unwrap();
+    check_invariants(&worker, 2);
+}
+
+fn hung_targets_are_fenced_at_the_deadline() {
+    let worker = builder(2)
+        .control_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    worker.start().unwrap();
+    let started = Instant::now();
+    let err = worker.register(&envelope("slow 5000")).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(
+        err.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Fenced),
+            (TargetId(1), TargetOutcome::Fenced)
+        ]
+    );
+    assert_eq!(worker.live_targets(), vec![]);
+    assert_eq!(worker.target_exit(TargetId(0)), Some(Exit::Signal(9)));
+    let parent = worker.parent_state();
+    assert!(
+        parent.uncertain_digests().is_empty(),
+        "fencing makes nothing uncertain"
+    );
+    let err = worker.register(&envelope("echo")).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::NO_LIVE_TARGET);
+}
+
+fn sixty_four_targets() {
+    let worker = builder(64).build().unwrap();
+    let pre = worker.register(&envelope("echo #pre")).unwrap();
+    worker.start().unwrap();
+    let add = worker.register(&envelope("add")).unwrap();
+    let results = worker.submit_to_every(&add, TaskEncoding::Json, ADD_INPUT);
+    assert_eq!(results.len(), 64);
+    for (target, result) in results {
+        assert_eq!(result.unwrap(), b"42", "{target}");
+    }
+    check_invariants(&worker, 64);
+    worker.unregister(&add).unwrap();
+    worker.unregister(&pre).unwrap();
+    for (_, table) in worker.inspect().unwrap() {
+        assert_eq!(table.unwrap().installed, vec![]);
+    }
+    check_invariants(&worker, 64);
+}
+
+fn many_threads_many_operations_in_flight() {
+    let worker = Arc::new(builder(4).build().unwrap());
+    worker.start().unwrap();
+    let threads: Vec<_> = (0..8)
+        .map(|i| {
+            let worker = worker.clone();
+            std::thread::spawn(move || {
+                for round in 0..10 {
+                    let handle = worker
+                        .register(&envelope(&format!("echo #{i}-{round}")))
+                        .unwrap();
+                    let input = format!("{i}/{round}");
+                    let target = TargetId((i + round) % 4);
+                    let out = worker
+                        .submit(&handle, target, TaskEncoding::Json, input.as_bytes())
+                        .unwrap();
+                    assert_eq!(out, input.as_bytes());
+                    worker.unregister(&handle).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    check_invariants(&worker, 4);
+    for (_, table) in worker.inspect().unwrap() {
+        assert_eq!(table.unwrap().installed, vec![]);
+    }
+    // Async operations in flight at once.
+    let pending: Vec<_> = (0..16)
+        .map(|i| {
+            worker
+                .register_async(&envelope(&format!("echo #a{i}")))
+                .unwrap()
+        })
+        .collect();
+    let handles: Vec<_> = pending.into_iter().map(|p| p.wait().unwrap()).collect();
+    for (_, table) in worker.inspect().unwrap() {
+        assert_eq!(table.unwrap().installed.len(), 16);
+    }
+    check_invariants(&worker, 4);
+    drop(handles);
+}
+
+fn start_refuses_a_threaded_process_unless_accepted() {
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let other = std::thread::spawn(move || stop_rx.recv());
+    let worker = builder(1).build().unwrap();
+    let err = worker.start().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::IO_FAILED);
+    assert!(
+        err.error
+            .message
+            .starts_with("refusing to fork targets: this process runs 2 threads"),
+        "{}",
+        err.error.message
+    );
+    // Still new: it can start once the caller accepts the risk.
+    let risky = builder(1).accept_thread_risk().build().unwrap();
+    let echo = risky.register(&envelope("echo")).unwrap();
+    risky.start().unwrap();
+    assert_eq!(
+        risky
+            .submit(&echo, TargetId(0), TaskEncoding::Json, b"ok")
+            .unwrap(),
+        b"ok"
+    );
+    drop(risky);
+    stop_tx.send(()).unwrap();
+    other.join().unwrap().unwrap();
+}
+
+fn stale_staging_of_a_dead_parent_is_swept_at_start() {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let name = format!("callreg-{dead}-1-00000000deadbeef");
+    std::fs::write(format!("/dev/shm/{name}"), b"stale").unwrap();
+    let worker = builder(1).build().unwrap();
+    worker.start().unwrap();
+    assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+}
+
+fn lifecycle_errors_and_idempotent_close() {
+    let worker = builder(1).build().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    let err = worker
+        .submit(&echo, TargetId(0), TaskEncoding::Json, b"")
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::LIFECYCLE_INVALID);
+    worker.start().unwrap();
+    assert_eq!(
+        worker.start().unwrap_err().code(),
+        ErrorCode::LIFECYCLE_INVALID
+    );
+    let err = worker.register(b"SPYX").unwrap_err();
+    assert_eq!(err.code(), ErrorCode::ENVELOPE_INVALID);
+    worker.close();
+    worker.close();
+    assert_eq!(worker.live_targets(), vec![]);
+    assert_eq!(
+        worker.register(&envelope("echo")).unwrap_err().code(),
+        ErrorCode::LIFECYCLE_INVALID
+    );
+    assert_eq!(
+        worker.unregister(&echo).unwrap_err().code(),
+        ErrorCode::LIFECYCLE_INVALID
+    );
+    let err = worker
+        .submit(&echo, TargetId(0), TaskEncoding::Json, b"")
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::LIFECYCLE_INVALID);
+    assert_eq!(worker.target_exit(TargetId(0)), Some(Exit::Code(0)));
+    // A handle from another Worker is foreign.
+    let other = builder(1).build().unwrap();
+    let foreign = other.register(&envelope("echo")).unwrap();
+    let mine = builder(1).build().unwrap();
+    assert_eq!(
+        mine.unregister(&foreign).unwrap_err().code(),
+        ErrorCode::HANDLE_FOREIGN
+    );
+    let _ = TestRuntime;
+}
+
+fn the_parent_never_deserializes() {
+    let worker = builder(2).build().unwrap();
+    let pre = worker.register(&envelope("add")).unwrap();
+    worker.start().unwrap();
+    let post = worker.register(&envelope("echo")).unwrap();
+    worker.submit_to_every(&pre, TaskEncoding::Json, ADD_INPUT);
+    worker.submit_to_every(&post, TaskEncoding::Json, b"x");
+    let _ = worker.register(&envelope("bad x"));
+    drop(worker);
+    assert_eq!(
+        deserialize_count(),
+        0,
+        "the parent called the runtime's deserialize"
+    );
+}
