@@ -7,28 +7,13 @@
 
 use crate::error::ErrorCode;
 
-<<<<<<< HEAD
 #[cfg(feature = "python")]
 pub mod python;
-
-/// How a task's input and result are encoded (in task and result frames).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-#[repr(u8)]
-pub enum TaskEncoding {
-    /// Input: a JSON object `{"args": [...], "kwargs": {...}}` (UTF-8 bytes);
-    /// result: the call's return value as JSON.
-    Json = 1,
-    /// Input: pickled `(args_tuple, kwargs_dict)`; result: the pickled
-    /// return value. Decoded only in the target.
-    Pickle = 2,
-}
-=======
 pub mod testing;
 
 /// How a task's input and result are encoded; defined with the wire
 /// frames that carry it.
 pub use crate::wire::TaskEncoding;
->>>>>>> io
 
 /// A failure inside a runtime: deserializing a payload or running a task.
 #[derive(Clone, PartialEq, Eq, Debug, thiserror::Error)]
