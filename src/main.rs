@@ -1,6 +1,8 @@
 //! The `callreg` command: inspect, hash and pack SPYC envelopes
-//! (DESIGN.md §3). Exit status: 0 success, 1 an input is invalid, 2 usage,
-//! read or write error.
+//! (DESIGN.md §3), and run plans of registrations and tasks on forked
+//! Python targets (`run`, cargo feature `python`). Exit status: 0 success,
+//! 1 an input is invalid (for `run`: a step did not meet its expectation),
+//! 2 usage, read, write or plan error.
 
 mod cli;
 

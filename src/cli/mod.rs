@@ -13,6 +13,9 @@ use clap::{Parser, Subcommand};
 mod hashid;
 mod inspect;
 mod pack;
+#[cfg(feature = "python")]
+mod plan;
+mod run;
 
 /// Exit status when every input was valid.
 pub const EXIT_OK: u8 = 0;
@@ -38,6 +41,8 @@ enum Command {
     Hashid(hashid::Args),
     /// Wrap raw serializer (cloudpickle) bytes in a SPYC envelope.
     Pack(pack::Args),
+    /// Run a plan of registrations and tasks on forked Python targets.
+    Run(run::Args),
 }
 
 /// A failure that ends the command with [`EXIT_USAGE`]: one readable line.
@@ -117,6 +122,7 @@ where
         Command::Inspect(a) => inspect::run(&a),
         Command::Hashid(a) => hashid::run(&a),
         Command::Pack(a) => pack::run(&a),
+        Command::Run(a) => run::run(&a),
     };
     match result {
         Ok(status) => status,

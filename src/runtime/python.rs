@@ -96,6 +96,15 @@ impl PythonRuntime {
         Self::default()
     }
 
+    /// Whether the Python interpreter is initialised in the calling
+    /// process. A parent (the process that owns a [`crate::io::Worker`])
+    /// must always see `false`: it never runs Python (DESIGN.md §1, §6).
+    pub fn interpreter_initialized() -> bool {
+        // SAFETY: `Py_IsInitialized` only reads a flag and may be called
+        // before the interpreter exists.
+        unsafe { ffi::Py_IsInitialized() != 0 }
+    }
+
     /// The imported functions, once started; also retains the calling
     /// thread's Python thread state, so call it before attaching.
     fn functions(&self) -> Result<&PythonFunctions, RuntimeError> {

@@ -1,0 +1,587 @@
+//! The plan file of `callreg run` (issue 6, item 4): a JSON object
+//!
+//! ```json
+//! {"targets": 4, "control_timeout_s": 30,
+//!  "steps": [
+//!    {"op": "register", "name": "add", "envelope": "payloads/add.spyc"},
+//!    {"op": "start"},
+//!    {"op": "call", "name": "add", "args": [2, 3], "target": 0, "expect": 5},
+//!    {"op": "call_all", "name": "add", "args": [1, 1], "expect": 2},
+//!    {"op": "unregister", "name": "add"},
+//!    {"op": "call", "name": "add", "args": [1, 1], "expect_error": "not registered"},
+//!    {"op": "kill_target", "target": 3}
+//!  ]}
+//! ```
+//!
+//! * `targets` (required): how many targets to fork, 1 to [`MAX_TARGETS`].
+//! * `control_timeout_s` (optional, seconds, default 30): how long a target
+//!   has to answer a register or unregister, and to be ready at start.
+//! * `steps` (required): run in order. Fields by `op`:
+//!
+//! | op | fields (`?` optional) |
+//! |---|---|
+//! | `register` | `name`, `envelope` (a SPYC file, relative to the plan file), `expect_error?` |
+//! | `start` | `expect_error?` |
+//! | `unregister` | `name`, `expect_error?` |
+//! | `call` | `name`, `target?`, `args?`, `kwargs?`, `expect?` or `expect_error?` |
+//! | `call_all` | `name`, `args?`, `kwargs?`, `expect?` or `expect_error?` |
+//! | `kill_target` | `target`, `expect_error?` |
+//!
+//! Parsing is strict, like serde's `deny_unknown_fields`: an unknown field,
+//! a field of the wrong type, a missing required field, a `name` used
+//! before it is registered (or registered again while it labels a handle),
+//! a `target` outside `0..targets`, a call before the Worker can be started
+//! or a second `start` is a [`PlanError`] naming the step index and field.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+
+/// The most targets a plan may ask for.
+pub const MAX_TARGETS: u16 = 1024;
+
+/// The control timeout of a plan without `control_timeout_s`: 30 seconds.
+pub const DEFAULT_CONTROL_TIMEOUT_S: f64 = 30.0;
+
+/// The longest control timeout a plan may set: one day, in seconds.
+const MAX_CONTROL_TIMEOUT_S: f64 = 86_400.0;
+
+/// A parsed, checked plan.
+#[derive(Clone, PartialEq, Debug)]
+pub struct Plan {
+    /// Number of targets to fork (1 to [`MAX_TARGETS`]).
+    pub targets: u16,
+    /// The Worker's control timeout.
+    pub control_timeout: Duration,
+    /// The steps, in plan order.
+    pub steps: Vec<Step>,
+    /// The envelope files' bytes, by the path written in the plan.
+    pub envelopes: BTreeMap<String, Vec<u8>>,
+}
+
+/// One step of a plan.
+#[derive(Clone, PartialEq, Debug)]
+pub struct Step {
+    /// What to do.
+    pub op: Op,
+    /// The error the step must fail with (a substring of the error line,
+    /// which holds the error code and message), if any.
+    pub expect_error: Option<String>,
+}
+
+/// The operation of a step, with its fields.
+#[derive(Clone, PartialEq, Debug)]
+pub enum Op {
+    /// Register an envelope (before `start`: into the startup snapshot).
+    Register(RegisterStep),
+    /// Fork the targets (installs the startup snapshot).
+    Start,
+    /// Unregister the handle labelled `name`.
+    Unregister {
+        /// The handle's label.
+        name: String,
+    },
+    /// Run one task on one target.
+    Call(CallStep),
+    /// Run one task on every live target.
+    CallAll(CallStep),
+    /// Kill a target with SIGKILL and wait until the Worker lost it.
+    KillTarget {
+        /// The target's index.
+        target: u16,
+    },
+}
+
+/// The fields of a `register` step.
+///
+/// Callable metadata (a future optional `"metadata"` field, e.g. the path
+/// of a `NAME.spyc.json` side-car) belongs here, beside `envelope`.
+#[derive(Clone, PartialEq, Debug)]
+pub struct RegisterStep {
+    /// The label of the handle the register returns.
+    pub name: String,
+    /// The envelope path as written in the plan (relative to the plan
+    /// file); its bytes are in [`Plan::envelopes`].
+    pub envelope: String,
+}
+
+/// The fields of a `call` or `call_all` step.
+#[derive(Clone, PartialEq, Debug)]
+pub struct CallStep {
+    /// The label of the handle to call.
+    pub name: String,
+    /// `call` only: the target to run on; `None` means any live target.
+    pub target: Option<u16>,
+    /// Positional arguments (a JSON array; empty when absent).
+    pub args: Vec<Value>,
+    /// Keyword arguments (a JSON object; empty when absent).
+    pub kwargs: Map<String, Value>,
+    /// The result the call must return (on every target for `call_all`).
+    pub expect: Option<Value>,
+}
+
+/// Why a plan cannot run: one line, naming the step index and field when
+/// the problem is in a step (e.g. `step 3 (call): field "target": 7 is not
+/// a target of this plan (targets: 4)`).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct PlanError(pub String);
+
+impl std::fmt::Display for PlanError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Parses and checks the plan text `text`; envelope paths are read relative
+/// to `plan_dir` (the plan file's directory).
+///
+/// # Errors
+/// A [`PlanError`] when the text is not JSON, when a field is unknown,
+/// missing or of the wrong type, when names or targets do not check (see
+/// the module documentation), or when an envelope file cannot be read.
+pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| PlanError(format!("the plan is not valid JSON: {e}")))?;
+    let Value::Object(mut top) = value else {
+        return Err(PlanError(format!(
+            "the plan must be a JSON object, got {}",
+            type_of(&value)
+        )));
+    };
+    refuse_unknown(&top, &["targets", "control_timeout_s", "steps"], "the plan")?;
+    let top_field = |field: &str, why: String| PlanError(format!("field {field:?}: {why}"));
+    let targets = match top.get("targets") {
+        None => {
+            return Err(top_field(
+                "targets",
+                "missing (the number of targets to fork)".into(),
+            ))
+        }
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=u64::from(MAX_TARGETS)).contains(n))
+            .and_then(|n| u16::try_from(n).ok())
+            .ok_or_else(|| {
+                top_field(
+                    "targets",
+                    format!("expected an integer from 1 to {MAX_TARGETS}, got {v}"),
+                )
+            })?,
+    };
+    let timeout_s = match top.get("control_timeout_s") {
+        None => DEFAULT_CONTROL_TIMEOUT_S,
+        Some(v) => v
+            .as_f64()
+            .filter(|s| *s > 0.0 && *s <= MAX_CONTROL_TIMEOUT_S)
+            .ok_or_else(|| {
+                top_field(
+                    "control_timeout_s",
+                    format!(
+                        "expected seconds, above 0 and at most {MAX_CONTROL_TIMEOUT_S}, got {v}"
+                    ),
+                )
+            })?,
+    };
+    let steps = match top.remove("steps") {
+        None => return Err(top_field("steps", "missing (a list of steps)".into())),
+        Some(Value::Array(steps)) => steps,
+        Some(v) => {
+            return Err(top_field(
+                "steps",
+                format!("expected an array, got {}", type_of(&v)),
+            ))
+        }
+    };
+    // Without a start step the Worker starts before the first step.
+    let explicit_start = steps
+        .iter()
+        .any(|step| step.get("op").and_then(Value::as_str) == Some("start"));
+    let mut checker = Checker {
+        targets,
+        plan_dir,
+        labels: BTreeMap::new(),
+        started: !explicit_start,
+        envelopes: BTreeMap::new(),
+    };
+    let steps = steps
+        .into_iter()
+        .enumerate()
+        .map(|(index, step)| checker.step(index, step))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Plan {
+        targets,
+        control_timeout: Duration::from_secs_f64(timeout_s),
+        steps,
+        envelopes: checker.envelopes,
+    })
+}
+
+/// Whether a label names a handle at a point of the plan.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Label {
+    /// Registered by the step with this index and not unregistered since.
+    Registered(usize),
+    /// Unregistered by the step with this index.
+    Unregistered(usize),
+}
+
+/// Checks steps in order, tracking labels and the start.
+struct Checker<'a> {
+    targets: u16,
+    plan_dir: &'a Path,
+    labels: BTreeMap<String, Label>,
+    started: bool,
+    envelopes: BTreeMap<String, Vec<u8>>,
+}
+
+impl Checker<'_> {
+    fn step(&mut self, index: usize, step: Value) -> Result<Step, PlanError> {
+        let Value::Object(fields) = step else {
+            return Err(PlanError(format!(
+                "step {index}: expected an object with an \"op\" field, got {}",
+                type_of(&step)
+            )));
+        };
+        let op = match fields.get("op") {
+            Some(Value::String(op)) => op.clone(),
+            Some(v) => {
+                return Err(PlanError(format!(
+                    "step {index}: field \"op\": expected a string, got {}",
+                    type_of(v)
+                )))
+            }
+            None => return Err(PlanError(format!("step {index}: field \"op\" is missing"))),
+        };
+        let at = StepFields {
+            index,
+            op: &op,
+            fields: &fields,
+        };
+        let expect_error = at.optional_string("expect_error")?;
+        let op = match op.as_str() {
+            "register" => {
+                at.allow(&["name", "envelope", "expect_error"])?;
+                let name = at.name()?;
+                if let Some(Label::Registered(earlier)) = self.labels.get(&name) {
+                    return Err(at.field_error(
+                        "name",
+                        format!("{name:?} already labels the handle of step {earlier}; unregister it first"),
+                    ));
+                }
+                let envelope = at.required_string("envelope")?;
+                self.read_envelope(&at, &envelope)?;
+                self.labels.insert(name.clone(), Label::Registered(index));
+                Op::Register(RegisterStep { name, envelope })
+            }
+            "start" => {
+                at.allow(&["expect_error"])?;
+                if self.started {
+                    return Err(at.error("the Worker is already started (one start per plan)".into()));
+                }
+                self.started = true;
+                Op::Start
+            }
+            "unregister" => {
+                at.allow(&["name", "expect_error"])?;
+                let name = at.name()?;
+                match self.labels.get(&name) {
+                    Some(Label::Registered(_)) => {}
+                    Some(Label::Unregistered(earlier)) => {
+                        return Err(at.field_error(
+                            "name",
+                            format!("{name:?} was already unregistered by step {earlier}"),
+                        ))
+                    }
+                    None => return Err(at.unknown_name(&name)),
+                }
+                self.labels.insert(name.clone(), Label::Unregistered(index));
+                Op::Unregister { name }
+            }
+            "call" | "call_all" => {
+                let all = op == "call_all";
+                if all {
+                    at.allow(&["name", "args", "kwargs", "expect", "expect_error"])?;
+                } else {
+                    at.allow(&["name", "target", "args", "kwargs", "expect", "expect_error"])?;
+                }
+                let name = at.name()?;
+                if !self.labels.contains_key(&name) {
+                    return Err(at.unknown_name(&name));
+                }
+                let target = if all { None } else { at.optional_target(self.targets)? };
+                let args = match fields.get("args") {
+                    None => Vec::new(),
+                    Some(Value::Array(args)) => args.clone(),
+                    Some(v) => {
+                        return Err(at.field_error(
+                            "args",
+                            format!("expected an array, got {}", type_of(v)),
+                        ))
+                    }
+                };
+                let kwargs = match fields.get("kwargs") {
+                    None => Map::new(),
+                    Some(Value::Object(kwargs)) => kwargs.clone(),
+                    Some(v) => {
+                        return Err(at.field_error(
+                            "kwargs",
+                            format!("expected an object, got {}", type_of(v)),
+                        ))
+                    }
+                };
+                let expect = fields.get("expect").cloned();
+                if expect.is_some() && expect_error.is_some() {
+                    return Err(at.error(
+                        "\"expect\" and \"expect_error\" exclude each other".into(),
+                    ));
+                }
+                self.require_started(&at)?;
+                let step = CallStep {
+                    name,
+                    target,
+                    args,
+                    kwargs,
+                    expect,
+                };
+                if all {
+                    Op::CallAll(step)
+                } else {
+                    Op::Call(step)
+                }
+            }
+            "kill_target" => {
+                at.allow(&["target", "expect_error"])?;
+                let target = at
+                    .optional_target(self.targets)?
+                    .ok_or_else(|| at.field_error("target", "missing (the target to kill)".into()))?;
+                self.require_started(&at)?;
+                Op::KillTarget { target }
+            }
+            other => {
+                return Err(at.field_error(
+                    "op",
+                    format!(
+                        "unknown operation {other:?} (expected register, start, unregister, call, call_all or kill_target)"
+                    ),
+                ))
+            }
+        };
+        Ok(Step { op, expect_error })
+    }
+
+    /// Refuses a step that needs running targets before the start step.
+    fn require_started(&self, at: &StepFields<'_>) -> Result<(), PlanError> {
+        if self.started {
+            Ok(())
+        } else {
+            Err(at.error(
+                "the Worker is not started yet (only register and unregister come before the \"start\" step)"
+                    .into(),
+            ))
+        }
+    }
+
+    /// Reads an envelope file once, relative to the plan's directory.
+    fn read_envelope(&mut self, at: &StepFields<'_>, envelope: &str) -> Result<(), PlanError> {
+        if self.envelopes.contains_key(envelope) {
+            return Ok(());
+        }
+        let bytes = std::fs::read(self.plan_dir.join(envelope)).map_err(|e| {
+            at.field_error(
+                "envelope",
+                format!("cannot read {envelope}: {}", super::io_reason(&e)),
+            )
+        })?;
+        self.envelopes.insert(envelope.to_owned(), bytes);
+        Ok(())
+    }
+}
+
+/// One step's fields, for reading them with errors that name the step.
+struct StepFields<'a> {
+    index: usize,
+    op: &'a str,
+    fields: &'a Map<String, Value>,
+}
+
+impl StepFields<'_> {
+    fn error(&self, why: String) -> PlanError {
+        PlanError(format!("step {} ({}): {why}", self.index, self.op))
+    }
+
+    fn field_error(&self, field: &str, why: String) -> PlanError {
+        self.error(format!("field {field:?}: {why}"))
+    }
+
+    fn unknown_name(&self, name: &str) -> PlanError {
+        self.field_error(
+            "name",
+            format!("{name:?} is not the name of any earlier register step"),
+        )
+    }
+
+    /// Refuses fields other than `op` and `allowed`.
+    fn allow(&self, allowed: &[&str]) -> Result<(), PlanError> {
+        let mut known = vec!["op"];
+        known.extend_from_slice(allowed);
+        refuse_unknown(
+            self.fields,
+            &known,
+            &format!("step {} ({})", self.index, self.op),
+        )
+    }
+
+    fn optional_string(&self, field: &str) -> Result<Option<String>, PlanError> {
+        match self.fields.get(field) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(v) => {
+                Err(self.field_error(field, format!("expected a string, got {}", type_of(v))))
+            }
+        }
+    }
+
+    fn required_string(&self, field: &str) -> Result<String, PlanError> {
+        match self.optional_string(field)? {
+            Some(s) if !s.is_empty() => Ok(s),
+            Some(_) => Err(self.field_error(field, "must not be empty".into())),
+            None => Err(self.field_error(field, "missing".into())),
+        }
+    }
+
+    fn name(&self) -> Result<String, PlanError> {
+        self.required_string("name")
+    }
+
+    fn optional_target(&self, targets: u16) -> Result<Option<u16>, PlanError> {
+        match self.fields.get("target") {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(t) if t < u64::from(targets) => Ok(u16::try_from(t).ok()),
+                Some(t) => Err(self.field_error(
+                    "target",
+                    format!(
+                        "{t} is not a target of this plan (targets: {targets}, numbered from 0)"
+                    ),
+                )),
+                None => Err(self.field_error(
+                    "target",
+                    format!("expected a target index (an integer from 0), got {v}"),
+                )),
+            },
+        }
+    }
+}
+
+/// Refuses any key of `object` not in `known`.
+fn refuse_unknown(
+    object: &Map<String, Value>,
+    known: &[&str],
+    what: &str,
+) -> Result<(), PlanError> {
+    match object.keys().find(|k| !known.contains(&k.as_str())) {
+        None => Ok(()),
+        Some(unknown) => Err(PlanError(format!(
+            "{what}: unknown field {unknown:?} (expected one of {})",
+            known
+                .iter()
+                .map(|k| format!("{k:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
+/// The JSON type of `value`, for error messages.
+fn type_of(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_text(text: &str) -> Result<Plan, PlanError> {
+        parse(text, Path::new("."))
+    }
+
+    fn error(text: &str) -> String {
+        parse_text(text).expect_err("the plan is refused").0
+    }
+
+    #[test]
+    fn a_plan_without_registers_parses_with_defaults() {
+        let plan = parse_text(
+            r#"{"targets": 2, "steps": [{"op": "start"}, {"op": "kill_target", "target": 1, "expect_error": "x"}]}"#,
+        )
+        .expect("valid plan");
+        assert_eq!(plan.targets, 2);
+        assert_eq!(plan.control_timeout, Duration::from_secs(30));
+        assert_eq!(
+            plan.steps,
+            vec![
+                Step {
+                    op: Op::Start,
+                    expect_error: None
+                },
+                Step {
+                    op: Op::KillTarget { target: 1 },
+                    expect_error: Some("x".to_owned())
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn errors_name_the_step_and_field() {
+        assert_eq!(
+            error(
+                r#"{"targets": 2, "steps": [{"op": "kill_target", "target": 0}, {"op": "start"}]}"#
+            ),
+            r#"step 0 (kill_target): the Worker is not started yet (only register and unregister come before the "start" step)"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 2, "steps": [{"op": "start", "name": "x"}]}"#),
+            r#"step 0 (start): unknown field "name" (expected one of "op", "expect_error")"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 2, "steps": [{"op": "kill_target", "target": 2}]}"#),
+            r#"step 0 (kill_target): field "target": 2 is not a target of this plan (targets: 2, numbered from 0)"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 2, "steps": [{"op": "start"}, {"op": "call", "name": "f"}]}"#),
+            r#"step 1 (call): field "name": "f" is not the name of any earlier register step"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 2, "steps": [{"op": "start"}, {"op": "start"}]}"#),
+            r#"step 1 (start): the Worker is already started (one start per plan)"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 2, "steps": [{"op": "jump"}]}"#),
+            r#"step 0 (jump): field "op": unknown operation "jump" (expected register, start, unregister, call, call_all or kill_target)"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 0, "steps": []}"#),
+            r#"field "targets": expected an integer from 1 to 1024, got 0"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "steps": [], "extra": 1}"#),
+            r#"the plan: unknown field "extra" (expected one of "targets", "control_timeout_s", "steps")"#
+        );
+        assert_eq!(
+            error(
+                r#"{"targets": 1, "steps": [{"op": "register", "name": "f", "envelope": "missing.spyc"}]}"#
+            ),
+            r#"step 0 (register): field "envelope": cannot read missing.spyc: No such file or directory"#
+        );
+    }
+}

@@ -1,0 +1,724 @@
+//! `callreg run PLAN.json [--json]`: runs a plan of registrations and tasks
+//! against a real Worker with Python targets (issue 6, item 4; the plan
+//! format is in [`super::plan`]).
+//!
+//! This process is the parent: it forks the targets, stages envelopes and
+//! sends frames, and never initialises Python or deserializes a payload
+//! (DESIGN.md §1, §6); it checks that before start and after close.
+//!
+//! Output: one line per step on stdout, then a summary. Text lines read
+//! `step 3 call add [target 0]: ok -> 5 (74 µs)`; with `--json`, each line
+//! is an object `{"step", "op", "name", "ok", "hashid", "targets":
+//! [{"target", "outcome"}], "result" | "error", "micros"}` and the summary is
+//! `{"summary": {"steps", "ok", "failed", "micros"}}`. Exit status: 0 when
+//! every step met its expectation, 1 when a step failed unexpectedly or an
+//! expectation was not met, 2 for a usage or plan error (one line on
+//! stderr).
+//!
+//! Without the `python` cargo feature the subcommand exists but only
+//! explains that the build lacks Python support (exit status 2).
+
+#[cfg(not(feature = "python"))]
+use super::CliError;
+
+/// Arguments of `callreg run`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The plan (JSON); envelope paths in it are relative to its directory.
+    #[arg(value_name = "PLAN.json")]
+    plan: String,
+    /// Print one JSON object per step and for the summary.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Explains that this build cannot run plans.
+///
+/// # Errors
+/// Always a [`CliError`]: plans need Python targets.
+#[cfg(not(feature = "python"))]
+pub fn run(args: &Args) -> Result<u8, CliError> {
+    let _ = args.json;
+    Err(CliError(format!(
+        "cannot run {}: this build of callreg has no Python support (rebuild with `--features cli,python`)",
+        args.plan
+    )))
+}
+
+#[cfg(feature = "python")]
+pub use with_python::run;
+
+#[cfg(feature = "python")]
+mod with_python {
+    use std::collections::BTreeMap;
+    use std::path::Path;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use callreg::descriptor::python_serialized_digest;
+    use callreg::envelope::Envelope;
+    use callreg::error::Error;
+    use callreg::io::{OperationError, TaskError, Worker};
+    use callreg::protocol::{Handle, TargetId, TargetOutcome};
+    use callreg::runtime::python::PythonRuntime;
+    use callreg::runtime::TaskEncoding;
+    use serde::Serialize;
+    use serde_json::{json, Value};
+
+    use super::super::plan::{self, CallStep, Op, Plan, RegisterStep, Step};
+    use super::super::{read_input, write_stdout, CliError, EXIT_INVALID, EXIT_OK};
+    use super::Args;
+
+    /// How often `kill_target` checks whether the Worker noticed the kill.
+    const KILL_POLL: Duration = Duration::from_millis(1);
+
+    /// Result text longer than this many characters is cut in text output.
+    const RESULT_TEXT_CHARS: usize = 200;
+
+    /// Runs the plan named by `args`; returns the exit status.
+    ///
+    /// # Errors
+    /// [`CliError`] (exit status 2) when the plan cannot be read or parsed
+    /// (naming the step and field), when the Worker cannot be built, or if
+    /// Python turns out to be initialised in this (parent) process.
+    pub fn run(args: &Args) -> Result<u8, CliError> {
+        let text = read_input(&args.plan)?;
+        let text = String::from_utf8(text)
+            .map_err(|_| CliError(format!("{}: the plan is not UTF-8", args.plan)))?;
+        let plan_dir = match Path::new(&args.plan).parent() {
+            Some(dir) if !dir.as_os_str().is_empty() && args.plan != "-" => dir,
+            _ => Path::new("."),
+        };
+        let plan =
+            plan::parse(&text, plan_dir).map_err(|e| CliError(format!("{}: {e}", args.plan)))?;
+        parent_has_no_python("before start")?;
+        let mut runner = Runner::new(&plan, args.json)?;
+        let total = Instant::now();
+        let mut reports = Vec::with_capacity(plan.steps.len() + 1);
+        if !plan.steps.iter().any(|s| s.op == Op::Start) {
+            let report = runner.start(None, None);
+            reports.push(runner.emit(report)?);
+        }
+        for (index, step) in plan.steps.iter().enumerate() {
+            let report = runner.step(index, step);
+            reports.push(runner.emit(report)?);
+        }
+        runner.worker.close();
+        parent_has_no_python("after close")?;
+        let failed = reports.iter().filter(|ok| !**ok).count();
+        let micros = micros(total.elapsed());
+        let summary = if args.json {
+            json!({"summary": {"steps": reports.len(), "ok": reports.len() - failed, "failed": failed, "micros": micros}})
+                .to_string()
+        } else {
+            format!(
+                "summary: {} steps, {} as expected, {failed} not ({})",
+                reports.len(),
+                reports.len() - failed,
+                duration_text(micros)
+            )
+        };
+        write_stdout(&format!("{summary}\n"))?;
+        Ok(if failed == 0 { EXIT_OK } else { EXIT_INVALID })
+    }
+
+    /// Refuses to go on if Python runs in this process: the parent must
+    /// never run it (a bug, reported as one line rather than a panic).
+    fn parent_has_no_python(when: &str) -> Result<(), CliError> {
+        if PythonRuntime::interpreter_initialized() {
+            Err(CliError(format!(
+                "internal error: the Python interpreter is initialised in the parent process ({when}); the parent must never run Python"
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// What a label stands for while the plan runs.
+    enum Label {
+        /// A live handle.
+        Live(Handle),
+        /// A handle unregistered by an earlier step (calls on it still go
+        /// to the Worker, which refuses the stale handle).
+        Unregistered(Handle),
+        /// The register failed: no handle.
+        Failed,
+    }
+
+    /// One target's part in a step.
+    struct TargetReport {
+        target: u16,
+        /// `ok`, `failed`, `lost`, `timed_out`, `fenced`, `rolled_back`,
+        /// `cleanup_unconfirmed` or `killed`.
+        outcome: &'static str,
+        /// Why, for an outcome other than `ok`.
+        detail: Option<String>,
+        /// The call's result on this target (`call_all`).
+        result: Option<Value>,
+    }
+
+    /// What a step did.
+    struct StepReport {
+        /// The step index; `None` for the implicit start.
+        step: Option<usize>,
+        op: &'static str,
+        name: Option<String>,
+        hashid: Option<String>,
+        targets: Vec<TargetReport>,
+        outcome: Result<Option<Value>, String>,
+        /// The step's expectation, when it was not met.
+        unmet: Option<String>,
+        micros: u64,
+    }
+
+    struct Runner<'a> {
+        plan: &'a Plan,
+        worker: Worker<PythonRuntime>,
+        labels: BTreeMap<String, Label>,
+        /// Where a `call` without a target runs next (round robin over the
+        /// live targets).
+        next_target: usize,
+        json: bool,
+    }
+
+    impl<'a> Runner<'a> {
+        fn new(plan: &'a Plan, json: bool) -> Result<Runner<'a>, CliError> {
+            let worker = Worker::builder(Arc::new(PythonRuntime::new()))
+                .targets(plan.targets)
+                .control_timeout(plan.control_timeout)
+                .build()
+                .map_err(|e| CliError(one_line(&e.to_string())))?;
+            Ok(Runner {
+                plan,
+                worker,
+                labels: BTreeMap::new(),
+                next_target: 0,
+                json,
+            })
+        }
+
+        fn step(&mut self, index: usize, step: &Step) -> StepReport {
+            let started = Instant::now();
+            let mut report = match &step.op {
+                Op::Start => self.start(Some(index), step.expect_error.as_deref()),
+                Op::Register(register) => self.register(index, register),
+                Op::Unregister { name } => self.unregister(index, name),
+                Op::Call(call) => self.call(index, call),
+                Op::CallAll(call) => self.call_all(index, call),
+                Op::KillTarget { target } => self.kill_target(index, *target),
+            };
+            report.micros = micros(started.elapsed());
+            report.unmet = unmet(step, &report.outcome);
+            report
+        }
+
+        fn report(&self, step: Option<usize>, op: &'static str) -> StepReport {
+            StepReport {
+                step,
+                op,
+                name: None,
+                hashid: None,
+                targets: Vec::new(),
+                outcome: Ok(None),
+                unmet: None,
+                micros: 0,
+            }
+        }
+
+        /// Forks the targets; the implicit start (before a plan's first step
+        /// when it has no `start` step) has no index.
+        fn start(&mut self, step: Option<usize>, expect_error: Option<&str>) -> StepReport {
+            let started = Instant::now();
+            let mut report = self.report(step, "start");
+            let outcomes = match self.worker.start() {
+                Ok(start) => start.outcomes,
+                Err(e) => {
+                    report.outcome = Err(operation_error_text(&e));
+                    e.outcomes
+                }
+            };
+            report.targets = outcomes.iter().map(target_report).collect();
+            if step.is_none() {
+                report.micros = micros(started.elapsed());
+                report.unmet = unmet_error(expect_error, &report.outcome);
+            }
+            report
+        }
+
+        fn register(&mut self, index: usize, register: &RegisterStep) -> StepReport {
+            let mut report = self.report(Some(index), "register");
+            report.name = Some(register.name.clone());
+            let bytes = self
+                .plan
+                .envelopes
+                .get(&register.envelope)
+                .map_or(&[][..], Vec::as_slice);
+            report.hashid = Envelope::parse(bytes)
+                .ok()
+                .map(|e| python_serialized_digest(&e).hashid().to_string());
+            let live = self.worker.live_targets();
+            match self.worker.register(bytes) {
+                Ok(handle) => {
+                    report.hashid = Some(handle.hashid.to_string());
+                    report.targets = live.iter().map(|t| ok_target(*t)).collect();
+                    self.labels
+                        .insert(register.name.clone(), Label::Live(handle));
+                }
+                Err(e) => {
+                    report.targets = e.outcomes.iter().map(target_report).collect();
+                    report.outcome = Err(operation_error_text(&e));
+                    self.labels.insert(register.name.clone(), Label::Failed);
+                }
+            }
+            report
+        }
+
+        fn unregister(&mut self, index: usize, name: &str) -> StepReport {
+            let mut report = self.report(Some(index), "unregister");
+            report.name = Some(name.to_owned());
+            let handle = match self.labels.get(name) {
+                Some(Label::Live(handle)) => *handle,
+                _ => {
+                    report.outcome = Err(not_registered(name, "its register failed"));
+                    return report;
+                }
+            };
+            report.hashid = Some(handle.hashid.to_string());
+            let live = self.worker.live_targets();
+            match self.worker.unregister(&handle) {
+                Ok(()) => {
+                    report.targets = live.iter().map(|t| ok_target(*t)).collect();
+                    self.labels
+                        .insert(name.to_owned(), Label::Unregistered(handle));
+                }
+                Err(e) => {
+                    report.targets = e.outcomes.iter().map(target_report).collect();
+                    report.outcome = Err(operation_error_text(&e));
+                }
+            }
+            report
+        }
+
+        /// The handle of a call's label, and the error prefix for a label
+        /// that no longer names a live handle.
+        fn resolve(&self, name: &str) -> Result<(Handle, Option<String>), String> {
+            match self.labels.get(name) {
+                Some(Label::Live(handle)) => Ok((*handle, None)),
+                Some(Label::Unregistered(handle)) => {
+                    Ok((*handle, Some(not_registered(name, "it was unregistered"))))
+                }
+                _ => Err(not_registered(name, "its register failed")),
+            }
+        }
+
+        fn call(&mut self, index: usize, call: &CallStep) -> StepReport {
+            let mut report = self.report(Some(index), "call");
+            report.name = Some(call.name.clone());
+            let (handle, prefix) = match self.resolve(&call.name) {
+                Ok(resolved) => resolved,
+                Err(why) => {
+                    report.outcome = Err(why);
+                    return report;
+                }
+            };
+            report.hashid = Some(handle.hashid.to_string());
+            let target = match call.target {
+                Some(target) => TargetId(target),
+                None => {
+                    let live = self.worker.live_targets();
+                    if live.is_empty() {
+                        report.outcome =
+                            Err("NO_LIVE_TARGET: no live target to run the call on".to_owned());
+                        return report;
+                    }
+                    let target = live[self.next_target % live.len()];
+                    self.next_target = self.next_target.wrapping_add(1);
+                    target
+                }
+            };
+            let input = task_input(call);
+            let result = self
+                .worker
+                .submit(&handle, target, TaskEncoding::Json, &input);
+            let (target_report, outcome) = task_outcome(target, result, prefix.as_deref());
+            report.targets = vec![target_report];
+            report.outcome = outcome;
+            report
+        }
+
+        fn call_all(&mut self, index: usize, call: &CallStep) -> StepReport {
+            let mut report = self.report(Some(index), "call_all");
+            report.name = Some(call.name.clone());
+            let (handle, prefix) = match self.resolve(&call.name) {
+                Ok(resolved) => resolved,
+                Err(why) => {
+                    report.outcome = Err(why);
+                    return report;
+                }
+            };
+            report.hashid = Some(handle.hashid.to_string());
+            let input = task_input(call);
+            let results = self
+                .worker
+                .submit_to_every(&handle, TaskEncoding::Json, &input);
+            if results.is_empty() {
+                report.outcome =
+                    Err("NO_LIVE_TARGET: no live target to run the call on".to_owned());
+                return report;
+            }
+            let mut values = Vec::new();
+            let mut errors = Vec::new();
+            for (target, result) in results {
+                let (mut target_report, outcome) = task_outcome(target, result, prefix.as_deref());
+                match outcome {
+                    Ok(value) => {
+                        target_report.result.clone_from(&value);
+                        values.push(value.unwrap_or(Value::Null));
+                    }
+                    Err(error) => errors.push(format!("target {}: {error}", target.0)),
+                }
+                report.targets.push(target_report);
+            }
+            report.outcome = if errors.is_empty() {
+                Ok(Some(Value::Array(values)))
+            } else {
+                Err(errors.join("; "))
+            };
+            report
+        }
+
+        fn kill_target(&mut self, index: usize, target: u16) -> StepReport {
+            let mut report = self.report(Some(index), "kill_target");
+            let id = TargetId(target);
+            let pid = match self.worker.target_pid(id) {
+                Some(pid) if self.worker.live_targets().contains(&id) => pid,
+                _ => {
+                    report.outcome = Err(format!(
+                        "NO_LIVE_TARGET: target {target} is not live, so it cannot be killed"
+                    ));
+                    return report;
+                }
+            };
+            let killed = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            if let Err(errno) = killed {
+                report.outcome = Err(format!("IO_FAILED: cannot kill target {target}: {errno}"));
+                return report;
+            }
+            // The IO thread notices the closed pipe and reaps the target;
+            // the step ends when the Worker no longer counts it live.
+            let deadline = Instant::now() + self.plan.control_timeout;
+            while self.worker.live_targets().contains(&id) {
+                if Instant::now() >= deadline {
+                    report.outcome = Err(format!(
+                        "DEADLINE_EXCEEDED: target {target} was killed but the Worker still counts it live"
+                    ));
+                    return report;
+                }
+                std::thread::sleep(KILL_POLL);
+            }
+            report.targets = vec![TargetReport {
+                target,
+                outcome: "killed",
+                detail: self.worker.target_exit(id).map(|exit| exit.to_string()),
+                result: None,
+            }];
+            report
+        }
+
+        /// Prints one step's line; returns whether it met its expectation.
+        fn emit(&self, report: StepReport) -> Result<bool, CliError> {
+            let ok = report.unmet.is_none();
+            let line = if self.json {
+                json_line(&report, ok)
+            } else {
+                text_line(&report, ok)
+            };
+            write_stdout(&format!("{line}\n"))?;
+            Ok(ok)
+        }
+    }
+
+    /// The task input of a call: `{"args": [...], "kwargs": {...}}`.
+    fn task_input(call: &CallStep) -> Vec<u8> {
+        json!({"args": call.args, "kwargs": call.kwargs})
+            .to_string()
+            .into_bytes()
+    }
+
+    /// A target's report and the step outcome for one task's result.
+    fn task_outcome(
+        target: TargetId,
+        result: Result<Vec<u8>, TaskError>,
+        prefix: Option<&str>,
+    ) -> (TargetReport, Result<Option<Value>, String>) {
+        let outcome = match result {
+            Ok(bytes) => serde_json::from_slice::<Value>(&bytes)
+                .map(Some)
+                .map_err(|e| format!("FRAME_INVALID: the task's result is not JSON: {e}")),
+            Err(e) => {
+                let text = task_error_text(&e);
+                Err(match prefix {
+                    Some(prefix) => format!("{prefix}: {text}"),
+                    None => text,
+                })
+            }
+        };
+        let report = TargetReport {
+            target: target.0,
+            outcome: if outcome.is_ok() { "ok" } else { "failed" },
+            detail: outcome.as_ref().err().cloned(),
+            result: None,
+        };
+        (report, outcome)
+    }
+
+    fn ok_target(target: TargetId) -> TargetReport {
+        TargetReport {
+            target: target.0,
+            outcome: "ok",
+            detail: None,
+            result: None,
+        }
+    }
+
+    fn target_report((target, outcome): &(TargetId, TargetOutcome)) -> TargetReport {
+        let (outcome, detail) = match outcome {
+            TargetOutcome::Ok => ("ok", None),
+            TargetOutcome::Failed { failure } => ("failed", Some(one_line(&failure.to_string()))),
+            TargetOutcome::Lost => ("lost", None),
+            TargetOutcome::TimedOut => ("timed_out", None),
+            TargetOutcome::Fenced => ("fenced", None),
+            TargetOutcome::RolledBack => ("rolled_back", None),
+            TargetOutcome::CleanupUnconfirmed { failure } => {
+                ("cleanup_unconfirmed", Some(one_line(&failure.to_string())))
+            }
+        };
+        TargetReport {
+            target: target.0,
+            outcome,
+            detail,
+            result: None,
+        }
+    }
+
+    fn not_registered(name: &str, why: &str) -> String {
+        format!("{name:?} is not registered ({why})")
+    }
+
+    /// Whether a step's outcome met its expectation; `Some(why)` if not.
+    fn unmet(step: &Step, outcome: &Result<Option<Value>, String>) -> Option<String> {
+        let expect = match &step.op {
+            Op::Call(call) | Op::CallAll(call) => call.expect.as_ref(),
+            _ => None,
+        };
+        if step.expect_error.is_some() {
+            return unmet_error(step.expect_error.as_deref(), outcome);
+        }
+        match (outcome, expect) {
+            (Err(_), _) => Some("the step failed".to_owned()),
+            (Ok(_), None) => None,
+            (Ok(result), Some(expected)) => {
+                let matches = match (&step.op, result) {
+                    (Op::CallAll(_), Some(Value::Array(values))) => {
+                        values.iter().all(|v| json_equal(v, expected))
+                    }
+                    (_, Some(value)) => json_equal(value, expected),
+                    (_, None) => false,
+                };
+                (!matches).then(|| format!("expected {expected}"))
+            }
+        }
+    }
+
+    /// Whether an outcome is the expected error (a substring of its line).
+    fn unmet_error(
+        expect_error: Option<&str>,
+        outcome: &Result<Option<Value>, String>,
+    ) -> Option<String> {
+        match (expect_error, outcome) {
+            (None, Ok(_)) => None,
+            (None, Err(_)) => Some("the step failed".to_owned()),
+            (Some(expected), Ok(_)) => Some(format!(
+                "expected an error containing {expected:?}, but the step succeeded"
+            )),
+            (Some(expected), Err(error)) => (!error.contains(expected))
+                .then(|| format!("expected an error containing {expected:?}")),
+        }
+    }
+
+    /// JSON equality with numbers compared by value (`49` equals `49.0`).
+    fn json_equal(a: &Value, b: &Value) -> bool {
+        match (a, b) {
+            (Value::Number(x), Value::Number(y)) => match (x.as_i64(), y.as_i64()) {
+                (Some(x), Some(y)) => x == y,
+                _ => match (x.as_u64(), y.as_u64()) {
+                    (Some(x), Some(y)) => x == y,
+                    _ => x.as_f64() == y.as_f64(),
+                },
+            },
+            (Value::Array(x), Value::Array(y)) => {
+                x.len() == y.len() && x.iter().zip(y).all(|(x, y)| json_equal(x, y))
+            }
+            (Value::Object(x), Value::Object(y)) => {
+                x.len() == y.len()
+                    && x.iter()
+                        .all(|(k, v)| y.get(k).is_some_and(|w| json_equal(v, w)))
+            }
+            _ => a == b,
+        }
+    }
+
+    /// An error on one line: newlines (e.g. a Python traceback) become ` | `.
+    fn one_line(text: &str) -> String {
+        text.lines()
+            .map(str::trim_end)
+            .filter(|line| !line.is_empty())
+            .collect::<Vec<_>>()
+            .join(" | ")
+    }
+
+    /// A failed register, unregister or start, on one line; the targets'
+    /// outcomes are reported beside it.
+    fn operation_error_text(error: &OperationError) -> String {
+        one_line(&error.error.to_string())
+    }
+
+    /// A failed task: `CODE: Kind: message | traceback (context)`.
+    fn task_error_text(error: &TaskError) -> String {
+        let mut shown: Error = error.error.clone();
+        if !error.kind.is_empty() {
+            shown.message = format!("{}: {}", error.kind, shown.message);
+        }
+        one_line(&shown.to_string())
+    }
+
+    fn micros(elapsed: Duration) -> u64 {
+        u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX)
+    }
+
+    fn duration_text(micros: u64) -> String {
+        if micros >= 10_000 {
+            format!("{:.1} ms", micros as f64 / 1000.0)
+        } else {
+            format!("{micros} µs")
+        }
+    }
+
+    /// One `--json` step line, keys in the documented order.
+    #[derive(Serialize)]
+    struct JsonLine<'r> {
+        step: Option<usize>,
+        op: &'r str,
+        name: Option<&'r str>,
+        ok: bool,
+        hashid: Option<&'r str>,
+        targets: Vec<JsonTarget<'r>>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        result: Option<&'r Value>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        error: Option<&'r str>,
+        /// Why the step did not meet its expectation.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        unmet: Option<&'r str>,
+        micros: u64,
+    }
+
+    /// One target of a `--json` step line.
+    #[derive(Serialize)]
+    struct JsonTarget<'r> {
+        target: u16,
+        outcome: &'r str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        detail: Option<&'r str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        result: Option<&'r Value>,
+    }
+
+    fn json_line(report: &StepReport, ok: bool) -> String {
+        let line = JsonLine {
+            step: report.step,
+            op: report.op,
+            name: report.name.as_deref(),
+            ok,
+            hashid: report.hashid.as_deref(),
+            targets: report
+                .targets
+                .iter()
+                .map(|t| JsonTarget {
+                    target: t.target,
+                    outcome: t.outcome,
+                    detail: t.detail.as_deref(),
+                    result: t.result.as_ref(),
+                })
+                .collect(),
+            result: match &report.outcome {
+                Ok(result) => Some(result.as_ref().unwrap_or(&Value::Null)),
+                Err(_) => None,
+            },
+            error: report.outcome.as_ref().err().map(String::as_str),
+            unmet: report.unmet.as_deref(),
+            micros: report.micros,
+        };
+        // Serializing plain strings, numbers and JSON values cannot fail.
+        serde_json::to_string(&line).unwrap_or_default()
+    }
+
+    fn text_line(report: &StepReport, ok: bool) -> String {
+        let mut line = match report.step {
+            Some(step) => format!("step {step} {}", report.op),
+            None => format!("step - {} (implicit)", report.op),
+        };
+        if let Some(name) = &report.name {
+            line.push_str(&format!(" {name}"));
+        }
+        if let [only] = report.targets.as_slice() {
+            if report.op == "call" || report.op == "kill_target" {
+                line.push_str(&format!(" [target {}]", only.target));
+            }
+        }
+        let status = if ok { "ok" } else { "FAILED" };
+        match &report.outcome {
+            Ok(Some(result)) => {
+                line.push_str(&format!(": {status} -> {}", cut(&result.to_string())))
+            }
+            Ok(None) => line.push_str(&format!(": {status}")),
+            Err(error) if ok => line.push_str(&format!(": {status}, failed as expected: {error}")),
+            Err(error) => line.push_str(&format!(": {status}: {error}")),
+        }
+        if let Some(hashid) = &report.hashid {
+            if report.op == "register" {
+                line.push_str(&format!(" {hashid}"));
+            }
+        }
+        let lost: Vec<String> = report
+            .targets
+            .iter()
+            // A failed call or register names each target's failure in its
+            // error already.
+            .filter(|t| t.outcome != "ok" && (t.outcome != "failed" || report.op == "start"))
+            .map(|t| match &t.detail {
+                Some(detail) => format!("target {} {} ({detail})", t.target, t.outcome),
+                None => format!("target {} {}", t.target, t.outcome),
+            })
+            .collect();
+        if !lost.is_empty() {
+            line.push_str(&format!(" [{}]", lost.join(", ")));
+        }
+        if let Some(unmet) = &report.unmet {
+            line.push_str(&format!(" -- {unmet}"));
+        }
+        line.push_str(&format!(" ({})", duration_text(report.micros)));
+        line
+    }
+
+    /// `text`, cut to [`RESULT_TEXT_CHARS`] characters.
+    fn cut(text: &str) -> String {
+        match text.char_indices().nth(RESULT_TEXT_CHARS) {
+            Some((end, _)) => format!("{}…", &text[..end]),
+            None => text.to_owned(),
+        }
+    }
+}
