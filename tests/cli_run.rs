@@ -1,0 +1,242 @@
+//! `callreg run` end to end: the binary runs `examples/plan.json` on real
+//! Python targets with every expectation met (exit 0), a plan with a wrong
+//! expectation exits 1, and a malformed plan exits 2 with a one-line error.
+//!
+//! Needs `--features cli,python` (declared in Cargo.toml) and cloudpickle
+//! for the interpreter named by `PYO3_PYTHON` (else `python3`). These
+//! tests do not fork: they spawn the binary, which is single-threaded when
+//! it forks its targets, so the default test harness is fine. Envelopes
+//! are packed into a temporary directory, never into the source tree.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A fresh temporary directory for one test, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(test: &str) -> TempDir {
+        let dir =
+            std::env::temp_dir().join(format!("callreg-cli-run-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Packs `examples/callables.py` into `DIR/payloads` (the layout
+/// `examples/plan.json` expects beside it).
+fn pack_examples(dir: &Path) {
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let output = Command::new(python)
+        .arg(repo().join("python/callreg_envelope.py"))
+        .arg(repo().join("examples/callables.py"))
+        .arg("--out")
+        .arg(dir.join("payloads"))
+        .output()
+        .expect("python runs");
+    assert!(
+        output.status.success(),
+        "packing failed (is cloudpickle installed for PYO3_PYTHON?): {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn callreg(args: &[&std::ffi::OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_callreg"))
+        .arg("run")
+        .args(args)
+        .output()
+        .expect("callreg runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).expect("UTF-8 output")
+}
+
+/// The example plan copied next to freshly packed payloads.
+fn example_plan(dir: &TempDir) -> PathBuf {
+    pack_examples(&dir.0);
+    let plan = dir.0.join("plan.json");
+    std::fs::copy(repo().join("examples/plan.json"), &plan).expect("copy the plan");
+    plan
+}
+
+#[test]
+fn the_example_plan_meets_every_expectation() {
+    let dir = TempDir::new("example-json");
+    let plan = example_plan(&dir);
+    let steps = serde_json::from_str::<Value>(&std::fs::read_to_string(&plan).unwrap()).unwrap()
+        ["steps"]
+        .as_array()
+        .unwrap()
+        .len();
+    let output = callreg(&[plan.as_os_str(), "--json".as_ref()]);
+    let stdout = text(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout}{}",
+        text(&output.stderr)
+    );
+    assert_eq!(text(&output.stderr), "");
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), steps + 1);
+    for (index, line) in lines[..steps].iter().enumerate() {
+        assert_eq!(line["step"], index, "{line}");
+        assert_eq!(line["ok"], true, "{line}");
+        assert!(line["micros"].is_u64(), "{line}");
+    }
+    assert_eq!(lines[steps]["summary"]["failed"], 0, "{}", lines[steps]);
+    assert_eq!(lines[steps]["summary"]["ok"], steps);
+    // A register after the kill reaches only the three live targets.
+    let after_kill = lines
+        .iter()
+        .find(|l| l["name"] == "add_after_kill" && l["op"] == "register")
+        .expect("the register after the kill");
+    assert_eq!(
+        after_kill["targets"],
+        serde_json::json!([
+            {"target": 0, "outcome": "ok"},
+            {"target": 1, "outcome": "ok"},
+            {"target": 2, "outcome": "ok"}
+        ])
+    );
+    // Same envelope under two names: two handles, one hashid.
+    let hashid = |name: &str| {
+        lines
+            .iter()
+            .find(|l| l["name"] == name && l["op"] == "register")
+            .map(|l| l["hashid"].clone())
+    };
+    assert_eq!(hashid("add"), hashid("add_again"));
+    assert!(hashid("add")
+        .unwrap()
+        .as_str()
+        .unwrap()
+        .starts_with("sha256:"));
+}
+
+#[test]
+fn the_example_plan_as_text() {
+    let dir = TempDir::new("example-text");
+    let plan = example_plan(&dir);
+    let output = callreg(&[plan.as_os_str()]);
+    let stdout = text(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout}{}",
+        text(&output.stderr)
+    );
+    assert!(
+        stdout.starts_with("step 0 register add: ok sha256:"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("step 10 call_all square: ok -> [49,49,49,49] ("),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(": ok, failed as expected: \"add\" is not registered (it was unregistered): HANDLE_STALE: "),
+        "{stdout}"
+    );
+    let last = stdout.lines().last().unwrap();
+    assert!(
+        last.starts_with("summary: 45 steps, 45 as expected, 0 not ("),
+        "{last}"
+    );
+}
+
+#[test]
+fn a_wrong_expectation_exits_1() {
+    let dir = TempDir::new("wrong");
+    pack_examples(&dir.0);
+    let plan = dir.0.join("wrong.json");
+    std::fs::write(
+        &plan,
+        r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "add", "envelope": "payloads/add.spyc"},
+            {"op": "call", "name": "add", "args": [2, 3], "expect": 6},
+            {"op": "call", "name": "add", "args": [2, 3], "expect_error": "TypeError"},
+            {"op": "call", "name": "add", "args": [2, 3], "expect": 5}
+        ]}"#,
+    )
+    .unwrap();
+    let output = callreg(&[plan.as_os_str(), "--json".as_ref()]);
+    let stdout = text(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{stdout}");
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // The implicit start, four steps, the summary.
+    assert_eq!(lines.len(), 6, "{stdout}");
+    assert_eq!(lines[0]["step"], Value::Null);
+    assert_eq!(lines[0]["op"], "start");
+    assert_eq!(lines[2]["result"], 5);
+    assert_eq!(lines[2]["ok"], false);
+    assert_eq!(lines[2]["unmet"], "expected 6");
+    assert_eq!(lines[3]["ok"], false);
+    assert_eq!(
+        lines[3]["unmet"],
+        "expected an error containing \"TypeError\", but the step succeeded"
+    );
+    assert_eq!(lines[4]["ok"], true);
+    assert_eq!(lines[5]["summary"]["failed"], 2);
+}
+
+#[test]
+fn a_malformed_plan_exits_2_with_one_line() {
+    let dir = TempDir::new("malformed");
+    let cases = [
+        (
+            r#"{"targets": 2, "steps": [{"op": "start"}, {"op": "call", "name": "f", "colour": 1}]}"#,
+            r#"step 1 (call): unknown field "colour" (expected one of "op", "name", "target", "args", "kwargs", "expect", "expect_error")"#,
+        ),
+        (
+            r#"{"targets": 2, "steps": [{"op": "register", "name": "f", "envelope": "absent.spyc"}]}"#,
+            r#"step 0 (register): field "envelope": cannot read absent.spyc: No such file or directory"#,
+        ),
+        (
+            r#"{"targets": 2, "steps": [{"op": "call", "name": "f", "args": 3}]}"#,
+            r#"step 0 (call): field "name": "f" is not the name of any earlier register step"#,
+        ),
+        (
+            "{\"targets\": 2,",
+            "the plan is not valid JSON: EOF while parsing a value at line 1 column 14",
+        ),
+    ];
+    for (index, (plan_text, error)) in cases.iter().enumerate() {
+        let plan = dir.0.join(format!("plan{index}.json"));
+        std::fs::write(&plan, plan_text).unwrap();
+        let output = callreg(&[plan.as_os_str()]);
+        assert_eq!(output.status.code(), Some(2), "{plan_text}");
+        assert_eq!(text(&output.stdout), "");
+        assert_eq!(
+            text(&output.stderr),
+            format!("callreg: {}: {error}\n", plan.display())
+        );
+    }
+    let output = callreg(&["no-such-plan.json".as_ref()]);
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(
+        text(&output.stderr),
+        "callreg: cannot read no-such-plan.json: No such file or directory\n"
+    );
+}
