@@ -7,6 +7,8 @@
 
 use crate::error::ErrorCode;
 
+#[cfg(feature = "python")]
+pub mod python;
 pub mod testing;
 
 /// How a task's input and result are encoded; defined with the wire

@@ -1,5 +1,5 @@
 //! Shared helpers of the integration tests: the SPYC test vectors, and the
-//! protocol simulator ([`sim`]) of the `protocol_*` tests.
+//! in-memory driver of the protocol state machines (`sim`).
 
 #![allow(dead_code)] // Each test crate uses a different subset.
 

@@ -1,0 +1,629 @@
+//! The Python runtime: deserializes cloudpickle payloads with `pickle.loads`
+//! inside a target and runs tasks on the resulting callables (DESIGN.md §5,
+//! issue "Python targets").
+//!
+//! Rules this module keeps:
+//!
+//! * The interpreter starts only in a target, after `fork`
+//!   ([`PythonRuntime::start`] refuses to run where Python is already
+//!   initialised). The parent never calls into Python.
+//! * A payload is unpickled from a read-only `memoryview` over the borrowed
+//!   bytes (no copy), and the view is released before
+//!   [`PythonRuntime::deserialize`] returns, so nothing refers to the mapping
+//!   after it is unmapped.
+//! * Every Python exception, `BaseException` included (`SystemExit`,
+//!   `KeyboardInterrupt`), becomes a [`RuntimeError`] formatted here; the
+//!   interpreter's own error printing is never used, because on `SystemExit`
+//!   it exits the process.
+//! * The GIL is held only inside each call into Python and is released when
+//!   the call returns, so the control thread and the task thread of a target
+//!   take turns: a task running Python bytecode yields the GIL every switch
+//!   interval (5 ms by default).
+//! * Each thread that calls the runtime keeps its Python thread state until
+//!   it exits, instead of creating and destroying one per call.
+
+use std::cell::Cell;
+use std::ffi::c_char;
+use std::sync::OnceLock;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::{ffi, PyErr};
+
+use super::{Runtime, RuntimeError, TaskEncoding};
+use crate::error::ErrorCode;
+
+/// How many of the innermost traceback frames a task failure's message keeps.
+pub const TRACEBACK_FRAMES_KEPT: usize = 6;
+
+/// Runtime kind of the error returned when the runtime is used before
+/// [`PythonRuntime::start`] succeeded.
+const KIND_NOT_STARTED: &str = "RuntimeNotStarted";
+
+/// Runtime kind of a malformed task input (JSON or pickled).
+const KIND_INPUT_INVALID: &str = "TaskInputInvalid";
+
+/// A Python target runtime (cargo feature `python`).
+///
+/// Built in the parent (no Python is touched there), inherited by `fork`,
+/// and [`start`](Runtime::start)ed once in each target. After `start`, the
+/// other methods may be called from any thread of the target.
+///
+/// Interpreter selection: the build links the libpython of `PYO3_PYTHON`
+/// (an absolute path to the interpreter; `python3` on `PATH` when unset),
+/// and `build.rs` records its library directory as the RUNPATH. Payloads
+/// must come from the same Python minor version: cloudpickled code objects
+/// are version-specific.
+#[derive(Debug, Default)]
+pub struct PythonRuntime {
+    /// Functions looked up once by [`PythonRuntime::start`]; empty in the
+    /// parent and in a target that has not started.
+    functions: OnceLock<PythonFunctions>,
+}
+
+/// The standard-library functions the runtime calls, imported once per
+/// target.
+#[derive(Debug)]
+struct PythonFunctions {
+    /// `pickle.loads`.
+    pickle_loads: Py<PyAny>,
+    /// `pickle.dumps`.
+    pickle_dumps: Py<PyAny>,
+    /// `pickle.HIGHEST_PROTOCOL`, the protocol of pickled task results.
+    pickle_protocol: Py<PyAny>,
+    /// `json.loads`.
+    json_loads: Py<PyAny>,
+    /// `json.dumps`.
+    json_dumps: Py<PyAny>,
+    /// `traceback.format_tb`.
+    format_tb: Py<PyAny>,
+}
+
+/// A deserialized Python callable, held in a target slot.
+///
+/// Dropping it is safe from any thread, attached to the interpreter or not:
+/// without the GIL, the reference is queued and released by the next thread
+/// that attaches (PyO3's reference pool), so a drop never waits for a
+/// running task.
+#[derive(Debug)]
+pub struct PythonCallable {
+    object: Py<PyAny>,
+}
+
+impl PythonRuntime {
+    /// A runtime that has not started: cheap, touches no Python.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The imported functions, once started; also retains the calling
+    /// thread's Python thread state, so call it before attaching.
+    fn functions(&self) -> Result<&PythonFunctions, RuntimeError> {
+        let functions = self.functions.get();
+        if functions.is_some() {
+            retain_thread_state();
+        }
+        functions.ok_or_else(|| RuntimeError {
+            code: ErrorCode::LIFECYCLE_INVALID,
+            kind: KIND_NOT_STARTED.to_owned(),
+            message: "the Python runtime was used before it started in this target".to_owned(),
+        })
+    }
+}
+
+impl Runtime for PythonRuntime {
+    type Callable = PythonCallable;
+
+    /// Initialises the interpreter in this freshly forked target and imports
+    /// `pickle`, `json` and `traceback` (and, if installed, `cloudpickle`,
+    /// so the first payload does not pay for that import).
+    ///
+    /// SIGINT is ignored first: the target then stays out of the terminal's
+    /// Ctrl-C (it is stopped by pipe EOF, SIGTERM or SIGKILL), and Python,
+    /// which only installs its SIGINT handler over the default disposition,
+    /// never turns a Ctrl-C into a `KeyboardInterrupt` inside a task. Call it
+    /// from the target's main thread.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` with kind `InterpreterAlreadyInitialized` when
+    /// Python already runs in this process (the parent must never run Python,
+    /// and a target starts once); `TARGET_LOST` with the Python exception's type
+    /// when a standard module cannot be imported; `TARGET_LOST` with kind
+    /// `SignalSetupFailed` when SIGINT cannot be ignored.
+    fn start(&self) -> Result<(), RuntimeError> {
+        // SAFETY: `Py_IsInitialized` only reads a flag and may be called
+        // before the interpreter exists.
+        if unsafe { ffi::Py_IsInitialized() } != 0 || self.functions.get().is_some() {
+            return Err(RuntimeError {
+                code: ErrorCode::LIFECYCLE_INVALID,
+                kind: "InterpreterAlreadyInitialized".to_owned(),
+                message: "the Python interpreter is already initialised in this process; \
+                          it must start only once, in a forked target"
+                    .to_owned(),
+            });
+        }
+        // SAFETY: installing SIG_IGN sets no handler function, so no
+        // async-signal-safety requirement applies.
+        unsafe {
+            nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGINT,
+                nix::sys::signal::SigHandler::SigIgn,
+            )
+        }
+        .map_err(|errno| RuntimeError {
+            code: ErrorCode::TARGET_LOST,
+            kind: "SignalSetupFailed".to_owned(),
+            message: format!("could not ignore SIGINT before starting Python: {errno}"),
+        })?;
+        Python::initialize();
+        let functions = Python::attach(|py| {
+            let import = || -> PyResult<PythonFunctions> {
+                let pickle = py.import("pickle")?;
+                let json = py.import("json")?;
+                let traceback = py.import("traceback")?;
+                // Optional: a plain-pickle payload does not need it, and a
+                // cloudpickle payload without it fails with a clear
+                // `ModuleNotFoundError` when deserialized.
+                let _ = py.import("cloudpickle");
+                Ok(PythonFunctions {
+                    pickle_loads: pickle.getattr("loads")?.unbind(),
+                    pickle_dumps: pickle.getattr("dumps")?.unbind(),
+                    pickle_protocol: pickle.getattr("HIGHEST_PROTOCOL")?.unbind(),
+                    json_loads: json.getattr("loads")?.unbind(),
+                    json_dumps: json.getattr("dumps")?.unbind(),
+                    format_tb: traceback.getattr("format_tb")?.unbind(),
+                })
+            };
+            import().map_err(|err| {
+                let (kind, message) = describe_exception(py, &err);
+                RuntimeError {
+                    code: ErrorCode::TARGET_LOST,
+                    kind,
+                    message: format!("starting the Python runtime failed: {message}"),
+                }
+            })
+        })?;
+        // `start` runs once per target; a concurrent second call lost the
+        // race above only if the caller broke that contract.
+        let _ = self.functions.set(functions);
+        Ok(())
+    }
+
+    /// Unpickles `payload` (cloudpickle bytes, borrowed from the read-only
+    /// mapping) with `pickle.loads` over a read-only `memoryview`, without
+    /// copying it, and requires the result to be callable.
+    ///
+    /// # Errors
+    /// `DESERIALIZE_FAILED` with:
+    /// * the Python exception's type and message for any exception raised
+    ///   while unpickling, `SystemExit` and `KeyboardInterrupt` included (the
+    ///   target keeps serving);
+    /// * kind `TypeError` and a message naming the type it got when the
+    ///   unpickled object is not callable;
+    /// * kind `BufferError` when the view over the payload could not be
+    ///   released (something still exports it).
+    ///
+    /// `LIFECYCLE_INVALID` with kind `RuntimeNotStarted` before [`Runtime::start`].
+    fn deserialize(&self, payload: &[u8]) -> Result<PythonCallable, RuntimeError> {
+        let functions = self.functions()?;
+        Python::attach(|py| {
+            let object =
+                loads_borrowed(py, functions.pickle_loads.bind(py), payload).map_err(|err| {
+                    let (kind, message) = describe_exception(py, &err);
+                    RuntimeError {
+                        code: ErrorCode::DESERIALIZE_FAILED,
+                        kind,
+                        message,
+                    }
+                })?;
+            if !object.is_callable() {
+                return Err(RuntimeError {
+                    code: ErrorCode::DESERIALIZE_FAILED,
+                    kind: "TypeError".to_owned(),
+                    message: format!(
+                        "the payload unpickled to an object of type '{}', which is not callable",
+                        type_name(&object.get_type())
+                    ),
+                });
+            }
+            Ok(PythonCallable {
+                object: object.unbind(),
+            })
+        })
+    }
+
+    /// Runs one task: calls `callable(*args, **kwargs)`.
+    ///
+    /// * [`TaskEncoding::Json`]: `input` is a UTF-8 JSON object
+    ///   `{"args": [...], "kwargs": {...}}` (both keys optional, no other
+    ///   keys); the result is the return value as compact JSON (UTF-8,
+    ///   non-ASCII escaped; NaN and infinities are refused as not JSON).
+    /// * [`TaskEncoding::Pickle`]: `input` is a pickled `(args, kwargs)`
+    ///   pair (a tuple or list, and a dict); the result is the return value
+    ///   pickled with `pickle.HIGHEST_PROTOCOL`.
+    ///
+    /// # Errors
+    /// `TASK_FAILED` with:
+    /// * the exception's type, and a message made of its text and the last
+    ///   [`TRACEBACK_FRAMES_KEPT`] traceback frames, when the call raises
+    ///   (any `BaseException`);
+    /// * kind `TaskInputInvalid` when `input` is not of the shape above;
+    /// * the serializer's exception type (`TypeError`, `ValueError`,
+    ///   `PicklingError`, ...) and a message naming the result's type when
+    ///   the result cannot be encoded.
+    ///
+    /// `LIFECYCLE_INVALID` with kind `RuntimeNotStarted` before [`Runtime::start`].
+    fn call(
+        &self,
+        callable: &PythonCallable,
+        encoding: TaskEncoding,
+        input: &[u8],
+    ) -> Result<Vec<u8>, RuntimeError> {
+        let functions = self.functions()?;
+        Python::attach(|py| {
+            let (args, kwargs) = match encoding {
+                TaskEncoding::Json => json_input(py, functions, input)?,
+                TaskEncoding::Pickle => pickle_input(py, functions, input)?,
+            };
+            let result = callable
+                .object
+                .bind(py)
+                .call(args, Some(&kwargs))
+                .map_err(|err| task_failure(py, functions, &err))?;
+            match encoding {
+                TaskEncoding::Json => json_result(py, functions, &result),
+                TaskEncoding::Pickle => pickle_result(py, functions, &result),
+            }
+        })
+    }
+}
+
+/// Whether this thread created the Python thread state it keeps; released
+/// when the thread exits.
+struct RetainedThreadState {
+    retained: Cell<bool>,
+}
+
+thread_local! {
+    static THREAD_STATE: RetainedThreadState = const {
+        RetainedThreadState { retained: Cell::new(false) }
+    };
+}
+
+/// Gives the calling thread a Python thread state that outlives each
+/// attach: without one, every attach from a thread other than the one that
+/// initialised Python creates and destroys a thread state. Must be called
+/// while this thread is not attached, after the interpreter started; a
+/// thread that already has a thread state (the main thread, or one attached
+/// further up its stack) is left alone.
+fn retain_thread_state() {
+    let _ = THREAD_STATE.try_with(|state| {
+        if state.retained.get() {
+            return;
+        }
+        // SAFETY: the interpreter is initialised (the caller checked) and
+        // this thread holds no thread state, so `PyGILState_Ensure` creates
+        // one and takes the GIL, which `PyEval_SaveThread` gives back; the
+        // thread state stays registered for this thread (count 1).
+        unsafe {
+            if ffi::PyGILState_GetThisThreadState().is_null() {
+                let _ = ffi::PyGILState_Ensure();
+                ffi::PyEval_SaveThread();
+                state.retained.set(true);
+            }
+        }
+    });
+}
+
+impl Drop for RetainedThreadState {
+    fn drop(&mut self) {
+        if !self.retained.get() {
+            return;
+        }
+        // SAFETY: runs at thread exit, when this thread is not attached; its
+        // thread state is the one `retain_thread_state` registered. Taking
+        // the GIL with it and releasing the last `PyGILState` count deletes
+        // the thread state and releases the GIL.
+        unsafe {
+            let thread_state = ffi::PyGILState_GetThisThreadState();
+            if !thread_state.is_null() {
+                ffi::PyEval_RestoreThread(thread_state);
+                ffi::PyGILState_Release(ffi::PyGILState_STATE::PyGILState_UNLOCKED);
+            }
+        }
+    }
+}
+
+/// `pickle.loads` over a read-only memoryview of `bytes`, released before
+/// returning so that no Python object refers to `bytes` afterwards.
+fn loads_borrowed<'py>(
+    py: Python<'py>,
+    pickle_loads: &Bound<'py, PyAny>,
+    bytes: &[u8],
+) -> PyResult<Bound<'py, PyAny>> {
+    // A slice never exceeds isize::MAX bytes, so the length always fits.
+    let len = ffi::Py_ssize_t::try_from(bytes.len())
+        .map_err(|_| PyErr::new::<pyo3::exceptions::PyOverflowError, _>("payload too large"))?;
+    // SAFETY: the view is created read-only (PyBUF_READ), so Python never
+    // writes through the pointer; `bytes` outlives the view because the view
+    // is released below before this function returns, and a released view
+    // refuses every further access even if unpickling kept a reference.
+    let view = unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            ffi::PyMemoryView_FromMemory(bytes.as_ptr() as *mut c_char, len, ffi::PyBUF_READ),
+        )?
+    };
+    let loaded = pickle_loads.call1((&view,));
+    // Released whatever `loads` returned; a failure to release (the buffer
+    // is still exported) must fail the whole deserialization, since the
+    // caller unmaps the bytes next.
+    let released = view.call_method0("release");
+    let object = loaded?;
+    released?;
+    Ok(object)
+}
+
+/// Decodes a JSON task input into positional and keyword arguments.
+fn json_input<'py>(
+    py: Python<'py>,
+    functions: &PythonFunctions,
+    input: &[u8],
+) -> Result<(Bound<'py, PyTuple>, Bound<'py, PyDict>), RuntimeError> {
+    let invalid = |message: String| RuntimeError {
+        code: ErrorCode::TASK_FAILED,
+        kind: KIND_INPUT_INVALID.to_owned(),
+        message,
+    };
+    let text = std::str::from_utf8(input)
+        .map_err(|err| invalid(format!("the task input is not UTF-8: {err}")))?;
+    let decoded = functions
+        .json_loads
+        .bind(py)
+        .call1((text,))
+        .map_err(|err| {
+            let (_, message) = describe_exception(py, &err);
+            invalid(format!("the task input is not JSON: {message}"))
+        })?;
+    let object = decoded.cast::<PyDict>().map_err(|_| {
+        invalid(format!(
+            "the task input must be a JSON object {{\"args\": [...], \"kwargs\": {{...}}}}, got {}",
+            type_name(&decoded.get_type())
+        ))
+    })?;
+    let mut args = PyTuple::empty(py);
+    let mut kwargs = PyDict::new(py);
+    for (key, value) in object.iter() {
+        let key: String = key.extract().unwrap_or_default();
+        match key.as_str() {
+            "args" => {
+                let list = value.cast::<PyList>().map_err(|_| {
+                    invalid(format!(
+                        "the task input's \"args\" must be a JSON array, got {}",
+                        type_name(&value.get_type())
+                    ))
+                })?;
+                args = list.to_tuple();
+            }
+            "kwargs" => {
+                kwargs = value.cast_into::<PyDict>().map_err(|err| {
+                    invalid(format!(
+                        "the task input's \"kwargs\" must be a JSON object, got {}",
+                        type_name(&err.into_inner().get_type())
+                    ))
+                })?;
+            }
+            other => {
+                return Err(invalid(format!(
+                    "the task input has an unknown key {other:?} (expected \"args\" and \"kwargs\")"
+                )))
+            }
+        }
+    }
+    Ok((args, kwargs))
+}
+
+/// Decodes a pickled `(args, kwargs)` task input.
+fn pickle_input<'py>(
+    py: Python<'py>,
+    functions: &PythonFunctions,
+    input: &[u8],
+) -> Result<(Bound<'py, PyTuple>, Bound<'py, PyDict>), RuntimeError> {
+    let invalid = |message: String| RuntimeError {
+        code: ErrorCode::TASK_FAILED,
+        kind: KIND_INPUT_INVALID.to_owned(),
+        message,
+    };
+    let decoded = loads_borrowed(py, functions.pickle_loads.bind(py), input).map_err(|err| {
+        let (kind, message) = describe_exception(py, &err);
+        invalid(format!(
+            "the pickled task input could not be unpickled: {kind}: {message}"
+        ))
+    })?;
+    let shape_error = || {
+        invalid(format!(
+            "the pickled task input must be a pair (args: tuple or list, kwargs: dict), got {}",
+            type_name(&decoded.get_type())
+        ))
+    };
+    let pair = decoded.cast::<PyTuple>().map_err(|_| shape_error())?;
+    if pair.len() != 2 {
+        return Err(shape_error());
+    }
+    let (args, kwargs) = (
+        pair.get_item(0).map_err(|_| shape_error())?,
+        pair.get_item(1).map_err(|_| shape_error())?,
+    );
+    let args = if let Ok(tuple) = args.cast::<PyTuple>() {
+        tuple.clone()
+    } else if let Ok(list) = args.cast::<PyList>() {
+        list.to_tuple()
+    } else {
+        return Err(shape_error());
+    };
+    let kwargs = kwargs.cast_into::<PyDict>().map_err(|_| shape_error())?;
+    Ok((args, kwargs))
+}
+
+/// Encodes a task's return value as compact JSON bytes.
+fn json_result(
+    py: Python<'_>,
+    functions: &PythonFunctions,
+    result: &Bound<'_, PyAny>,
+) -> Result<Vec<u8>, RuntimeError> {
+    let options = PyDict::new(py);
+    let encoded = options
+        .set_item("allow_nan", false)
+        .and_then(|()| options.set_item("separators", (",", ":")))
+        .and_then(|()| {
+            functions
+                .json_dumps
+                .bind(py)
+                .call((result,), Some(&options))
+        })
+        .map_err(|err| unencodable_result(py, &err, result, "JSON-serializable"))?;
+    let text = encoded
+        .cast::<PyString>()
+        .map_err(|_| unencodable_result_text(result, "json.dumps did not return a str"))?;
+    // With ensure_ascii (the default) the text is ASCII, so this cannot fail
+    // on surrogates.
+    let text = text
+        .to_str()
+        .map_err(|err| unencodable_result(py, &err, result, "JSON-serializable"))?;
+    Ok(text.as_bytes().to_vec())
+}
+
+/// Encodes a task's return value with pickle.
+fn pickle_result(
+    py: Python<'_>,
+    functions: &PythonFunctions,
+    result: &Bound<'_, PyAny>,
+) -> Result<Vec<u8>, RuntimeError> {
+    let encoded = functions
+        .pickle_dumps
+        .bind(py)
+        .call1((result, functions.pickle_protocol.bind(py)))
+        .map_err(|err| unencodable_result(py, &err, result, "picklable"))?;
+    let bytes = encoded
+        .cast::<PyBytes>()
+        .map_err(|_| unencodable_result_text(result, "pickle.dumps did not return bytes"))?;
+    Ok(bytes.as_bytes().to_vec())
+}
+
+/// A `TASK_FAILED` error for a result the serializer refused.
+fn unencodable_result(
+    py: Python<'_>,
+    err: &PyErr,
+    result: &Bound<'_, PyAny>,
+    what: &str,
+) -> RuntimeError {
+    let (kind, message) = describe_exception(py, err);
+    RuntimeError {
+        code: ErrorCode::TASK_FAILED,
+        kind,
+        message: format!(
+            "the task's result of type '{}' is not {what}: {message}",
+            type_name(&result.get_type())
+        ),
+    }
+}
+
+fn unencodable_result_text(result: &Bound<'_, PyAny>, reason: &str) -> RuntimeError {
+    RuntimeError {
+        code: ErrorCode::TASK_FAILED,
+        kind: "TypeError".to_owned(),
+        message: format!(
+            "the task's result of type '{}' could not be encoded: {reason}",
+            type_name(&result.get_type())
+        ),
+    }
+}
+
+/// A `TASK_FAILED` error for an exception raised by the task, with the last
+/// traceback frames appended to the message.
+fn task_failure(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> RuntimeError {
+    let (kind, mut message) = describe_exception(py, err);
+    if let Some(frames) = traceback_tail(py, functions, err) {
+        message.push('\n');
+        message.push_str(&frames);
+    }
+    RuntimeError {
+        code: ErrorCode::TASK_FAILED,
+        kind,
+        message,
+    }
+}
+
+/// The last [`TRACEBACK_FRAMES_KEPT`] frames of `err`'s traceback, formatted
+/// by `traceback.format_tb` with each file shown by its name only, or `None`
+/// when it has none or cannot be formatted.
+fn traceback_tail(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> Option<String> {
+    let traceback = err.traceback(py)?;
+    let frames = functions.format_tb.bind(py).call1((traceback,)).ok()?;
+    let frames: Vec<String> = frames.extract().ok()?;
+    let skipped = frames.len().saturating_sub(TRACEBACK_FRAMES_KEPT);
+    let mut text = String::from("Traceback (most recent call last):\n");
+    if skipped > 0 {
+        text.push_str(&format!("  ... {skipped} earlier frames\n"));
+    }
+    for frame in &frames[skipped..] {
+        text.push_str(&without_directories(frame));
+    }
+    Some(text.trim_end().to_owned())
+}
+
+/// A formatted frame (`  File "/dir/name.py", line 3, in f` then source
+/// lines) with the file's directories removed: error messages never carry
+/// a user's absolute path (DESIGN.md §4.3).
+fn without_directories(frame: &str) -> String {
+    const START: &str = "  File \"";
+    const END: &str = "\", line ";
+    let Some(rest) = frame.strip_prefix(START) else {
+        return frame.to_owned();
+    };
+    let Some(end) = rest.find(END) else {
+        return frame.to_owned();
+    };
+    let path = &rest[..end];
+    let name = path.rsplit('/').next().unwrap_or(path);
+    format!("{START}{name}{}", &rest[end..])
+}
+
+/// The exception's type name (module-qualified unless a builtin) and its
+/// `str()`, computed without ever printing it.
+fn describe_exception(py: Python<'_>, err: &PyErr) -> (String, String) {
+    let kind = type_name(&err.get_type(py));
+    let message = match err.value(py).str() {
+        Ok(text) => text.to_string_lossy().into_owned(),
+        Err(_) => format!("<unprintable {kind} object>"),
+    };
+    (kind, message)
+}
+
+/// A type's name as Python's own error messages show it: `module.QualName`,
+/// or just `QualName` for builtins.
+fn type_name(ty: &Bound<'_, PyType>) -> String {
+    ty.fully_qualified_name()
+        .map(|name| name.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "<unnamed type>".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_directories;
+
+    #[test]
+    fn frame_files_lose_their_directories() {
+        assert_eq!(
+            without_directories(
+                "  File \"/home/ann/work/job.py\", line 3, in f\n    return 1 / 0\n"
+            ),
+            "  File \"job.py\", line 3, in f\n    return 1 / 0\n"
+        );
+        assert_eq!(
+            without_directories("  File \"<stdin>\", line 1, in <module>\n"),
+            "  File \"<stdin>\", line 1, in <module>\n"
+        );
+        assert_eq!(without_directories("not a frame"), "not a frame");
+    }
+}
