@@ -116,6 +116,10 @@ impl EchoChild {
         // SAFETY: the child only reads and writes its pipes, then `_exit`s.
         match unsafe { nix::unistd::fork() }.expect("fork") {
             nix::unistd::ForkResult::Child => {
+                // The parent's ends: the child must not hold them, or its
+                // input never reports EOF.
+                drop(to_child);
+                drop(from_child);
                 let mut buffer = [0u8; 4096];
                 loop {
                     match nix::unistd::read(child_read.as_fd(), &mut buffer) {
