@@ -647,6 +647,11 @@ fn malformed_and_oversized_control_frames_end_only_that_target() {
             Some(Exit::Code(callreg::io::target::FRAME_EXIT_CODE)),
             "{what}"
         );
+        let loss = worker.target_loss(FAULTY).unwrap();
+        assert!(
+            loss.ends_with("; it exited with status 105"),
+            "{what}: {loss}"
+        );
         assert_eq!(
             worker.live_targets(),
             vec![TargetId(0), TargetId(2)],

@@ -279,6 +279,7 @@ impl<R: Runtime> WorkerBuilder<R> {
                     wake: None,
                     pids: Vec::new(),
                     exits: BTreeMap::new(),
+                    losses: BTreeMap::new(),
                     next_staging: 1,
                 }),
             }),
@@ -399,6 +400,8 @@ struct Core {
     pids: Vec<i32>,
     /// How lost targets ended.
     exits: BTreeMap<TargetId, Exit>,
+    /// Why lost targets were given up, with how they ended.
+    losses: BTreeMap<TargetId, String>,
     /// Numbers staged payload names (`callreg-<pid>-<n>-<random>`).
     next_staging: u64,
 }
@@ -666,6 +669,13 @@ impl<R: Runtime> Worker<R> {
     /// How a lost target ended, once reaped.
     pub fn target_exit(&self, target: TargetId) -> Option<Exit> {
         self.shared.lock().exits.get(&target).copied()
+    }
+
+    /// Why a target was given up after start (its pipe closed, it broke
+    /// the protocol, it missed a deadline) and how it ended, e.g. `"its
+    /// reply pipe closed; it exited with status 9"`.
+    pub fn target_loss(&self, target: TargetId) -> Option<String> {
+        self.shared.lock().losses.get(&target).cloned()
     }
 
     /// A copy of the parent machine's state (diagnostics and tests: the
@@ -1328,7 +1338,12 @@ impl IoLoop {
                 Effect::ReleaseStaged { staging } => {
                     self.staged.remove(&staging);
                 }
-                Effect::Fence { target } => self.bury(core, target, Duration::ZERO),
+                Effect::Fence { target } => self.bury(
+                    core,
+                    target,
+                    Duration::ZERO,
+                    "it missed a deadline and was fenced",
+                ),
                 Effect::Completed {
                     op,
                     result,
@@ -1558,7 +1573,8 @@ impl IoLoop {
     ///
     /// `grace`: how long a target that is ending on its own may take to
     /// exit before SIGKILL (its exit status then says why it ended).
-    fn bury(&mut self, core: &mut Core, target: TargetId, grace: Duration) {
+    /// `why`: what the IO thread saw (kept for [`Worker::target_loss`]).
+    fn bury(&mut self, core: &mut Core, target: TargetId, grace: Duration, why: &str) {
         let index = usize::from(target.0);
         let Some(mut link) = self.links.get_mut(index).and_then(Option::take) else {
             return;
@@ -1569,7 +1585,9 @@ impl IoLoop {
         let how = core
             .exits
             .get(&target)
-            .map_or_else(|| "was lost".to_owned(), |e| e.to_string());
+            .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
+        let reason = format!("{why}; it {how}");
+        core.losses.insert(target, reason.clone());
         let lost: Vec<u64> = self
             .tasks
             .iter()
@@ -1582,7 +1600,7 @@ impl IoLoop {
                     error: Error::new(
                         ErrorCode::TARGET_LOST,
                         OperationKind::Task,
-                        format!("{target} {how} before the task's result arrived"),
+                        format!("{target} was lost ({reason}) before the task's result arrived"),
                     )
                     .with_target(target)
                     .with_namespace(Namespace::LocalPython)
@@ -1610,7 +1628,7 @@ impl IoLoop {
     }
 
     /// A target died or broke the protocol: kill, reap, tell the machine.
-    fn lose(&mut self, core: &mut Core, target: TargetId, _why: &str) {
+    fn lose(&mut self, core: &mut Core, target: TargetId, why: &str) {
         if self
             .links
             .get(usize::from(target.0))
@@ -1618,7 +1636,7 @@ impl IoLoop {
         {
             return;
         }
-        self.bury(core, target, LOST_GRACE);
+        self.bury(core, target, LOST_GRACE, why);
         let _ = core.machine.target_lost(target, self.now());
         self.drain(core, &mut Context::default());
     }
