@@ -542,7 +542,78 @@ mod tests {
     }
 
     #[test]
+    fn labels_follow_register_and_unregister() {
+        let dir = std::env::temp_dir().join(format!("callreg-plan-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("f.spyc"), b"bytes").unwrap();
+        let reuse = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "f", "envelope": "f.spyc"},
+            {"op": "register", "name": "f", "envelope": "f.spyc"}]}"#;
+        let again = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "f", "envelope": "f.spyc"},
+            {"op": "unregister", "name": "f"},
+            {"op": "unregister", "name": "f"}]}"#;
+        let cycle = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "f", "envelope": "f.spyc"},
+            {"op": "unregister", "name": "f"},
+            {"op": "register", "name": "f", "envelope": "f.spyc"},
+            {"op": "call_all", "name": "f", "args": [1], "kwargs": {"k": 2}, "expect": 3}]}"#;
+        let both = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "f", "envelope": "f.spyc"},
+            {"op": "call", "name": "f", "expect": 1, "expect_error": "x"}]}"#;
+        let results = (
+            parse(reuse, &dir),
+            parse(again, &dir),
+            parse(cycle, &dir),
+            parse(both, &dir),
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            results.0.unwrap_err().0,
+            r#"step 1 (register): field "name": "f" already labels the handle of step 0; unregister it first"#
+        );
+        assert_eq!(
+            results.1.unwrap_err().0,
+            r#"step 2 (unregister): field "name": "f" was already unregistered by step 1"#
+        );
+        let plan = results.2.expect("a valid plan");
+        assert_eq!(
+            plan.envelopes.get("f.spyc").map(Vec::as_slice),
+            Some(&b"bytes"[..])
+        );
+        let mut kwargs = Map::new();
+        kwargs.insert("k".to_owned(), Value::from(2));
+        assert_eq!(
+            plan.steps[3],
+            Step {
+                op: Op::CallAll(CallStep {
+                    name: "f".to_owned(),
+                    target: None,
+                    args: vec![Value::from(1)],
+                    kwargs,
+                    expect: Some(Value::from(3)),
+                }),
+                expect_error: None,
+            }
+        );
+        assert_eq!(
+            results.3.unwrap_err().0,
+            r#"step 1 (call): "expect" and "expect_error" exclude each other"#
+        );
+    }
+
+    #[test]
     fn errors_name_the_step_and_field() {
+        assert_eq!(
+            error(r#"{"targets": 1, "control_timeout_s": -1, "steps": []}"#),
+            r#"field "control_timeout_s": expected seconds, above 0 and at most 86400, got -1"#
+        );
+        assert_eq!(
+            error(
+                r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "register", "name": "f", "envelope": 3}]}"#
+            ),
+            r#"step 1 (register): field "envelope": expected a string, got a number"#
+        );
         assert_eq!(
             error(
                 r#"{"targets": 2, "steps": [{"op": "kill_target", "target": 0}, {"op": "start"}]}"#
