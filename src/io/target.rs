@@ -596,16 +596,18 @@ mod tests {
             digest: Digest([1; 32]),
             result: Err(ReplyError {
                 code: ErrorCode::DESERIALIZE_FAILED,
-                message: "é".repeat(1000),
+                // One ASCII byte first: the 202 bytes of room end inside
+                // a two-byte character.
+                message: format!("x{}", "é".repeat(1000)),
             }),
         };
         let fitted = fit(frame, MIN_MAX_FRAME_BYTES);
         let bytes = fitted.encode(MIN_MAX_FRAME_BYTES).unwrap();
-        assert_eq!(bytes.len(), MIN_MAX_FRAME_BYTES);
+        assert_eq!(bytes.len(), MIN_MAX_FRAME_BYTES - 1);
         match fitted {
             Frame::Reply {
                 result: Err(error), ..
-            } => assert_eq!(error.message, "é".repeat(101)),
+            } => assert_eq!(error.message, format!("x{}", "é".repeat(100))),
             other => panic!("{other:?}"),
         }
     }
