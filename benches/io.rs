@@ -57,35 +57,43 @@ fn register_and_unregister(c: &mut Criterion) {
         let mut group = c.benchmark_group(format!("register/{targets}"));
         for size in PAYLOAD_SIZES {
             let envelope = envelope_of(size);
-            group.bench_with_input(BenchmarkId::from_parameter(size), &envelope, |b, envelope| {
-                b.iter_custom(|iterations| {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iterations {
-                        let started = Instant::now();
-                        let handle = worker.register(envelope).expect("register");
-                        total += started.elapsed();
-                        worker.unregister(&handle).expect("unregister");
-                    }
-                    total
-                })
-            });
+            group.bench_with_input(
+                BenchmarkId::from_parameter(size),
+                &envelope,
+                |b, envelope| {
+                    b.iter_custom(|iterations| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iterations {
+                            let started = Instant::now();
+                            let handle = worker.register(envelope).expect("register");
+                            total += started.elapsed();
+                            worker.unregister(&handle).expect("unregister");
+                        }
+                        total
+                    })
+                },
+            );
         }
         group.finish();
         let mut group = c.benchmark_group(format!("unregister/{targets}"));
         for size in PAYLOAD_SIZES {
             let envelope = envelope_of(size);
-            group.bench_with_input(BenchmarkId::from_parameter(size), &envelope, |b, envelope| {
-                b.iter_custom(|iterations| {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iterations {
-                        let handle = worker.register(envelope).expect("register");
-                        let started = Instant::now();
-                        worker.unregister(&handle).expect("unregister");
-                        total += started.elapsed();
-                    }
-                    total
-                })
-            });
+            group.bench_with_input(
+                BenchmarkId::from_parameter(size),
+                &envelope,
+                |b, envelope| {
+                    b.iter_custom(|iterations| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iterations {
+                            let handle = worker.register(envelope).expect("register");
+                            let started = Instant::now();
+                            worker.unregister(&handle).expect("unregister");
+                            total += started.elapsed();
+                        }
+                        total
+                    })
+                },
+            );
         }
         group.finish();
         if targets == 1 {
@@ -166,22 +174,29 @@ fn floors(c: &mut Criterion) {
     for size in PAYLOAD_SIZES {
         let envelope = envelope_of(size);
         let mut seq = 0u64;
-        group.bench_with_input(BenchmarkId::from_parameter(size), &envelope, |b, envelope| {
-            b.iter(|| {
-                seq += 1;
-                // Parent: create, write and hash in one pass (pass 1).
-                let (staged, hash) =
-                    StagedPayload::create(seq, envelope, HEADER_LEN..envelope.len()).expect("stage");
-                // One control frame out, one reply back (about their sizes).
-                echo.round_trip(&[0u8; 96]);
-                // Target: the second hash pass over the payload.
-                let again = Digest::sha256(&envelope[HEADER_LEN..]);
-                assert_eq!(again.0, hash);
-                drop(staged);
-            })
-        });
+        group.bench_with_input(
+            BenchmarkId::from_parameter(size),
+            &envelope,
+            |b, envelope| {
+                b.iter(|| {
+                    seq += 1;
+                    // Parent: create, write and hash in one pass (pass 1).
+                    let (staged, hash) =
+                        StagedPayload::create(seq, envelope, HEADER_LEN..envelope.len())
+                            .expect("stage");
+                    // One control frame out, one reply back (about their sizes).
+                    echo.round_trip(&[0u8; 96]);
+                    // Target: the second hash pass over the payload.
+                    let again = Digest::sha256(&envelope[HEADER_LEN..]);
+                    assert_eq!(again.0, hash);
+                    drop(staged);
+                })
+            },
+        );
     }
-    group.bench_function("pipe_round_trip", |b| b.iter(|| echo.round_trip(&[7u8; 16])));
+    group.bench_function("pipe_round_trip", |b| {
+        b.iter(|| echo.round_trip(&[7u8; 16]))
+    });
     group.finish();
 }
 
@@ -191,7 +206,12 @@ fn ticks(stat_path: &str) -> u64 {
     // Fields after the `(comm)`: state is field 3; utime 14, stime 15.
     let rest = stat.rsplit(')').next().unwrap_or("");
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    let field = |n: usize| {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     field(14) + field(15)
 }
 
@@ -227,7 +247,10 @@ fn idle_cpu() {
         // SAFETY: sysconf reads a constant.
         unsafe { libc::sysconf(libc::_SC_CLK_TCK) }
     );
-    assert!(used.iter().all(|t| *t == 0), "idle targets or the IO thread used CPU: {used:?}");
+    assert!(
+        used.iter().all(|t| *t == 0),
+        "idle targets or the IO thread used CPU: {used:?}"
+    );
 }
 
 fn main() {

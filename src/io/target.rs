@@ -557,3 +557,58 @@ fn run_tasks<R: Runtime>(
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::MIN_MAX_FRAME_BYTES;
+
+    #[test]
+    fn an_oversized_task_result_becomes_a_failure_that_fits() {
+        let frame = Frame::TaskResult {
+            seq: 3,
+            digest: Digest([4; 32]),
+            result: Ok(vec![0; 10_000]),
+        };
+        let fitted = fit(frame, MIN_MAX_FRAME_BYTES);
+        let bytes = fitted.encode(MIN_MAX_FRAME_BYTES).unwrap();
+        assert!(bytes.len() <= MIN_MAX_FRAME_BYTES);
+        match fitted {
+            Frame::TaskResult {
+                seq: 3,
+                result: Err(failure),
+                ..
+            } => {
+                assert_eq!(failure.code, ErrorCode::TASK_FAILED);
+                assert_eq!(failure.kind, "ResultTooLarge");
+                assert!(failure
+                    .message
+                    .starts_with("the task's result of 10000 bytes"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_long_reply_message_is_cut_at_a_character_boundary() {
+        let frame = Frame::Reply {
+            seq: 1,
+            digest: Digest([1; 32]),
+            result: Err(ReplyError {
+                code: ErrorCode::DESERIALIZE_FAILED,
+                // One ASCII byte first: the 202 bytes of room end inside
+                // a two-byte character.
+                message: format!("x{}", "é".repeat(1000)),
+            }),
+        };
+        let fitted = fit(frame, MIN_MAX_FRAME_BYTES);
+        let bytes = fitted.encode(MIN_MAX_FRAME_BYTES).unwrap();
+        assert_eq!(bytes.len(), MIN_MAX_FRAME_BYTES - 1);
+        match fitted {
+            Frame::Reply {
+                result: Err(error), ..
+            } => assert_eq!(error.message, format!("x{}", "é".repeat(100))),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -723,7 +723,9 @@ impl<R: Runtime> Worker<R> {
 
     /// Forks the targets, waits until each installed the startup snapshot,
     /// and starts the IO thread. Stale staged payloads of dead parents are
-    /// swept first; fail points are configured from `FAILPOINTS`.
+    /// swept first; with the `failpoints` feature, fail points are
+    /// configured from `FAILPOINTS` (and per target, see
+    /// [`super::failpoints`]).
     ///
     /// Call it from a thread that outlives the Worker: targets are killed
     /// when the thread that forked them ends (`PR_SET_PDEATHSIG`).
@@ -751,8 +753,12 @@ impl<R: Runtime> Worker<R> {
             )));
         }
         let _ = staging::sweep_stale();
-        failpoints::configure_from_env("FAILPOINTS")
-            .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
+        // Only a build with fail points reads their variables: `FAILPOINTS`
+        // may be meant for another crate of the embedding process.
+        if cfg!(feature = "failpoints") {
+            failpoints::configure_from_env("FAILPOINTS")
+                .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
+        }
         ignore_sigpipe();
         let snapshot = core.machine.startup_snapshot();
         let setup = TargetSetup {
@@ -766,7 +772,9 @@ impl<R: Runtime> Worker<R> {
             usize::from(self.targets),
             self.thread_policy,
             |index| {
-                if failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err() {
+                if cfg!(feature = "failpoints")
+                    && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
+                {
                     // SAFETY: ends the freshly forked target before it runs.
                     unsafe { libc::_exit(target::START_EXIT_CODE) }
                 }

@@ -92,7 +92,10 @@ impl Runtime for TestRuntime {
         DESERIALIZED.fetch_add(1, Ordering::SeqCst);
         // Only the instruction is read: a large comment (benchmark padding)
         // costs nothing but the search for its `#`.
-        let end = payload.iter().position(|b| *b == b'#').unwrap_or(payload.len());
+        let end = payload
+            .iter()
+            .position(|b| *b == b'#')
+            .unwrap_or(payload.len());
         let text = std::str::from_utf8(&payload[..end])
             .map_err(|_| deserialize_error("the payload is not UTF-8".to_owned()))?
             .trim();
