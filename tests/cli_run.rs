@@ -240,3 +240,46 @@ fn a_malformed_plan_exits_2_with_one_line() {
         "callreg: cannot read no-such-plan.json: No such file or directory\n"
     );
 }
+
+#[test]
+fn what_a_callable_prints_goes_to_stderr() {
+    let dir = TempDir::new("prints");
+    std::fs::write(
+        dir.0.join("shout.py"),
+        // One write per line: two targets print at once.
+        "import sys\n\ndef shout(text):\n    sys.stdout.write('printed by the target: ' + text + '\\n')\n    sys.stdout.flush()\n    return text.upper()\n",
+    )
+    .unwrap();
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let packed = Command::new(python)
+        .arg(repo().join("python/callreg_envelope.py"))
+        .arg(dir.0.join("shout.py"))
+        .arg("--out")
+        .arg(dir.0.join("payloads"))
+        .output()
+        .expect("python runs");
+    assert!(packed.status.success(), "{}", text(&packed.stderr));
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"targets": 2, "steps": [
+            {"op": "register", "name": "shout", "envelope": "payloads/shout.spyc"},
+            {"op": "call_all", "name": "shout", "args": ["hi"], "expect": "HI"}
+        ]}"#,
+    )
+    .unwrap();
+    let output = callreg(&[plan.as_os_str(), "--json".as_ref()]);
+    let stdout = text(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    // Every stdout line is a step or the summary.
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .collect();
+    assert_eq!(lines.len(), 4, "{stdout}");
+    assert_eq!(lines[2]["result"], serde_json::json!(["HI", "HI"]));
+    assert_eq!(
+        text(&output.stderr),
+        "printed by the target: hi\nprinted by the target: hi\n"
+    );
+}

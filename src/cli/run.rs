@@ -230,7 +230,7 @@ mod with_python {
         fn start(&mut self, step: Option<usize>, expect_error: Option<&str>) -> StepReport {
             let started = Instant::now();
             let mut report = self.report(step, "start");
-            let outcomes = match self.worker.start() {
+            let outcomes = match start_with_stdout_on_stderr(&self.worker) {
                 Ok(start) => start.outcomes,
                 Err(e) => {
                     report.outcome = Err(operation_error_text(&e));
@@ -439,6 +439,34 @@ mod with_python {
             write_stdout(&format!("{line}\n"))?;
             Ok(ok)
         }
+    }
+
+    /// Starts the Worker with this process's stdout pointing at stderr
+    /// while it forks, so the targets inherit stderr as their stdout: what a
+    /// callable prints never mixes into the step lines (which `--json`
+    /// readers parse). Stdout is restored before returning.
+    ///
+    /// # Errors
+    /// The start's [`OperationError`]; `IO_FAILED` when stdout cannot be
+    /// redirected or restored.
+    fn start_with_stdout_on_stderr(
+        worker: &Worker<PythonRuntime>,
+    ) -> Result<callreg::io::StartReport, OperationError> {
+        let io_failed = |what: &str, errno: nix::errno::Errno| OperationError {
+            error: Error::new(
+                callreg::error::ErrorCode::IO_FAILED,
+                callreg::error::OperationKind::Start,
+                format!("cannot {what} stdout around the fork: {errno}"),
+            ),
+            outcomes: Vec::new(),
+        };
+        // Lines written so far must reach the real stdout.
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        let saved = nix::unistd::dup(std::io::stdout()).map_err(|e| io_failed("save", e))?;
+        nix::unistd::dup2_stdout(std::io::stderr()).map_err(|e| io_failed("redirect", e))?;
+        let started = worker.start();
+        nix::unistd::dup2_stdout(&saved).map_err(|e| io_failed("restore", e))?;
+        started
     }
 
     /// The task input of a call: `{"args": [...], "kwargs": {...}}`.
