@@ -13,7 +13,8 @@
 //! `{"summary": {"steps", "ok", "failed", "micros"}}`. Exit status: 0 when
 //! every step met its expectation, 1 when a step failed unexpectedly or an
 //! expectation was not met, 2 for a usage or plan error (one line on
-//! stderr).
+//! stderr). Targets write what a callable prints to stderr, never among the
+//! step lines.
 //!
 //! Without the `python` cargo feature the subcommand exists but only
 //! explains that the build lacks Python support (exit status 2).
