@@ -20,6 +20,8 @@
 pub mod descriptor;
 pub mod envelope;
 pub mod error;
+pub mod json;
+pub mod metadata;
 
 #[cfg(feature = "io")]
 pub mod runtime;
