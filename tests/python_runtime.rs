@@ -1,4 +1,7 @@
-//! The Python runtime ([`PythonRuntime`]) in real forked targets.
+//! The Python runtime ([`PythonRuntime`]) in real forked targets, including
+//! `install` with metadata: every check before deserializing
+//! (`specs/metadata.md` §5), each failing case asserting that the payload
+//! (which writes a marker file when unpickled) was not deserialized.
 //!
 //! `harness = false`: this file is its own `main`, single-threaded when it
 //! forks. Each case runs in a fresh child forked from this process (which
