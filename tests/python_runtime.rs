@@ -715,6 +715,50 @@ fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "metadata_pip_marker_needs_packaging",
+            started: true,
+            run: |runtime, payloads| {
+                // With `packaging` in the target the marker is evaluated
+                // (false on Python 3, so the requirement does not apply);
+                // without it the requirement cannot be checked and is
+                // refused, never guessed.
+                let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+                let has_packaging = Command::new(python)
+                    .args(["-c", "import packaging.requirements"])
+                    .output()
+                    .map(|output| output.status.success())
+                    .map_err(|e| e.to_string())?;
+                let requirement = "cloudpickle>=99; python_version < \"3\"";
+                let metadata = serde_json::json!({"name": "marks", "deps": {"pip": {"packages": [requirement]}}});
+                if has_packaging {
+                    let metadata = CallableMetadata::from_json(&metadata.to_string())
+                        .map_err(|e| e.to_string())?;
+                    runtime
+                        .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                        .map_err(|e| e.to_string())?;
+                    let unpickled = unpickled_here(payloads);
+                    let _ = std::fs::remove_file(
+                        payloads
+                            .directory
+                            .join(format!("unpickled-{}", std::process::id())),
+                    );
+                    expect_eq("installed with packaging", unpickled, true)
+                } else {
+                    expect_refused(
+                        runtime,
+                        payloads,
+                        metadata,
+                        ErrorCode::DEPS_UNSATISFIED,
+                        "PipRequirementUnsatisfied",
+                        &format!(
+                            "deps.pip is not satisfied: {requirement} (cannot be checked: environment markers \
+                             need the `packaging` module, which is not installed)"
+                        ),
+                    )
+                }
+            },
+        },
+        Case {
             name: "metadata_failing_bash_command_reports_status_and_stderr_tail",
             started: true,
             run: |runtime, payloads| {
