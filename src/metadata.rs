@@ -36,6 +36,18 @@ use crate::json::JsonError;
 
 pub mod pip;
 
+/// What a metadata side-car's name adds to its envelope's: `NAME.spyc` →
+/// `NAME.spyc.json` (written by `python/callreg_envelope.py`, read by
+/// `callreg inspect`).
+pub const SIDECAR_SUFFIX: &str = ".json";
+
+/// The side-car path of an envelope path: the envelope's path + `.json`.
+pub fn sidecar_path(envelope: &std::path::Path) -> std::path::PathBuf {
+    let mut path = envelope.as_os_str().to_owned();
+    path.push(SIDECAR_SUFFIX);
+    path.into()
+}
+
 /// The executor short name used when metadata names none (DESIGN.md §6):
 /// run in the target's own interpreter.
 pub const DEFAULT_EXECUTOR: &str = "python";
@@ -251,6 +263,16 @@ impl CallableMetadata {
             .as_deref()
             .or(self.executor_data.as_ref().map(|d| d.short_name.as_str()))
             .unwrap_or(DEFAULT_EXECUTOR)
+    }
+
+    /// Every hook's hashid, `call_before` then `call_after`, in order
+    /// (duplicates kept): what the parent checks is live in the target
+    /// namespace before it broadcasts the registration.
+    pub fn hook_hashids(&self) -> impl Iterator<Item = HashId> + '_ {
+        self.call_before
+            .iter()
+            .chain(&self.call_after)
+            .map(|hook| hook.hashid)
     }
 
     /// The attributes to lay over the executor's defaults (`{}` when there

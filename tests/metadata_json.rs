@@ -349,6 +349,19 @@ fn metadata_rejects_each_fault_naming_the_field() {
 }
 
 #[test]
+fn hook_hashids_and_sidecar_path() {
+    let hashids: Vec<String> = full_metadata()
+        .hook_hashids()
+        .map(|h| h.to_string())
+        .collect();
+    assert_eq!(hashids, vec![HOOK_BEFORE.to_owned(), HOOK_AFTER.to_owned()]);
+    assert_eq!(
+        callreg::metadata::sidecar_path(std::path::Path::new("out/add.spyc")),
+        PathBuf::from("out/add.spyc.json")
+    );
+}
+
+#[test]
 fn executor_short_name_defaults() {
     let mut metadata = CallableMetadata::named("f");
     assert_eq!(metadata.executor_short_name(), "python");

@@ -119,8 +119,9 @@ impl Sidecar {
         if file == "-" {
             return Sidecar::Absent;
         }
-        let path = format!("{file}.json");
-        match std::fs::read_to_string(&path) {
+        let path = callreg::metadata::sidecar_path(std::path::Path::new(file));
+        let path = path.display();
+        match std::fs::read_to_string(path.to_string()) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Sidecar::Absent,
             Err(e) => Sidecar::Invalid(format!("cannot read {path}: {e}")),
             Ok(text) => match CallableMetadata::from_json(&text) {
