@@ -22,7 +22,7 @@
 //! ```
 //!
 //! Pure: no IO, no Python. The target-side checks live in the runtimes
-//! ([`crate::runtime`]); this module gives them the pure parts: parsed
+//! (`crate::runtime`, feature `io`); this module gives them the pure parts: parsed
 //! versions ([`python_major_minor`], [`leading_major`]), executor
 //! rehydration ([`ExecutorSpec::rehydrate`]), pip requirement matching
 //! without the `packaging` module ([`pip`]) and the hook input merge

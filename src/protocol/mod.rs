@@ -28,6 +28,14 @@
 //! (a pipe is FIFO); frames to different targets may interleave freely.
 //! The exact loop an IO layer runs, step by step, is in `specs/protocol.md`.
 //!
+//! # Plain data as JSON
+//!
+//! [`Handle`], [`Failure`], [`TargetOutcome`], [`TargetOutcomeEntry`],
+//! [`RegistrySnapshot`] ([`Parent::registry_snapshot`]) and
+//! [`TargetSnapshot`] ([`Target::snapshot`]), like [`crate::error::Error`],
+//! have `to_json`, `to_json_pretty` and a strict `from_json` naming the
+//! offending field (`specs/metadata.md` §7). None of them holds a slot.
+//!
 //! [`invariants`] holds DESIGN.md §4.4's invariants as pure predicates over
 //! a [`invariants::View`] of both machines and the frames in transit; the
 //! model checker and the tests call the same functions.
