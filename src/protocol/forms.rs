@@ -1,6 +1,6 @@
 //! JSON forms of the protocol's plain data (issue 7, `specs/metadata.md`
-//! §7): handles, failures, per-target outcomes and the registry snapshots
-//! of the parent and of a target.
+//! §7): handles, failures, errors ([`crate::error::Error`]), per-target
+//! outcomes and the registry snapshots of the parent and of a target.
 //!
 //! Every form has `to_json` (compact), `to_json_pretty` (two-space indent,
 //! the golden files' layout) and a strict `from_json` (unknown fields and
