@@ -49,7 +49,10 @@ pub struct ParentConfig {
 ///   New ──start()──▶ Started ──close()──▶ Closed
 ///    └──────────────close()───────────────▲
 /// ```
+///
+/// Text form (serde): `"new"`, `"started"`, `"closed"`.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Lifecycle {
     /// No target exists yet: registrations only touch the registry and
     /// the startup snapshot.
@@ -62,7 +65,13 @@ pub enum Lifecycle {
 
 /// A registered callable as the user holds it: plain data, serializable,
 /// checked field by field when it comes back (DESIGN.md §4.1).
+///
+/// JSON form ([`Handle::to_json`], strict [`Handle::from_json`]; no other
+/// field, and no slot, is part of it):
+/// `{"namespace": "LOCAL_PYTHON", "hashid": "sha256:…", "handle_id": 1, "owner": 7}`
+/// — `handle_id` and `owner` are unsigned 64-bit integers.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Handle {
     /// The namespace it was registered in.
     pub namespace: Namespace,
@@ -84,8 +93,13 @@ impl Handle {
 
 /// What one target did for a completed operation (reported in
 /// [`Effect::Completed`], one per target in the operation's scope).
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case")]
+///
+/// JSON form ([`TargetOutcome::to_json`], strict
+/// [`TargetOutcome::from_json`]): `{"outcome": "ok"}`, or for the two
+/// variants with a failure `{"outcome": "failed", "failure": {"code":
+/// "DESERIALIZE_FAILED", "message": "…"}}`; the names are the variants'
+/// in `snake_case`. With the target's id: [`super::TargetOutcomeEntry`].
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub enum TargetOutcome {
     /// Replied OK.
     Ok,
