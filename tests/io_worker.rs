@@ -84,6 +84,14 @@ fn main() {
             "the_parent_never_deserializes",
             the_parent_never_deserializes,
         ),
+        (
+            "oversized_task_input_is_refused_before_sending",
+            oversized_task_input_is_refused_before_sending,
+        ),
+        (
+            "close_fails_operations_in_flight",
+            close_fails_operations_in_flight,
+        ),
     ]);
 }
 
@@ -565,5 +573,63 @@ fn the_parent_never_deserializes() {
         deserialize_count(),
         0,
         "the parent called the runtime's deserialize"
+    );
+}
+
+fn oversized_task_input_is_refused_before_sending() {
+    let worker = builder(1).max_frame_bytes(1024).build().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    worker.start().unwrap();
+    // Header 8 + seq 8 + digest 32 + encoding 1 + length 4 = 53 bytes.
+    let largest = vec![b'x'; 1024 - 53];
+    // The echoed result needs one byte more (its status is two bytes).
+    let err = worker
+        .submit(&echo, TargetId(0), TaskEncoding::Json, &largest)
+        .unwrap_err();
+    assert_eq!(
+        (err.error.code, err.kind.as_str()),
+        (ErrorCode::TASK_FAILED, "ResultTooLarge")
+    );
+    assert_eq!(
+        err.error.message,
+        "the task's result of 971 bytes does not fit in a frame of at most 1024 bytes"
+    );
+    let fits = vec![b'x'; 1024 - 54];
+    assert_eq!(
+        worker
+            .submit(&echo, TargetId(0), TaskEncoding::Json, &fits)
+            .unwrap(),
+        fits
+    );
+    let err = worker
+        .submit(&echo, TargetId(0), TaskEncoding::Json, &[b'x'; 1024 - 52])
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::FRAME_INVALID);
+    assert_eq!(
+        err.error.message,
+        "a task input of 972 bytes makes a frame of 1025 bytes, over the maximum of 1024"
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(0)]);
+    check_invariants(&worker, 1);
+}
+
+fn close_fails_operations_in_flight() {
+    let worker = builder(2).build().unwrap();
+    let sleep = worker.register(&envelope("sleep 300")).unwrap();
+    worker.start().unwrap();
+    let task = worker.submit_async(&sleep, TargetId(0), TaskEncoding::Json, b"");
+    let register = worker.register_async(&envelope("slow 300")).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    worker.close();
+    assert!(task.is_complete() && register.is_complete());
+    assert_eq!(
+        task.wait().unwrap_err().error.code,
+        ErrorCode::LIFECYCLE_INVALID
+    );
+    let err = register.wait().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::LIFECYCLE_INVALID);
+    assert_eq!(
+        err.error.message,
+        "the Worker closed before the operation completed"
     );
 }
