@@ -1314,6 +1314,7 @@ impl IoLoop {
                     self.flush(core, usize::from(target.0));
                 }
             }
+            // `run` takes a close out of the queue itself (step 1).
             Request::Close => {}
         }
         self.drain(core, &mut context);
