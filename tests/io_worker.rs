@@ -92,6 +92,10 @@ fn main() {
             "close_fails_operations_in_flight",
             close_fails_operations_in_flight,
         ),
+        (
+            "large_tasks_pass_through_full_pipes",
+            large_tasks_pass_through_full_pipes,
+        ),
     ]);
 }
 
@@ -632,4 +636,25 @@ fn close_fails_operations_in_flight() {
         err.error.message,
         "the Worker closed before the operation completed"
     );
+}
+
+/// Inputs and results far larger than a pipe's buffer (64 KiB): the IO
+/// thread queues what the control pipe does not take and reads results in
+/// pieces, while other targets keep working.
+fn large_tasks_pass_through_full_pipes() {
+    let worker = builder(2).build().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    worker.start().unwrap();
+    let input: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    let pending: Vec<_> = (0..4)
+        .map(|i| worker.submit_async(&echo, TargetId(i % 2), TaskEncoding::Pickle, &input))
+        .collect();
+    let small = worker
+        .submit(&echo, TargetId(1), TaskEncoding::Json, b"small")
+        .unwrap();
+    assert_eq!(small, b"small");
+    for task in pending {
+        assert!(task.wait().unwrap() == input);
+    }
+    check_invariants(&worker, 2);
 }
