@@ -96,6 +96,10 @@ fn main() {
             "large_tasks_pass_through_full_pipes",
             large_tasks_pass_through_full_pipes,
         ),
+        (
+            "a_snapshot_larger_than_the_slots_stops_every_target",
+            a_snapshot_larger_than_the_slots_stops_every_target,
+        ),
     ]);
 }
 
@@ -657,4 +661,26 @@ fn large_tasks_pass_through_full_pipes() {
         assert!(task.wait().unwrap() == input);
     }
     check_invariants(&worker, 2);
+}
+
+fn a_snapshot_larger_than_the_slots_stops_every_target() {
+    let worker = builder(2).slot_capacity(1).build().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    worker.register(&envelope("add")).unwrap();
+    let err = worker.start().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(err.outcomes.len(), 2);
+    for (target, outcome) in &err.outcomes {
+        match outcome {
+            TargetOutcome::Failed { failure } => {
+                assert_eq!(failure.code, ErrorCode::LOCAL_SLOT_EXHAUSTED, "{target}")
+            }
+            other => panic!("{target}: {other:?}"),
+        }
+    }
+    assert_eq!(worker.live_targets(), vec![]);
+    let err = worker
+        .submit(&echo, TargetId(0), TaskEncoding::Json, b"")
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::TARGET_LOST);
 }
