@@ -1254,7 +1254,9 @@ impl Parent {
         let mut frames = Vec::new();
         for (target, progress) in op.scope.iter_mut() {
             let clean = match progress {
-                Progress::Confirmed => !skip,
+                // A target lost since it confirmed holds nothing and will
+                // never answer a cleanup: waiting for it would never end.
+                Progress::Confirmed => !skip && !lost.contains(target),
                 Progress::Failed(_) | Progress::TimedOut => {
                     unconfirmed_too && !lost.contains(target)
                 }
@@ -1267,7 +1269,8 @@ impl Parent {
                     frame: ControlFrame::Unregister { seq, digest },
                 });
             } else if *progress == Progress::Confirmed {
-                // Only under SkipCleanup: the install is left in place.
+                // Lost (nothing to undo), or under SkipCleanup (the install
+                // is left in place).
                 *progress = Progress::RolledBack;
             }
         }
