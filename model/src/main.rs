@@ -19,6 +19,7 @@ use stateright::Model;
 #[command(
     name = "callreg-model",
     version,
+    args_override_self = true,
     about = "Model-check the callreg registration protocol (the library's own state machines) with faults"
 )]
 struct Cli {
@@ -44,6 +45,9 @@ enum Command {
         /// Stop below this depth (the run is then reported incomplete).
         #[arg(long)]
         max_depth: Option<usize>,
+        /// Stop at the first violation (faster; the run is then incomplete).
+        #[arg(long)]
+        first: bool,
         /// Seconds between progress lines on stderr.
         #[arg(long, default_value_t = 5)]
         progress_secs: u64,
@@ -196,6 +200,7 @@ fn main() -> ExitCode {
             dfs,
             threads,
             max_depth,
+            first,
             progress_secs,
             json,
         } => {
@@ -215,6 +220,7 @@ fn main() -> ExitCode {
                 threads,
                 max_depth,
                 progress_every: (progress_secs > 0).then(|| Duration::from_secs(progress_secs)),
+                stop_at_first_violation: first,
             };
             let outcome = check(model, &options);
             print_human(&outcome);

@@ -451,12 +451,17 @@ impl RegistrationModel {
     }
 
     /// Whether no action can change `state` (the checker's terminal states).
+    ///
+    /// Every listed action but [`Action::Submit`] always has a next state
+    /// (`actions` lists only enabled ones); a submit may still be refused by
+    /// the parent, so only those are tried.
     pub fn is_terminal(&self, state: &State) -> bool {
         let mut actions = Vec::new();
         stateright::Model::actions(self, state, &mut actions);
-        actions
-            .into_iter()
-            .all(|a| stateright::Model::next_state(self, state, a).is_none())
+        actions.into_iter().all(|a| {
+            matches!(a, Action::Submit { .. })
+                && stateright::Model::next_state(self, state, a).is_none()
+        })
     }
 
     /// The handle a script reference names in `state`, if it was published.

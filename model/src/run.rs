@@ -3,7 +3,9 @@
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use stateright::{Checker, Expectation, Model};
+use std::collections::BTreeSet;
+
+use stateright::{Checker, Expectation, HasDiscoveries, Model};
 
 use crate::model::{Action, RegistrationModel, State};
 use crate::properties;
@@ -23,6 +25,9 @@ pub struct SearchOptions {
     pub max_depth: Option<usize>,
     /// Print progress to stderr every this often.
     pub progress_every: Option<Duration>,
+    /// Stop at the first broken `always` or `eventually` property (the run
+    /// is then incomplete unless nothing broke).
+    pub stop_at_first_violation: bool,
 }
 
 impl Default for SearchOptions {
@@ -33,6 +38,7 @@ impl Default for SearchOptions {
             threads: 1,
             max_depth: None,
             progress_every: None,
+            stop_at_first_violation: false,
         }
     }
 }
@@ -106,14 +112,55 @@ pub fn trace(
     lines
 }
 
+/// A shortest path to a state breaking `property`, given that `found` is
+/// one: breadth-first searches on one thread, bounded in depth, bisecting
+/// on the bound. (Stateright keeps the last path found for a property,
+/// which in a full run is often far from the shortest.)
+fn short_counterexample(
+    model: &RegistrationModel,
+    property: &'static str,
+    found: Vec<(State, Option<Action>)>,
+) -> Vec<(State, Option<Action>)> {
+    let within = |depth: usize| {
+        model
+            .clone()
+            .checker()
+            .target_max_depth(depth)
+            .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([property])))
+            .spawn_bfs()
+            .join()
+            .discovery(property)
+            .map(|p| p.into_vec())
+    };
+    // A path of n states ends at depth n; states at the bound are not
+    // checked, so bound n + 1 finds it.
+    let (mut low, mut high) = (1, found.len() + 1);
+    let mut best = found;
+    while low + 1 < high {
+        let middle = (low + high) / 2;
+        match within(middle) {
+            Some(path) => {
+                high = middle.min(path.len() + 1);
+                best = path;
+            }
+            None => low = middle,
+        }
+    }
+    best
+}
+
 fn collect<C: Checker<RegistrationModel>>(
     checker: &C,
     started: Instant,
-    max_depth: Option<usize>,
+    options: &SearchOptions,
 ) -> Outcome {
     let model = checker.model();
     let props = model.properties();
     let discoveries = checker.discoveries();
+    let depth = checker.max_depth();
+    let unique_states = checker.unique_state_count();
+    let states = checker.state_count();
+    let secs = started.elapsed().as_secs_f64();
     let mut violations = Vec::new();
     let mut witnessed = Vec::new();
     let mut not_witnessed = Vec::new();
@@ -122,24 +169,28 @@ fn collect<C: Checker<RegistrationModel>>(
         match (&property.expectation, found) {
             (Expectation::Sometimes, Some(_)) => witnessed.push(property.name.to_owned()),
             (Expectation::Sometimes, None) => not_witnessed.push(property.name.to_owned()),
-            (_, Some(path)) => violations.push(Violation {
-                property: property.name.to_owned(),
-                trace: trace(model, property.name, &path.clone().into_vec()),
-            }),
+            (_, Some(path)) => {
+                let path = short_counterexample(model, property.name, path.clone().into_vec());
+                violations.push(Violation {
+                    property: property.name.to_owned(),
+                    trace: trace(model, property.name, &path),
+                })
+            }
             (_, None) => {}
         }
     }
-    let depth = checker.max_depth();
-    // Stateright stops early only when every property has a discovery, or
-    // at the depth bound.
-    let stopped_early = discoveries.len() == props.len();
-    let truncated = max_depth.is_some_and(|m| depth >= m);
+    // Stateright stops early only when the finish condition holds (every
+    // property has a discovery, or the first violation when asked), or at
+    // the depth bound.
+    let stopped_early = discoveries.len() == props.len()
+        || (options.stop_at_first_violation && !violations.is_empty());
+    let truncated = options.max_depth.is_some_and(|m| depth >= m);
     Outcome {
         complete: !stopped_early && !truncated,
-        unique_states: checker.unique_state_count(),
-        states: checker.state_count(),
+        unique_states,
+        states,
         max_depth: depth,
-        secs: started.elapsed().as_secs_f64(),
+        secs,
         violations,
         witnessed,
         not_witnessed,
@@ -171,7 +222,7 @@ fn wait<C: Checker<RegistrationModel>>(
         }
     }
     checker = checker.join();
-    collect(&checker, started, options.max_depth)
+    collect(&checker, started, options)
 }
 
 /// Checks every property of `model` exhaustively (or to `max_depth`).
@@ -183,6 +234,9 @@ pub fn check(model: RegistrationModel, options: &SearchOptions) -> Outcome {
     }
     if options.symmetry {
         builder = builder.symmetry();
+    }
+    if options.stop_at_first_violation {
+        builder = builder.finish_when(HasDiscoveries::AnyFailures);
     }
     if options.dfs || options.symmetry {
         wait(builder.spawn_dfs(), started, options)

@@ -151,10 +151,11 @@ impl Script {
     ///   a second register of `A` and the unregister of the first handle,
     ///   concurrently (the standard configuration's script).
     /// * `two-digests` — concurrent registers of `A` and `B`.
-    /// * `snapshot-then-operations` — before start: register `A` twice and
-    ///   `B` once, unregister the `B` handle (snapshot: `A` with refcount 2);
-    ///   after start, concurrently: unregister the first `A` handle and
-    ///   register `B`.
+    /// * `snapshot-then-operations` — before start: register `A`, register
+    ///   `B` twice, unregister the second `B` handle (snapshot: `A` and `B`,
+    ///   refcount 1 each); after start, concurrently: unregister the `A`
+    ///   handle and register `C` (with 2 slots, `C` fits only once `A`'s slot
+    ///   is freed, so a task on `A` makes it wait for a tombstone).
     pub fn builtin() -> Vec<Script> {
         use HandleRef::{BeforeStart as Pre, Operation as Op};
         use Operation::{Register, Unregister};
@@ -189,14 +190,14 @@ impl Script {
             },
             Script {
                 name: "snapshot-then-operations".into(),
-                description: "before start: register A twice, register and unregister B (snapshot A x2); after start, concurrently: unregister the first A handle and register B".into(),
+                description: "before start: register A, register B twice, unregister the second B (snapshot A x1, B x1); after start, concurrently: unregister A and register C".into(),
                 before_start: vec![
                     BeforeStart::Register('A'),
-                    BeforeStart::Register('A'),
+                    BeforeStart::Register('B'),
                     BeforeStart::Register('B'),
                     BeforeStart::Unregister(2),
                 ],
-                operations: vec![step(Unregister(Pre(0)), &[]), step(Register('B'), &[])],
+                operations: vec![step(Unregister(Pre(0)), &[]), step(Register('C'), &[])],
             },
         ]
     }
