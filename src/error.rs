@@ -258,3 +258,64 @@ impl std::fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::descriptor::Digest;
+    use crate::protocol::{Namespace, Seq, TargetId};
+
+    #[test]
+    fn error_codes_round_trip_in_text_and_wire_form() {
+        for code in ErrorCode::ALL {
+            assert_eq!(code.as_str().parse::<ErrorCode>(), Ok(*code));
+            assert_eq!(ErrorCode::from_u16(code.as_u16()), Some(*code));
+        }
+        assert_eq!(ErrorCode::from_u16(0), None);
+        assert_eq!(
+            "NOPE".parse::<ErrorCode>(),
+            Err(UnknownErrorCode("NOPE".to_owned()))
+        );
+    }
+
+    #[test]
+    fn an_error_names_its_context_in_text_and_json() {
+        let e = Error::new(
+            ErrorCode::LOCAL_SLOT_EXHAUSTED,
+            OperationKind::Register,
+            "no free slot",
+        )
+        .with_target(TargetId(2))
+        .with_namespace(Namespace::LocalPython)
+        .with_digest(Digest([0xab; 32]))
+        .with_seq(Seq(7));
+        let hashid = format!("sha256:{}", "ab".repeat(32));
+        assert_eq!(
+            e.to_string(),
+            format!("LOCAL_SLOT_EXHAUSTED: no free slot (operation register, target 2, namespace LOCAL_PYTHON, hashid {hashid}, seq 7)")
+        );
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({
+                "code": "LOCAL_SLOT_EXHAUSTED",
+                "operation": "register",
+                "target": 2,
+                "namespace": "LOCAL_PYTHON",
+                "hashid": hashid,
+                "seq": 7,
+                "message": "no free slot",
+            })
+        );
+        assert_eq!(serde_json::from_value::<Error>(json).unwrap(), e);
+        let bare = Error::new(
+            ErrorCode::LIFECYCLE_INVALID,
+            OperationKind::Close,
+            "closed twice",
+        );
+        assert_eq!(
+            bare.to_string(),
+            "LIFECYCLE_INVALID: closed twice (operation close)"
+        );
+    }
+}

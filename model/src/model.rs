@@ -223,14 +223,18 @@ pub struct State {
 }
 
 impl State {
-    /// The invariant predicates' view of this state.
-    pub fn view(&self) -> View<'_> {
-        View {
+    /// Calls `f` with the invariant predicates' view of this state.
+    pub fn with_view<R>(&self, f: impl FnOnce(&View<'_>) -> R) -> R {
+        let targets: Vec<Option<&Target>> = self.targets.iter().map(Option::as_ref).collect();
+        let frames: Vec<(TargetId, &ControlFrame)> =
+            self.frames.iter().map(|(t, f)| (*t, f)).collect();
+        let replies: Vec<(TargetId, &Reply)> = self.replies.iter().map(|(t, r)| (*t, r)).collect();
+        f(&View {
             parent: &self.parent,
-            targets: &self.targets,
-            frames: &self.frames,
-            replies: &self.replies,
-        }
+            targets: &targets,
+            frames: &frames,
+            replies: &replies,
+        })
     }
 
     /// Whether every script operation finished.
@@ -963,7 +967,7 @@ impl RegistrationModel {
     /// # Errors
     /// The [`Violation`] from the library's predicates.
     pub fn check_invariants(&self, state: &State) -> Result<(), Violation> {
-        invariants::check_all(&state.view())
+        state.with_view(invariants::check_all)
     }
 }
 

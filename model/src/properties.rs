@@ -61,7 +61,7 @@ pub const SOMETIMES_INTERLEAVE: &str =
 pub const SOMETIMES_LATE_REPLY: &str = "sometimes: a reply arrives after its operation gave up";
 
 fn holds(predicate: invariants::Predicate, state: &State) -> bool {
-    predicate(&state.view()).is_ok()
+    state.with_view(|view| predicate(view).is_ok())
 }
 
 fn inv1(_: &RegistrationModel, s: &State) -> bool {
@@ -172,12 +172,11 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
 /// the library's violation text for invariants 1–9, a fixed explanation
 /// for the others; `None` if it does not break it.
 pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<String> {
-    let view = state.view();
     let by_number = |n: u8| {
         invariants::ALL
             .iter()
             .find(|(number, _, _)| *number == n)
-            .and_then(|(_, _, predicate)| predicate(&view).err())
+            .and_then(|(_, _, predicate)| state.with_view(|view| predicate(view).err()))
             .map(|v| v.to_string())
     };
     let number: Option<u8> = name.split(' ').next().and_then(|n| n.parse().ok());

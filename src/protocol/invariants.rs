@@ -22,13 +22,13 @@ pub struct View<'a> {
     pub parent: &'a Parent,
     /// Every target by id (`targets[i]` is `TargetId(i)`); `None` for a
     /// target that has died (crashed, fenced and killed) or never started.
-    pub targets: &'a [Option<Target>],
+    pub targets: &'a [Option<&'a Target>],
     /// Frames from the parent not yet applied by their target, each with
     /// its receiver, in send order per target.
-    pub frames: &'a [(TargetId, ControlFrame)],
+    pub frames: &'a [(TargetId, &'a ControlFrame)],
     /// Replies from targets not yet given to the parent, each with its
     /// sender.
-    pub replies: &'a [(TargetId, Reply)],
+    pub replies: &'a [(TargetId, &'a Reply)],
 }
 
 impl<'a> View<'a> {
@@ -36,7 +36,7 @@ impl<'a> View<'a> {
     fn live_targets(&self) -> impl Iterator<Item = (TargetId, &'a Target)> + '_ {
         self.targets.iter().enumerate().filter_map(|(i, t)| {
             let id = TargetId(u16::try_from(i).ok()?);
-            let target = t.as_ref()?;
+            let target = (*t)?;
             self.parent.is_target_live(id).then_some((id, target))
         })
     }
@@ -45,7 +45,7 @@ impl<'a> View<'a> {
         self.targets
             .iter()
             .enumerate()
-            .filter_map(|(i, t)| Some((TargetId(u16::try_from(i).ok()?), t.as_ref()?)))
+            .filter_map(|(i, t)| Some((TargetId(u16::try_from(i).ok()?), (*t)?)))
     }
 
     /// Quiescent (DESIGN.md §4.4): no operation in flight, no effect
@@ -566,4 +566,244 @@ pub fn inv9_slots_stay_private(view: &View<'_>) -> Result<(), Violation> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{OwnerToken, ParentConfig, Reply, Seq, StagingId, TargetConfig};
+
+    fn digest(n: u8) -> Digest {
+        Digest([n; 32])
+    }
+
+    /// A started parent over two targets with one pre-start handle (id 1) of
+    /// digest 1, and both targets holding it: quiescent and correct.
+    fn system() -> (Parent, Vec<Option<Target>>) {
+        let mut parent = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 10,
+            fence_on_timeout: true,
+            owner: OwnerToken(3),
+        });
+        parent
+            .register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        let snapshot = parent.startup_snapshot();
+        parent.start().unwrap();
+        let targets = (0..2)
+            .map(|i| Some(Target::new(TargetConfig::new(TargetId(i)), &snapshot).unwrap()))
+            .collect();
+        (parent, targets)
+    }
+
+    fn check(
+        number: u8,
+        parent: &Parent,
+        targets: &[Option<Target>],
+        frames: &[(TargetId, ControlFrame)],
+    ) -> Result<(), Violation> {
+        let targets: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let frames: Vec<(TargetId, &ControlFrame)> = frames.iter().map(|(t, f)| (*t, f)).collect();
+        let view = View {
+            parent,
+            targets: &targets,
+            frames: &frames,
+            replies: &[],
+        };
+        let (_, _, predicate) = ALL[usize::from(number - 1)];
+        predicate(&view)
+    }
+
+    #[test]
+    fn a_correct_quiescent_system_keeps_every_invariant() {
+        let (parent, targets) = system();
+        let targets: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let view = View {
+            parent: &parent,
+            targets: &targets,
+            frames: &[],
+            replies: &[],
+        };
+        assert!(view.is_quiescent());
+        assert_eq!(check_all(&view), Ok(()));
+    }
+
+    #[test]
+    fn inv1_catches_a_handle_published_before_a_target_confirmed() {
+        let (mut parent, targets) = system();
+        parent
+            .handles
+            .get_mut(&1)
+            .unwrap()
+            .confirmed
+            .remove(&TargetId(1));
+        let v = check(1, &parent, &targets, &[]).unwrap_err();
+        assert_eq!(v.number, 1);
+        assert!(v.description.contains("targets [1]"), "{v}");
+    }
+
+    #[test]
+    fn inv2_catches_an_orphan_install_and_exempts_uncertain_digests() {
+        let (mut parent, mut targets) = system();
+        targets[0]
+            .as_mut()
+            .unwrap()
+            .installed
+            .get_mut(&digest(1))
+            .unwrap()
+            .refcount = 2;
+        let v = check(2, &parent, &targets, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            format!(
+                "target 0 holds {} with refcount 2 but 1 live handles name it",
+                digest(1)
+            )
+        );
+        parent.uncertain.insert(digest(1), [1].into());
+        assert_eq!(check(2, &parent, &targets, &[]), Ok(()));
+    }
+
+    #[test]
+    fn inv2_waits_for_quiescence() {
+        let (parent, mut targets) = system();
+        targets[0]
+            .as_mut()
+            .unwrap()
+            .installed
+            .get_mut(&digest(1))
+            .unwrap()
+            .refcount = 2;
+        let frames = [(
+            TargetId(0),
+            ControlFrame::Unregister {
+                seq: Seq(9),
+                digest: digest(1),
+            },
+        )];
+        assert_eq!(check(2, &parent, &targets, &frames), Ok(()));
+    }
+
+    #[test]
+    fn inv3_catches_a_handle_published_after_uncertainty() {
+        let (mut parent, targets) = system();
+        parent.uncertain.insert(digest(1), BTreeSet::new());
+        assert_eq!(check(3, &parent, &targets, &[]).unwrap_err().number, 3);
+    }
+
+    #[test]
+    fn inv4_catches_a_zero_refcount_and_a_run_on_a_freed_slot() {
+        let (parent, mut targets) = system();
+        let mut zero = targets.clone();
+        zero[0]
+            .as_mut()
+            .unwrap()
+            .installed
+            .get_mut(&digest(1))
+            .unwrap()
+            .refcount = 0;
+        assert_eq!(check(4, &parent, &zero, &[]).unwrap_err().number, 4);
+        let target = targets[1].as_mut().unwrap();
+        target.begin_task(Seq(4), digest(1)).unwrap();
+        target.slots.clear();
+        target.installed.clear();
+        let v = check(4, &parent, &targets, &[]).unwrap_err();
+        assert!(v.description.contains("run seq 4 holds slot 0"), "{v}");
+    }
+
+    #[test]
+    fn inv5_catches_a_slot_whose_payload_has_another_digest() {
+        let (parent, mut targets) = system();
+        let target = targets[0].as_mut().unwrap();
+        target
+            .slots
+            .values_mut()
+            .for_each(|u| u.content = digest(2));
+        let v = check(5, &parent, &targets, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            format!(
+                "target 0 installs {} from a payload whose digest is {}",
+                digest(1),
+                digest(2)
+            )
+        );
+    }
+
+    #[test]
+    fn inv6_catches_a_live_handle_that_does_not_resolve() {
+        let (mut parent, targets) = system();
+        parent.next_handle_id = 1;
+        assert_eq!(check(6, &parent, &targets, &[]).unwrap_err().number, 6);
+    }
+
+    #[test]
+    fn inv7_catches_a_leaked_staged_payload() {
+        let (mut parent, targets) = system();
+        parent.staged.insert(StagingId(5));
+        assert_eq!(check(7, &parent, &targets, &[]).unwrap_err().number, 7);
+    }
+
+    #[test]
+    fn inv8_catches_an_unregister_that_would_strand_a_live_handle() {
+        let (parent, targets) = system();
+        let frames = [(
+            TargetId(1),
+            ControlFrame::Unregister {
+                seq: Seq(9),
+                digest: digest(1),
+            },
+        )];
+        let v = check(8, &parent, &targets, &frames).unwrap_err();
+        assert_eq!(v.number, 8);
+        assert!(v.description.starts_with("target 1 holds"), "{v}");
+    }
+
+    #[test]
+    fn inv9_accepts_every_frame_and_reply_kind() {
+        let (parent, targets) = system();
+        let frames = [
+            (
+                TargetId(0),
+                ControlFrame::Register {
+                    seq: Seq(1),
+                    digest: digest(1),
+                    staging: StagingId(1),
+                },
+            ),
+            (
+                TargetId(0),
+                ControlFrame::Unregister {
+                    seq: Seq(2),
+                    digest: digest(1),
+                },
+            ),
+            (
+                TargetId(0),
+                ControlFrame::Task {
+                    seq: Seq(3),
+                    digest: digest(1),
+                },
+            ),
+        ];
+        let replies = [(
+            TargetId(0),
+            Reply {
+                seq: Seq(1),
+                digest: digest(1),
+                result: Err(crate::protocol::Failure::new(ErrorCode::IO_FAILED, "x")),
+            },
+        )];
+        let targets: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let frames: Vec<(TargetId, &ControlFrame)> = frames.iter().map(|(t, f)| (*t, f)).collect();
+        let replies: Vec<(TargetId, &Reply)> = replies.iter().map(|(t, r)| (*t, r)).collect();
+        let view = View {
+            parent: &parent,
+            targets: &targets,
+            frames: &frames,
+            replies: &replies,
+        };
+        assert_eq!(inv9_slots_stay_private(&view), Ok(()));
+    }
 }

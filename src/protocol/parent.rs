@@ -879,12 +879,7 @@ impl Parent {
     /// # Errors
     /// `FRAME_INVALID` if no register waits for `staging` or some of its
     /// frames were already polled (nothing changes).
-    pub fn stage_failed(
-        &mut self,
-        staging: StagingId,
-        failure: Failure,
-        now: Time,
-    ) -> Result<(), Error> {
+    pub fn stage_failed(&mut self, staging: StagingId, failure: Failure) -> Result<(), Error> {
         let id = OpId(staging.0);
         let withdrawable = self.ops.get(&id).is_some_and(|op| {
             let queued = self
@@ -905,7 +900,6 @@ impl Parent {
                 ),
             ));
         }
-        let _ = now;
         let Some(op) = self.ops.remove(&id) else {
             return Ok(());
         };
@@ -1198,11 +1192,11 @@ impl Parent {
 
     fn release(&mut self, id: OpId, staging: StagingId) {
         if let Some(Op {
-            kind: OpKind::Register { staging: slot, .. },
+            kind: OpKind::Register { staging: held, .. },
             ..
         }) = self.ops.get_mut(&id)
         {
-            *slot = None;
+            *held = None;
         }
         self.staged.remove(&staging);
         self.effects.push_back(Effect::ReleaseStaged { staging });
@@ -1254,9 +1248,12 @@ impl Parent {
         let mut frames = Vec::new();
         for (target, progress) in op.scope.iter_mut() {
             let clean = match progress {
-                // A target lost since it confirmed holds nothing and will
-                // never answer a cleanup: waiting for it would never end.
-                Progress::Confirmed => !skip && !lost.contains(target),
+                // A target lost since it confirmed holds nothing any more.
+                Progress::Confirmed if lost.contains(target) => {
+                    *progress = Progress::RolledBack;
+                    false
+                }
+                Progress::Confirmed => !skip,
                 Progress::Failed(_) | Progress::TimedOut => {
                     unconfirmed_too && !lost.contains(target)
                 }
@@ -1269,8 +1266,7 @@ impl Parent {
                     frame: ControlFrame::Unregister { seq, digest },
                 });
             } else if *progress == Progress::Confirmed {
-                // Lost (nothing to undo), or under SkipCleanup (the install
-                // is left in place).
+                // Only under SkipCleanup: the install is left in place.
                 *progress = Progress::RolledBack;
             }
         }
@@ -1377,4 +1373,307 @@ impl Parent {
 
 fn op_waiting(op: Option<&Op>) -> bool {
     op.is_some_and(Op::waiting)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digest(n: u8) -> Digest {
+        Digest([n; 32])
+    }
+
+    fn started(targets: u16) -> Parent {
+        let mut p = Parent::new(ParentConfig {
+            targets,
+            control_timeout: 100,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+        });
+        p.start().unwrap();
+        p
+    }
+
+    fn drain(p: &mut Parent) -> Vec<Effect> {
+        std::iter::from_fn(|| p.poll_effect()).collect()
+    }
+
+    fn ok(seq: u64, n: u8) -> Reply {
+        Reply {
+            seq: Seq(seq),
+            digest: digest(n),
+            result: Ok(()),
+        }
+    }
+
+    #[test]
+    fn register_in_another_namespace_is_unsupported_and_emits_nothing() {
+        let mut p = started(1);
+        let e = p
+            .register(digest(1), Namespace::LocalChip, Time(0))
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::CALLABLE_KIND_UNSUPPORTED);
+        assert_eq!(e.namespace, Some(Namespace::LocalChip));
+        assert_eq!(drain(&mut p), vec![]);
+    }
+
+    #[test]
+    fn register_with_every_target_lost_has_no_live_target() {
+        let mut p = started(1);
+        p.target_lost(TargetId(0), Time(0)).unwrap();
+        let e = p
+            .register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::NO_LIVE_TARGET);
+        assert_eq!(drain(&mut p), vec![]);
+        assert_eq!(p.next_seq, 1, "no seq consumed");
+    }
+
+    #[test]
+    fn several_operations_fly_at_once_each_with_its_own_seq() {
+        let mut p = started(1);
+        assert_eq!(
+            p.register(digest(1), Namespace::LocalPython, Time(0)),
+            Ok(OpId(1))
+        );
+        assert_eq!(
+            p.register(digest(2), Namespace::LocalPython, Time(5)),
+            Ok(OpId(2))
+        );
+        assert_eq!(p.in_flight(), vec![OpId(1), OpId(2)]);
+        assert_eq!(p.poll_timeout(), Some(Time(100)));
+        drain(&mut p);
+        // Answers may come for the later one first.
+        p.handle_reply(TargetId(0), ok(2, 2), Time(6)).unwrap();
+        p.handle_reply(TargetId(0), ok(1, 1), Time(7)).unwrap();
+        let handles: Vec<u64> = drain(&mut p)
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Completed {
+                    result: Ok(Completion::Registered(h)),
+                    ..
+                } => Some(h.handle_id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(handles, vec![1, 2]);
+        assert_eq!(p.poll_timeout(), None);
+    }
+
+    #[test]
+    fn a_digest_that_becomes_uncertain_in_flight_is_not_published() {
+        let mut p = started(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        p.mark_uncertain(digest(1));
+        drain(&mut p);
+        p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+        p.handle_reply(TargetId(1), ok(1, 1), Time(2)).unwrap();
+        let cleanup = ControlFrame::Unregister {
+            seq: Seq(2),
+            digest: digest(1),
+        };
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                Effect::ReleaseStaged {
+                    staging: StagingId(1)
+                },
+                Effect::Send {
+                    target: TargetId(0),
+                    frame: cleanup.clone()
+                },
+                Effect::Send {
+                    target: TargetId(1),
+                    frame: cleanup
+                },
+            ]
+        );
+        p.handle_reply(TargetId(0), ok(2, 1), Time(3)).unwrap();
+        p.handle_reply(TargetId(1), ok(2, 1), Time(4)).unwrap();
+        let [Effect::Completed { result: Err(e), .. }] =
+            <[Effect; 1]>::try_from(drain(&mut p)).unwrap()
+        else {
+            panic!("no completion")
+        };
+        assert_eq!(e.code, ErrorCode::REGISTER_CLEANUP_UNCERTAIN);
+        assert!(p.live_handles().is_empty());
+    }
+
+    #[test]
+    fn a_reply_naming_another_digest_fails_the_target_and_marks_uncertain() {
+        let mut p = started(1);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.handle_reply(TargetId(0), ok(1, 2), Time(1)).unwrap();
+        assert!(p.is_uncertain(digest(1)));
+        let effects = drain(&mut p);
+        let Some(Effect::Completed { outcomes, .. }) = effects.last() else {
+            panic!("{effects:?}")
+        };
+        let TargetOutcome::Failed { failure } = &outcomes[0].1 else {
+            panic!("{outcomes:?}")
+        };
+        assert_eq!(failure.code, ErrorCode::FRAME_INVALID);
+    }
+
+    #[test]
+    fn stage_failure_withdraws_the_frames_and_completes_with_its_error() {
+        let mut p = started(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        assert_eq!(
+            p.poll_effect(),
+            Some(Effect::Stage {
+                staging: StagingId(1),
+                digest: digest(1)
+            })
+        );
+        p.stage_failed(
+            StagingId(1),
+            Failure::new(ErrorCode::IO_FAILED, "shm_open: ENOSPC"),
+        )
+        .unwrap();
+        let [Effect::Completed {
+            op,
+            result: Err(e),
+            outcomes,
+        }] = <[Effect; 1]>::try_from(drain(&mut p)).unwrap()
+        else {
+            panic!("no completion")
+        };
+        assert_eq!(
+            (op, e.code, e.operation, outcomes),
+            (OpId(1), ErrorCode::IO_FAILED, OperationKind::Stage, vec![])
+        );
+        assert!(p.staged().is_empty() && p.in_flight().is_empty());
+        let again = p.stage_failed(StagingId(1), Failure::new(ErrorCode::IO_FAILED, "x"));
+        assert_eq!(again.unwrap_err().code, ErrorCode::FRAME_INVALID);
+    }
+
+    #[test]
+    fn stage_failure_after_frames_were_polled_is_refused() {
+        let mut p = started(1);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        let e = p.stage_failed(StagingId(1), Failure::new(ErrorCode::IO_FAILED, "late"));
+        assert_eq!(e.unwrap_err().code, ErrorCode::FRAME_INVALID);
+        assert_eq!(p.in_flight(), vec![OpId(1)]);
+    }
+
+    #[test]
+    fn close_completes_every_operation_and_releases_staging() {
+        let mut p = started(1);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.close().unwrap();
+        let effects = drain(&mut p);
+        assert_eq!(
+            effects[0],
+            Effect::ReleaseStaged {
+                staging: StagingId(1)
+            }
+        );
+        let Effect::Completed {
+            result: Err(e),
+            outcomes,
+            ..
+        } = &effects[1]
+        else {
+            panic!("{effects:?}")
+        };
+        assert_eq!(e.code, ErrorCode::LIFECYCLE_INVALID);
+        assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Lost)]);
+        assert_eq!(p.lifecycle(), Lifecycle::Closed);
+        assert_eq!(p.poll_timeout(), None);
+    }
+
+    #[test]
+    fn unregister_with_no_live_target_in_scope_completes_at_once() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 1,
+            control_timeout: 100,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+        });
+        let h = p
+            .register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        p.start().unwrap();
+        p.target_lost(TargetId(0), Time(0)).unwrap();
+        assert_eq!(p.unregister(&h, Time(1)), Ok(OpId(1)));
+        assert_eq!(
+            drain(&mut p),
+            vec![Effect::Completed {
+                op: OpId(1),
+                result: Ok(Completion::Unregistered(h)),
+                outcomes: vec![]
+            }]
+        );
+    }
+
+    #[test]
+    fn submit_checks_the_target() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 100,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+        });
+        let h = p
+            .register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        p.start().unwrap();
+        assert_eq!(
+            p.submit(&h, TargetId(2)).unwrap_err().code,
+            ErrorCode::NO_LIVE_TARGET
+        );
+        p.target_lost(TargetId(1), Time(0)).unwrap();
+        let e = p.submit(&h, TargetId(1)).unwrap_err();
+        assert_eq!(
+            (e.code, e.target),
+            (ErrorCode::TARGET_LOST, Some(TargetId(1)))
+        );
+        assert_eq!(p.submit(&h, TargetId(0)), Ok(Seq(1)));
+        assert_eq!(
+            drain(&mut p),
+            vec![Effect::Send {
+                target: TargetId(0),
+                frame: ControlFrame::Task {
+                    seq: Seq(1),
+                    digest: digest(1)
+                }
+            }]
+        );
+    }
+
+    #[test]
+    fn replies_before_start_and_for_unknown_targets_are_refused() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 1,
+            control_timeout: 100,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+        });
+        assert_eq!(
+            p.handle_reply(TargetId(0), ok(1, 1), Time(0))
+                .unwrap_err()
+                .code,
+            ErrorCode::LIFECYCLE_INVALID
+        );
+        p.start().unwrap();
+        assert_eq!(
+            p.handle_reply(TargetId(5), ok(1, 1), Time(0))
+                .unwrap_err()
+                .code,
+            ErrorCode::FRAME_INVALID
+        );
+        assert_eq!(
+            p.target_lost(TargetId(5), Time(0)).unwrap_err().code,
+            ErrorCode::FRAME_INVALID
+        );
+    }
 }

@@ -45,12 +45,15 @@ pub struct Slot(pub u16);
 /// What a slot holds.
 ///
 /// ```text
-///  free ──register (slot check ok)──▶ Deserializing ──ok──▶ Live
-///   ▲                                      │                 │ last unregister
-///   └───────────── failed ─────────────────┘                 ▼
-///   ▲──────── last unregister, no run ◀────────────── (no run?) ──▶ Tombstoned
-///   └──────────────────── last end_task ◀─────────────────────────────┘
+///  (free) ──register, slot free──▶ Deserializing ──deserialized ok──▶ Live
+///    ▲ ▲                               │                              │
+///    │ └──── deserialized failed ──────┘        last unregister       │
+///    ├─────────────────── no run holds it ◀───────────────────────────┤
+///    │                                                                ▼
+///    └──────────── last end_task ◀──────────── Tombstoned ◀── a run holds it
 /// ```
+/// (Registers and unregisters that leave the refcount above zero keep a
+/// slot `Live`.)
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(crate) enum SlotState {
     /// Reserved for a deserialization in progress.
@@ -484,5 +487,134 @@ impl Target {
             self.slots.remove(&slot);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digest(n: u8) -> Digest {
+        Digest([n; 32])
+    }
+
+    fn drain(t: &mut Target) -> Vec<TargetEffect> {
+        std::iter::from_fn(|| t.poll_effect()).collect()
+    }
+
+    fn reply(seq: u64, n: u8, result: Result<(), Failure>) -> TargetEffect {
+        TargetEffect::Reply(Reply {
+            seq: Seq(seq),
+            digest: digest(n),
+            result,
+        })
+    }
+
+    #[test]
+    fn registers_of_a_digest_being_deserialized_wait_for_that_result() {
+        let mut t = Target::new(TargetConfig::new(TargetId(0)), &[]).unwrap();
+        t.on_register(Seq(1), digest(1), Ok(digest(1)));
+        t.on_register(Seq(2), digest(1), Ok(digest(1)));
+        assert_eq!(
+            drain(&mut t),
+            vec![TargetEffect::Deserialize {
+                seq: Seq(1),
+                digest: digest(1),
+                slot: Slot(0)
+            }]
+        );
+        t.on_deserialized(Seq(1), Ok(())).unwrap();
+        assert_eq!(
+            drain(&mut t),
+            vec![reply(1, 1, Ok(())), reply(2, 1, Ok(()))]
+        );
+        assert_eq!(t.installed(), vec![(digest(1), 2)]);
+
+        let mut t = Target::new(TargetConfig::new(TargetId(0)), &[]).unwrap();
+        t.on_register(Seq(1), digest(1), Ok(digest(1)));
+        t.on_register(Seq(2), digest(1), Ok(digest(1)));
+        drain(&mut t);
+        let failure = Failure::new(ErrorCode::DESERIALIZE_FAILED, "EOFError");
+        t.on_deserialized(Seq(1), Err(failure.clone())).unwrap();
+        assert_eq!(
+            drain(&mut t),
+            vec![reply(1, 1, Err(failure.clone())), reply(2, 1, Err(failure))]
+        );
+        assert_eq!((t.installed(), t.slots_in_use()), (vec![], 0));
+    }
+
+    #[test]
+    fn a_snapshot_larger_than_the_slots_is_refused_and_repeats_add_up() {
+        let config = TargetConfig {
+            id: TargetId(4),
+            slot_capacity: 1,
+        };
+        let e = Target::new(config, &[(digest(1), 1), (digest(2), 1)]).unwrap_err();
+        assert_eq!(
+            (e.code, e.target, e.operation),
+            (
+                ErrorCode::LOCAL_SLOT_EXHAUSTED,
+                Some(TargetId(4)),
+                OperationKind::Start
+            )
+        );
+        let t = Target::new(config, &[(digest(1), 1), (digest(1), 2), (digest(2), 0)]).unwrap();
+        assert_eq!(t.installed(), vec![(digest(1), 3)]);
+        assert_eq!(DEFAULT_SLOT_CAPACITY, 64);
+        assert_eq!(TargetConfig::new(TargetId(0)).slot_capacity, 64);
+    }
+
+    #[test]
+    fn a_task_for_an_unknown_digest_names_the_hashid() {
+        let mut t = Target::new(TargetConfig::new(TargetId(1)), &[(digest(1), 1)]).unwrap();
+        let e = t.begin_task(Seq(3), digest(2)).unwrap_err();
+        assert_eq!(e.code, ErrorCode::DIGEST_NOT_INSTALLED);
+        assert_eq!(
+            (e.hashid, e.target, e.seq),
+            (Some(digest(2).hashid()), Some(TargetId(1)), Some(Seq(3)))
+        );
+        assert!(e.message.contains(&digest(2).hashid().to_string()), "{e}");
+        assert_eq!(t.begin_task(Seq(4), digest(1)), Ok(Slot(0)));
+        assert_eq!(
+            t.begin_task(Seq(4), digest(1)).unwrap_err().code,
+            ErrorCode::FRAME_INVALID
+        );
+    }
+
+    #[test]
+    fn a_tombstoned_slot_is_freed_at_the_last_run_only() {
+        let mut t = Target::new(TargetConfig::new(TargetId(0)), &[(digest(1), 1)]).unwrap();
+        t.begin_task(Seq(1), digest(1)).unwrap();
+        t.begin_task(Seq(2), digest(1)).unwrap();
+        t.on_unregister(Seq(3), digest(1));
+        assert_eq!(drain(&mut t), vec![reply(3, 1, Ok(()))]);
+        assert_eq!(
+            t.slots.get(&Slot(0)).map(|u| u.state),
+            Some(SlotState::Tombstoned)
+        );
+        t.end_task(Seq(1)).unwrap();
+        assert_eq!(t.slots_in_use(), 1);
+        t.end_task(Seq(2)).unwrap();
+        assert_eq!(t.slots_in_use(), 0);
+        assert_eq!(
+            t.end_task(Seq(2)).unwrap_err().code,
+            ErrorCode::FRAME_INVALID
+        );
+    }
+
+    #[test]
+    fn a_register_seq_already_deserializing_is_refused() {
+        let mut t = Target::new(TargetConfig::new(TargetId(0)), &[]).unwrap();
+        t.on_register(Seq(1), digest(1), Ok(digest(1)));
+        t.on_register(Seq(1), digest(2), Ok(digest(2)));
+        let effects = drain(&mut t);
+        let TargetEffect::Reply(Reply { result: Err(f), .. }) = &effects[1] else {
+            panic!("{effects:?}")
+        };
+        assert_eq!(f.code, ErrorCode::FRAME_INVALID);
+        assert_eq!(
+            t.on_deserialized(Seq(7), Ok(())).unwrap_err().code,
+            ErrorCode::FRAME_INVALID
+        );
     }
 }

@@ -1,0 +1,3 @@
+//! Test support shared by the `protocol_*` integration tests.
+
+pub mod sim;

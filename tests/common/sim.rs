@@ -1,0 +1,519 @@
+//! An in-memory driver for the real protocol state machines: one
+//! [`Parent`], its [`Target`]s, per-target FIFO queues of frames and
+//! replies, simulated time, and fault injection (error replies, corrupt
+//! payloads, crashes, passed deadlines). Every step drains every effect and
+//! checks every invariant predicate.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use callreg::descriptor::Digest;
+use callreg::error::{Error, ErrorCode};
+use callreg::protocol::invariants::{self, View, Violation};
+use callreg::protocol::{
+    Completion, ControlFrame, Effect, Failure, Handle, Namespace, OpId, OwnerToken, Parent,
+    ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig, TargetEffect, TargetId,
+    TargetOutcome, Time,
+};
+
+/// The test digest number `n` (distinct per `n`).
+pub fn digest(n: u8) -> Digest {
+    let mut bytes = [0u8; 32];
+    bytes[0] = n;
+    bytes[31] = 0xa5;
+    Digest(bytes)
+}
+
+/// One finished operation as the parent reported it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completed {
+    pub op: OpId,
+    pub result: Result<Completion, Error>,
+    pub outcomes: Vec<(TargetId, TargetOutcome)>,
+}
+
+/// The whole simulated system.
+#[derive(Clone, Debug)]
+pub struct Sim {
+    pub parent: Parent,
+    /// `None` once crashed or fenced.
+    pub targets: Vec<Option<Target>>,
+    /// Frames in transit to each target, FIFO.
+    pub frames: Vec<VecDeque<ControlFrame>>,
+    /// Replies in transit from each target, FIFO.
+    pub replies: Vec<VecDeque<Reply>>,
+    /// Deserializations each target asked for, oldest first.
+    pub deserializing: Vec<VecDeque<Seq>>,
+    /// Runs in progress on each target (task seqs), oldest first.
+    pub running: Vec<VecDeque<Seq>>,
+    /// Staged payloads: id -> the digest of the staged bytes.
+    pub staged: BTreeMap<StagingId, Digest>,
+    /// Staged payloads that were ever released.
+    pub released: BTreeSet<StagingId>,
+    /// Crashed targets the parent has not been told about yet.
+    pub unnoticed: BTreeSet<TargetId>,
+    /// Targets fenced by the parent.
+    pub fenced: BTreeSet<TargetId>,
+    /// Operations started and not yet completed.
+    pub open_ops: BTreeSet<OpId>,
+    /// Every completion, in order.
+    pub completed: Vec<Completed>,
+    /// Task seq -> the handle it was submitted for.
+    pub tasks: BTreeMap<Seq, Handle>,
+    /// Operation -> the targets its frames were sent to (its scope).
+    pub scopes: BTreeMap<OpId, BTreeSet<TargetId>>,
+    /// Digests that were uncertain after some step (to check stickiness).
+    pub ever_uncertain: BTreeSet<Digest>,
+    pub now: Time,
+}
+
+impl Sim {
+    /// A started system of `targets` targets with `slot_capacity` slots
+    /// each, after registering `before_start` digests (by number) before
+    /// start.
+    pub fn new(
+        targets: u16,
+        fence_on_timeout: bool,
+        slot_capacity: u16,
+        before_start: &[u8],
+    ) -> Sim {
+        let config = ParentConfig {
+            targets,
+            control_timeout: 1_000,
+            fence_on_timeout,
+            owner: OwnerToken(0x5eed),
+        };
+        let mut parent = Parent::new(config);
+        for n in before_start {
+            parent
+                .register_before_start(digest(*n), Namespace::LocalPython)
+                .expect("pre-start register");
+        }
+        let snapshot = parent.startup_snapshot();
+        parent.start().expect("start");
+        let n = usize::from(targets);
+        let targets = (0..targets)
+            .map(|i| {
+                let config = TargetConfig {
+                    id: TargetId(i),
+                    slot_capacity,
+                };
+                Some(Target::new(config, &snapshot).expect("snapshot fits"))
+            })
+            .collect();
+        Sim {
+            parent,
+            targets,
+            frames: vec![VecDeque::new(); n],
+            replies: vec![VecDeque::new(); n],
+            deserializing: vec![VecDeque::new(); n],
+            running: vec![VecDeque::new(); n],
+            staged: BTreeMap::new(),
+            released: BTreeSet::new(),
+            unnoticed: BTreeSet::new(),
+            fenced: BTreeSet::new(),
+            open_ops: BTreeSet::new(),
+            completed: Vec::new(),
+            tasks: BTreeMap::new(),
+            scopes: BTreeMap::new(),
+            ever_uncertain: BTreeSet::new(),
+            now: Time(0),
+        }
+    }
+
+    pub fn target(&self, t: u16) -> Option<&Target> {
+        self.targets[usize::from(t)].as_ref()
+    }
+
+    /// Every live handle the parent holds.
+    pub fn live_handles(&self) -> Vec<Handle> {
+        self.parent.live_handles()
+    }
+
+    /// Starts a register of digest number `n`.
+    pub fn register(&mut self, n: u8) -> Result<OpId, Error> {
+        let r = self
+            .parent
+            .register(digest(n), Namespace::LocalPython, self.now);
+        if let Ok(op) = r {
+            self.open_ops.insert(op);
+        }
+        self.settle();
+        r
+    }
+
+    /// Starts an unregister of `handle`.
+    pub fn unregister(&mut self, handle: &Handle) -> Result<OpId, Error> {
+        let r = self.parent.unregister(handle, self.now);
+        if let Ok(op) = r {
+            self.open_ops.insert(op);
+        }
+        self.settle();
+        r
+    }
+
+    /// Submits a task for `handle` to target `t`.
+    pub fn submit(&mut self, handle: &Handle, t: u16) -> Result<Seq, Error> {
+        let r = self.parent.submit(handle, TargetId(t));
+        if let Ok(seq) = r {
+            self.tasks.insert(seq, *handle);
+        }
+        self.settle();
+        r
+    }
+
+    /// Target `t` applies its next frame; a register sees a payload whose
+    /// digest is `corrupt_to` instead of the staged one when given.
+    /// Returns whether there was a frame.
+    pub fn deliver_frame(&mut self, t: u16, corrupt_to: Option<Digest>) -> bool {
+        let i = usize::from(t);
+        let Some(frame) = self.frames[i].pop_front() else {
+            return false;
+        };
+        let Some(target) = self.targets[i].as_mut() else {
+            return true;
+        };
+        match frame {
+            ControlFrame::Register {
+                seq,
+                digest,
+                staging,
+            } => {
+                let verified = match self.staged.get(&staging) {
+                    Some(content) => Ok(corrupt_to.unwrap_or(*content)),
+                    None => Err(Failure::new(ErrorCode::IO_FAILED, "staged payload is gone")),
+                };
+                target.on_register(seq, digest, verified);
+            }
+            ControlFrame::Unregister { seq, digest } => target.on_unregister(seq, digest),
+            ControlFrame::Task { seq, digest } => match target.begin_task(seq, digest) {
+                Ok(_slot) => self.running[i].push_back(seq),
+                Err(e) => {
+                    // Invariant 8 checked directly at delivery.
+                    let handle = self.tasks.get(&seq).copied();
+                    let live = handle.is_some_and(|h| {
+                        self.parent.live_handles().contains(&h)
+                            && !self.parent.is_uncertain(h.digest())
+                    });
+                    assert!(!live, "invariant 8: task {seq:?} for live handle {handle:?} reached {t} lacking it: {e}");
+                    assert_eq!(e.code, ErrorCode::DIGEST_NOT_INSTALLED);
+                }
+            },
+        }
+        self.settle();
+        true
+    }
+
+    /// Target `t` applies its next frame, but a register cannot open its
+    /// staged payload (`IO_FAILED`). Returns whether there was a frame.
+    pub fn deliver_frame_failing(&mut self, t: u16) -> bool {
+        let i = usize::from(t);
+        match (self.frames[i].front().cloned(), self.targets[i].as_mut()) {
+            (Some(ControlFrame::Register { seq, digest, .. }), Some(target)) => {
+                self.frames[i].pop_front();
+                let failure = Failure::new(ErrorCode::IO_FAILED, "cannot map the staged payload");
+                target.on_register(seq, digest, Err(failure));
+                self.settle();
+                true
+            }
+            _ => self.deliver_frame(t, None),
+        }
+    }
+
+    /// The parent receives target `t`'s next reply.
+    pub fn deliver_reply(&mut self, t: u16) -> bool {
+        let i = usize::from(t);
+        let Some(reply) = self.replies[i].pop_front() else {
+            return false;
+        };
+        self.parent
+            .handle_reply(TargetId(t), reply, self.now)
+            .expect("reply accepted");
+        self.settle();
+        true
+    }
+
+    /// Target `t` finishes its oldest deserialization, with `failure` or OK.
+    pub fn finish_deserialize(&mut self, t: u16, failure: Option<Failure>) -> bool {
+        let i = usize::from(t);
+        let Some(seq) = self.deserializing[i].pop_front() else {
+            return false;
+        };
+        if let Some(target) = self.targets[i].as_mut() {
+            let result = failure.map_or(Ok(()), Err);
+            target
+                .on_deserialized(seq, result)
+                .expect("deserialization in progress");
+        }
+        self.settle();
+        true
+    }
+
+    /// Target `t` finishes its oldest run.
+    pub fn end_run(&mut self, t: u16) -> bool {
+        let i = usize::from(t);
+        let Some(seq) = self.running[i].pop_front() else {
+            return false;
+        };
+        if let Some(target) = self.targets[i].as_mut() {
+            target.end_task(seq).expect("run in progress");
+        }
+        self.settle();
+        true
+    }
+
+    /// Target `t` dies; the parent hears of it with [`Sim::notice`].
+    pub fn crash(&mut self, t: u16) {
+        let i = usize::from(t);
+        if self.targets[i].take().is_some() {
+            self.unnoticed.insert(TargetId(t));
+        }
+        self.frames[i].clear();
+        self.replies[i].clear();
+        self.deserializing[i].clear();
+        self.running[i].clear();
+        self.settle();
+    }
+
+    /// The parent learns that crashed target `t` is lost.
+    pub fn notice(&mut self, t: u16) -> bool {
+        if !self.unnoticed.remove(&TargetId(t)) {
+            return false;
+        }
+        self.parent
+            .target_lost(TargetId(t), self.now)
+            .expect("target_lost");
+        self.settle();
+        true
+    }
+
+    /// Time moves on by `micros`; passed deadlines are applied.
+    pub fn advance(&mut self, micros: u64) {
+        self.now = Time(self.now.0 + micros);
+        if self.parent.poll_timeout().is_some_and(|d| d <= self.now) {
+            self.parent.handle_timeout(self.now);
+        }
+        self.settle();
+    }
+
+    /// Drains every effect of every machine into the queues.
+    pub fn settle(&mut self) {
+        loop {
+            let mut moved = false;
+            while let Some(effect) = self.parent.poll_effect() {
+                moved = true;
+                self.apply_parent_effect(effect);
+            }
+            for i in 0..self.targets.len() {
+                let Some(target) = self.targets[i].as_mut() else {
+                    continue;
+                };
+                while let Some(effect) = target.poll_effect() {
+                    moved = true;
+                    match effect {
+                        TargetEffect::Reply(reply) => self.replies[i].push_back(reply),
+                        TargetEffect::Deserialize {
+                            seq, slot: Slot(_), ..
+                        } => self.deserializing[i].push_back(seq),
+                    }
+                }
+            }
+            if !moved {
+                break;
+            }
+        }
+        self.ever_uncertain.extend(self.parent.uncertain_digests());
+    }
+
+    fn apply_parent_effect(&mut self, effect: Effect) {
+        match effect {
+            Effect::Stage { staging, digest } => {
+                assert!(
+                    self.staged.insert(staging, digest).is_none(),
+                    "staged twice"
+                );
+            }
+            Effect::Send { target, frame } => {
+                if let ControlFrame::Register { seq, .. } | ControlFrame::Unregister { seq, .. } =
+                    frame
+                {
+                    if self.open_ops.contains(&OpId(seq.0)) {
+                        self.scopes.entry(OpId(seq.0)).or_default().insert(target);
+                    }
+                }
+                let i = usize::from(target.0);
+                if self.targets[i].is_some() {
+                    self.frames[i].push_back(frame);
+                }
+            }
+            Effect::ReleaseStaged { staging } => {
+                assert!(
+                    self.staged.remove(&staging).is_some(),
+                    "released twice or never staged"
+                );
+                self.released.insert(staging);
+            }
+            Effect::Fence { target } => {
+                let i = usize::from(target.0);
+                self.fenced.insert(target);
+                self.targets[i] = None;
+                self.unnoticed.remove(&target);
+                self.frames[i].clear();
+                self.replies[i].clear();
+                self.deserializing[i].clear();
+                self.running[i].clear();
+            }
+            Effect::Completed {
+                op,
+                result,
+                outcomes,
+            } => {
+                assert!(
+                    self.open_ops.remove(&op),
+                    "{op:?} completed twice or never started"
+                );
+                self.completed.push(Completed {
+                    op,
+                    result,
+                    outcomes,
+                });
+            }
+        }
+    }
+
+    /// Calls `f` with the view the invariant predicates read.
+    pub fn with_view<R>(&self, f: impl FnOnce(&View<'_>) -> R) -> R {
+        let targets: Vec<Option<&Target>> = self.targets.iter().map(Option::as_ref).collect();
+        let frames: Vec<(TargetId, &ControlFrame)> = self
+            .frames
+            .iter()
+            .enumerate()
+            .flat_map(|(i, q)| q.iter().map(move |f| (TargetId(i as u16), f)))
+            .collect();
+        let replies: Vec<(TargetId, &Reply)> = self
+            .replies
+            .iter()
+            .enumerate()
+            .flat_map(|(i, q)| q.iter().map(move |r| (TargetId(i as u16), r)))
+            .collect();
+        f(&View {
+            parent: &self.parent,
+            targets: &targets,
+            frames: &frames,
+            replies: &replies,
+        })
+    }
+
+    /// Checks every invariant predicate, and the driver's own records.
+    pub fn check(&self) -> Result<(), Violation> {
+        self.with_view(invariants::check_all)?;
+        // The sim's own record of staged payloads matches the parent's.
+        assert_eq!(
+            self.staged.keys().copied().collect::<Vec<_>>(),
+            self.parent.staged(),
+            "staged payloads disagree"
+        );
+        // Uncertainty never goes away (invariant 3's other half).
+        for d in &self.ever_uncertain {
+            assert!(self.parent.is_uncertain(*d), "{d} stopped being uncertain");
+        }
+        Ok(())
+    }
+
+    /// Whether the whole system is quiescent.
+    pub fn is_quiescent(&self) -> bool {
+        self.with_view(|view| view.is_quiescent())
+    }
+
+    /// Delivers everything (deserializations succeed, runs end, crashed
+    /// targets are noticed) until nothing moves, checking the invariants
+    /// after each step. Time does not move.
+    pub fn run_to_quiet(&mut self) -> Result<(), Violation> {
+        loop {
+            let mut moved = false;
+            for t in 0..self.targets.len() as u16 {
+                while self.deliver_frame(t, None) {
+                    moved = true;
+                    self.check()?;
+                }
+                while self.finish_deserialize(t, None) {
+                    moved = true;
+                    self.check()?;
+                }
+                while self.deliver_reply(t) {
+                    moved = true;
+                    self.check()?;
+                }
+                while self.end_run(t) {
+                    moved = true;
+                    self.check()?;
+                }
+                if self.notice(t) {
+                    moved = true;
+                    self.check()?;
+                }
+            }
+            if !moved {
+                return Ok(());
+            }
+        }
+    }
+
+    /// The completion of `op`, if it completed.
+    pub fn completion(&self, op: OpId) -> Option<&Completed> {
+        self.completed.iter().find(|c| c.op == op)
+    }
+
+    /// The handle a completed register published.
+    pub fn registered(&self, op: OpId) -> Handle {
+        match self.completion(op).map(|c| &c.result) {
+            Some(Ok(Completion::Registered(h))) => *h,
+            other => panic!("{op:?} did not register: {other:?}"),
+        }
+    }
+
+    /// Registers digest `n` and runs to quiet; returns the handle.
+    pub fn register_ok(&mut self, n: u8) -> Handle {
+        let op = self.register(n).expect("register accepted");
+        self.run_to_quiet().expect("invariants hold");
+        self.registered(op)
+    }
+}
+
+impl Sim {
+    /// Like [`Sim::run_to_quiet`] but leaves every run in progress.
+    pub fn run_to_quiet_without_runs(&mut self) {
+        loop {
+            let mut moved = false;
+            for t in 0..self.targets.len() as u16 {
+                moved |= self.deliver_frame(t, None);
+                moved |= self.finish_deserialize(t, None);
+                moved |= self.deliver_reply(t);
+                moved |= self.notice(t);
+                self.check().expect("invariants hold");
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(feature = "mutants")]
+impl Sim {
+    /// Switches `mutant` on in the machine it belongs to (the parent, or
+    /// every target).
+    pub fn with_mutant(mut self, mutant: callreg::protocol::Mutant) -> Sim {
+        use callreg::protocol::Mutant;
+        match mutant {
+            Mutant::SkipDigestVerification | Mutant::FreeSlotHeldByRun => {
+                for slot in self.targets.iter_mut() {
+                    *slot = slot.take().map(|t| t.with_mutant(mutant));
+                }
+            }
+            _ => self.parent = self.parent.clone().with_mutant(mutant),
+        }
+        self
+    }
+}

@@ -1,0 +1,153 @@
+//! Each known-bug switch (`Mutant`, cargo feature `mutants`) is caught by
+//! the invariant it targets, in a short scenario driven through the real
+//! machines; the same scenario without the mutant keeps every invariant.
+//! Run with `cargo test --features mutants --test protocol_mutants`.
+
+#![cfg(feature = "mutants")]
+
+mod common;
+
+use callreg::error::ErrorCode;
+use callreg::protocol::invariants::Violation;
+use callreg::protocol::{Failure, Mutant};
+use common::sim::{digest, Sim};
+
+/// Runs `scenario` on a fresh system (built by `sim`) with and without
+/// `mutant`; returns the first violation seen with it, after asserting that
+/// none is seen without.
+fn caught(
+    mutant: Mutant,
+    sim: fn() -> Sim,
+    scenario: fn(&mut Sim) -> Result<(), Violation>,
+) -> Violation {
+    let mut honest = sim();
+    scenario(&mut honest).expect("no violation without the mutant");
+    honest
+        .run_to_quiet()
+        .expect("no violation without the mutant");
+    let mut bad = sim().with_mutant(mutant);
+    match scenario(&mut bad).and_then(|()| bad.run_to_quiet()) {
+        Err(v) => v,
+        Ok(()) => panic!("{mutant:?} was not caught"),
+    }
+}
+
+#[test]
+fn publish_before_all_replies_breaks_invariant_1() {
+    let v = caught(
+        Mutant::PublishBeforeAllReplies,
+        || Sim::new(2, true, 4, &[]),
+        |sim| {
+            sim.register(1).unwrap();
+            sim.deliver_frame(0, None);
+            sim.finish_deserialize(0, None);
+            sim.deliver_reply(0);
+            sim.check()
+        },
+    );
+    assert_eq!(v.number, 1, "{v}");
+}
+
+#[test]
+fn skip_cleanup_breaks_invariant_2() {
+    let v = caught(
+        Mutant::SkipCleanup,
+        || Sim::new(2, true, 4, &[]),
+        |sim| {
+            sim.register(1).unwrap();
+            sim.deliver_frame(0, None);
+            sim.deliver_frame(1, None);
+            sim.finish_deserialize(0, None);
+            sim.finish_deserialize(
+                1,
+                Some(Failure::new(ErrorCode::DESERIALIZE_FAILED, "bad pickle")),
+            );
+            sim.check()
+        },
+    );
+    assert_eq!(v.number, 2, "{v}");
+}
+
+#[test]
+fn cleanup_of_unconfirmed_targets_breaks_invariant_8() {
+    let v = caught(
+        Mutant::CleanupUnconfirmedTargets,
+        || Sim::new(2, true, 4, &[1]),
+        |sim| {
+            sim.register(1).unwrap();
+            sim.deliver_frame(0, None);
+            sim.deliver_frame(1, Some(digest(200)));
+            sim.deliver_reply(0);
+            sim.deliver_reply(1);
+            sim.check()
+        },
+    );
+    assert_eq!(v.number, 8, "{v}");
+}
+
+#[test]
+fn forgetting_uncertain_breaks_invariant_2() {
+    let v = caught(
+        Mutant::ForgetUncertain,
+        || Sim::new(2, false, 4, &[]),
+        |sim| {
+            sim.register(1).unwrap();
+            sim.deliver_frame(0, None);
+            sim.finish_deserialize(0, None);
+            sim.deliver_reply(0);
+            // Target 1 installs it, but its reply is still in transit at the deadline.
+            sim.deliver_frame(1, None);
+            sim.finish_deserialize(1, None);
+            sim.advance(1_000);
+            sim.check()
+        },
+    );
+    assert_eq!(v.number, 2, "{v}");
+}
+
+#[test]
+fn releasing_the_staged_payload_early_breaks_invariant_7() {
+    let v = caught(
+        Mutant::ReleaseStagedEarly,
+        || Sim::new(2, true, 4, &[]),
+        |sim| {
+            sim.register(1).unwrap();
+            sim.deliver_frame(0, None);
+            sim.finish_deserialize(0, None);
+            sim.deliver_reply(0);
+            sim.check()
+        },
+    );
+    assert_eq!(v.number, 7, "{v}");
+}
+
+#[test]
+fn skipping_digest_verification_breaks_invariant_5() {
+    let v = caught(
+        Mutant::SkipDigestVerification,
+        || Sim::new(1, true, 4, &[]),
+        |sim| {
+            sim.register(1).unwrap();
+            sim.deliver_frame(0, Some(digest(200)));
+            sim.check()
+        },
+    );
+    assert_eq!(v.number, 5, "{v}");
+}
+
+#[test]
+fn freeing_a_slot_held_by_a_run_breaks_invariant_4() {
+    let v = caught(
+        Mutant::FreeSlotHeldByRun,
+        || Sim::new(1, true, 4, &[1]),
+        |sim| {
+            let h = sim.live_handles()[0];
+            sim.submit(&h, 0).unwrap();
+            sim.deliver_frame(0, None);
+            sim.unregister(&h).unwrap();
+            sim.deliver_frame(0, None);
+            sim.check()
+        },
+    );
+    assert_eq!(v.number, 4, "{v}");
+}

@@ -1,0 +1,663 @@
+//! The scenarios of the protocol's specification (issue 3, item 6), each
+//! asserting the exact effects, replies and errors. Parent-side scenarios
+//! drive a bare [`Parent`] and check every effect; whole-system scenarios
+//! use the in-memory driver (`common::sim`) and check every invariant.
+
+mod common;
+
+use callreg::error::ErrorCode;
+use callreg::protocol::{
+    Completion, ControlFrame, Effect, Failure, Handle, Namespace, OpId, OwnerToken, Parent,
+    ParentConfig, Reply, Seq, StagingId, Target, TargetConfig, TargetEffect, TargetId,
+    TargetOutcome, Time,
+};
+use common::sim::{digest, Sim};
+
+const OWNER: OwnerToken = OwnerToken(0x5eed);
+
+fn started(targets: u16, fence_on_timeout: bool) -> Parent {
+    let mut p = Parent::new(ParentConfig {
+        targets,
+        control_timeout: 1_000,
+        fence_on_timeout,
+        owner: OWNER,
+    });
+    p.start().unwrap();
+    p
+}
+
+fn drain(p: &mut Parent) -> Vec<Effect> {
+    std::iter::from_fn(|| p.poll_effect()).collect()
+}
+
+fn ok(seq: u64, n: u8) -> Reply {
+    Reply {
+        seq: Seq(seq),
+        digest: digest(n),
+        result: Ok(()),
+    }
+}
+
+fn err(seq: u64, n: u8, code: ErrorCode) -> Reply {
+    Reply {
+        seq: Seq(seq),
+        digest: digest(n),
+        result: Err(Failure::new(code, "refused")),
+    }
+}
+
+fn send(t: u16, frame: ControlFrame) -> Effect {
+    Effect::Send {
+        target: TargetId(t),
+        frame,
+    }
+}
+
+fn handle(id: u64, n: u8) -> Handle {
+    Handle {
+        namespace: Namespace::LocalPython,
+        hashid: digest(n).hashid(),
+        handle_id: id,
+        owner: OWNER,
+    }
+}
+
+#[test]
+fn same_callable_twice_gives_two_handles_and_one_unregister_keeps_the_other() {
+    let mut sim = Sim::new(2, true, 4, &[]);
+    let a = sim.register_ok(1);
+    let b = sim.register_ok(1);
+    assert_ne!(a.handle_id, b.handle_id);
+    assert_eq!(a.hashid, b.hashid);
+    assert_eq!(sim.target(0).unwrap().installed(), vec![(digest(1), 2)]);
+    let op = sim.unregister(&a).unwrap();
+    sim.run_to_quiet().unwrap();
+    assert_eq!(
+        sim.completion(op).unwrap().result,
+        Ok(Completion::Unregistered(a))
+    );
+    assert_eq!(
+        sim.parent.resolve(&b, Namespace::LocalPython),
+        Ok(digest(1))
+    );
+    assert_eq!(
+        sim.parent
+            .resolve(&a, Namespace::LocalPython)
+            .unwrap_err()
+            .code,
+        ErrorCode::HANDLE_STALE
+    );
+    assert_eq!(sim.target(0).unwrap().installed(), vec![(digest(1), 1)]);
+    assert_eq!(sim.target(1).unwrap().installed(), vec![(digest(1), 1)]);
+    let seq = sim.submit(&b, 1).unwrap();
+    assert!(sim.deliver_frame(1, None));
+    assert_eq!(
+        sim.running[1].iter().copied().collect::<Vec<_>>(),
+        vec![seq]
+    );
+}
+
+#[test]
+fn forged_stale_mutated_foreign_and_wrong_namespace_handles_are_rejected() {
+    let mut sim = Sim::new(1, true, 4, &[]);
+    let live = sim.register_ok(1);
+    let gone = sim.register_ok(2);
+    sim.unregister(&gone).unwrap();
+    sim.run_to_quiet().unwrap();
+    let code = |h: &Handle, ns| sim.parent.resolve(h, ns).unwrap_err().code;
+    let forged = Handle {
+        handle_id: 99,
+        ..live
+    };
+    assert_eq!(
+        code(&forged, Namespace::LocalPython),
+        ErrorCode::HANDLE_FOREIGN
+    );
+    assert_eq!(code(&gone, Namespace::LocalPython), ErrorCode::HANDLE_STALE);
+    let mutated = Handle {
+        hashid: digest(3).hashid(),
+        ..live
+    };
+    assert_eq!(
+        code(&mutated, Namespace::LocalPython),
+        ErrorCode::HANDLE_MUTATED
+    );
+    let renamed = Handle {
+        namespace: Namespace::LocalChip,
+        ..live
+    };
+    assert_eq!(
+        code(&renamed, Namespace::LocalPython),
+        ErrorCode::HANDLE_MUTATED
+    );
+    let foreign = Handle {
+        owner: OwnerToken(7),
+        ..live
+    };
+    assert_eq!(
+        code(&foreign, Namespace::LocalPython),
+        ErrorCode::HANDLE_FOREIGN
+    );
+    assert_eq!(
+        code(&live, Namespace::LocalChip),
+        ErrorCode::HANDLE_WRONG_NAMESPACE
+    );
+    // Each is refused by unregister and submit too, with nothing emitted.
+    let e = sim.unregister(&forged).unwrap_err();
+    assert_eq!(
+        (e.code, e.hashid, e.namespace),
+        (
+            ErrorCode::HANDLE_FOREIGN,
+            Some(digest(1).hashid()),
+            Some(Namespace::LocalPython)
+        )
+    );
+    assert_eq!(
+        sim.submit(&gone, 0).unwrap_err().code,
+        ErrorCode::HANDLE_STALE
+    );
+    assert!(sim.frames[0].is_empty());
+}
+
+#[test]
+fn pre_start_registrations_appear_in_the_snapshot_with_counts() {
+    let mut p = Parent::new(ParentConfig {
+        targets: 2,
+        control_timeout: 1_000,
+        fence_on_timeout: true,
+        owner: OWNER,
+    });
+    let a = p
+        .register_before_start(digest(1), Namespace::LocalPython)
+        .unwrap();
+    let _b = p
+        .register_before_start(digest(1), Namespace::LocalPython)
+        .unwrap();
+    let c = p
+        .register_before_start(digest(2), Namespace::LocalPython)
+        .unwrap();
+    p.register_before_start(digest(3), Namespace::LocalPython)
+        .unwrap();
+    p.unregister_before_start(&c).unwrap();
+    assert_eq!(p.startup_snapshot(), vec![(digest(1), 2), (digest(3), 1)]);
+    assert_eq!(drain(&mut p), vec![]);
+    assert_eq!(
+        p.unregister_before_start(&c).unwrap_err().code,
+        ErrorCode::HANDLE_STALE
+    );
+    let target = Target::new(TargetConfig::new(TargetId(0)), &p.startup_snapshot()).unwrap();
+    assert_eq!(target.installed(), vec![(digest(1), 2), (digest(3), 1)]);
+    p.start().unwrap();
+    assert_eq!(p.resolve(&a, Namespace::LocalPython), Ok(digest(1)));
+}
+
+#[test]
+fn target_failing_during_register_rolls_back_with_cleanup_only_to_confirmed_targets() {
+    let mut p = started(3, true);
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    assert_eq!(op, OpId(1));
+    let reg = ControlFrame::Register {
+        seq: Seq(1),
+        digest: digest(1),
+        staging: StagingId(1),
+    };
+    assert_eq!(
+        drain(&mut p),
+        vec![
+            Effect::Stage {
+                staging: StagingId(1),
+                digest: digest(1)
+            },
+            send(0, reg.clone()),
+            send(1, reg.clone()),
+            send(2, reg),
+        ]
+    );
+    p.handle_reply(TargetId(0), ok(1, 1), Time(5)).unwrap();
+    p.handle_reply(
+        TargetId(1),
+        err(1, 1, ErrorCode::DESERIALIZE_FAILED),
+        Time(6),
+    )
+    .unwrap();
+    assert_eq!(drain(&mut p), vec![]);
+    p.handle_reply(TargetId(2), ok(1, 1), Time(7)).unwrap();
+    let cleanup = ControlFrame::Unregister {
+        seq: Seq(2),
+        digest: digest(1),
+    };
+    assert_eq!(
+        drain(&mut p),
+        vec![
+            Effect::ReleaseStaged {
+                staging: StagingId(1)
+            },
+            send(0, cleanup.clone()),
+            send(2, cleanup)
+        ]
+    );
+    assert_eq!(p.poll_timeout(), Some(Time(1_007)));
+    p.handle_reply(TargetId(0), ok(2, 1), Time(8)).unwrap();
+    p.handle_reply(TargetId(2), ok(2, 1), Time(9)).unwrap();
+    let effects = drain(&mut p);
+    let [Effect::Completed {
+        op: done,
+        result: Err(e),
+        outcomes,
+    }] = effects.as_slice()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(*done, OpId(1));
+    assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!((e.seq, e.hashid), (Some(Seq(1)), Some(digest(1).hashid())));
+    assert_eq!(
+        outcomes,
+        &vec![
+            (TargetId(0), TargetOutcome::RolledBack),
+            (
+                TargetId(1),
+                TargetOutcome::Failed {
+                    failure: Failure::new(ErrorCode::DESERIALIZE_FAILED, "refused")
+                }
+            ),
+            (TargetId(2), TargetOutcome::RolledBack),
+        ]
+    );
+    assert_eq!(p.live_handles(), vec![]);
+    assert!(!p.is_uncertain(digest(1)));
+    assert!(p.staged().is_empty() && p.in_flight().is_empty());
+}
+
+#[test]
+fn unconfirmed_cleanup_makes_the_digest_uncertain_and_later_registers_are_rejected() {
+    let mut p = started(2, false);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+    p.handle_reply(
+        TargetId(1),
+        err(1, 1, ErrorCode::LOCAL_SLOT_EXHAUSTED),
+        Time(2),
+    )
+    .unwrap();
+    drain(&mut p);
+    // The cleanup (seq 2) to target 0 gets no answer before its deadline.
+    assert_eq!(p.poll_timeout(), Some(Time(1_002)));
+    p.handle_timeout(Time(1_001));
+    assert!(!p.is_uncertain(digest(1)));
+    p.handle_timeout(Time(1_002));
+    assert!(p.is_uncertain(digest(1)));
+    let effects = drain(&mut p);
+    let [Effect::Completed {
+        result: Err(e),
+        outcomes,
+        ..
+    }] = effects.as_slice()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(
+        outcomes[0],
+        (
+            TargetId(0),
+            TargetOutcome::CleanupUnconfirmed {
+                failure: Failure::new(
+                    ErrorCode::DEADLINE_EXCEEDED,
+                    "no answer to the cleanup before its deadline"
+                )
+            }
+        )
+    );
+    let again = p
+        .register(digest(1), Namespace::LocalPython, Time(3_000))
+        .unwrap_err();
+    assert_eq!(again.code, ErrorCode::REGISTER_CLEANUP_UNCERTAIN);
+    assert_eq!(drain(&mut p), vec![]);
+    // A late answer to the cleanup changes nothing: uncertain is sticky.
+    p.handle_reply(TargetId(0), ok(2, 1), Time(3_001)).unwrap();
+    assert!(p.is_uncertain(digest(1)));
+    assert_eq!(drain(&mut p), vec![]);
+}
+
+#[test]
+fn cleanup_refused_by_a_target_makes_the_digest_uncertain() {
+    let mut p = started(2, true);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+    p.target_lost(TargetId(1), Time(2)).unwrap();
+    p.handle_reply(
+        TargetId(0),
+        err(2, 1, ErrorCode::DIGEST_NOT_INSTALLED),
+        Time(3),
+    )
+    .unwrap();
+    assert!(p.is_uncertain(digest(1)));
+    let last = drain(&mut p).pop().unwrap();
+    let Effect::Completed {
+        result: Err(e),
+        outcomes,
+        ..
+    } = last
+    else {
+        panic!("{last:?}")
+    };
+    assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(outcomes[1], (TargetId(1), TargetOutcome::Lost));
+}
+
+#[test]
+fn digest_mismatch_installs_nothing() {
+    let mut t = Target::new(TargetConfig::new(TargetId(3)), &[]).unwrap();
+    t.on_register(Seq(4), digest(1), Ok(digest(2)));
+    let effects: Vec<_> = std::iter::from_fn(|| t.poll_effect()).collect();
+    let [TargetEffect::Reply(Reply {
+        seq: Seq(4),
+        digest: d,
+        result: Err(f),
+    })] = effects.as_slice()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(
+        (*d, f.code),
+        (digest(1), ErrorCode::HASHID_DESCRIPTOR_MISMATCH)
+    );
+    assert_eq!(t.installed(), vec![]);
+    assert_eq!(t.slots_in_use(), 0);
+    // Also when the digest is already installed: no refcount increment.
+    let mut t = Target::new(TargetConfig::new(TargetId(3)), &[(digest(1), 1)]).unwrap();
+    t.on_register(Seq(5), digest(1), Ok(digest(2)));
+    assert_eq!(t.installed(), vec![(digest(1), 1)]);
+}
+
+#[test]
+fn slot_exhaustion_is_reported_before_any_deserialization() {
+    let mut t = Target::new(
+        TargetConfig {
+            id: TargetId(0),
+            slot_capacity: 1,
+        },
+        &[(digest(1), 1)],
+    )
+    .unwrap();
+    t.on_register(Seq(9), digest(2), Ok(digest(2)));
+    let effects: Vec<_> = std::iter::from_fn(|| t.poll_effect()).collect();
+    assert_eq!(effects.len(), 1, "{effects:?}");
+    let TargetEffect::Reply(Reply { result: Err(f), .. }) = &effects[0] else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(f.code, ErrorCode::LOCAL_SLOT_EXHAUSTED);
+    assert_eq!(
+        f.message,
+        format!("target 0 has no free slot (capacity 1) for {}", digest(2))
+    );
+}
+
+#[test]
+fn unregister_of_an_unknown_digest_is_reported() {
+    let mut t = Target::new(TargetConfig::new(TargetId(1)), &[]).unwrap();
+    t.on_unregister(Seq(2), digest(7));
+    assert_eq!(
+        t.poll_effect(),
+        Some(TargetEffect::Reply(Reply {
+            seq: Seq(2),
+            digest: digest(7),
+            result: Err(Failure::new(
+                ErrorCode::DIGEST_NOT_INSTALLED,
+                format!("{} is not installed on target 1", digest(7))
+            )),
+        }))
+    );
+    // The parent, told so for a user unregister, marks the digest uncertain.
+    let mut p = Parent::new(ParentConfig {
+        targets: 1,
+        control_timeout: 1_000,
+        fence_on_timeout: true,
+        owner: OWNER,
+    });
+    let h = p
+        .register_before_start(digest(7), Namespace::LocalPython)
+        .unwrap();
+    p.start().unwrap();
+    assert_eq!(p.unregister(&h, Time(0)), Ok(OpId(1)));
+    drain(&mut p);
+    p.handle_reply(
+        TargetId(0),
+        err(1, 7, ErrorCode::DIGEST_NOT_INSTALLED),
+        Time(1),
+    )
+    .unwrap();
+    let last = drain(&mut p).pop().unwrap();
+    let Effect::Completed { result: Err(e), .. } = last else {
+        panic!("{last:?}")
+    };
+    assert_eq!(e.code, ErrorCode::UNREGISTER_PARTIAL_FAILURE);
+    assert!(p.is_uncertain(digest(7)));
+}
+
+#[test]
+fn final_unregister_while_a_run_holds_the_slot_frees_it_only_when_the_run_completes() {
+    let mut sim = Sim::new(1, true, 1, &[]);
+    let h = sim.register_ok(1);
+    let task = sim.submit(&h, 0).unwrap();
+    assert!(sim.deliver_frame(0, None));
+    sim.unregister(&h).unwrap();
+    sim.run_to_quiet_without_runs();
+    let t = sim.target(0).unwrap();
+    assert_eq!(
+        (t.installed(), t.slots_in_use(), t.runs_in_progress()),
+        (vec![], 1, 1)
+    );
+    // The tombstoned slot still counts: a new callable finds no free slot.
+    let op = sim.register(2).unwrap();
+    sim.deliver_frame(0, None);
+    sim.deliver_reply(0);
+    let c = sim.completion(op).unwrap();
+    assert_eq!(
+        c.result.as_ref().unwrap_err().code,
+        ErrorCode::REGISTER_PARTIAL_FAILURE
+    );
+    assert!(
+        matches!(&c.outcomes[0].1, TargetOutcome::Failed { failure } if failure.code == ErrorCode::LOCAL_SLOT_EXHAUSTED)
+    );
+    assert_eq!(sim.running[0].front(), Some(&task));
+    assert!(sim.end_run(0));
+    assert_eq!(sim.target(0).unwrap().slots_in_use(), 0);
+    sim.check().unwrap();
+    sim.register_ok(2);
+}
+
+#[test]
+fn register_and_unregister_of_the_same_digest_in_flight_together() {
+    let mut sim = Sim::new(2, true, 2, &[1]);
+    let old = sim.live_handles()[0];
+    let reg = sim.register(1).unwrap();
+    let unreg = sim.unregister(&old).unwrap();
+    // Target 0 sees register then unregister; target 1 the same frames, but
+    // the parent hears target 1 first.
+    assert_eq!(sim.frames[0].len(), 2);
+    sim.run_to_quiet().unwrap();
+    let new = sim.registered(reg);
+    assert_eq!(
+        sim.completion(unreg).unwrap().result,
+        Ok(Completion::Unregistered(old))
+    );
+    assert_eq!(sim.live_handles(), vec![new]);
+    assert_eq!(sim.target(0).unwrap().installed(), vec![(digest(1), 1)]);
+    // Unregister first: the digest goes to zero and the register deserializes again.
+    let unreg = sim.unregister(&new).unwrap();
+    let reg = sim.register(1).unwrap();
+    sim.run_to_quiet().unwrap();
+    assert!(sim.completion(unreg).unwrap().result.is_ok());
+    let newest = sim.registered(reg);
+    assert_eq!(sim.live_handles(), vec![newest]);
+    assert_eq!(sim.target(1).unwrap().installed(), vec![(digest(1), 1)]);
+}
+
+#[test]
+fn a_target_lost_mid_operation_fails_it_and_leaves_later_scopes() {
+    let mut p = started(2, true);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.target_lost(TargetId(1), Time(1)).unwrap();
+    assert_eq!(drain(&mut p), vec![]);
+    p.handle_reply(TargetId(0), ok(1, 1), Time(2)).unwrap();
+    let cleanup = ControlFrame::Unregister {
+        seq: Seq(2),
+        digest: digest(1),
+    };
+    assert_eq!(
+        drain(&mut p),
+        vec![
+            Effect::ReleaseStaged {
+                staging: StagingId(1)
+            },
+            send(0, cleanup)
+        ]
+    );
+    p.handle_reply(TargetId(0), ok(2, 1), Time(3)).unwrap();
+    let last = drain(&mut p).pop().unwrap();
+    let Effect::Completed {
+        result: Err(e),
+        outcomes,
+        ..
+    } = last
+    else {
+        panic!("{last:?}")
+    };
+    assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(
+        outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::RolledBack),
+            (TargetId(1), TargetOutcome::Lost)
+        ]
+    );
+    assert!(!p.is_uncertain(digest(1)));
+    // The next register reaches target 0 only, and succeeds there.
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(10))
+        .unwrap();
+    let reg = ControlFrame::Register {
+        seq: Seq(3),
+        digest: digest(1),
+        staging: StagingId(3),
+    };
+    assert_eq!(
+        drain(&mut p),
+        vec![
+            Effect::Stage {
+                staging: StagingId(3),
+                digest: digest(1)
+            },
+            send(0, reg)
+        ]
+    );
+    p.handle_reply(TargetId(0), ok(3, 1), Time(11)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        vec![
+            Effect::ReleaseStaged {
+                staging: StagingId(3)
+            },
+            Effect::Completed {
+                op,
+                result: Ok(Completion::Registered(handle(1, 1))),
+                outcomes: vec![(TargetId(0), TargetOutcome::Ok)],
+            },
+        ]
+    );
+    assert_eq!(
+        p.submit(&handle(1, 1), TargetId(1)).unwrap_err().code,
+        ErrorCode::TARGET_LOST
+    );
+}
+
+#[test]
+fn a_passed_deadline_fences_the_silent_target_and_nothing_becomes_uncertain() {
+    let mut p = started(2, true);
+    p.register(digest(1), Namespace::LocalPython, Time(100))
+        .unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(1, 1), Time(200)).unwrap();
+    assert_eq!(p.poll_timeout(), Some(Time(1_100)));
+    p.handle_timeout(Time(1_100));
+    let effects = drain(&mut p);
+    assert_eq!(
+        effects[0],
+        Effect::Fence {
+            target: TargetId(1)
+        }
+    );
+    assert_eq!(
+        effects[1],
+        Effect::ReleaseStaged {
+            staging: StagingId(1)
+        }
+    );
+    assert_eq!(
+        effects[2],
+        send(
+            0,
+            ControlFrame::Unregister {
+                seq: Seq(2),
+                digest: digest(1)
+            }
+        )
+    );
+    assert!(!p.is_target_live(TargetId(1)));
+    assert!(!p.is_uncertain(digest(1)));
+    // A reply from the fenced target is ignored.
+    p.handle_reply(TargetId(1), ok(1, 1), Time(1_200)).unwrap();
+    assert!(!p.is_uncertain(digest(1)));
+}
+
+#[test]
+fn a_passed_deadline_without_fencing_times_out_and_marks_uncertain() {
+    let mut p = started(2, false);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+    p.handle_timeout(Time(1_000));
+    assert!(p.is_uncertain(digest(1)));
+    assert!(p.is_target_live(TargetId(1)));
+    let effects = drain(&mut p);
+    assert_eq!(
+        effects,
+        vec![
+            Effect::ReleaseStaged {
+                staging: StagingId(1)
+            },
+            send(
+                0,
+                ControlFrame::Unregister {
+                    seq: Seq(2),
+                    digest: digest(1)
+                }
+            ),
+        ]
+    );
+    p.handle_reply(TargetId(0), ok(2, 1), Time(2_000)).unwrap();
+    let last = drain(&mut p).pop().unwrap();
+    let Effect::Completed { outcomes, .. } = last else {
+        panic!("{last:?}")
+    };
+    assert_eq!(
+        outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::RolledBack),
+            (TargetId(1), TargetOutcome::TimedOut)
+        ]
+    );
+    // Target 1 answers late: still uncertain, no new effect.
+    p.handle_reply(TargetId(1), ok(1, 1), Time(2_001)).unwrap();
+    assert_eq!(drain(&mut p), vec![]);
+}
