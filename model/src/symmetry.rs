@@ -4,10 +4,11 @@
 //! target's id (ids only appear in messages). So a state and the same state
 //! with its targets renumbered behave alike, and the checker needs to
 //! explore only one of them. [`State::representative`] renumbers targets in
-//! the order of a key made of everything the model sees of each target
-//! (its machine renamed to id 0, the frames to it, the replies from it, its
-//! end of file, the driver's bookkeeping, whether the parent counts it
-//! live and which of its in-transit answers the parent awaits).
+//! the order of a key made of what the model sees of each target (its
+//! installed digests with refcounts, tombstoned slots, slot, run and
+//! deserialization counts, the frames to it, the replies from it, its end
+//! of file, the driver's bookkeeping, whether the parent counts it live and
+//! which of its in-transit answers the parent awaits), ties broken by id.
 //!
 //! Soundness does not depend on the key being complete: the representative
 //! is always a renumbering of the state itself, so two states with the same
@@ -16,7 +17,6 @@
 //! in its depth-first checker only; `callreg-model check --symmetry`
 //! therefore runs depth-first.
 
-use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 
 use callreg::protocol::TargetId;
@@ -24,14 +24,47 @@ use stateright::Representative;
 
 use crate::model::State;
 
+/// A small multiplicative hasher for the sort keys: their quality only
+/// affects how many symmetric states get merged, never soundness, and
+/// SipHash dominated the cost of the reduction.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (self.0.rotate_left(5) ^ value).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 impl State {
     fn target_key(&self, id: TargetId) -> u64 {
         let index = usize::from(id.0);
-        let mut hasher = DefaultHasher::new();
-        self.targets[index]
-            .as_ref()
-            .map(|t| t.relabeled(TargetId(0)))
-            .hash(&mut hasher);
+        let mut hasher = KeyHasher::default();
+        // The target's observable table, without its id (which differs
+        // between symmetric states by definition).
+        match &self.targets[index] {
+            None => 0u8.hash(&mut hasher),
+            Some(target) => {
+                1u8.hash(&mut hasher);
+                target.installed().hash(&mut hasher);
+                target.tombstoned_slots().hash(&mut hasher);
+                target.slots_in_use().hash(&mut hasher);
+                target.runs_in_progress().hash(&mut hasher);
+                target.is_deserializing().hash(&mut hasher);
+            }
+        }
         for (t, frame) in &self.frames {
             if *t == id {
                 frame.hash(&mut hasher);
@@ -39,7 +72,8 @@ impl State {
         }
         for (t, reply) in &self.replies {
             if *t == id {
-                reply.hash(&mut hasher);
+                reply.seq.hash(&mut hasher);
+                reply.result.is_ok().hash(&mut hasher);
                 self.parent.awaits_reply(id, reply.seq).hash(&mut hasher);
             }
         }
@@ -99,6 +133,9 @@ impl Representative for State {
             .map(|i| (self.target_key(TargetId(i as u16)), i))
             .collect();
         order.sort();
+        if order.iter().enumerate().all(|(new, (_, old))| new == *old) {
+            return self.clone();
+        }
         let mut permutation = vec![TargetId(0); n];
         for (new, (_, old)) in order.iter().enumerate() {
             permutation[*old] = TargetId(new as u16);
