@@ -81,6 +81,9 @@ struct ConfigArgs {
     /// Failed deserializations allowed.
     #[arg(long, default_value_t = 1)]
     deserialize_failures: u8,
+    /// Registers whose payload may fail to be staged in shared memory.
+    #[arg(long, default_value_t = 0)]
+    stage_failures: u8,
     /// Corrupted staged payloads allowed.
     #[arg(long, default_value_t = 1)]
     corruptions: u8,
@@ -116,6 +119,7 @@ fn model_of(args: &ConfigArgs) -> Result<RegistrationModel, String> {
         script: load_script(&args.script)?,
         crashes: args.crashes,
         deserialize_failures: args.deserialize_failures,
+        stage_failures: args.stage_failures,
         corruptions: args.corruptions,
         deadlines: args.deadlines,
         tasks: args.tasks,

@@ -44,6 +44,9 @@ pub struct ModelConfig {
     pub crashes: u8,
     /// How many deserializations may fail at install.
     pub deserialize_failures: u8,
+    /// How many registers may fail to stage their payload in shared memory
+    /// (`Parent::stage_failed`).
+    pub stage_failures: u8,
     /// How many register deliveries may find their staged payload corrupted
     /// (its recomputed digest differs from the requested one).
     pub corruptions: u8,
@@ -67,7 +70,7 @@ impl ModelConfig {
     /// The standard configuration (issue 4, `specs/model.md`): 3 targets,
     /// the `register-unregister-same-digest` script, 1 crash,
     /// 1 deserialization failure, 1 corruption, 1 deadline, 1 task,
-    /// fencing on, 2 slots per target.
+    /// no staging failure, fencing on, 2 slots per target.
     pub fn standard() -> ModelConfig {
         ModelConfig {
             targets: 3,
@@ -75,6 +78,7 @@ impl ModelConfig {
                 .unwrap_or_else(|| Script::builtin().remove(0)),
             crashes: 1,
             deserialize_failures: 1,
+            stage_failures: 0,
             corruptions: 1,
             deadlines: 1,
             tasks: 1,
@@ -92,6 +96,7 @@ impl ModelConfig {
             script,
             crashes: 0,
             deserialize_failures: 0,
+            stage_failures: 0,
             corruptions: 0,
             deadlines: 0,
             tasks: 0,
@@ -164,6 +169,8 @@ pub struct Budgets {
     pub crashes: u8,
     /// Deserialization failures left.
     pub deserialize_failures: u8,
+    /// Staging failures left.
+    pub stage_failures: u8,
     /// Corruptions left.
     pub corruptions: u8,
     /// Deadline passings left.
@@ -272,6 +279,9 @@ impl State {
 pub enum Action {
     /// The client issues script operation `i`.
     Issue(usize),
+    /// The client issues script operation `i`, a register, and staging its
+    /// payload in shared memory fails.
+    IssueStageFails(usize),
     /// The client dispatches a task for live handle `handle_id` to `target`.
     Submit {
         /// The handle id.
@@ -426,6 +436,7 @@ impl RegistrationModel {
             budgets: Budgets {
                 crashes: config.crashes,
                 deserialize_failures: config.deserialize_failures,
+                stage_failures: config.stage_failures,
                 corruptions: config.corruptions,
                 deadlines: config.deadlines,
                 tasks: config.tasks,
@@ -559,7 +570,10 @@ impl RegistrationModel {
         }
     }
 
-    fn issue(&self, state: &mut State, i: usize) -> Option<()> {
+    /// Issues script operation `i`; with `stage_fails`, a register's
+    /// [`Effect::Stage`] fails and the driver reports it with
+    /// `Parent::stage_failed` before polling further (the driving rule).
+    fn issue(&self, state: &mut State, i: usize, stage_fails: bool) -> Option<()> {
         let step = self.config.script.operations.get(i)?;
         state.now += 1;
         let now = Time(state.now);
@@ -581,6 +595,26 @@ impl RegistrationModel {
             Ok(op) => StepStatus::InFlight(op),
             Err(error) => StepStatus::Done(StepResult::Refused(error.code)),
         };
+        if stage_fails {
+            // A refused register stages nothing: the fault does not apply.
+            if !matches!(state.client[i], StepStatus::InFlight(_)) {
+                return None;
+            }
+            match state.parent.poll_effect() {
+                Some(Effect::Stage { staging, .. }) => {
+                    let failure = Failure::new(
+                        ErrorCode::IO_FAILED,
+                        "shared memory for the staged payload could not be created",
+                    );
+                    if state.parent.stage_failed(staging, failure).is_err() {
+                        state.seen |= seen::DRIVER_ERROR;
+                    }
+                }
+                // Only registers are offered a staging failure, and their
+                // first effect is always Stage.
+                _ => return None,
+            }
+        }
         self.drain_parent(state);
         Some(())
     }
@@ -669,6 +703,13 @@ impl stateright::Model for RegistrationModel {
         for i in 0..state.client.len() {
             if self.issuable(state, i) {
                 actions.push(Action::Issue(i));
+                let register = matches!(
+                    self.config.script.operations[i].operation,
+                    Operation::Register(_)
+                );
+                if register && state.budgets.stage_failures > 0 {
+                    actions.push(Action::IssueStageFails(i));
+                }
             }
         }
         if state.budgets.tasks > 0 {
@@ -726,7 +767,11 @@ impl stateright::Model for RegistrationModel {
     fn next_state(&self, last: &State, action: Action) -> Option<State> {
         let mut state = last.clone();
         match action {
-            Action::Issue(i) => self.issue(&mut state, i)?,
+            Action::Issue(i) => self.issue(&mut state, i, false)?,
+            Action::IssueStageFails(i) => {
+                state.budgets.stage_failures = state.budgets.stage_failures.checked_sub(1)?;
+                self.issue(&mut state, i, true)?;
+            }
             Action::Submit { handle_id, target } => {
                 let digest = state
                     .parent
@@ -861,6 +906,10 @@ impl RegistrationModel {
                 };
                 format!("client issues operation {i}: {what}")
             }
+            Action::IssueStageFails(i) => format!(
+                "{}, and staging its payload FAILS",
+                self.describe(state, &Action::Issue(*i))
+            ),
             Action::Submit { handle_id, target } => {
                 format!("client dispatches a task for handle {handle_id} to {target}")
             }

@@ -89,6 +89,19 @@ fn faulty(name: &str, fence: bool) -> ModelConfig {
 }
 
 #[test]
+fn a_staging_failure_fails_the_register_before_any_target_sees_it() {
+    let config = ModelConfig {
+        stage_failures: 1,
+        ..quiet(2, "single-register")
+    };
+    let outcome = run(config, false);
+    assert_passes(&outcome);
+    // One more state than without the fault: the register completed with
+    // the staging error and nothing in transit.
+    assert_eq!(outcome.unique_states, 18);
+}
+
+#[test]
 fn faulty_configurations_pass_with_pinned_state_counts() {
     let expected = [
         ("single-register", true, 352),
