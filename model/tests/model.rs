@@ -368,6 +368,36 @@ fn check_command_prints_a_json_line_and_exits_by_verdict() {
     let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(last["violations"][0]["property"], INV1);
 
+    // A script from a JSON file: register B, then unregister it.
+    let file =
+        std::env::temp_dir().join(format!("callreg-model-script-{}.json", std::process::id()));
+    std::fs::write(
+        &file,
+        r#"{"name": "b-then-drop", "description": "register B, then unregister it",
+            "operations": [{"register": "B"}, {"unregister": {"operation": 0}}]}"#,
+    )
+    .unwrap();
+    let from_file = std::process::Command::new(bin)
+        .arg("check")
+        .args(quiet)
+        .args(["--script", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(from_file.status.code(), Some(0));
+    let stdout = String::from_utf8(from_file.stdout).unwrap();
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(last["complete"], true);
+    assert_eq!(last["unique_states"], 26);
+    assert_eq!(last["violations"], serde_json::json!([]));
+
+    let missing = std::process::Command::new(bin)
+        .arg("check")
+        .args(["--script", "no-such-script"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(64));
+
     let shallow = std::process::Command::new(bin)
         .arg("check")
         .args(quiet)
