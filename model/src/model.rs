@@ -874,6 +874,17 @@ impl stateright::Model for RegistrationModel {
         format!("{action:?}")
     }
 
+    /// For the Explorer: the step in words, the resulting state in brief,
+    /// then in full.
+    fn format_step(&self, last: &State, action: Action) -> Option<String> {
+        let next = self.next_state(last, action)?;
+        Some(format!(
+            "{}\n\n{}\n\n{next:#?}",
+            self.describe(last, &action),
+            self.summarize(&next)
+        ))
+    }
+
     fn properties(&self) -> Vec<stateright::Property<Self>> {
         crate::properties::all()
     }
