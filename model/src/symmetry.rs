@@ -143,3 +143,82 @@ impl Representative for State {
         self.relabeled(&permutation)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashSet, VecDeque};
+
+    use stateright::Model;
+
+    use super::*;
+    use crate::model::{ModelConfig, RegistrationModel};
+
+    /// Up to `limit` states of the standard configuration, breadth first.
+    fn some_states(limit: usize) -> (RegistrationModel, Vec<State>) {
+        let model = RegistrationModel::new(ModelConfig::standard()).unwrap();
+        let mut seen = HashSet::new();
+        let mut queue: VecDeque<State> = model.init_states().into();
+        let mut states = Vec::new();
+        while let Some(state) = queue.pop_front() {
+            if states.len() == limit {
+                break;
+            }
+            if !seen.insert(state.clone()) {
+                continue;
+            }
+            queue.extend(model.next_states(&state));
+            states.push(state);
+        }
+        (model, states)
+    }
+
+    fn permutations() -> Vec<Vec<TargetId>> {
+        [[2, 1, 0], [1, 2, 0], [0, 2, 1]]
+            .iter()
+            .map(|p| p.iter().map(|i| TargetId(*i)).collect())
+            .collect()
+    }
+
+    fn inverse(permutation: &[TargetId]) -> Vec<TargetId> {
+        let mut inverse = vec![TargetId(0); permutation.len()];
+        for (old, new) in permutation.iter().enumerate() {
+            inverse[usize::from(new.0)] = TargetId(old as u16);
+        }
+        inverse
+    }
+
+    #[test]
+    fn renumbering_round_trips_and_keeps_every_verdict() {
+        let (model, states) = some_states(3000);
+        assert_eq!(states.len(), 3000);
+        for state in &states {
+            for permutation in permutations() {
+                let renamed = state.relabeled(&permutation);
+                assert_eq!(&renamed.relabeled(&inverse(&permutation)), state);
+                assert_eq!(
+                    model.check_invariants(&renamed).is_ok(),
+                    model.check_invariants(state).is_ok()
+                );
+                assert_eq!(model.is_terminal(&renamed), model.is_terminal(state));
+            }
+        }
+    }
+
+    #[test]
+    fn symmetric_states_with_distinct_keys_share_one_representative() {
+        let (_, states) = some_states(3000);
+        let mut compared = 0;
+        for state in &states {
+            let keys: HashSet<u64> = (0..3).map(|i| state.target_key(TargetId(i))).collect();
+            if keys.len() < 3 {
+                continue;
+            }
+            for permutation in permutations() {
+                let renamed = state.relabeled(&permutation);
+                assert_eq!(renamed.representative(), state.representative());
+                compared += 1;
+            }
+        }
+        assert!(compared > 1000, "only {compared} comparisons");
+    }
+}
