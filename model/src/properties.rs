@@ -57,6 +57,10 @@ pub const SOMETIMES_SLOT_REUSE: &str = "sometimes: a slot is reused after a tomb
 /// are in transit to one target at once.
 pub const SOMETIMES_INTERLEAVE: &str =
     "sometimes: a register and an unregister of one digest interleave at a target";
+/// Witness: the parent counts a target lost (crashed and seen, or fenced).
+pub const SOMETIMES_TARGET_LOST: &str = "sometimes: a target is lost";
+/// Witness: a target refuses a register for want of a free slot.
+pub const SOMETIMES_SLOT_EXHAUSTED: &str = "sometimes: a target has no free slot for a register";
 /// Witness: a reply reaches the parent after its operation gave up.
 pub const SOMETIMES_LATE_REPLY: &str = "sometimes: a reply arrives after its operation gave up";
 
@@ -140,6 +144,16 @@ fn interleave(_: &RegistrationModel, s: &State) -> bool {
         })
     })
 }
+fn target_lost(_: &RegistrationModel, s: &State) -> bool {
+    (0..s.targets.len())
+        .filter_map(|i| u16::try_from(i).ok())
+        .any(|i| !s.parent.is_target_live(callreg::protocol::TargetId(i)))
+}
+fn slot_exhausted(_: &RegistrationModel, s: &State) -> bool {
+    s.replies.iter().any(|(_, r)| {
+        matches!(&r.result, Err(f) if f.code == callreg::error::ErrorCode::LOCAL_SLOT_EXHAUSTED)
+    })
+}
 fn late_reply(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::LATE_REPLY != 0
 }
@@ -165,6 +179,8 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_SLOT_REUSE, slot_reuse),
         Property::sometimes(SOMETIMES_INTERLEAVE, interleave),
         Property::sometimes(SOMETIMES_LATE_REPLY, late_reply),
+        Property::sometimes(SOMETIMES_TARGET_LOST, target_lost),
+        Property::sometimes(SOMETIMES_SLOT_EXHAUSTED, slot_exhausted),
     ]
 }
 

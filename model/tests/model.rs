@@ -133,6 +133,13 @@ fn every_sometimes_property_is_witnessed() {
     assert!(witnessed(&unfenced, SOMETIMES_UNCERTAIN));
     assert!(witnessed(&unfenced, SOMETIMES_LATE_REPLY));
     assert!(witnessed(&snapshot, SOMETIMES_SLOT_REUSE));
+    assert!(witnessed(&fenced, SOMETIMES_TARGET_LOST));
+    assert!(witnessed(&snapshot, SOMETIMES_SLOT_EXHAUSTED));
+    // Fault-free runs lose no target and, with a slot per digest, never
+    // run out of slots.
+    let calm = run(quiet(2, "two-digests"), false);
+    assert!(!witnessed(&calm, SOMETIMES_TARGET_LOST));
+    assert!(!witnessed(&calm, SOMETIMES_SLOT_EXHAUSTED));
 }
 
 #[cfg(feature = "mutants")]
