@@ -193,6 +193,11 @@ fn main() -> ExitCode {
                     return ExitCode::from(64);
                 }
             };
+            // Stateright's server panics on a bind failure: check first.
+            if let Err(e) = std::net::TcpListener::bind(addr.as_str()) {
+                eprintln!("callreg-model: cannot listen on {addr}: {e}");
+                return ExitCode::from(64);
+            }
             eprintln!("serving the Explorer on http://{addr}");
             let checker = model.checker().serve(addr.as_str());
             drop(checker);
