@@ -21,18 +21,29 @@ Command::
 imports FILE.py as a module, registers it with
 ``cloudpickle.register_pickle_by_value`` (so its functions and classes are
 pickled by value and the target need not import FILE.py), and writes one
-envelope ``DIR/<name>.spyc`` per exported name, printing
-``<hashid>  <path>`` for each. Exported names: NAME alone when given;
+envelope ``DIR/<name>.spyc`` per exported name, with its metadata side-car
+``DIR/<name>.spyc.json`` (see ``metadata``), printing ``<hashid>  <path>``
+for each envelope. Exported names: NAME alone when given;
 otherwise the names in the module's ``__all__`` when it defines one (packed
 whatever they are, so a non-callable can be packed on purpose); otherwise
 every public top-level callable defined in the file (not imported into it).
+
+Metadata side-car (issue 7, specs/metadata.md): a JSON object with the
+callable's ``name``, the producer's ``python`` versions (interpreter and
+cloudpickle, filled in by this tool), ``executor`` (default ``"python"``),
+``deps`` and the ``call_before`` / ``call_after`` hooks. FILE.py may give
+per-name metadata in a top-level dict ``CALLREG_METADATA = {NAME: {...}}``
+with any of the keys ``executor``, ``executor_data``, ``deps``,
+``call_before``, ``call_after``.
 """
 
 import argparse
 import hashlib
 import importlib.util
 import inspect
+import json
 import os
+import platform
 import struct
 import sys
 
@@ -114,6 +125,62 @@ def hashid(envelope):
     return "sha256:" + hashlib.sha256(descriptor(envelope)).hexdigest()
 
 
+SIDECAR_SUFFIX = ".json"
+"""The side-car of ``NAME.spyc`` is ``NAME.spyc.json``."""
+
+DEFAULT_EXECUTOR = "python"
+"""The executor short name of metadata that names none."""
+
+METADATA_KEYS_FROM_SOURCE = ("executor", "executor_data", "deps", "call_before", "call_after")
+"""The metadata keys a source file's ``CALLREG_METADATA`` may give."""
+
+
+def metadata(name, extra=None):
+    """Return the metadata (a dict in the key order of the JSON form) of the
+    callable ``name``: this interpreter's version and cloudpickle's, the
+    default executor, no deps, no hooks, then the keys of ``extra`` (a
+    dict with keys from ``METADATA_KEYS_FROM_SOURCE``) over them.
+
+    Raises ``ValueError`` naming an unknown key of ``extra`` and
+    ``ModuleNotFoundError`` when cloudpickle is not installed."""
+    import cloudpickle
+
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(METADATA_KEYS_FROM_SOURCE))
+    if unknown:
+        raise ValueError(
+            "CALLREG_METADATA[%r] has unknown key(s) %s (allowed: %s)"
+            % (name, ", ".join(unknown), ", ".join(METADATA_KEYS_FROM_SOURCE))
+        )
+    result = {
+        "name": name,
+        "python": {
+            "version": platform.python_version(),
+            "serializer": "cloudpickle",
+            "serializer_version": cloudpickle.__version__,
+        },
+        "executor": extra.get("executor", DEFAULT_EXECUTOR),
+    }
+    if "executor_data" in extra:
+        result["executor_data"] = extra["executor_data"]
+        if "executor" not in extra:
+            result["executor"] = extra["executor_data"].get("short_name", DEFAULT_EXECUTOR)
+    deps = extra.get("deps", {})
+    result["deps"] = {
+        "pip": {"packages": list(deps.get("pip", {}).get("packages", []))},
+        "bash": {"commands": list(deps.get("bash", {}).get("commands", []))},
+    }
+    result["call_before"] = list(extra.get("call_before", []))
+    result["call_after"] = list(extra.get("call_after", []))
+    return result
+
+
+def metadata_json(value):
+    """The side-car text of metadata ``value``: JSON indented by two spaces,
+    UTF-8 kept as is, with a final newline (the layout ``callreg`` prints)."""
+    return json.dumps(value, indent=2, ensure_ascii=False) + "\n"
+
+
 def load_module(path):
     """Import the Python file at ``path`` as a module named after its file
     stem, registered in ``sys.modules`` (cloudpickle requires it there to
@@ -152,10 +219,14 @@ def pack(path, out_dir, name=None):
     """Write ``<out_dir>/<name>.spyc`` for each exported name of the Python
     file ``path`` (or just ``name``), pickling the file's own code by value.
 
+    Also writes each envelope's metadata side-car ``<name>.spyc.json``
+    (``metadata``, with the file's ``CALLREG_METADATA[name]`` when given).
+
     Returns a list of ``(name, envelope_path, hashid)`` in order. Raises
     ``LookupError`` when ``name`` is not defined in the file, ``ValueError``
-    when the file exports nothing, and what importing the file or
-    cloudpickle raises."""
+    when the file exports nothing or ``CALLREG_METADATA`` is not a dict of
+    dicts with known keys, and what importing the file or cloudpickle
+    raises."""
     import cloudpickle
 
     module = load_module(path)
@@ -167,6 +238,10 @@ def pack(path, out_dir, name=None):
         names = exported_names(module)
         if not names:
             raise ValueError("%s exports no callable" % path)
+    given = getattr(module, "CALLREG_METADATA", {})
+    if not isinstance(given, dict) or not all(isinstance(v, dict) for v in given.values()):
+        raise ValueError("%s: CALLREG_METADATA must be a dict of dicts, by name" % path)
+    sidecars = {each: metadata(each, given.get(each)) for each in names}
     cloudpickle.register_pickle_by_value(module)
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -176,6 +251,8 @@ def pack(path, out_dir, name=None):
             target = os.path.join(out_dir, each + ".spyc")
             with open(target, "wb") as file:
                 file.write(envelope)
+            with open(target + SIDECAR_SUFFIX, "w", encoding="utf-8") as file:
+                file.write(metadata_json(sidecars[each]))
             written.append((each, target, hashid(envelope)))
         return written
     finally:

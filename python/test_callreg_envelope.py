@@ -7,6 +7,7 @@ cloudpickle; ``cargo test --test python_envelope_tool`` runs it too).
 
 import contextlib
 import io
+import json
 import os
 import pickle
 import struct
@@ -113,7 +114,10 @@ class PackRoundTrip(unittest.TestCase):
         status, lines = self.run_command(self.source)
         self.assertEqual(status, 0)
         names = ["add", "double", "Greeter", "greet", "cube"]
-        self.assertEqual(sorted(os.listdir(self.out)), sorted(n + ".spyc" for n in names))
+        self.assertEqual(
+            sorted(os.listdir(self.out)),
+            sorted([n + ".spyc" for n in names] + [n + ".spyc.json" for n in names]),
+        )
         self.assertEqual(len(lines), len(names))
         for name, line in zip(names, lines):
             path = os.path.join(self.out, name + ".spyc")
@@ -138,11 +142,53 @@ class PackRoundTrip(unittest.TestCase):
     def test_pack_one_name(self):
         status, lines = self.run_command(self.source + ":LIMIT")
         self.assertEqual(status, 0)
-        self.assertEqual(os.listdir(self.out), ["LIMIT.spyc"])
+        self.assertEqual(sorted(os.listdir(self.out)), ["LIMIT.spyc", "LIMIT.spyc.json"])
         with open(os.path.join(self.out, "LIMIT.spyc"), "rb") as file:
             envelope = file.read()
         self.assertEqual(pickle.loads(callreg_envelope.parse(envelope)[2]), 10)
         self.assertEqual(lines, ["%s  %s" % (callreg_envelope.hashid(envelope), os.path.join(self.out, "LIMIT.spyc"))])
+
+    def test_sidecar_metadata_has_the_versions_filled_in(self):
+        import cloudpickle
+        import platform
+
+        callreg_envelope.pack(self.source, self.out, "add")
+        with open(os.path.join(self.out, "add.spyc.json"), encoding="utf-8") as file:
+            text = file.read()
+        expected = {
+            "name": "add",
+            "python": {
+                "version": platform.python_version(),
+                "serializer": "cloudpickle",
+                "serializer_version": cloudpickle.__version__,
+            },
+            "executor": "python",
+            "deps": {"pip": {"packages": []}, "bash": {"commands": []}},
+            "call_before": [],
+            "call_after": [],
+        }
+        self.assertEqual(json.loads(text), expected)
+        # Key order and layout are those of the JSON form callreg prints.
+        self.assertEqual(list(json.loads(text)), list(expected))
+        self.assertEqual(text, json.dumps(expected, indent=2) + "\n")
+
+    def test_sidecar_takes_callreg_metadata_from_the_source(self):
+        with open(self.source, "a") as file:
+            file.write(
+                "CALLREG_METADATA = {'add': {'executor_data': {'type': 'PythonExecutor', "
+                "'short_name': 'python', 'attributes': {'capture_output': True}}, "
+                "'deps': {'pip': {'packages': ['cloudpickle>=2']}}}}\n"
+            )
+        callreg_envelope.pack(self.source, self.out, "add")
+        with open(os.path.join(self.out, "add.spyc.json"), encoding="utf-8") as file:
+            written = json.load(file)
+        self.assertEqual(written["executor"], "python")
+        self.assertEqual(written["executor_data"]["attributes"], {"capture_output": True})
+        self.assertEqual(written["deps"], {"pip": {"packages": ["cloudpickle>=2"]}, "bash": {"commands": []}})
+
+    def test_unknown_callreg_metadata_key_is_an_error(self):
+        with self.assertRaisesRegex(ValueError, r"CALLREG_METADATA\['add'\] has unknown key\(s\) colour"):
+            callreg_envelope.metadata("add", {"colour": "red"})
 
     def test_pack_is_deterministic(self):
         first = callreg_envelope.pack(self.source, self.out, "add")[0][2]

@@ -564,11 +564,25 @@ impl ChipCallable {
 }
 
 /// A canonical descriptor of a callable (DESIGN.md §3.2): the plain data
-/// its identity is computed from. JSON form: an object with a `"kind"` tag
-/// (`CHIP_CALLABLE`, `PYTHON_SERIALIZED`, `PYTHON_IMPORT`) and the kind's
-/// fields.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "SCREAMING_SNAKE_CASE")]
+/// its identity is computed from.
+///
+/// JSON form (serde, [`Descriptor::to_json`], [`Descriptor::from_json`];
+/// `specs/metadata.md`): a flat object, fields in this order,
+/// `descriptor_schema_version` (always 1), `callable_kind`
+/// (`PYTHON_SERIALIZED`, `PYTHON_IMPORT`, `CHIP_CALLABLE`), then the
+/// kind's fields in their binary order, digests as 64 lowercase hex digits
+/// without prefix:
+///
+/// ```json
+/// {"descriptor_schema_version": 1, "callable_kind": "PYTHON_SERIALIZED",
+///  "payload_format_version": 1, "serializer_id": "CLOUDPICKLE",
+///  "payload_sha256": "6c09635decb8153d3c12e3782a69fd2eb097426f912547d351a8647b27d5580a"}
+/// ```
+///
+/// The JSON form carries exactly the fields of the binary form, so
+/// `Descriptor::from_json(text)?.to_bytes()` is the canonical descriptor
+/// and its digest the hashid.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub enum Descriptor {
     /// A compiled chip callable.
     ChipCallable(ChipCallable),
@@ -608,6 +622,261 @@ impl Descriptor {
     /// As [`Descriptor::to_bytes`].
     pub fn digest(&self) -> Result<Digest, DescriptorError> {
         Ok(Digest::of_descriptor(&self.to_bytes()?))
+    }
+}
+
+/// The JSON name of serializer id 1 (DESIGN.md §3.1).
+pub const SERIALIZER_NAME_CLOUDPICKLE: &str = "CLOUDPICKLE";
+
+/// A JSON `serializer_id`: the name `"CLOUDPICKLE"` for id 1, the number
+/// (0–255) for an id this build has no name for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct SerializerIdJson(u8);
+
+impl Serialize for SerializerIdJson {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0 == crate::envelope::SERIALIZER_CLOUDPICKLE {
+            s.serialize_str(SERIALIZER_NAME_CLOUDPICKLE)
+        } else {
+            s.serialize_u8(self.0)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SerializerIdJson {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = SerializerIdJson;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"CLOUDPICKLE\" or a serializer id 0-255")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                if v == SERIALIZER_NAME_CLOUDPICKLE {
+                    Ok(SerializerIdJson(crate::envelope::SERIALIZER_CLOUDPICKLE))
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Str(v), &self))
+                }
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                u8::try_from(v)
+                    .map(SerializerIdJson)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(v), &self))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
+/// A digest written as 64 lowercase hex digits without the `sha256:`
+/// prefix (the descriptor JSON form of `payload_sha256` and `blob_sha256`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct HexDigest(Digest);
+
+impl Serialize for HexDigest {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for HexDigest {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        let valid = text.len() == 64 && text.bytes().all(|b| HEX.contains(&b));
+        if !valid {
+            return Err(serde::de::Error::custom(format!(
+                "expected 64 lowercase hex digits without prefix, got {text:?}"
+            )));
+        }
+        format!("{HASHID_PREFIX}{text}")
+            .parse::<HashId>()
+            .map(|h| HexDigest(h.0))
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Every field any descriptor kind has in JSON; which must and may appear
+/// depends on `callable_kind` (checked in [`Descriptor::try_from`]).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DescriptorFields {
+    descriptor_schema_version: u32,
+    callable_kind: CallableKind,
+    payload_format_version: Option<u8>,
+    serializer_id: Option<SerializerIdJson>,
+    payload_sha256: Option<HexDigest>,
+    module: Option<String>,
+    qualname: Option<String>,
+    target_arch: Option<String>,
+    platform: Option<String>,
+    runtime: Option<String>,
+    blob_sha256: Option<HexDigest>,
+    signature: Option<Vec<Direction>>,
+}
+
+impl DescriptorFields {
+    /// The names of the fields present, in declaration order, with kind.
+    fn present(&self) -> [(&'static str, bool); 10] {
+        [
+            (
+                "payload_format_version",
+                self.payload_format_version.is_some(),
+            ),
+            ("serializer_id", self.serializer_id.is_some()),
+            ("payload_sha256", self.payload_sha256.is_some()),
+            ("module", self.module.is_some()),
+            ("qualname", self.qualname.is_some()),
+            ("target_arch", self.target_arch.is_some()),
+            ("platform", self.platform.is_some()),
+            ("runtime", self.runtime.is_some()),
+            ("blob_sha256", self.blob_sha256.is_some()),
+            ("signature", self.signature.is_some()),
+        ]
+    }
+}
+
+/// The JSON fields of each kind, after the two common ones.
+fn kind_fields(kind: CallableKind) -> &'static [&'static str] {
+    match kind {
+        CallableKind::PythonSerialized => {
+            &["payload_format_version", "serializer_id", "payload_sha256"]
+        }
+        CallableKind::PythonImport => &["module", "qualname"],
+        CallableKind::ChipCallable => &[
+            "target_arch",
+            "platform",
+            "runtime",
+            "blob_sha256",
+            "signature",
+        ],
+    }
+}
+
+fn kind_name(kind: CallableKind) -> &'static str {
+    match kind {
+        CallableKind::ChipCallable => "CHIP_CALLABLE",
+        CallableKind::PythonSerialized => "PYTHON_SERIALIZED",
+        CallableKind::PythonImport => "PYTHON_IMPORT",
+    }
+}
+
+impl TryFrom<DescriptorFields> for Descriptor {
+    type Error = String;
+
+    /// Checks the schema version, that every field of the kind is present
+    /// and no field of another kind is, then validates as the binary form.
+    fn try_from(f: DescriptorFields) -> Result<Self, String> {
+        if f.descriptor_schema_version != SCHEMA_VERSION {
+            return Err(format!(
+                "descriptor_schema_version must be {SCHEMA_VERSION}, got {}",
+                f.descriptor_schema_version
+            ));
+        }
+        let kind = f.callable_kind;
+        let wanted = kind_fields(kind);
+        for (name, present) in f.present() {
+            if present && !wanted.contains(&name) {
+                return Err(format!(
+                    "field `{name}` does not belong to callable_kind {}",
+                    kind_name(kind)
+                ));
+            }
+            if !present && wanted.contains(&name) {
+                return Err(format!(
+                    "missing field `{name}` (required by callable_kind {})",
+                    kind_name(kind)
+                ));
+            }
+        }
+        // Every field of the kind is present (checked above).
+        let missing = |name: &str| format!("missing field `{name}`");
+        Ok(match kind {
+            CallableKind::PythonSerialized => Descriptor::PythonSerialized(PythonSerialized {
+                payload_format_version: f
+                    .payload_format_version
+                    .ok_or_else(|| missing("payload_format_version"))?,
+                serializer_id: f.serializer_id.ok_or_else(|| missing("serializer_id"))?.0,
+                payload_sha256: f.payload_sha256.ok_or_else(|| missing("payload_sha256"))?.0,
+            }),
+            CallableKind::PythonImport => Descriptor::PythonImport(
+                PythonImport::new(
+                    &f.module.ok_or_else(|| missing("module"))?,
+                    &f.qualname.ok_or_else(|| missing("qualname"))?,
+                )
+                .map_err(|e| e.to_string())?,
+            ),
+            CallableKind::ChipCallable => Descriptor::ChipCallable(ChipCallable {
+                target_arch: f.target_arch.ok_or_else(|| missing("target_arch"))?,
+                platform: f.platform.ok_or_else(|| missing("platform"))?,
+                runtime: f.runtime.ok_or_else(|| missing("runtime"))?,
+                blob_sha256: f.blob_sha256.ok_or_else(|| missing("blob_sha256"))?.0,
+                signature: f.signature.ok_or_else(|| missing("signature"))?,
+            }),
+        })
+    }
+}
+
+impl Serialize for Descriptor {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let kind = self.kind();
+        let len = 2 + kind_fields(kind).len();
+        let mut map = s.serialize_map(Some(len))?;
+        map.serialize_entry("descriptor_schema_version", &SCHEMA_VERSION)?;
+        map.serialize_entry("callable_kind", &kind)?;
+        match self {
+            Descriptor::PythonSerialized(p) => {
+                map.serialize_entry("payload_format_version", &p.payload_format_version)?;
+                map.serialize_entry("serializer_id", &SerializerIdJson(p.serializer_id))?;
+                map.serialize_entry("payload_sha256", &HexDigest(p.payload_sha256))?;
+            }
+            Descriptor::PythonImport(p) => {
+                map.serialize_entry("module", p.module())?;
+                map.serialize_entry("qualname", p.qualname())?;
+            }
+            Descriptor::ChipCallable(c) => {
+                map.serialize_entry("target_arch", &c.target_arch)?;
+                map.serialize_entry("platform", &c.platform)?;
+                map.serialize_entry("runtime", &c.runtime)?;
+                map.serialize_entry("blob_sha256", &HexDigest(c.blob_sha256))?;
+                map.serialize_entry("signature", &c.signature)?;
+            }
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Descriptor {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let fields = DescriptorFields::deserialize(d)?;
+        Descriptor::try_from(fields).map_err(serde::de::Error::custom)
+    }
+}
+
+impl Descriptor {
+    /// The JSON form (compact, fields in the documented order).
+    pub fn to_json(&self) -> String {
+        // A descriptor holds only strings, integers and lists of them, all
+        // representable in JSON, so serialization cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// The JSON form, indented by two spaces (the golden files' layout).
+    pub fn to_json_pretty(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Parses the JSON form strictly.
+    ///
+    /// # Errors
+    /// [`JsonError`](crate::json::JsonError) (code `DESCRIPTOR_INVALID`)
+    /// naming the field: an unknown field; a wrong type; a missing field of
+    /// the kind or a field of another kind; `descriptor_schema_version`
+    /// other than 1; a digest that is not 64 lowercase hex digits; a
+    /// `serializer_id` that is neither `"CLOUDPICKLE"` nor 0–255; a
+    /// PYTHON_IMPORT name that [`PythonImport::new`] rejects.
+    pub fn from_json(text: &str) -> Result<Descriptor, crate::json::JsonError> {
+        crate::json::from_str(text)
     }
 }
 
@@ -750,8 +1019,11 @@ mod tests {
             d.digest().unwrap().to_string(),
             "sha256:f2f0ecc11b4065db0305c15790d1da17d191bb4ee1456848c3b471724d0deeda"
         );
-        let json = serde_json::to_string(&d).unwrap();
-        assert!(json.starts_with(r#"{"kind":"CHIP_CALLABLE","target_arch":"arch""#));
+        let json = d.to_json();
+        assert_eq!(
+            json,
+            r#"{"descriptor_schema_version":1,"callable_kind":"CHIP_CALLABLE","target_arch":"arch","platform":"plat","runtime":"rt","blob_sha256":"fa2c8cc4f28176bbeed4b736df569a34c79cd3723e9ec42f9674b4d46ac6b8b8","signature":["IN","OUT","SCALAR"]}"#
+        );
         let back: Descriptor = serde_json::from_str(&json).unwrap();
         assert_eq!(back, d);
         assert_eq!(Direction::InOut.as_u32(), 3);

@@ -13,7 +13,9 @@ macro_rules! error_codes {
         ///
         /// Text form: the `SCREAMING_SNAKE_CASE` name ([`ErrorCode::as_str`]).
         /// Wire form: a `u16` ([`ErrorCode::as_u16`], [`ErrorCode::from_u16`]).
-        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+        /// JSON form (serde): the text form as a string; decoding any other
+        /// string fails with ``unknown error code "NAME"``.
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
         #[allow(non_camel_case_types)]
         pub enum ErrorCode {
             $( $(#[$doc])* $name = $num, )*
@@ -113,6 +115,21 @@ impl std::fmt::Display for ErrorCode {
     }
 }
 
+impl Serialize for ErrorCode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+/// Through [`std::str::FromStr`], so that an unknown name gets one short
+/// message rather than the list of every code.
+impl<'de> Deserialize<'de> for ErrorCode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// A text that names no [`ErrorCode`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown error code {0:?}")]
@@ -173,10 +190,22 @@ impl std::fmt::Display for OperationKind {
 ///
 /// Names the target, namespace, hashid, operation and seq when they apply
 /// (`None` otherwise) and carries the full message. A message never contains
-/// a user's absolute path. Serializes to JSON with the field names below;
-/// `Display` gives the same facts on one line:
+/// a user's absolute path. `Display` gives the facts on one line:
 /// `CODE: message (operation register, target 2, namespace LOCAL_PYTHON, hashid sha256:…, seq 7)`.
+///
+/// JSON form ([`Error::to_json`], strict [`Error::from_json`]): every key,
+/// in the order below, always written (`null` for context that does not
+/// apply; an absent key reads as `null`):
+///
+/// ```json
+/// {"code": "DIGEST_NOT_INSTALLED", "operation": "task", "target": 2,
+///  "namespace": "LOCAL_PYTHON", "hashid": "sha256:…", "seq": 7, "message": "…"}
+/// ```
+///
+/// `code` is the code's text name, `operation` an [`OperationKind`] in
+/// `snake_case`, `target` and `seq` integers.
 #[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Error {
     /// What went wrong.
     pub code: ErrorCode,

@@ -8,6 +8,9 @@
 //!
 //! * formats — [`envelope`] (SPYC, DESIGN.md §3.1) and [`descriptor`]
 //!   (canonical descriptors, digests and hashids, DESIGN.md §3.2);
+//! * plain data as JSON — [`json`] (strict decoding naming the field) and
+//!   [`metadata`] (callable metadata: versions, executor, deps, hooks;
+//!   DESIGN.md §6, `specs/metadata.md`);
 //! * the pure protocol — [`error`] and [`protocol`] (DESIGN.md §4): state
 //!   machines with no IO, no clock reads, no randomness and no threads.
 //!
@@ -20,6 +23,8 @@
 pub mod descriptor;
 pub mod envelope;
 pub mod error;
+pub mod json;
+pub mod metadata;
 pub mod protocol;
 pub mod wire;
 

@@ -273,3 +273,109 @@ fn pack_reports_unwritable_output() {
         "callreg: cannot write no_such_dir/out.spyc: No such file or directory\n"
     );
 }
+
+/// `inspect` shows the side-car `FILE.json` next to an envelope: its
+/// metadata in `--json` (the JSON form), a line in the table; an invalid
+/// side-car is reported with the field's path and exit status 1.
+#[test]
+fn inspect_shows_the_metadata_side_car() {
+    let dir = scratch("sidecar");
+    let envelope = dir.join("func_add.spyc");
+    std::fs::copy(vectors_dir().join("func_add.spyc"), &envelope).unwrap();
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/metadata_full.json");
+    let sidecar = dir.join("func_add.spyc.json");
+    std::fs::copy(&golden, &sidecar).unwrap();
+    let file = envelope.to_str().unwrap();
+
+    let out = run(&["inspect", "--json", file]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let line = text(&out.stdout);
+    let report: Value = serde_json::from_str(line.trim()).unwrap();
+    let expected: Value = serde_json::from_str(&std::fs::read_to_string(&golden).unwrap()).unwrap();
+    assert_eq!(report["metadata"], expected);
+    assert_eq!(
+        key_order(line.trim()).last().map(String::as_str),
+        Some("metadata")
+    );
+
+    let out = run(&["inspect", file]);
+    assert_eq!(out.status.code(), Some(0));
+    let table = text(&out.stdout);
+    assert_eq!(
+        table.lines().nth(2),
+        Some(
+            "  metadata: name \"add\", executor python, python 3.11.7 (cloudpickle 2.1.0), \
+             pip [cloudpickle>=2], bash 1, hooks 1 before / 1 after"
+        ),
+        "{table}"
+    );
+
+    std::fs::write(
+        &sidecar,
+        r#"{"name": "add", "deps": {"pip": {"packages": [1]}}}"#,
+    )
+    .unwrap();
+    let out = run(&["inspect", "--json", file]);
+    assert_eq!(out.status.code(), Some(1));
+    let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["valid"], true);
+    assert_eq!(
+        report["metadata_error"],
+        format!(
+            "{}: at deps.pip.packages[0]: invalid type: integer `1`, expected a string",
+            sidecar.display()
+        )
+    );
+    assert_eq!(report.get("metadata"), None);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The side-cars the Python tool writes are valid metadata, in exactly the
+/// layout `CallableMetadata::to_json_pretty` produces, and `inspect` shows
+/// them. Needs the interpreter of `PYO3_PYTHON` (else `python3`) with
+/// cloudpickle, unless `CALLREG_ALLOW_NO_PYTHON=1`.
+#[test]
+fn python_side_cars_are_valid_metadata() {
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = scratch("python-sidecar");
+    let packed = Command::new(&python)
+        .arg(root.join("python/callreg_envelope.py"))
+        .arg(root.join("examples/callables.py"))
+        .arg("--out")
+        .arg(&dir)
+        .output();
+    let packed = match packed {
+        Ok(output) if output.status.success() => output,
+        other => {
+            assert!(
+                std::env::var("CALLREG_ALLOW_NO_PYTHON").as_deref() == Ok("1"),
+                "{python} with cloudpickle is required: {other:?}"
+            );
+            return;
+        }
+    };
+    assert!(!packed.stdout.is_empty());
+    let sidecar = std::fs::read_to_string(dir.join("add.spyc.json")).unwrap();
+    let metadata = callreg::metadata::CallableMetadata::from_json(&sidecar).unwrap();
+    assert_eq!(metadata.name, "add");
+    assert_eq!(metadata.executor_short_name(), "python");
+    assert_eq!(
+        metadata.python.as_ref().map(|p| p.serializer.as_str()),
+        Some("cloudpickle")
+    );
+    assert_eq!(format!("{}\n", metadata.to_json_pretty()), sidecar);
+    let version = Command::new(&python)
+        .args(["-c", "import platform; print(platform.python_version())"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        metadata.python.as_ref().map(|p| p.version.clone()),
+        Some(text(&version.stdout).trim().to_owned())
+    );
+    let out = run(&["inspect", "--json", dir.join("add.spyc").to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0));
+    let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["metadata"]["name"], "add");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,4 +1,7 @@
-//! The Python runtime ([`PythonRuntime`]) in real forked targets.
+//! The Python runtime ([`PythonRuntime`]) in real forked targets, including
+//! `install` with metadata: every check before deserializing
+//! (`specs/metadata.md` §5), each failing case asserting that the payload
+//! (which writes a marker file when unpickled) was not deserialized.
 //!
 //! `harness = false`: this file is its own `main`, single-threaded when it
 //! forks. Each case runs in a fresh child forked from this process (which
@@ -25,7 +28,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use callreg::error::ErrorCode;
-use callreg::runtime::python::PythonRuntime;
+use callreg::metadata::{merge_retval_keyword, CallableMetadata, ExecutorSpec};
+use callreg::runtime::python::{PythonExecutor, PythonRuntime};
 use callreg::runtime::{Runtime, RuntimeError, TaskEncoding};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{fork, pipe, ForkResult};
@@ -170,6 +174,30 @@ save("pickle_input", pickle.dumps(((2,), {"b": 5})), raw=True)
 save("pickle_expected", pickle.dumps((32, "done"), protocol=pickle.HIGHEST_PROTOCOL), raw=True)
 save("pickle_input_empty", pickle.dumps(((), {})), raw=True)
 save("pickle_input_not_pair", pickle.dumps([1, 2, 3]), raw=True)
+
+def mark_unpickled(directory):
+    with open(os.path.join(directory, "unpickled-%d" % os.getpid()), "w"):
+        pass
+    return lambda x: x + 1
+
+class MarksWhenUnpickled:
+    """Unpickling it writes OUT/unpickled-<pid>: proof of a deserialization."""
+    def __call__(self, x):
+        return x + 1
+    def __reduce__(self):
+        return (mark_unpickled, (out,))
+
+def chatty(x):
+    print("to stdout", x)
+    print("to stderr", file=sys.stderr)
+    return x * 2
+
+save("marks_on_unpickle", MarksWhenUnpickled())
+save("chatty", chatty)
+save("make_config", lambda factor: {"scale": factor})
+save("uses_config", lambda x, config: x * config["scale"])
+with open(os.path.join(out, "cloudpickle_version.txt"), "w") as f:
+    f.write(cloudpickle.__version__)
 with open(os.path.join(out, "python_version.txt"), "w") as f:
     f.write(platform.python_version())
 "#;
@@ -490,8 +518,433 @@ fn envelope_payload(envelope: &[u8]) -> Result<&[u8], String> {
         .ok_or_else(|| format!("envelope declares {size} payload bytes it does not hold"))
 }
 
+/// Whether the payload `marks_on_unpickle` was unpickled in this process.
+fn unpickled_here(payloads: &Payloads) -> bool {
+    payloads
+        .directory
+        .join(format!("unpickled-{}", std::process::id()))
+        .exists()
+}
+
+/// Installs `marks_on_unpickle` with `metadata` (JSON) and checks the
+/// exact error, and that the payload was not unpickled.
+fn expect_refused(
+    runtime: &PythonRuntime,
+    payloads: &Payloads,
+    metadata: serde_json::Value,
+    code: ErrorCode,
+    kind: &str,
+    message: &str,
+) -> CaseResult {
+    let metadata = CallableMetadata::from_json(&metadata.to_string()).map_err(|e| e.to_string())?;
+    expect_error(
+        "install",
+        runtime.install(payloads.get("marks_on_unpickle")?, Some(&metadata)),
+        code,
+        kind,
+        message,
+    )?;
+    expect_eq("the payload was unpickled", unpickled_here(payloads), false)
+}
+
+/// A file of the payload directory, trimmed.
+fn read_text(payloads: &Payloads, name: &str) -> Result<String, String> {
+    std::fs::read_to_string(payloads.directory.join(name))
+        .map(|text| text.trim().to_owned())
+        .map_err(|e| format!("{name}: {e}"))
+}
+
+/// The producer's Python version, and the same with the minor version + 1.
+fn python_versions(payloads: &Payloads) -> Result<(String, String), String> {
+    let producer = read_text(payloads, "python_version.txt")?;
+    let mut parts = producer.split('.');
+    let (major, minor) = (parts.next().unwrap_or("3"), parts.next().unwrap_or("0"));
+    let minor: u32 = minor.parse().map_err(|e| format!("{producer}: {e}"))?;
+    Ok((producer.clone(), format!("{major}.{}.0", minor + 1)))
+}
+
+/// An embedder's executor: calls the callable `times` times (attribute,
+/// default 2) and returns the list of results.
+#[derive(Debug)]
+struct RepeatExecutor;
+
+impl PythonExecutor for RepeatExecutor {
+    fn spec(&self) -> ExecutorSpec {
+        let mut defaults = serde_json::Map::new();
+        defaults.insert("times".into(), serde_json::json!(2));
+        ExecutorSpec::new("repeat", "RepeatExecutor", defaults)
+    }
+
+    fn call<'py>(
+        &self,
+        py: pyo3::Python<'py>,
+        attributes: &serde_json::Map<String, serde_json::Value>,
+        callable: &pyo3::Bound<'py, pyo3::PyAny>,
+        args: &pyo3::Bound<'py, pyo3::types::PyTuple>,
+        kwargs: &pyo3::Bound<'py, pyo3::types::PyDict>,
+    ) -> pyo3::PyResult<pyo3::Bound<'py, pyo3::PyAny>> {
+        use pyo3::types::{PyAnyMethods, PyListMethods};
+        let times = attributes
+            .get("times")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(2);
+        let results = pyo3::types::PyList::empty(py);
+        for _ in 0..times {
+            results.append(callable.call(args, Some(kwargs))?)?;
+        }
+        Ok(results.into_any())
+    }
+}
+
 fn cases() -> Vec<Case> {
     vec![
+        Case {
+            name: "metadata_matching_the_target_installs",
+            started: true,
+            run: |runtime, payloads| {
+                let (producer, _) = python_versions(payloads)?;
+                let serializer = read_text(payloads, "cloudpickle_version.txt")?;
+                let metadata = CallableMetadata::from_json(
+                    &serde_json::json!({
+                        "name": "marks",
+                        "python": {"version": producer, "serializer": "cloudpickle", "serializer_version": serializer},
+                        "executor": "python",
+                        "deps": {"pip": {"packages": ["cloudpickle>=2", "cloudpickle==2.*"]}, "bash": {"commands": ["true"]}},
+                    })
+                    .to_string(),
+                )
+                .map_err(|e| e.to_string())?;
+                let callable = runtime
+                    .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                    .map_err(|e| e.to_string())?;
+                expect_eq("unpickled after the checks", unpickled_here(payloads), true)?;
+                expect_eq(
+                    "executor",
+                    callable.executor_short_name().as_str(),
+                    "python",
+                )?;
+                expect_eq(
+                    "attributes",
+                    serde_json::Value::Object(callable.executor_attributes()),
+                    serde_json::json!({"capture_output": false}),
+                )?;
+                let result = runtime
+                    .call(&callable, TaskEncoding::Json, br#"{"args": [41]}"#)
+                    .map_err(|e| e.to_string())?;
+                expect_eq("result", result.as_slice(), b"42")
+            },
+        },
+        Case {
+            name: "metadata_python_version_mismatch_names_both_sides",
+            started: true,
+            run: |runtime, payloads| {
+                let (target, faked) = python_versions(payloads)?;
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "python": {"version": faked, "serializer": "cloudpickle", "serializer_version": "2.1.0"}}),
+                    ErrorCode::PYTHON_VERSION_MISMATCH,
+                    "PythonVersionMismatch",
+                    &format!(
+                        "the payload was serialized by Python {faked} but this target runs Python {target} \
+                         (major.minor must match)"
+                    ),
+                )
+            },
+        },
+        Case {
+            name: "metadata_serializer_major_mismatch_names_both_sides",
+            started: true,
+            run: |runtime, payloads| {
+                let (target, _) = python_versions(payloads)?;
+                let serializer = read_text(payloads, "cloudpickle_version.txt")?;
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "python": {"version": target, "serializer": "cloudpickle", "serializer_version": "99.0.1"}}),
+                    ErrorCode::PYTHON_VERSION_MISMATCH,
+                    "SerializerMismatch",
+                    &format!(
+                        "the payload was serialized with cloudpickle 99.0.1 but this target deserializes with \
+                         cloudpickle {serializer} (the serializer and its major version must match)"
+                    ),
+                )?;
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "python": {"version": target, "serializer": "dill", "serializer_version": serializer}}),
+                    ErrorCode::PYTHON_VERSION_MISMATCH,
+                    "SerializerMismatch",
+                    &format!(
+                        "the payload was serialized with dill {serializer} but this target deserializes with \
+                         cloudpickle {serializer} (the serializer and its major version must match)"
+                    ),
+                )
+            },
+        },
+        Case {
+            name: "metadata_missing_pip_package_is_named",
+            started: true,
+            run: |runtime, payloads| {
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "deps": {"pip": {"packages": ["cloudpickle", "callreg-no-such-distribution>=1.0"]}}}),
+                    ErrorCode::DEPS_UNSATISFIED,
+                    "PipRequirementUnsatisfied",
+                    "deps.pip is not satisfied: callreg-no-such-distribution>=1.0 (not installed)",
+                )
+            },
+        },
+        Case {
+            name: "metadata_unsatisfied_version_spec_is_named",
+            started: true,
+            run: |runtime, payloads| {
+                let serializer = read_text(payloads, "cloudpickle_version.txt")?;
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "deps": {"pip": {"packages": ["cloudpickle>=2", "cloudpickle>=99", "cloudpickle!=2.*"]}}}),
+                    ErrorCode::DEPS_UNSATISFIED,
+                    "PipRequirementUnsatisfied",
+                    &format!(
+                        "deps.pip is not satisfied: cloudpickle>=99 (installed {serializer}); \
+                         cloudpickle!=2.* (installed {serializer})"
+                    ),
+                )
+            },
+        },
+        Case {
+            name: "metadata_pip_marker_needs_packaging",
+            started: true,
+            run: |runtime, payloads| {
+                // With `packaging` in the target the marker is evaluated
+                // (false on Python 3, so the requirement does not apply);
+                // without it the requirement cannot be checked and is
+                // refused, never guessed.
+                let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+                let has_packaging = Command::new(python)
+                    .args(["-c", "import packaging.requirements"])
+                    .output()
+                    .map(|output| output.status.success())
+                    .map_err(|e| e.to_string())?;
+                let requirement = "cloudpickle>=99; python_version < \"3\"";
+                let metadata = serde_json::json!({"name": "marks", "deps": {"pip": {"packages": [requirement]}}});
+                if has_packaging {
+                    let metadata = CallableMetadata::from_json(&metadata.to_string())
+                        .map_err(|e| e.to_string())?;
+                    runtime
+                        .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                        .map_err(|e| e.to_string())?;
+                    let unpickled = unpickled_here(payloads);
+                    let _ = std::fs::remove_file(
+                        payloads
+                            .directory
+                            .join(format!("unpickled-{}", std::process::id())),
+                    );
+                    expect_eq("installed with packaging", unpickled, true)
+                } else {
+                    expect_refused(
+                        runtime,
+                        payloads,
+                        metadata,
+                        ErrorCode::DEPS_UNSATISFIED,
+                        "PipRequirementUnsatisfied",
+                        &format!(
+                            "deps.pip is not satisfied: {requirement} (cannot be checked: environment markers \
+                             need the `packaging` module, which is not installed)"
+                        ),
+                    )
+                }
+            },
+        },
+        Case {
+            name: "metadata_failing_bash_command_reports_status_and_stderr_tail",
+            started: true,
+            run: |runtime, payloads| {
+                let failing =
+                    "for i in 1 2 3 4 5 6 7 8 9 10 11 12; do echo \"line $i\" >&2; done; exit 3";
+                let tail: Vec<String> = (3..=12).map(|i| format!("line {i}")).collect();
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "deps": {"bash": {"commands": ["true", failing, "touch never"]}}}),
+                    ErrorCode::DEPS_UNSATISFIED,
+                    "BashCommandFailed",
+                    &format!(
+                        "deps.bash command 2 of 3 ({failing:?}) exited with status 3; stderr tail:\n{}",
+                        tail.join("\n")
+                    ),
+                )?;
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "deps": {"bash": {"commands": ["kill -9 $$"]}}}),
+                    ErrorCode::DEPS_UNSATISFIED,
+                    "BashCommandFailed",
+                    "deps.bash command 1 of 1 (\"kill -9 $$\") was killed by signal 9; its stderr was empty",
+                )
+            },
+        },
+        Case {
+            name: "metadata_bash_runs_once_per_install_before_deserializing",
+            started: true,
+            run: |runtime, payloads| {
+                let log = payloads
+                    .directory
+                    .join(format!("bash-{}", std::process::id()));
+                let marker = payloads
+                    .directory
+                    .join(format!("unpickled-{}", std::process::id()));
+                // Logs whether the payload had been unpickled when it ran.
+                let command = format!(
+                    "if [ -e '{}' ]; then echo after >> '{}'; else echo before >> '{}'; fi",
+                    marker.display(),
+                    log.display(),
+                    log.display()
+                );
+                let metadata = CallableMetadata::from_json(
+                    &serde_json::json!({"name": "marks", "deps": {"bash": {"commands": [command]}}}).to_string(),
+                )
+                .map_err(|e| e.to_string())?;
+                let callable = runtime
+                    .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                    .map_err(|e| e.to_string())?;
+                for _ in 0..3 {
+                    runtime
+                        .call(&callable, TaskEncoding::Json, br#"{"args": [1]}"#)
+                        .map_err(|e| e.to_string())?;
+                }
+                expect_eq(
+                    "log after one install and 3 tasks",
+                    read_text(payloads, &format!("bash-{}", std::process::id()))?,
+                    "before".to_owned(),
+                )?;
+                runtime
+                    .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                    .map_err(|e| e.to_string())?;
+                let log_text = read_text(payloads, &format!("bash-{}", std::process::id()))?;
+                let _ = std::fs::remove_file(&log);
+                let _ = std::fs::remove_file(&marker);
+                expect_eq(
+                    "log after a second install",
+                    log_text.as_str(),
+                    "before\nafter",
+                )
+            },
+        },
+        Case {
+            name: "metadata_unknown_executor_is_refused",
+            started: true,
+            run: |runtime, payloads| {
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "executor": "dask", "deps": {"bash": {"commands": ["touch never-run"]}}}),
+                    ErrorCode::EXECUTOR_UNKNOWN,
+                    "ExecutorUnknown",
+                    "no executor named \"dask\" in this target (known: python)",
+                )?;
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "executor_data": {"type": "DaskExecutor", "short_name": "python"}}),
+                    ErrorCode::EXECUTOR_UNKNOWN,
+                    "ExecutorTypeMismatch",
+                    "executor_data.type \"DaskExecutor\" does not match executor \"python\" (type \"PythonExecutor\")",
+                )
+            },
+        },
+        Case {
+            name: "metadata_unknown_executor_attribute_is_refused",
+            started: true,
+            run: |runtime, payloads| {
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "executor_data": {"type": "PythonExecutor", "short_name": "python", "attributes": {"capture_output": true, "colour": "red"}}}),
+                    ErrorCode::EXECUTOR_UNKNOWN,
+                    "ExecutorAttributeUnknown",
+                    "executor \"python\" has no attribute \"colour\" (known: capture_output)",
+                )?;
+                expect_refused(
+                    runtime,
+                    payloads,
+                    serde_json::json!({"name": "marks", "executor_data": {"type": "PythonExecutor", "short_name": "python", "attributes": {"capture_output": "yes"}}}),
+                    ErrorCode::METADATA_INVALID,
+                    "ExecutorAttributeInvalid",
+                    "executor \"python\" attribute \"capture_output\" must be a boolean, got a string",
+                )
+            },
+        },
+        Case {
+            name: "metadata_capture_output_returns_stdout_and_stderr",
+            started: true,
+            run: |runtime, payloads| {
+                let metadata = CallableMetadata::from_json(
+                    r#"{"name": "chatty", "executor": "python", "executor_data": {"type": "PythonExecutor", "short_name": "python", "attributes": {"capture_output": true}}}"#,
+                )
+                .map_err(|e| e.to_string())?;
+                let callable = runtime
+                    .install(payloads.get("chatty")?, Some(&metadata))
+                    .map_err(|e| e.to_string())?;
+                let result = runtime
+                    .call(&callable, TaskEncoding::Json, br#"{"args": [21]}"#)
+                    .map_err(|e| e.to_string())?;
+                expect_eq(
+                    "captured",
+                    String::from_utf8_lossy(&result).as_ref(),
+                    r#"{"result":42,"stdout":"to stdout 21\n","stderr":"to stderr\n"}"#,
+                )
+            },
+        },
+        Case {
+            name: "metadata_embedder_executor_with_attributes",
+            started: false,
+            run: |_, payloads| {
+                let runtime = PythonRuntime::new().with_executor(Arc::new(RepeatExecutor));
+                expect_eq(
+                    "executors",
+                    runtime.executor_names(),
+                    vec!["python".to_owned(), "repeat".to_owned()],
+                )?;
+                runtime.start().map_err(|e| e.to_string())?;
+                let metadata = CallableMetadata::from_json(
+                    r#"{"name": "square", "executor": "repeat", "executor_data": {"type": "RepeatExecutor", "short_name": "repeat", "attributes": {"times": 3}}}"#,
+                )
+                .map_err(|e| e.to_string())?;
+                let callable = runtime
+                    .install(payloads.get("lambda_square")?, Some(&metadata))
+                    .map_err(|e| e.to_string())?;
+                let result = runtime
+                    .call(&callable, TaskEncoding::Json, br#"{"args": [4]}"#)
+                    .map_err(|e| e.to_string())?;
+                expect_eq("repeated", result.as_slice(), b"[16,16,16]")
+            },
+        },
+        Case {
+            name: "metadata_call_before_result_passed_as_keyword",
+            started: true,
+            run: |runtime, payloads| {
+                // What the target loop does around a task: run the hook,
+                // merge its result under retval_keyword, run the task.
+                let hook = runtime
+                    .install(payloads.get("make_config")?, None)
+                    .map_err(|e| e.to_string())?;
+                let task = runtime
+                    .install(payloads.get("uses_config")?, None)
+                    .map_err(|e| e.to_string())?;
+                let hook_result = runtime
+                    .call(&hook, TaskEncoding::Json, br#"{"args": [5]}"#)
+                    .map_err(|e| e.to_string())?;
+                let input = merge_retval_keyword(br#"{"args": [7]}"#, "config", &hook_result)
+                    .map_err(|e| e.to_string())?;
+                let result = runtime
+                    .call(&task, TaskEncoding::Json, &input)
+                    .map_err(|e| e.to_string())?;
+                expect_eq("task with the hook's config", result.as_slice(), b"35")
+            },
+        },
         Case {
             name: "target_runs_the_producers_python_version",
             started: true,

@@ -1,8 +1,11 @@
 //! `callreg inspect [--json] FILE...`: validate envelopes (DESIGN.md §3.1)
-//! and show their header, PYTHON_SERIALIZED descriptor and hashid (§3.2).
+//! and show their header, PYTHON_SERIALIZED descriptor and hashid (§3.2),
+//! and the metadata side-car `FILE.json` when one exists next to the
+//! envelope (issue 7, `specs/metadata.md`).
 
 use callreg::descriptor::{Digest, PythonSerialized};
 use callreg::envelope::Envelope;
+use callreg::metadata::CallableMetadata;
 use serde::Serialize;
 
 use super::{read_input, report, write_stdout, CliError, EXIT_INVALID, EXIT_OK, EXIT_USAGE};
@@ -34,6 +37,13 @@ struct ValidReport<'a> {
     /// The 52 canonical descriptor bytes in lowercase hex.
     descriptor_hex: String,
     hashid: String,
+    /// The side-car's metadata (its JSON form), when `FILE.json` exists
+    /// and is valid.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata: Option<&'a CallableMetadata>,
+    /// Why `FILE.json` is not valid metadata (`at PATH: REASON`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata_error: Option<&'a str>,
 }
 
 /// What `--json` prints for an invalid envelope.
@@ -44,6 +54,12 @@ struct InvalidReport<'a> {
     /// The `EnvelopeError` variant name, e.g. `BadMagic`.
     error: &'static str,
     message: String,
+    /// As in [`ValidReport`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata: Option<&'a CallableMetadata>,
+    /// As in [`ValidReport`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metadata_error: Option<&'a str>,
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -90,7 +106,70 @@ fn inspect_bytes(staged: &[u8]) -> Row {
     }
 }
 
-fn json_line(file: &str, row: &Row) -> Result<String, CliError> {
+/// The side-car of one envelope: absent, valid metadata, or why not.
+enum Sidecar {
+    Absent,
+    Valid(Box<CallableMetadata>),
+    Invalid(String),
+}
+
+impl Sidecar {
+    /// Reads `FILE.json` next to the envelope `file` (never for stdin).
+    fn read(file: &str) -> Sidecar {
+        if file == "-" {
+            return Sidecar::Absent;
+        }
+        let path = callreg::metadata::sidecar_path(std::path::Path::new(file));
+        let path = path.display();
+        match std::fs::read_to_string(path.to_string()) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Sidecar::Absent,
+            Err(e) => Sidecar::Invalid(format!("cannot read {path}: {e}")),
+            Ok(text) => match CallableMetadata::from_json(&text) {
+                Ok(metadata) => Sidecar::Valid(Box::new(metadata)),
+                Err(e) => Sidecar::Invalid(format!("{path}: {e}")),
+            },
+        }
+    }
+
+    fn metadata(&self) -> Option<&CallableMetadata> {
+        match self {
+            Sidecar::Valid(m) => Some(m),
+            _ => None,
+        }
+    }
+
+    fn error(&self) -> Option<&str> {
+        match self {
+            Sidecar::Invalid(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The table's line for the side-car, or `None` when there is none.
+    fn table_line(&self) -> Option<String> {
+        match self {
+            Sidecar::Absent => None,
+            Sidecar::Invalid(e) => Some(format!("  metadata: invalid: {e}\n")),
+            Sidecar::Valid(m) => {
+                let python = m.python.as_ref().map_or_else(
+                    || "any".to_owned(),
+                    |p| format!("{} ({} {})", p.version, p.serializer, p.serializer_version),
+                );
+                Some(format!(
+                    "  metadata: name {:?}, executor {}, python {python}, pip [{}], bash {}, hooks {} before / {} after\n",
+                    m.name,
+                    m.executor_short_name(),
+                    m.deps.pip.packages.join(", "),
+                    m.deps.bash.commands.len(),
+                    m.call_before.len(),
+                    m.call_after.len()
+                ))
+            }
+        }
+    }
+}
+
+fn json_line(file: &str, row: &Row, sidecar: &Sidecar) -> Result<String, CliError> {
     let text = match row {
         Row::Valid(v) => serde_json::to_string(&ValidReport {
             file,
@@ -102,21 +181,25 @@ fn json_line(file: &str, row: &Row) -> Result<String, CliError> {
             payload_sha256: v.payload_sha256.to_hex(),
             descriptor_hex: hex(&v.descriptor),
             hashid: v.hashid.clone(),
+            metadata: sidecar.metadata(),
+            metadata_error: sidecar.error(),
         }),
         Row::Invalid { error, message } => serde_json::to_string(&InvalidReport {
             file,
             valid: false,
             error,
             message: message.clone(),
+            metadata: sidecar.metadata(),
+            metadata_error: sidecar.error(),
         }),
     };
     text.map_err(|e| CliError(format!("cannot format JSON for {file}: {e}")))
 }
 
-fn table(rows: &[(&str, Row)]) -> String {
+fn table(rows: &[(&str, Row, Sidecar)]) -> String {
     let width = rows
         .iter()
-        .map(|(f, _)| f.chars().count())
+        .map(|(f, _, _)| f.chars().count())
         .chain(std::iter::once(4))
         .max()
         .unwrap_or(4);
@@ -124,7 +207,7 @@ fn table(rows: &[(&str, Row)]) -> String {
         "{:<width$}  {:<5}  {:>12}  {:>12}  HASHID / ERROR\n",
         "FILE", "VALID", "PAYLOAD", "STAGED"
     );
-    for (file, row) in rows {
+    for (file, row, sidecar) in rows {
         let line = match row {
             Row::Valid(v) => format!(
                 "{file:<width$}  {:<5}  {:>12}  {:>12}  {}\n",
@@ -136,28 +219,33 @@ fn table(rows: &[(&str, Row)]) -> String {
             ),
         };
         out.push_str(&line);
+        if let Some(line) = sidecar.table_line() {
+            out.push_str(&line);
+        }
     }
     out
 }
 
-/// Inspects every file in order. Unreadable files are reported on stderr
-/// and skipped. Returns [`EXIT_USAGE`] if any file could not be read, else
-/// [`EXIT_INVALID`] if any envelope is invalid, else [`EXIT_OK`].
+/// Inspects every file in order, with its side-car `FILE.json` when one
+/// exists. Unreadable files are reported on stderr and skipped. Returns
+/// [`EXIT_USAGE`] if any file could not be read, else [`EXIT_INVALID`] if
+/// any envelope or side-car is invalid, else [`EXIT_OK`].
 ///
 /// # Errors
 /// [`CliError`] when stdout cannot be written.
 pub fn run(args: &Args) -> Result<u8, CliError> {
-    let mut rows: Vec<(&str, Row)> = Vec::with_capacity(args.files.len());
+    let mut rows: Vec<(&str, Row, Sidecar)> = Vec::with_capacity(args.files.len());
     let mut read_failed = false;
     for file in &args.files {
         match read_input(file) {
             Ok(staged) => {
                 let row = inspect_bytes(&staged);
+                let sidecar = Sidecar::read(file);
                 if args.json {
                     // Stream JSON lines so a long list shows progress.
-                    write_stdout(&(json_line(file, &row)? + "\n"))?;
+                    write_stdout(&(json_line(file, &row, &sidecar)? + "\n"))?;
                 }
-                rows.push((file, row));
+                rows.push((file, row, sidecar));
             }
             Err(CliError(message)) => {
                 report(&message);
@@ -168,7 +256,9 @@ pub fn run(args: &Args) -> Result<u8, CliError> {
     if !args.json && !rows.is_empty() {
         write_stdout(&table(&rows))?;
     }
-    let any_invalid = rows.iter().any(|(_, r)| matches!(r, Row::Invalid { .. }));
+    let any_invalid = rows.iter().any(|(_, r, sidecar)| {
+        matches!(r, Row::Invalid { .. }) || matches!(sidecar, Sidecar::Invalid(_))
+    });
     Ok(if read_failed {
         EXIT_USAGE
     } else if any_invalid {

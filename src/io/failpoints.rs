@@ -13,26 +13,37 @@
 //! A `return(ARG)` action is mapped by [`hit`]: `return(exit)` ends the
 //! process at once with `_exit(`[`ABRUPT_EXIT_CODE`]`)` (no destructor, no
 //! reply: a crash), `return(abort)` calls `abort()` (SIGABRT), and any other
-//! `return(MESSAGE)` makes the point fail with that message.
+//! `return(MESSAGE)` makes the point fail with that message — except at the
+//! points that come after a decision was made (`target.after_install`,
+//! `target.reply_delay`, `parent.before_publish`), where a refusal would lie
+//! to the other side, so any `return(…)` ends the process there.
 //!
 //! Without the feature every point is a no-op that the compiler removes.
 
 /// Target: a register control was validated, before it is installed
-/// (deserialized or refcounted).
+/// (deserialized or refcounted); also before each startup snapshot entry.
+/// `return(MESSAGE)`: the register is refused with `IO_FAILED`.
 pub const TARGET_BEFORE_INSTALL: &str = "target.before_install";
-/// Target: a register was installed, before its reply is sent.
+/// Target: a register (or snapshot entry) was installed, before its reply.
+/// The install already happened, so any `return(…)` ends the target.
 pub const TARGET_AFTER_INSTALL: &str = "target.after_install";
 /// Target: an unregister control arrived, before it is applied.
+/// `return(MESSAGE)`: the target refuses it with `IO_FAILED`, changing
+/// nothing (the parent then marks the digest uncertain).
 pub const TARGET_BEFORE_UNREGISTER: &str = "target.before_unregister";
 /// Target: deserializing a payload; `return(MESSAGE)` makes the runtime's
 /// deserialization fail with `DESERIALIZE_FAILED` and MESSAGE.
 pub const TARGET_DESERIALIZE: &str = "target.deserialize";
-/// Target: before any reply is written (use `sleep(MS)` to delay replies).
+/// Target: before any frame is written to the parent (Ready, replies, task
+/// results); `sleep(MS)` delays it, any `return(…)` ends the target.
 pub const TARGET_REPLY_DELAY: &str = "target.reply_delay";
 /// Parent: a payload was staged, before its register controls are sent.
+/// `return(MESSAGE)`: staging is reported failed (`IO_FAILED`) and the
+/// register completes with that error, no target involved.
 pub const PARENT_AFTER_STAGE: &str = "parent.after_stage";
 /// Parent: every target in scope confirmed a register, before the handle is
-/// published.
+/// handed to the caller; `sleep(MS)` delays it, any `return(…)` ends the
+/// parent process (the machine already published).
 pub const PARENT_BEFORE_PUBLISH: &str = "parent.before_publish";
 
 /// Every fail point, for tests that iterate over them.

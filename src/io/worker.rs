@@ -434,6 +434,17 @@ pub struct Worker<R: Runtime> {
     io_thread: Mutex<Option<JoinHandle<()>>>,
 }
 
+// A Worker is shared between threads: fail the build if a field breaks it.
+const _: () = {
+    fn send_sync<T: Send + Sync>() {}
+    #[allow(dead_code)]
+    fn worker_is_send_and_sync<R: Runtime>() {
+        send_sync::<Worker<R>>();
+        send_sync::<PendingOperation<Handle>>();
+        send_sync::<PendingTask>();
+    }
+};
+
 fn now_since(clock: Instant) -> Time {
     Time(u64::try_from(clock.elapsed().as_micros()).unwrap_or(u64::MAX))
 }
@@ -1314,6 +1325,7 @@ impl IoLoop {
                     self.flush(core, usize::from(target.0));
                 }
             }
+            // `run` takes a close out of the queue itself (step 1).
             Request::Close => {}
         }
         self.drain(core, &mut context);

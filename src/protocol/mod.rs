@@ -28,6 +28,14 @@
 //! (a pipe is FIFO); frames to different targets may interleave freely.
 //! The exact loop an IO layer runs, step by step, is in `specs/protocol.md`.
 //!
+//! # Plain data as JSON
+//!
+//! [`Handle`], [`Failure`], [`TargetOutcome`], [`TargetOutcomeEntry`],
+//! [`RegistrySnapshot`] ([`Parent::registry_snapshot`]) and
+//! [`TargetSnapshot`] ([`Target::snapshot`]), like [`crate::error::Error`],
+//! have `to_json`, `to_json_pretty` and a strict `from_json` naming the
+//! offending field (`specs/metadata.md` §7). None of them holds a slot.
+//!
 //! [`invariants`] holds DESIGN.md §4.4's invariants as pure predicates over
 //! a [`invariants::View`] of both machines and the frames in transit; the
 //! model checker and the tests call the same functions.
@@ -39,10 +47,14 @@ use serde::{Deserialize, Serialize};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode};
 
+mod forms;
 pub mod invariants;
 mod parent;
 mod target;
 
+pub use forms::{
+    DigestCount, InstalledDigest, RegistrySnapshot, TargetOutcomeEntry, TargetSnapshot,
+};
 pub use parent::{Completion, Effect, Handle, Lifecycle, Parent, ParentConfig, TargetOutcome};
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
 
@@ -187,7 +199,12 @@ impl ControlFrame {
 /// A failure as it travels in a reply, or as the IO layer reports it to a
 /// machine (e.g. the staged payload could not be opened): a code and the
 /// full UTF-8 message (never truncated).
+///
+/// JSON form ([`Failure::to_json`], strict [`Failure::from_json`]):
+/// `{"code": "DIGEST_NOT_INSTALLED", "message": "…"}`, the code by its
+/// text name.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Failure {
     /// What kind of failure.
     pub code: ErrorCode,

@@ -49,7 +49,10 @@ pub struct ParentConfig {
 ///   New ──start()──▶ Started ──close()──▶ Closed
 ///    └──────────────close()───────────────▲
 /// ```
+///
+/// Text form (serde): `"new"`, `"started"`, `"closed"`.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Lifecycle {
     /// No target exists yet: registrations only touch the registry and
     /// the startup snapshot.
@@ -62,7 +65,13 @@ pub enum Lifecycle {
 
 /// A registered callable as the user holds it: plain data, serializable,
 /// checked field by field when it comes back (DESIGN.md §4.1).
+///
+/// JSON form ([`Handle::to_json`], strict [`Handle::from_json`]; no other
+/// field, and no slot, is part of it):
+/// `{"namespace": "LOCAL_PYTHON", "hashid": "sha256:…", "handle_id": 1, "owner": 7}`
+/// — `handle_id` and `owner` are unsigned 64-bit integers.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Handle {
     /// The namespace it was registered in.
     pub namespace: Namespace,
@@ -84,8 +93,13 @@ impl Handle {
 
 /// What one target did for a completed operation (reported in
 /// [`Effect::Completed`], one per target in the operation's scope).
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case")]
+///
+/// JSON form ([`TargetOutcome::to_json`], strict
+/// [`TargetOutcome::from_json`]): `{"outcome": "ok"}`, or for the two
+/// variants with a failure `{"outcome": "failed", "failure": {"code":
+/// "DESERIALIZE_FAILED", "message": "…"}}`; the names are the variants'
+/// in `snake_case`. With the target's id: [`super::TargetOutcomeEntry`].
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub enum TargetOutcome {
     /// Replied OK.
     Ok,
@@ -1071,6 +1085,61 @@ impl Parent {
     /// Whether no operation is in flight and no effect waits to be polled.
     pub fn is_idle(&self) -> bool {
         self.ops.is_empty() && self.effects.is_empty()
+    }
+
+    /// Whether an operation in flight still waits for `target`'s answer to
+    /// `seq` (a register, unregister or cleanup control). A reply for which
+    /// this is `false` is late or duplicate: [`Parent::handle_reply`] then
+    /// marks its digest uncertain. The model checker uses it to name late
+    /// replies in its traces; an IO layer may use it to log them.
+    pub fn awaits_reply(&self, target: TargetId, seq: Seq) -> bool {
+        self.ops.values().any(|op| match op.scope.get(&target) {
+            Some(Progress::Pending) => op.seq == seq,
+            Some(Progress::CleanupPending) => matches!(
+                op.kind,
+                OpKind::Register { cleanup: Some((cleanup, _)), .. } if cleanup == seq
+            ),
+            _ => false,
+        })
+    }
+
+    /// A copy of this parent with every target id `t` renamed
+    /// `permutation[t]` (in the lost set, the scopes and confirmations of
+    /// handles and operations, and undrained effects); ids without an entry
+    /// keep their value. `permutation` must be a permutation of
+    /// `0..targets` for the copy to be a parent this one could have been.
+    ///
+    /// Targets are interchangeable in the protocol (no decision depends on
+    /// a target's id, only messages name it), so the model checker uses
+    /// this for symmetry reduction. Messages already written (failures in
+    /// replies) keep the id they name.
+    pub fn relabel_targets(&self, permutation: &[TargetId]) -> Parent {
+        let map = |t: &TargetId| permutation.get(usize::from(t.0)).copied().unwrap_or(*t);
+        let mut copy = self.clone();
+        copy.lost = self.lost.iter().map(map).collect();
+        for record in copy.handles.values_mut() {
+            record.scope = record.scope.iter().map(map).collect();
+            record.confirmed = record.confirmed.iter().map(map).collect();
+        }
+        for op in copy.ops.values_mut() {
+            op.scope = std::mem::take(&mut op.scope)
+                .into_iter()
+                .map(|(t, p)| (map(&t), p))
+                .collect();
+        }
+        for effect in copy.effects.iter_mut() {
+            match effect {
+                Effect::Send { target, .. } | Effect::Fence { target } => *target = map(target),
+                Effect::Completed { outcomes, .. } => {
+                    for (target, _) in outcomes.iter_mut() {
+                        *target = map(target);
+                    }
+                    outcomes.sort();
+                }
+                Effect::Stage { .. } | Effect::ReleaseStaged { .. } => {}
+            }
+        }
+        copy
     }
 
     fn mark_uncertain(&mut self, digest: Digest) {

@@ -245,6 +245,26 @@ impl Target {
         !self.pending.is_empty()
     }
 
+    /// The tombstoned slots (unresolvable, still held by a run), in slot
+    /// order. The model checker watches them to show that a slot is reused
+    /// only after its tombstone is freed (invariant 4).
+    pub fn tombstoned_slots(&self) -> Vec<Slot> {
+        self.slots
+            .iter()
+            .filter(|(_, u)| u.state == SlotState::Tombstoned)
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
+    /// This target renamed `id` (everything else unchanged). Targets are
+    /// interchangeable in the protocol, so the model checker uses this with
+    /// [`super::Parent::relabel_targets`] for symmetry reduction.
+    pub fn relabeled(&self, id: TargetId) -> Target {
+        let mut copy = self.clone();
+        copy.config.id = id;
+        copy
+    }
+
     /// The next effect, oldest first; `None` when drained.
     pub fn poll_effect(&mut self) -> Option<TargetEffect> {
         self.effects.pop_front()

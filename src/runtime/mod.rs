@@ -6,6 +6,7 @@
 //! `fork`, and [`Runtime::start`]ed once in each target.
 
 use crate::error::ErrorCode;
+use crate::metadata::CallableMetadata;
 
 #[cfg(feature = "python")]
 pub mod python;
@@ -54,6 +55,29 @@ pub trait Runtime: Send + Sync + 'static {
     /// message; the target stays alive and installs nothing.
     fn deserialize(&self, payload: &[u8]) -> Result<Self::Callable, RuntimeError>;
 
+    /// Installs a payload with its registration's metadata (issue 7,
+    /// `specs/metadata.md`): makes the checks the metadata asks for, then
+    /// deserializes. Nothing is deserialized when a check fails.
+    ///
+    /// This provided version honours no metadata itself: it deserializes
+    /// when `metadata` is `None` or asks for nothing a runtime must do (a
+    /// name and hooks only — hooks are run by the target loop), and refuses
+    /// the rest ([`refuse_unhonoured_metadata`]). Runtimes that can check
+    /// versions, dependencies and executors (`PythonRuntime`) override it.
+    ///
+    /// # Errors
+    /// As [`refuse_unhonoured_metadata`], then as [`Runtime::deserialize`].
+    fn install(
+        &self,
+        payload: &[u8],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<Self::Callable, RuntimeError> {
+        if let Some(metadata) = metadata {
+            refuse_unhonoured_metadata(metadata)?;
+        }
+        self.deserialize(payload)
+    }
+
     /// Runs one task on `callable` with `input` encoded as `encoding`;
     /// returns the result encoded the same way.
     ///
@@ -65,4 +89,78 @@ pub trait Runtime: Send + Sync + 'static {
         encoding: TaskEncoding,
         input: &[u8],
     ) -> Result<Vec<u8>, RuntimeError>;
+}
+
+/// Refuses metadata that a runtime without version, dependency or executor
+/// support cannot honour, so that a registration never silently skips a
+/// check its producer asked for.
+///
+/// # Errors
+/// In this order: `EXECUTOR_UNKNOWN` (kind `ExecutorUnknown`) when
+/// `executor` or `executor_data` is given; `METADATA_INVALID` (kind
+/// `MetadataUnsupported`) naming `python` when versions are given, or
+/// `deps` when a pip requirement or bash command is.
+pub fn refuse_unhonoured_metadata(metadata: &CallableMetadata) -> Result<(), RuntimeError> {
+    if metadata.executor.is_some() || metadata.executor_data.is_some() {
+        return Err(RuntimeError {
+            code: ErrorCode::EXECUTOR_UNKNOWN,
+            kind: "ExecutorUnknown".to_owned(),
+            message: format!(
+                "executor {:?} is unknown: this runtime has no executors",
+                metadata.executor_short_name()
+            ),
+        });
+    }
+    let unsupported = |field: &str| RuntimeError {
+        code: ErrorCode::METADATA_INVALID,
+        kind: "MetadataUnsupported".to_owned(),
+        message: format!("this runtime cannot honour the metadata field {field:?}"),
+    };
+    if metadata.python.is_some() {
+        return Err(unsupported("python"));
+    }
+    if !metadata.deps.is_empty() {
+        return Err(unsupported("deps"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_provided_install_refuses_what_it_cannot_honour() {
+        let parse = |text: &str| CallableMetadata::from_json(text).unwrap();
+        let hashid = "sha256:8d96f0f9bfdddf028d9c22f471496088efc60377264fc7b3d6382f32782ecbd1";
+        assert_eq!(
+            refuse_unhonoured_metadata(&parse(&format!(
+                r#"{{"name": "f", "call_before": [{{"hashid": "{hashid}", "retval_keyword": "c"}}]}}"#
+            ))),
+            Ok(())
+        );
+        let refused = |text: &str| refuse_unhonoured_metadata(&parse(text)).unwrap_err();
+        assert_eq!(
+            refused(r#"{"name": "f", "executor": "python"}"#),
+            RuntimeError {
+                code: ErrorCode::EXECUTOR_UNKNOWN,
+                kind: "ExecutorUnknown".into(),
+                message: "executor \"python\" is unknown: this runtime has no executors".into(),
+            }
+        );
+        assert_eq!(
+            refused(
+                r#"{"name": "f", "python": {"version": "3.11", "serializer": "cloudpickle", "serializer_version": "2"}}"#
+            ),
+            RuntimeError {
+                code: ErrorCode::METADATA_INVALID,
+                kind: "MetadataUnsupported".into(),
+                message: "this runtime cannot honour the metadata field \"python\"".into(),
+            }
+        );
+        assert_eq!(
+            refused(r#"{"name": "f", "deps": {"bash": {"commands": ["true"]}}}"#).message,
+            "this runtime cannot honour the metadata field \"deps\""
+        );
+    }
 }

@@ -21,17 +21,30 @@
 //!   interval (5 ms by default).
 //! * Each thread that calls the runtime keeps its Python thread state until
 //!   it exits, instead of creating and destroying one per call.
+//! * [`Runtime::install`] with metadata checks versions and dependencies and
+//!   rehydrates the executor before anything is unpickled (issue 7,
+//!   `specs/metadata.md`); executors come from a registry by short name
+//!   ([`PythonExecutor`], [`PythonRuntime::with_executor`]).
 
 use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::ffi::c_char;
-use std::sync::OnceLock;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
 use pyo3::{ffi, PyErr};
 
+use serde_json::{Map, Value};
+
 use super::{Runtime, RuntimeError, TaskEncoding};
 use crate::error::ErrorCode;
+use crate::metadata::{CallableMetadata, ExecutorSpec, RehydrateError, DEFAULT_EXECUTOR};
+
+mod checks;
+
+pub use checks::{BASH_SHELL, BASH_STDERR_TAIL_BYTES, BASH_STDERR_TAIL_LINES};
 
 /// How many of the innermost traceback frames a task failure's message keeps.
 pub const TRACEBACK_FRAMES_KEPT: usize = 6;
@@ -54,12 +67,109 @@ const KIND_INPUT_INVALID: &str = "TaskInputInvalid";
 /// and `build.rs` records its library directory as the RUNPATH. Payloads
 /// must come from the same Python minor version: cloudpickled code objects
 /// are version-specific.
-#[derive(Debug, Default)]
 pub struct PythonRuntime {
     /// Functions looked up once by [`PythonRuntime::start`]; empty in the
     /// parent and in a target that has not started.
     functions: OnceLock<PythonFunctions>,
+    /// The executor registry, by short name; built in the parent, before
+    /// the fork, so every target has the same one.
+    executors: BTreeMap<String, Arc<dyn PythonExecutor>>,
 }
+
+impl fmt::Debug for PythonRuntime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PythonRuntime")
+            .field("started", &self.functions.get().is_some())
+            .field("executors", &self.executors.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Default for PythonRuntime {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// An executor a Python target can rehydrate from metadata by its short
+/// name (DESIGN.md §6, the transport-graph `executor` / `executor_data`
+/// convention): it decides how a task of an installed callable runs.
+///
+/// Embedders add their own with [`PythonRuntime::with_executor`]; the
+/// built-in one is [`InterpreterExecutor`] (`"python"`).
+pub trait PythonExecutor: Send + Sync + 'static {
+    /// The registry entry: short name, type name (what `executor_data.type`
+    /// must say) and every attribute with its default (the default's JSON
+    /// type is the attribute's type).
+    fn spec(&self) -> ExecutorSpec;
+
+    /// Runs one task: `callable(*args, **kwargs)` as this executor does it,
+    /// with the attributes rehydrated at install ([`ExecutorSpec::rehydrate`]).
+    /// The returned object is encoded as the task's result.
+    ///
+    /// # Errors
+    /// A Python exception, reported as `TASK_FAILED` with its type, message
+    /// and traceback.
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        attributes: &Map<String, Value>,
+        callable: &Bound<'py, PyAny>,
+        args: &Bound<'py, PyTuple>,
+        kwargs: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyAny>>;
+}
+
+/// The built-in executor `"python"` (type `PythonExecutor`): runs the call
+/// in the target's own interpreter, on the task thread.
+///
+/// Attribute `capture_output` (boolean, default `false`): when true, the
+/// task's result is the object
+/// `{"result": RESULT, "stdout": "TEXT", "stderr": "TEXT"}`, the text that
+/// Python code wrote to `sys.stdout` and `sys.stderr` during the call
+/// (`contextlib.redirect_stdout`/`redirect_stderr`; writes to the file
+/// descriptors by C code or subprocesses are not captured, and the capture
+/// is discarded when the call raises).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct InterpreterExecutor;
+
+/// Short name of [`InterpreterExecutor`].
+pub const INTERPRETER_EXECUTOR: &str = DEFAULT_EXECUTOR;
+
+/// Type name of [`InterpreterExecutor`] in `executor_data.type`.
+pub const INTERPRETER_EXECUTOR_TYPE: &str = "PythonExecutor";
+
+impl PythonExecutor for InterpreterExecutor {
+    fn spec(&self) -> ExecutorSpec {
+        let mut defaults = Map::new();
+        defaults.insert("capture_output".to_owned(), Value::Bool(false));
+        ExecutorSpec::new(INTERPRETER_EXECUTOR, INTERPRETER_EXECUTOR_TYPE, defaults)
+    }
+
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        attributes: &Map<String, Value>,
+        callable: &Bound<'py, PyAny>,
+        args: &Bound<'py, PyTuple>,
+        kwargs: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let capture = attributes
+            .get("capture_output")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        if capture {
+            py.import(HELPERS_MODULE)?
+                .getattr("call_capturing")?
+                .call1((callable, args, kwargs))
+        } else {
+            callable.call(args, Some(kwargs))
+        }
+    }
+}
+
+/// Name of the helper module compiled at start (`checks::HELPERS_SOURCE`).
+const HELPERS_MODULE: &str = "_callreg_metadata";
 
 /// The standard-library functions the runtime calls, imported once per
 /// target.
@@ -77,6 +187,8 @@ struct PythonFunctions {
     json_dumps: Py<PyAny>,
     /// `traceback.format_tb`.
     format_tb: Py<PyAny>,
+    /// The `_callreg_metadata` helper module (metadata checks, output capture).
+    helpers: Py<PyModule>,
 }
 
 /// A deserialized Python callable, held in a target slot.
@@ -88,12 +200,96 @@ struct PythonFunctions {
 #[derive(Debug)]
 pub struct PythonCallable {
     object: Py<PyAny>,
+    /// The rehydrated executor, when installed with metadata; `None` calls
+    /// the object directly (as [`InterpreterExecutor`] with its defaults).
+    executor: Option<InstalledExecutor>,
+}
+
+/// An executor and the attributes rehydrated for one callable.
+struct InstalledExecutor {
+    executor: Arc<dyn PythonExecutor>,
+    attributes: Map<String, Value>,
+}
+
+impl fmt::Debug for InstalledExecutor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InstalledExecutor")
+            .field("short_name", &self.executor.spec().short_name)
+            .field("attributes", &self.attributes)
+            .finish()
+    }
+}
+
+impl PythonCallable {
+    /// The short name of the executor that runs its tasks (`"python"` for
+    /// a callable installed without metadata).
+    pub fn executor_short_name(&self) -> String {
+        self.executor.as_ref().map_or_else(
+            || INTERPRETER_EXECUTOR.to_owned(),
+            |e| e.executor.spec().short_name,
+        )
+    }
+
+    /// The executor's rehydrated attributes (the defaults of
+    /// [`InterpreterExecutor`] without metadata).
+    pub fn executor_attributes(&self) -> Map<String, Value> {
+        self.executor.as_ref().map_or_else(
+            || InterpreterExecutor.spec().defaults,
+            |e| e.attributes.clone(),
+        )
+    }
 }
 
 impl PythonRuntime {
-    /// A runtime that has not started: cheap, touches no Python.
+    /// A runtime that has not started: cheap, touches no Python. Its
+    /// executor registry holds the built-in [`InterpreterExecutor`].
     pub fn new() -> Self {
-        Self::default()
+        let mut executors: BTreeMap<String, Arc<dyn PythonExecutor>> = BTreeMap::new();
+        executors.insert(
+            INTERPRETER_EXECUTOR.to_owned(),
+            Arc::new(InterpreterExecutor),
+        );
+        PythonRuntime {
+            functions: OnceLock::new(),
+            executors,
+        }
+    }
+
+    /// Adds (or replaces, by short name) an executor in the registry. Call
+    /// it in the parent, before targets are forked.
+    pub fn with_executor(mut self, executor: Arc<dyn PythonExecutor>) -> Self {
+        self.executors.insert(executor.spec().short_name, executor);
+        self
+    }
+
+    /// The short names of the registered executors, sorted.
+    pub fn executor_names(&self) -> Vec<String> {
+        self.executors.keys().cloned().collect()
+    }
+
+    /// Looks up and rehydrates the executor `metadata` names (pure: no Python).
+    ///
+    /// # Errors
+    /// `EXECUTOR_UNKNOWN` with kind `ExecutorUnknown` for a short name not
+    /// in the registry; then as [`rehydrate_error`].
+    fn rehydrate(&self, metadata: &CallableMetadata) -> Result<InstalledExecutor, RuntimeError> {
+        let short_name = metadata.executor_short_name();
+        let executor = self.executors.get(short_name).ok_or_else(|| RuntimeError {
+            code: ErrorCode::EXECUTOR_UNKNOWN,
+            kind: "ExecutorUnknown".to_owned(),
+            message: format!(
+                "no executor named {short_name:?} in this target (known: {})",
+                self.executor_names().join(", ")
+            ),
+        })?;
+        let attributes = executor
+            .spec()
+            .rehydrate(metadata.executor_data.as_ref())
+            .map_err(rehydrate_error)?;
+        Ok(InstalledExecutor {
+            executor: Arc::clone(executor),
+            attributes,
+        })
     }
 
     /// Whether the Python interpreter is initialised in the calling
@@ -174,6 +370,12 @@ impl Runtime for PythonRuntime {
                 // cloudpickle payload without it fails with a clear
                 // `ModuleNotFoundError` when deserialized.
                 let _ = py.import("cloudpickle");
+                let helpers = PyModule::from_code(
+                    py,
+                    checks::HELPERS_SOURCE,
+                    c"_callreg_metadata.py",
+                    c"_callreg_metadata",
+                )?;
                 Ok(PythonFunctions {
                     pickle_loads: pickle.getattr("loads")?.unbind(),
                     pickle_dumps: pickle.getattr("dumps")?.unbind(),
@@ -181,6 +383,7 @@ impl Runtime for PythonRuntime {
                     json_loads: json.getattr("loads")?.unbind(),
                     json_dumps: json.getattr("dumps")?.unbind(),
                     format_tb: traceback.getattr("format_tb")?.unbind(),
+                    helpers: helpers.unbind(),
                 })
             };
             import().map_err(|err| {
@@ -237,8 +440,62 @@ impl Runtime for PythonRuntime {
             }
             Ok(PythonCallable {
                 object: object.unbind(),
+                executor: None,
             })
         })
+    }
+
+    /// Installs a payload with its metadata (issue 7, `specs/metadata.md`).
+    /// The checks run in this order, and the first failure ends the install
+    /// before anything is unpickled:
+    ///
+    /// 1. `python.version` against this interpreter (major.minor), then
+    ///    `python.serializer` / `serializer_version` against the installed
+    ///    cloudpickle (name and major version);
+    /// 2. the executor: looked up by short name in the registry, then
+    ///    rehydrated (defaults, then a deep copy of `executor_data.attributes`);
+    /// 3. each `deps.pip` requirement against the installed distributions
+    ///    (`importlib.metadata`; `packaging` when installed, else
+    ///    [`crate::metadata::pip`]); never installs anything;
+    /// 4. each `deps.bash` command, once per install, with `/bin/sh -c`;
+    /// 5. [`Runtime::deserialize`].
+    ///
+    /// Hooks (`call_before` / `call_after`) are not run here: the target
+    /// loop runs them around each task. Without metadata this is
+    /// [`Runtime::deserialize`].
+    ///
+    /// # Errors
+    /// `PYTHON_VERSION_MISMATCH` (kinds `PythonVersionMismatch`,
+    /// `SerializerMismatch`) naming both versions; `EXECUTOR_UNKNOWN` (kinds
+    /// `ExecutorUnknown`, `ExecutorAttributeUnknown`, `ExecutorTypeMismatch`)
+    /// naming the executor or attribute; `METADATA_INVALID` (kind
+    /// `ExecutorAttributeInvalid`) for an attribute of the wrong JSON type;
+    /// `DEPS_UNSATISFIED` (kind `PipRequirementUnsatisfied`) naming every
+    /// unsatisfied requirement, or (kind `BashCommandFailed`) naming the
+    /// command, its exit status and the tail of its stderr; then as
+    /// [`Runtime::deserialize`]. `LIFECYCLE_INVALID` before [`Runtime::start`].
+    fn install(
+        &self,
+        payload: &[u8],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<PythonCallable, RuntimeError> {
+        let functions = self.functions()?;
+        let Some(metadata) = metadata else {
+            return self.deserialize(payload);
+        };
+        if let Some(wanted) = &metadata.python {
+            Python::attach(|py| checks::check_versions(py, functions, wanted))?;
+        }
+        let executor = self.rehydrate(metadata)?;
+        if !metadata.deps.pip.packages.is_empty() {
+            Python::attach(|py| checks::check_pip(py, functions, &metadata.deps.pip.packages))?;
+        }
+        // Without the GIL: a command may take long, and the task thread
+        // keeps running Python meanwhile.
+        checks::run_bash(&metadata.deps.bash.commands)?;
+        let mut callable = self.deserialize(payload)?;
+        callable.executor = Some(executor);
+        Ok(callable)
     }
 
     /// Runs one task: calls `callable(*args, **kwargs)`.
@@ -274,16 +531,37 @@ impl Runtime for PythonRuntime {
                 TaskEncoding::Json => json_input(py, functions, input)?,
                 TaskEncoding::Pickle => pickle_input(py, functions, input)?,
             };
-            let result = callable
-                .object
-                .bind(py)
-                .call(args, Some(&kwargs))
-                .map_err(|err| task_failure(py, functions, &err))?;
+            let object = callable.object.bind(py);
+            let result = match &callable.executor {
+                Some(installed) => {
+                    installed
+                        .executor
+                        .call(py, &installed.attributes, object, &args, &kwargs)
+                }
+                None => object.call(args, Some(&kwargs)),
+            }
+            .map_err(|err| task_failure(py, functions, &err))?;
             match encoding {
                 TaskEncoding::Json => json_result(py, functions, &result),
                 TaskEncoding::Pickle => pickle_result(py, functions, &result),
             }
         })
+    }
+}
+
+/// The [`RuntimeError`] of a failed rehydration: the code of
+/// [`RehydrateError::code`], kind `ExecutorTypeMismatch`,
+/// `ExecutorAttributeUnknown` or `ExecutorAttributeInvalid`, and its text.
+fn rehydrate_error(error: RehydrateError) -> RuntimeError {
+    let kind = match error {
+        RehydrateError::TypeMismatch { .. } => "ExecutorTypeMismatch",
+        RehydrateError::AttributeUnknown { .. } => "ExecutorAttributeUnknown",
+        RehydrateError::AttributeType { .. } => "ExecutorAttributeInvalid",
+    };
+    RuntimeError {
+        code: error.code(),
+        kind: kind.to_owned(),
+        message: error.to_string(),
     }
 }
 

@@ -1,0 +1,415 @@
+//! The model checker on small configurations (`specs/model.md`): pinned
+//! state counts (a change in the state space is noticed), witnesses of every
+//! `sometimes` property, every mutant caught with a counterexample while the
+//! real code passes, symmetry reduction giving the same verdicts as the full
+//! state space, and the command's `--json` line.
+//!
+//! Runs single-threaded so that the counts are reproducible; plain
+//! `cargo test -p callreg-model` (no fork, no shared state).
+
+#[cfg(feature = "mutants")]
+use callreg::protocol::Mutant;
+#[cfg(feature = "mutants")]
+use callreg_model::model::{mutant_name, mutant_named};
+use callreg_model::model::{ModelConfig, RegistrationModel};
+use callreg_model::properties::*;
+use callreg_model::run::{check, Outcome, SearchOptions};
+use callreg_model::script::Script;
+
+fn script(name: &str) -> Script {
+    Script::named(name).unwrap()
+}
+
+/// `name` on `targets` targets, no fault, no task, fencing on, 2 slots.
+fn quiet(targets: u16, name: &str) -> ModelConfig {
+    ModelConfig::fault_free(targets, script(name))
+}
+
+fn run(config: ModelConfig, symmetry: bool) -> Outcome {
+    let model = RegistrationModel::new(config).unwrap();
+    let options = SearchOptions {
+        symmetry,
+        threads: 1,
+        ..SearchOptions::default()
+    };
+    check(model, &options)
+}
+
+fn violated(outcome: &Outcome) -> Vec<&str> {
+    let mut names: Vec<&str> = outcome
+        .violations
+        .iter()
+        .map(|v| v.property.as_str())
+        .collect();
+    names.sort();
+    names
+}
+
+fn assert_passes(outcome: &Outcome) {
+    assert!(outcome.complete, "incomplete run");
+    assert_eq!(
+        violated(outcome),
+        Vec::<&str>::new(),
+        "{:#?}",
+        outcome.violations
+    );
+}
+
+#[test]
+fn fault_free_scripts_pass_with_pinned_state_counts() {
+    let expected = [
+        ("single-register", 17),
+        ("duplicate-register", 161),
+        ("register-unregister-same-digest", 134),
+        ("two-digests", 233),
+        ("snapshot-then-operations", 127),
+    ];
+    for (name, unique) in expected {
+        let outcome = run(quiet(2, name), false);
+        assert_passes(&outcome);
+        assert_eq!(outcome.unique_states, unique, "{name} on 2 targets");
+        assert!(
+            outcome.witnessed.contains(&SOMETIMES_PUBLISH.to_owned()),
+            "{name}"
+        );
+    }
+}
+
+/// A small configuration with every fault: 2 targets, 1 crash,
+/// 1 deserialization failure, 1 corruption, 1 deadline, 1 task.
+fn faulty(name: &str, fence: bool) -> ModelConfig {
+    ModelConfig {
+        targets: 2,
+        fence_on_timeout: fence,
+        ..ModelConfig {
+            script: script(name),
+            ..ModelConfig::standard()
+        }
+    }
+}
+
+#[test]
+fn a_staging_failure_fails_the_register_before_any_target_sees_it() {
+    let config = ModelConfig {
+        stage_failures: 1,
+        ..quiet(2, "single-register")
+    };
+    let outcome = run(config, false);
+    assert_passes(&outcome);
+    // One more state than without the fault: the register completed with
+    // the staging error and nothing in transit.
+    assert_eq!(outcome.unique_states, 18);
+}
+
+#[test]
+fn faulty_configurations_pass_with_pinned_state_counts() {
+    let expected = [
+        ("single-register", true, 352),
+        ("single-register", false, 855),
+        ("register-unregister-same-digest", true, 14526),
+        ("snapshot-then-operations", true, 17816),
+    ];
+    for (name, fence, unique) in expected {
+        let outcome = run(faulty(name, fence), false);
+        assert_passes(&outcome);
+        assert_eq!(outcome.unique_states, unique, "{name}, fence {fence}");
+    }
+}
+
+#[test]
+fn every_sometimes_property_is_witnessed() {
+    let fenced = run(faulty("register-unregister-same-digest", true), false);
+    let unfenced = run(faulty("single-register", false), false);
+    let snapshot = run(faulty("snapshot-then-operations", true), false);
+    let witnessed = |o: &Outcome, name: &str| o.witnessed.iter().any(|w| w == name);
+    assert!(witnessed(&fenced, SOMETIMES_PUBLISH));
+    assert!(witnessed(&fenced, SOMETIMES_ROLLBACK));
+    assert!(witnessed(&fenced, SOMETIMES_INTERLEAVE));
+    assert!(witnessed(&fenced, SOMETIMES_SLOT_REUSE));
+    // With fencing, a silent target is killed: nothing becomes uncertain
+    // through a deadline and no reply can arrive late.
+    assert!(!witnessed(&fenced, SOMETIMES_UNCERTAIN));
+    assert!(!witnessed(&fenced, SOMETIMES_LATE_REPLY));
+    assert!(witnessed(&unfenced, SOMETIMES_UNCERTAIN));
+    assert!(witnessed(&unfenced, SOMETIMES_LATE_REPLY));
+    assert!(witnessed(&snapshot, SOMETIMES_SLOT_REUSE));
+    assert!(witnessed(&fenced, SOMETIMES_TARGET_LOST));
+    assert!(witnessed(&snapshot, SOMETIMES_SLOT_EXHAUSTED));
+    // Fault-free runs lose no target and, with a slot per digest, never
+    // run out of slots.
+    let calm = run(quiet(2, "two-digests"), false);
+    assert!(!witnessed(&calm, SOMETIMES_TARGET_LOST));
+    assert!(!witnessed(&calm, SOMETIMES_SLOT_EXHAUSTED));
+}
+
+#[cfg(feature = "mutants")]
+/// The smallest configuration known to expose `mutant`, and the
+/// properties it breaks there.
+fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
+    let mut config = match mutant {
+        Mutant::PublishBeforeAllReplies | Mutant::ReleaseStagedEarly => quiet(2, "single-register"),
+        Mutant::SkipCleanup => ModelConfig {
+            corruptions: 1,
+            ..quiet(2, "single-register")
+        },
+        Mutant::CleanupUnconfirmedTargets => ModelConfig {
+            corruptions: 1,
+            ..quiet(2, "register-unregister-same-digest")
+        },
+        Mutant::ForgetUncertain => ModelConfig {
+            deadlines: 1,
+            fence_on_timeout: false,
+            ..quiet(2, "single-register")
+        },
+        Mutant::SkipDigestVerification => ModelConfig {
+            corruptions: 1,
+            ..quiet(1, "single-register")
+        },
+        Mutant::FreeSlotHeldByRun => ModelConfig {
+            tasks: 1,
+            ..quiet(1, "register-unregister-same-digest")
+        },
+    };
+    let broken = match mutant {
+        Mutant::PublishBeforeAllReplies => vec![INV1],
+        Mutant::SkipCleanup | Mutant::ForgetUncertain => vec![INV2],
+        Mutant::CleanupUnconfirmedTargets => vec![INV2, INV8],
+        Mutant::ReleaseStagedEarly => vec![INV7],
+        Mutant::SkipDigestVerification => vec![INV5],
+        Mutant::FreeSlotHeldByRun => vec![INV4],
+    };
+    config.mutant = Some(mutant);
+    (config, broken)
+}
+
+#[cfg(feature = "mutants")]
+#[test]
+fn every_mutant_is_caught_with_a_counterexample_and_the_real_code_is_not() {
+    for mutant in Mutant::ALL {
+        let (config, broken) = exposing(*mutant);
+        let caught = run(config.clone(), false);
+        assert!(caught.complete, "{mutant:?}");
+        assert_eq!(violated(&caught), broken, "{mutant:?}");
+        for violation in &caught.violations {
+            assert!(
+                violation
+                    .trace
+                    .iter()
+                    .any(|l| l.starts_with("=> invariant")),
+                "{mutant:?}: {:?}",
+                violation.trace
+            );
+        }
+        let real = run(
+            ModelConfig {
+                mutant: None,
+                ..config
+            },
+            false,
+        );
+        assert_passes(&real);
+    }
+}
+
+#[cfg(feature = "mutants")]
+#[test]
+fn mutants_are_also_caught_by_one_shared_fault_rich_configuration() {
+    // Not only by the configuration chosen for each: 2 targets, the
+    // standard script and every fault (fencing off for the mutant that
+    // only matters without it). Stops at the first violation.
+    for mutant in Mutant::ALL {
+        let config = ModelConfig {
+            mutant: Some(*mutant),
+            ..faulty(
+                "register-unregister-same-digest",
+                *mutant != Mutant::ForgetUncertain,
+            )
+        };
+        let model = RegistrationModel::new(config).unwrap();
+        let options = SearchOptions {
+            threads: 1,
+            stop_at_first_violation: true,
+            ..SearchOptions::default()
+        };
+        let outcome = check(model, &options);
+        assert!(!outcome.violations.is_empty(), "{mutant:?} not caught");
+    }
+}
+
+#[cfg(feature = "mutants")]
+#[test]
+fn a_counterexample_reads_as_the_steps_that_break_the_invariant() {
+    let (config, _) = exposing(Mutant::PublishBeforeAllReplies);
+    let outcome = run(config, false);
+    let trace = &outcome.violations[0].trace;
+    assert_eq!(
+        trace[..5],
+        [
+            "client issues operation 0: register A",
+            "target 1 applies register A (seq 1)",
+            "target 1: deserialization for seq 1 succeeds",
+            "parent receives from target 1: reply OK to seq 1 for A",
+            "=> invariant 1 (publish after all) violated: handle 1 (sha256:4141414141414141414141414141414141414141414141414141414141414141) published before targets [0] confirmed",
+        ]
+    );
+}
+
+#[cfg(feature = "mutants")]
+#[test]
+fn symmetry_gives_the_same_verdicts_as_the_full_state_space() {
+    let three = |name: &str, fence: bool| ModelConfig {
+        targets: 3,
+        ..faulty(name, fence)
+    };
+    let mut configs = vec![
+        (
+            "single-register, faults, fenced",
+            three("single-register", true),
+        ),
+        (
+            "single-register, faults, unfenced",
+            three("single-register", false),
+        ),
+        (
+            "register-unregister-same-digest, one crash",
+            ModelConfig {
+                targets: 3,
+                crashes: 1,
+                ..quiet(3, "register-unregister-same-digest")
+            },
+        ),
+    ];
+    for mutant in Mutant::ALL {
+        let (config, _) = exposing(*mutant);
+        configs.push((
+            "mutant on 3 targets",
+            ModelConfig {
+                targets: 3,
+                ..config
+            },
+        ));
+    }
+    let full = run(configs[0].1.clone(), false);
+    let reduced = run(configs[0].1.clone(), true);
+    assert_eq!((full.unique_states, reduced.unique_states), (3150, 635));
+    for (what, config) in configs {
+        let full = run(config.clone(), false);
+        let reduced = run(config.clone(), true);
+        assert!(full.complete && reduced.complete, "{what}");
+        assert_eq!(
+            violated(&full),
+            violated(&reduced),
+            "{what} {:?}",
+            config.mutant
+        );
+        assert_eq!(
+            full.witnessed, reduced.witnessed,
+            "{what} {:?}",
+            config.mutant
+        );
+        assert!(
+            reduced.unique_states < full.unique_states,
+            "{what}: {} vs {}",
+            reduced.unique_states,
+            full.unique_states
+        );
+    }
+}
+
+#[cfg(feature = "mutants")]
+#[test]
+fn mutant_names_round_trip() {
+    for mutant in Mutant::ALL {
+        assert_eq!(mutant_named(&mutant_name(*mutant)), Some(*mutant));
+    }
+    assert_eq!(
+        mutant_name(Mutant::FreeSlotHeldByRun),
+        "free-slot-held-by-run"
+    );
+    assert_eq!(mutant_named("no-such-bug"), None);
+}
+
+#[cfg(feature = "mutants")]
+#[test]
+fn check_command_prints_a_json_line_and_exits_by_verdict() {
+    let bin = env!("CARGO_BIN_EXE_callreg-model");
+    let quiet = [
+        "--targets",
+        "2",
+        "--script",
+        "single-register",
+        "--crashes",
+        "0",
+        "--deserialize-failures",
+        "0",
+        "--corruptions",
+        "0",
+        "--deadlines",
+        "0",
+        "--tasks",
+        "0",
+        "--threads",
+        "1",
+        "--json",
+    ];
+    let ok = std::process::Command::new(bin)
+        .arg("check")
+        .args(quiet)
+        .output()
+        .unwrap();
+    assert_eq!(ok.status.code(), Some(0));
+    let stdout = String::from_utf8(ok.stdout).unwrap();
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(last["complete"], true);
+    assert_eq!(last["unique_states"], 17);
+    assert_eq!(last["violations"], serde_json::json!([]));
+
+    let caught = std::process::Command::new(bin)
+        .arg("check")
+        .args(quiet)
+        .args(["--mutant", "publish-before-all-replies"])
+        .output()
+        .unwrap();
+    assert_eq!(caught.status.code(), Some(1));
+    let stdout = String::from_utf8(caught.stdout).unwrap();
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(last["violations"][0]["property"], INV1);
+
+    // A script from a JSON file: register B, then unregister it.
+    let file =
+        std::env::temp_dir().join(format!("callreg-model-script-{}.json", std::process::id()));
+    std::fs::write(
+        &file,
+        r#"{"name": "b-then-drop", "description": "register B, then unregister it",
+            "operations": [{"register": "B"}, {"unregister": {"operation": 0}}]}"#,
+    )
+    .unwrap();
+    let from_file = std::process::Command::new(bin)
+        .arg("check")
+        .args(quiet)
+        .args(["--script", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(from_file.status.code(), Some(0));
+    let stdout = String::from_utf8(from_file.stdout).unwrap();
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(last["complete"], true);
+    assert_eq!(last["unique_states"], 26);
+    assert_eq!(last["violations"], serde_json::json!([]));
+
+    let missing = std::process::Command::new(bin)
+        .arg("check")
+        .args(["--script", "no-such-script"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(64));
+
+    let shallow = std::process::Command::new(bin)
+        .arg("check")
+        .args(quiet)
+        .args(["--max-depth", "3"])
+        .output()
+        .unwrap();
+    assert_eq!(shallow.status.code(), Some(2));
+}
