@@ -394,6 +394,12 @@ mod with_python {
             let pid = match self.worker.target_pid(id) {
                 Some(pid) if self.worker.live_targets().contains(&id) => pid,
                 _ => {
+                    report.targets = vec![TargetReport {
+                        target,
+                        outcome: "lost",
+                        detail: self.worker.target_exit(id).map(|exit| exit.to_string()),
+                        result: None,
+                    }];
                     report.outcome = Err(format!(
                         "NO_LIVE_TARGET: target {target} is not live, so it cannot be killed"
                     ));
