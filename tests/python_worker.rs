@@ -117,6 +117,10 @@ fn main() {
             "a_register_completes_during_long_tasks",
             a_register_completes_during_long_tasks,
         ),
+        (
+            "opaque_pickled_arguments_and_result",
+            opaque_pickled_arguments_and_result,
+        ),
     ]);
 }
 
@@ -587,5 +591,27 @@ fn a_register_completes_during_long_tasks() {
         assert_eq!(task.wait().unwrap(), b"1.5");
     }
     assert_everywhere(&worker, &add, json!([1, 2]), json!(3));
+    check(&worker);
+}
+
+fn opaque_pickled_arguments_and_result() {
+    let worker = worker(2);
+    worker.start().unwrap();
+    let add = worker.register(envelope("add")).unwrap();
+    // `pickle.dumps(((2, 3), {}), 2)`, built by hand: the parent holds
+    // pickled arguments and results as opaque bytes and never decodes them.
+    let arguments = b"\x80\x02((K\x02K\x03t}t.";
+    for target in [TargetId(0), TargetId(1)] {
+        let result = worker
+            .submit(&add, target, TaskEncoding::Pickle, arguments)
+            .unwrap();
+        // `pickle.dumps(5, pickle.HIGHEST_PROTOCOL)`.
+        assert_eq!(result, b"\x80\x05K\x05.", "{target}");
+    }
+    let err = worker
+        .submit(&add, TargetId(0), TaskEncoding::Pickle, b"not a pickle")
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::TASK_FAILED);
+    assert_eq!(err.kind, "TaskInputInvalid");
     check(&worker);
 }
