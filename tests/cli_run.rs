@@ -158,7 +158,7 @@ fn the_example_plan_as_text() {
     );
     let last = stdout.lines().last().unwrap();
     assert!(
-        last.starts_with("summary: 45 steps, 45 as expected, 0 not ("),
+        last.starts_with("summary: 55 steps, 55 as expected, 0 not ("),
         "{last}"
     );
 }
