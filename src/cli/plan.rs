@@ -684,6 +684,80 @@ mod tests {
     }
 
     #[test]
+    fn register_metadata_comes_from_the_step_a_file_or_the_side_car() {
+        let dir = std::env::temp_dir().join(format!("callreg-plan-meta-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let hook_envelope = callreg::envelope::encode(b"hook payload");
+        std::fs::write(dir.join("hook.spyc"), &hook_envelope).unwrap();
+        std::fs::write(dir.join("f.spyc"), b"bytes").unwrap();
+        std::fs::write(dir.join("g.spyc"), b"bytes").unwrap();
+        std::fs::write(dir.join("g.spyc.json"), r#"{"name": "from side-car"}"#).unwrap();
+        std::fs::write(dir.join("m.json"), r#"{"name": "from file"}"#).unwrap();
+        let plan = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "hook", "envelope": "hook.spyc"},
+            {"op": "register", "name": "a", "envelope": "f.spyc",
+             "metadata": {"name": "inline", "call_before": [{"name": "hook", "retval_keyword": "c"}]}},
+            {"op": "register", "name": "b", "envelope": "f.spyc", "metadata": "m.json"},
+            {"op": "register", "name": "c", "envelope": "g.spyc"},
+            {"op": "register", "name": "d", "envelope": "g.spyc", "metadata": "m.json"}]}"#;
+        let unknown_hook = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "a", "envelope": "f.spyc",
+             "metadata": {"name": "x", "call_after": [{"name": "nope"}]}}]}"#;
+        let invalid = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "a", "envelope": "f.spyc", "metadata": {"name": "x", "colour": 1}}]}"#;
+        let wrong_type = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "a", "envelope": "f.spyc", "metadata": 3}]}"#;
+        let results = (
+            parse(plan, &dir),
+            parse(unknown_hook, &dir),
+            parse(invalid, &dir),
+            parse(wrong_type, &dir),
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let plan = results.0.expect("valid plan");
+        let registered: Vec<(Option<String>, Option<String>)> = plan
+            .steps
+            .iter()
+            .map(|step| match &step.op {
+                Op::Register(r) => (
+                    r.metadata.as_ref().map(|m| m.name.clone()),
+                    r.metadata_source.clone(),
+                ),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            registered,
+            vec![
+                (None, None),
+                (Some("inline".into()), Some("inline".into())),
+                (Some("from file".into()), Some("m.json".into())),
+                (Some("from side-car".into()), Some("g.spyc.json".into())),
+                (Some("from file".into()), Some("m.json".into())),
+            ]
+        );
+        let Op::Register(inline) = &plan.steps[1].op else {
+            panic!("a register");
+        };
+        let hook = &inline.metadata.as_ref().unwrap().call_before[0];
+        let expected = python_serialized_digest(&Envelope::parse(&hook_envelope).unwrap()).hashid();
+        assert_eq!(hook.hashid, expected);
+        assert_eq!(hook.retval_keyword.as_deref(), Some("c"));
+        assert_eq!(
+            results.1.unwrap_err().0,
+            r#"step 0 (register): field "metadata": inline: at call_after[0].name: "nope" does not label a registered handle here"#
+        );
+        assert_eq!(
+            results.2.unwrap_err().0,
+            r#"step 0 (register): field "metadata": inline: at colour: unknown field `colour`, expected one of `name`, `python`, `executor`, `executor_data`, `deps`, `call_before`, `call_after`"#
+        );
+        assert_eq!(
+            results.3.unwrap_err().0,
+            r#"step 0 (register): field "metadata": expected an object or a file path, got a number"#
+        );
+    }
+
+    #[test]
     fn labels_follow_register_and_unregister() {
         let dir = std::env::temp_dir().join(format!("callreg-plan-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
