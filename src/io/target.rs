@@ -4,9 +4,10 @@
 //! The control thread reads frames from the control pipe in order and
 //! drives the protocol's [`Target`] machine (through the [`SlotTable`]);
 //! it carries out the machine's effects: it opens and verifies staged
-//! payloads, deserializes through the runtime, and writes replies. A task
-//! frame pins its slot on the control thread (frame order) and is handed to
-//! the task thread, so a long task never delays a register into a timeout.
+//! payloads, installs them through the runtime (checks, then
+//! deserialization), and writes replies. A task frame pins its slot on the
+//! control thread (frame order) and is handed to the task thread, so a
+//! long task never delays a register into a timeout.
 //! Both threads write whole frames to the reply pipe under one lock.
 //!
 //! Callable metadata (issue 7, `specs/metadata.md`): a register control
@@ -302,8 +303,8 @@ struct Control<'a, R: Runtime> {
 /// Runs a target until its control pipe closes; returns its exit status.
 ///
 /// Order: start the runtime; install the startup snapshot (each entry
-/// deserialized from the inherited envelope); send [`Frame::Ready`] with
-/// every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
+/// from the inherited envelope, with its metadata); send [`Frame::Ready`]
+/// with every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
 /// failed); then serve frames.
 pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let TargetEnds {
@@ -828,6 +829,22 @@ fn parse_metadata(text: &str) -> Result<Option<CallableMetadata>, Failure> {
 mod tests {
     use super::*;
     use crate::wire::MIN_MAX_FRAME_BYTES;
+
+    #[test]
+    fn register_metadata_is_parsed_strictly_and_empty_means_none() {
+        assert_eq!(parse_metadata(""), Ok(None));
+        assert_eq!(
+            parse_metadata(r#"{"name":"f"}"#),
+            Ok(Some(CallableMetadata::named("f")))
+        );
+        assert_eq!(
+            parse_metadata(r#"{"name":"f","deps":{"pip":{"packages":[1]}}}"#),
+            Err(Failure::new(
+                ErrorCode::METADATA_INVALID,
+                "metadata: at deps.pip.packages[0]: invalid type: integer `1`, expected a string"
+            ))
+        );
+    }
 
     #[test]
     fn an_oversized_task_result_becomes_a_failure_that_fits() {

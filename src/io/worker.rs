@@ -6,7 +6,8 @@
 //! * Caller threads (any number): validate an envelope and stage it (copy
 //!   and hash in one pass), then queue a request and wait on its
 //!   completion hand-off ([`super::handoff`]). Before start, registrations
-//!   go straight to the machine's registry and the startup snapshot.
+//!   go straight to the machine's registry and the startup snapshot (with
+//!   their callable metadata, which only the targets act on).
 //! * One IO thread per started Worker: the only place the machine is
 //!   driven after start and the only place its effects are carried out.
 //!
@@ -36,9 +37,10 @@
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
 //! with `stage_failed`); `Send` encodes a wire frame into the target's
-//! outbox; `ReleaseStaged` unlinks the shm object; `Fence` kills and reaps
-//! the target; `Completed` hands the result to the waiting caller (a
-//! published handle passes `parent.before_publish` first).
+//! outbox (a register's carries its metadata as JSON); `ReleaseStaged`
+//! unlinks the shm object; `Fence` kills and reaps the target; `Completed`
+//! hands the result to the waiting caller (a published handle passes
+//! `parent.before_publish` first).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
