@@ -29,6 +29,7 @@ fn wire_corpus_replays() {
 fn named_seeds_decode_to_their_kind() {
     let cases = [
         ("register", FrameKind::Register),
+        ("register_without_metadata", FrameKind::Register),
         ("unregister", FrameKind::Unregister),
         ("task", FrameKind::Task),
         ("inspect", FrameKind::Inspect),
