@@ -7,6 +7,14 @@ Pack them into SPYC envelopes, one ``.spyc`` per exported name::
 Every name in ``__all__`` is packed, including ``settings`` (a dict, not a
 callable: registering it fails with a TypeError naming ``dict``) and
 ``fails_to_unpickle`` (packing works; unpickling it in a target raises).
+
+Each envelope gets a metadata side-car ``NAME.spyc.json`` (interpreter and
+cloudpickle versions filled in), which ``callreg run`` registers with it.
+``load_config``, ``scaled`` and ``greet`` show the rest of the metadata in
+``examples/plan.json``: ``scaled`` runs with ``load_config`` as a
+``call_before`` hook whose result becomes its ``config`` keyword argument,
+and ``greet`` runs with the executor attribute ``capture_output``, declared
+here in ``CALLREG_METADATA``.
 """
 
 import functools
@@ -23,7 +31,21 @@ __all__ = [
     "busy_for",
     "fails_to_unpickle",
     "settings",
+    "load_config",
+    "scaled",
+    "greet",
 ]
+
+CALLREG_METADATA = {
+    "greet": {
+        "executor": "python",
+        "executor_data": {
+            "type": "PythonExecutor",
+            "short_name": "python",
+            "attributes": {"capture_output": True},
+        },
+    },
+}
 
 
 def add(a, b):
@@ -104,3 +126,22 @@ unpickled``."""
 
 settings = {"retries": 3}
 """Not callable: registering it fails with a TypeError naming ``dict``."""
+
+
+def load_config():
+    """A ``call_before`` hook: returns the configuration ``scaled`` needs."""
+    return {"factor": 3}
+
+
+def scaled(x, config):
+    """Scales ``x`` by ``config["factor"]`` (``config`` comes from the
+    ``load_config`` hook): ``scaled(5) == 15``."""
+    return x * config["factor"]
+
+
+def greet(name):
+    """Prints a line and returns a greeting; with ``capture_output`` the
+    result is ``{"result": "hello NAME", "stdout": "greeting NAME\\n",
+    "stderr": ""}``."""
+    print("greeting", name)
+    return "hello " + name

@@ -105,7 +105,9 @@ error_codes! {
     DEPS_UNSATISFIED = 26,
     /// The metadata names an executor (or attribute) the target does not know.
     EXECUTOR_UNKNOWN = 27,
-    /// Metadata (JSON) is malformed.
+    /// Metadata (JSON) is malformed, asks for something the runtime cannot
+    /// honour, or names a hook hashid with no live registration in the
+    /// namespace (refused by the parent before a register is broadcast).
     METADATA_INVALID = 28,
 }
 

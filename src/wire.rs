@@ -4,7 +4,7 @@
 //!
 //! | offset | size | field | rule |
 //! |---|---|---|---|
-//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (1) |
+//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (2) |
 //! | 1 | 1 | kind (u8) | a [`FrameKind`] value |
 //! | 2 | 2 | flags (u16) | must be 0 |
 //! | 4 | 4 | body length (u32, bytes) | `8 + body length <= maximum frame size` |
@@ -28,8 +28,10 @@
 use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 
-/// The only wire version this implementation reads and writes.
-pub const WIRE_VERSION: u8 = 1;
+/// The only wire version this implementation reads and writes. Version 2
+/// added the register control's metadata field (issue 7); version 1
+/// frames are refused.
+pub const WIRE_VERSION: u8 = 2;
 
 /// Size of a frame header in bytes.
 pub const HEADER_BYTES: usize = 8;
@@ -143,7 +145,8 @@ pub struct TableEntry {
 pub enum Frame {
     /// Register control (DESIGN.md §4.2). Body: `u64 seq`, digest,
     /// string staged shm name (e.g. `/callreg-<pid>-<seq>-<random>`),
-    /// `u64` staged size in bytes.
+    /// `u64` staged size in bytes, string metadata (the registration's
+    /// callable metadata as JSON, `specs/metadata.md`; empty for none).
     Register {
         /// The operation's sequence number.
         seq: u64,
@@ -153,6 +156,10 @@ pub enum Frame {
         staged_name: String,
         /// The staged payload's exact size in bytes.
         staged_size: u64,
+        /// The registration's callable metadata as compact JSON
+        /// (`CallableMetadata::to_json`), or empty when it has none. Not
+        /// part of the hashid; the wire does not parse it (the target does).
+        metadata: String,
     },
     /// Digest-owned unregister control (DESIGN.md §4.2). Body: `u64 seq`,
     /// digest.
@@ -344,6 +351,7 @@ fn decode_body(kind: FrameKind, body: &[u8]) -> Result<Frame, WireError> {
             digest: r.digest()?,
             staged_name: r.string("staged name")?,
             staged_size: r.u64("staged size")?,
+            metadata: r.string("metadata")?,
         },
         FrameKind::Unregister => Frame::Unregister {
             seq: r.u64("seq")?,
@@ -555,11 +563,13 @@ impl Frame {
                 digest,
                 staged_name,
                 staged_size,
+                metadata,
             } => {
                 out.extend_from_slice(&seq.to_le_bytes());
                 out.extend_from_slice(&digest.0);
                 put_bytes(out, staged_name.as_bytes())?;
                 out.extend_from_slice(&staged_size.to_le_bytes());
+                put_bytes(out, metadata.as_bytes())?;
             }
             Frame::Unregister { seq, digest } => {
                 out.extend_from_slice(&seq.to_le_bytes());
@@ -750,14 +760,22 @@ mod tests {
     fn frame_strategy() -> impl Strategy<Value = Frame> {
         let bytes = || proptest::collection::vec(any::<u8>(), 0..600);
         prop_oneof![
-            (any::<u64>(), digest_strategy(), ".{0,80}", any::<u64>()).prop_map(
-                |(seq, digest, staged_name, staged_size)| Frame::Register {
-                    seq,
-                    digest,
-                    staged_name,
-                    staged_size
-                }
-            ),
+            (
+                any::<u64>(),
+                digest_strategy(),
+                ".{0,80}",
+                any::<u64>(),
+                prop_oneof![Just(String::new()), ".{1,200}"]
+            )
+                .prop_map(|(seq, digest, staged_name, staged_size, metadata)| {
+                    Frame::Register {
+                        seq,
+                        digest,
+                        staged_name,
+                        staged_size,
+                        metadata,
+                    }
+                }),
             (any::<u64>(), digest_strategy())
                 .prop_map(|(seq, digest)| Frame::Unregister { seq, digest }),
             (any::<u64>(), digest_strategy(), any::<bool>(), bytes()).prop_map(
@@ -879,16 +897,22 @@ mod tests {
     #[test]
     fn header_errors_in_check_order() {
         assert_eq!(
-            decode(&header(2, 99, 1, 0), MAX),
-            Err(WireError::Version(2))
+            decode(&header(1, 99, 1, 0), MAX),
+            Err(WireError::Version(1))
         );
-        assert_eq!(decode(&header(1, 99, 1, 0), MAX), Err(WireError::Kind(99)));
-        assert_eq!(decode(&header(1, 4, 1, 0), MAX), Err(WireError::Flags(1)));
+        assert_eq!(
+            decode(&header(WIRE_VERSION, 99, 1, 0), MAX),
+            Err(WireError::Kind(99))
+        );
+        assert_eq!(
+            decode(&header(WIRE_VERSION, 4, 1, 0), MAX),
+            Err(WireError::Flags(1))
+        );
     }
 
     #[test]
     fn oversized_frame_rejected_from_its_header_alone() {
-        let h = header(1, 3, 0, u32::MAX);
+        let h = header(WIRE_VERSION, 3, 0, u32::MAX);
         assert_eq!(
             decode(&h, MAX),
             Err(WireError::TooLarge {
@@ -897,7 +921,7 @@ mod tests {
             })
         );
         // Exactly at the maximum is allowed (and awaits its body).
-        let h = header(1, 3, 0, (MAX - 8) as u32);
+        let h = header(WIRE_VERSION, 3, 0, (MAX - 8) as u32);
         assert_eq!(decode(&h, MAX), Ok(Decoded::Incomplete(MAX)));
     }
 
@@ -923,7 +947,7 @@ mod tests {
     #[test]
     fn length_past_the_body_is_truncated_not_allocated() {
         // An unregister body one byte short.
-        let mut bytes = header(1, 2, 0, 39);
+        let mut bytes = header(WIRE_VERSION, 2, 0, 39);
         bytes.extend_from_slice(&[0; 39]);
         assert_eq!(
             decode(&bytes, MAX),
@@ -934,7 +958,7 @@ mod tests {
             })
         );
         // A table claiming u32::MAX entries in a 16-byte body.
-        let mut bytes = header(1, 19, 0, 16);
+        let mut bytes = header(WIRE_VERSION, 19, 0, 16);
         bytes.extend_from_slice(&[0; 12]);
         bytes.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(
@@ -1016,7 +1040,7 @@ mod tests {
     #[test]
     fn frame_buffer_is_poisoned_after_an_error() {
         let mut buffer = FrameBuffer::new(MAX).unwrap();
-        buffer.extend(&header(1, 200, 0, 0));
+        buffer.extend(&header(WIRE_VERSION, 200, 0, 0));
         assert_eq!(buffer.next_frame(), Err(WireError::Kind(200)));
         buffer.extend(&Frame::Inspect { seq: 1 }.encode(MAX).unwrap());
         assert_eq!(buffer.next_frame(), Err(WireError::Kind(200)));
@@ -1032,6 +1056,25 @@ mod tests {
     }
 
     #[test]
+    fn known_encoding_of_a_register_with_metadata() {
+        let bytes = Frame::Register {
+            seq: 7,
+            digest: Digest([0xcd; 32]),
+            staged_name: "/s".into(),
+            staged_size: 9,
+            metadata: r#"{"name":"f"}"#.into(),
+        }
+        .encode(MAX)
+        .unwrap();
+        let mut expected = vec![2, 1, 0, 0, 70, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
+        expected.extend_from_slice(&[0xcd; 32]);
+        expected.extend_from_slice(&[2, 0, 0, 0, b'/', b's', 9, 0, 0, 0, 0, 0, 0, 0]);
+        expected.extend_from_slice(&[12, 0, 0, 0]);
+        expected.extend_from_slice(br#"{"name":"f"}"#);
+        assert_eq!(bytes, expected);
+    }
+
+    #[test]
     fn known_encoding_of_an_unregister() {
         let bytes = Frame::Unregister {
             seq: 0x0102,
@@ -1039,7 +1082,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![1, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![2, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xab; 32]);
         assert_eq!(bytes, expected);
     }

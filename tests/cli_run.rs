@@ -125,6 +125,34 @@ fn the_example_plan_meets_every_expectation() {
             .map(|l| l["hashid"].clone())
     };
     assert_eq!(hashid("add"), hashid("add_again"));
+    // Metadata: side-cars by default, inline where the plan gives it; the
+    // refused registers name each target's code.
+    let register = |name: &str| {
+        lines
+            .iter()
+            .find(|l| l["name"] == name && l["op"] == "register")
+            .unwrap_or_else(|| panic!("register {name}"))
+            .clone()
+    };
+    assert_eq!(register("add")["metadata"], "payloads/add.spyc.json");
+    assert_eq!(register("scaled")["metadata"], "inline");
+    for (name, code) in [
+        ("needs_missing_dep", "DEPS_UNSATISFIED"),
+        ("from_python_2", "PYTHON_VERSION_MISMATCH"),
+    ] {
+        let line = register(name);
+        let error = line["error"].as_str().unwrap();
+        assert!(error.starts_with("REGISTER_PARTIAL_FAILURE: "), "{line}");
+        assert_eq!(error.matches(&format!(": {code}: ")).count(), 3, "{line}");
+        let targets = line["targets"].as_array().unwrap();
+        assert_eq!(targets.len(), 3, "{line}");
+        for (index, target) in targets.iter().enumerate() {
+            assert_eq!(target["target"], index, "{line}");
+            assert_eq!(target["outcome"], "failed", "{line}");
+            let detail = target["detail"].as_str().unwrap();
+            assert!(detail.starts_with(&format!("{code}: ")), "{line}");
+        }
+    }
     assert!(hashid("add")
         .unwrap()
         .as_str()
@@ -158,7 +186,7 @@ fn the_example_plan_as_text() {
     );
     let last = stdout.lines().last().unwrap();
     assert!(
-        last.starts_with("summary: 45 steps, 45 as expected, 0 not ("),
+        last.starts_with("summary: 55 steps, 55 as expected, 0 not ("),
         "{last}"
     );
 }

@@ -5,7 +5,8 @@
 
 use std::path::PathBuf;
 
-use callreg::wire::{decode, Decoded, FrameKind, WireError};
+use callreg::metadata::CallableMetadata;
+use callreg::wire::{decode, Decoded, Frame, FrameKind, WireError};
 
 fn seed(name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -29,6 +30,7 @@ fn wire_corpus_replays() {
 fn named_seeds_decode_to_their_kind() {
     let cases = [
         ("register", FrameKind::Register),
+        ("register_without_metadata", FrameKind::Register),
         ("unregister", FrameKind::Unregister),
         ("task", FrameKind::Task),
         ("inspect", FrameKind::Inspect),
@@ -56,4 +58,19 @@ fn named_seeds_decode_to_their_kind() {
             max: 4096
         })
     );
+}
+
+#[test]
+fn register_seeds_carry_metadata_json_or_none() {
+    let metadata = |name: &str| match decode(&seed(name), 4096) {
+        Ok(Decoded::Frame(Frame::Register { metadata, .. }, _)) => metadata,
+        other => panic!("{name}: {other:?}"),
+    };
+    let carried = metadata("register");
+    let mut expected = CallableMetadata::named("add");
+    expected.executor = Some("python".to_owned());
+    assert_eq!(CallableMetadata::from_json(&carried).unwrap(), expected);
+    // The seed holds exactly what a parent writes (`to_json`).
+    assert_eq!(expected.to_json(), carried);
+    assert_eq!(metadata("register_without_metadata"), "");
 }

@@ -20,12 +20,23 @@
 //!
 //! | op | fields (`?` optional) |
 //! |---|---|
-//! | `register` | `name`, `envelope` (a SPYC file, relative to the plan file), `expect_error?` |
+//! | `register` | `name`, `envelope` (a SPYC file, relative to the plan file), `metadata?`, `expect_error?` |
 //! | `start` | `expect_error?` |
 //! | `unregister` | `name`, `expect_error?` |
 //! | `call` | `name`, `target?`, `args?`, `kwargs?`, `expect?` or `expect_error?` |
 //! | `call_all` | `name`, `args?`, `kwargs?`, `expect?` or `expect_error?` |
 //! | `kill_target` | `target`, `expect_error?` |
+//!
+//! A register's callable metadata (`specs/metadata.md`) is its `metadata`
+//! field — an inline JSON object, or a string: the path of a metadata JSON
+//! file relative to the plan file — else the side-car `ENVELOPE.json`
+//! (`NAME.spyc.json`, written by `python/callreg_envelope.py`) when it
+//! exists next to the envelope, else none. It is parsed strictly
+//! (`CallableMetadata::from_json`) when the plan is read. In its hooks
+//! (`call_before` / `call_after`) a plan may write `"name": LABEL` instead
+//! of `"hashid"`: the label of an earlier, still registered step, replaced
+//! by the hashid of that step's envelope (hashids of cloudpickled code
+//! depend on the packing interpreter, so a plan should not spell them out).
 //!
 //! Parsing is strict, like serde's `deny_unknown_fields`: an unknown field,
 //! a field of the wrong type, a missing required field, a `name` used
@@ -38,6 +49,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
+
+use callreg::descriptor::python_serialized_digest;
+use callreg::envelope::Envelope;
+use callreg::metadata::{sidecar_path, CallableMetadata};
 
 /// The most targets a plan may ask for.
 pub const MAX_TARGETS: u16 = 1024;
@@ -95,9 +110,6 @@ pub enum Op {
 }
 
 /// The fields of a `register` step.
-///
-/// Callable metadata (a future optional `"metadata"` field, e.g. the path
-/// of a `NAME.spyc.json` side-car) belongs here, beside `envelope`.
 #[derive(Clone, PartialEq, Debug)]
 pub struct RegisterStep {
     /// The label of the handle the register returns.
@@ -105,6 +117,12 @@ pub struct RegisterStep {
     /// The envelope path as written in the plan (relative to the plan
     /// file); its bytes are in [`Plan::envelopes`].
     pub envelope: String,
+    /// The callable metadata registered with it (inline, from a file, or
+    /// from the envelope's side-car), if any.
+    pub metadata: Option<Box<CallableMetadata>>,
+    /// Where the metadata came from: `"inline"`, the file path as written
+    /// in the plan, or the side-car's path relative to the plan file.
+    pub metadata_source: Option<String>,
 }
 
 /// The fields of a `call` or `call_all` step.
@@ -204,6 +222,7 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
         labels: BTreeMap::new(),
         started: !explicit_start,
         envelopes: BTreeMap::new(),
+        hashids: BTreeMap::new(),
     };
     let steps = steps
         .into_iter()
@@ -234,6 +253,8 @@ struct Checker<'a> {
     labels: BTreeMap<String, Label>,
     started: bool,
     envelopes: BTreeMap<String, Vec<u8>>,
+    /// The hashid of each label's envelope (for hooks named by label).
+    hashids: BTreeMap<String, String>,
 }
 
 impl Checker<'_> {
@@ -262,7 +283,7 @@ impl Checker<'_> {
         let expect_error = at.optional_string("expect_error")?;
         let op = match op.as_str() {
             "register" => {
-                at.allow(&["name", "envelope", "expect_error"])?;
+                at.allow(&["name", "envelope", "metadata", "expect_error"])?;
                 let name = at.name()?;
                 if let Some(Label::Registered(earlier)) = self.labels.get(&name) {
                     return Err(at.field_error(
@@ -272,8 +293,25 @@ impl Checker<'_> {
                 }
                 let envelope = at.required_string("envelope")?;
                 self.read_envelope(&at, &envelope)?;
+                let (metadata, metadata_source) = match self.read_metadata(&at, &envelope)? {
+                    Some((metadata, source)) => (Some(Box::new(metadata)), Some(source)),
+                    None => (None, None),
+                };
                 self.labels.insert(name.clone(), Label::Registered(index));
-                Op::Register(RegisterStep { name, envelope })
+                if let Some(hashid) = self
+                    .envelopes
+                    .get(&envelope)
+                    .and_then(|bytes| Envelope::parse(bytes).ok())
+                    .map(|e| python_serialized_digest(&e).hashid().to_string())
+                {
+                    self.hashids.insert(name.clone(), hashid);
+                }
+                Op::Register(RegisterStep {
+                    name,
+                    envelope,
+                    metadata,
+                    metadata_source,
+                })
             }
             "start" => {
                 at.allow(&["expect_error"])?;
@@ -381,6 +419,110 @@ impl Checker<'_> {
                     .into(),
             ))
         }
+    }
+
+    /// A register step's metadata with its source: the `metadata` field
+    /// (inline object, or a file path relative to the plan), else the
+    /// envelope's side-car when it exists.
+    fn read_metadata(
+        &self,
+        at: &StepFields<'_>,
+        envelope: &str,
+    ) -> Result<Option<(CallableMetadata, String)>, PlanError> {
+        let parse = |text: &str, source: &str| {
+            let text = self.resolve_hook_names(at, text, source)?;
+            CallableMetadata::from_json(&text)
+                .map_err(|e| at.field_error("metadata", format!("{source}: {e}")))
+        };
+        match at.fields.get("metadata") {
+            Some(Value::Object(object)) => {
+                let text = Value::Object(object.clone()).to_string();
+                Ok(Some((parse(&text, "inline")?, "inline".to_owned())))
+            }
+            Some(Value::String(path)) if !path.is_empty() => {
+                let text = std::fs::read_to_string(self.plan_dir.join(path)).map_err(|e| {
+                    at.field_error(
+                        "metadata",
+                        format!("cannot read {path}: {}", super::io_reason(&e)),
+                    )
+                })?;
+                Ok(Some((parse(&text, path)?, path.clone())))
+            }
+            Some(Value::String(_)) => Err(at.field_error("metadata", "must not be empty".into())),
+            Some(v) => Err(at.field_error(
+                "metadata",
+                format!("expected an object or a file path, got {}", type_of(v)),
+            )),
+            None => {
+                let relative = sidecar_path(Path::new(envelope));
+                let full = self.plan_dir.join(&relative);
+                if !full.exists() {
+                    return Ok(None);
+                }
+                let source = relative.display().to_string();
+                let text = std::fs::read_to_string(&full).map_err(|e| {
+                    at.field_error(
+                        "metadata",
+                        format!("cannot read side-car {source}: {}", super::io_reason(&e)),
+                    )
+                })?;
+                Ok(Some((parse(&text, &source)?, source)))
+            }
+        }
+    }
+
+    /// Replaces, in a metadata document's `call_before` / `call_after`
+    /// entries, a `"name": LABEL` (a plan-only shorthand) by the `"hashid"`
+    /// of the envelope that label's register step names, so a plan need not
+    /// spell out hashids that depend on the packing interpreter. Anything
+    /// else is left for strict parsing.
+    fn resolve_hook_names(
+        &self,
+        at: &StepFields<'_>,
+        text: &str,
+        source: &str,
+    ) -> Result<String, PlanError> {
+        let Ok(mut document) = serde_json::from_str::<Value>(text) else {
+            return Ok(text.to_owned());
+        };
+        for list in ["call_before", "call_after"] {
+            let Some(Value::Array(hooks)) = document.get_mut(list) else {
+                continue;
+            };
+            for (position, hook) in hooks.iter_mut().enumerate() {
+                let Some(hook) = hook.as_object_mut() else {
+                    continue;
+                };
+                let Some(label) = hook.get("name").cloned() else {
+                    continue;
+                };
+                let field = format!("{source}: at {list}[{position}].name");
+                let Value::String(label) = label else {
+                    return Err(at.field_error("metadata", format!("{field}: expected a string")));
+                };
+                let Some(Label::Registered(_)) = self.labels.get(&label) else {
+                    return Err(at.field_error(
+                        "metadata",
+                        format!("{field}: {label:?} does not label a registered handle here"),
+                    ));
+                };
+                let Some(hashid) = self.hashids.get(&label) else {
+                    return Err(at.field_error(
+                        "metadata",
+                        format!("{field}: the envelope of {label:?} is not a valid SPYC envelope"),
+                    ));
+                };
+                if hook.contains_key("hashid") {
+                    return Err(at.field_error(
+                        "metadata",
+                        format!("{field}: give \"name\" or \"hashid\", not both"),
+                    ));
+                }
+                hook.remove("name");
+                hook.insert("hashid".to_owned(), Value::String(hashid.clone()));
+            }
+        }
+        Ok(document.to_string())
     }
 
     /// Reads an envelope file once, relative to the plan's directory.
@@ -538,6 +680,80 @@ mod tests {
                     expect_error: Some("x".to_owned())
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn register_metadata_comes_from_the_step_a_file_or_the_side_car() {
+        let dir = std::env::temp_dir().join(format!("callreg-plan-meta-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let hook_envelope = callreg::envelope::encode(b"hook payload");
+        std::fs::write(dir.join("hook.spyc"), &hook_envelope).unwrap();
+        std::fs::write(dir.join("f.spyc"), b"bytes").unwrap();
+        std::fs::write(dir.join("g.spyc"), b"bytes").unwrap();
+        std::fs::write(dir.join("g.spyc.json"), r#"{"name": "from side-car"}"#).unwrap();
+        std::fs::write(dir.join("m.json"), r#"{"name": "from file"}"#).unwrap();
+        let plan = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "hook", "envelope": "hook.spyc"},
+            {"op": "register", "name": "a", "envelope": "f.spyc",
+             "metadata": {"name": "inline", "call_before": [{"name": "hook", "retval_keyword": "c"}]}},
+            {"op": "register", "name": "b", "envelope": "f.spyc", "metadata": "m.json"},
+            {"op": "register", "name": "c", "envelope": "g.spyc"},
+            {"op": "register", "name": "d", "envelope": "g.spyc", "metadata": "m.json"}]}"#;
+        let unknown_hook = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "a", "envelope": "f.spyc",
+             "metadata": {"name": "x", "call_after": [{"name": "nope"}]}}]}"#;
+        let invalid = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "a", "envelope": "f.spyc", "metadata": {"name": "x", "colour": 1}}]}"#;
+        let wrong_type = r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "a", "envelope": "f.spyc", "metadata": 3}]}"#;
+        let results = (
+            parse(plan, &dir),
+            parse(unknown_hook, &dir),
+            parse(invalid, &dir),
+            parse(wrong_type, &dir),
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let plan = results.0.expect("valid plan");
+        let registered: Vec<(Option<String>, Option<String>)> = plan
+            .steps
+            .iter()
+            .map(|step| match &step.op {
+                Op::Register(r) => (
+                    r.metadata.as_ref().map(|m| m.name.clone()),
+                    r.metadata_source.clone(),
+                ),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            registered,
+            vec![
+                (None, None),
+                (Some("inline".into()), Some("inline".into())),
+                (Some("from file".into()), Some("m.json".into())),
+                (Some("from side-car".into()), Some("g.spyc.json".into())),
+                (Some("from file".into()), Some("m.json".into())),
+            ]
+        );
+        let Op::Register(inline) = &plan.steps[1].op else {
+            panic!("a register");
+        };
+        let hook = &inline.metadata.as_ref().unwrap().call_before[0];
+        let expected = python_serialized_digest(&Envelope::parse(&hook_envelope).unwrap()).hashid();
+        assert_eq!(hook.hashid, expected);
+        assert_eq!(hook.retval_keyword.as_deref(), Some("c"));
+        assert_eq!(
+            results.1.unwrap_err().0,
+            r#"step 0 (register): field "metadata": inline: at call_after[0].name: "nope" does not label a registered handle here"#
+        );
+        assert_eq!(
+            results.2.unwrap_err().0,
+            r#"step 0 (register): field "metadata": inline: at colour: unknown field `colour`, expected one of `name`, `python`, `executor`, `executor_data`, `deps`, `call_before`, `call_after`"#
+        );
+        assert_eq!(
+            results.3.unwrap_err().0,
+            r#"step 0 (register): field "metadata": expected an object or a file path, got a number"#
         );
     }
 

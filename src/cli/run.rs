@@ -165,6 +165,8 @@ mod with_python {
         op: &'static str,
         name: Option<String>,
         hashid: Option<String>,
+        /// A register's metadata source (`inline`, a file, a side-car).
+        metadata: Option<String>,
         targets: Vec<TargetReport>,
         outcome: Result<Option<Value>, String>,
         /// The step's expectation, when it was not met.
@@ -219,6 +221,7 @@ mod with_python {
                 op,
                 name: None,
                 hashid: None,
+                metadata: None,
                 targets: Vec::new(),
                 outcome: Ok(None),
                 unmet: None,
@@ -258,7 +261,11 @@ mod with_python {
                 .ok()
                 .map(|e| python_serialized_digest(&e).hashid().to_string());
             let live = self.worker.live_targets();
-            match self.worker.register(bytes) {
+            report.metadata = register.metadata_source.clone();
+            match self
+                .worker
+                .register_with_metadata(bytes, register.metadata.as_deref())
+            {
                 Ok(handle) => {
                     report.hashid = Some(handle.hashid.to_string());
                     report.targets = live.iter().map(|t| ok_target(*t)).collect();
@@ -650,6 +657,9 @@ mod with_python {
         name: Option<&'r str>,
         ok: bool,
         hashid: Option<&'r str>,
+        /// A register's metadata source, when it had metadata.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        metadata: Option<&'r str>,
         targets: Vec<JsonTarget<'r>>,
         #[serde(skip_serializing_if = "Option::is_none")]
         result: Option<&'r Value>,
@@ -679,6 +689,7 @@ mod with_python {
             name: report.name.as_deref(),
             ok,
             hashid: report.hashid.as_deref(),
+            metadata: report.metadata.as_deref(),
             targets: report
                 .targets
                 .iter()
@@ -727,6 +738,9 @@ mod with_python {
             if report.op == "register" {
                 line.push_str(&format!(" {hashid}"));
             }
+        }
+        if let Some(source) = &report.metadata {
+            line.push_str(&format!(" (metadata: {source})"));
         }
         let lost: Vec<String> = report
             .targets

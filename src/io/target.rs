@@ -4,16 +4,29 @@
 //! The control thread reads frames from the control pipe in order and
 //! drives the protocol's [`Target`] machine (through the [`SlotTable`]);
 //! it carries out the machine's effects: it opens and verifies staged
-//! payloads, deserializes through the runtime, and writes replies. A task
-//! frame pins its slot on the control thread (frame order) and is handed to
-//! the task thread, so a long task never delays a register into a timeout.
+//! payloads, installs them through the runtime (checks, then
+//! deserialization), and writes replies. A task frame pins its slot on the
+//! control thread (frame order) and is handed to the task thread, so a
+//! long task never delays a register into a timeout.
 //! Both threads write whole frames to the reply pipe under one lock.
+//!
+//! Callable metadata (issue 7, `specs/metadata.md`): a register control
+//! carries it as JSON; the target parses it and installs through
+//! [`Runtime::install`], which makes the version, dependency and executor
+//! checks before anything is deserialized. The hooks of the registration
+//! that installed a digest are kept by digest; around each task of that
+//! digest the task thread runs the `call_before` hooks, the task (with a
+//! `retval_keyword` result merged into its JSON kwargs), then the
+//! `call_after` hooks. The control thread resolves and pins every hook with
+//! the task, like any run, under target-local run seqs counted down from
+//! `u64::MAX` (a parent's seqs count up from 1 and never reach them).
 //!
 //! The target ends (with `_exit`, from [`super::process`]) when the control
 //! pipe reports EOF (the parent closed it or died), when a frame cannot be
 //! decoded or is out of protocol ([`FRAME_EXIT_CODE`]), or when the reply
 //! pipe is gone ([`REPLY_EXIT_CODE`]).
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Write};
@@ -28,6 +41,7 @@ use super::staging::StagedView;
 use crate::descriptor::{python_serialized_digest, Digest};
 use crate::envelope::Envelope;
 use crate::error::ErrorCode;
+use crate::metadata::{merge_retval_keyword, CallableMetadata, HookCall};
 use crate::protocol::{Failure, Seq, Slot, Target, TargetConfig, TargetEffect, TargetId};
 use crate::runtime::{Runtime, RuntimeError, TaskEncoding};
 use crate::wire::{Frame, FrameBuffer, ReplyError, TaskFailure, HEADER_BYTES};
@@ -55,6 +69,9 @@ pub struct TargetSetup<R: Runtime> {
     /// The envelope bytes of every snapshot digest (validated by the parent
     /// when it computed the digest).
     pub envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
+    /// The callable metadata of snapshot digests registered with metadata,
+    /// installed with them ([`Runtime::install`]).
+    pub metadata: BTreeMap<Digest, CallableMetadata>,
     /// Slots per target.
     pub slot_capacity: u16,
     /// Maximum frame size in bytes, both directions.
@@ -195,13 +212,19 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
-/// Deserializes `payload` through the runtime, honouring the
-/// `target.deserialize` fail point; a panic in the runtime is a failure.
-fn deserialize<R: Runtime>(runtime: &R, payload: &[u8]) -> Result<R::Callable, Failure> {
+/// Installs `payload` with its registration's metadata through the
+/// runtime ([`Runtime::install`]: checks first, then deserializes),
+/// honouring the `target.deserialize` fail point; a panic in the runtime is
+/// a failure.
+fn install<R: Runtime>(
+    runtime: &R,
+    payload: &[u8],
+    metadata: Option<&CallableMetadata>,
+) -> Result<R::Callable, Failure> {
     if let Err(message) = failpoints::hit(failpoints::TARGET_DESERIALIZE) {
         return Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, message));
     }
-    match catch_unwind(AssertUnwindSafe(|| runtime.deserialize(payload))) {
+    match catch_unwind(AssertUnwindSafe(|| runtime.install(payload, metadata))) {
         Ok(result) => result.map_err(runtime_failure),
         Err(panic) => Err(Failure::new(
             ErrorCode::DESERIALIZE_FAILED,
@@ -225,6 +248,35 @@ fn open_and_verify(name: &str, size: u64) -> Result<(StagedView, Digest), Failur
     Ok((view, digest))
 }
 
+/// The hooks of an installed digest (its registration's `call_before` and
+/// `call_after`).
+#[derive(Default)]
+struct Hooks {
+    before: Vec<HookCall>,
+    after: Vec<HookCall>,
+}
+
+impl Hooks {
+    fn of(metadata: Option<&CallableMetadata>) -> Option<Arc<Hooks>> {
+        let metadata = metadata?;
+        if metadata.call_before.is_empty() && metadata.call_after.is_empty() {
+            return None;
+        }
+        Some(Arc::new(Hooks {
+            before: metadata.call_before.clone(),
+            after: metadata.call_after.clone(),
+        }))
+    }
+}
+
+/// A hook resolved and pinned for one run: the call, the run seq its pin
+/// is held under, and the hook's callable.
+struct PinnedHook<C> {
+    call: HookCall,
+    seq: Seq,
+    callable: crate::sync::Arc<C>,
+}
+
 /// One task handed from the control thread to the task thread.
 struct Run<C> {
     seq: u64,
@@ -232,6 +284,8 @@ struct Run<C> {
     encoding: TaskEncoding,
     input: Vec<u8>,
     callable: crate::sync::Arc<C>,
+    before: Vec<PinnedHook<C>>,
+    after: Vec<PinnedHook<C>>,
 }
 
 struct Control<'a, R: Runtime> {
@@ -239,13 +293,18 @@ struct Control<'a, R: Runtime> {
     table: Arc<SlotTable<R::Callable>>,
     writer: Arc<ReplyWriter>,
     runs: mpsc::Sender<Run<R::Callable>>,
+    /// Hooks by installed digest, from the metadata of the registration
+    /// that installed it.
+    hooks: std::cell::RefCell<BTreeMap<Digest, Arc<Hooks>>>,
+    /// The next target-local run seq for a hook's pin (counts down).
+    next_hook_seq: Cell<u64>,
 }
 
 /// Runs a target until its control pipe closes; returns its exit status.
 ///
 /// Order: start the runtime; install the startup snapshot (each entry
-/// deserialized from the inherited envelope); send [`Frame::Ready`] with
-/// every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
+/// from the inherited envelope, with its metadata); send [`Frame::Ready`]
+/// with every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
 /// failed); then serve frames.
 pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let TargetEnds {
@@ -275,11 +334,18 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         let runtime = setup.runtime.clone();
         std::thread::spawn(move || run_tasks(&*runtime, &table, &writer, queue));
     }
+    let hooks = setup
+        .metadata
+        .iter()
+        .filter_map(|(digest, metadata)| Hooks::of(Some(metadata)).map(|h| (*digest, h)))
+        .collect();
     let control_thread = Control {
         runtime: &*setup.runtime,
         table,
         writer,
         runs,
+        hooks: std::cell::RefCell::new(hooks),
+        next_hook_seq: Cell::new(u64::MAX),
     };
     // Never closed before the process ends: a parent that sees the pipe
     // close then always finds an exit status, not a target still exiting.
@@ -344,7 +410,11 @@ fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::
     let envelope = Envelope::parse(bytes).map_err(|e| Failure::new(e.code(), e.to_string()))?;
     failpoints::hit(failpoints::TARGET_BEFORE_INSTALL)
         .map_err(|m| Failure::new(ErrorCode::IO_FAILED, m))?;
-    let callable = deserialize(&*setup.runtime, envelope.payload())?;
+    let callable = install(
+        &*setup.runtime,
+        envelope.payload(),
+        setup.metadata.get(&digest),
+    )?;
     if failpoints::hit(failpoints::TARGET_AFTER_INSTALL).is_err() {
         abrupt_exit();
     }
@@ -387,16 +457,21 @@ impl<R: Runtime> Control<'_, R> {
                 digest,
                 staged_name,
                 staged_size,
+                metadata,
             } => {
+                let metadata = parse_metadata(&metadata);
                 let opened = open_and_verify(&staged_name, staged_size);
-                let verified = match (&opened, failpoints::hit(failpoints::TARGET_BEFORE_INSTALL)) {
-                    (_, Err(message)) => Err(Failure::new(ErrorCode::IO_FAILED, message)),
-                    (Ok((_, verified)), Ok(())) => Ok(*verified),
-                    (Err(failure), Ok(())) => Err(failure.clone()),
+                let failpoint = failpoints::hit(failpoints::TARGET_BEFORE_INSTALL);
+                let verified = match (&opened, failpoint, &metadata) {
+                    (_, Err(message), _) => Err(Failure::new(ErrorCode::IO_FAILED, message)),
+                    (Err(failure), Ok(()), _) => Err(failure.clone()),
+                    (Ok(_), Ok(()), Err(failure)) => Err(failure.clone()),
+                    (Ok((_, verified)), Ok(()), Ok(_)) => Ok(*verified),
                 };
                 let effects = self.table.on_register(Seq(seq), digest, verified);
                 let view = opened.ok().map(|(view, _)| view);
-                self.carry_out(effects, view.as_ref());
+                let metadata = metadata.ok().flatten();
+                self.carry_out(effects, view.as_ref(), metadata.as_ref());
             }
             Frame::Unregister { seq, digest } => {
                 if let Err(message) = failpoints::hit(failpoints::TARGET_BEFORE_UNREGISTER) {
@@ -412,7 +487,7 @@ impl<R: Runtime> Control<'_, R> {
                     });
                 } else {
                     let effects = self.table.on_unregister(Seq(seq), digest);
-                    self.carry_out(effects, None);
+                    self.carry_out(effects, None, None);
                 }
             }
             Frame::Task {
@@ -422,17 +497,27 @@ impl<R: Runtime> Control<'_, R> {
                 input,
             } => match self.table.begin_task(Seq(seq), digest) {
                 Ok(callable) => {
+                    let (before, after) = match self.pin_hooks(digest, encoding) {
+                        Ok(pinned) => pinned,
+                        Err((code, message)) => {
+                            let _ = self.table.end_task(Seq(seq));
+                            self.task_failed(seq, digest, code, &message);
+                            return true;
+                        }
+                    };
                     let run = Run {
                         seq,
                         digest,
                         encoding,
                         input,
                         callable,
+                        before,
+                        after,
                     };
-                    if self.runs.send(run).is_err() {
+                    if let Err(mpsc::SendError(run)) = self.runs.send(run) {
                         // The task thread is gone (it cannot panic: calls are
                         // caught); unpin and report.
-                        let _ = self.table.end_task(Seq(seq));
+                        end_run(&self.table, run);
                         self.task_failed(
                             seq,
                             digest,
@@ -466,6 +551,73 @@ impl<R: Runtime> Control<'_, R> {
         true
     }
 
+    /// Resolves and pins the hooks of `digest` for one run, in the
+    /// target's own table.
+    ///
+    /// # Errors
+    /// `TASK_FAILED` naming the hook's hashid when a `call_before` hook
+    /// has a `retval_keyword` and the task is pickle-encoded (its kwargs
+    /// are opaque to the target), or `DIGEST_NOT_INSTALLED` naming the
+    /// hook's hashid when a hook does not resolve; nothing stays pinned.
+    #[allow(clippy::type_complexity)]
+    fn pin_hooks(
+        &self,
+        digest: Digest,
+        encoding: TaskEncoding,
+    ) -> Result<(Vec<PinnedHook<R::Callable>>, Vec<PinnedHook<R::Callable>>), (ErrorCode, String)>
+    {
+        let Some(hooks) = self.hooks.borrow().get(&digest).cloned() else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        if encoding == TaskEncoding::Pickle {
+            if let Some(hook) = hooks.before.iter().find(|h| h.retval_keyword.is_some()) {
+                return Err((
+                    ErrorCode::TASK_FAILED,
+                    format!(
+                        "call_before hook {} passes its result as keyword argument {:?}, which needs a JSON-encoded task; this task is pickle-encoded",
+                        hook.hashid,
+                        hook.retval_keyword.as_deref().unwrap_or_default()
+                    ),
+                ));
+            }
+        }
+        let mut pinned: Vec<PinnedHook<R::Callable>> = Vec::new();
+        let mut before_count = 0;
+        for (list, call) in hooks
+            .before
+            .iter()
+            .map(|h| ("call_before", h))
+            .chain(hooks.after.iter().map(|h| ("call_after", h)))
+        {
+            let seq = Seq(self.next_hook_seq.get());
+            self.next_hook_seq.set(seq.0.wrapping_sub(1));
+            match self.table.begin_task(seq, call.hashid.0) {
+                Ok(callable) => {
+                    pinned.push(PinnedHook {
+                        call: call.clone(),
+                        seq,
+                        callable,
+                    });
+                    if list == "call_before" {
+                        before_count += 1;
+                    }
+                }
+                Err(error) => {
+                    for hook in pinned {
+                        drop(hook.callable);
+                        let _ = self.table.end_task(hook.seq);
+                    }
+                    return Err((
+                        error.code,
+                        format!("{list} hook {} cannot run: {}", call.hashid, error.message),
+                    ));
+                }
+            }
+        }
+        let after = pinned.split_off(before_count);
+        Ok((pinned, after))
+    }
+
     fn task_failed(&self, seq: u64, digest: Digest, code: ErrorCode, message: &str) {
         self.writer.send(Frame::TaskResult {
             seq,
@@ -482,7 +634,12 @@ impl<R: Runtime> Control<'_, R> {
     /// (a register's OK passes `target.after_install` first); a
     /// deserialization runs from the staged view and its result goes back
     /// to the machine, whose new effects are carried out in turn.
-    fn carry_out(&self, effects: Effects, view: Option<&StagedView>) {
+    fn carry_out(
+        &self,
+        effects: Effects,
+        view: Option<&StagedView>,
+        metadata: Option<&CallableMetadata>,
+    ) {
         for effect in effects {
             match effect {
                 TargetEffect::Reply(reply) => {
@@ -498,17 +655,24 @@ impl<R: Runtime> Control<'_, R> {
                         result: reply.result.map_err(reply_error),
                     });
                 }
-                TargetEffect::Deserialize { seq, slot, .. } => {
-                    let more = self.deserialize_into(seq, slot, view);
-                    self.carry_out(more, view);
+                TargetEffect::Deserialize { seq, digest, slot } => {
+                    let more = self.deserialize_into(seq, digest, slot, view, metadata);
+                    self.carry_out(more, view, metadata);
                 }
             }
         }
     }
 
-    fn deserialize_into(&self, seq: Seq, slot: Slot, view: Option<&StagedView>) -> Effects {
+    fn deserialize_into(
+        &self,
+        seq: Seq,
+        digest: Digest,
+        slot: Slot,
+        view: Option<&StagedView>,
+        metadata: Option<&CallableMetadata>,
+    ) -> Effects {
         let result = match view.map(|v| Envelope::parse(v.bytes())) {
-            Some(Ok(envelope)) => deserialize(self.runtime, envelope.payload()),
+            Some(Ok(envelope)) => install(self.runtime, envelope.payload(), metadata),
             // The machine asks to deserialize only after a verified open.
             Some(Err(e)) => Err(Failure::new(e.code(), e.to_string())),
             None => Err(Failure::new(
@@ -516,6 +680,15 @@ impl<R: Runtime> Control<'_, R> {
                 "no staged payload is open",
             )),
         };
+        // The hooks of the registration that installed the digest apply to
+        // its tasks from now on (a reference added later keeps them).
+        if result.is_ok() {
+            let mut hooks = self.hooks.borrow_mut();
+            match Hooks::of(metadata) {
+                Some(found) => hooks.insert(digest, found),
+                None => hooks.remove(&digest),
+            };
+        }
         // Only a deserialization nobody waits for is refused; its callable
         // is dropped by the table and there is nothing to reply.
         self.table
@@ -531,37 +704,147 @@ fn run_tasks<R: Runtime>(
     queue: mpsc::Receiver<Run<R::Callable>>,
 ) {
     for run in queue {
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            runtime.call(&run.callable, run.encoding, &run.input)
-        }));
-        let result = match outcome {
-            Ok(Ok(output)) => Ok(output),
-            Ok(Err(error)) => Err(TaskFailure {
-                code: error.code,
-                kind: error.kind,
-                message: error.message,
-            }),
-            Err(panic) => Err(TaskFailure {
-                code: ErrorCode::TASK_FAILED,
-                kind: "panic".to_owned(),
-                message: panic_message(&*panic),
-            }),
-        };
-        drop(run.callable);
-        // The control thread began this run; ending it cannot fail.
-        let _ = table.end_task(Seq(run.seq));
+        let result = run_with_hooks(runtime, &run);
+        let (seq, digest) = (run.seq, run.digest);
+        end_run(table, run);
         writer.send(Frame::TaskResult {
-            seq: run.seq,
-            digest: run.digest,
+            seq,
+            digest,
             result,
         });
     }
+}
+
+/// Drops a run's callables and unpins its slot and its hooks' slots (the
+/// control thread began them; ending them cannot fail).
+fn end_run<C>(table: &SlotTable<C>, run: Run<C>) {
+    let Run {
+        seq,
+        callable,
+        before,
+        after,
+        ..
+    } = run;
+    drop(callable);
+    let _ = table.end_task(Seq(seq));
+    for hook in before.into_iter().chain(after) {
+        drop(hook.callable);
+        let _ = table.end_task(hook.seq);
+    }
+}
+
+/// Calls the runtime, turning a panic into a `TASK_FAILED` failure.
+fn call_caught<R: Runtime>(
+    runtime: &R,
+    callable: &R::Callable,
+    encoding: TaskEncoding,
+    input: &[u8],
+) -> Result<Vec<u8>, TaskFailure> {
+    match catch_unwind(AssertUnwindSafe(|| runtime.call(callable, encoding, input))) {
+        Ok(Ok(output)) => Ok(output),
+        Ok(Err(error)) => Err(TaskFailure {
+            code: error.code,
+            kind: error.kind,
+            message: error.message,
+        }),
+        Err(panic) => Err(TaskFailure {
+            code: ErrorCode::TASK_FAILED,
+            kind: "panic".to_owned(),
+            message: panic_message(&*panic),
+        }),
+    }
+}
+
+/// The failure reported for a task whose hook failed: kind `HookFailed`,
+/// the hook's own code, and a message naming the hook and its failure.
+fn hook_failure(list: &str, hook: &HookCall, when: &str, failure: TaskFailure) -> TaskFailure {
+    TaskFailure {
+        code: failure.code,
+        kind: "HookFailed".to_owned(),
+        message: format!(
+            "{list} hook {} failed{when}: {}: {}",
+            hook.hashid, failure.kind, failure.message
+        ),
+    }
+}
+
+/// Runs one task with its hooks (issue 7): each `call_before` hook with its
+/// JSON args and kwargs (a `retval_keyword` result merged into the task's
+/// kwargs), the task, then each `call_after` hook, which run only when the
+/// task succeeded. The first failure ends the run and is its outcome; a
+/// failed hook is reported with kind `HookFailed`.
+fn run_with_hooks<R: Runtime>(runtime: &R, run: &Run<R::Callable>) -> Result<Vec<u8>, TaskFailure> {
+    let mut input = std::borrow::Cow::Borrowed(run.input.as_slice());
+    for hook in &run.before {
+        let result = call_caught(
+            runtime,
+            &hook.callable,
+            TaskEncoding::Json,
+            &hook.call.task_input(),
+        )
+        .map_err(|f| hook_failure("call_before", &hook.call, "", f))?;
+        if let Some(keyword) = &hook.call.retval_keyword {
+            let merged = merge_retval_keyword(&input, keyword, &result).map_err(|e| {
+                hook_failure(
+                    "call_before",
+                    &hook.call,
+                    "",
+                    TaskFailure {
+                        code: ErrorCode::TASK_FAILED,
+                        kind: "RetvalKeywordInvalid".to_owned(),
+                        message: e.to_string(),
+                    },
+                )
+            })?;
+            input = std::borrow::Cow::Owned(merged);
+        }
+    }
+    let output = call_caught(runtime, &run.callable, run.encoding, &input)?;
+    for hook in &run.after {
+        call_caught(
+            runtime,
+            &hook.callable,
+            TaskEncoding::Json,
+            &hook.call.task_input(),
+        )
+        .map_err(|f| hook_failure("call_after", &hook.call, " after the task succeeded", f))?;
+    }
+    Ok(output)
+}
+
+/// Parses a register control's metadata field: `Ok(None)` when empty.
+///
+/// # Errors
+/// `METADATA_INVALID` with the decoding error naming the field.
+fn parse_metadata(text: &str) -> Result<Option<CallableMetadata>, Failure> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    CallableMetadata::from_json(text)
+        .map(Some)
+        .map_err(|e| Failure::new(ErrorCode::METADATA_INVALID, format!("metadata: {e}")))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::wire::MIN_MAX_FRAME_BYTES;
+
+    #[test]
+    fn register_metadata_is_parsed_strictly_and_empty_means_none() {
+        assert_eq!(parse_metadata(""), Ok(None));
+        assert_eq!(
+            parse_metadata(r#"{"name":"f"}"#),
+            Ok(Some(CallableMetadata::named("f")))
+        );
+        assert_eq!(
+            parse_metadata(r#"{"name":"f","deps":{"pip":{"packages":[1]}}}"#),
+            Err(Failure::new(
+                ErrorCode::METADATA_INVALID,
+                "metadata: at deps.pip.packages[0]: invalid type: integer `1`, expected a string"
+            ))
+        );
+    }
 
     #[test]
     fn an_oversized_task_result_becomes_a_failure_that_fits() {

@@ -6,7 +6,8 @@
 //! * Caller threads (any number): validate an envelope and stage it (copy
 //!   and hash in one pass), then queue a request and wait on its
 //!   completion hand-off ([`super::handoff`]). Before start, registrations
-//!   go straight to the machine's registry and the startup snapshot.
+//!   go straight to the machine's registry and the startup snapshot (with
+//!   their callable metadata, which only the targets act on).
 //! * One IO thread per started Worker: the only place the machine is
 //!   driven after start and the only place its effects are carried out.
 //!
@@ -36,9 +37,10 @@
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
 //! with `stage_failed`); `Send` encodes a wire frame into the target's
-//! outbox; `ReleaseStaged` unlinks the shm object; `Fence` kills and reaps
-//! the target; `Completed` hands the result to the waiting caller (a
-//! published handle passes `parent.before_publish` first).
+//! outbox (a register's carries its metadata as JSON); `ReleaseStaged`
+//! unlinks the shm object; `Fence` kills and reaps the target; `Completed`
+//! hands the result to the waiting caller (a published handle passes
+//! `parent.before_publish` first).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
@@ -61,6 +63,7 @@ use super::target::{self, TargetSetup};
 use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
 use crate::envelope::{Envelope, HEADER_LEN};
 use crate::error::{Error, ErrorCode, OperationKind};
+use crate::metadata::CallableMetadata;
 use crate::protocol::{
     Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
     Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
@@ -274,6 +277,7 @@ impl<R: Runtime> WorkerBuilder<R> {
                 core: Mutex::new(Core {
                     machine,
                     envelopes: BTreeMap::new(),
+                    metadata: BTreeMap::new(),
                     requests: VecDeque::new(),
                     io_running: false,
                     wake: None,
@@ -363,6 +367,7 @@ enum Request {
     Register {
         digest: Digest,
         staged: StagedPayload,
+        metadata: Option<Box<CallableMetadata>>,
         done: Completer<Result<Handle, OperationError>>,
     },
     Unregister {
@@ -393,6 +398,10 @@ struct Core {
     /// Envelope bytes of pre-start registrations, by digest (the startup
     /// snapshot's payloads, inherited by the targets).
     envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
+    /// Callable metadata of pre-start registrations, by digest: the first
+    /// registration of a digest that brought metadata (targets install each
+    /// digest once, with it).
+    metadata: BTreeMap<Digest, CallableMetadata>,
     requests: VecDeque<Request>,
     io_running: bool,
     /// Write end of the IO thread's wake pipe.
@@ -481,6 +490,50 @@ impl<R: Runtime> Worker<R> {
         self.register_async(envelope)?.wait()
     }
 
+    /// Registers an envelope with its callable metadata (issue 7,
+    /// `specs/metadata.md`) and waits for the handle; `None` is
+    /// [`Worker::register`]. The metadata is not part of the hashid: it
+    /// travels as JSON in the register control (`specs/wire.md`), and each
+    /// target checks it (versions, deps, executor) before it deserializes,
+    /// then runs its hooks around each task. Before start it goes into the
+    /// startup snapshot with the envelope. The parent only reads its JSON
+    /// and the hook hashids; it never deserializes anything.
+    ///
+    /// A digest is installed once per target; a later registration of a
+    /// digest a target already holds only adds a reference, and the
+    /// metadata of the registration that installed it stays in force.
+    ///
+    /// # Errors
+    /// As [`Worker::register`]; `METADATA_INVALID` naming the hashid when a
+    /// `call_before` / `call_after` hook's hashid has no live handle in
+    /// `LOCAL_PYTHON` (checked before the control is broadcast; nothing is
+    /// sent then); `FRAME_INVALID` when the metadata's JSON does not fit in
+    /// one register control; `REGISTER_PARTIAL_FAILURE` with each target's
+    /// outcome when a target refused it (e.g. `PYTHON_VERSION_MISMATCH`,
+    /// `DEPS_UNSATISFIED`, `EXECUTOR_UNKNOWN` in the outcome's failure).
+    pub fn register_with_metadata(
+        &self,
+        envelope: &[u8],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<Handle, OperationError> {
+        self.register_with_metadata_async(envelope, metadata)?
+            .wait()
+    }
+
+    /// Starts a register with metadata and returns at once with a pending
+    /// operation (complete already before start).
+    ///
+    /// # Errors
+    /// As [`Worker::register_with_metadata`], for the failures found before
+    /// any target is involved.
+    pub fn register_with_metadata_async(
+        &self,
+        envelope: &[u8],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<PendingOperation<Handle>, OperationError> {
+        self.register_inner(envelope, metadata)
+    }
+
     /// Starts a register and returns at once with a pending operation
     /// (complete already before start).
     ///
@@ -491,11 +544,41 @@ impl<R: Runtime> Worker<R> {
         &self,
         envelope: &[u8],
     ) -> Result<PendingOperation<Handle>, OperationError> {
+        self.register_inner(envelope, None)
+    }
+
+    fn register_inner(
+        &self,
+        envelope: &[u8],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<PendingOperation<Handle>, OperationError> {
         let parsed = Envelope::parse(envelope).map_err(Self::envelope_error)?;
+        if let Some(metadata) = metadata {
+            // Room for the register control's fixed fields and a staged
+            // name (`/callreg-<pid>-<n>-<16 hex>`, well under 128 bytes).
+            let json_bytes = metadata.to_json().len();
+            if HEADER_BYTES + 8 + 32 + 4 + 128 + 8 + 4 + json_bytes > self.max_frame_bytes {
+                return Err(OperationError::new(
+                    Error::new(
+                        ErrorCode::FRAME_INVALID,
+                        OperationKind::Register,
+                        format!(
+                            "the metadata's JSON of {json_bytes} bytes does not fit in a register control of at most {} bytes",
+                            self.max_frame_bytes
+                        ),
+                    )
+                    .with_namespace(Namespace::LocalPython),
+                ));
+            }
+        }
         let mut core = self.shared.lock();
         match core.machine.lifecycle() {
             Lifecycle::New => {
                 let digest = python_serialized_digest(&parsed);
+                if let Some(metadata) = metadata {
+                    check_hooks_live(&core.machine, digest, metadata)
+                        .map_err(OperationError::new)?;
+                }
                 let handle = core
                     .machine
                     .register_before_start(digest, Namespace::LocalPython)
@@ -504,6 +587,11 @@ impl<R: Runtime> Worker<R> {
                 core.envelopes
                     .entry(digest)
                     .or_insert_with(|| Arc::new(bytes.to_vec()));
+                if let Some(metadata) = metadata {
+                    core.metadata
+                        .entry(digest)
+                        .or_insert_with(|| metadata.clone());
+                }
                 Ok(completed(Ok(handle)))
             }
             Lifecycle::Closed => Err(OperationError::new(lifecycle_error(
@@ -533,6 +621,7 @@ impl<R: Runtime> Worker<R> {
                 self.push(Request::Register {
                     digest,
                     staged,
+                    metadata: metadata.cloned().map(Box::new),
                     done,
                 });
                 Ok(PendingOperation { pending })
@@ -574,6 +663,7 @@ impl<R: Runtime> Worker<R> {
                     .any(|(d, _)| *d == digest)
                 {
                     core.envelopes.remove(&digest);
+                    core.metadata.remove(&digest);
                 }
                 Ok(completed(Ok(())))
             }
@@ -776,6 +866,7 @@ impl<R: Runtime> Worker<R> {
             runtime: self.runtime.clone(),
             snapshot: snapshot.clone(),
             envelopes: core.envelopes.clone(),
+            metadata: core.metadata.clone(),
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
         };
@@ -1127,10 +1218,56 @@ struct InspectWaiter {
     done: Completer<Vec<(TargetId, Option<TargetTable>)>>,
 }
 
+/// A register's staged payload with the metadata JSON its control carries
+/// (empty for none); dropping it unlinks the payload.
+struct Staged {
+    payload: StagedPayload,
+    metadata: String,
+}
+
+/// Checks that every hook hashid of `metadata` has a live handle in
+/// `LOCAL_PYTHON` (issue 7: a hook runs in the same namespace, resolved
+/// by digest in each target), before a register of `digest` is broadcast.
+///
+/// # Errors
+/// `METADATA_INVALID` naming the first hook that is not live.
+fn check_hooks_live(
+    machine: &Parent,
+    digest: Digest,
+    metadata: &CallableMetadata,
+) -> Result<(), Error> {
+    let hooks = metadata
+        .call_before
+        .iter()
+        .map(|h| ("call_before", h))
+        .chain(metadata.call_after.iter().map(|h| ("call_after", h)));
+    for (index, (list, hook)) in hooks.enumerate() {
+        let hook_digest = hook.hashid.0;
+        if !machine.is_live(hook_digest, Namespace::LocalPython) {
+            let position = if list == "call_before" {
+                index
+            } else {
+                index - metadata.call_before.len()
+            };
+            return Err(Error::new(
+                ErrorCode::METADATA_INVALID,
+                OperationKind::Register,
+                format!(
+                    "{list}[{position}] names {}, which has no live registration in LOCAL_PYTHON (register it first)",
+                    hook.hashid
+                ),
+            )
+            .with_namespace(Namespace::LocalPython)
+            .with_digest(digest));
+        }
+    }
+    Ok(())
+}
+
 /// Data a request brings for the effects it causes.
 #[derive(Default)]
 struct Context {
-    staged: Option<(Digest, StagedPayload)>,
+    staged: Option<(Digest, Staged)>,
     task_input: Option<(TaskEncoding, Vec<u8>)>,
 }
 
@@ -1139,7 +1276,7 @@ struct IoLoop {
     shared: Arc<Shared>,
     links: Vec<Option<Link>>,
     wake: OwnedFd,
-    staged: BTreeMap<StagingId, StagedPayload>,
+    staged: BTreeMap<StagingId, Staged>,
     ops: BTreeMap<OpId, OpWaiter>,
     tasks: BTreeMap<u64, TaskWaiter>,
     inspects: Vec<InspectWaiter>,
@@ -1251,14 +1388,32 @@ impl IoLoop {
             Request::Register {
                 digest,
                 staged,
+                metadata,
                 done,
-            } => match core.machine.register(digest, Namespace::LocalPython, now) {
-                Ok(op) => {
-                    self.ops.insert(op, OpWaiter::Register(done));
-                    context.staged = Some((digest, staged));
+            } => {
+                // Checked here, in request order: an unregister of a hook
+                // queued before this register has taken effect.
+                let checked = match &metadata {
+                    Some(metadata) => check_hooks_live(&core.machine, digest, metadata),
+                    None => Ok(()),
+                };
+                match checked
+                    .and_then(|()| core.machine.register(digest, Namespace::LocalPython, now))
+                {
+                    Ok(op) => {
+                        self.ops.insert(op, OpWaiter::Register(done));
+                        let metadata = metadata.map(|m| m.to_json()).unwrap_or_default();
+                        context.staged = Some((
+                            digest,
+                            Staged {
+                                payload: staged,
+                                metadata,
+                            },
+                        ));
+                    }
+                    Err(error) => done.complete(Err(OperationError::new(error))),
                 }
-                Err(error) => done.complete(Err(OperationError::new(error))),
-            },
+            }
             Request::Unregister { handle, done } => match core.machine.unregister(&handle, now) {
                 Ok(op) => {
                     self.ops.insert(op, OpWaiter::Unregister(done));
@@ -1389,8 +1544,9 @@ impl IoLoop {
                 Some(staged) => Frame::Register {
                     seq: seq.0,
                     digest,
-                    staged_name: staged.name().to_owned(),
-                    staged_size: staged.size(),
+                    staged_name: staged.payload.name().to_owned(),
+                    staged_size: staged.payload.size(),
+                    metadata: staged.metadata.clone(),
                 },
                 // The machine sends a register only while its payload is
                 // staged; an unknown staging id means a lost target now.

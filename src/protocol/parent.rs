@@ -1059,6 +1059,17 @@ impl Parent {
         self.uncertain.keys().copied().collect()
     }
 
+    /// Whether `digest` has a live (published) handle in `namespace`: the
+    /// check a register makes, before it broadcasts, for each hook hashid
+    /// its metadata names (`call_before` / `call_after`, issue 7). A
+    /// published handle was confirmed by every live target, so such a
+    /// digest resolves in each target a new register reaches. Pure query.
+    pub fn is_live(&self, digest: Digest, namespace: Namespace) -> bool {
+        self.handles
+            .values()
+            .any(|r| r.digest == digest && r.namespace == namespace)
+    }
+
     /// Every live (published) handle, in handle id order.
     pub fn live_handles(&self) -> Vec<Handle> {
         self.handles
@@ -1418,6 +1429,23 @@ mod tests {
             digest: digest(n),
             result: Ok(()),
         }
+    }
+
+    #[test]
+    fn a_digest_is_live_from_publication_until_its_last_handle_goes() {
+        let mut p = started(1);
+        assert!(!p.is_live(digest(1), Namespace::LocalPython));
+        let op = p
+            .register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        assert!(!p.is_live(digest(1), Namespace::LocalPython), "in flight");
+        p.handle_reply(TargetId(0), ok(op.0, 1), Time(1)).unwrap();
+        assert!(p.is_live(digest(1), Namespace::LocalPython));
+        assert!(!p.is_live(digest(1), Namespace::LocalChip));
+        assert!(!p.is_live(digest(2), Namespace::LocalPython));
+        let handle = p.live_handles()[0];
+        p.unregister(&handle, Time(2)).unwrap();
+        assert!(!p.is_live(digest(1), Namespace::LocalPython));
     }
 
     #[test]

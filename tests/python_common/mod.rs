@@ -1,0 +1,161 @@
+//! Shared by the Python real-process test binaries with metadata
+//! (`tests/python_metadata.rs`, `tests/no_parent_deserialize.rs`): payloads
+//! packed at test time by the interpreter named by `PYO3_PYTHON` (else
+//! `python3`; it must have cloudpickle and be the Python the build linked),
+//! and helpers for JSON tasks.
+//!
+//! Payloads: every name of `examples/callables.py` (packed by
+//! `python/callreg_envelope.py`, side-cars included), plus the hooks of
+//! [`EXTRA_PAYLOADS`]. They are written to a temporary directory, read, and
+//! the directory is removed before any test runs.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use callreg::descriptor::python_serialized_digest;
+use callreg::envelope::Envelope;
+use callreg::metadata::{CallableMetadata, HookCall};
+use serde_json::{json, Value};
+
+/// Writes hook payloads into argv[1] as `NAME.spyc` envelopes made by
+/// `callreg_envelope.dumps`; argv[2] is the directory of
+/// `callreg_envelope.py`.
+///
+/// * `append_line(path, text)`: appends `text` and a newline to `path`
+///   (a `call_after` hook whose run a test can observe); returns `text`.
+/// * `refusing_hook()`: raises `ValueError("this hook refuses")`.
+/// * `writes_marker_when_unpickled`: unpickling it creates the file named
+///   by the environment variable `CALLREG_TEST_MARKER` (a test asserts a
+///   refused install never unpickled it).
+pub const EXTRA_PAYLOADS: &str = r#"
+import os, sys
+sys.path.insert(0, sys.argv[2])
+import callreg_envelope
+
+out = sys.argv[1]
+
+def append_line(path, text):
+    with open(path, "a") as f:
+        f.write(text + "\n")
+    return text
+
+def refusing_hook():
+    raise ValueError("this hook refuses")
+
+def _write_marker():
+    with open(os.environ["CALLREG_TEST_MARKER"], "w") as f:
+        f.write("unpickled")
+    return lambda: "unpickled"
+
+class WritesMarkerWhenUnpickled:
+    def __call__(self):
+        return None
+    def __reduce__(self):
+        return (_write_marker, ())
+
+for name, value in [
+    ("append_line", append_line),
+    ("refusing_hook", refusing_hook),
+    ("writes_marker_when_unpickled", WritesMarkerWhenUnpickled()),
+]:
+    with open(os.path.join(out, name + ".spyc"), "wb") as f:
+        f.write(callreg_envelope.dumps(value))
+"#;
+
+/// Envelopes by name, made once per process.
+pub fn payloads() -> &'static BTreeMap<String, Vec<u8>> {
+    static PAYLOADS: OnceLock<BTreeMap<String, Vec<u8>>> = OnceLock::new();
+    PAYLOADS.get_or_init(|| make_payloads().unwrap_or_else(|why| panic!("{why}")))
+}
+
+fn make_payloads() -> Result<BTreeMap<String, Vec<u8>>, String> {
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::temp_dir().join(format!("callreg-python-meta-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let result = (|| {
+        let out = dir.join("payloads");
+        run_python(
+            Command::new(&python)
+                .arg(repo.join("python/callreg_envelope.py"))
+                .arg(repo.join("examples/callables.py"))
+                .arg("--out")
+                .arg(&out),
+        )?;
+        run_python(
+            Command::new(&python)
+                .arg("-c")
+                .arg(EXTRA_PAYLOADS)
+                .arg(&out)
+                .arg(repo.join("python")),
+        )?;
+        let mut envelopes = BTreeMap::new();
+        for entry in std::fs::read_dir(&out).map_err(|e| e.to_string())? {
+            let path: PathBuf = entry.map_err(|e| e.to_string())?.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("spyc") {
+                continue;
+            }
+            let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+            envelopes.insert(
+                name.to_owned(),
+                std::fs::read(&path).map_err(|e| e.to_string())?,
+            );
+        }
+        Ok(envelopes)
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn run_python(command: &mut Command) -> Result<(), String> {
+    let output = command
+        .output()
+        .map_err(|e| format!("cannot run {command:?}: {e}"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{command:?} failed ({}): {} (cloudpickle must be installed for PYO3_PYTHON)",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        ))
+    }
+}
+
+/// The envelope packed for `name`.
+pub fn envelope(name: &str) -> &'static [u8] {
+    payloads()
+        .get(name)
+        .unwrap_or_else(|| panic!("no payload {name:?}"))
+}
+
+/// The hashid of `name`'s envelope, as text (`sha256:…`).
+pub fn hashid(name: &str) -> String {
+    let parsed = Envelope::parse(envelope(name)).expect("a valid envelope");
+    python_serialized_digest(&parsed).hashid().to_string()
+}
+
+/// A hook call of `name`'s envelope with JSON `args` and `kwargs`.
+pub fn hook(name: &str, args: Value, kwargs: Value, retval_keyword: Option<&str>) -> HookCall {
+    let mut call = HookCall::new(hashid(name).parse().expect("a hashid"));
+    call.args = args.as_array().cloned().unwrap_or_default();
+    call.kwargs = kwargs.as_object().cloned().unwrap_or_default();
+    call.retval_keyword = retval_keyword.map(str::to_owned);
+    call
+}
+
+/// Metadata parsed from JSON text (strict, `CallableMetadata::from_json`).
+pub fn metadata(value: Value) -> CallableMetadata {
+    CallableMetadata::from_json(&value.to_string()).expect("valid metadata")
+}
+
+/// A JSON task input.
+pub fn input(args: Value, kwargs: Value) -> Vec<u8> {
+    json!({"args": args, "kwargs": kwargs})
+        .to_string()
+        .into_bytes()
+}
