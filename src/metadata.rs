@@ -1,5 +1,5 @@
 //! Callable metadata: what a registration carries beside its envelope, as
-//! plain JSON, never as objects (DESIGN.md §6, issue 7; the
+//! plain JSON, never as objects (DESIGN.md §6; the
 //! transport-graph convention of an `executor` short name plus
 //! `executor_data`, `deps`, `call_before` and `call_after`).
 //!
@@ -56,7 +56,7 @@ pub const DEFAULT_EXECUTOR: &str = "python";
 /// DESIGN.md §3.1), as `python.serializer` spells it.
 pub const SERIALIZER_CLOUDPICKLE: &str = "cloudpickle";
 
-/// The metadata of one registration (issue 7).
+/// The metadata of one registration.
 ///
 /// Fields and defaults (an absent key takes the default; [`to_json`]
 /// writes every key except absent optional blocks):
@@ -97,7 +97,7 @@ pub struct CallableMetadata {
     pub call_after: Vec<HookCall>,
 }
 
-/// The producer's interpreter and serializer (issue 7), e.g.
+/// The producer's interpreter and serializer, e.g.
 /// `{"version": "3.11.7", "serializer": "cloudpickle", "serializer_version": "2.1.0"}`.
 /// All three keys are required when the block is present.
 ///
@@ -670,7 +670,7 @@ pub enum MergeError {
     KeywordTaken(String),
 }
 
-/// Passes a `call_before` hook's result to the task (issue 7): returns the
+/// Passes a `call_before` hook's result to the task: returns the
 /// JSON task input `input` (`{"args": [...], "kwargs": {...}}`, both keys
 /// optional, UTF-8 bytes) with `kwargs[keyword] = result` (`result`: the
 /// hook's JSON result bytes). Keys other than `args` and `kwargs` are kept

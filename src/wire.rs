@@ -29,7 +29,7 @@ use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 
 /// The only wire version this implementation reads and writes. Version 2
-/// added the register control's metadata field (issue 7); version 1
+/// added the register control's metadata field; version 1
 /// frames are refused.
 pub const WIRE_VERSION: u8 = 2;
 

@@ -67,7 +67,7 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// The standard configuration (issue 4, `specs/model.md`): 3 targets,
+    /// The standard configuration (`specs/model.md`): 3 targets,
     /// the `register-unregister-same-digest` script, 1 crash,
     /// 1 deserialization failure, 1 corruption, 1 deadline, 1 task,
     /// no staging failure, fencing on, 2 slots per target.

@@ -1,7 +1,7 @@
 //! `callreg inspect [--json] FILE...`: validate envelopes (DESIGN.md §3.1)
 //! and show their header, PYTHON_SERIALIZED descriptor and hashid (§3.2),
 //! and the metadata side-car `FILE.json` when one exists next to the
-//! envelope (issue 7, `specs/metadata.md`).
+//! envelope (`specs/metadata.md`).
 
 use callreg::descriptor::{Digest, PythonSerialized};
 use callreg::envelope::Envelope;

@@ -1,4 +1,4 @@
-//! The plan file of `callreg run` (issue 6, item 4): a JSON object
+//! The plan file of `callreg run` : a JSON object
 //!
 //! ```json
 //! {"targets": 4, "control_timeout_s": 30,

@@ -1,5 +1,5 @@
 //! `callreg run PLAN.json [--json]`: runs a plan of registrations and tasks
-//! against a real Worker with Python targets (issue 6, item 4; the plan
+//! against a real Worker with Python targets (the plan
 //! format is in [`super::plan`]).
 //!
 //! This process is the parent: it forks the targets, stages envelopes and

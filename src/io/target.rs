@@ -10,7 +10,7 @@
 //! long task never delays a register into a timeout.
 //! Both threads write whole frames to the reply pipe under one lock.
 //!
-//! Callable metadata (issue 7, `specs/metadata.md`): a register control
+//! Callable metadata (`specs/metadata.md`): a register control
 //! carries it as JSON; the target parses it and installs through
 //! [`Runtime::install`], which makes the version, dependency and executor
 //! checks before anything is deserialized. The hooks of the registration
@@ -768,7 +768,7 @@ fn hook_failure(list: &str, hook: &HookCall, when: &str, failure: TaskFailure) -
     }
 }
 
-/// Runs one task with its hooks (issue 7): each `call_before` hook with its
+/// Runs one task with its hooks: each `call_before` hook with its
 /// JSON args and kwargs (a `retval_keyword` result merged into the task's
 /// kwargs), the task, then each `call_after` hook, which run only when the
 /// task succeeded. The first failure ends the run and is its outcome; a

@@ -490,8 +490,7 @@ impl<R: Runtime> Worker<R> {
         self.register_async(envelope)?.wait()
     }
 
-    /// Registers an envelope with its callable metadata (issue 7,
-    /// `specs/metadata.md`) and waits for the handle; `None` is
+    /// Registers an envelope with its callable metadata (/// `specs/metadata.md`) and waits for the handle; `None` is
     /// [`Worker::register`]. The metadata is not part of the hashid: it
     /// travels as JSON in the register control (`specs/wire.md`), and each
     /// target checks it (versions, deps, executor) before it deserializes,
@@ -1226,7 +1225,7 @@ struct Staged {
 }
 
 /// Checks that every hook hashid of `metadata` has a live handle in
-/// `LOCAL_PYTHON` (issue 7: a hook runs in the same namespace, resolved
+/// `LOCAL_PYTHON` (a hook runs in the same namespace, resolved
 /// by digest in each target), before a register of `digest` is broadcast.
 ///
 /// # Errors

@@ -1061,7 +1061,7 @@ impl Parent {
 
     /// Whether `digest` has a live (published) handle in `namespace`: the
     /// check a register makes, before it broadcasts, for each hook hashid
-    /// its metadata names (`call_before` / `call_after`, issue 7). A
+    /// its metadata names (`call_before` / `call_after`). A
     /// published handle was confirmed by every live target, so such a
     /// digest resolves in each target a new register reaches. Pure query.
     pub fn is_live(&self, digest: Digest, namespace: Namespace) -> bool {

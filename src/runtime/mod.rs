@@ -55,8 +55,7 @@ pub trait Runtime: Send + Sync + 'static {
     /// message; the target stays alive and installs nothing.
     fn deserialize(&self, payload: &[u8]) -> Result<Self::Callable, RuntimeError>;
 
-    /// Installs a payload with its registration's metadata (issue 7,
-    /// `specs/metadata.md`): makes the checks the metadata asks for, then
+    /// Installs a payload with its registration's metadata (/// `specs/metadata.md`): makes the checks the metadata asks for, then
     /// deserializes. Nothing is deserialized when a check fails.
     ///
     /// This provided version honours no metadata itself: it deserializes

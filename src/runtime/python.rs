@@ -1,6 +1,5 @@
 //! The Python runtime: deserializes cloudpickle payloads with `pickle.loads`
-//! inside a target and runs tasks on the resulting callables (DESIGN.md §5,
-//! issue "Python targets").
+//! inside a target and runs tasks on the resulting callables (DESIGN.md §5).
 //!
 //! Rules this module keeps:
 //!
@@ -22,8 +21,7 @@
 //! * Each thread that calls the runtime keeps its Python thread state until
 //!   it exits, instead of creating and destroying one per call.
 //! * [`Runtime::install`] with metadata checks versions and dependencies and
-//!   rehydrates the executor before anything is unpickled (issue 7,
-//!   `specs/metadata.md`); executors come from a registry by short name
+//!   rehydrates the executor before anything is unpickled (//!   `specs/metadata.md`); executors come from a registry by short name
 //!   ([`PythonExecutor`], [`PythonRuntime::with_executor`]).
 
 use std::cell::Cell;
@@ -445,7 +443,7 @@ impl Runtime for PythonRuntime {
         })
     }
 
-    /// Installs a payload with its metadata (issue 7, `specs/metadata.md`).
+    /// Installs a payload with its metadata (`specs/metadata.md`).
     /// The checks run in this order, and the first failure ends the install
     /// before anything is unpickled:
     ///

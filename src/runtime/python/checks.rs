@@ -1,5 +1,5 @@
 //! The checks a Python target makes before deserializing a payload with
-//! metadata (issue 7, `specs/metadata.md` "Checks before deserializing"):
+//! metadata (`specs/metadata.md` "Checks before deserializing"):
 //! interpreter and serializer versions, pip requirements, bash commands.
 //! Each returns the [`RuntimeError`] the install reports; none of them
 //! deserializes anything.
