@@ -23,7 +23,9 @@
 //! 3. Build the poll set: the wake pipe, every live target's reply pipe,
 //!    and the control pipe of every target with unsent bytes; the poll
 //!    timeout is the machine's next deadline (none: block).
-//! 4. Release the state lock and `poll`.
+//! 4. Release the state lock, hand the results decided since the last
+//!    `poll` to their waiting callers (a caller woken under the lock would
+//!    block on it at once), and `poll`.
 //! 5. Take the state lock. For each target whose reply pipe is readable,
 //!    read what is there, decode whole frames, and give each reply to the
 //!    machine (`handle_reply`), draining effects after each; task results
@@ -832,6 +834,7 @@ impl<R: Runtime> Worker<R> {
             next_inspect: 1,
             clock: self.clock,
             max_frame_bytes: self.max_frame_bytes,
+            handovers: Vec::new(),
         };
         drop(core);
         let handle = std::thread::Builder::new()
@@ -1146,6 +1149,16 @@ struct IoLoop {
     next_inspect: u64,
     clock: Instant,
     max_frame_bytes: usize,
+    /// Completions decided under the state lock, handed to their callers
+    /// once it is released: a caller woken while the IO thread still held
+    /// the lock would block on it at once (one more sleep and wake-up).
+    handovers: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+impl Drop for IoLoop {
+    fn drop(&mut self) {
+        self.hand_over();
+    }
 }
 
 enum Ready {
@@ -1157,6 +1170,18 @@ enum Ready {
 impl IoLoop {
     fn now(&self) -> Time {
         now_since(self.clock)
+    }
+
+    /// Queues `value` for `done`'s caller; see [`IoLoop::hand_over`].
+    fn defer<T: Send + 'static>(&mut self, done: Completer<T>, value: T) {
+        self.handovers.push(Box::new(move || done.complete(value)));
+    }
+
+    /// Completes the queued operations; called without the state lock.
+    fn hand_over(&mut self) {
+        for handover in self.handovers.drain(..) {
+            handover();
+        }
     }
 
     fn run(mut self) {
@@ -1207,7 +1232,9 @@ impl IoLoop {
                 }
             }
             // Step 4: wait without the lock.
+            let handovers = std::mem::take(&mut self.handovers);
             drop(core);
+            handovers.into_iter().for_each(|handover| handover());
             let polled = nix::poll::poll(&mut fds, timeout);
             let events: Vec<bool> = fds
                 .iter()
@@ -1240,6 +1267,9 @@ impl IoLoop {
                     Ready::Control(index) => self.flush(&mut core, index),
                 }
             }
+            // Completions decided here are handed over at step 4 of the
+            // next turn, after its lock is released, not now: a caller woken
+            // now would find the lock taken again for steps 1 to 3.
         }
     }
 
@@ -1517,7 +1547,7 @@ impl IoLoop {
                         .with_seq(Seq(seq)),
                     kind: failure.kind,
                 });
-                waiter.done.complete(result);
+                self.defer(waiter.done, result);
                 Ok(())
             }
             Frame::Table {
@@ -1576,14 +1606,16 @@ impl IoLoop {
                     // SAFETY: `_exit` ends the process without destructors.
                     unsafe { libc::_exit(failpoints::ABRUPT_EXIT_CODE) }
                 }
-                done.complete(Ok(handle));
+                self.defer(done, Ok(handle));
             }
-            (OpWaiter::Unregister(done), Ok(Completion::Unregistered(_))) => done.complete(Ok(())),
+            (OpWaiter::Unregister(done), Ok(Completion::Unregistered(_))) => {
+                self.defer(done, Ok(()))
+            }
             (OpWaiter::Register(done), result) => {
-                done.complete(Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes)))
             }
             (OpWaiter::Unregister(done), result) => {
-                done.complete(Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes)))
             }
         }
     }
