@@ -1094,8 +1094,11 @@ fn read_available(link: &mut Link, chunk: &mut [u8]) -> ReadOutcome {
             Ok(n) => {
                 link.input.extend(&chunk[..n]);
                 got = true;
-                // Decode before reading more: the buffer stays bounded.
-                if link.input.pending_bytes() > READ_CHUNK_BYTES * 4 {
+                // A short read emptied the pipe: asking again would only
+                // return `EAGAIN` (one syscall per reply); later bytes make
+                // the next `poll` report the pipe readable. Decode before
+                // reading more: the buffer stays bounded.
+                if n < chunk.len() || link.input.pending_bytes() > READ_CHUNK_BYTES * 4 {
                     return ReadOutcome::Data;
                 }
             }
@@ -1258,8 +1261,9 @@ impl IoLoop {
                 }
                 match what {
                     Ready::Wake => {
+                        // Until a short read: the pipe is then empty.
                         let mut sink = [0u8; 256];
-                        while matches!(nix::unistd::read(self.wake.as_fd(), &mut sink), Ok(n) if n > 0)
+                        while matches!(nix::unistd::read(self.wake.as_fd(), &mut sink), Ok(n) if n == sink.len())
                         {
                         }
                     }
