@@ -225,6 +225,13 @@ impl StagedView {
             // mmap of zero bytes is EINVAL; an empty view is the same bytes.
             return Ok(StagedView { map: None });
         }
+        // The size just checked: without a length `map` would `fstat` the
+        // object a second time.
+        let len = usize::try_from(actual).map_err(|_| StagingError::Os {
+            operation: "mmap",
+            name: name.to_owned(),
+            errno: Errno::EFBIG,
+        })?;
         // SAFETY: the object is mapped read-only and private to this view.
         // The parent never writes it after sending the control (it is
         // written once, before), so the mapped bytes do not change under us;
@@ -232,13 +239,14 @@ impl StagedView {
         // which only that process can cause (mode 0600, same user).
         // MAP_POPULATE: the target reads every byte (digest, then the
         // runtime), so faulting the pages in up front is cheaper.
-        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(|e| {
-            StagingError::Os {
-                operation: "mmap",
-                name: name.to_owned(),
-                errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
-            }
-        })?;
+        let map =
+            unsafe { memmap2::MmapOptions::new().len(len).populate().map(&file) }.map_err(|e| {
+                StagingError::Os {
+                    operation: "mmap",
+                    name: name.to_owned(),
+                    errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
+                }
+            })?;
         Ok(StagedView { map: Some(map) })
     }
 

@@ -24,7 +24,9 @@
 //! 3. Build the poll set: the wake pipe, every live target's reply pipe,
 //!    and the control pipe of every target with unsent bytes; the poll
 //!    timeout is the machine's next deadline (none: block).
-//! 4. Release the state lock and `poll`.
+//! 4. Release the state lock, hand the results decided since the last
+//!    `poll` to their waiting callers (a caller woken under the lock would
+//!    block on it at once), and `poll`.
 //! 5. Take the state lock. For each target whose reply pipe is readable,
 //!    read what is there, decode whole frames, and give each reply to the
 //!    machine (`handle_reply`), draining effects after each; task results
@@ -922,6 +924,7 @@ impl<R: Runtime> Worker<R> {
             next_inspect: 1,
             clock: self.clock,
             max_frame_bytes: self.max_frame_bytes,
+            handovers: Vec::new(),
         };
         drop(core);
         let handle = std::thread::Builder::new()
@@ -1181,8 +1184,11 @@ fn read_available(link: &mut Link, chunk: &mut [u8]) -> ReadOutcome {
             Ok(n) => {
                 link.input.extend(&chunk[..n]);
                 got = true;
-                // Decode before reading more: the buffer stays bounded.
-                if link.input.pending_bytes() > READ_CHUNK_BYTES * 4 {
+                // A short read emptied the pipe: asking again would only
+                // return `EAGAIN` (one syscall per reply); later bytes make
+                // the next `poll` report the pipe readable. Decode before
+                // reading more: the buffer stays bounded.
+                if n < chunk.len() || link.input.pending_bytes() > READ_CHUNK_BYTES * 4 {
                     return ReadOutcome::Data;
                 }
             }
@@ -1282,6 +1288,16 @@ struct IoLoop {
     next_inspect: u64,
     clock: Instant,
     max_frame_bytes: usize,
+    /// Completions decided under the state lock, handed to their callers
+    /// once it is released: a caller woken while the IO thread still held
+    /// the lock would block on it at once (one more sleep and wake-up).
+    handovers: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+impl Drop for IoLoop {
+    fn drop(&mut self) {
+        self.hand_over();
+    }
 }
 
 enum Ready {
@@ -1293,6 +1309,18 @@ enum Ready {
 impl IoLoop {
     fn now(&self) -> Time {
         now_since(self.clock)
+    }
+
+    /// Queues `value` for `done`'s caller; see [`IoLoop::hand_over`].
+    fn defer<T: Send + 'static>(&mut self, done: Completer<T>, value: T) {
+        self.handovers.push(Box::new(move || done.complete(value)));
+    }
+
+    /// Completes the queued operations; called without the state lock.
+    fn hand_over(&mut self) {
+        for handover in self.handovers.drain(..) {
+            handover();
+        }
     }
 
     fn run(mut self) {
@@ -1343,7 +1371,9 @@ impl IoLoop {
                 }
             }
             // Step 4: wait without the lock.
+            let handovers = std::mem::take(&mut self.handovers);
             drop(core);
+            handovers.into_iter().for_each(|handover| handover());
             let polled = nix::poll::poll(&mut fds, timeout);
             let events: Vec<bool> = fds
                 .iter()
@@ -1367,8 +1397,9 @@ impl IoLoop {
                 }
                 match what {
                     Ready::Wake => {
+                        // Until a short read: the pipe is then empty.
                         let mut sink = [0u8; 256];
-                        while matches!(nix::unistd::read(self.wake.as_fd(), &mut sink), Ok(n) if n > 0)
+                        while matches!(nix::unistd::read(self.wake.as_fd(), &mut sink), Ok(n) if n == sink.len())
                         {
                         }
                     }
@@ -1376,6 +1407,9 @@ impl IoLoop {
                     Ready::Control(index) => self.flush(&mut core, index),
                 }
             }
+            // Completions decided here are handed over at step 4 of the
+            // next turn, after its lock is released, not now: a caller woken
+            // now would find the lock taken again for steps 1 to 3.
         }
     }
 
@@ -1672,7 +1706,7 @@ impl IoLoop {
                         .with_seq(Seq(seq)),
                     kind: failure.kind,
                 });
-                waiter.done.complete(result);
+                self.defer(waiter.done, result);
                 Ok(())
             }
             Frame::Table {
@@ -1731,14 +1765,16 @@ impl IoLoop {
                     // SAFETY: `_exit` ends the process without destructors.
                     unsafe { libc::_exit(failpoints::ABRUPT_EXIT_CODE) }
                 }
-                done.complete(Ok(handle));
+                self.defer(done, Ok(handle));
             }
-            (OpWaiter::Unregister(done), Ok(Completion::Unregistered(_))) => done.complete(Ok(())),
+            (OpWaiter::Unregister(done), Ok(Completion::Unregistered(_))) => {
+                self.defer(done, Ok(()))
+            }
             (OpWaiter::Register(done), result) => {
-                done.complete(Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes)))
             }
             (OpWaiter::Unregister(done), result) => {
-                done.complete(Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes)))
             }
         }
     }
