@@ -39,9 +39,9 @@ enum Command {
         /// Search depth first (default: breadth first, shortest counterexamples).
         #[arg(long)]
         dfs: bool,
-        /// Checker threads (default: available cores).
-        #[arg(long)]
-        threads: Option<usize>,
+        /// Checker threads, at least 1 (default: available cores).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        threads: Option<u64>,
         /// Stop below this depth (the run is then reported incomplete).
         #[arg(long)]
         max_depth: Option<usize>,
@@ -174,7 +174,21 @@ fn print_human(outcome: &Outcome) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Usage errors exit 64 (specs/model.md §8): 2 means "incomplete" here,
+    // so clap's own exit status for a bad command line cannot be used.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let usage_error = e.use_stderr();
+            // Printing to a closed stdout/stderr is not worth a panic.
+            let _ = e.print();
+            return if usage_error {
+                ExitCode::from(64)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     match cli.command {
         Command::List => {
             for script in Script::builtin() {
@@ -220,9 +234,10 @@ fn main() -> ExitCode {
                     return ExitCode::from(64);
                 }
             };
-            let threads = threads.unwrap_or_else(|| {
-                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
-            });
+            let threads = threads.map_or_else(
+                || std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+                |n| usize::try_from(n).unwrap_or(usize::MAX),
+            );
             let options = SearchOptions {
                 symmetry,
                 dfs,
