@@ -311,3 +311,51 @@ fn what_a_callable_prints_goes_to_stderr() {
         "printed by the target: hi\nprinted by the target: hi\n"
     );
 }
+
+/// Drops the trailing ` (N µs)` / ` (N.N ms)` duration of a text step line.
+fn without_duration(line: &str) -> &str {
+    line.rsplit_once(" (").map_or(line, |(head, _)| head)
+}
+
+/// A start that fails (the startup snapshot holds a payload that is not a
+/// pickle) stops the plan: every later step fails as not run, exit 1.
+#[test]
+fn steps_after_a_failed_start_are_not_run() {
+    let dir = TempDir::new("failed-start");
+    std::fs::write(
+        dir.0.join("bad.spyc"),
+        callreg::envelope::encode(b"not a pickle"),
+    )
+    .unwrap();
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "bad", "envelope": "bad.spyc"},
+            {"op": "start"},
+            {"op": "register", "name": "later", "envelope": "bad.spyc"},
+            {"op": "call", "name": "later", "args": []}]}"#,
+    )
+    .unwrap();
+    let output = callreg(&[plan.as_os_str()]);
+    assert_eq!(output.status.code(), Some(1));
+    let stdout = text(&output.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 5, "{stdout}");
+    assert!(
+        lines[1].starts_with("step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: "),
+        "{stdout}"
+    );
+    assert_eq!(
+        without_duration(lines[2]),
+        "step 2 register later: FAILED: not run: the Worker did not start -- the step failed"
+    );
+    assert_eq!(
+        without_duration(lines[3]),
+        "step 3 call later: FAILED: not run: the Worker did not start -- the step failed"
+    );
+    assert!(
+        lines[4].starts_with("summary: 4 steps, 1 as expected, 3 not ("),
+        "{stdout}"
+    );
+}

@@ -14,7 +14,8 @@
 //! every step met its expectation, 1 when a step failed unexpectedly or an
 //! expectation was not met, 2 for a usage or plan error (one line on
 //! stderr). Targets write what a callable prints to stderr, never among the
-//! step lines.
+//! step lines. After a start that fails, no later step runs: each fails
+//! with `not run: the Worker did not start`.
 //!
 //! Without the `python` cargo feature the subcommand exists but only
 //! explains that the build lacks Python support (exit status 2).
@@ -72,6 +73,9 @@ mod with_python {
 
     /// How often `kill_target` checks whether the Worker noticed the kill.
     const KILL_POLL: Duration = Duration::from_millis(1);
+
+    /// The error of every step after a failed start.
+    const NOT_RUN: &str = "not run: the Worker did not start";
 
     /// Result text longer than this many characters is cut in text output.
     const RESULT_TEXT_CHARS: usize = 200;
@@ -182,6 +186,10 @@ mod with_python {
         /// live targets).
         next_target: usize,
         json: bool,
+        /// A start failed: the Worker did not start as planned, so no later
+        /// step runs (a register would otherwise go silently into the
+        /// startup snapshot of a Worker that never started).
+        start_failed: bool,
     }
 
     impl<'a> Runner<'a> {
@@ -197,10 +205,19 @@ mod with_python {
                 labels: BTreeMap::new(),
                 next_target: 0,
                 json,
+                start_failed: false,
             })
         }
 
         fn step(&mut self, index: usize, step: &Step) -> StepReport {
+            if self.start_failed {
+                let (op, name) = op_name(&step.op);
+                let mut report = self.report(Some(index), op);
+                report.name = name.map(str::to_owned);
+                report.outcome = Err(NOT_RUN.to_owned());
+                report.unmet = unmet_error(None, &report.outcome);
+                return report;
+            }
             let started = Instant::now();
             let mut report = match &step.op {
                 Op::Start => self.start(Some(index), step.expect_error.as_deref()),
@@ -242,6 +259,7 @@ mod with_python {
                 }
             };
             report.targets = outcomes.iter().map(target_report).collect();
+            self.start_failed = report.outcome.is_err();
             if step.is_none() {
                 report.micros = micros(started.elapsed());
                 report.unmet = unmet_error(expect_error, &report.outcome);
@@ -543,6 +561,18 @@ mod with_python {
             outcome,
             detail,
             result: None,
+        }
+    }
+
+    /// A step's `op` as the plan spells it, and the label it names.
+    fn op_name(op: &Op) -> (&'static str, Option<&str>) {
+        match op {
+            Op::Start => ("start", None),
+            Op::Register(register) => ("register", Some(&register.name)),
+            Op::Unregister { name } => ("unregister", Some(name)),
+            Op::Call(call) => ("call", Some(&call.name)),
+            Op::CallAll(call) => ("call_all", Some(&call.name)),
+            Op::KillTarget { .. } => ("kill_target", None),
         }
     }
 
