@@ -359,3 +359,54 @@ fn steps_after_a_failed_start_are_not_run() {
         "{stdout}"
     );
 }
+
+/// Runs `plan` (JSON text) in a fresh directory holding `files`, with
+/// `--json`; returns the exit status and the parsed lines.
+fn run_json(test: &str, files: &[(&str, Vec<u8>)], plan: &str) -> (Option<i32>, Vec<Value>) {
+    let dir = TempDir::new(test);
+    for (name, bytes) in files {
+        std::fs::write(dir.0.join(name), bytes).unwrap();
+    }
+    let path = dir.0.join("plan.json");
+    std::fs::write(&path, plan).unwrap();
+    let output = callreg(&[path.as_os_str(), "--json".as_ref()]);
+    let lines = text(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    (output.status.code(), lines)
+}
+
+/// An error code is printed once: an envelope error in a register, and a
+/// target's failure to install the startup snapshot.
+#[test]
+fn error_codes_are_not_repeated() {
+    let bad = callreg::envelope::encode(b"not a pickle");
+    let hashid = format!(
+        "sha256:{}",
+        "6300e66e3be7096f2cbbd5545f828a04cf162372a3c891c8483c3480704be91d"
+    );
+    let (code, lines) = run_json(
+        "codes-once",
+        &[
+            ("junk.spyc", b"XXXXXXXXXXXXXXXXXXXX".to_vec()),
+            ("bad.spyc", bad),
+        ],
+        r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "junk", "envelope": "junk.spyc"},
+            {"op": "register", "name": "bad", "envelope": "bad.spyc"},
+            {"op": "start"}]}"#,
+    );
+    assert_eq!(code, Some(1));
+    assert_eq!(
+        lines[0]["error"],
+        "ENVELOPE_INVALID: bad magic 58585858 (expected 53505943, \"SPYC\") (operation register, namespace LOCAL_PYTHON)"
+    );
+    assert_eq!(lines[1]["hashid"], hashid.as_str());
+    assert_eq!(
+        lines[2]["targets"][0]["detail"],
+        format!(
+            "DESERIALIZE_FAILED: startup snapshot: {hashid}: _pickle.UnpicklingError: invalid load key, 'n'."
+        )
+    );
+}

@@ -470,7 +470,7 @@ impl<R: Runtime> Worker<R> {
 
     fn envelope_error(e: crate::envelope::EnvelopeError) -> OperationError {
         OperationError::new(
-            Error::new(e.code(), OperationKind::Register, e.to_string())
+            Error::new(e.code(), OperationKind::Register, e.message())
                 .with_namespace(Namespace::LocalPython),
         )
     }
@@ -1146,9 +1146,17 @@ fn ready_outcome(snapshot: Vec<(Digest, Result<(), crate::wire::ReplyError>)>) -
     match failures.first() {
         None => TargetOutcome::Ok,
         Some((_, first)) => {
+            // The outcome shows the first failure's code: repeat a code only
+            // where it differs from that one.
             let text: Vec<String> = failures
                 .iter()
-                .map(|(digest, e)| format!("{digest}: {}: {}", e.code, e.message))
+                .map(|(digest, e)| {
+                    if e.code == first.code {
+                        format!("{digest}: {}", e.message)
+                    } else {
+                        format!("{digest}: {}: {}", e.code, e.message)
+                    }
+                })
                 .collect();
             failed_outcome(first.code, format!("startup snapshot: {}", text.join("; ")))
         }
