@@ -343,7 +343,7 @@ fn steps_after_a_failed_start_are_not_run() {
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 5, "{stdout}");
     assert!(
-        lines[1].starts_with("step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: "),
+        lines[1].starts_with("step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON) [target 0 failed ("),
         "{stdout}"
     );
     assert_eq!(
@@ -408,5 +408,82 @@ fn error_codes_are_not_repeated() {
         format!(
             "DESERIALIZE_FAILED: startup snapshot: {hashid}: _pickle.UnpicklingError: invalid load key, 'n'."
         )
+    );
+}
+
+/// Runs `plan` (JSON text) in a fresh directory holding `files`, as text;
+/// returns the exit status and the lines without their durations.
+fn run_text(test: &str, files: &[(&str, Vec<u8>)], plan: &str) -> (Option<i32>, Vec<String>) {
+    let dir = TempDir::new(test);
+    for (name, bytes) in files {
+        std::fs::write(dir.0.join(name), bytes).unwrap();
+    }
+    let path = dir.0.join("plan.json");
+    std::fs::write(&path, plan).unwrap();
+    let output = callreg(&[path.as_os_str()]);
+    let lines = text(&output.stdout)
+        .lines()
+        .map(|l| without_duration(l).to_owned())
+        .collect();
+    (output.status.code(), lines)
+}
+
+/// Singular and plural agree: one or two targets stopped at start, one
+/// step in the summary, and a target's exit reads "it was killed by signal 9".
+#[test]
+fn messages_agree_in_number_and_voice() {
+    let bad = || ("bad.spyc", callreg::envelope::encode(b"not a pickle"));
+    for (targets, stopped) in [
+        (
+            1,
+            "target 0 could not install the startup snapshot and was stopped",
+        ),
+        (
+            2,
+            "targets 0, 1 could not install the startup snapshot and were stopped",
+        ),
+    ] {
+        let (code, lines) = run_text(
+            &format!("stopped-{targets}"),
+            &[bad()],
+            &format!(
+                r#"{{"targets": {targets}, "steps": [
+                    {{"op": "register", "name": "bad", "envelope": "bad.spyc"}},
+                    {{"op": "start"}}]}}"#
+            ),
+        );
+        assert_eq!(code, Some(1));
+        assert!(
+            lines[1].starts_with(&format!(
+                "step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: {stopped} (operation start, target 0, namespace LOCAL_PYTHON) [target 0 failed ("
+            )),
+            "{lines:?}"
+        );
+    }
+    let (code, lines) = run_text(
+        "one-step",
+        &[],
+        r#"{"targets": 1, "steps": [{"op": "start"}]}"#,
+    );
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        lines,
+        ["step 0 start: ok", "summary: 1 step, 1 as expected, 0 not"]
+    );
+    let (code, lines) = run_text(
+        "killed",
+        &[],
+        r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "kill_target", "target": 0},
+            {"op": "kill_target", "target": 0}]}"#,
+    );
+    assert_eq!(code, Some(1));
+    assert_eq!(
+        lines,
+        [
+            "step 0 start: ok",
+            "step 1 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9)]",
+            "step 2 kill_target [target 0]: FAILED: NO_LIVE_TARGET: target 0 is not live, so it cannot be killed [target 0 lost (it was killed by signal 9)] -- the step failed",
+            "summary: 3 steps, 2 as expected, 1 not",
+        ]
     );
 }

@@ -117,8 +117,9 @@ mod with_python {
                 .to_string()
         } else {
             format!(
-                "summary: {} steps, {} as expected, {failed} not ({})",
+                "summary: {} {}, {} as expected, {failed} not ({})",
                 reports.len(),
+                if reports.len() == 1 { "step" } else { "steps" },
                 reports.len() - failed,
                 duration_text(micros)
             )
@@ -422,7 +423,7 @@ mod with_python {
                     report.targets = vec![TargetReport {
                         target,
                         outcome: "lost",
-                        detail: self.worker.target_exit(id).map(|exit| exit.to_string()),
+                        detail: self.worker.target_exit(id).map(|exit| format!("it {exit}")),
                         result: None,
                     }];
                     report.outcome = Err(format!(
@@ -454,7 +455,7 @@ mod with_python {
             report.targets = vec![TargetReport {
                 target,
                 outcome: "killed",
-                detail: self.worker.target_exit(id).map(|exit| exit.to_string()),
+                detail: self.worker.target_exit(id).map(|exit| format!("it {exit}")),
                 result: None,
             }];
             report

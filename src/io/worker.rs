@@ -939,8 +939,13 @@ impl<R: Runtime> Worker<R> {
             .outcomes
             .iter()
             .filter(|(_, o)| *o != TargetOutcome::Ok)
-            .map(|(t, _)| t.to_string())
+            .map(|(t, _)| t.0.to_string())
             .collect();
+        let (subject, verb) = if failed.len() == 1 {
+            ("target", "was")
+        } else {
+            ("targets", "were")
+        };
         let (code, what) = if snapshot.is_empty() {
             (ErrorCode::TARGET_LOST, "did not start")
         } else {
@@ -952,7 +957,7 @@ impl<R: Runtime> Worker<R> {
         let mut error = Error::new(
             code,
             OperationKind::Start,
-            format!("{} {what} and were stopped", failed.join(", ")),
+            format!("{subject} {} {what} and {verb} stopped", failed.join(", ")),
         )
         .with_namespace(Namespace::LocalPython);
         if let Some((target, _)) = report
