@@ -487,3 +487,47 @@ fn messages_agree_in_number_and_voice() {
         ]
     );
 }
+
+/// A startup snapshot cannot outgrow a target's slots: with the default 64
+/// slots, the 65th distinct pre-start register fails with
+/// `LOCAL_SLOT_EXHAUSTED`, while a repeated digest still only adds a
+/// reference.
+#[test]
+fn a_pre_start_register_beyond_the_slot_capacity_is_refused() {
+    let mut files = Vec::new();
+    let mut steps = Vec::new();
+    for i in 0..65 {
+        files.push((
+            format!("f{i}.spyc"),
+            callreg::envelope::encode(format!("payload {i}").as_bytes()),
+        ));
+        steps.push(format!(
+            r#"{{"op": "register", "name": "f{i}", "envelope": "f{i}.spyc"}}"#
+        ));
+    }
+    steps.push(r#"{"op": "register", "name": "again", "envelope": "f0.spyc"}"#.to_owned());
+    let files: Vec<(&str, Vec<u8>)> = files
+        .iter()
+        .map(|(name, bytes)| (name.as_str(), bytes.clone()))
+        .collect();
+    let (code, lines) = run_json(
+        "slots",
+        &files,
+        &format!(
+            r#"{{"targets": 2, "control_timeout_s": 30, "steps": [{}, {{"op": "start"}}]}}"#,
+            steps.join(", ")
+        ),
+    );
+    assert_eq!(code, Some(1));
+    for line in &lines[..64] {
+        assert_eq!(line["ok"], true, "{line}");
+    }
+    let hashid = lines[64]["hashid"].as_str().unwrap().to_owned();
+    assert_eq!(
+        lines[64]["error"],
+        format!(
+            "LOCAL_SLOT_EXHAUSTED: the startup snapshot already holds 64 distinct callables, the slot capacity of every target (operation register, namespace LOCAL_PYTHON, hashid {hashid})"
+        )
+    );
+    assert_eq!(lines[65]["ok"], true, "{}", lines[65]);
+}
