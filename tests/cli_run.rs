@@ -526,7 +526,7 @@ fn a_pre_start_register_beyond_the_slot_capacity_is_refused() {
     assert_eq!(
         lines[64]["error"],
         format!(
-            "LOCAL_SLOT_EXHAUSTED: the startup snapshot already holds 64 distinct callables, the slot capacity of every target (operation register, namespace LOCAL_PYTHON, hashid {hashid})"
+            "LOCAL_SLOT_EXHAUSTED: the startup snapshot already holds as many distinct callables as a target has slots (64) (operation register, namespace LOCAL_PYTHON, hashid {hashid})"
         )
     );
     assert_eq!(lines[65]["ok"], true, "{}", lines[65]);

@@ -593,8 +593,8 @@ impl<R: Runtime> Worker<R> {
                             ErrorCode::LOCAL_SLOT_EXHAUSTED,
                             OperationKind::Register,
                             format!(
-                                "the startup snapshot already holds {} distinct callables, the slot capacity of every target",
-                                snapshot.len()
+                                "the startup snapshot already holds as many distinct callables as a target has slots ({})",
+                                self.slot_capacity
                             ),
                         )
                         .with_namespace(Namespace::LocalPython)
