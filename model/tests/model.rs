@@ -458,3 +458,53 @@ fn usage_errors_exit_64_and_help_exits_0() {
         format!("callreg-model {}\n", env!("CARGO_PKG_VERSION"))
     );
 }
+
+/// `--mutant forget-uncertain` implies `--no-fence` (with fencing on its
+/// code path is unreachable and the check would pass), says so on
+/// stderr, and is caught; `list` names the configuration of each mutant.
+#[cfg(feature = "mutants")]
+#[test]
+fn a_mutant_that_needs_no_fence_switches_fencing_off() {
+    let bin = env!("CARGO_BIN_EXE_callreg-model");
+    let args = [
+        "check",
+        "--targets",
+        "2",
+        "--script",
+        "single-register",
+        "--crashes",
+        "0",
+        "--deserialize-failures",
+        "0",
+        "--corruptions",
+        "0",
+        "--deadlines",
+        "1",
+        "--tasks",
+        "0",
+        "--threads",
+        "1",
+        "--progress-secs",
+        "0",
+        "--mutant",
+        "forget-uncertain",
+    ];
+    let out = std::process::Command::new(bin).args(args).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap(),
+        "callreg-model: notice: --mutant forget-uncertain implies --no-fence (a fenced target never leaves a digest uncertain)\n"
+    );
+    let list = std::process::Command::new(bin)
+        .arg("list")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(list.stdout).unwrap();
+    assert!(stdout.contains(
+        "\nmutant forget-uncertain (reachable only with --no-fence and --deadlines 1 or more; --mutant forget-uncertain implies --no-fence)\n"
+    ), "{stdout}");
+    assert!(
+        stdout.contains("\nmutant skip-cleanup (reachable with fencing on or off)\n"),
+        "{stdout}"
+    );
+}
