@@ -226,7 +226,16 @@ fn a_wrong_expectation_exits_1() {
         "expected an error containing \"TypeError\", but the step succeeded"
     );
     assert_eq!(lines[4]["ok"], true);
-    assert_eq!(lines[5]["summary"]["failed"], 2);
+    assert_eq!(
+        lines[5]["summary"],
+        serde_json::json!({"steps": 4, "ok": 2, "failed": 2, "implicit_start_ok": true,
+            "micros": lines[5]["summary"]["micros"]})
+    );
+    // `"result"` only where a step produced a value, `"error"` only on error.
+    for line in &lines[..2] {
+        assert!(line.get("result").is_none(), "{line}");
+        assert!(line.get("error").is_none(), "{line}");
+    }
 }
 
 #[test]
@@ -530,4 +539,24 @@ fn a_pre_start_register_beyond_the_slot_capacity_is_refused() {
         )
     );
     assert_eq!(lines[65]["ok"], true, "{}", lines[65]);
+}
+
+/// A failed register's line names its hashid once (the error carries it).
+#[test]
+fn a_failed_register_names_its_hashid_once() {
+    let (code, lines) = run_text(
+        "hashid-once",
+        &[("bad.spyc", callreg::envelope::encode(b"not a pickle"))],
+        r#"{"targets": 1, "steps": [{"op": "register", "name": "bad", "envelope": "bad.spyc"}]}"#,
+    );
+    assert_eq!(code, Some(1));
+    let hashid = "sha256:6300e66e3be7096f2cbbd5545f828a04cf162372a3c891c8483c3480704be91d";
+    assert_eq!(
+        lines[1..],
+        [
+            format!("step 0 register bad: FAILED: REGISTER_PARTIAL_FAILURE: register of {hashid} failed: target 0: DESERIALIZE_FAILED: _pickle.UnpicklingError: invalid load key, 'n'. (operation register, namespace LOCAL_PYTHON, hashid {hashid}, seq 1) -- the step failed"),
+            "summary: 1 step, 0 as expected, 1 not; implicit start ok".to_owned(),
+        ]
+    );
+    assert_eq!(lines[0], "step - start (implicit): ok");
 }
