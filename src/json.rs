@@ -44,7 +44,15 @@ pub fn from_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
     let mut deserializer = serde_json::Deserializer::from_str(text);
     let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
         let path = err.path().to_string();
-        JsonError::at(path, strip_position(&err.into_inner().to_string()))
+        let inner = err.into_inner();
+        // A syntax error (or a text that ends early) is in the document,
+        // not in a field (serde_path_to_error would say `?`): name the
+        // document and keep serde's line and column, the only locator.
+        if inner.is_syntax() || inner.is_eof() {
+            JsonError::at(".", inner.to_string())
+        } else {
+            JsonError::at(path, strip_position(&inner.to_string()))
+        }
     })?;
     // Trailing characters after the value are an error, as in
     // `serde_json::from_str`.
@@ -52,6 +60,33 @@ pub fn from_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
         .end()
         .map_err(|err| JsonError::at(".", strip_position(&err.to_string())))?;
     Ok(value)
+}
+
+/// Decodes `text` as `T` with [`from_str`], but first refuses a document
+/// that is not a JSON object: serde's derive also accepts a struct as an
+/// array of its fields in order, which no JSON form of this crate documents.
+///
+/// # Errors
+/// [`JsonError`] at `.`: `expected a JSON object, got an array` (or a
+/// string, a number, a boolean, null); otherwise as [`from_str`].
+pub fn from_object_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
+    if !text.trim_start().starts_with('{') {
+        let value = serde_json::from_str::<serde_json::Value>(text)
+            .map_err(|e| JsonError::at(".", e.to_string()))?;
+        let got = match value {
+            serde_json::Value::Null => "null",
+            serde_json::Value::Bool(_) => "a boolean",
+            serde_json::Value::Number(_) => "a number",
+            serde_json::Value::String(_) => "a string",
+            serde_json::Value::Array(_) => "an array",
+            serde_json::Value::Object(_) => "an object",
+        };
+        return Err(JsonError::at(
+            ".",
+            format!("expected a JSON object, got {got}"),
+        ));
+    }
+    from_str(text)
 }
 
 /// serde_json's message without its " at line L column C" suffix.
@@ -96,6 +131,35 @@ mod tests {
         assert_eq!(
             from_str::<Outer>(r#"{"pip": {"packages": []}} x"#),
             Err(JsonError::at(".", "trailing characters"))
+        );
+        assert_eq!(
+            from_str::<Outer>(r#"{"pip": {"packages": [7"#),
+            Err(JsonError::at(
+                ".",
+                "EOF while parsing a list at line 1 column 23"
+            ))
+        );
+        assert_eq!(
+            from_str::<Outer>(r#"{"pip": {"packages": [7}}"#),
+            Err(JsonError::at(
+                ".",
+                "expected `,` or `]` at line 1 column 24"
+            ))
+        );
+        assert_eq!(
+            from_object_str::<Outer>("[]"),
+            Err(JsonError::at(".", "expected a JSON object, got an array"))
+        );
+        assert_eq!(
+            from_object_str::<Outer>(" 7"),
+            Err(JsonError::at(".", "expected a JSON object, got a number"))
+        );
+        assert_eq!(
+            from_object_str::<Outer>("[1"),
+            Err(JsonError::at(
+                ".",
+                "EOF while parsing a list at line 1 column 2"
+            ))
         );
         assert_eq!(
             from_str::<Outer>(r#"{"pip": {"packages": [7]}}"#),

@@ -204,7 +204,7 @@ macro_rules! json_forms {
             /// path: an unknown field, a wrong type, a missing required
             /// field, or a value the type's `validate` rejects.
             pub fn from_json(text: &str) -> Result<Self, JsonError> {
-                let value: Self = crate::json::from_str(text)?;
+                let value: Self = crate::json::from_object_str(text)?;
                 value.validate_at("")?;
                 Ok(value)
             }
