@@ -97,6 +97,46 @@ fn strip_position(message: &str) -> String {
     }
 }
 
+/// Implements `to_json` (compact), `to_json_pretty` (two-space indent, the
+/// golden files' layout) and a strict `from_json` for plain-data types.
+///
+/// `decode` is [`from_str`] or [`from_object_str`]; `check` is an
+/// expression of type `fn(&Self) -> Result<(), JsonError>` run after
+/// decoding (a rule between fields that serde cannot express). Used by
+/// `crate::metadata` and `crate::protocol::forms`.
+macro_rules! json_forms {
+    (decode: $decode:path, check: $check:expr; $($ty:ty),* $(,)?) => {$(
+        impl $ty {
+            /// The JSON form (compact, keys in declaration order).
+            pub fn to_json(&self) -> String {
+                // Only strings, numbers, lists and maps: cannot fail.
+                serde_json::to_string(self).unwrap_or_default()
+            }
+
+            /// The JSON form indented by two spaces (the golden files' layout).
+            pub fn to_json_pretty(&self) -> String {
+                serde_json::to_string_pretty(self).unwrap_or_default()
+            }
+
+            /// Parses the JSON form strictly.
+            ///
+            /// # Errors
+            /// [`JsonError`](crate::json::JsonError) naming the field's
+            /// path: a document of the wrong shape, an unknown field, a
+            /// wrong type, a missing required field, or a rule of the type
+            /// (see its documentation) that the value breaks.
+            pub fn from_json(text: &str) -> Result<Self, crate::json::JsonError> {
+                let value: Self = $decode(text)?;
+                let check: fn(&Self) -> Result<(), crate::json::JsonError> = $check;
+                check(&value)?;
+                Ok(value)
+            }
+        }
+    )*};
+}
+
+pub(crate) use json_forms;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,6 +151,37 @@ mod tests {
     #[serde(deny_unknown_fields)]
     struct Outer {
         pip: Inner,
+    }
+
+    #[derive(Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+    #[serde(deny_unknown_fields)]
+    struct Even {
+        n: u32,
+    }
+
+    json_forms!(
+        decode: from_object_str,
+        check: |value| if value.n % 2 == 0 {
+            Ok(())
+        } else {
+            Err(JsonError::at("n", "must be even"))
+        };
+        Even
+    );
+
+    #[test]
+    fn json_forms_decode_then_check() {
+        assert_eq!(Even::from_json(r#"{"n": 4}"#), Ok(Even { n: 4 }));
+        assert_eq!(
+            Even::from_json(r#"{"n": 3}"#),
+            Err(JsonError::at("n", "must be even"))
+        );
+        assert_eq!(
+            Even::from_json("[4]"),
+            Err(JsonError::at(".", "expected a JSON object, got an array"))
+        );
+        assert_eq!(Even { n: 4 }.to_json(), r#"{"n":4}"#);
+        assert_eq!(Even { n: 4 }.to_json_pretty(), "{\n  \"n\": 4\n}");
     }
 
     #[test]
