@@ -97,6 +97,19 @@ impl EnvelopeError {
     pub fn code(&self) -> ErrorCode {
         ErrorCode::ENVELOPE_INVALID
     }
+
+    /// The message without the leading `ENVELOPE_INVALID: ` that `Display`
+    /// carries, e.g. `bad magic 00000000 (expected 53505943, "SPYC")`: the
+    /// text to put in an [`crate::error::Error`] or a failure that shows its
+    /// own code, so the code is not printed twice.
+    pub fn message(&self) -> String {
+        let text = self.to_string();
+        let prefix = format!("{}: ", self.code());
+        match text.strip_prefix(&prefix) {
+            Some(message) => message.to_owned(),
+            None => text,
+        }
+    }
 }
 
 impl From<EnvelopeError> for ErrorCode {

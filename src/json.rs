@@ -44,7 +44,15 @@ pub fn from_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
     let mut deserializer = serde_json::Deserializer::from_str(text);
     let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
         let path = err.path().to_string();
-        JsonError::at(path, strip_position(&err.into_inner().to_string()))
+        let inner = err.into_inner();
+        // A syntax error (or a text that ends early) is in the document,
+        // not in a field (serde_path_to_error would say `?`): name the
+        // document and keep serde's line and column, the only locator.
+        if inner.is_syntax() || inner.is_eof() {
+            JsonError::at(".", inner.to_string())
+        } else {
+            JsonError::at(path, strip_position(&inner.to_string()))
+        }
     })?;
     // Trailing characters after the value are an error, as in
     // `serde_json::from_str`.
@@ -54,6 +62,33 @@ pub fn from_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
     Ok(value)
 }
 
+/// Decodes `text` as `T` with [`from_str`], but first refuses a document
+/// that is not a JSON object: serde's derive also accepts a struct as an
+/// array of its fields in order, which no JSON form of this crate documents.
+///
+/// # Errors
+/// [`JsonError`] at `.`: `expected a JSON object, got an array` (or a
+/// string, a number, a boolean, null); otherwise as [`from_str`].
+pub fn from_object_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
+    if !text.trim_start().starts_with('{') {
+        let value = serde_json::from_str::<serde_json::Value>(text)
+            .map_err(|e| JsonError::at(".", e.to_string()))?;
+        let got = match value {
+            serde_json::Value::Null => "null",
+            serde_json::Value::Bool(_) => "a boolean",
+            serde_json::Value::Number(_) => "a number",
+            serde_json::Value::String(_) => "a string",
+            serde_json::Value::Array(_) => "an array",
+            serde_json::Value::Object(_) => "an object",
+        };
+        return Err(JsonError::at(
+            ".",
+            format!("expected a JSON object, got {got}"),
+        ));
+    }
+    from_str(text)
+}
+
 /// serde_json's message without its " at line L column C" suffix.
 fn strip_position(message: &str) -> String {
     match message.rfind(" at line ") {
@@ -61,6 +96,46 @@ fn strip_position(message: &str) -> String {
         _ => message.to_owned(),
     }
 }
+
+/// Implements `to_json` (compact), `to_json_pretty` (two-space indent, the
+/// golden files' layout) and a strict `from_json` for plain-data types.
+///
+/// `decode` is [`from_str`] or [`from_object_str`]; `check` is an
+/// expression of type `fn(&Self) -> Result<(), JsonError>` run after
+/// decoding (a rule between fields that serde cannot express). Used by
+/// `crate::metadata` and `crate::protocol::forms`.
+macro_rules! json_forms {
+    (decode: $decode:path, check: $check:expr; $($ty:ty),* $(,)?) => {$(
+        impl $ty {
+            /// The JSON form (compact, keys in declaration order).
+            pub fn to_json(&self) -> String {
+                // Only strings, numbers, lists and maps: cannot fail.
+                serde_json::to_string(self).unwrap_or_default()
+            }
+
+            /// The JSON form indented by two spaces (the golden files' layout).
+            pub fn to_json_pretty(&self) -> String {
+                serde_json::to_string_pretty(self).unwrap_or_default()
+            }
+
+            /// Parses the JSON form strictly.
+            ///
+            /// # Errors
+            /// [`JsonError`](crate::json::JsonError) naming the field's
+            /// path: a document of the wrong shape, an unknown field, a
+            /// wrong type, a missing required field, or a rule of the type
+            /// (see its documentation) that the value breaks.
+            pub fn from_json(text: &str) -> Result<Self, crate::json::JsonError> {
+                let value: Self = $decode(text)?;
+                let check: fn(&Self) -> Result<(), crate::json::JsonError> = $check;
+                check(&value)?;
+                Ok(value)
+            }
+        }
+    )*};
+}
+
+pub(crate) use json_forms;
 
 #[cfg(test)]
 mod tests {
@@ -76,6 +151,37 @@ mod tests {
     #[serde(deny_unknown_fields)]
     struct Outer {
         pip: Inner,
+    }
+
+    #[derive(Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+    #[serde(deny_unknown_fields)]
+    struct Even {
+        n: u32,
+    }
+
+    json_forms!(
+        decode: from_object_str,
+        check: |value| if value.n % 2 == 0 {
+            Ok(())
+        } else {
+            Err(JsonError::at("n", "must be even"))
+        };
+        Even
+    );
+
+    #[test]
+    fn json_forms_decode_then_check() {
+        assert_eq!(Even::from_json(r#"{"n": 4}"#), Ok(Even { n: 4 }));
+        assert_eq!(
+            Even::from_json(r#"{"n": 3}"#),
+            Err(JsonError::at("n", "must be even"))
+        );
+        assert_eq!(
+            Even::from_json("[4]"),
+            Err(JsonError::at(".", "expected a JSON object, got an array"))
+        );
+        assert_eq!(Even { n: 4 }.to_json(), r#"{"n":4}"#);
+        assert_eq!(Even { n: 4 }.to_json_pretty(), "{\n  \"n\": 4\n}");
     }
 
     #[test]
@@ -96,6 +202,35 @@ mod tests {
         assert_eq!(
             from_str::<Outer>(r#"{"pip": {"packages": []}} x"#),
             Err(JsonError::at(".", "trailing characters"))
+        );
+        assert_eq!(
+            from_str::<Outer>(r#"{"pip": {"packages": [7"#),
+            Err(JsonError::at(
+                ".",
+                "EOF while parsing a list at line 1 column 23"
+            ))
+        );
+        assert_eq!(
+            from_str::<Outer>(r#"{"pip": {"packages": [7}}"#),
+            Err(JsonError::at(
+                ".",
+                "expected `,` or `]` at line 1 column 24"
+            ))
+        );
+        assert_eq!(
+            from_object_str::<Outer>("[]"),
+            Err(JsonError::at(".", "expected a JSON object, got an array"))
+        );
+        assert_eq!(
+            from_object_str::<Outer>(" 7"),
+            Err(JsonError::at(".", "expected a JSON object, got a number"))
+        );
+        assert_eq!(
+            from_object_str::<Outer>("[1"),
+            Err(JsonError::at(
+                ".",
+                "EOF while parsing a list at line 1 column 2"
+            ))
         );
         assert_eq!(
             from_str::<Outer>(r#"{"pip": {"packages": [7]}}"#),

@@ -181,38 +181,9 @@ pub struct HookCall {
     pub retval_keyword: Option<String>,
 }
 
-/// `to_json` (compact), `to_json_pretty` (two-space indent) and strict
-/// `from_json` for a plain-data type.
-macro_rules! json_forms {
-    ($($ty:ty),*) => {$(
-        impl $ty {
-            /// The JSON form (compact, keys in declaration order).
-            pub fn to_json(&self) -> String {
-                // Only strings, numbers, lists and maps: cannot fail.
-                serde_json::to_string(self).unwrap_or_default()
-            }
-
-            /// The JSON form indented by two spaces (the golden files' layout).
-            pub fn to_json_pretty(&self) -> String {
-                serde_json::to_string_pretty(self).unwrap_or_default()
-            }
-
-            /// Parses and validates the JSON form.
-            ///
-            /// # Errors
-            /// [`JsonError`] (code `METADATA_INVALID`) naming the field's
-            /// path: an unknown field, a wrong type, a missing required
-            /// field, or a value the type's `validate` rejects.
-            pub fn from_json(text: &str) -> Result<Self, JsonError> {
-                let value: Self = crate::json::from_str(text)?;
-                value.validate_at("")?;
-                Ok(value)
-            }
-        }
-    )*};
-}
-
-json_forms!(
+crate::json::json_forms!(
+    decode: crate::json::from_object_str,
+    check: |value| value.validate_at("");
     CallableMetadata,
     PythonVersions,
     ExecutorData,

@@ -379,3 +379,74 @@ fn python_side_cars_are_valid_metadata() {
     assert_eq!(report["metadata"]["name"], "add");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A side-car that is a directory, cut short, or not an object: one
+/// message each, naming the document (`.`), with no raw `(os error N)`.
+#[test]
+fn inspect_names_what_is_wrong_with_a_side_car() {
+    let dir = scratch("sidecar-kinds");
+    let envelope = dir.join("func_add.spyc");
+    std::fs::copy(vectors_dir().join("func_add.spyc"), &envelope).unwrap();
+    let sidecar = dir.join("func_add.spyc.json");
+    let file = envelope.to_str().unwrap();
+    let error = || {
+        let out = run(&["inspect", "--json", file]);
+        assert_eq!(out.status.code(), Some(1));
+        let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+        report["metadata_error"].as_str().unwrap().to_owned()
+    };
+
+    std::fs::create_dir(&sidecar).unwrap();
+    assert_eq!(
+        error(),
+        format!("cannot read {}: Is a directory", sidecar.display())
+    );
+    std::fs::remove_dir(&sidecar).unwrap();
+
+    std::fs::write(&sidecar, r#"{"name": "add""#).unwrap();
+    assert_eq!(
+        error(),
+        format!(
+            "{}: at .: EOF while parsing an object at line 1 column 14",
+            sidecar.display()
+        )
+    );
+    std::fs::write(&sidecar, "[]").unwrap();
+    assert_eq!(
+        error(),
+        format!(
+            "{}: at .: expected a JSON object, got an array",
+            sidecar.display()
+        )
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `inspect` reads no more than the header declares: `/dev/zero` (an
+/// endless stream) is reported as a bad magic, a stream stops after the
+/// declared payload, and a regular file's staged size is its length.
+#[test]
+fn inspect_reads_at_most_what_the_header_declares() {
+    let out = run(&["inspect", "--json", "/dev/zero"]);
+    assert_eq!(out.status.code(), Some(1));
+    let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["error"], "BadMagic");
+
+    let envelope = callreg::envelope::encode(b"payload");
+    let mut streamed = envelope.clone();
+    streamed.extend_from_slice(&[0; 4096]);
+    let out = run_stdin(&["inspect", "--json", "-"], &streamed);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["payload_size"], 7);
+    assert_eq!(report["staged_size"], 23);
+
+    let dir = scratch("bounded-read");
+    let file = dir.join("slack.spyc");
+    std::fs::write(&file, &streamed).unwrap();
+    let out = run(&["inspect", "--json", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0));
+    let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["staged_size"], 23 + 4096);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -226,7 +226,16 @@ fn a_wrong_expectation_exits_1() {
         "expected an error containing \"TypeError\", but the step succeeded"
     );
     assert_eq!(lines[4]["ok"], true);
-    assert_eq!(lines[5]["summary"]["failed"], 2);
+    assert_eq!(
+        lines[5]["summary"],
+        serde_json::json!({"steps": 4, "ok": 2, "failed": 2, "implicit_start_ok": true,
+            "micros": lines[5]["summary"]["micros"]})
+    );
+    // `"result"` only where a step produced a value, `"error"` only on error.
+    for line in &lines[..2] {
+        assert!(line.get("result").is_none(), "{line}");
+        assert!(line.get("error").is_none(), "{line}");
+    }
 }
 
 #[test]
@@ -310,4 +319,244 @@ fn what_a_callable_prints_goes_to_stderr() {
         text(&output.stderr),
         "printed by the target: hi\nprinted by the target: hi\n"
     );
+}
+
+/// Drops the trailing ` (N µs)` / ` (N.N ms)` duration of a text step line.
+fn without_duration(line: &str) -> &str {
+    line.rsplit_once(" (").map_or(line, |(head, _)| head)
+}
+
+/// A start that fails (the startup snapshot holds a payload that is not a
+/// pickle) stops the plan: every later step fails as not run, exit 1.
+#[test]
+fn steps_after_a_failed_start_are_not_run() {
+    let dir = TempDir::new("failed-start");
+    std::fs::write(
+        dir.0.join("bad.spyc"),
+        callreg::envelope::encode(b"not a pickle"),
+    )
+    .unwrap();
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "bad", "envelope": "bad.spyc"},
+            {"op": "start"},
+            {"op": "register", "name": "later", "envelope": "bad.spyc"},
+            {"op": "call", "name": "later", "args": []}]}"#,
+    )
+    .unwrap();
+    let output = callreg(&[plan.as_os_str()]);
+    assert_eq!(output.status.code(), Some(1));
+    let stdout = text(&output.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 5, "{stdout}");
+    assert!(
+        lines[1].starts_with("step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON) [target 0 failed ("),
+        "{stdout}"
+    );
+    assert_eq!(
+        without_duration(lines[2]),
+        "step 2 register later: FAILED: not run: the Worker did not start -- the step failed"
+    );
+    assert_eq!(
+        without_duration(lines[3]),
+        "step 3 call later: FAILED: not run: the Worker did not start -- the step failed"
+    );
+    assert!(
+        lines[4].starts_with("summary: 4 steps, 1 as expected, 3 not ("),
+        "{stdout}"
+    );
+}
+
+/// Runs `plan` (JSON text) in a fresh directory holding `files`, with
+/// `--json`; returns the exit status and the parsed lines.
+fn run_json(test: &str, files: &[(&str, Vec<u8>)], plan: &str) -> (Option<i32>, Vec<Value>) {
+    let dir = TempDir::new(test);
+    for (name, bytes) in files {
+        std::fs::write(dir.0.join(name), bytes).unwrap();
+    }
+    let path = dir.0.join("plan.json");
+    std::fs::write(&path, plan).unwrap();
+    let output = callreg(&[path.as_os_str(), "--json".as_ref()]);
+    let lines = text(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    (output.status.code(), lines)
+}
+
+/// An error code is printed once: an envelope error in a register, and a
+/// target's failure to install the startup snapshot.
+#[test]
+fn error_codes_are_not_repeated() {
+    let bad = callreg::envelope::encode(b"not a pickle");
+    let hashid = format!(
+        "sha256:{}",
+        "6300e66e3be7096f2cbbd5545f828a04cf162372a3c891c8483c3480704be91d"
+    );
+    let (code, lines) = run_json(
+        "codes-once",
+        &[
+            ("junk.spyc", b"XXXXXXXXXXXXXXXXXXXX".to_vec()),
+            ("bad.spyc", bad),
+        ],
+        r#"{"targets": 1, "steps": [
+            {"op": "register", "name": "junk", "envelope": "junk.spyc"},
+            {"op": "register", "name": "bad", "envelope": "bad.spyc"},
+            {"op": "start"}]}"#,
+    );
+    assert_eq!(code, Some(1));
+    assert_eq!(
+        lines[0]["error"],
+        "ENVELOPE_INVALID: bad magic 58585858 (expected 53505943, \"SPYC\") (operation register, namespace LOCAL_PYTHON)"
+    );
+    assert_eq!(lines[1]["hashid"], hashid.as_str());
+    assert_eq!(
+        lines[2]["targets"][0]["detail"],
+        format!(
+            "DESERIALIZE_FAILED: startup snapshot: {hashid}: _pickle.UnpicklingError: invalid load key, 'n'."
+        )
+    );
+}
+
+/// Runs `plan` (JSON text) in a fresh directory holding `files`, as text;
+/// returns the exit status and the lines without their durations.
+fn run_text(test: &str, files: &[(&str, Vec<u8>)], plan: &str) -> (Option<i32>, Vec<String>) {
+    let dir = TempDir::new(test);
+    for (name, bytes) in files {
+        std::fs::write(dir.0.join(name), bytes).unwrap();
+    }
+    let path = dir.0.join("plan.json");
+    std::fs::write(&path, plan).unwrap();
+    let output = callreg(&[path.as_os_str()]);
+    let lines = text(&output.stdout)
+        .lines()
+        .map(|l| without_duration(l).to_owned())
+        .collect();
+    (output.status.code(), lines)
+}
+
+/// Singular and plural agree: one or two targets stopped at start, one
+/// step in the summary, and a target's exit reads "it was killed by signal 9".
+#[test]
+fn messages_agree_in_number_and_voice() {
+    let bad = || ("bad.spyc", callreg::envelope::encode(b"not a pickle"));
+    for (targets, stopped) in [
+        (
+            1,
+            "target 0 could not install the startup snapshot and was stopped",
+        ),
+        (
+            2,
+            "targets 0, 1 could not install the startup snapshot and were stopped",
+        ),
+    ] {
+        let (code, lines) = run_text(
+            &format!("stopped-{targets}"),
+            &[bad()],
+            &format!(
+                r#"{{"targets": {targets}, "steps": [
+                    {{"op": "register", "name": "bad", "envelope": "bad.spyc"}},
+                    {{"op": "start"}}]}}"#
+            ),
+        );
+        assert_eq!(code, Some(1));
+        assert!(
+            lines[1].starts_with(&format!(
+                "step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: {stopped} (operation start, target 0, namespace LOCAL_PYTHON) [target 0 failed ("
+            )),
+            "{lines:?}"
+        );
+    }
+    let (code, lines) = run_text(
+        "one-step",
+        &[],
+        r#"{"targets": 1, "steps": [{"op": "start"}]}"#,
+    );
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        lines,
+        ["step 0 start: ok", "summary: 1 step, 1 as expected, 0 not"]
+    );
+    let (code, lines) = run_text(
+        "killed",
+        &[],
+        r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "kill_target", "target": 0},
+            {"op": "kill_target", "target": 0}]}"#,
+    );
+    assert_eq!(code, Some(1));
+    assert_eq!(
+        lines,
+        [
+            "step 0 start: ok",
+            "step 1 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9)]",
+            "step 2 kill_target [target 0]: FAILED: NO_LIVE_TARGET: target 0 is not live, so it cannot be killed [target 0 lost (it was killed by signal 9)] -- the step failed",
+            "summary: 3 steps, 2 as expected, 1 not",
+        ]
+    );
+}
+
+/// A startup snapshot cannot outgrow a target's slots: with the default 64
+/// slots, the 65th distinct pre-start register fails with
+/// `LOCAL_SLOT_EXHAUSTED`, while a repeated digest still only adds a
+/// reference.
+#[test]
+fn a_pre_start_register_beyond_the_slot_capacity_is_refused() {
+    let mut files = Vec::new();
+    let mut steps = Vec::new();
+    for i in 0..65 {
+        files.push((
+            format!("f{i}.spyc"),
+            callreg::envelope::encode(format!("payload {i}").as_bytes()),
+        ));
+        steps.push(format!(
+            r#"{{"op": "register", "name": "f{i}", "envelope": "f{i}.spyc"}}"#
+        ));
+    }
+    steps.push(r#"{"op": "register", "name": "again", "envelope": "f0.spyc"}"#.to_owned());
+    let files: Vec<(&str, Vec<u8>)> = files
+        .iter()
+        .map(|(name, bytes)| (name.as_str(), bytes.clone()))
+        .collect();
+    let (code, lines) = run_json(
+        "slots",
+        &files,
+        &format!(
+            r#"{{"targets": 2, "control_timeout_s": 30, "steps": [{}, {{"op": "start"}}]}}"#,
+            steps.join(", ")
+        ),
+    );
+    assert_eq!(code, Some(1));
+    for line in &lines[..64] {
+        assert_eq!(line["ok"], true, "{line}");
+    }
+    let hashid = lines[64]["hashid"].as_str().unwrap().to_owned();
+    assert_eq!(
+        lines[64]["error"],
+        format!(
+            "LOCAL_SLOT_EXHAUSTED: the startup snapshot already holds as many distinct callables as a target has slots (64) (operation register, namespace LOCAL_PYTHON, hashid {hashid})"
+        )
+    );
+    assert_eq!(lines[65]["ok"], true, "{}", lines[65]);
+}
+
+/// A failed register's line names its hashid once (the error carries it).
+#[test]
+fn a_failed_register_names_its_hashid_once() {
+    let (code, lines) = run_text(
+        "hashid-once",
+        &[("bad.spyc", callreg::envelope::encode(b"not a pickle"))],
+        r#"{"targets": 1, "steps": [{"op": "register", "name": "bad", "envelope": "bad.spyc"}]}"#,
+    );
+    assert_eq!(code, Some(1));
+    let hashid = "sha256:6300e66e3be7096f2cbbd5545f828a04cf162372a3c891c8483c3480704be91d";
+    assert_eq!(
+        lines[1..],
+        [
+            format!("step 0 register bad: FAILED: REGISTER_PARTIAL_FAILURE: register of {hashid} failed: target 0: DESERIALIZE_FAILED: _pickle.UnpicklingError: invalid load key, 'n'. (operation register, namespace LOCAL_PYTHON, hashid {hashid}, seq 1) -- the step failed"),
+            "summary: 1 step, 0 as expected, 1 not; implicit start ok".to_owned(),
+        ]
+    );
+    assert_eq!(lines[0], "step - start (implicit): ok");
 }

@@ -97,8 +97,8 @@ fn main() {
             large_tasks_pass_through_full_pipes,
         ),
         (
-            "a_snapshot_larger_than_the_slots_stops_every_target",
-            a_snapshot_larger_than_the_slots_stops_every_target,
+            "a_snapshot_larger_than_the_slots_is_refused_before_start",
+            a_snapshot_larger_than_the_slots_is_refused_before_start,
         ),
     ]);
 }
@@ -665,24 +665,24 @@ fn large_tasks_pass_through_full_pipes() {
     check_invariants(&worker, 2);
 }
 
-fn a_snapshot_larger_than_the_slots_stops_every_target() {
+fn a_snapshot_larger_than_the_slots_is_refused_before_start() {
     let worker = builder(2).slot_capacity(1).build().unwrap();
     let echo = worker.register(&envelope("echo")).unwrap();
-    worker.register(&envelope("add")).unwrap();
-    let err = worker.start().unwrap_err();
-    assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
-    assert_eq!(err.outcomes.len(), 2);
-    for (target, outcome) in &err.outcomes {
-        match outcome {
-            TargetOutcome::Failed { failure } => {
-                assert_eq!(failure.code, ErrorCode::LOCAL_SLOT_EXHAUSTED, "{target}")
-            }
-            other => panic!("{target}: {other:?}"),
-        }
-    }
-    assert_eq!(worker.live_targets(), vec![]);
-    let err = worker
-        .submit(&echo, TargetId(0), TaskEncoding::Json, b"")
-        .unwrap_err();
-    assert_eq!(err.error.code, ErrorCode::TARGET_LOST);
+    // The same digest again only adds a reference: it needs no slot.
+    worker.register(&envelope("echo")).unwrap();
+    let err = worker.register(&envelope("add")).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::LOCAL_SLOT_EXHAUSTED);
+    assert_eq!(
+        err.error.message,
+        "the startup snapshot already holds as many distinct callables as a target has slots (1)"
+    );
+    assert!(err.outcomes.is_empty());
+    worker.start().unwrap();
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    assert_eq!(
+        worker
+            .submit(&echo, TargetId(0), TaskEncoding::Json, b"x")
+            .unwrap(),
+        b"x"
+    );
 }

@@ -207,7 +207,7 @@ fn a_version_mismatch_in_the_startup_snapshot_fails_the_start() {
         assert_eq!(
             failure.message,
             format!(
-                "startup snapshot: {}: PYTHON_VERSION_MISMATCH: PythonVersionMismatch: the payload was serialized by Python 2.7.18 but this target runs Python {} (major.minor must match)",
+                "startup snapshot: {}: PythonVersionMismatch: the payload was serialized by Python 2.7.18 but this target runs Python {} (major.minor must match)",
                 hashid("add"),
                 target_python_version()
             ),

@@ -39,9 +39,9 @@ enum Command {
         /// Search depth first (default: breadth first, shortest counterexamples).
         #[arg(long)]
         dfs: bool,
-        /// Checker threads (default: available cores).
-        #[arg(long)]
-        threads: Option<usize>,
+        /// Checker threads, at least 1 (default: available cores).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        threads: Option<u64>,
         /// Stop below this depth (the run is then reported incomplete).
         #[arg(long)]
         max_depth: Option<usize>,
@@ -114,6 +114,34 @@ fn load_script(name: &str) -> Result<Script, String> {
 }
 
 fn model_of(args: &ConfigArgs) -> Result<RegistrationModel, String> {
+    #[cfg(feature = "mutants")]
+    let mut fence_on_timeout = !args.no_fence;
+    #[cfg(not(feature = "mutants"))]
+    let fence_on_timeout = !args.no_fence;
+    #[cfg(feature = "mutants")]
+    if let Some(mutant) = args
+        .mutant
+        .as_deref()
+        .and_then(callreg_model::model::mutant_named)
+    {
+        // A mutant whose code path fencing never reaches would pass
+        // silently: switch fencing off, and say so.
+        if callreg_model::model::mutant_needs_no_fence(mutant) {
+            if fence_on_timeout {
+                eprintln!(
+                    "callreg-model: notice: --mutant {} implies --no-fence (a fenced target never leaves a digest uncertain)",
+                    callreg_model::model::mutant_name(mutant)
+                );
+                fence_on_timeout = false;
+            }
+            if args.deadlines == 0 {
+                eprintln!(
+                    "callreg-model: warning: --mutant {} cannot be reached with --deadlines 0 (only a passed deadline leaves a digest uncertain)",
+                    callreg_model::model::mutant_name(mutant)
+                );
+            }
+        }
+    }
     let config = ModelConfig {
         targets: args.targets,
         script: load_script(&args.script)?,
@@ -123,7 +151,7 @@ fn model_of(args: &ConfigArgs) -> Result<RegistrationModel, String> {
         corruptions: args.corruptions,
         deadlines: args.deadlines,
         tasks: args.tasks,
-        fence_on_timeout: !args.no_fence,
+        fence_on_timeout,
         slot_capacity: args.slots,
         #[cfg(feature = "mutants")]
         mutant: match &args.mutant {
@@ -174,14 +202,34 @@ fn print_human(outcome: &Outcome) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Usage errors exit 64 (specs/model.md §8): 2 means "incomplete" here,
+    // so clap's own exit status for a bad command line cannot be used.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let usage_error = e.use_stderr();
+            // Printing to a closed stdout/stderr is not worth a panic.
+            let _ = e.print();
+            return if usage_error {
+                ExitCode::from(64)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     match cli.command {
         Command::List => {
             for script in Script::builtin() {
                 println!("script {}: {}", script.name, script.description);
             }
-            for name in callreg_model::model::mutant_names() {
-                println!("mutant {name}");
+            #[cfg(feature = "mutants")]
+            for mutant in callreg::protocol::Mutant::ALL {
+                let name = callreg_model::model::mutant_name(*mutant);
+                if callreg_model::model::mutant_needs_no_fence(*mutant) {
+                    println!("mutant {name} (reachable only with --no-fence and --deadlines 1 or more; --mutant {name} implies --no-fence)");
+                } else {
+                    println!("mutant {name} (reachable with fencing on or off)");
+                }
             }
             ExitCode::SUCCESS
         }
@@ -220,9 +268,10 @@ fn main() -> ExitCode {
                     return ExitCode::from(64);
                 }
             };
-            let threads = threads.unwrap_or_else(|| {
-                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
-            });
+            let threads = threads.map_or_else(
+                || std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+                |n| usize::try_from(n).unwrap_or(usize::MAX),
+            );
             let options = SearchOptions {
                 symmetry,
                 dfs,

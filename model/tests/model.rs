@@ -413,3 +413,98 @@ fn check_command_prints_a_json_line_and_exits_by_verdict() {
         .unwrap();
     assert_eq!(shallow.status.code(), Some(2));
 }
+
+/// A bad command line exits 64, never 2 (which means "incomplete",
+/// specs/model.md §8); `--help` and `--version` exit 0.
+#[test]
+fn usage_errors_exit_64_and_help_exits_0() {
+    let bin = env!("CARGO_BIN_EXE_callreg-model");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(bin).args(args).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    let (code, _, stderr) = run(&["check", "--no-such-flag"]);
+    assert_eq!(code, Some(64));
+    assert!(
+        stderr.starts_with("error: unexpected argument '--no-such-flag' found"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = run(&["check", "--threads", "0"]);
+    assert_eq!(code, Some(64));
+    assert!(
+        stderr.starts_with(
+            "error: invalid value '0' for '--threads <THREADS>': 0 is not in 1..18446744073709551615"
+        ),
+        "{stderr}"
+    );
+    let (code, _, _) = run(&["check", "--targets", "many"]);
+    assert_eq!(code, Some(64));
+    let (code, _, _) = run(&[]);
+    assert_eq!(code, Some(64));
+    let (code, stdout, _) = run(&["--help"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        stdout.starts_with("Model-check the callreg registration protocol"),
+        "{stdout}"
+    );
+    let (code, stdout, _) = run(&["--version"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        stdout,
+        format!("callreg-model {}\n", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+/// `--mutant forget-uncertain` implies `--no-fence` (with fencing on its
+/// code path is unreachable and the check would pass), says so on
+/// stderr, and is caught; `list` names the configuration of each mutant.
+#[cfg(feature = "mutants")]
+#[test]
+fn a_mutant_that_needs_no_fence_switches_fencing_off() {
+    let bin = env!("CARGO_BIN_EXE_callreg-model");
+    let args = [
+        "check",
+        "--targets",
+        "2",
+        "--script",
+        "single-register",
+        "--crashes",
+        "0",
+        "--deserialize-failures",
+        "0",
+        "--corruptions",
+        "0",
+        "--deadlines",
+        "1",
+        "--tasks",
+        "0",
+        "--threads",
+        "1",
+        "--progress-secs",
+        "0",
+        "--mutant",
+        "forget-uncertain",
+    ];
+    let out = std::process::Command::new(bin).args(args).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8(out.stderr).unwrap(),
+        "callreg-model: notice: --mutant forget-uncertain implies --no-fence (a fenced target never leaves a digest uncertain)\n"
+    );
+    let list = std::process::Command::new(bin)
+        .arg("list")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(list.stdout).unwrap();
+    assert!(stdout.contains(
+        "\nmutant forget-uncertain (reachable only with --no-fence and --deadlines 1 or more; --mutant forget-uncertain implies --no-fence)\n"
+    ), "{stdout}");
+    assert!(
+        stdout.contains("\nmutant skip-cleanup (reachable with fencing on or off)\n"),
+        "{stdout}"
+    );
+}

@@ -4,11 +4,11 @@
 //! envelope (`specs/metadata.md`).
 
 use callreg::descriptor::{Digest, PythonSerialized};
-use callreg::envelope::Envelope;
+use callreg::envelope::{Envelope, EnvelopeError, HEADER_LEN};
 use callreg::metadata::CallableMetadata;
 use serde::Serialize;
 
-use super::{read_input, report, write_stdout, CliError, EXIT_INVALID, EXIT_OK, EXIT_USAGE};
+use super::{report, write_stdout, CliError, EXIT_INVALID, EXIT_OK, EXIT_USAGE};
 
 /// Arguments of `callreg inspect`.
 #[derive(Debug, clap::Args)]
@@ -123,7 +123,7 @@ impl Sidecar {
         let path = path.display();
         match std::fs::read_to_string(path.to_string()) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Sidecar::Absent,
-            Err(e) => Sidecar::Invalid(format!("cannot read {path}: {e}")),
+            Err(e) => Sidecar::Invalid(format!("cannot read {path}: {}", super::io_reason(&e))),
             Ok(text) => match CallableMetadata::from_json(&text) {
                 Ok(metadata) => Sidecar::Valid(Box::new(metadata)),
                 Err(e) => Sidecar::Invalid(format!("{path}: {e}")),
@@ -226,6 +226,41 @@ fn table(rows: &[(&str, Row, Sidecar)]) -> String {
     out
 }
 
+/// Reads an envelope from `file` (`-` = stdin) without reading past what
+/// it declares: the 16-byte SPYC header (DESIGN.md §3.1), then, if the
+/// header is valid, at most its `payload_size` bytes. So a stream such as
+/// `/dev/zero` or a pipe costs at most `16 + payload_size` bytes of memory,
+/// and a bad header costs 16. Returns the bytes read and, for a regular
+/// file, its length in bytes (the real staged size, trailing slack
+/// included); a stream's staged size is what was read.
+///
+/// # Errors
+/// [`CliError`] naming `file` when it cannot be opened or read.
+fn read_envelope(file: &str) -> Result<(Vec<u8>, Option<u64>), CliError> {
+    use std::io::Read;
+    let read_error = |e: std::io::Error| CliError::read(file, &e);
+    let (mut reader, file_len): (Box<dyn Read>, Option<u64>) = if file == "-" {
+        (Box::new(std::io::stdin().lock()), None)
+    } else {
+        let opened = std::fs::File::open(file).map_err(read_error)?;
+        let metadata = opened.metadata().map_err(read_error)?;
+        let len = metadata.file_type().is_file().then_some(metadata.len());
+        (Box::new(opened), len)
+    };
+    let mut staged = Vec::with_capacity(HEADER_LEN);
+    (&mut reader)
+        .take(HEADER_LEN as u64)
+        .read_to_end(&mut staged)
+        .map_err(read_error)?;
+    if let Err(EnvelopeError::PayloadTruncated { payload_size, .. }) = Envelope::parse(&staged) {
+        reader
+            .take(payload_size)
+            .read_to_end(&mut staged)
+            .map_err(read_error)?;
+    }
+    Ok((staged, file_len))
+}
+
 /// Inspects every file in order, with its side-car `FILE.json` when one
 /// exists. Unreadable files are reported on stderr and skipped. Returns
 /// [`EXIT_USAGE`] if any file could not be read, else [`EXIT_INVALID`] if
@@ -237,9 +272,12 @@ pub fn run(args: &Args) -> Result<u8, CliError> {
     let mut rows: Vec<(&str, Row, Sidecar)> = Vec::with_capacity(args.files.len());
     let mut read_failed = false;
     for file in &args.files {
-        match read_input(file) {
-            Ok(staged) => {
-                let row = inspect_bytes(&staged);
+        match read_envelope(file) {
+            Ok((staged, file_len)) => {
+                let mut row = inspect_bytes(&staged);
+                if let (Row::Valid(fields), Some(len)) = (&mut row, file_len) {
+                    fields.staged_size = usize::try_from(len).unwrap_or(usize::MAX);
+                }
                 let sidecar = Sidecar::read(file);
                 if args.json {
                     // Stream JSON lines so a long list shows progress.

@@ -14,7 +14,8 @@
 //! ```
 //!
 //! * `targets` (required): how many targets to fork, 1 to [`MAX_TARGETS`].
-//! * `control_timeout_s` (optional, seconds, default 30): how long a target
+//! * `control_timeout_s` (optional, seconds from 0.001 to 86400, default
+//!   30): how long a target
 //!   has to answer a register or unregister, and to be ready at start.
 //! * `steps` (required): run in order. Fields by `op`:
 //!
@@ -59,6 +60,10 @@ pub const MAX_TARGETS: u16 = 1024;
 
 /// The control timeout of a plan without `control_timeout_s`: 30 seconds.
 pub const DEFAULT_CONTROL_TIMEOUT_S: f64 = 30.0;
+
+/// The shortest control timeout a plan may set: 1 ms (a zero timeout
+/// would fail every operation; the Worker refuses it).
+const MIN_CONTROL_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// The longest control timeout a plan may set: one day, in seconds.
 const MAX_CONTROL_TIMEOUT_S: f64 = 86_400.0;
@@ -188,16 +193,20 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
                 )
             })?,
     };
-    let timeout_s = match top.get("control_timeout_s") {
-        None => DEFAULT_CONTROL_TIMEOUT_S,
+    // The converted Duration is checked, not the float: a tiny positive
+    // number such as 1e-10 would become a zero timeout.
+    let control_timeout = match top.get("control_timeout_s") {
+        None => Duration::from_secs_f64(DEFAULT_CONTROL_TIMEOUT_S),
         Some(v) => v
             .as_f64()
-            .filter(|s| *s > 0.0 && *s <= MAX_CONTROL_TIMEOUT_S)
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .filter(|d| *d >= MIN_CONTROL_TIMEOUT && d.as_secs_f64() <= MAX_CONTROL_TIMEOUT_S)
             .ok_or_else(|| {
                 top_field(
                     "control_timeout_s",
                     format!(
-                        "expected seconds, above 0 and at most {MAX_CONTROL_TIMEOUT_S}, got {v}"
+                        "expected seconds, from {} to {MAX_CONTROL_TIMEOUT_S}, got {v}",
+                        MIN_CONTROL_TIMEOUT.as_secs_f64()
                     ),
                 )
             })?,
@@ -231,7 +240,7 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Plan {
         targets,
-        control_timeout: Duration::from_secs_f64(timeout_s),
+        control_timeout,
         steps,
         envelopes: checker.envelopes,
     })
@@ -822,7 +831,24 @@ mod tests {
     fn errors_name_the_step_and_field() {
         assert_eq!(
             error(r#"{"targets": 1, "control_timeout_s": -1, "steps": []}"#),
-            r#"field "control_timeout_s": expected seconds, above 0 and at most 86400, got -1"#
+            r#"field "control_timeout_s": expected seconds, from 0.001 to 86400, got -1"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "control_timeout_s": 1e-10, "steps": []}"#),
+            r#"field "control_timeout_s": expected seconds, from 0.001 to 86400, got 1e-10"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "control_timeout_s": 86400.5, "steps": []}"#),
+            r#"field "control_timeout_s": expected seconds, from 0.001 to 86400, got 86400.5"#
+        );
+        assert_eq!(
+            parse(
+                r#"{"targets": 1, "control_timeout_s": 0.001, "steps": []}"#,
+                Path::new(".")
+            )
+            .unwrap()
+            .control_timeout,
+            Duration::from_millis(1)
         );
         assert_eq!(
             error(

@@ -9,12 +9,17 @@
 //! Output: one line per step on stdout, then a summary. Text lines read
 //! `step 3 call add [target 0]: ok -> 5 (74 µs)`; with `--json`, each line
 //! is an object `{"step", "op", "name", "ok", "hashid", "targets":
-//! [{"target", "outcome"}], "result" | "error", "micros"}` and the summary is
-//! `{"summary": {"steps", "ok", "failed", "micros"}}`. Exit status: 0 when
+//! [{"target", "outcome"}], "result" | "error", "micros"}` (`"result"` only
+//! when the step produced a value, i.e. a call; `"error"` only on error) and
+//! the summary is `{"summary": {"steps", "ok", "failed", "micros"}}`, counting
+//! the plan's steps only; a plan without a `start` step gets an implicit
+//! start first (`"step": null`), reported in the summary as
+//! `"implicit_start_ok"` (text: `; implicit start ok` or `FAILED`). Exit status: 0 when
 //! every step met its expectation, 1 when a step failed unexpectedly or an
 //! expectation was not met, 2 for a usage or plan error (one line on
 //! stderr). Targets write what a callable prints to stderr, never among the
-//! step lines.
+//! step lines. After a start that fails, no later step runs: each fails
+//! with `not run: the Worker did not start`.
 //!
 //! Without the `python` cargo feature the subcommand exists but only
 //! explains that the build lacks Python support (exit status 2).
@@ -73,6 +78,9 @@ mod with_python {
     /// How often `kill_target` checks whether the Worker noticed the kill.
     const KILL_POLL: Duration = Duration::from_millis(1);
 
+    /// The error of every step after a failed start.
+    const NOT_RUN: &str = "not run: the Worker did not start";
+
     /// Result text longer than this many characters is cut in text output.
     const RESULT_TEXT_CHARS: usize = 200;
 
@@ -95,11 +103,14 @@ mod with_python {
         parent_has_no_python("before start")?;
         let mut runner = Runner::new(&plan, args.json)?;
         let total = Instant::now();
-        let mut reports = Vec::with_capacity(plan.steps.len() + 1);
+        // The implicit start is reported on its own line and in the
+        // summary, but it is not one of the plan's steps.
+        let mut implicit_start_ok = None;
         if !plan.steps.iter().any(|s| s.op == Op::Start) {
             let report = runner.start(None, None);
-            reports.push(runner.emit(report)?);
+            implicit_start_ok = Some(runner.emit(report)?);
         }
+        let mut reports = Vec::with_capacity(plan.steps.len());
         for (index, step) in plan.steps.iter().enumerate() {
             let report = runner.step(index, step);
             reports.push(runner.emit(report)?);
@@ -109,17 +120,27 @@ mod with_python {
         let failed = reports.iter().filter(|ok| !**ok).count();
         let micros = micros(total.elapsed());
         let summary = if args.json {
-            json!({"summary": {"steps": reports.len(), "ok": reports.len() - failed, "failed": failed, "micros": micros}})
-                .to_string()
+            let mut summary = json!({"steps": reports.len(), "ok": reports.len() - failed, "failed": failed, "micros": micros});
+            if let Some(ok) = implicit_start_ok {
+                summary["implicit_start_ok"] = Value::Bool(ok);
+            }
+            json!({ "summary": summary }).to_string()
         } else {
+            let implicit = match implicit_start_ok {
+                None => "",
+                Some(true) => "; implicit start ok",
+                Some(false) => "; implicit start FAILED",
+            };
             format!(
-                "summary: {} steps, {} as expected, {failed} not ({})",
+                "summary: {} {}, {} as expected, {failed} not{implicit} ({})",
                 reports.len(),
+                if reports.len() == 1 { "step" } else { "steps" },
                 reports.len() - failed,
                 duration_text(micros)
             )
         };
         write_stdout(&format!("{summary}\n"))?;
+        let failed = failed + usize::from(implicit_start_ok == Some(false));
         Ok(if failed == 0 { EXIT_OK } else { EXIT_INVALID })
     }
 
@@ -182,6 +203,10 @@ mod with_python {
         /// live targets).
         next_target: usize,
         json: bool,
+        /// A start failed: the Worker did not start as planned, so no later
+        /// step runs (a register would otherwise go silently into the
+        /// startup snapshot of a Worker that never started).
+        start_failed: bool,
     }
 
     impl<'a> Runner<'a> {
@@ -197,10 +222,19 @@ mod with_python {
                 labels: BTreeMap::new(),
                 next_target: 0,
                 json,
+                start_failed: false,
             })
         }
 
         fn step(&mut self, index: usize, step: &Step) -> StepReport {
+            if self.start_failed {
+                let (op, name) = op_name(&step.op);
+                let mut report = self.report(Some(index), op);
+                report.name = name.map(str::to_owned);
+                report.outcome = Err(NOT_RUN.to_owned());
+                report.unmet = unmet_error(None, &report.outcome);
+                return report;
+            }
             let started = Instant::now();
             let mut report = match &step.op {
                 Op::Start => self.start(Some(index), step.expect_error.as_deref()),
@@ -242,6 +276,7 @@ mod with_python {
                 }
             };
             report.targets = outcomes.iter().map(target_report).collect();
+            self.start_failed = report.outcome.is_err();
             if step.is_none() {
                 report.micros = micros(started.elapsed());
                 report.unmet = unmet_error(expect_error, &report.outcome);
@@ -404,7 +439,7 @@ mod with_python {
                     report.targets = vec![TargetReport {
                         target,
                         outcome: "lost",
-                        detail: self.worker.target_exit(id).map(|exit| exit.to_string()),
+                        detail: self.worker.target_exit(id).map(|exit| format!("it {exit}")),
                         result: None,
                     }];
                     report.outcome = Err(format!(
@@ -436,7 +471,7 @@ mod with_python {
             report.targets = vec![TargetReport {
                 target,
                 outcome: "killed",
-                detail: self.worker.target_exit(id).map(|exit| exit.to_string()),
+                detail: self.worker.target_exit(id).map(|exit| format!("it {exit}")),
                 result: None,
             }];
             report
@@ -543,6 +578,18 @@ mod with_python {
             outcome,
             detail,
             result: None,
+        }
+    }
+
+    /// A step's `op` as the plan spells it, and the label it names.
+    fn op_name(op: &Op) -> (&'static str, Option<&str>) {
+        match op {
+            Op::Start => ("start", None),
+            Op::Register(register) => ("register", Some(&register.name)),
+            Op::Unregister { name } => ("unregister", Some(name)),
+            Op::Call(call) => ("call", Some(&call.name)),
+            Op::CallAll(call) => ("call_all", Some(&call.name)),
+            Op::KillTarget { .. } => ("kill_target", None),
         }
     }
 
@@ -700,10 +747,10 @@ mod with_python {
                     result: t.result.as_ref(),
                 })
                 .collect(),
-            result: match &report.outcome {
-                Ok(result) => Some(result.as_ref().unwrap_or(&Value::Null)),
-                Err(_) => None,
-            },
+            // Only a step that produced a value has a result (a call's
+            // `None` is the JSON `null` it returned); register, unregister,
+            // start and kill_target have none.
+            result: report.outcome.as_ref().ok().and_then(Option::as_ref),
             error: report.outcome.as_ref().err().map(String::as_str),
             unmet: report.unmet.as_deref(),
             micros: report.micros,
@@ -735,7 +782,8 @@ mod with_python {
             Err(error) => line.push_str(&format!(": {status}: {error}")),
         }
         if let Some(hashid) = &report.hashid {
-            if report.op == "register" {
+            // A failed register's error names the hashid already, if known.
+            if report.op == "register" && !line.contains(hashid.as_str()) {
                 line.push_str(&format!(" {hashid}"));
             }
         }

@@ -99,11 +99,13 @@ pub enum Exit {
     Signal(i32),
 }
 
+/// A verb phrase whose subject is the target: `exited with status 3`,
+/// `was killed by signal 9` (read as "it exited …", "it was killed …").
 impl std::fmt::Display for Exit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Exit::Code(code) => write!(f, "exited with status {code}"),
-            Exit::Signal(sig) => write!(f, "killed by signal {sig}"),
+            Exit::Signal(sig) => write!(f, "was killed by signal {sig}"),
         }
     }
 }

@@ -242,7 +242,7 @@ fn open_and_verify(name: &str, size: u64) -> Result<(StagedView, Digest), Failur
     let view = StagedView::open(name, size).map_err(|e| Failure::new(e.code(), e.to_string()))?;
     let digest = {
         let envelope =
-            Envelope::parse(view.bytes()).map_err(|e| Failure::new(e.code(), e.to_string()))?;
+            Envelope::parse(view.bytes()).map_err(|e| Failure::new(e.code(), e.message()))?;
         python_serialized_digest(&envelope)
     };
     Ok((view, digest))
@@ -407,7 +407,7 @@ fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::
             format!("no envelope was inherited for {digest}"),
         )
     })?;
-    let envelope = Envelope::parse(bytes).map_err(|e| Failure::new(e.code(), e.to_string()))?;
+    let envelope = Envelope::parse(bytes).map_err(|e| Failure::new(e.code(), e.message()))?;
     failpoints::hit(failpoints::TARGET_BEFORE_INSTALL)
         .map_err(|m| Failure::new(ErrorCode::IO_FAILED, m))?;
     let callable = install(
@@ -674,7 +674,7 @@ impl<R: Runtime> Control<'_, R> {
         let result = match view.map(|v| Envelope::parse(v.bytes())) {
             Some(Ok(envelope)) => install(self.runtime, envelope.payload(), metadata),
             // The machine asks to deserialize only after a verified open.
-            Some(Err(e)) => Err(Failure::new(e.code(), e.to_string())),
+            Some(Err(e)) => Err(Failure::new(e.code(), e.message())),
             None => Err(Failure::new(
                 ErrorCode::IO_FAILED,
                 "no staged payload is open",

@@ -472,7 +472,7 @@ impl<R: Runtime> Worker<R> {
 
     fn envelope_error(e: crate::envelope::EnvelopeError) -> OperationError {
         OperationError::new(
-            Error::new(e.code(), OperationKind::Register, e.to_string())
+            Error::new(e.code(), OperationKind::Register, e.message())
                 .with_namespace(Namespace::LocalPython),
         )
     }
@@ -484,6 +484,9 @@ impl<R: Runtime> Worker<R> {
     ///
     /// # Errors
     /// `ENVELOPE_INVALID` (and the other envelope codes) for bad bytes;
+    /// `LOCAL_SLOT_EXHAUSTED` before start for a new digest when the startup
+    /// snapshot already fills the slot capacity of a target (checked here,
+    /// where the capacity is known, not in the protocol's `Parent`);
     /// `IO_FAILED` when staging fails; `LIFECYCLE_INVALID` once closed;
     /// `REGISTER_CLEANUP_UNCERTAIN` for an uncertain digest;
     /// `NO_LIVE_TARGET`; `REGISTER_PARTIAL_FAILURE` with every target's
@@ -579,6 +582,26 @@ impl<R: Runtime> Worker<R> {
                 if let Some(metadata) = metadata {
                     check_hooks_live(&core.machine, digest, metadata)
                         .map_err(OperationError::new)?;
+                }
+                // Every target installs the whole startup snapshot, one slot
+                // per distinct digest: refuse the digest that cannot fit
+                // rather than fail start on every target.
+                let snapshot = core.machine.startup_snapshot();
+                if snapshot.len() >= usize::from(self.slot_capacity)
+                    && !snapshot.iter().any(|(held, _)| *held == digest)
+                {
+                    return Err(OperationError::new(
+                        Error::new(
+                            ErrorCode::LOCAL_SLOT_EXHAUSTED,
+                            OperationKind::Register,
+                            format!(
+                                "the startup snapshot already holds as many distinct callables as a target has slots ({})",
+                                self.slot_capacity
+                            ),
+                        )
+                        .with_namespace(Namespace::LocalPython)
+                        .with_digest(digest),
+                    ));
                 }
                 let handle = core
                     .machine
@@ -942,8 +965,13 @@ impl<R: Runtime> Worker<R> {
             .outcomes
             .iter()
             .filter(|(_, o)| *o != TargetOutcome::Ok)
-            .map(|(t, _)| t.to_string())
+            .map(|(t, _)| t.0.to_string())
             .collect();
+        let (subject, verb) = if failed.len() == 1 {
+            ("target", "was")
+        } else {
+            ("targets", "were")
+        };
         let (code, what) = if snapshot.is_empty() {
             (ErrorCode::TARGET_LOST, "did not start")
         } else {
@@ -955,7 +983,7 @@ impl<R: Runtime> Worker<R> {
         let mut error = Error::new(
             code,
             OperationKind::Start,
-            format!("{} {what} and were stopped", failed.join(", ")),
+            format!("{subject} {} {what} and {verb} stopped", failed.join(", ")),
         )
         .with_namespace(Namespace::LocalPython);
         if let Some((target, _)) = report
@@ -1149,9 +1177,17 @@ fn ready_outcome(snapshot: Vec<(Digest, Result<(), crate::wire::ReplyError>)>) -
     match failures.first() {
         None => TargetOutcome::Ok,
         Some((_, first)) => {
+            // The outcome shows the first failure's code: repeat a code only
+            // where it differs from that one.
             let text: Vec<String> = failures
                 .iter()
-                .map(|(digest, e)| format!("{digest}: {}: {}", e.code, e.message))
+                .map(|(digest, e)| {
+                    if e.code == first.code {
+                        format!("{digest}: {}", e.message)
+                    } else {
+                        format!("{digest}: {}: {}", e.code, e.message)
+                    }
+                })
                 .collect();
             failed_outcome(first.code, format!("startup snapshot: {}", text.join("; ")))
         }

@@ -15,39 +15,10 @@ use crate::descriptor::HashId;
 use crate::error::Error;
 use crate::json::JsonError;
 
-/// `to_json` (compact), `to_json_pretty` (two-space indent) and strict
-/// `from_json` for a plain-data type; `from_json` then runs the type's
-/// `validate` (a rule between fields that serde cannot express).
-macro_rules! json_forms {
-    ($($ty:ty),* $(,)?) => {$(
-        impl $ty {
-            /// The JSON form (compact, keys in declaration order).
-            pub fn to_json(&self) -> String {
-                // Only strings, integers, lists and maps: cannot fail.
-                serde_json::to_string(self).unwrap_or_default()
-            }
-
-            /// The JSON form indented by two spaces (the golden files' layout).
-            pub fn to_json_pretty(&self) -> String {
-                serde_json::to_string_pretty(self).unwrap_or_default()
-            }
-
-            /// Parses the JSON form strictly.
-            ///
-            /// # Errors
-            /// [`JsonError`] naming the field's path: an unknown field, a
-            /// wrong type, a missing required field, or a rule of the type
-            /// (see its documentation) that the value breaks.
-            pub fn from_json(text: &str) -> Result<Self, JsonError> {
-                let value: Self = crate::json::from_str(text)?;
-                Rules::validate(&value)?;
-                Ok(value)
-            }
-        }
-    )*};
-}
-
-json_forms!(
+// `from_json` runs the type's `Rules::validate` after decoding.
+crate::json::json_forms!(
+    decode: crate::json::from_str,
+    check: |value| Rules::validate(value);
     Handle,
     Failure,
     Error,
