@@ -530,6 +530,19 @@ fn stale_staging_of_a_dead_parent_is_swept_at_start() {
 }
 
 fn lifecycle_errors_and_idempotent_close() {
+    // The protocol counts whole microseconds: a shorter timeout is refused
+    // rather than silently becoming zero.
+    let err = builder(1)
+        .control_timeout(Duration::from_nanos(999))
+        .build()
+        .err()
+        .expect("a 999 ns control timeout is refused");
+    assert_eq!(err.code, ErrorCode::LIFECYCLE_INVALID);
+    assert!(
+        err.to_string()
+            .contains("the control timeout must be at least 1 microsecond"),
+        "{err}"
+    );
     let worker = builder(1).build().unwrap();
     let echo = worker.register(&envelope("echo")).unwrap();
     let err = worker

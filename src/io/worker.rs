@@ -252,8 +252,12 @@ impl<R: Runtime> WorkerBuilder<R> {
                 "a Worker needs at least one target and one slot".to_owned(),
             ));
         }
-        if self.control_timeout.is_zero() {
-            return Err(invalid("the control timeout must be positive".to_owned()));
+        // The protocol counts time in whole microseconds: a shorter timeout
+        // would become zero there.
+        if self.control_timeout < Duration::from_micros(1) {
+            return Err(invalid(
+                "the control timeout must be at least 1 microsecond".to_owned(),
+            ));
         }
         if self.max_frame_bytes < MIN_MAX_FRAME_BYTES {
             return Err(invalid(format!(
