@@ -554,7 +554,7 @@ fn a_failed_register_names_its_hashid_once() {
     assert_eq!(
         lines[1..],
         [
-            format!("step 0 register bad: FAILED: REGISTER_PARTIAL_FAILURE: register of {hashid} failed: target 0: DESERIALIZE_FAILED: _pickle.UnpicklingError: invalid load key, 'n'. (operation register, namespace LOCAL_PYTHON, hashid {hashid}, seq 1) -- the step failed"),
+            format!("step 0 register bad: FAILED: REGISTER_PARTIAL_FAILURE: register failed: target 0: DESERIALIZE_FAILED: _pickle.UnpicklingError: invalid load key, 'n'. (operation register, namespace LOCAL_PYTHON, hashid {hashid}, seq 1) -- the step failed"),
             "summary: 1 step, 0 as expected, 1 not; implicit start ok".to_owned(),
         ]
     );

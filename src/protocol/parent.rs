@@ -1327,19 +1327,17 @@ impl Parent {
         let (code, lead) = if confirmed_everywhere && uncertain {
             (
                 ErrorCode::REGISTER_CLEANUP_UNCERTAIN,
-                format!(
-                    "{} became uncertain while its register was in flight",
-                    op.digest
-                ),
+                // The hashid is in the error's context; not repeated here.
+                "the digest became uncertain while its register was in flight".to_owned(),
             )
         } else {
             (
                 ErrorCode::REGISTER_PARTIAL_FAILURE,
-                format!("register of {} failed", op.digest),
+                "register failed".to_owned(),
             )
         };
         let tail = if uncertain {
-            format!("; {} is uncertain", op.digest)
+            "; the digest is uncertain".to_owned()
         } else {
             String::new()
         };
