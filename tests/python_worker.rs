@@ -19,10 +19,10 @@
 //! cargo test --features python --test python_worker [-- FILTER]`.
 
 mod io_common;
+mod python_common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -131,64 +131,15 @@ fn payloads() -> &'static BTreeMap<String, Vec<u8>> {
 }
 
 fn make_payloads() -> Result<BTreeMap<String, Vec<u8>>, String> {
-    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::temp_dir().join(format!("callreg-python-worker-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let result = (|| {
-        let out = dir.join("payloads");
-        let marker = dir.join("first-target-marker");
-        run_python(
-            Command::new(&python)
-                .arg(repo.join("python/callreg_envelope.py"))
-                .arg(repo.join("examples/callables.py"))
-                .arg("--out")
-                .arg(&out),
-        )?;
-        run_python(
-            Command::new(&python)
-                .arg("-c")
-                .arg(EXTRA_PAYLOADS)
-                .arg(&out)
-                .arg(repo.join("python"))
-                .arg(&marker),
-        )?;
-        let mut envelopes = BTreeMap::new();
-        for entry in std::fs::read_dir(&out).map_err(|e| e.to_string())? {
-            let path: PathBuf = entry.map_err(|e| e.to_string())?.path();
-            let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
-            envelopes.insert(
-                name.to_owned(),
-                std::fs::read(&path).map_err(|e| e.to_string())?,
-            );
-        }
-        Ok(envelopes)
-    })();
+    let marker = marker_dir().join("first-target-marker");
     // The marker directory is created again by the test that uses it.
-    let _ = std::fs::remove_dir_all(&dir);
-    result
+    python_common::pack_payloads("worker", EXTRA_PAYLOADS, &[marker.as_os_str()])
 }
 
 /// The directory of the file `first_target_only` creates; it exists only
 /// during the test that registers that payload.
 fn marker_dir() -> PathBuf {
-    std::env::temp_dir().join(format!("callreg-python-worker-{}", std::process::id()))
-}
-
-fn run_python(command: &mut Command) -> Result<(), String> {
-    let output = command
-        .output()
-        .map_err(|e| format!("cannot run {command:?}: {e}"))?;
-    if output.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{command:?} failed ({}): {} (cloudpickle must be installed for PYO3_PYTHON)",
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        ))
-    }
+    python_common::scratch_dir("worker")
 }
 
 fn envelope(name: &str) -> &'static [u8] {

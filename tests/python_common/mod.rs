@@ -1,5 +1,5 @@
-//! Shared by the Python real-process test binaries with metadata
-//! (`tests/python_metadata.rs`, `tests/no_parent_deserialize.rs`): payloads
+//! Shared by the Python real-process test binaries (`tests/python_worker.rs`,
+//! `tests/python_metadata.rs`, `tests/no_parent_deserialize.rs`): payloads
 //! packed at test time by the interpreter named by `PYO3_PYTHON` (else
 //! `python3`; it must have cloudpickle and be the Python the build linked),
 //! and helpers for JSON tasks.
@@ -72,9 +72,21 @@ pub fn payloads() -> &'static BTreeMap<String, Vec<u8>> {
 }
 
 fn make_payloads() -> Result<BTreeMap<String, Vec<u8>>, String> {
+    pack_payloads("meta", EXTRA_PAYLOADS, &[])
+}
+
+/// Packs every name of `examples/callables.py`, then runs `extra_script`
+/// with arguments `OUT_DIR REPO/python EXTRA_ARGS...` to write more `.spyc`
+/// files into `OUT_DIR`; returns every envelope by file stem. The scratch
+/// directory `$TMPDIR/callreg-python-<tag>-<pid>` is removed afterwards.
+pub fn pack_payloads(
+    tag: &str,
+    extra_script: &str,
+    extra_args: &[&std::ffi::OsStr],
+) -> Result<BTreeMap<String, Vec<u8>>, String> {
     let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = std::env::temp_dir().join(format!("callreg-python-meta-{}", std::process::id()));
+    let dir = scratch_dir(tag);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let result = (|| {
@@ -89,9 +101,10 @@ fn make_payloads() -> Result<BTreeMap<String, Vec<u8>>, String> {
         run_python(
             Command::new(&python)
                 .arg("-c")
-                .arg(EXTRA_PAYLOADS)
+                .arg(extra_script)
                 .arg(&out)
-                .arg(repo.join("python")),
+                .arg(repo.join("python"))
+                .args(extra_args),
         )?;
         let mut envelopes = BTreeMap::new();
         for entry in std::fs::read_dir(&out).map_err(|e| e.to_string())? {
@@ -109,6 +122,12 @@ fn make_payloads() -> Result<BTreeMap<String, Vec<u8>>, String> {
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// `$TMPDIR/callreg-python-<tag>-<pid>`: the scratch directory of
+/// [`pack_payloads`].
+pub fn scratch_dir(tag: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("callreg-python-{tag}-{}", std::process::id()))
 }
 
 fn run_python(command: &mut Command) -> Result<(), String> {
