@@ -62,6 +62,19 @@ pub fn from_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
     Ok(value)
 }
 
+/// The JSON type of `value` as an English noun phrase (`"an array"`,
+/// `"null"`, ...), for error messages.
+pub fn value_type(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
 /// Decodes `text` as `T` with [`from_str`], but first refuses a document
 /// that is not a JSON object: serde's derive also accepts a struct as an
 /// array of its fields in order, which no JSON form of this crate documents.
@@ -73,14 +86,7 @@ pub fn from_object_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> 
     if !text.trim_start().starts_with('{') {
         let value = serde_json::from_str::<serde_json::Value>(text)
             .map_err(|e| JsonError::at(".", e.to_string()))?;
-        let got = match value {
-            serde_json::Value::Null => "null",
-            serde_json::Value::Bool(_) => "a boolean",
-            serde_json::Value::Number(_) => "a number",
-            serde_json::Value::String(_) => "a string",
-            serde_json::Value::Array(_) => "an array",
-            serde_json::Value::Object(_) => "an object",
-        };
+        let got = value_type(&value);
         return Err(JsonError::at(
             ".",
             format!("expected a JSON object, got {got}"),

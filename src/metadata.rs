@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::descriptor::HashId;
-use crate::json::JsonError;
+use crate::json::{value_type, JsonError};
 
 pub mod pip;
 
@@ -557,18 +557,6 @@ impl RehydrateError {
     }
 }
 
-/// The JSON type of a value, as an English noun phrase.
-fn json_type(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
 impl ExecutorSpec {
     /// An entry with these names and defaults.
     pub fn new(short_name: &str, type_name: &str, defaults: Map<String, Value>) -> Self {
@@ -613,12 +601,12 @@ impl ExecutorSpec {
                     known: self.defaults.keys().cloned().collect::<Vec<_>>().join(", "),
                 });
             };
-            if !default.is_null() && json_type(default) != json_type(value) {
+            if !default.is_null() && value_type(default) != value_type(value) {
                 return Err(RehydrateError::AttributeType {
                     short_name: self.short_name.clone(),
                     attribute: name.clone(),
-                    expected: json_type(default),
-                    got: json_type(value),
+                    expected: value_type(default),
+                    got: value_type(value),
                 });
             }
             attributes.insert(name.clone(), value.clone());
@@ -661,7 +649,7 @@ pub fn merge_retval_keyword(
         serde_json::from_slice(input).map_err(|e| MergeError::InputInvalid(e.to_string()))?;
     let result: Value =
         serde_json::from_slice(result).map_err(|e| MergeError::ResultInvalid(e.to_string()))?;
-    let input_type = json_type(&task);
+    let input_type = value_type(&task);
     let object = task
         .as_object_mut()
         .ok_or_else(|| MergeError::InputInvalid(format!("got {input_type}")))?;

@@ -53,6 +53,7 @@ use serde_json::{Map, Value};
 
 use callreg::descriptor::python_serialized_digest;
 use callreg::envelope::Envelope;
+use callreg::json::value_type;
 use callreg::metadata::{sidecar_path, CallableMetadata};
 
 /// The most targets a plan may ask for.
@@ -170,7 +171,7 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
     let Value::Object(mut top) = value else {
         return Err(PlanError(format!(
             "the plan must be a JSON object, got {}",
-            type_of(&value)
+            value_type(&value)
         )));
     };
     refuse_unknown(&top, &["targets", "control_timeout_s", "steps"], "the plan")?;
@@ -217,7 +218,7 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
         Some(v) => {
             return Err(top_field(
                 "steps",
-                format!("expected an array, got {}", type_of(&v)),
+                format!("expected an array, got {}", value_type(&v)),
             ))
         }
     };
@@ -271,7 +272,7 @@ impl Checker<'_> {
         let Value::Object(fields) = step else {
             return Err(PlanError(format!(
                 "step {index}: expected an object with an \"op\" field, got {}",
-                type_of(&step)
+                value_type(&step)
             )));
         };
         let op = match fields.get("op") {
@@ -279,7 +280,7 @@ impl Checker<'_> {
             Some(v) => {
                 return Err(PlanError(format!(
                     "step {index}: field \"op\": expected a string, got {}",
-                    type_of(v)
+                    value_type(v)
                 )))
             }
             None => return Err(PlanError(format!("step {index}: field \"op\" is missing"))),
@@ -364,7 +365,7 @@ impl Checker<'_> {
                     Some(v) => {
                         return Err(at.field_error(
                             "args",
-                            format!("expected an array, got {}", type_of(v)),
+                            format!("expected an array, got {}", value_type(v)),
                         ))
                     }
                 };
@@ -374,7 +375,7 @@ impl Checker<'_> {
                     Some(v) => {
                         return Err(at.field_error(
                             "kwargs",
-                            format!("expected an object, got {}", type_of(v)),
+                            format!("expected an object, got {}", value_type(v)),
                         ))
                     }
                 };
@@ -460,7 +461,7 @@ impl Checker<'_> {
             Some(Value::String(_)) => Err(at.field_error("metadata", "must not be empty".into())),
             Some(v) => Err(at.field_error(
                 "metadata",
-                format!("expected an object or a file path, got {}", type_of(v)),
+                format!("expected an object or a file path, got {}", value_type(v)),
             )),
             None => {
                 let relative = sidecar_path(Path::new(envelope));
@@ -589,7 +590,7 @@ impl StepFields<'_> {
             None => Ok(None),
             Some(Value::String(s)) => Ok(Some(s.clone())),
             Some(v) => {
-                Err(self.field_error(field, format!("expected a string, got {}", type_of(v))))
+                Err(self.field_error(field, format!("expected a string, got {}", value_type(v))))
             }
         }
     }
@@ -642,18 +643,6 @@ fn refuse_unknown(
                 .collect::<Vec<_>>()
                 .join(", ")
         ))),
-    }
-}
-
-/// The JSON type of `value`, for error messages.
-fn type_of(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 

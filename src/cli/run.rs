@@ -354,17 +354,34 @@ mod with_python {
             }
         }
 
-        fn call(&mut self, index: usize, call: &CallStep) -> StepReport {
-            let mut report = self.report(Some(index), "call");
+        /// The report of a `call` or `call_all` step with its name and
+        /// hashid filled in, with the handle and the error prefix of its label;
+        /// without them the report is finished (the label names no handle).
+        fn begin_call(
+            &self,
+            index: usize,
+            op: &'static str,
+            call: &CallStep,
+        ) -> (StepReport, Option<(Handle, Option<String>)>) {
+            let mut report = self.report(Some(index), op);
             report.name = Some(call.name.clone());
-            let (handle, prefix) = match self.resolve(&call.name) {
-                Ok(resolved) => resolved,
+            match self.resolve(&call.name) {
+                Ok((handle, prefix)) => {
+                    report.hashid = Some(handle.hashid.to_string());
+                    (report, Some((handle, prefix)))
+                }
                 Err(why) => {
                     report.outcome = Err(why);
-                    return report;
+                    (report, None)
                 }
+            }
+        }
+
+        fn call(&mut self, index: usize, call: &CallStep) -> StepReport {
+            let (mut report, resolved) = self.begin_call(index, "call", call);
+            let Some((handle, prefix)) = resolved else {
+                return report;
             };
-            report.hashid = Some(handle.hashid.to_string());
             let target = match call.target {
                 Some(target) => TargetId(target),
                 None => {
@@ -390,16 +407,10 @@ mod with_python {
         }
 
         fn call_all(&mut self, index: usize, call: &CallStep) -> StepReport {
-            let mut report = self.report(Some(index), "call_all");
-            report.name = Some(call.name.clone());
-            let (handle, prefix) = match self.resolve(&call.name) {
-                Ok(resolved) => resolved,
-                Err(why) => {
-                    report.outcome = Err(why);
-                    return report;
-                }
+            let (mut report, resolved) = self.begin_call(index, "call_all", call);
+            let Some((handle, prefix)) = resolved else {
+                return report;
             };
-            report.hashid = Some(handle.hashid.to_string());
             let input = task_input(call);
             let results = self
                 .worker
