@@ -16,9 +16,11 @@
 //!
 //! Run: `cargo bench --features io --bench io` (results in `BENCHMARKS.md`).
 
+mod common;
+
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use callreg::descriptor::Digest;
 use callreg::envelope::{encode, HEADER_LEN};
@@ -62,14 +64,7 @@ fn register_and_unregister(c: &mut Criterion) {
                 &envelope,
                 |b, envelope| {
                     b.iter_custom(|iterations| {
-                        let mut total = Duration::ZERO;
-                        for _ in 0..iterations {
-                            let started = Instant::now();
-                            let handle = worker.register(envelope).expect("register");
-                            total += started.elapsed();
-                            worker.unregister(&handle).expect("unregister");
-                        }
-                        total
+                        common::time_registers(&worker, envelope, iterations)
                     })
                 },
             );
@@ -83,14 +78,7 @@ fn register_and_unregister(c: &mut Criterion) {
                 &envelope,
                 |b, envelope| {
                     b.iter_custom(|iterations| {
-                        let mut total = Duration::ZERO;
-                        for _ in 0..iterations {
-                            let handle = worker.register(envelope).expect("register");
-                            let started = Instant::now();
-                            worker.unregister(&handle).expect("unregister");
-                            total += started.elapsed();
-                        }
-                        total
+                        common::time_unregisters(&worker, envelope, iterations)
                     })
                 },
             );

@@ -18,9 +18,11 @@
 //! Run: `cargo bench --features io,python --bench python -- --noplot`
 //! (results in `BENCHMARKS.md`).
 
+mod common;
+
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use callreg::io::Worker;
 use callreg::protocol::TargetId;
@@ -101,16 +103,7 @@ fn worker(targets: u16) -> Worker<PythonRuntime> {
 /// Times `worker.register(envelope)`; unregisters outside the timing.
 fn bench_register(c: &mut Criterion, name: &str, worker: &Worker<PythonRuntime>, envelope: &[u8]) {
     c.bench_function(name, |b| {
-        b.iter_custom(|iterations| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iterations {
-                let started = Instant::now();
-                let handle = worker.register(envelope).expect("register");
-                total += started.elapsed();
-                worker.unregister(&handle).expect("unregister");
-            }
-            total
-        })
+        b.iter_custom(|iterations| common::time_registers(worker, envelope, iterations))
     });
 }
 
@@ -120,16 +113,7 @@ fn python(c: &mut Criterion) {
     bench_register(c, "python/register_small/1", &one, &envelopes.small);
     bench_register(c, "python/register_1mib/1", &one, &envelopes.one_mib);
     c.bench_function("python/unregister/1", |b| {
-        b.iter_custom(|iterations| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iterations {
-                let handle = one.register(&envelopes.small).expect("register");
-                let started = Instant::now();
-                one.unregister(&handle).expect("unregister");
-                total += started.elapsed();
-            }
-            total
-        })
+        b.iter_custom(|iterations| common::time_unregisters(&one, &envelopes.small, iterations))
     });
     let identity = one.register(&envelopes.identity).expect("register");
     let input = br#"{"args":[7]}"#;
