@@ -78,6 +78,7 @@ fn driven_parent() -> (Parent, OpId, Effect) {
         control_timeout: 1_000,
         fence_on_timeout: false,
         owner: OwnerToken(7),
+        slot_capacity: 64,
     });
     parent
         .register_before_start(digest(SERIALIZED), Namespace::LocalPython)
@@ -331,6 +332,7 @@ fn registry_snapshot_of_a_driven_parent() {
         control_timeout: 1,
         fence_on_timeout: true,
         owner: OwnerToken(1),
+        slot_capacity: 64,
     });
     assert_eq!(
         fresh.registry_snapshot().to_json(),

@@ -21,6 +21,7 @@ fn started(targets: u16, fence_on_timeout: bool) -> Parent {
         control_timeout: 1_000,
         fence_on_timeout,
         owner: OWNER,
+        slot_capacity: 64,
     });
     p.start().unwrap();
     p
@@ -166,6 +167,7 @@ fn pre_start_registrations_appear_in_the_snapshot_with_counts() {
         control_timeout: 1_000,
         fence_on_timeout: true,
         owner: OWNER,
+        slot_capacity: 64,
     });
     let a = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -420,6 +422,7 @@ fn unregister_of_an_unknown_digest_is_reported() {
         control_timeout: 1_000,
         fence_on_timeout: true,
         owner: OWNER,
+        slot_capacity: 64,
     });
     let h = p
         .register_before_start(digest(7), Namespace::LocalPython)

@@ -18,6 +18,7 @@ fn config(fence_on_timeout: bool) -> ParentConfig {
         control_timeout: 1_000,
         fence_on_timeout,
         owner: OwnerToken(1),
+        slot_capacity: 64,
     }
 }
 

@@ -370,6 +370,7 @@ impl RegistrationModel {
             control_timeout: CONTROL_TIMEOUT,
             fence_on_timeout: config.fence_on_timeout,
             owner: OWNER,
+            slot_capacity: config.slot_capacity,
         });
         #[cfg(feature = "mutants")]
         if let Some(mutant) = config.mutant {

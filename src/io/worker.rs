@@ -270,6 +270,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             control_timeout: u64::try_from(self.control_timeout.as_micros()).unwrap_or(u64::MAX),
             fence_on_timeout: self.fence_on_timeout,
             owner,
+            slot_capacity: self.slot_capacity,
         });
         Ok(Worker {
             runtime: self.runtime,
@@ -489,8 +490,8 @@ impl<R: Runtime> Worker<R> {
     /// # Errors
     /// `ENVELOPE_INVALID` (and the other envelope codes) for bad bytes;
     /// `LOCAL_SLOT_EXHAUSTED` before start for a new digest when the startup
-    /// snapshot already fills the slot capacity of a target (checked here,
-    /// where the capacity is known, not in the protocol's `Parent`);
+    /// snapshot already fills the slot capacity of a target (the protocol's
+    /// `Parent::register_before_start`);
     /// `IO_FAILED` when staging fails; `LIFECYCLE_INVALID` once closed;
     /// `REGISTER_CLEANUP_UNCERTAIN` for an uncertain digest;
     /// `NO_LIVE_TARGET`; `REGISTER_PARTIAL_FAILURE` with every target's
@@ -586,26 +587,6 @@ impl<R: Runtime> Worker<R> {
                 if let Some(metadata) = metadata {
                     check_hooks_live(&core.machine, digest, metadata)
                         .map_err(OperationError::new)?;
-                }
-                // Every target installs the whole startup snapshot, one slot
-                // per distinct digest: refuse the digest that cannot fit
-                // rather than fail start on every target.
-                let snapshot = core.machine.startup_snapshot();
-                if snapshot.len() >= usize::from(self.slot_capacity)
-                    && !snapshot.iter().any(|(held, _)| *held == digest)
-                {
-                    return Err(OperationError::new(
-                        Error::new(
-                            ErrorCode::LOCAL_SLOT_EXHAUSTED,
-                            OperationKind::Register,
-                            format!(
-                                "the startup snapshot already holds as many distinct callables as a target has slots ({})",
-                                self.slot_capacity
-                            ),
-                        )
-                        .with_namespace(Namespace::LocalPython)
-                        .with_digest(digest),
-                    ));
                 }
                 let handle = core
                     .machine

@@ -585,6 +585,7 @@ mod tests {
             control_timeout: 10,
             fence_on_timeout: true,
             owner: OwnerToken(3),
+            slot_capacity: 64,
         });
         parent
             .register_before_start(digest(1), Namespace::LocalPython)

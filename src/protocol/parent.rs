@@ -41,6 +41,12 @@ pub struct ParentConfig {
     pub fence_on_timeout: bool,
     /// This Worker's random owner token, stamped on every handle it issues.
     pub owner: OwnerToken,
+    /// Slots per target (DESIGN.md §4.2; [`DEFAULT_SLOT_CAPACITY`] is the
+    /// usual value). Every target installs the whole startup snapshot, one
+    /// slot per distinct digest, so the snapshot holds at most this many.
+    ///
+    /// [`DEFAULT_SLOT_CAPACITY`]: super::DEFAULT_SLOT_CAPACITY
+    pub slot_capacity: u16,
 }
 
 /// The parent's lifecycle (DESIGN.md §4.1).
@@ -411,7 +417,10 @@ impl Parent {
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless [`Lifecycle::New`];
-    /// `CALLABLE_KIND_UNSUPPORTED` for a namespace other than `LOCAL_PYTHON`.
+    /// `CALLABLE_KIND_UNSUPPORTED` for a namespace other than `LOCAL_PYTHON`;
+    /// `LOCAL_SLOT_EXHAUSTED` for a digest not yet in the snapshot when it
+    /// already holds [`ParentConfig::slot_capacity`] distinct digests (every
+    /// target would refuse the snapshot at start).
     pub fn register_before_start(
         &mut self,
         digest: Digest,
@@ -421,6 +430,19 @@ impl Parent {
             return Err(self.lifecycle_error(OperationKind::Register, "new (not started)"));
         }
         Self::check_namespace(namespace, digest)?;
+        let distinct: BTreeSet<Digest> = self.handles.values().map(|r| r.digest).collect();
+        if !distinct.contains(&digest) && distinct.len() >= usize::from(self.config.slot_capacity) {
+            return Err(Error::new(
+                ErrorCode::LOCAL_SLOT_EXHAUSTED,
+                OperationKind::Register,
+                format!(
+                    "the startup snapshot already holds as many distinct callables as a target has slots ({})",
+                    self.config.slot_capacity
+                ),
+            )
+            .with_namespace(namespace)
+            .with_digest(digest));
+        }
         let handle = self.issue_handle(digest, namespace);
         let record = HandleRecord {
             digest,
@@ -1412,6 +1434,7 @@ mod tests {
             control_timeout: 100,
             fence_on_timeout: true,
             owner: OwnerToken(9),
+            slot_capacity: 64,
         });
         p.start().unwrap();
         p
@@ -1427,6 +1450,30 @@ mod tests {
             digest: digest(n),
             result: Ok(()),
         }
+    }
+
+    #[test]
+    fn the_startup_snapshot_holds_at_most_slot_capacity_digests() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 1,
+            control_timeout: 100,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+            slot_capacity: 2,
+        });
+        p.register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        p.register_before_start(digest(2), Namespace::LocalPython)
+            .unwrap();
+        // A digest already in the snapshot takes no new slot.
+        p.register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        let err = p
+            .register_before_start(digest(3), Namespace::LocalPython)
+            .unwrap_err();
+        assert_eq!(err.code, ErrorCode::LOCAL_SLOT_EXHAUSTED);
+        assert_eq!(err.hashid, Some(digest(3).hashid()));
+        assert_eq!(p.startup_snapshot(), vec![(digest(1), 2), (digest(2), 1)]);
     }
 
     #[test]
@@ -1638,6 +1685,7 @@ mod tests {
             control_timeout: 100,
             fence_on_timeout: true,
             owner: OwnerToken(9),
+            slot_capacity: 64,
         });
         let h = p
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -1662,6 +1710,7 @@ mod tests {
             control_timeout: 100,
             fence_on_timeout: true,
             owner: OwnerToken(9),
+            slot_capacity: 64,
         });
         let h = p
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -1697,6 +1746,7 @@ mod tests {
             control_timeout: 100,
             fence_on_timeout: true,
             owner: OwnerToken(9),
+            slot_capacity: 64,
         });
         assert_eq!(
             p.handle_reply(TargetId(0), ok(1, 1), Time(0))

@@ -83,6 +83,7 @@ impl Sim {
             control_timeout: 1_000,
             fence_on_timeout,
             owner: OwnerToken(0x5eed),
+            slot_capacity,
         };
         let mut parent = Parent::new(config);
         for n in before_start {
