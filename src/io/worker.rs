@@ -47,7 +47,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -59,7 +59,7 @@ use serde::Serialize;
 
 use super::failpoints;
 use super::handoff::{self, Completer, Pending};
-use super::process::{self, Exit, TargetProcess, ThreadPolicy};
+use super::process::{self, Exit, TargetProcess, ThreadPolicy, TrackedFd};
 use super::staging::{self, StagedPayload};
 use super::target::{self, TargetSetup};
 use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
@@ -148,6 +148,11 @@ pub struct TaskError {
     pub error: Error,
     /// The runtime's kind of failure, or empty.
     pub kind: String,
+    /// The runtime's serialized form of the failure, or empty (see
+    /// [`crate::runtime::RuntimeError::exception`]); the parent never
+    /// decodes it.
+    #[serde(skip)]
+    pub exception: Box<[u8]>,
 }
 
 /// What [`Worker::start`] did at each target.
@@ -352,22 +357,55 @@ impl PendingTask {
     /// The task's [`TaskError`]; `LIFECYCLE_INVALID` if the Worker's IO
     /// thread ended without an answer.
     pub fn wait(self) -> Result<Vec<u8>, TaskError> {
-        self.pending.wait().unwrap_or_else(|abandoned| {
-            Err(TaskError {
-                error: Error::new(
-                    ErrorCode::LIFECYCLE_INVALID,
-                    OperationKind::Task,
-                    abandoned.to_string(),
-                ),
-                kind: String::new(),
-            })
-        })
+        self.pending.wait().unwrap_or_else(task_abandoned)
+    }
+
+    /// Waits at most `timeout`: `Ok` with what [`PendingTask::wait`] would
+    /// return, or `Err(self)` when the time is up (e.g. to check for
+    /// signals between slices, then wait again).
+    pub fn wait_timeout(
+        self,
+        timeout: Duration,
+    ) -> Result<Result<Vec<u8>, TaskError>, PendingTask> {
+        match self.pending.wait_timeout(timeout) {
+            Ok(result) => Ok(result.unwrap_or_else(task_abandoned)),
+            Err(pending) => Err(PendingTask { pending }),
+        }
+    }
+
+    /// Hands the result to `callback` instead of waiting: it runs exactly
+    /// once, on the Worker's IO thread when the result arrives (possibly
+    /// while the Worker's state lock is held), or at once in this thread
+    /// when the task is already complete. It must not block, nor call the
+    /// Worker: hand the result on
+    /// (e.g. push it into a channel) and return; above all it must not wait
+    /// for anything the IO thread's progress depends on (an interpreter
+    /// lock held by a thread that waits on this Worker).
+    pub fn on_complete<F>(self, callback: F)
+    where
+        F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
+    {
+        self.pending
+            .on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
     }
 
     /// Whether [`PendingTask::wait`] would return at once.
     pub fn is_complete(&self) -> bool {
         self.pending.is_complete()
     }
+}
+
+/// The error of a task whose completer was dropped unanswered.
+fn task_abandoned(abandoned: handoff::Abandoned) -> Result<Vec<u8>, TaskError> {
+    Err(TaskError {
+        error: Error::new(
+            ErrorCode::LIFECYCLE_INVALID,
+            OperationKind::Task,
+            abandoned.to_string(),
+        ),
+        kind: String::new(),
+        exception: Box::default(),
+    })
 }
 
 enum Request {
@@ -412,7 +450,7 @@ struct Core {
     requests: VecDeque<Request>,
     io_running: bool,
     /// Write end of the IO thread's wake pipe.
-    wake: Option<OwnedFd>,
+    wake: Option<TrackedFd>,
     pids: Vec<i32>,
     /// How lost targets ended.
     exits: BTreeMap<TargetId, Exit>,
@@ -732,6 +770,7 @@ impl<R: Runtime> Worker<R> {
                 .with_target(target)
                 .with_digest(handle.digest()),
                 kind: String::new(),
+                exception: Box::default(),
             }));
         } else {
             self.push(Request::Task {
@@ -882,6 +921,7 @@ impl<R: Runtime> Worker<R> {
         let processes = process::spawn_targets(
             usize::from(self.targets),
             self.thread_policy,
+            &*self.runtime,
             |index| {
                 if cfg!(feature = "failpoints")
                     && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
@@ -919,12 +959,12 @@ impl<R: Runtime> Worker<R> {
         while core.machine.poll_effect().is_some() {}
         let (wake_read, wake_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
-        core.wake = Some(wake_write);
+        core.wake = Some(TrackedFd::new(wake_write));
         core.io_running = true;
         let io = IoLoop {
             shared: self.shared.clone(),
             links,
-            wake: wake_read,
+            wake: TrackedFd::new(wake_read),
             staged: BTreeMap::new(),
             ops: BTreeMap::new(),
             tasks: BTreeMap::new(),
@@ -1034,6 +1074,7 @@ fn refuse(request: Request, before_start: bool) {
         Request::Task { done, .. } => done.complete(Err(TaskError {
             error: lifecycle_error(OperationKind::Task, message),
             kind: String::new(),
+            exception: Box::default(),
         })),
         Request::Inspect { done } => drop(done),
         #[cfg(feature = "failpoints")]
@@ -1301,7 +1342,7 @@ struct Context {
 struct IoLoop {
     shared: Arc<Shared>,
     links: Vec<Option<Link>>,
-    wake: OwnedFd,
+    wake: TrackedFd,
     staged: BTreeMap<StagingId, Staged>,
     ops: BTreeMap<OpId, OpWaiter>,
     tasks: BTreeMap<u64, TaskWaiter>,
@@ -1495,6 +1536,7 @@ impl IoLoop {
                 Err(error) => done.complete(Err(TaskError {
                     error,
                     kind: String::new(),
+                    exception: Box::default(),
                 })),
             },
             Request::Inspect { done } => {
@@ -1726,6 +1768,7 @@ impl IoLoop {
                         .with_digest(digest)
                         .with_seq(Seq(seq)),
                     kind: failure.kind,
+                    exception: failure.exception.into_boxed_slice(),
                 });
                 self.defer(waiter.done, result);
                 Ok(())
@@ -1839,6 +1882,7 @@ impl IoLoop {
                     .with_digest(waiter.digest)
                     .with_seq(Seq(seq)),
                     kind: String::new(),
+                    exception: Box::default(),
                 }));
             }
         }
@@ -1899,6 +1943,7 @@ impl IoLoop {
                 .with_digest(waiter.digest)
                 .with_seq(Seq(seq)),
                 kind: String::new(),
+                exception: Box::default(),
             }));
         }
         for mut waiter in std::mem::take(&mut self.inspects) {
