@@ -118,24 +118,30 @@ impl std::fmt::Display for OperationError {
         write!(f, "{}", self.error)?;
         for (i, (target, outcome)) in self.outcomes.iter().enumerate() {
             let sep = if i == 0 { "; outcomes: " } else { ", " };
-            write!(f, "{sep}{target}: ")?;
-            match outcome {
-                TargetOutcome::Ok => f.write_str("ok")?,
-                TargetOutcome::Failed { failure } => write!(f, "failed ({failure})")?,
-                TargetOutcome::Lost => f.write_str("lost")?,
-                TargetOutcome::TimedOut => f.write_str("timed out")?,
-                TargetOutcome::Fenced => f.write_str("fenced")?,
-                TargetOutcome::RolledBack => f.write_str("rolled back")?,
-                TargetOutcome::CleanupUnconfirmed { failure } => {
-                    write!(f, "cleanup unconfirmed ({failure})")?
-                }
-            }
+            write!(f, "{sep}{target}: {}", outcome_text(outcome))?;
         }
         Ok(())
     }
 }
 
 impl std::error::Error for OperationError {}
+
+/// One target's outcome as [`OperationError`]'s message shows it: `ok`,
+/// `failed (CODE: message)`, `lost`, `timed out`, `fenced`, `rolled back`
+/// or `cleanup unconfirmed (CODE: message)`.
+pub fn outcome_text(outcome: &TargetOutcome) -> String {
+    match outcome {
+        TargetOutcome::Ok => "ok".to_owned(),
+        TargetOutcome::Failed { failure } => format!("failed ({failure})"),
+        TargetOutcome::Lost => "lost".to_owned(),
+        TargetOutcome::TimedOut => "timed out".to_owned(),
+        TargetOutcome::Fenced => "fenced".to_owned(),
+        TargetOutcome::RolledBack => "rolled back".to_owned(),
+        TargetOutcome::CleanupUnconfirmed { failure } => {
+            format!("cleanup unconfirmed ({failure})")
+        }
+    }
+}
 
 /// A failed task: the error (code `TASK_FAILED` for a failure inside the
 /// callable, else e.g. `TARGET_LOST`, `DIGEST_NOT_INSTALLED`) naming the

@@ -53,6 +53,11 @@ mod checks;
 
 pub use checks::{BASH_SHELL, BASH_STDERR_TAIL_BYTES, BASH_STDERR_TAIL_LINES};
 
+/// `PyBUF_READ` (CPython's `Include/memoryobject.h`, stable since 3.3;
+/// PyO3 does not export it under the limited API, which the extension
+/// module's abi3 build uses).
+const PYBUF_READ: std::ffi::c_int = 0x100;
+
 /// How many of the innermost traceback frames a task failure's message keeps.
 pub const TRACEBACK_FRAMES_KEPT: usize = 6;
 
@@ -395,9 +400,7 @@ impl PythonRuntime {
         // later attaches on this thread restore it (`PyGILState_Ensure`
         // finds the thread's state).
         unsafe {
-            if ffi::PyGILState_Check() != 0 {
-                ffi::PyEval_SaveThread();
-            }
+            ffi::PyEval_SaveThread();
         }
         self.import_functions()
     }
@@ -805,7 +808,7 @@ fn loads_borrowed<'py>(
     let view = unsafe {
         Bound::from_owned_ptr_or_err(
             py,
-            ffi::PyMemoryView_FromMemory(bytes.as_ptr() as *mut c_char, len, ffi::PyBUF_READ),
+            ffi::PyMemoryView_FromMemory(bytes.as_ptr() as *mut c_char, len, PYBUF_READ),
         )?
     };
     let loaded = pickle_loads.call1((&view,));
