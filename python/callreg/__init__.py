@@ -650,7 +650,8 @@ class Worker:
         ``handle(*items)`` for each tuple of items at once, spread over the
         live targets, and returns an iterator of the results in order;
         ``timeout`` (seconds from this call) raises
-        :class:`TimeoutError` for a result not there in time."""
+        :class:`concurrent.futures.TimeoutError` for a result not there in
+        time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         futures = [self.submit(handle, *items) for items in zip(*iterables)]
 

@@ -149,7 +149,14 @@ fn plain_err(py: Python<'_>, e: &Error) -> PyErr {
 }
 
 fn task_err_dict<'py>(py: Python<'py>, e: &TaskError) -> PyResult<Bound<'py, PyDict>> {
-    error_dict(py, &e.error, e.error.to_string(), &e.kind, &e.exception, &[])
+    error_dict(
+        py,
+        &e.error,
+        e.error.to_string(),
+        &e.kind,
+        &e.exception,
+        &[],
+    )
 }
 
 impl RawWorker {
@@ -161,11 +168,9 @@ impl RawWorker {
         }
         let live = self.worker.live_targets();
         if live.is_empty() {
-            return Err(Error::new(
-                ErrorCode::NO_LIVE_TARGET,
-                OperationKind::Task,
-                "the Worker has no live target",
-            ));
+            // Not started, closed or every target lost: the Worker's own
+            // refusal for target 0 says which.
+            return Ok(TargetId(0));
         }
         let turn = self.next_target.fetch_add(1, Ordering::Relaxed);
         Ok(live[turn % live.len()])
@@ -375,7 +380,11 @@ impl RawWorker {
 
     /// The live target ids, sorted.
     fn live_targets(&self) -> Vec<u16> {
-        self.worker.live_targets().into_iter().map(|t| t.0).collect()
+        self.worker
+            .live_targets()
+            .into_iter()
+            .map(|t| t.0)
+            .collect()
     }
 
     /// A target's process id, once started.
@@ -427,10 +436,7 @@ impl RawWorker {
     fn close(&self, py: Python<'_>) {
         py.detach(|| {
             self.worker.close();
-            self.sender
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take();
+            self.sender.lock().unwrap_or_else(|p| p.into_inner()).take();
         });
     }
 }
