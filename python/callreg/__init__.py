@@ -389,8 +389,12 @@ class _Dispatch:
         self.thread = None
 
     def start(self):
-        self.thread = threading.Thread(target=self.run, name="callreg-dispatch", daemon=True)
-        self.thread.start()
+        """Starts the thread once (at the Worker's start, or at the first
+        submit, which before start fails at once)."""
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.run, name="callreg-dispatch", daemon=True)
+                self.thread.start()
 
     def run(self):
         raw, lock, futures = self.raw, self.lock, self.futures
@@ -566,10 +570,10 @@ class Worker:
         try:
             self._raw.start()
         except _callreg.RawError as error:
-            if self._dispatch.thread is None and self._raw.live_targets():
-                self._dispatch.start()
             _raise(error)
-        self._dispatch.start()
+        finally:
+            # Also after a partial start: the live targets serve tasks.
+            self._dispatch.start()
 
     def close(self):
         """Closes the Worker: pending futures fail with
@@ -607,6 +611,8 @@ class Worker:
         future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
         dispatch = self._dispatch
+        if dispatch.thread is None:
+            dispatch.start()
         try:
             with dispatch.lock:
                 task, _ = self._raw.submit(raw, target, data)

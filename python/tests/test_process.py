@@ -221,6 +221,9 @@ def test_lifecycle_errors_before_start_and_double_start():
         h = w.register(square)
         with pytest.raises(callreg.LifecycleError):
             w.call(h, 2)
+        error = w.submit(h, 2).exception(timeout=10)
+        assert type(error) is callreg.LifecycleError
+        assert "not started" in str(error)
         assert w.targets == []
         assert w.target_pid(0) is None
         w.start()
@@ -326,6 +329,24 @@ def test_start_with_an_idle_extra_thread_does_not_deadlock():
         thread.join()
 
 
+def test_a_start_that_fails_on_a_snapshot_entry_keeps_no_live_target():
+    envelope = callreg._callreg.encode_envelope(pickle.dumps(Bomb()))
+    with callreg.Worker(2) as w:
+        bomb = w.register_envelope(envelope)
+        with pytest.raises(callreg.RegisterError) as info:
+            w.start()
+        assert info.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert info.value.operation == "start"
+        assert sorted(info.value.outcomes) == [0, 1]
+        assert all("this payload refuses to load" in o for o in info.value.outcomes.values())
+        assert w.targets == []
+        with pytest.raises(callreg.TargetLostError) as info:
+            w.register(square)
+        assert info.value.code == "NO_LIVE_TARGET"
+        error = w.submit(bomb).exception(timeout=10)
+        assert type(error) is callreg.TargetLostError
+
+
 def test_two_workers_close_independently():
     first = callreg.Worker(2)
     first.start()
@@ -341,3 +362,32 @@ def test_two_workers_close_independently():
     second.close()
     with pytest.raises(callreg.LifecycleError):
         first.call(h1, 1)
+
+
+def test_other_python_threads_run_while_a_caller_waits():
+    with callreg.Worker(1) as w:
+        w.start()
+        slow = w.register(sleep_then)
+        ticks = []
+        stop = threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.01)
+
+        thread = threading.Thread(target=tick)
+        thread.start()
+        try:
+            started = time.monotonic()
+            assert w.call(slow, 0.5, "done") == "done"
+            during = [t for t in ticks if t > started]
+            # The GIL is released while waiting: the other thread ran all along.
+            assert len(during) >= 10
+            future = w.submit(slow, 0.3, "later")
+            before = len(ticks)
+            assert future.result(timeout=10) == "later"
+            assert len(ticks) - before >= 5
+        finally:
+            stop.set()
+            thread.join()
