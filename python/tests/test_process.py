@@ -391,3 +391,15 @@ def test_other_python_threads_run_while_a_caller_waits():
         finally:
             stop.set()
             thread.join()
+
+
+def test_default_targets_are_one_per_cpu_and_with_closes():
+    with callreg.Worker() as w:
+        w.start()
+        assert w.targets == list(range(os.cpu_count()))
+        pids = [w.target_pid(t) for t in w.targets]
+        assert len(set(pids)) == len(pids) and os.getpid() not in pids
+    assert w.targets == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
