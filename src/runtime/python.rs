@@ -342,8 +342,8 @@ impl PythonRuntime {
     /// Whether the Python interpreter is initialised in the calling
     /// process. A parent of embedded-mode targets (the process that owns a
     /// [`crate::io::Worker`] over [`PythonRuntime::new`], e.g. `callreg
-    /// run`) must always see `false`: it never runs Python (DESIGN.md §1,
-    /// §6). In inherited mode the parent is a Python process.
+    /// run`) must always see `false`: it never runs Python. In inherited
+    /// mode the parent is a Python process (`specs/python.md` §1).
     pub fn interpreter_initialized() -> bool {
         // SAFETY: `Py_IsInitialized` only reads a flag and may be called
         // before the interpreter exists.
