@@ -522,7 +522,15 @@ mod with_python {
         };
         // Lines written so far must reach the real stdout.
         let _ = std::io::Write::flush(&mut std::io::stdout());
-        let saved = nix::unistd::dup(std::io::stdout()).map_err(|e| io_failed("save", e))?;
+        // Close-on-exec: nothing this process starts may inherit the copy
+        // (targets close every descriptor of the parent anyway).
+        let saved = nix::fcntl::fcntl(std::io::stdout(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(3))
+            .map(|fd| {
+                // SAFETY: `F_DUPFD_CLOEXEC` returned a new descriptor that
+                // nothing else owns.
+                unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+            })
+            .map_err(|e| io_failed("save", e))?;
         nix::unistd::dup2_stdout(std::io::stderr()).map_err(|e| io_failed("redirect", e))?;
         let started = worker.start();
         nix::unistd::dup2_stdout(&saved).map_err(|e| io_failed("restore", e))?;
