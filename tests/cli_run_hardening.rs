@@ -172,3 +172,163 @@ impl TryCloneFd for std::process::ChildStdout {
         self.as_fd().try_clone_to_owned().unwrap()
     }
 }
+
+/// Runs `callreg ARGS` through `sh -c 'exec "$0" "$@" REDIRECT'` (so a
+/// test can close stdin), killed if it has not ended after a minute (a
+/// read that blocks would otherwise hang the suite); returns the exit
+/// code and stderr.
+fn callreg_with(redirect: &str, args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(format!("exec \"$0\" \"$@\" {redirect}"))
+        .arg(env!("CARGO_BIN_EXE_callreg"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("sh runs");
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if rx.recv_timeout(std::time::Duration::from_secs(60)).is_err() {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+    });
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    let status = child.wait().unwrap();
+    let _ = tx.send(());
+    watchdog.join().unwrap();
+    (status.code(), stderr)
+}
+
+fn mkfifo(path: &Path) {
+    nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+}
+
+/// `hashid` refuses what is not a regular file, before reading it (a FIFO
+/// with no writer does not block), and a closed stdin is a read error
+/// (not an invalid envelope).
+#[test]
+fn hashid_reads_only_regular_files_and_an_open_stdin() {
+    let dir = TempDir::new("hashid-inputs");
+    let fifo = dir.0.join("fifo");
+    mkfifo(&fifo);
+    let hashid = |file: &std::ffi::OsStr| callreg_with("", &["hashid".as_ref(), file]);
+    assert_eq!(
+        hashid("/dev/zero".as_ref()),
+        (
+            Some(2),
+            "callreg: cannot read /dev/zero: not a regular file (a character device)\n".to_owned()
+        )
+    );
+    assert_eq!(
+        hashid(fifo.as_os_str()),
+        (
+            Some(2),
+            format!(
+                "callreg: cannot read {}: not a regular file (a FIFO)\n",
+                fifo.display()
+            )
+        )
+    );
+    assert_eq!(
+        callreg_with("<&-", &["hashid".as_ref(), "-".as_ref()]),
+        (
+            Some(2),
+            "callreg: cannot read <stdin>: no input (stdin is closed or empty)\n".to_owned()
+        )
+    );
+}
+
+/// `hashid` of a 100 MB file with a bad header reads its 16 header bytes
+/// only: the command's peak resident size stays far below the file's.
+#[test]
+fn hashid_reads_the_header_before_the_rest() {
+    let dir = TempDir::new("hashid-big");
+    let big = dir.0.join("random.bin");
+    {
+        use std::io::Write;
+        let mut file = std::io::BufWriter::new(std::fs::File::create(&big).unwrap());
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut block = vec![0u8; 1 << 20];
+        for _ in 0..100 {
+            for chunk in block.chunks_mut(8) {
+                // xorshift64: incompressible enough, and no bad-magic luck.
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+            }
+            file.write_all(&block).unwrap();
+        }
+    }
+    // The peak resident size of `callreg` alone, in KiB, as its parent
+    // (a Python process) sees it once it was reaped.
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let output = Command::new(python)
+        .arg("-c")
+        .arg(
+            "import resource, subprocess, sys\n\
+             r = subprocess.run(sys.argv[1:], capture_output=True)\n\
+             print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n\
+             sys.stderr.write(r.stderr.decode())",
+        )
+        .arg(env!("CARGO_BIN_EXE_callreg"))
+        .arg("hashid")
+        .arg(&big)
+        .output()
+        .expect("python runs");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    let fields: Vec<u64> = stdout
+        .split_whitespace()
+        .map(|f| f.parse().unwrap())
+        .collect();
+    assert_eq!(fields[0], 1, "{stderr}");
+    assert!(stderr.contains("(BadMagic)"), "{stderr}");
+    assert!(
+        fields[1] < 40 * 1024,
+        "callreg hashid peaked at {} KiB for a 100 MB file with a bad header",
+        fields[1]
+    );
+}
+
+/// A plan's envelope path that is a FIFO or a device is refused while the
+/// plan is read (exit status 2, the step and field named), without
+/// blocking or reading it.
+#[test]
+fn run_refuses_envelope_paths_that_are_not_regular_files() {
+    let dir = TempDir::new("run-inputs");
+    let fifo = dir.0.join("fifo.spyc");
+    mkfifo(&fifo);
+    for (envelope, kind) in [
+        (fifo.to_str().unwrap(), "a FIFO"),
+        ("/dev/zero", "a character device"),
+    ] {
+        let plan = dir.0.join("plan.json");
+        std::fs::write(
+            &plan,
+            json!({"targets": 1, "steps": [
+                {"op": "register", "name": "f", "envelope": envelope}
+            ]})
+            .to_string(),
+        )
+        .unwrap();
+        assert_eq!(
+            callreg_with("", &["run".as_ref(), plan.as_os_str()]),
+            (
+                Some(2),
+                format!(
+                    "callreg: {}: step 0 (register): field \"envelope\": cannot read {envelope}: not a regular file ({kind})\n",
+                    plan.display()
+                )
+            )
+        );
+    }
+}

@@ -72,7 +72,7 @@ mod with_python {
     use serde_json::{json, Value};
 
     use super::super::plan::{self, CallStep, Op, Plan, RegisterStep, Step};
-    use super::super::{read_input, write_stdout, CliError, EXIT_INVALID, EXIT_OK};
+    use super::super::{write_stdout, CliError, EXIT_INVALID, EXIT_OK};
     use super::Args;
 
     /// How often `kill_target` checks whether the Worker noticed the kill.
@@ -91,7 +91,8 @@ mod with_python {
     /// (naming the step and field), when the Worker cannot be built, or if
     /// Python turns out to be initialised in this (parent) process.
     pub fn run(args: &Args) -> Result<u8, CliError> {
-        let text = read_input(&args.plan)?;
+        let text = super::super::input::read_limited(&args.plan)
+            .map_err(|why| CliError::read_because(super::super::shown(&args.plan), &why))?;
         let text = String::from_utf8(text)
             .map_err(|_| CliError(format!("{}: the plan is not UTF-8", args.plan)))?;
         let plan_dir = match Path::new(&args.plan).parent() {
