@@ -403,7 +403,8 @@ enum Request {
 struct Core {
     machine: Parent,
     /// Envelope bytes of pre-start registrations, by digest (the startup
-    /// snapshot's payloads, inherited by the targets).
+    /// snapshot's payloads, inherited by the targets); emptied at start and
+    /// at close.
     envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
     /// Callable metadata of pre-start registrations, by digest: the first
     /// registration of a digest that brought metadata (targets install each
@@ -788,6 +789,16 @@ impl<R: Runtime> Worker<R> {
         self.shared.lock().losses.get(&target).cloned()
     }
 
+    /// Bytes of envelopes this parent keeps for the startup snapshot (the
+    /// distinct pre-start envelopes with a live handle, until start): what
+    /// the targets will inherit through `fork`. Zero after start and after
+    /// close: the parent holds only what live registrations need, and a
+    /// registration after start keeps only its staged payload, until every
+    /// target answered.
+    pub fn retained_envelope_bytes(&self) -> usize {
+        self.shared.lock().envelopes.values().map(|e| e.len()).sum()
+    }
+
     /// A copy of the parent machine's state (diagnostics and tests: the
     /// protocol's invariant predicates take it).
     pub fn parent_state(&self) -> Parent {
@@ -894,6 +905,10 @@ impl<R: Runtime> Worker<R> {
         )
         .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
         drop(setup);
+        // Every target inherited the snapshot's bytes through `fork`; the
+        // parent never sends them again (a later register stages its own).
+        core.envelopes = BTreeMap::new();
+        core.metadata = BTreeMap::new();
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
         let deadline = Instant::now() + self.control_timeout;
@@ -994,6 +1009,8 @@ impl<R: Runtime> Worker<R> {
             let mut core = self.shared.lock();
             if core.machine.lifecycle() == Lifecycle::New {
                 let _ = core.machine.close();
+                core.envelopes = BTreeMap::new();
+                core.metadata = BTreeMap::new();
                 return;
             }
         }
