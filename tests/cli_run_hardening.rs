@@ -36,7 +36,9 @@ impl Drop for TempDir {
     }
 }
 
-/// Writes `NAME.spyc` into argv[1] for each callable below.
+/// Writes `NAME.spyc` into argv[1] for each callable below; argv[2] is
+/// the directory of `callreg_envelope.py`, argv[3] the marker file the
+/// first target to unpickle `dies_after_install` creates.
 const PAYLOADS: &str = r#"
 import os, sys
 sys.path.insert(0, sys.argv[2])
@@ -53,7 +55,45 @@ def spawn_grandchild(pidfile):
         pass
     return "spawned"
 
-for name, value in [("write_fd_3", write_fd_3), ("spawn_grandchild", spawn_grandchild)]:
+def first_dies_after_install(marker):
+    # The first target to unpickle installs it, then exits (status 9) half
+    # a second later, after its OK went out; the second waits until the
+    # first has exited before it answers, so the register completes after
+    # the loss, on the second target only.
+    import threading, time
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        pid = ""
+        while not pid:
+            pid = open(marker).read().strip()
+        while True:
+            try:
+                if open("/proc/%s/stat" % pid).read().split(") ")[1][0] in "ZX":
+                    break
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            time.sleep(0.01)
+        return lambda: "alive"
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    def exit_soon():
+        time.sleep(0.5)
+        os._exit(9)
+    threading.Thread(target=exit_soon, daemon=True).start()
+    return lambda: "alive"
+
+class DiesAfterInstall:
+    def __call__(self):
+        return None
+    def __reduce__(self):
+        return (first_dies_after_install, (sys.argv[3],))
+
+for name, value in [
+    ("write_fd_3", write_fd_3),
+    ("spawn_grandchild", spawn_grandchild),
+    ("dies_after_install", DiesAfterInstall()),
+]:
     with open(os.path.join(sys.argv[1], name + ".spyc"), "wb") as f:
         f.write(callreg_envelope.dumps(value))
 "#;
@@ -65,6 +105,7 @@ fn pack(dir: &Path) {
         .arg(PAYLOADS)
         .arg(dir)
         .arg(repo().join("python"))
+        .arg(dir.join("first-unpickle-marker"))
         .output()
         .expect("python runs");
     assert!(
@@ -331,4 +372,50 @@ fn run_refuses_envelope_paths_that_are_not_regular_files() {
             )
         );
     }
+}
+
+/// A target that confirms a register and dies before the step ends is
+/// reported lost, with how it ended, not `ok`: outcomes are sampled after
+/// the operation.
+#[test]
+fn run_reports_a_target_lost_during_a_step() {
+    let dir = TempDir::new("lost-in-step");
+    pack(&dir.0);
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        json!({"targets": 2, "steps": [
+            {"op": "start"},
+            {"op": "register", "name": "e", "envelope": "dies_after_install.spyc"},
+            {"op": "call_all", "name": "e", "expect": "alive"}
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_callreg"))
+        .arg("run")
+        .arg(&plan)
+        .arg("--json")
+        .output()
+        .expect("callreg runs");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let targets = lines[1]["targets"].as_array().expect("targets").clone();
+    assert_eq!(targets.len(), 2, "{}", lines[1]);
+    let lost: Vec<&Value> = targets.iter().filter(|t| t["outcome"] == "lost").collect();
+    let ok: Vec<&Value> = targets.iter().filter(|t| t["outcome"] == "ok").collect();
+    assert_eq!((lost.len(), ok.len()), (1, 1), "{}", lines[1]);
+    let detail = lost[0]["detail"].as_str().unwrap_or_default();
+    assert!(detail.ends_with("it exited with status 9"), "{}", lines[1]);
+    // The call reaches only the live target.
+    assert_eq!(
+        lines[2]["targets"].as_array().unwrap().len(),
+        1,
+        "{}",
+        lines[2]
+    );
 }

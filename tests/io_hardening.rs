@@ -7,13 +7,93 @@
 
 mod io_common;
 
+use std::time::Duration;
+
+use callreg::error::ErrorCode;
+use callreg::protocol::{TargetId, TargetOutcome};
 use io_common::{builder, envelope};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
 
 fn main() {
-    io_common::run(&[(
-        "pre_start_envelopes_are_released_at_unregister_start_and_close",
-        pre_start_envelopes_are_released_at_unregister_start_and_close,
-    )]);
+    io_common::run(&[
+        (
+            "pre_start_envelopes_are_released_at_unregister_start_and_close",
+            pre_start_envelopes_are_released_at_unregister_start_and_close,
+        ),
+        (
+            "inspect_gives_up_a_stopped_target_at_the_control_timeout",
+            inspect_gives_up_a_stopped_target_at_the_control_timeout,
+        ),
+        (
+            "a_register_failure_says_why_each_target_was_lost",
+            a_register_failure_says_why_each_target_was_lost,
+        ),
+    ]);
+}
+
+fn signal(
+    worker: &callreg::io::Worker<callreg::runtime::testing::TestRuntime>,
+    target: u16,
+    sig: Signal,
+) {
+    let pid = worker.target_pid(TargetId(target)).expect("a pid");
+    kill(Pid::from_raw(pid), sig).expect("kill");
+}
+
+/// `inspect` on a stopped (SIGSTOP) target answers `None` for it once the
+/// control timeout passed, without fencing it; its late table is dropped
+/// and the next inspection sees it again.
+fn inspect_gives_up_a_stopped_target_at_the_control_timeout() {
+    let worker = builder(2)
+        .control_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    worker.register(&envelope("echo")).unwrap();
+    worker.start().unwrap();
+    signal(&worker, 1, Signal::SIGSTOP);
+    let tables = worker.inspect().unwrap();
+    assert_eq!(tables.len(), 2);
+    assert_eq!(tables[0].0, TargetId(0));
+    assert_eq!(tables[0].1.as_ref().map(|t| t.installed.len()), Some(1));
+    assert_eq!(tables[1], (TargetId(1), None));
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    signal(&worker, 1, Signal::SIGCONT);
+    let tables = worker.inspect().unwrap();
+    assert!(
+        tables
+            .iter()
+            .all(|(_, t)| t.as_ref().map(|t| t.installed.len()) == Some(1)),
+        "{tables:?}"
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    io_common::check_invariants(&worker, 2);
+    worker.close();
+}
+
+/// A register whose targets die says, per target, why it was lost and how
+/// it ended (as a task's `TARGET_LOST` does).
+fn a_register_failure_says_why_each_target_was_lost() {
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let error = worker.register(&envelope("crash")).unwrap_err();
+    assert_eq!(
+        error.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Lost),
+            (TargetId(1), TargetOutcome::Lost)
+        ]
+    );
+    assert_eq!(error.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{error}");
+    let status = callreg::runtime::testing::CRASH_EXIT_CODE;
+    assert_eq!(
+        error.error.message,
+        format!(
+            "register failed: target 0: lost (its reply pipe closed; it exited with status {status}); \
+             target 1: lost (its reply pipe closed; it exited with status {status})"
+        )
+    );
+    worker.close();
 }
 
 /// The parent keeps a pre-start envelope's bytes only while a live handle

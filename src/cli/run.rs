@@ -250,6 +250,44 @@ mod with_python {
             report
         }
 
+        /// The outcomes of an operation that succeeded, sampled after it:
+        /// each target live before it is `ok` if it still is, else `lost`
+        /// with why (a target can die during a step and the operation
+        /// still succeed on the others).
+        fn after(&self, before: &[TargetId]) -> Vec<TargetReport> {
+            let live = self.worker.live_targets();
+            before
+                .iter()
+                .map(|t| {
+                    if live.contains(t) {
+                        ok_target(*t)
+                    } else {
+                        TargetReport {
+                            target: t.0,
+                            outcome: "lost",
+                            detail: self.worker.target_loss(*t),
+                            result: None,
+                        }
+                    }
+                })
+                .collect()
+        }
+
+        /// One target's report for an operation's outcome; a lost or
+        /// fenced target's detail says why it was given up and how it
+        /// ended.
+        fn target_report(&self, entry: &(TargetId, TargetOutcome)) -> TargetReport {
+            let mut report = target_report(entry);
+            if matches!(entry.1, TargetOutcome::Lost | TargetOutcome::Fenced) {
+                report.detail = self.worker.target_loss(entry.0).or_else(|| {
+                    self.worker
+                        .target_exit(entry.0)
+                        .map(|exit| format!("it {exit}"))
+                });
+            }
+            report
+        }
+
         fn report(&self, step: Option<usize>, op: &'static str) -> StepReport {
             StepReport {
                 step,
@@ -276,7 +314,7 @@ mod with_python {
                     e.outcomes
                 }
             };
-            report.targets = outcomes.iter().map(target_report).collect();
+            report.targets = outcomes.iter().map(|o| self.target_report(o)).collect();
             self.start_failed = report.outcome.is_err();
             if step.is_none() {
                 report.micros = micros(started.elapsed());
@@ -304,12 +342,12 @@ mod with_python {
             {
                 Ok(handle) => {
                     report.hashid = Some(handle.hashid.to_string());
-                    report.targets = live.iter().map(|t| ok_target(*t)).collect();
+                    report.targets = self.after(&live);
                     self.labels
                         .insert(register.name.clone(), Label::Live(handle));
                 }
                 Err(e) => {
-                    report.targets = e.outcomes.iter().map(target_report).collect();
+                    report.targets = e.outcomes.iter().map(|o| self.target_report(o)).collect();
                     report.outcome = Err(operation_error_text(&e));
                     self.labels.insert(register.name.clone(), Label::Failed);
                 }
@@ -331,12 +369,12 @@ mod with_python {
             let live = self.worker.live_targets();
             match self.worker.unregister(&handle) {
                 Ok(()) => {
-                    report.targets = live.iter().map(|t| ok_target(*t)).collect();
+                    report.targets = self.after(&live);
                     self.labels
                         .insert(name.to_owned(), Label::Unregistered(handle));
                 }
                 Err(e) => {
-                    report.targets = e.outcomes.iter().map(target_report).collect();
+                    report.targets = e.outcomes.iter().map(|o| self.target_report(o)).collect();
                     report.outcome = Err(operation_error_text(&e));
                 }
             }

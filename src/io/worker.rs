@@ -806,7 +806,10 @@ impl<R: Runtime> Worker<R> {
     }
 
     /// Asks every live target for its table and waits for the answers, in
-    /// target order; `None` for a target lost before it answered.
+    /// target order, for at most the control timeout: `None` for a target
+    /// lost before it answered, or that did not answer in time (e.g. a
+    /// stopped process; it is not fenced for it: an inspection changes
+    /// nothing, and its table, if it comes later, is dropped).
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless started.
@@ -944,7 +947,9 @@ impl<R: Runtime> Worker<R> {
             ops: BTreeMap::new(),
             tasks: BTreeMap::new(),
             inspects: Vec::new(),
+            late_tables: std::collections::BTreeSet::new(),
             next_inspect: 1,
+            control_timeout: self.control_timeout,
             clock: self.clock,
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
@@ -1256,6 +1261,9 @@ struct TaskWaiter {
 
 struct InspectWaiter {
     seq: u64,
+    /// When the targets still waited for are given up (`None` in the
+    /// answer): the control timeout after the inspect was sent.
+    deadline: Instant,
     waiting: Vec<TargetId>,
     tables: BTreeMap<TargetId, Option<TargetTable>>,
     done: Completer<Vec<(TargetId, Option<TargetTable>)>>,
@@ -1323,7 +1331,12 @@ struct IoLoop {
     ops: BTreeMap<OpId, OpWaiter>,
     tasks: BTreeMap<u64, TaskWaiter>,
     inspects: Vec<InspectWaiter>,
+    /// Inspections a target did not answer before their deadline, by seq
+    /// and target: its table, if it comes, is dropped (it is not out of
+    /// protocol).
+    late_tables: std::collections::BTreeSet<(u64, TargetId)>,
     next_inspect: u64,
+    control_timeout: Duration,
     clock: Instant,
     max_frame_bytes: usize,
     /// Completions decided under the state lock, handed to their callers
@@ -1389,11 +1402,22 @@ impl IoLoop {
                 core.machine.handle_timeout(now);
                 self.drain(&mut core, &mut Context::default());
             }
-            // Step 3: poll set and timeout.
-            let timeout = match core.machine.poll_timeout() {
+            self.expire_inspects();
+            // Step 3: poll set and timeout (the machine's next deadline, or
+            // an inspection's, whichever comes first).
+            let machine_micros = core
+                .machine
+                .poll_timeout()
+                .map(|deadline| deadline.0.saturating_sub(self.now().0));
+            let inspect_micros = self
+                .inspects
+                .iter()
+                .map(|w| w.deadline.saturating_duration_since(Instant::now()))
+                .min()
+                .map(|left| u64::try_from(left.as_micros()).unwrap_or(u64::MAX));
+            let timeout = match machine_micros.into_iter().chain(inspect_micros).min() {
                 None => PollTimeout::NONE,
-                Some(deadline) => {
-                    let micros = deadline.0.saturating_sub(self.now().0);
+                Some(micros) => {
                     PollTimeout::try_from(micros.div_ceil(1000)).unwrap_or(PollTimeout::MAX)
                 }
             };
@@ -1530,6 +1554,7 @@ impl IoLoop {
                 }
                 let mut waiter = InspectWaiter {
                     seq,
+                    deadline: Instant::now() + self.control_timeout,
                     waiting: waiting.clone(),
                     tables: BTreeMap::new(),
                     done,
@@ -1594,7 +1619,7 @@ impl IoLoop {
                     op,
                     result,
                     outcomes,
-                } => self.complete(op, result, outcomes),
+                } => self.complete(op, result, outcomes, &core.losses),
             }
         }
     }
@@ -1757,6 +1782,9 @@ impl IoLoop {
                     .iter()
                     .position(|w| w.seq == seq && w.waiting.contains(&target))
                 else {
+                    if self.late_tables.remove(&(seq, target)) {
+                        return Ok(());
+                    }
                     return Err(format!("it sent a table for unknown inspect seq {seq}"));
                 };
                 let waiter = &mut self.inspects[position];
@@ -1791,6 +1819,7 @@ impl IoLoop {
         op: OpId,
         result: Result<Completion, Error>,
         outcomes: Vec<(TargetId, TargetOutcome)>,
+        losses: &BTreeMap<TargetId, String>,
     ) {
         let Some(waiter) = self.ops.remove(&op) else {
             return;
@@ -1809,11 +1838,31 @@ impl IoLoop {
                 self.defer(done, Ok(()))
             }
             (OpWaiter::Register(done), result) => {
-                self.defer(done, Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes, losses)))
             }
             (OpWaiter::Unregister(done), result) => {
-                self.defer(done, Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes, losses)))
             }
+        }
+    }
+
+    /// Answers every inspection whose deadline passed: a target that has
+    /// not sent its table is `None` in the answer (it stays live; its table
+    /// is dropped if it comes later).
+    fn expire_inspects(&mut self) {
+        let now = Instant::now();
+        let mut index = 0;
+        while index < self.inspects.len() {
+            if self.inspects[index].deadline > now {
+                index += 1;
+                continue;
+            }
+            let mut waiter = self.inspects.remove(index);
+            for target in &waiter.waiting {
+                self.late_tables.insert((waiter.seq, *target));
+            }
+            let tables = finish_inspect(&mut waiter);
+            waiter.done.complete(tables);
         }
     }
 
@@ -1837,6 +1886,7 @@ impl IoLoop {
             .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
         let reason = format!("{why}; it {how}");
         core.losses.insert(target, reason.clone());
+        self.late_tables.retain(|(_, t)| *t != target);
         let lost: Vec<u64> = self
             .tasks
             .iter()
@@ -1941,11 +1991,16 @@ fn finish_inspect(waiter: &mut InspectWaiter) -> Vec<(TargetId, Option<TargetTab
     std::mem::take(&mut waiter.tables).into_iter().collect()
 }
 
+/// The error of a failed operation; its message says why each lost or
+/// fenced target in its scope was given up and how it ended (as a task's
+/// `TARGET_LOST` does), e.g. `target 1: lost (its reply pipe closed; it was
+/// killed by signal 9)`.
 fn operation_error(
     result: Result<Completion, Error>,
     outcomes: Vec<(TargetId, TargetOutcome)>,
+    losses: &BTreeMap<TargetId, String>,
 ) -> OperationError {
-    let error = match result {
+    let mut error = match result {
         Err(error) => error,
         Ok(completion) => Error::new(
             ErrorCode::FRAME_INVALID,
@@ -1953,5 +2008,37 @@ fn operation_error(
             format!("the operation completed as {completion:?}, which does not match its kind"),
         ),
     };
+    // The machine's message names a lost target `target N: lost` (a
+    // fenced one `target N: fenced after its deadline`): say why there, or
+    // at the end when the message does not name it.
+    let mut appended = Vec::new();
+    for (target, outcome) in &outcomes {
+        let needle = match outcome {
+            TargetOutcome::Lost => format!("{target}: lost"),
+            TargetOutcome::Fenced => format!("{target}: fenced after its deadline"),
+            _ => continue,
+        };
+        let Some(reason) = losses.get(target) else {
+            continue;
+        };
+        let ends = |at: usize| {
+            let rest = &error.message[at + needle.len()..];
+            rest.is_empty() || rest.starts_with(';') || rest.starts_with(',')
+        };
+        match error
+            .message
+            .match_indices(&needle)
+            .map(|(at, _)| at)
+            .find(|at| ends(*at))
+        {
+            Some(at) => error
+                .message
+                .insert_str(at + needle.len(), &format!(" ({reason})")),
+            None => appended.push(format!("{needle} ({reason})")),
+        }
+    }
+    if !appended.is_empty() {
+        error.message = format!("{}; {}", error.message, appended.join("; "));
+    }
     OperationError { error, outcomes }
 }
