@@ -89,7 +89,14 @@ class DiesAfterInstall:
     def __reduce__(self):
         return (first_dies_after_install, (sys.argv[3],))
 
+class DelRaises:
+    def __call__(self):
+        return "called"
+    def __del__(self):
+        raise ValueError("boom")
+
 for name, value in [
+    ("del_raises", DelRaises()),
     ("write_fd_3", write_fd_3),
     ("spawn_grandchild", spawn_grandchild),
     ("dies_after_install", DiesAfterInstall()),
@@ -417,5 +424,49 @@ fn run_reports_a_target_lost_during_a_step() {
         1,
         "{}",
         lines[2]
+    );
+}
+
+/// What a finalizer raised at an unregister is reported on stderr, naming
+/// the target and the unregister that released the callable; the step
+/// itself succeeds (the registration is gone).
+#[test]
+fn run_reports_a_finalizer_failure_with_its_unregister() {
+    let dir = TempDir::new("finalizer");
+    pack(&dir.0);
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        json!({"targets": 1, "steps": [
+            {"op": "register", "name": "d", "envelope": "del_raises.spyc"},
+            {"op": "start"},
+            {"op": "call", "name": "d", "target": 0, "expect": "called"},
+            {"op": "unregister", "name": "d"},
+            {"op": "call", "name": "d", "target": 0, "expect_error": "not registered"}
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_callreg"))
+        .arg("run")
+        .arg(&plan)
+        .output()
+        .expect("callreg runs");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert_eq!(output.status.code(), Some(0), "{stdout}{stderr}");
+    let hashid = stdout
+        .lines()
+        .next()
+        .and_then(|l| l.split_whitespace().find(|w| w.starts_with("sha256:")))
+        .expect("the register line names the hashid")
+        .to_owned();
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        lines,
+        vec![format!(
+            "callreg target 0: the unregister (seq 2) of {hashid} released a callable whose finalizer failed: ValueError: a finalizer raised: boom"
+        )],
+        "{stderr}"
     );
 }

@@ -31,6 +31,9 @@ use serde_json::{json, Value};
 /// * `open_fds()`: every open descriptor of the target with what it is
 ///   (`[[fd, readlink], …]`, without the one listing them).
 /// * `fstat_fd(fd)`: `"open"`, or the `OSError` text for a closed `fd`.
+/// * `del_raises`, `del_exits`, `del_sleeps`: callable objects whose
+///   `__del__` appends a line to `$CALLREG_TEST_FINALIZED`, then raises
+///   `ValueError`, calls `os._exit(7)`, or sleeps 3 s.
 const PAYLOADS: &str = r#"
 import os, sys
 sys.path.insert(0, sys.argv[2])
@@ -55,19 +58,142 @@ def fstat_fd(fd):
     except OSError as e:
         return e.strerror
 
+class Finalized:
+    """Calls return "called"; `__del__` appends "finalized" to the file
+    named by `CALLREG_TEST_FINALIZED`, then does what `then` says."""
+    def __init__(self, then):
+        self.then = then
+    def __call__(self):
+        return "called"
+    def __del__(self):
+        import os, time
+        with open(os.environ["CALLREG_TEST_FINALIZED"], "a") as f:
+            f.write("finalized\n")
+        if self.then == "raise":
+            raise ValueError("the finalizer refuses")
+        if self.then == "exit":
+            os._exit(7)
+        if self.then == "sleep":
+            time.sleep(3)
+
 for name, value in [
     ("open_fds", open_fds),
     ("fstat_fd", fstat_fd),
+    ("del_raises", Finalized("raise")),
+    ("del_exits", Finalized("exit")),
+    ("del_sleeps", Finalized("sleep")),
 ]:
     with open(os.path.join(out, name + ".spyc"), "wb") as f:
         f.write(callreg_envelope.dumps(value))
 "#;
 
 fn main() {
-    io_common::run(&[(
-        "a_target_holds_no_descriptor_of_the_parent",
-        a_target_holds_no_descriptor_of_the_parent,
-    )]);
+    io_common::run(&[
+        (
+            "a_target_holds_no_descriptor_of_the_parent",
+            a_target_holds_no_descriptor_of_the_parent,
+        ),
+        (
+            "a_finalizer_runs_at_the_unregister_that_frees_it",
+            a_finalizer_runs_at_the_unregister_that_frees_it,
+        ),
+        (
+            "a_finalizer_that_exits_loses_the_target_in_its_unregister",
+            a_finalizer_that_exits_loses_the_target_in_its_unregister,
+        ),
+        (
+            "a_slow_finalizer_is_fenced_in_its_unregister",
+            a_slow_finalizer_is_fenced_in_its_unregister,
+        ),
+    ]);
+}
+
+/// The file the finalizers of `del_*` append to (set for the targets,
+/// which inherit the environment), emptied; removed by the caller.
+fn finalized_file(test: &str) -> std::path::PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("callreg-finalized-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    std::env::set_var("CALLREG_TEST_FINALIZED", &path);
+    path
+}
+
+fn finalized_lines(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path).map_or(0, |text| text.lines().count())
+}
+
+/// A callable's `__del__` runs when the unregister that frees it is
+/// applied, on every target, before the unregister returns; one that
+/// raises leaves the target serving.
+fn a_finalizer_runs_at_the_unregister_that_frees_it() {
+    let file = finalized_file("raises");
+    let worker = worker(2);
+    let early = worker.register(envelope("del_raises")).unwrap();
+    let fds = worker.register(envelope("open_fds")).unwrap();
+    worker.start().unwrap();
+    assert_eq!(call(&worker, &early, 0, json!([])), json!("called"));
+    let late = worker.register(envelope("del_raises")).unwrap();
+    worker.unregister(&early).unwrap();
+    // Another handle still holds the digest: nothing is released.
+    assert_eq!(finalized_lines(&file), 0);
+    worker.unregister(&late).unwrap();
+    assert_eq!(finalized_lines(&file), 2, "one finalizer per target");
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    for target in 0..2 {
+        assert_eq!(
+            call(&worker, &fds, target, json!([]))
+                .as_array()
+                .unwrap()
+                .len(),
+            5
+        );
+    }
+    worker.close();
+    let _ = std::fs::remove_file(&file);
+}
+
+/// A `__del__` calling `os._exit` ends its target during the unregister
+/// that freed it: the target is lost there, with its exit status, and
+/// never during a later, unrelated operation.
+fn a_finalizer_that_exits_loses_the_target_in_its_unregister() {
+    let file = finalized_file("exits");
+    let worker = worker(1);
+    let handle = worker.register(envelope("del_exits")).unwrap();
+    worker.start().unwrap();
+    worker.unregister(&handle).unwrap();
+    assert_eq!(finalized_lines(&file), 1);
+    assert_eq!(worker.live_targets(), vec![]);
+    assert_eq!(
+        worker.target_exit(TargetId(0)),
+        Some(callreg::io::process::Exit::Code(7))
+    );
+    worker.close();
+    let _ = std::fs::remove_file(&file);
+}
+
+/// A `__del__` slower than the control timeout delays the answer of the
+/// unregister that freed it, which fences the target at that unregister's
+/// deadline (not at a later operation's).
+fn a_slow_finalizer_is_fenced_in_its_unregister() {
+    let file = finalized_file("sleeps");
+    let worker = Worker::builder(Arc::new(PythonRuntime::new()))
+        .targets(2)
+        .control_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let slow = worker.register(envelope("del_sleeps")).unwrap();
+    worker.start().unwrap();
+    worker.unregister(&slow).unwrap();
+    assert_eq!(worker.live_targets(), vec![]);
+    for target in 0..2 {
+        let loss = worker.target_loss(TargetId(target)).unwrap_or_default();
+        assert!(
+            loss.starts_with("it missed a deadline and was fenced"),
+            "{loss}"
+        );
+    }
+    worker.close();
+    let _ = std::fs::remove_file(&file);
 }
 
 fn payloads() -> &'static BTreeMap<String, Vec<u8>> {

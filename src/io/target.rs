@@ -289,6 +289,7 @@ struct Run<C> {
 }
 
 struct Control<'a, R: Runtime> {
+    id: TargetId,
     runtime: &'a R,
     table: Arc<SlotTable<R::Callable>>,
     writer: Arc<ReplyWriter>,
@@ -332,7 +333,8 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         let table = table.clone();
         let writer = writer.clone();
         let runtime = setup.runtime.clone();
-        std::thread::spawn(move || run_tasks(&*runtime, &table, &writer, queue));
+        let id = config.id;
+        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, queue));
     }
     let hooks = setup
         .metadata
@@ -340,6 +342,7 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         .filter_map(|(digest, metadata)| Hooks::of(Some(metadata)).map(|h| (*digest, h)))
         .collect();
     let control_thread = Control {
+        id: config.id,
         runtime: &*setup.runtime,
         table,
         writer,
@@ -397,7 +400,14 @@ fn install_snapshot<R: Runtime>(
         pid,
         snapshot: outcomes,
     });
-    (!failed).then(|| SlotTable::new(machine, callables))
+    let runtime = setup.runtime.clone();
+    (!failed).then(|| {
+        SlotTable::new(machine, callables).with_finalizer(Box::new(move |release| {
+            runtime
+                .finalize(release)
+                .map_err(|e| format!("{}: {}", e.kind, e.message))
+        }))
+    })
 }
 
 fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::Callable, Failure> {
@@ -487,6 +497,13 @@ impl<R: Runtime> Control<'_, R> {
                     });
                 } else {
                     let effects = self.table.on_unregister(Seq(seq), digest);
+                    // The last reference's callable was released (its
+                    // finalizer ran) before this unregister is answered.
+                    report_finalizers(
+                        &self.table,
+                        self.id,
+                        &format!("the unregister (seq {seq}) of {}", digest.hashid()),
+                    );
                     self.carry_out(effects, None, None);
                 }
             }
@@ -697,8 +714,22 @@ impl<R: Runtime> Control<'_, R> {
     }
 }
 
+/// Writes one line on the target's stderr for each failure a finalizer
+/// reported since the last call, naming the target and `what` freed the
+/// callable (the operation it belongs to); nothing else in the target's
+/// protocol changes: the slot is free all the same.
+fn report_finalizers<C>(table: &SlotTable<C>, id: TargetId, what: &str) {
+    for failure in table.take_finalizer_failures() {
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "callreg {id}: {what} released a callable whose finalizer failed: {failure}"
+        );
+    }
+}
+
 fn run_tasks<R: Runtime>(
     runtime: &R,
+    id: TargetId,
     table: &SlotTable<R::Callable>,
     writer: &ReplyWriter,
     queue: mpsc::Receiver<Run<R::Callable>>,
@@ -707,6 +738,15 @@ fn run_tasks<R: Runtime>(
         let result = run_with_hooks(runtime, &run);
         let (seq, digest) = (run.seq, run.digest);
         end_run(table, run);
+        // A slot unregistered during the run is freed at its end.
+        report_finalizers(
+            table,
+            id,
+            &format!(
+                "the end of task seq {seq} of {} (unregistered while it ran)",
+                digest.hashid()
+            ),
+        );
         writer.send(Frame::TaskResult {
             seq,
             digest,
