@@ -29,6 +29,14 @@ fn main() {
             "a_register_failure_says_why_each_target_was_lost",
             a_register_failure_says_why_each_target_was_lost,
         ),
+        (
+            "a_target_never_ready_is_fenced_at_the_start_deadline",
+            a_target_never_ready_is_fenced_at_the_start_deadline,
+        ),
+        (
+            "start_refuses_more_targets_than_descriptors_allow",
+            start_refuses_more_targets_than_descriptors_allow,
+        ),
     ]);
 }
 
@@ -123,4 +131,79 @@ fn pre_start_envelopes_are_released_at_unregister_start_and_close() {
     assert_eq!(unstarted.retained_envelope_bytes(), big.len());
     unstarted.close();
     assert_eq!(unstarted.retained_envelope_bytes(), 0);
+}
+
+/// A target that never becomes ready (it hangs before installing its
+/// snapshot) is fenced when the start's deadline passes; the others start.
+fn a_target_never_ready_is_fenced_at_the_start_deadline() {
+    let var = callreg::io::failpoints::target_env_var(1);
+    std::env::set_var(
+        &var,
+        format!(
+            "{}=sleep(600000)",
+            callreg::io::failpoints::TARGET_BEFORE_INSTALL
+        ),
+    );
+    let worker = builder(3)
+        .control_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let handle = worker.register(&envelope("echo")).unwrap();
+    let started = worker.start();
+    std::env::remove_var(&var);
+    let error = started.unwrap_err();
+    assert_eq!(
+        error.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Ok),
+            (TargetId(1), TargetOutcome::Fenced),
+            (TargetId(2), TargetOutcome::Ok),
+        ]
+    );
+    assert_eq!(
+        worker.target_exit(TargetId(1)),
+        Some(callreg::io::process::Exit::Signal(9))
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(2)]);
+    let echoed = worker
+        .submit(
+            &handle,
+            TargetId(2),
+            callreg::runtime::TaskEncoding::Json,
+            b"[1]",
+        )
+        .unwrap();
+    assert_eq!(echoed, b"[1]");
+    worker.close();
+}
+
+/// A start that would run out of descriptors (two per target in the
+/// parent) is refused before anything is forked, saying what is needed.
+fn start_refuses_more_targets_than_descriptors_allow() {
+    let mut saved = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write one valid `rlimit`.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut saved) };
+    let lowered = libc::rlimit {
+        rlim_cur: 64,
+        rlim_max: saved.rlim_max,
+    };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lowered) }, 0);
+    let worker = builder(40).build().unwrap();
+    let started = worker.start();
+    // SAFETY: as above.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &saved) };
+    let error = started.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::IO_FAILED);
+    assert!(
+        error.error.message.starts_with(
+            "40 targets need 82 more file descriptors in the parent (two pipe ends each, and a wake pipe), but the soft RLIMIT_NOFILE of 64 leaves "
+        ),
+        "{error}"
+    );
+    assert_eq!(worker.target_pid(TargetId(0)), None);
+    assert_eq!(worker.live_targets(), vec![]);
 }

@@ -202,8 +202,13 @@ impl<R: Runtime> WorkerBuilder<R> {
         self
     }
 
-    /// How long a target has to answer a register, an unregister or a
-    /// cleanup, and to be ready at start.
+    /// How long a target has to answer a register, an unregister, a
+    /// cleanup or an inspection, and how long [`Worker::start`] waits for
+    /// every target to be ready, counted from before its first fork (one
+    /// deadline for the whole start, not one per target: a target's
+    /// runtime start — about 50 ms of CPU for Python — competes with the
+    /// others' and with the forks, so allow at least `targets × 50 ms ÷
+    /// cores`, with a margin).
     pub fn control_timeout(mut self, timeout: Duration) -> Self {
         self.control_timeout = timeout;
         self
@@ -858,9 +863,21 @@ impl<R: Runtime> Worker<R> {
     /// is stopped and reported; the Worker still starts with the others,
     /// and the returned error lists every target's outcome.
     ///
+    /// Deadline: the control timeout bounds the whole start, counted from
+    /// before the first fork; a target not ready by then is fenced (killed,
+    /// reaped, reported `Fenced`). So `start` returns within the control
+    /// timeout plus the time to reap the targets it gave up.
+    ///
+    /// Limits: at most `u16::MAX` targets; the parent holds two
+    /// descriptors per target (its ends of the control and reply pipes),
+    /// so the soft `RLIMIT_NOFILE` bounds the count (checked first); each
+    /// Python target costs about 11.5 MB PSS (19 MB RSS; CPython 3.11 with
+    /// cloudpickle, nothing registered; `BENCHMARKS.md`).
+    ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless new; `IO_FAILED` when the process already
-    /// runs other threads (unless accepted in the builder), when `fork`,
+    /// runs other threads (unless accepted in the builder), when the
+    /// targets' pipes would exceed the soft `RLIMIT_NOFILE`, when `fork`,
     /// `pipe2` fails, or `FAILPOINTS` is malformed;
     /// `REGISTER_PARTIAL_FAILURE` (a startup snapshot was not installed
     /// everywhere) or `TARGET_LOST` (no snapshot; a target did not start),
@@ -884,6 +901,11 @@ impl<R: Runtime> Worker<R> {
                 .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         }
         ignore_sigpipe();
+        check_descriptor_room(self.targets).map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
+        // One deadline for the whole start, from before the first fork:
+        // every target must be ready by then (forking under load, and every
+        // target starting its runtime at once, all count against it).
+        let deadline = Instant::now() + self.control_timeout;
         let snapshot = core.machine.startup_snapshot();
         let setup = TargetSetup {
             runtime: self.runtime.clone(),
@@ -914,7 +936,6 @@ impl<R: Runtime> Worker<R> {
         core.metadata = BTreeMap::new();
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
-        let deadline = Instant::now() + self.control_timeout;
         let (mut links, outcomes) = wait_ready(processes, self.max_frame_bytes, deadline);
         let now = now_since(self.clock);
         for (target, outcome) in &outcomes {
@@ -1062,6 +1083,37 @@ fn refuse(request: Request, before_start: bool) {
         Request::RawControl { .. } => {}
         Request::Close => {}
     }
+}
+
+/// Checks that the parent can hold its two pipe ends per target (and the
+/// IO thread's wake pipe) within the soft `RLIMIT_NOFILE`, counting the
+/// descriptors already open.
+///
+/// # Errors
+/// The message naming what is needed and what the limit allows.
+fn check_descriptor_room(targets: u16) -> Result<(), String> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` into the valid pointer given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return Ok(());
+    }
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+    let needed = 2 * u64::from(targets) + 2;
+    let room = u64::try_from(limit.rlim_cur)
+        .unwrap_or(u64::MAX)
+        .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
+    if needed > room {
+        return Err(format!(
+            "{targets} targets need {needed} more file descriptors in the parent (two pipe ends each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            limit.rlim_cur
+        ));
+    }
+    Ok(())
 }
 
 /// Ignores SIGPIPE if it has its default action (ending the process), so a
