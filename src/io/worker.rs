@@ -67,8 +67,8 @@ use crate::envelope::{Envelope, HEADER_LEN};
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
-    Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
+    Completion, ControlFrame, Effect, FailedRegistration, Failure, Handle, Lifecycle, Namespace,
+    OpId, OwnerToken, Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
     DEFAULT_SLOT_CAPACITY,
 };
 use crate::runtime::{Runtime, TaskEncoding};
@@ -150,14 +150,46 @@ pub struct TaskError {
     pub kind: String,
 }
 
-/// What [`Worker::start`] did at each target.
+/// What [`Worker::start`] did at each target, and the startup-snapshot
+/// registrations that failed.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize)]
 pub struct StartReport {
-    /// Every target with its outcome: `Ok` (live, snapshot installed),
-    /// `Failed` (it reported a snapshot entry it could not install, or it
-    /// exited before it was ready; it was stopped), `Fenced` (not ready
-    /// before the control timeout; killed).
+    /// Every target with its outcome: `Ok` (live, ready: it installed
+    /// every snapshot entry but those in `failed` that name it), `Failed`
+    /// (it exited before it was ready; it was stopped), `Fenced` (not ready
+    /// before the start's deadline; killed).
     pub outcomes: Vec<(TargetId, TargetOutcome)>,
+    /// The pre-start registrations whose callable some target could not
+    /// install (it failed to deserialize, or its version or dependency
+    /// check refused it), in handle order, each with every such target's
+    /// failure (code, and a message made of the Python exception type and
+    /// text): their handles are no longer live, and the targets that did
+    /// install the callable drop it (`specs/protocol.md`, §2.6).
+    pub failed: Vec<FailedRegistration>,
+}
+
+impl StartReport {
+    /// Whether every target is live and every pre-start registration
+    /// stayed live.
+    pub fn is_complete(&self) -> bool {
+        self.failed.is_empty() && self.outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok)
+    }
+}
+
+/// One line for a failed startup-snapshot registration: `registration of
+/// sha256:… (handle 3) failed: target 0: DESERIALIZE_FAILED: TypeError: …`.
+pub fn registration_failure_text(registration: &FailedRegistration) -> String {
+    let reasons: Vec<String> = registration
+        .failures
+        .iter()
+        .map(|(target, failure)| format!("{target}: {failure}"))
+        .collect();
+    format!(
+        "registration of {} (handle {}) failed: {}",
+        registration.handle.hashid,
+        registration.handle.handle_id,
+        reasons.join("; ")
+    )
 }
 
 /// One target's reported table ([`Worker::inspect`]): never a slot.
@@ -936,7 +968,8 @@ impl<R: Runtime> Worker<R> {
         core.metadata = BTreeMap::new();
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
-        let (mut links, outcomes) = wait_ready(processes, self.max_frame_bytes, deadline);
+        let (mut links, outcomes, snapshot_failures) =
+            wait_ready(processes, self.max_frame_bytes, deadline);
         let now = now_since(self.clock);
         for (target, outcome) in &outcomes {
             if *outcome != TargetOutcome::Ok {
@@ -956,6 +989,13 @@ impl<R: Runtime> Worker<R> {
             }
         }
         while core.machine.poll_effect().is_some() {}
+        // A snapshot entry some target could not install fails its
+        // registration; the machine unregisters it where it was installed
+        // (its frames are carried out below, by the IO loop's drain).
+        let failed = core
+            .machine
+            .snapshot_failed(&snapshot_failures, now)
+            .map_err(OperationError::new)?;
         let (wake_read, wake_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
         core.wake = Some(wake_write);
@@ -975,6 +1015,8 @@ impl<R: Runtime> Worker<R> {
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
         };
+        let mut io = io;
+        io.drain(&mut core, &mut Context::default());
         drop(core);
         let handle = std::thread::Builder::new()
             .name("callreg-io".to_owned())
@@ -983,7 +1025,7 @@ impl<R: Runtime> Worker<R> {
                 start_error(ErrorCode::IO_FAILED, format!("spawning the IO thread: {e}"))
             })?;
         *self.io_thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
-        let report = StartReport { outcomes };
+        let report = StartReport { outcomes, failed };
         if report.outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok) {
             return Ok(report);
         }
@@ -1006,12 +1048,12 @@ impl<R: Runtime> Worker<R> {
                 "could not install the startup snapshot",
             )
         };
-        let mut error = Error::new(
-            code,
-            OperationKind::Start,
-            format!("{subject} {} {what} and {verb} stopped", failed.join(", ")),
-        )
-        .with_namespace(Namespace::LocalPython);
+        let mut message = format!("{subject} {} {what} and {verb} stopped", failed.join(", "));
+        for registration in &report.failed {
+            message.push_str(&format!("; {}", registration_failure_text(registration)));
+        }
+        let mut error =
+            Error::new(code, OperationKind::Start, message).with_namespace(Namespace::LocalPython);
         if let Some((target, _)) = report
             .outcomes
             .iter()
@@ -1139,14 +1181,22 @@ struct Link {
     outbox: Vec<u8>,
 }
 
+/// The snapshot entries targets reported they could not install.
+type SnapshotFailures = Vec<(TargetId, Digest, Failure)>;
+
 /// Waits until every target sent [`Frame::Ready`], exited or the deadline
-/// passed; returns the links (`None` for a target that is not usable) and
-/// each target's outcome.
+/// passed; returns the links (`None` for a target that is not usable),
+/// each target's outcome (`Ok` once ready, whatever its snapshot entries
+/// did) and the snapshot entries each ready target failed.
 fn wait_ready(
     processes: Vec<TargetProcess>,
     max_frame_bytes: usize,
     deadline: Instant,
-) -> (Vec<Option<Link>>, Vec<(TargetId, TargetOutcome)>) {
+) -> (
+    Vec<Option<Link>>,
+    Vec<(TargetId, TargetOutcome)>,
+    SnapshotFailures,
+) {
     let mut links: Vec<Option<Link>> = Vec::with_capacity(processes.len());
     for process in processes {
         match FrameBuffer::new(max_frame_bytes) {
@@ -1165,6 +1215,7 @@ fn wait_ready(
                 .then(|| failed_outcome(ErrorCode::FRAME_INVALID, "no frame buffer".to_owned()))
         })
         .collect();
+    let mut failures = Vec::new();
     let mut chunk = vec![0u8; READ_CHUNK_BYTES];
     while outcomes.iter().any(Option::is_none) {
         let now = Instant::now();
@@ -1198,7 +1249,15 @@ fn wait_ready(
             };
             let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed);
             outcomes[index] = match link.input.next_frame() {
-                Ok(Some(Frame::Ready { snapshot, .. })) => Some(ready_outcome(snapshot)),
+                Ok(Some(Frame::Ready { snapshot, .. })) => {
+                    let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                    failures.extend(snapshot.into_iter().filter_map(|(digest, result)| {
+                        result
+                            .err()
+                            .map(|e| (target, digest, Failure::new(e.code, e.message)))
+                    }));
+                    Some(TargetOutcome::Ok)
+                }
                 Ok(Some(other)) => Some(failed_outcome(
                     ErrorCode::FRAME_INVALID,
                     format!("sent a {:?} frame before it was ready", other.kind()),
@@ -1219,37 +1278,12 @@ fn wait_ready(
             )
         })
         .collect();
-    (links, outcomes)
+    (links, outcomes, failures)
 }
 
 fn failed_outcome(code: ErrorCode, message: String) -> TargetOutcome {
     TargetOutcome::Failed {
         failure: Failure::new(code, message),
-    }
-}
-
-fn ready_outcome(snapshot: Vec<(Digest, Result<(), crate::wire::ReplyError>)>) -> TargetOutcome {
-    let failures: Vec<_> = snapshot
-        .into_iter()
-        .filter_map(|(digest, result)| result.err().map(|e| (digest, e)))
-        .collect();
-    match failures.first() {
-        None => TargetOutcome::Ok,
-        Some((_, first)) => {
-            // The outcome shows the first failure's code: repeat a code only
-            // where it differs from that one.
-            let text: Vec<String> = failures
-                .iter()
-                .map(|(digest, e)| {
-                    if e.code == first.code {
-                        format!("{digest}: {}", e.message)
-                    } else {
-                        format!("{digest}: {}: {}", e.code, e.message)
-                    }
-                })
-                .collect();
-            failed_outcome(first.code, format!("startup snapshot: {}", text.join("; ")))
-        }
     }
 }
 
