@@ -184,10 +184,13 @@ fn tasks_reach_no_descriptor_of_the_parent() {
         .spawn()
         .expect("callreg runs");
     let stdout = child.stdout.take().unwrap();
-    let pipe_inode = std::fs::File::from(std::os::fd::OwnedFd::from(stdout.try_clone_fd()))
-        .metadata()
-        .unwrap()
-        .ino();
+    let pipe_inode = {
+        use std::os::fd::AsFd;
+        std::fs::File::from(stdout.as_fd().try_clone_to_owned().unwrap())
+            .metadata()
+            .unwrap()
+            .ino()
+    };
     let mut reader = BufReader::new(stdout);
     let mut lines = Vec::new();
     loop {
@@ -222,17 +225,6 @@ fn tasks_reach_no_descriptor_of_the_parent() {
     let mut rest = Vec::new();
     reader.read_to_end(&mut rest).unwrap();
     assert_eq!(rest, b"");
-}
-
-trait TryCloneFd {
-    fn try_clone_fd(&self) -> std::os::fd::OwnedFd;
-}
-
-impl TryCloneFd for std::process::ChildStdout {
-    fn try_clone_fd(&self) -> std::os::fd::OwnedFd {
-        use std::os::fd::AsFd;
-        self.as_fd().try_clone_to_owned().unwrap()
-    }
 }
 
 /// Runs `callreg ARGS` through `sh -c 'exec "$0" "$@" REDIRECT'` (so a

@@ -1146,8 +1146,9 @@ fn check_descriptor_room(targets: u16) -> Result<(), String> {
     }
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
     let needed = 2 * u64::from(targets) + 2;
-    let room = u64::try_from(limit.rlim_cur)
-        .unwrap_or(u64::MAX)
+    // `rlim_t` is `u64` on Linux.
+    let room = limit
+        .rlim_cur
         .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
     if needed > room {
         return Err(format!(
