@@ -891,9 +891,14 @@ impl<R: Runtime> Worker<R> {
     /// Call it from a thread that outlives the Worker: targets are killed
     /// when the thread that forked them ends (`PR_SET_PDEATHSIG`).
     ///
-    /// A target that cannot install the snapshot (or is not ready in time)
-    /// is stopped and reported; the Worker still starts with the others,
-    /// and the returned error lists every target's outcome.
+    /// A snapshot entry that some target cannot install (it fails to
+    /// deserialize there, or its checks refuse it) fails that registration
+    /// only (`specs/protocol.md` §2.6): its handles are no longer live,
+    /// the targets that installed it drop it, and the returned
+    /// [`StartReport::failed`] names each with every target's reason. A
+    /// target that is not ready (it exited, or missed the deadline) is
+    /// stopped and reported; the Worker still starts with the others, and
+    /// the returned error lists every target's outcome.
     ///
     /// Deadline: the control timeout bounds the whole start, counted from
     /// before the first fork; a target not ready by then is fenced (killed,
@@ -911,9 +916,12 @@ impl<R: Runtime> Worker<R> {
     /// runs other threads (unless accepted in the builder), when the
     /// targets' pipes would exceed the soft `RLIMIT_NOFILE`, when `fork`,
     /// `pipe2` fails, or `FAILPOINTS` is malformed;
-    /// `REGISTER_PARTIAL_FAILURE` (a startup snapshot was not installed
-    /// everywhere) or `TARGET_LOST` (no snapshot; a target did not start),
-    /// with every target's outcome.
+    /// `REGISTER_PARTIAL_FAILURE` (with a startup snapshot) or
+    /// `TARGET_LOST` (without) when some target was not ready (it exited
+    /// or broke the protocol before, or missed the deadline), with every
+    /// target's outcome and, in the message, every failed registration.
+    /// A snapshot entry that a ready target could not install is not an
+    /// error: it is in [`StartReport::failed`].
     pub fn start(&self) -> Result<StartReport, OperationError> {
         let mut core = self.shared.lock();
         let start_error = |code, message: String| {
@@ -974,8 +982,8 @@ impl<R: Runtime> Worker<R> {
         for (target, outcome) in &outcomes {
             if *outcome != TargetOutcome::Ok {
                 if let Some(mut link) = links[usize::from(target.0)].take() {
-                    // A target that failed its snapshot exits on its own; one
-                    // that was not ready in time is fenced at once.
+                    // A target that exited before it was ready is reaped;
+                    // one that was not ready in time is fenced at once.
                     let grace = if *outcome == TargetOutcome::Fenced {
                         Duration::ZERO
                     } else {
