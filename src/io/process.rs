@@ -5,9 +5,14 @@
 //! control pipe (parent writes, target reads) and a reply pipe (target
 //! writes, parent reads). The parent's ends are close-on-exec and
 //! non-blocking, for its poll loop; the target's ends are blocking. Each
-//! target closes every inherited close-on-exec descriptor (the other
-//! targets' pipe ends, other Workers' pipes), so a pipe reports EOF as soon
-//! as its only real peer is gone.
+//! target closes every inherited descriptor above 2 but its own two pipe
+//! ends, close-on-exec or not (the other targets' pipe ends, other
+//! Workers' pipes, files and sockets the embedder opened, a saved copy of
+//! its stdout): a pipe then reports EOF as soon as its only real peer is
+//! gone, and nothing a task runs can write to, or keep open, a descriptor
+//! of the parent. Standard input, output and error (0, 1, 2) are kept:
+//! they are the target's own (what a callable prints goes where the
+//! parent's stdout and stderr go at fork time).
 //!
 //! The runtime's fork hooks ([`Runtime::before_fork`] and the after-fork
 //! ones) run around each `fork`. A runtime whose state lives on in targets
@@ -378,7 +383,7 @@ where
                     if keeps_inherited {
                         close_tracked(&owned, &keep);
                     } else {
-                        close_inherited_cloexec(&keep);
+                        close_inherited(&keep);
                     }
                     before_body(index);
                     body(TargetEnds {
@@ -429,10 +434,12 @@ fn close_tracked(owned: &[RawFd], keep: &[RawFd]) {
     }
 }
 
-/// Closes every descriptor marked close-on-exec except `keep`: they belong
-/// to the parent (other targets' pipe ends, other Workers) and would keep
-/// those pipes from reporting EOF.
-fn close_inherited_cloexec(keep: &[RawFd]) {
+/// Closes every descriptor above 2 except `keep`, close-on-exec or not:
+/// they belong to the parent (other targets' pipe ends, other Workers,
+/// the embedder's files) and would keep those pipes from reporting EOF, or
+/// let a task write into the parent's output. The runtime needs none of
+/// them: it opens what it uses (staged payloads, its own files) after this.
+fn close_inherited(keep: &[RawFd]) {
     let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
         return;
     };
@@ -444,13 +451,9 @@ fn close_inherited_cloexec(keep: &[RawFd]) {
         if fd <= 2 || keep.contains(&fd) {
             continue;
         }
-        // SAFETY: F_GETFD reads a descriptor's flags; an fd closed meanwhile
-        // (the directory's own) just returns -1.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-        if flags >= 0 && flags & libc::FD_CLOEXEC != 0 {
-            // SAFETY: the descriptor belongs to the parent's state, which this
-            // target never uses (it ends with `_exit`, never dropping it).
-            unsafe { libc::close(fd) };
-        }
+        // SAFETY: the descriptor belongs to the parent's state, which this
+        // target never uses (it ends with `_exit`, never dropping it); one
+        // closed meanwhile (the directory's own) just fails with EBADF.
+        unsafe { libc::close(fd) };
     }
 }

@@ -48,8 +48,9 @@ use crate::wire::{Frame, FrameBuffer, ReplyError, TaskFailure, HEADER_BYTES};
 
 /// Exit status: the runtime failed to start.
 pub const START_EXIT_CODE: i32 = 103;
-/// Exit status: the startup snapshot could not be installed (after a
-/// [`Frame::Ready`] naming each entry's outcome).
+/// Exit status: the startup snapshot does not fit the target's slots
+/// (after a [`Frame::Ready`] failing every entry). An entry that fails to
+/// install does not end the target: it reports it and serves without it.
 pub const SNAPSHOT_EXIT_CODE: i32 = 104;
 /// Exit status: a control frame could not be decoded or was out of protocol.
 pub const FRAME_EXIT_CODE: i32 = 105;
@@ -293,6 +294,7 @@ struct Run<C> {
 }
 
 struct Control<'a, R: Runtime> {
+    id: TargetId,
     runtime: &'a R,
     table: Arc<SlotTable<R::Callable>>,
     writer: Arc<ReplyWriter>,
@@ -308,8 +310,11 @@ struct Control<'a, R: Runtime> {
 ///
 /// Order: start the runtime; install the startup snapshot (each entry
 /// from the inherited envelope, with its metadata); send [`Frame::Ready`]
-/// with every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
-/// failed); then serve frames.
+/// with every entry's outcome; then serve frames, holding the entries that
+/// installed (`Target::with_snapshot_failures`: the parent unregisters a
+/// failed entry's digest where it was installed, `specs/protocol.md`).
+/// Exits with [`SNAPSHOT_EXIT_CODE`] only when the snapshot does not fit
+/// the slots.
 pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let TargetEnds {
         index,
@@ -336,7 +341,8 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         let table = table.clone();
         let writer = writer.clone();
         let runtime = setup.runtime.clone();
-        std::thread::spawn(move || run_tasks(&*runtime, &table, &writer, queue));
+        let id = config.id;
+        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, queue));
     }
     let hooks = setup
         .metadata
@@ -344,6 +350,7 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         .filter_map(|(digest, metadata)| Hooks::of(Some(metadata)).map(|h| (*digest, h)))
         .collect();
     let control_thread = Control {
+        id: config.id,
         runtime: &*setup.runtime,
         table,
         writer,
@@ -369,20 +376,18 @@ fn install_snapshot<R: Runtime>(
         .filter(|(_, n)| *n > 0)
         .map(|(d, _)| *d)
         .collect();
-    let machine = match Target::new(config, &setup.snapshot) {
-        Ok(machine) => machine,
-        Err(error) => {
-            let failure = ReplyError {
-                code: error.code,
-                message: error.message,
-            };
-            let snapshot = entries.iter().map(|d| (*d, Err(failure.clone()))).collect();
-            writer.send(Frame::Ready { pid, snapshot });
-            return None;
-        }
-    };
+    if let Err(error) = Target::new(config, &setup.snapshot) {
+        let failure = ReplyError {
+            code: error.code,
+            message: error.message,
+        };
+        let snapshot = entries.iter().map(|d| (*d, Err(failure.clone()))).collect();
+        writer.send(Frame::Ready { pid, snapshot });
+        return None;
+    }
     let mut callables = Vec::with_capacity(entries.len());
     let mut outcomes = Vec::with_capacity(entries.len());
+    let mut failed = Vec::new();
     for digest in entries {
         let result = install_one(setup, digest);
         outcomes.push((
@@ -392,16 +397,26 @@ fn install_snapshot<R: Runtime>(
                 .map(|_| ())
                 .map_err(|f| reply_error(f.clone())),
         ));
-        if let Ok(callable) = result {
-            callables.push(callable);
+        match result {
+            Ok(callable) => callables.push(callable),
+            Err(_) => failed.push(digest),
         }
     }
-    let failed = outcomes.iter().any(|(_, r)| r.is_err());
+    // The failed entries' slots stay free: the callables fill slots `0..`
+    // in snapshot order, as the machine does.
+    let machine = Target::with_snapshot_failures(config, &setup.snapshot, &failed).ok()?;
     writer.send(Frame::Ready {
         pid,
         snapshot: outcomes,
     });
-    (!failed).then(|| SlotTable::new(machine, callables))
+    let runtime = setup.runtime.clone();
+    Some(
+        SlotTable::new(machine, callables).with_finalizer(Box::new(move |release| {
+            runtime
+                .finalize(release)
+                .map_err(|e| format!("{}: {}", e.kind, e.message))
+        })),
+    )
 }
 
 fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::Callable, Failure> {
@@ -491,6 +506,13 @@ impl<R: Runtime> Control<'_, R> {
                     });
                 } else {
                     let effects = self.table.on_unregister(Seq(seq), digest);
+                    // The last reference's callable was released (its
+                    // finalizer ran) before this unregister is answered.
+                    report_finalizers(
+                        &self.table,
+                        self.id,
+                        &format!("the unregister (seq {seq}) of {}", digest.hashid()),
+                    );
                     self.carry_out(effects, None, None);
                 }
             }
@@ -702,8 +724,22 @@ impl<R: Runtime> Control<'_, R> {
     }
 }
 
+/// Writes one line on the target's stderr for each failure a finalizer
+/// reported since the last call, naming the target and `what` freed the
+/// callable (the operation it belongs to); nothing else in the target's
+/// protocol changes: the slot is free all the same.
+fn report_finalizers<C>(table: &SlotTable<C>, id: TargetId, what: &str) {
+    for failure in table.take_finalizer_failures() {
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "callreg {id}: {what} released a callable whose finalizer failed: {failure}"
+        );
+    }
+}
+
 fn run_tasks<R: Runtime>(
     runtime: &R,
+    id: TargetId,
     table: &SlotTable<R::Callable>,
     writer: &ReplyWriter,
     queue: mpsc::Receiver<Run<R::Callable>>,
@@ -712,6 +748,15 @@ fn run_tasks<R: Runtime>(
         let result = run_with_hooks(runtime, &run);
         let (seq, digest) = (run.seq, run.digest);
         end_run(table, run);
+        // A slot unregistered during the run is freed at its end.
+        report_finalizers(
+            table,
+            id,
+            &format!(
+                "the end of task seq {seq} of {} (unregistered while it ran)",
+                digest.hashid()
+            ),
+        );
         writer.send(Frame::TaskResult {
             seq,
             digest,

@@ -67,8 +67,8 @@ use crate::envelope::{Envelope, HEADER_LEN};
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
-    Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
+    Completion, ControlFrame, Effect, FailedRegistration, Failure, Handle, Lifecycle, Namespace,
+    OpId, OwnerToken, Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
     DEFAULT_SLOT_CAPACITY,
 };
 use crate::runtime::{Runtime, TaskEncoding};
@@ -161,14 +161,46 @@ pub struct TaskError {
     pub exception: Box<[u8]>,
 }
 
-/// What [`Worker::start`] did at each target.
+/// What [`Worker::start`] did at each target, and the startup-snapshot
+/// registrations that failed.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize)]
 pub struct StartReport {
-    /// Every target with its outcome: `Ok` (live, snapshot installed),
-    /// `Failed` (it reported a snapshot entry it could not install, or it
-    /// exited before it was ready; it was stopped), `Fenced` (not ready
-    /// before the control timeout; killed).
+    /// Every target with its outcome: `Ok` (live, ready: it installed
+    /// every snapshot entry but those in `failed` that name it), `Failed`
+    /// (it exited before it was ready; it was stopped), `Fenced` (not ready
+    /// before the start's deadline; killed).
     pub outcomes: Vec<(TargetId, TargetOutcome)>,
+    /// The pre-start registrations whose callable some target could not
+    /// install (it failed to deserialize, or its version or dependency
+    /// check refused it), in handle order, each with every such target's
+    /// failure (code, and a message made of the Python exception type and
+    /// text): their handles are no longer live, and the targets that did
+    /// install the callable drop it (`specs/protocol.md`, §2.6).
+    pub failed: Vec<FailedRegistration>,
+}
+
+impl StartReport {
+    /// Whether every target is live and every pre-start registration
+    /// stayed live.
+    pub fn is_complete(&self) -> bool {
+        self.failed.is_empty() && self.outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok)
+    }
+}
+
+/// One line for a failed startup-snapshot registration: `registration of
+/// sha256:… (handle 3) failed: target 0: DESERIALIZE_FAILED: TypeError: …`.
+pub fn registration_failure_text(registration: &FailedRegistration) -> String {
+    let reasons: Vec<String> = registration
+        .failures
+        .iter()
+        .map(|(target, failure)| format!("{target}: {failure}"))
+        .collect();
+    format!(
+        "registration of {} (handle {}) failed: {}",
+        registration.handle.hashid,
+        registration.handle.handle_id,
+        reasons.join("; ")
+    )
 }
 
 /// One target's reported table ([`Worker::inspect`]): never a slot.
@@ -213,8 +245,13 @@ impl<R: Runtime> WorkerBuilder<R> {
         self
     }
 
-    /// How long a target has to answer a register, an unregister or a
-    /// cleanup, and to be ready at start.
+    /// How long a target has to answer a register, an unregister, a
+    /// cleanup or an inspection, and how long [`Worker::start`] waits for
+    /// every target to be ready, counted from before its first fork (one
+    /// deadline for the whole start, not one per target: a target's
+    /// runtime start — about 50 ms of CPU for Python — competes with the
+    /// others' and with the forks, so allow at least `targets × 50 ms ÷
+    /// cores`, with a margin).
     pub fn control_timeout(mut self, timeout: Duration) -> Self {
         self.control_timeout = timeout;
         self
@@ -447,7 +484,8 @@ enum Request {
 struct Core {
     machine: Parent,
     /// Envelope bytes of pre-start registrations, by digest (the startup
-    /// snapshot's payloads, inherited by the targets).
+    /// snapshot's payloads, inherited by the targets); emptied at start and
+    /// at close.
     envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
     /// Callable metadata of pre-start registrations, by digest: the first
     /// registration of a digest that brought metadata (targets install each
@@ -833,6 +871,16 @@ impl<R: Runtime> Worker<R> {
         self.shared.lock().losses.get(&target).cloned()
     }
 
+    /// Bytes of envelopes this parent keeps for the startup snapshot (the
+    /// distinct pre-start envelopes with a live handle, until start): what
+    /// the targets will inherit through `fork`. Zero after start and after
+    /// close: the parent holds only what live registrations need, and a
+    /// registration after start keeps only its staged payload, until every
+    /// target answered.
+    pub fn retained_envelope_bytes(&self) -> usize {
+        self.shared.lock().envelopes.values().map(|e| e.len()).sum()
+    }
+
     /// A copy of the parent machine's state (diagnostics and tests: the
     /// protocol's invariant predicates take it).
     pub fn parent_state(&self) -> Parent {
@@ -840,7 +888,10 @@ impl<R: Runtime> Worker<R> {
     }
 
     /// Asks every live target for its table and waits for the answers, in
-    /// target order; `None` for a target lost before it answered.
+    /// target order, for at most the control timeout: `None` for a target
+    /// lost before it answered, or that did not answer in time (e.g. a
+    /// stopped process; it is not fenced for it: an inspection changes
+    /// nothing, and its table, if it comes later, is dropped).
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless started.
@@ -885,17 +936,37 @@ impl<R: Runtime> Worker<R> {
     /// Call it from a thread that outlives the Worker: targets are killed
     /// when the thread that forked them ends (`PR_SET_PDEATHSIG`).
     ///
-    /// A target that cannot install the snapshot (or is not ready in time)
-    /// is stopped and reported; the Worker still starts with the others,
-    /// and the returned error lists every target's outcome.
+    /// A snapshot entry that some target cannot install (it fails to
+    /// deserialize there, or its checks refuse it) fails that registration
+    /// only (`specs/protocol.md` §2.6): its handles are no longer live,
+    /// the targets that installed it drop it, and the returned
+    /// [`StartReport::failed`] names each with every target's reason. A
+    /// target that is not ready (it exited, or missed the deadline) is
+    /// stopped and reported; the Worker still starts with the others, and
+    /// the returned error lists every target's outcome.
+    ///
+    /// Deadline: the control timeout bounds the whole start, counted from
+    /// before the first fork; a target not ready by then is fenced (killed,
+    /// reaped, reported `Fenced`). So `start` returns within the control
+    /// timeout plus the time to reap the targets it gave up.
+    ///
+    /// Limits: at most `u16::MAX` targets; the parent holds two
+    /// descriptors per target (its ends of the control and reply pipes),
+    /// so the soft `RLIMIT_NOFILE` bounds the count (checked first); each
+    /// Python target costs about 11.5 MB PSS (19 MB RSS; CPython 3.11 with
+    /// cloudpickle, nothing registered; `BENCHMARKS.md`).
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless new; `IO_FAILED` when the process already
-    /// runs other threads (unless accepted in the builder), when `fork`,
+    /// runs other threads (unless accepted in the builder), when the
+    /// targets' pipes would exceed the soft `RLIMIT_NOFILE`, when `fork`,
     /// `pipe2` fails, or `FAILPOINTS` is malformed;
-    /// `REGISTER_PARTIAL_FAILURE` (a startup snapshot was not installed
-    /// everywhere) or `TARGET_LOST` (no snapshot; a target did not start),
-    /// with every target's outcome.
+    /// `REGISTER_PARTIAL_FAILURE` (with a startup snapshot) or
+    /// `TARGET_LOST` (without) when some target was not ready (it exited
+    /// or broke the protocol before, or missed the deadline), with every
+    /// target's outcome and, in the message, every failed registration.
+    /// A snapshot entry that a ready target could not install is not an
+    /// error: it is in [`StartReport::failed`].
     pub fn start(&self) -> Result<StartReport, OperationError> {
         let mut core = self.shared.lock();
         let start_error = |code, message: String| {
@@ -915,6 +986,11 @@ impl<R: Runtime> Worker<R> {
                 .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         }
         ignore_sigpipe();
+        check_descriptor_room(self.targets).map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
+        // One deadline for the whole start, from before the first fork:
+        // every target must be ready by then (forking under load, and every
+        // target starting its runtime at once, all count against it).
+        let deadline = Instant::now() + self.control_timeout;
         let snapshot = core.machine.startup_snapshot();
         let setup = TargetSetup {
             runtime: self.runtime.clone(),
@@ -940,16 +1016,20 @@ impl<R: Runtime> Worker<R> {
         )
         .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
         drop(setup);
+        // Every target inherited the snapshot's bytes through `fork`; the
+        // parent never sends them again (a later register stages its own).
+        core.envelopes = BTreeMap::new();
+        core.metadata = BTreeMap::new();
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
-        let deadline = Instant::now() + self.control_timeout;
-        let (mut links, outcomes) = wait_ready(processes, self.max_frame_bytes, deadline);
+        let (mut links, outcomes, snapshot_failures) =
+            wait_ready(processes, &snapshot, self.max_frame_bytes, deadline);
         let now = now_since(self.clock);
         for (target, outcome) in &outcomes {
             if *outcome != TargetOutcome::Ok {
                 if let Some(mut link) = links[usize::from(target.0)].take() {
-                    // A target that failed its snapshot exits on its own; one
-                    // that was not ready in time is fenced at once.
+                    // A target that exited before it was ready is reaped;
+                    // one that was not ready in time is fenced at once.
                     let grace = if *outcome == TargetOutcome::Fenced {
                         Duration::ZERO
                     } else {
@@ -963,6 +1043,13 @@ impl<R: Runtime> Worker<R> {
             }
         }
         while core.machine.poll_effect().is_some() {}
+        // A snapshot entry some target could not install fails its
+        // registration; the machine unregisters it where it was installed
+        // (its frames are carried out below, by the IO loop's drain).
+        let failed = core
+            .machine
+            .snapshot_failed(&snapshot_failures, now)
+            .map_err(OperationError::new)?;
         let (wake_read, wake_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
         core.wake = Some(TrackedFd::new(wake_write));
@@ -975,11 +1062,15 @@ impl<R: Runtime> Worker<R> {
             ops: BTreeMap::new(),
             tasks: BTreeMap::new(),
             inspects: Vec::new(),
+            late_tables: std::collections::BTreeSet::new(),
             next_inspect: 1,
+            control_timeout: self.control_timeout,
             clock: self.clock,
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
         };
+        let mut io = io;
+        io.drain(&mut core, &mut Context::default());
         drop(core);
         let handle = std::thread::Builder::new()
             .name("callreg-io".to_owned())
@@ -988,7 +1079,7 @@ impl<R: Runtime> Worker<R> {
                 start_error(ErrorCode::IO_FAILED, format!("spawning the IO thread: {e}"))
             })?;
         *self.io_thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
-        let report = StartReport { outcomes };
+        let report = StartReport { outcomes, failed };
         if report.outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok) {
             return Ok(report);
         }
@@ -1011,12 +1102,12 @@ impl<R: Runtime> Worker<R> {
                 "could not install the startup snapshot",
             )
         };
-        let mut error = Error::new(
-            code,
-            OperationKind::Start,
-            format!("{subject} {} {what} and {verb} stopped", failed.join(", ")),
-        )
-        .with_namespace(Namespace::LocalPython);
+        let mut message = format!("{subject} {} {what} and {verb} stopped", failed.join(", "));
+        for registration in &report.failed {
+            message.push_str(&format!("; {}", registration_failure_text(registration)));
+        }
+        let mut error =
+            Error::new(code, OperationKind::Start, message).with_namespace(Namespace::LocalPython);
         if let Some((target, _)) = report
             .outcomes
             .iter()
@@ -1040,6 +1131,8 @@ impl<R: Runtime> Worker<R> {
             let mut core = self.shared.lock();
             if core.machine.lifecycle() == Lifecycle::New {
                 let _ = core.machine.close();
+                core.envelopes = BTreeMap::new();
+                core.metadata = BTreeMap::new();
                 return;
             }
         }
@@ -1089,6 +1182,38 @@ fn refuse(request: Request, before_start: bool) {
     }
 }
 
+/// Checks that the parent can hold its two pipe ends per target (and the
+/// IO thread's wake pipe) within the soft `RLIMIT_NOFILE`, counting the
+/// descriptors already open.
+///
+/// # Errors
+/// The message naming what is needed and what the limit allows.
+fn check_descriptor_room(targets: u16) -> Result<(), String> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` into the valid pointer given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return Ok(());
+    }
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+    let needed = 2 * u64::from(targets) + 2;
+    // `rlim_t` is `u64` on Linux.
+    let room = limit
+        .rlim_cur
+        .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
+    if needed > room {
+        return Err(format!(
+            "{targets} targets need {needed} more file descriptors in the parent (two pipe ends each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            limit.rlim_cur
+        ));
+    }
+    Ok(())
+}
+
 /// Ignores SIGPIPE if it has its default action (ending the process), so a
 /// write to a dead target's pipe fails with `EPIPE` instead. Rust programs
 /// and CPython already ignore it; this covers other embedders.
@@ -1112,14 +1237,23 @@ struct Link {
     outbox: Vec<u8>,
 }
 
+/// The snapshot entries targets reported they could not install.
+type SnapshotFailures = Vec<(TargetId, Digest, Failure)>;
+
 /// Waits until every target sent [`Frame::Ready`], exited or the deadline
-/// passed; returns the links (`None` for a target that is not usable) and
-/// each target's outcome.
+/// passed; returns the links (`None` for a target that is not usable),
+/// each target's outcome (`Ok` once ready, whatever its snapshot entries
+/// did) and the snapshot entries each ready target failed.
 fn wait_ready(
     processes: Vec<TargetProcess>,
+    snapshot: &[(Digest, u32)],
     max_frame_bytes: usize,
     deadline: Instant,
-) -> (Vec<Option<Link>>, Vec<(TargetId, TargetOutcome)>) {
+) -> (
+    Vec<Option<Link>>,
+    Vec<(TargetId, TargetOutcome)>,
+    SnapshotFailures,
+) {
     let mut links: Vec<Option<Link>> = Vec::with_capacity(processes.len());
     for process in processes {
         match FrameBuffer::new(max_frame_bytes) {
@@ -1138,6 +1272,7 @@ fn wait_ready(
                 .then(|| failed_outcome(ErrorCode::FRAME_INVALID, "no frame buffer".to_owned()))
         })
         .collect();
+    let mut failures = Vec::new();
     let mut chunk = vec![0u8; READ_CHUNK_BYTES];
     while outcomes.iter().any(Option::is_none) {
         let now = Instant::now();
@@ -1171,7 +1306,27 @@ fn wait_ready(
             };
             let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed);
             outcomes[index] = match link.input.next_frame() {
-                Ok(Some(Frame::Ready { snapshot, .. })) => Some(ready_outcome(snapshot)),
+                Ok(Some(Frame::Ready {
+                    snapshot: entries, ..
+                })) => {
+                    let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                    if let Some((digest, _)) = entries
+                        .iter()
+                        .find(|(d, _)| !snapshot.iter().any(|(s, _)| s == d))
+                    {
+                        Some(failed_outcome(
+                            ErrorCode::FRAME_INVALID,
+                            format!("it reported {digest}, which is not in the startup snapshot"),
+                        ))
+                    } else {
+                        failures.extend(entries.into_iter().filter_map(|(digest, result)| {
+                            result
+                                .err()
+                                .map(|e| (target, digest, Failure::new(e.code, e.message)))
+                        }));
+                        Some(TargetOutcome::Ok)
+                    }
+                }
                 Ok(Some(other)) => Some(failed_outcome(
                     ErrorCode::FRAME_INVALID,
                     format!("sent a {:?} frame before it was ready", other.kind()),
@@ -1192,37 +1347,12 @@ fn wait_ready(
             )
         })
         .collect();
-    (links, outcomes)
+    (links, outcomes, failures)
 }
 
 fn failed_outcome(code: ErrorCode, message: String) -> TargetOutcome {
     TargetOutcome::Failed {
         failure: Failure::new(code, message),
-    }
-}
-
-fn ready_outcome(snapshot: Vec<(Digest, Result<(), crate::wire::ReplyError>)>) -> TargetOutcome {
-    let failures: Vec<_> = snapshot
-        .into_iter()
-        .filter_map(|(digest, result)| result.err().map(|e| (digest, e)))
-        .collect();
-    match failures.first() {
-        None => TargetOutcome::Ok,
-        Some((_, first)) => {
-            // The outcome shows the first failure's code: repeat a code only
-            // where it differs from that one.
-            let text: Vec<String> = failures
-                .iter()
-                .map(|(digest, e)| {
-                    if e.code == first.code {
-                        format!("{digest}: {}", e.message)
-                    } else {
-                        format!("{digest}: {}: {}", e.code, e.message)
-                    }
-                })
-                .collect();
-            failed_outcome(first.code, format!("startup snapshot: {}", text.join("; ")))
-        }
     }
 }
 
@@ -1286,6 +1416,9 @@ struct TaskWaiter {
 
 struct InspectWaiter {
     seq: u64,
+    /// When the targets still waited for are given up (`None` in the
+    /// answer): the control timeout after the inspect was sent.
+    deadline: Instant,
     waiting: Vec<TargetId>,
     tables: BTreeMap<TargetId, Option<TargetTable>>,
     done: Completer<Vec<(TargetId, Option<TargetTable>)>>,
@@ -1353,7 +1486,12 @@ struct IoLoop {
     ops: BTreeMap<OpId, OpWaiter>,
     tasks: BTreeMap<u64, TaskWaiter>,
     inspects: Vec<InspectWaiter>,
+    /// Inspections a target did not answer before their deadline, by seq
+    /// and target: its table, if it comes, is dropped (it is not out of
+    /// protocol).
+    late_tables: std::collections::BTreeSet<(u64, TargetId)>,
     next_inspect: u64,
+    control_timeout: Duration,
     clock: Instant,
     max_frame_bytes: usize,
     /// Completions decided under the state lock, handed to their callers
@@ -1419,11 +1557,22 @@ impl IoLoop {
                 core.machine.handle_timeout(now);
                 self.drain(&mut core, &mut Context::default());
             }
-            // Step 3: poll set and timeout.
-            let timeout = match core.machine.poll_timeout() {
+            self.expire_inspects();
+            // Step 3: poll set and timeout (the machine's next deadline, or
+            // an inspection's, whichever comes first).
+            let machine_micros = core
+                .machine
+                .poll_timeout()
+                .map(|deadline| deadline.0.saturating_sub(self.now().0));
+            let inspect_micros = self
+                .inspects
+                .iter()
+                .map(|w| w.deadline.saturating_duration_since(Instant::now()))
+                .min()
+                .map(|left| u64::try_from(left.as_micros()).unwrap_or(u64::MAX));
+            let timeout = match machine_micros.into_iter().chain(inspect_micros).min() {
                 None => PollTimeout::NONE,
-                Some(deadline) => {
-                    let micros = deadline.0.saturating_sub(self.now().0);
+                Some(micros) => {
                     PollTimeout::try_from(micros.div_ceil(1000)).unwrap_or(PollTimeout::MAX)
                 }
             };
@@ -1443,9 +1592,9 @@ impl IoLoop {
             drop(core);
             handovers.into_iter().for_each(|handover| handover());
             let polled = nix::poll::poll(&mut fds, timeout);
-            let events: Vec<bool> = fds
+            let events: Vec<PollFlags> = fds
                 .iter()
-                .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
+                .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
                 .collect();
             drop(fds);
             if let Err(errno) = polled {
@@ -1460,7 +1609,7 @@ impl IoLoop {
             // Steps 5 and 6: replies, losses, flushes.
             let mut core = shared.lock();
             for (what, event) in watched.into_iter().zip(events) {
-                if !event {
+                if event.is_empty() {
                     continue;
                 }
                 match what {
@@ -1471,7 +1620,13 @@ impl IoLoop {
                         {
                         }
                     }
-                    Ready::Reply(index) => self.read_replies(&mut core, index, &mut chunk),
+                    Ready::Reply(index) => {
+                        // A hung-up pipe is read to its end in this turn: a
+                        // completion decided now must not be handed over
+                        // while the target that died is still counted live.
+                        let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
+                        self.read_replies(&mut core, index, &mut chunk, hung_up)
+                    }
                     Ready::Control(index) => self.flush(&mut core, index),
                 }
             }
@@ -1561,6 +1716,7 @@ impl IoLoop {
                 }
                 let mut waiter = InspectWaiter {
                     seq,
+                    deadline: Instant::now() + self.control_timeout,
                     waiting: waiting.clone(),
                     tables: BTreeMap::new(),
                     done,
@@ -1625,7 +1781,7 @@ impl IoLoop {
                     op,
                     result,
                     outcomes,
-                } => self.complete(op, result, outcomes),
+                } => self.complete(op, result, outcomes, &core.losses),
             }
         }
     }
@@ -1710,10 +1866,18 @@ impl IoLoop {
         }
     }
 
-    fn read_replies(&mut self, core: &mut Core, index: usize, chunk: &mut [u8]) {
+    fn read_replies(&mut self, core: &mut Core, index: usize, chunk: &mut [u8], hung_up: bool) {
         let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
         let closed = match self.links.get_mut(index) {
-            Some(Some(link)) => matches!(read_available(link, chunk), ReadOutcome::Closed),
+            Some(Some(link)) => loop {
+                // Its writer is gone: what is left is bounded by the pipe's
+                // capacity, then end of file.
+                match read_available(link, chunk) {
+                    ReadOutcome::Closed => break true,
+                    ReadOutcome::Data if hung_up => continue,
+                    _ => break false,
+                }
+            },
             _ => return,
         };
         loop {
@@ -1789,6 +1953,9 @@ impl IoLoop {
                     .iter()
                     .position(|w| w.seq == seq && w.waiting.contains(&target))
                 else {
+                    if self.late_tables.remove(&(seq, target)) {
+                        return Ok(());
+                    }
                     return Err(format!("it sent a table for unknown inspect seq {seq}"));
                 };
                 let waiter = &mut self.inspects[position];
@@ -1823,6 +1990,7 @@ impl IoLoop {
         op: OpId,
         result: Result<Completion, Error>,
         outcomes: Vec<(TargetId, TargetOutcome)>,
+        losses: &BTreeMap<TargetId, String>,
     ) {
         let Some(waiter) = self.ops.remove(&op) else {
             return;
@@ -1841,11 +2009,31 @@ impl IoLoop {
                 self.defer(done, Ok(()))
             }
             (OpWaiter::Register(done), result) => {
-                self.defer(done, Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes, losses)))
             }
             (OpWaiter::Unregister(done), result) => {
-                self.defer(done, Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes, losses)))
             }
+        }
+    }
+
+    /// Answers every inspection whose deadline passed: a target that has
+    /// not sent its table is `None` in the answer (it stays live; its table
+    /// is dropped if it comes later).
+    fn expire_inspects(&mut self) {
+        let now = Instant::now();
+        let mut index = 0;
+        while index < self.inspects.len() {
+            if self.inspects[index].deadline > now {
+                index += 1;
+                continue;
+            }
+            let mut waiter = self.inspects.remove(index);
+            for target in &waiter.waiting {
+                self.late_tables.insert((waiter.seq, *target));
+            }
+            let tables = finish_inspect(&mut waiter);
+            waiter.done.complete(tables);
         }
     }
 
@@ -1869,6 +2057,7 @@ impl IoLoop {
             .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
         let reason = format!("{why}; it {how}");
         core.losses.insert(target, reason.clone());
+        self.late_tables.retain(|(_, t)| *t != target);
         let lost: Vec<u64> = self
             .tasks
             .iter()
@@ -1975,11 +2164,16 @@ fn finish_inspect(waiter: &mut InspectWaiter) -> Vec<(TargetId, Option<TargetTab
     std::mem::take(&mut waiter.tables).into_iter().collect()
 }
 
+/// The error of a failed operation; its message says why each lost or
+/// fenced target in its scope was given up and how it ended (as a task's
+/// `TARGET_LOST` does), e.g. `target 1: lost (its reply pipe closed; it was
+/// killed by signal 9)`.
 fn operation_error(
     result: Result<Completion, Error>,
     outcomes: Vec<(TargetId, TargetOutcome)>,
+    losses: &BTreeMap<TargetId, String>,
 ) -> OperationError {
-    let error = match result {
+    let mut error = match result {
         Err(error) => error,
         Ok(completion) => Error::new(
             ErrorCode::FRAME_INVALID,
@@ -1987,5 +2181,37 @@ fn operation_error(
             format!("the operation completed as {completion:?}, which does not match its kind"),
         ),
     };
+    // The machine's message names a lost target `target N: lost` (a
+    // fenced one `target N: fenced after its deadline`): say why there, or
+    // at the end when the message does not name it.
+    let mut appended = Vec::new();
+    for (target, outcome) in &outcomes {
+        let needle = match outcome {
+            TargetOutcome::Lost => format!("{target}: lost"),
+            TargetOutcome::Fenced => format!("{target}: fenced after its deadline"),
+            _ => continue,
+        };
+        let Some(reason) = losses.get(target) else {
+            continue;
+        };
+        let ends = |at: usize| {
+            let rest = &error.message[at + needle.len()..];
+            rest.is_empty() || rest.starts_with(';') || rest.starts_with(',')
+        };
+        match error
+            .message
+            .match_indices(&needle)
+            .map(|(at, _)| at)
+            .find(|at| ends(*at))
+        {
+            Some(at) => error
+                .message
+                .insert_str(at + needle.len(), &format!(" ({reason})")),
+            None => appended.push(format!("{needle} ({reason})")),
+        }
+    }
+    if !appended.is_empty() {
+        error.message = format!("{}; {}", error.message, appended.join("; "));
+    }
     OperationError { error, outcomes }
 }
