@@ -485,6 +485,8 @@ class Worker:
         except _callreg.RawError as raw:
             _raise(raw)
         self._count = targets
+        # Handles registered before start (None once started).
+        self._prestart = []
         self._dispatch = _Dispatch(self._raw)
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._raw, self._dispatch)
@@ -547,7 +549,11 @@ class Worker:
             raw = self._raw.register(envelope, text)
         except _callreg.RawError as error:
             _raise(error)
-        return Handle._of(raw)
+        handle = Handle._of(raw)
+        if self._prestart is not None:
+            # Before start: start() maps failed snapshot entries back to it.
+            self._prestart.append(handle)
+        return handle
 
     def unregister(self, handle):
         """Unregisters ``handle``; returns once every target dropped it.
@@ -563,17 +569,31 @@ class Worker:
 
     def start(self):
         """Forks the targets from this interpreter (see the module docs) and
-        waits until each installed the startup snapshot. Raises
-        :class:`LifecycleError` unless new, :class:`RegisterError` when a
-        snapshot entry failed somewhere (the Worker starts with the other
-        targets), :class:`TargetLostError` when a target did not start."""
+        waits until each installed the startup snapshot.
+
+        Returns the pre-start registrations that failed, as a dict
+        ``{Handle: RegisterError}`` (empty when every one was installed): a
+        callable of the startup snapshot that some target could not install
+        (it failed to unpickle, or its version or dependency check refused
+        it) fails its registration only. Its handle is no longer live
+        (:class:`HandleError`, ``HANDLE_STALE``), every target that did
+        install it drops it, the error's ``outcomes`` give each failing
+        target's reason (code, Python type and message), and the Worker
+        starts with the rest.
+
+        Raises :class:`LifecycleError` unless new, :class:`RegisterError`
+        or :class:`TargetLostError` when a target did not start (the Worker
+        then serves with the others)."""
+        prestart, self._prestart = self._prestart, None
         try:
-            self._raw.start()
+            failed = self._raw.start()
         except _callreg.RawError as error:
             _raise(error)
         finally:
             # Also after a partial start: the live targets serve tasks.
             self._dispatch.start()
+        by_id = {h._raw.handle_id: h for h in prestart or ()}
+        return {by_id[handle_id]: _error(fields) for handle_id, fields in failed if handle_id in by_id}
 
     def close(self):
         """Closes the Worker: pending futures fail with
