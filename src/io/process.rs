@@ -1,16 +1,19 @@
-//! Target processes: fork, pipes, parent-death handling, fencing, reaping.
+//! Target processes: fork, channels, parent-death handling, fencing,
+//! reaping.
 //!
 //! [`spawn_targets`] forks N targets while the process is single-threaded
-//! (DESIGN.md §5; the note on fork safety). Each target gets two pipes: a
-//! control pipe (parent writes, target reads) and a reply pipe (target
-//! writes, parent reads). The parent's ends are close-on-exec and
-//! non-blocking, for its poll loop; the target's ends are blocking. Each
-//! target closes every inherited descriptor above 2 but its own two pipe
-//! ends, close-on-exec or not (the other targets' pipe ends, other
-//! Workers' pipes, files and sockets the embedder opened, a saved copy of
-//! its stdout): a pipe then reports EOF as soon as its only real peer is
-//! gone, and nothing a task runs can write to, or keep open, a descriptor
-//! of the parent. Standard input, output and error (0, 1, 2) are kept:
+//! (DESIGN.md §5; the note on fork safety). Each target gets two channels:
+//! a control socket (a Unix stream `socketpair`: the parent writes control
+//! frames and passes each register's sealed staged payload beside its frame
+//! with `SCM_RIGHTS`, [`send_control`] / [`receive_control`]; the target
+//! reads) and a reply pipe (target writes, parent reads). The parent's ends
+//! are close-on-exec and non-blocking, for its poll loop; the target's ends
+//! are blocking. Each target closes every inherited descriptor above 2 but
+//! its own two channel ends, close-on-exec or not (the other targets'
+//! channel ends, other Workers' pipes, files and sockets the embedder
+//! opened, a saved copy of its stdout): a channel then reports EOF as soon
+//! as its only real peer is gone, and nothing a task runs can write to, or
+//! keep open, a descriptor of the parent. Standard input, output and error (0, 1, 2) are kept:
 //! they are the target's own (what a callable prints goes where the
 //! parent's stdout and stderr go at fork time).
 //!
@@ -21,13 +24,19 @@
 //! `catch_unwind` and ends with `_exit`, so no destructor of the parent's
 //! state ever runs in a target.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::collections::VecDeque;
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::signal::{self, SigHandler, Signal};
+use nix::sys::socket::{
+    recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
+    SockFlag, SockType, UnixAddr,
+};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{ForkResult, Pid};
 
@@ -84,12 +93,13 @@ pub fn thread_count() -> Result<usize, ProcessError> {
     Ok(entries.count())
 }
 
-/// The target's ends of its two pipes, handed to the target body.
+/// The target's ends of its two channels, handed to the target body.
 #[derive(Debug)]
 pub struct TargetEnds {
     /// The target's index (0-based) among the Worker's targets.
     pub index: usize,
-    /// Read end of the control pipe (blocking).
+    /// The target's end of the control socket (blocking; read it with
+    /// [`receive_control`]).
     pub control: OwnedFd,
     /// Write end of the reply pipe (blocking).
     pub reply: OwnedFd,
@@ -115,8 +125,8 @@ impl std::fmt::Display for Exit {
     }
 }
 
-/// The parent's view of one target process: its pid and the parent's pipe
-/// ends. Dropping it without [`TargetProcess::reap`] kills the target with
+/// The parent's view of one target process: its pid and the parent's
+/// channel ends. Dropping it without [`TargetProcess::reap`] kills the target with
 /// SIGKILL and reaps it, so no zombie is left.
 #[derive(Debug)]
 pub struct TargetProcess {
@@ -138,8 +148,8 @@ impl TargetProcess {
         self.pid
     }
 
-    /// The parent's write end of the control pipe (non-blocking), or `None`
-    /// after [`TargetProcess::close_control`].
+    /// The parent's end of the control socket (non-blocking; write it with
+    /// [`send_control`]), or `None` after [`TargetProcess::close_control`].
     pub fn control(&self) -> Option<BorrowedFd<'_>> {
         self.control.as_ref().map(|fd| fd.as_fd())
     }
@@ -149,7 +159,7 @@ impl TargetProcess {
         self.reply.as_fd()
     }
 
-    /// Closes the control pipe: the target reads EOF and exits.
+    /// Closes the control socket: the target reads EOF and exits.
     pub fn close_control(&mut self) {
         self.control = None;
     }
@@ -237,7 +247,7 @@ impl TargetProcess {
 impl Drop for TargetProcess {
     fn drop(&mut self) {
         if self.exit.is_none() {
-            // Closing the control pipe first lets a healthy target exit on
+            // Closing the control socket first lets a healthy target exit on
             // its own; the kill covers a hung one.
             self.control = None;
             let _ = self.kill();
@@ -260,8 +270,8 @@ impl Drop for TargetProcess {
 ///
 /// # Errors
 /// [`ProcessError::Threaded`] when the process runs other threads and
-/// `policy` refuses; [`ProcessError::Os`] when counting threads, `pipe2` or
-/// `fork` fails.
+/// `policy` refuses; [`ProcessError::Os`] when counting threads, `pipe2`,
+/// `socketpair` or `fork` fails.
 pub fn spawn_targets<F, B>(
     count: usize,
     policy: ThreadPolicy,
@@ -285,8 +295,13 @@ where
     let mut targets = Vec::with_capacity(count);
     for index in 0..count {
         let os = |operation| move |errno| ProcessError::Os { operation, errno };
-        let (control_read, control_write) =
-            nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(os("pipe2"))?;
+        let (control_write, control_read) = socketpair(
+            AddressFamily::Unix,
+            SockType::Stream,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(os("socketpair"))?;
         let (reply_read, reply_write) =
             nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(os("pipe2"))?;
         set_nonblocking(control_write.as_fd()).map_err(os("fcntl"))?;
@@ -371,4 +386,73 @@ fn close_inherited(keep: &[RawFd]) {
         // closed meanwhile (the directory's own) just fails with EBADF.
         unsafe { libc::close(fd) };
     }
+}
+
+/// Descriptors one [`receive_control`] call accepts: more than one message
+/// could carry (the parent attaches at most one descriptor per `sendmsg`,
+/// and Linux never merges two messages that carry descriptors into one
+/// read).
+const MAX_FDS_PER_READ: usize = 8;
+
+/// Writes `bytes` (or a prefix of them) to a control socket, with `fd`
+/// attached to the first byte written when given (`SCM_RIGHTS`: the
+/// receiver gets its own descriptor of the same open file). Never raises
+/// `SIGPIPE` (`MSG_NOSIGNAL`). Returns how many bytes were written; `fd`
+/// went with them when that is more than 0.
+///
+/// # Errors
+/// The `sendmsg` error (`EAGAIN` when the socket is full, `EPIPE` when the
+/// peer is gone).
+pub fn send_control(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fd: Option<BorrowedFd<'_>>,
+) -> Result<usize, Errno> {
+    let iov = [IoSlice::new(bytes)];
+    let raw = fd.map(|fd| [fd.as_raw_fd()]);
+    let cmsgs: Vec<ControlMessage<'_>> = raw
+        .as_ref()
+        .map(|r| ControlMessage::ScmRights(r))
+        .into_iter()
+        .collect();
+    sendmsg::<UnixAddr>(
+        socket.as_raw_fd(),
+        &iov,
+        &cmsgs,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+}
+
+/// Reads what a control socket holds into `buffer` (blocking until
+/// something arrives); descriptors that came with the bytes are appended
+/// to `fds` in arrival order, close-on-exec (`MSG_CMSG_CLOEXEC`). Returns
+/// the number of bytes read, 0 at EOF.
+///
+/// # Errors
+/// The `recvmsg` error; `ENOBUFS` when more descriptors came than one read
+/// accepts (never sent by a parent: a broken channel).
+pub fn receive_control(
+    socket: BorrowedFd<'_>,
+    buffer: &mut [u8],
+    fds: &mut VecDeque<OwnedFd>,
+) -> Result<usize, Errno> {
+    let mut space = nix::cmsg_space!([RawFd; MAX_FDS_PER_READ]);
+    let mut iov = [IoSliceMut::new(buffer)];
+    let message = recvmsg::<UnixAddr>(
+        socket.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    for cmsg in message.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(received) = cmsg {
+            for raw in received {
+                // SAFETY: the kernel just installed `raw` in this process
+                // for this message; nothing else owns it.
+                fds.push_back(unsafe { OwnedFd::from_raw_fd(raw) });
+            }
+        }
+    }
+    Ok(message.bytes)
 }

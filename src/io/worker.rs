@@ -1,5 +1,6 @@
 //! The [`Worker`]: the protocol's [`Parent`] machine run over real forked
-//! targets, POSIX shm staging and pipes (DESIGN.md §4.1, §5).
+//! targets, sealed `memfd` staging (`specs/staging.md`), control sockets
+//! and reply pipes (DESIGN.md §4.1, §5).
 //!
 //! # Threads
 //!
@@ -33,14 +34,16 @@
 //!    and tables go to their waiting callers. EOF, a hang-up, an
 //!    undecodable or out-of-protocol frame: kill and reap the target, then
 //!    `target_lost`; drain effects.
-//! 6. Flush pending control bytes to writable targets (a full pipe never
-//!    blocks the loop), then go to 1.
+//! 6. Flush pending control bytes to writable targets (a full socket never
+//!    blocks the loop; a register's sealed payload descriptor goes with
+//!    its frame's first byte), then go to 1.
 //!
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
 //! with `stage_failed`); `Send` encodes a wire frame into the target's
-//! outbox (a register's carries its metadata as JSON); `ReleaseStaged`
-//! unlinks the shm object; `Fence` kills and reaps the target; `Completed`
+//! outbox (a register's carries its metadata as JSON, and a duplicate of
+//! its staged payload's descriptor waits beside it); `ReleaseStaged`
+//! closes the parent's descriptor of the payload; `Fence` kills and reaps the target; `Completed`
 //! hands the result to the waiting caller (a published handle passes
 //! `parent.before_publish` first).
 
@@ -60,7 +63,7 @@ use serde::Serialize;
 use super::failpoints;
 use super::handoff::{self, Completer, Pending};
 use super::process::{self, Exit, TargetProcess, ThreadPolicy};
-use super::staging::{self, StagedPayload};
+use super::staging::StagedPayload;
 use super::target::{self, TargetSetup};
 use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
 use crate::envelope::{Envelope, HEADER_LEN};
@@ -296,7 +299,6 @@ impl<R: Runtime> WorkerBuilder<R> {
                     pids: Vec::new(),
                     exits: BTreeMap::new(),
                     losses: BTreeMap::new(),
-                    next_staging: 1,
                 }),
             }),
             io_thread: Mutex::new(None),
@@ -424,8 +426,6 @@ struct Core {
     exits: BTreeMap<TargetId, Exit>,
     /// Why lost targets were given up, with how they ended.
     losses: BTreeMap<TargetId, String>,
-    /// Numbers staged payload names (`callreg-<pid>-<n>-<random>`).
-    next_staging: u64,
 }
 
 struct Shared {
@@ -569,10 +569,10 @@ impl<R: Runtime> Worker<R> {
     ) -> Result<PendingOperation<Handle>, OperationError> {
         let parsed = Envelope::parse(envelope).map_err(Self::envelope_error)?;
         if let Some(metadata) = metadata {
-            // Room for the register control's fixed fields and a staged
-            // name (`/callreg-<pid>-<n>-<16 hex>`, well under 128 bytes).
+            // Room for the register control's fixed fields: seq, digest,
+            // staged size and the metadata's length.
             let json_bytes = metadata.to_json().len();
-            if HEADER_BYTES + 8 + 32 + 4 + 128 + 8 + 4 + json_bytes > self.max_frame_bytes {
+            if HEADER_BYTES + 8 + 32 + 8 + 4 + json_bytes > self.max_frame_bytes {
                 return Err(OperationError::new(
                     Error::new(
                         ErrorCode::FRAME_INVALID,
@@ -614,18 +614,17 @@ impl<R: Runtime> Worker<R> {
                 "the Worker is closed",
             ))),
             Lifecycle::Started => {
-                let number = core.next_staging;
-                core.next_staging += 1;
                 drop(core);
                 let hashed = HEADER_LEN..parsed.encoded_len();
                 let (staged, payload_sha256) =
-                    StagedPayload::create(number, &envelope[..parsed.encoded_len()], hashed)
-                        .map_err(|e| {
+                    StagedPayload::create(&envelope[..parsed.encoded_len()], hashed).map_err(
+                        |e| {
                             OperationError::new(
                                 Error::new(e.code(), OperationKind::Stage, e.to_string())
                                     .with_namespace(Namespace::LocalPython),
                             )
-                        })?;
+                        },
+                    )?;
                 let digest = PythonSerialized {
                     payload_format_version: parsed.version(),
                     serializer_id: parsed.serializer(),
@@ -893,7 +892,6 @@ impl<R: Runtime> Worker<R> {
                 "start needs a new Worker",
             )));
         }
-        let _ = staging::sweep_stale();
         // Only a build with fail points reads their variables: `FAILPOINTS`
         // may be meant for another crate of the embedding process.
         if cfg!(feature = "failpoints") {
@@ -1135,8 +1133,11 @@ fn ignore_sigpipe() {
 struct Link {
     process: TargetProcess,
     input: FrameBuffer,
-    /// Encoded control bytes not yet written (the pipe was full).
+    /// Encoded control bytes not yet written (the socket was full).
     outbox: Vec<u8>,
+    /// Staged payload descriptors waiting to go with the outbox byte at
+    /// their offset (a register frame's first byte), in offset order.
+    outbox_fds: VecDeque<(usize, OwnedFd)>,
 }
 
 /// Waits until every target sent [`Frame::Ready`], exited or the deadline
@@ -1154,6 +1155,7 @@ fn wait_ready(
                 process,
                 input,
                 outbox: Vec::new(),
+                outbox_fds: VecDeque::new(),
             })),
             Err(_) => links.push(None),
         }
@@ -1683,19 +1685,29 @@ impl IoLoop {
         frame: ControlFrame,
         context: &mut Context,
     ) {
+        let mut attached: Option<OwnedFd> = None;
         let wire = match frame {
             ControlFrame::Register {
                 seq,
                 digest,
                 staging,
             } => match self.staged.get(&staging) {
-                Some(staged) => Frame::Register {
-                    seq: seq.0,
-                    digest,
-                    staged_name: staged.payload.name().to_owned(),
-                    staged_size: staged.payload.size(),
-                    metadata: staged.metadata.clone(),
-                },
+                Some(staged) => {
+                    let Ok(fd) = staged.payload.fd().try_clone_to_owned() else {
+                        return self.lose(
+                            core,
+                            target,
+                            "its register's staged payload could not be duplicated",
+                        );
+                    };
+                    attached = Some(fd);
+                    Frame::Register {
+                        seq: seq.0,
+                        digest,
+                        staged_size: staged.payload.size(),
+                        metadata: staged.metadata.clone(),
+                    }
+                }
                 // The machine sends a register only while its payload is
                 // staged; an unknown staging id means a lost target now.
                 None => return self.lose(core, target, "no staged payload for its register"),
@@ -1718,6 +1730,7 @@ impl IoLoop {
         let Some(Some(link)) = self.links.get_mut(index) else {
             return;
         };
+        let offset = link.outbox.len();
         if wire
             .encode_into(&mut link.outbox, self.max_frame_bytes)
             .is_err()
@@ -1730,10 +1743,17 @@ impl IoLoop {
                 "a control frame exceeded the maximum frame size",
             );
         }
+        if let Some(fd) = attached {
+            link.outbox_fds.push_back((offset, fd));
+        }
         self.flush(core, index);
     }
 
-    /// Writes as much of a link's outbox as the pipe takes now.
+    /// Writes as much of a link's outbox as the socket takes now. Each
+    /// `sendmsg` stops before the next frame that carries a descriptor, and
+    /// a descriptor goes with the first byte of its frame, so a target
+    /// receives each register's payload no later than the frame's first
+    /// byte and in frame order.
     fn flush(&mut self, core: &mut Core, index: usize) {
         let Some(Some(link)) = self.links.get_mut(index) else {
             return;
@@ -1742,15 +1762,28 @@ impl IoLoop {
             return;
         };
         while !link.outbox.is_empty() {
-            match nix::unistd::write(control, &link.outbox) {
+            let (fd, end) = match (link.outbox_fds.front(), link.outbox_fds.get(1)) {
+                (Some((0, fd)), next) => (Some(fd.as_fd()), next.map(|(at, _)| *at)),
+                (Some((at, _)), _) => (None, Some(*at)),
+                (None, _) => (None, None),
+            };
+            let end = end.unwrap_or(link.outbox.len());
+            let with_fd = fd.is_some();
+            match process::send_control(control, &link.outbox[..end], fd) {
                 Ok(n) => {
                     link.outbox.drain(..n);
+                    if n > 0 && with_fd {
+                        link.outbox_fds.pop_front();
+                    }
+                    for (at, _) in link.outbox_fds.iter_mut() {
+                        *at -= n;
+                    }
                 }
                 Err(Errno::EINTR) => continue,
                 Err(Errno::EAGAIN) => return,
                 Err(_) => {
                     let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
-                    return self.lose(core, target, "its control pipe is closed");
+                    return self.lose(core, target, "its control socket is closed");
                 }
             }
         }
