@@ -95,7 +95,21 @@ class DelRaises:
     def __del__(self):
         raise ValueError("boom")
 
+def first_only(marker):
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        raise RuntimeError("only the first target may unpickle this payload")
+    return lambda: "first"
+
+class FirstTargetOnly:
+    def __call__(self):
+        return None
+    def __reduce__(self):
+        return (first_only, (sys.argv[3] + ".first",))
+
 for name, value in [
+    ("first_target_only", FirstTargetOnly()),
     ("del_raises", DelRaises()),
     ("write_fd_3", write_fd_3),
     ("spawn_grandchild", spawn_grandchild),
@@ -170,10 +184,13 @@ fn tasks_reach_no_descriptor_of_the_parent() {
         .spawn()
         .expect("callreg runs");
     let stdout = child.stdout.take().unwrap();
-    let pipe_inode = std::fs::File::from(std::os::fd::OwnedFd::from(stdout.try_clone_fd()))
-        .metadata()
-        .unwrap()
-        .ino();
+    let pipe_inode = {
+        use std::os::fd::AsFd;
+        std::fs::File::from(stdout.as_fd().try_clone_to_owned().unwrap())
+            .metadata()
+            .unwrap()
+            .ino()
+    };
     let mut reader = BufReader::new(stdout);
     let mut lines = Vec::new();
     loop {
@@ -208,17 +225,6 @@ fn tasks_reach_no_descriptor_of_the_parent() {
     let mut rest = Vec::new();
     reader.read_to_end(&mut rest).unwrap();
     assert_eq!(rest, b"");
-}
-
-trait TryCloneFd {
-    fn try_clone_fd(&self) -> std::os::fd::OwnedFd;
-}
-
-impl TryCloneFd for std::process::ChildStdout {
-    fn try_clone_fd(&self) -> std::os::fd::OwnedFd {
-        use std::os::fd::AsFd;
-        self.as_fd().try_clone_to_owned().unwrap()
-    }
 }
 
 /// Runs `callreg ARGS` through `sh -c 'exec "$0" "$@" REDIRECT'` (so a
@@ -468,5 +474,89 @@ fn run_reports_a_finalizer_failure_with_its_unregister() {
             "callreg target 0: the unregister (seq 2) of {hashid} released a callable whose finalizer failed: ValueError: a finalizer raised: boom"
         )],
         "{stderr}"
+    );
+}
+
+/// A pre-start register whose callable fails to unpickle on some targets
+/// is marked failed (with each target's reason) when the start runs; the
+/// Worker starts on every target and the other callables work.
+#[test]
+fn run_marks_a_pre_start_register_that_failed_at_start() {
+    let dir = TempDir::new("snapshot-failure");
+    pack(&dir.0);
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        json!({"targets": 3, "steps": [
+            {"op": "register", "name": "bad", "envelope": "first_target_only.spyc",
+             "expect_error": "RuntimeError: only the first target may unpickle this payload"},
+            {"op": "register", "name": "w", "envelope": "write_fd_3.spyc"},
+            {"op": "start"},
+            {"op": "call_all", "name": "w", "expect_error": "Bad file descriptor"},
+            {"op": "call", "name": "bad", "target": 0, "expect_error": "not registered"}
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_callreg"))
+        .arg("run")
+        .arg(&plan)
+        .arg("--json")
+        .output()
+        .expect("callreg runs");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        lines.iter().map(|l| l["step"].clone()).collect::<Vec<_>>(),
+        vec![
+            json!(0),
+            json!(1),
+            json!(2),
+            json!(3),
+            json!(4),
+            Value::Null
+        ]
+    );
+    let bad = &lines[0];
+    let error = bad["error"].as_str().unwrap();
+    assert!(
+        error.starts_with(&format!(
+            "REGISTER_PARTIAL_FAILURE: at start, registration of {} (handle 1) failed: target ",
+            bad["hashid"].as_str().unwrap()
+        )),
+        "{bad}"
+    );
+    let outcomes: Vec<&str> = bad["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        outcomes.iter().filter(|o| **o == "failed").count(),
+        2,
+        "{bad}"
+    );
+    assert_eq!(
+        outcomes.iter().filter(|o| **o == "rolled_back").count(),
+        1,
+        "{bad}"
+    );
+    assert_eq!(lines[1]["ok"], true, "{}", lines[1]);
+    assert_eq!(
+        lines[2]["targets"].as_array().unwrap().len(),
+        3,
+        "{}",
+        lines[2]
+    );
+    assert_eq!(
+        lines[3]["targets"].as_array().unwrap().len(),
+        3,
+        "{}",
+        lines[3]
     );
 }

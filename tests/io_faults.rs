@@ -212,7 +212,23 @@ fn run_case(point: &str, scenario: Scenario, abrupt: bool) {
             worker.register(&envelope("echo")).unwrap();
             let result = worker.start();
             if not_hit {
-                result.unwrap_or_else(|e| panic!("{case}: {e}"));
+                let report = result.unwrap_or_else(|e| panic!("{case}: {e}"));
+                assert!(report.is_complete(), "{case}: {report:?}");
+            } else if let Some(code) = hit {
+                // An entry the target refused fails that registration
+                // only: every target starts, and the others drop it.
+                let report = result.unwrap_or_else(|e| panic!("{case}: {e}"));
+                others_ok(&report.outcomes, TargetOutcome::Ok);
+                assert_eq!(report.outcomes[1], (FAULTY, TargetOutcome::Ok), "{case}");
+                assert_eq!(report.failed.len(), 1, "{case}: {report:?}");
+                let failures = &report.failed[0].failures;
+                assert_eq!(failures.len(), 1, "{case}: {report:?}");
+                assert_eq!(
+                    (failures[0].0, failures[0].1.code),
+                    (FAULTY, code),
+                    "{case}"
+                );
+                assert!(worker.parent_state().live_handles().is_empty(), "{case}");
             } else {
                 let err = result.unwrap_err();
                 assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{case}");

@@ -18,8 +18,9 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use callreg::error::ErrorCode;
 use callreg::io::Worker;
-use callreg::protocol::TargetId;
+use callreg::protocol::{TargetId, TargetOutcome};
 use callreg::runtime::python::PythonRuntime;
 use callreg::runtime::TaskEncoding;
 use serde_json::{json, Value};
@@ -31,6 +32,9 @@ use serde_json::{json, Value};
 /// * `open_fds()`: every open descriptor of the target with what it is
 ///   (`[[fd, readlink], …]`, without the one listing them).
 /// * `fstat_fd(fd)`: `"open"`, or the `OSError` text for a closed `fd`.
+/// * `first_target_only`: unpickles on the first target that tries
+///   (it creates `$CALLREG_TEST_FIRST_MARKER`), raises `RuntimeError` on
+///   the others.
 /// * `del_raises`, `del_exits`, `del_sleeps`: callable objects whose
 ///   `__del__` appends a line to `$CALLREG_TEST_FINALIZED`, then raises
 ///   `ValueError`, calls `os._exit(7)`, or sleeps 3 s.
@@ -61,12 +65,18 @@ def fstat_fd(fd):
 class Finalized:
     """Calls return "called"; `__del__` appends "finalized" to the file
     named by `CALLREG_TEST_FINALIZED`, then does what `then` says."""
-    def __init__(self, then):
+    def __init__(self, then, armed=False):
         self.then = then
+        self.armed = armed
+    def __reduce__(self):
+        # Only an unpickled copy (in a target) acts when finalized.
+        return (Finalized, (self.then, True))
     def __call__(self):
         return "called"
     def __del__(self):
         import os, time
+        if not self.armed:
+            return
         with open(os.environ["CALLREG_TEST_FINALIZED"], "a") as f:
             f.write("finalized\n")
         if self.then == "raise":
@@ -76,7 +86,22 @@ class Finalized:
         if self.then == "sleep":
             time.sleep(3)
 
+def first_only():
+    try:
+        fd = os.open(os.environ["CALLREG_TEST_FIRST_MARKER"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        raise RuntimeError("only the first target may unpickle this payload")
+    os.close(fd)
+    return lambda: "first"
+
+class FirstTargetOnly:
+    def __call__(self):
+        return None
+    def __reduce__(self):
+        return (first_only, ())
+
 for name, value in [
+    ("first_target_only", FirstTargetOnly()),
     ("open_fds", open_fds),
     ("fstat_fd", fstat_fd),
     ("del_raises", Finalized("raise")),
@@ -104,6 +129,10 @@ fn main() {
         (
             "a_slow_finalizer_is_fenced_in_its_unregister",
             a_slow_finalizer_is_fenced_in_its_unregister,
+        ),
+        (
+            "a_bad_startup_callable_fails_its_registration_not_the_worker",
+            a_bad_startup_callable_fails_its_registration_not_the_worker,
         ),
     ]);
 }
@@ -267,5 +296,102 @@ fn a_target_holds_no_descriptor_of_the_parent() {
             );
         }
     }
+    worker.close();
+}
+
+/// A startup-snapshot callable that fails on some targets (unpickling
+/// raises there) and one refused everywhere by its version check fail
+/// their registrations only: the Worker starts on every target, reports
+/// each failed handle with every target's reason, and the target that
+/// installed the first one drops it.
+fn a_bad_startup_callable_fails_its_registration_not_the_worker() {
+    let marker = std::env::temp_dir().join(format!("callreg-first-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    std::env::set_var("CALLREG_TEST_FIRST_MARKER", &marker);
+    let worker = worker(3);
+    let good = worker.register(envelope("open_fds")).unwrap();
+    let some = worker.register(envelope("first_target_only")).unwrap();
+    let wrong_python = python_common::metadata(json!({
+        "name": "f",
+        "python": {"version": "2.7", "serializer": "cloudpickle", "serializer_version": "2"}
+    }));
+    let everywhere = worker
+        .register_with_metadata(envelope("fstat_fd"), Some(&wrong_python))
+        .unwrap();
+    let report = worker.start().unwrap();
+    let _ = std::fs::remove_file(&marker);
+    assert_eq!(
+        report.outcomes,
+        (0..3)
+            .map(|t| (TargetId(t), TargetOutcome::Ok))
+            .collect::<Vec<_>>()
+    );
+    assert!(!report.is_complete());
+    let mut failed = report.failed.clone();
+    failed.sort_by_key(|f| f.handle.handle_id);
+    assert_eq!(failed.len(), 2, "{failed:?}");
+    assert_eq!(failed[0].handle, some);
+    assert_eq!(failed[0].failures.len(), 2, "{failed:?}");
+    for (_, failure) in &failed[0].failures {
+        assert_eq!(failure.code, ErrorCode::DESERIALIZE_FAILED);
+        assert_eq!(
+            failure.message,
+            "RuntimeError: only the first target may unpickle this payload"
+        );
+    }
+    assert_eq!(failed[1].handle, everywhere);
+    assert_eq!(
+        failed[1]
+            .failures
+            .iter()
+            .map(|(t, _)| *t)
+            .collect::<Vec<_>>(),
+        vec![TargetId(0), TargetId(1), TargetId(2)]
+    );
+    for (_, failure) in &failed[1].failures {
+        assert_eq!(
+            failure.code,
+            ErrorCode::PYTHON_VERSION_MISMATCH,
+            "{failure}"
+        );
+        assert!(
+            failure.message.starts_with("PythonVersionMismatch: "),
+            "{failure}"
+        );
+    }
+    let text = callreg::io::worker::registration_failure_text(&failed[0]);
+    assert!(
+        text.starts_with(&format!(
+            "registration of {} (handle {}) failed: target ",
+            some.hashid, some.handle_id
+        )),
+        "{text}"
+    );
+    // Every target holds only the good callable (inspections queue behind
+    // the unregisters of the failed one).
+    for (target, table) in worker.inspect().unwrap() {
+        let table = table.unwrap_or_else(|| panic!("{target}: no table"));
+        assert_eq!(table.installed, vec![(good.digest(), 1)], "{target}");
+    }
+    for target in 0..3 {
+        assert_eq!(
+            call(&worker, &good, target, json!([]))
+                .as_array()
+                .unwrap()
+                .len(),
+            5
+        );
+        let stale = worker
+            .submit(
+                &some,
+                TargetId(target),
+                TaskEncoding::Json,
+                &python_common::input(json!([]), json!({})),
+            )
+            .unwrap_err();
+        assert_eq!(stale.error.code, ErrorCode::HANDLE_STALE);
+    }
+    assert!(worker.parent_state().is_idle());
+    assert!(worker.parent_state().uncertain_digests().is_empty());
     worker.close();
 }

@@ -64,8 +64,9 @@ mod with_python {
     use callreg::descriptor::python_serialized_digest;
     use callreg::envelope::Envelope;
     use callreg::error::Error;
+    use callreg::io::worker::registration_failure_text;
     use callreg::io::{OperationError, TaskError, Worker};
-    use callreg::protocol::{Handle, TargetId, TargetOutcome};
+    use callreg::protocol::{Failure, Handle, TargetId, TargetOutcome};
     use callreg::runtime::python::PythonRuntime;
     use callreg::runtime::TaskEncoding;
     use serde::Serialize;
@@ -112,9 +113,25 @@ mod with_python {
             implicit_start_ok = Some(runner.emit(report)?);
         }
         let mut reports = Vec::with_capacity(plan.steps.len());
+        // The steps before the start are printed with it: the start tells
+        // whether each pre-start register's callable installed everywhere.
+        let mut before_start: Vec<(usize, StepReport)> = Vec::new();
         for (index, step) in plan.steps.iter().enumerate() {
             let report = runner.step(index, step);
+            if step.op != Op::Start && !runner.started {
+                before_start.push((index, report));
+                continue;
+            }
+            if step.op == Op::Start {
+                for (register_index, mut register) in before_start.drain(..) {
+                    runner.settle_pre_start(&plan.steps[register_index], &mut register);
+                    reports.push(runner.emit(register)?);
+                }
+            }
             reports.push(runner.emit(report)?);
+        }
+        for (_, register) in before_start {
+            reports.push(runner.emit(register)?);
         }
         runner.worker.close();
         parent_has_no_python("after close")?;
@@ -169,6 +186,7 @@ mod with_python {
     }
 
     /// One target's part in a step.
+    #[derive(Clone)]
     struct TargetReport {
         target: u16,
         /// `ok`, `failed`, `lost`, `timed_out`, `fenced`, `rolled_back`,
@@ -208,6 +226,11 @@ mod with_python {
         /// step runs (a register would otherwise go silently into the
         /// startup snapshot of a Worker that never started).
         start_failed: bool,
+        /// A start ran (whatever its outcome).
+        started: bool,
+        /// The startup-snapshot registrations that failed at start, by
+        /// handle id: the step's error text and each target's report.
+        failed_at_start: BTreeMap<u64, (String, Vec<TargetReport>)>,
     }
 
     impl<'a> Runner<'a> {
@@ -224,6 +247,8 @@ mod with_python {
                 next_target: 0,
                 json,
                 start_failed: false,
+                started: false,
+                failed_at_start: BTreeMap::new(),
             })
         }
 
@@ -307,8 +332,41 @@ mod with_python {
         fn start(&mut self, step: Option<usize>, expect_error: Option<&str>) -> StepReport {
             let started = Instant::now();
             let mut report = self.report(step, "start");
+            self.started = true;
             let outcomes = match start_with_stdout_on_stderr(&self.worker) {
-                Ok(start) => start.outcomes,
+                Ok(start) => {
+                    for registration in &start.failed {
+                        let failed: BTreeMap<TargetId, &Failure> =
+                            registration.failures.iter().map(|(t, f)| (*t, f)).collect();
+                        let targets = start
+                            .outcomes
+                            .iter()
+                            .map(|(target, _)| match failed.get(target) {
+                                Some(failure) => TargetReport {
+                                    target: target.0,
+                                    outcome: "failed",
+                                    detail: Some(one_line(&failure.to_string())),
+                                    result: None,
+                                },
+                                // It installed the callable; the Worker
+                                // unregisters it there.
+                                None => TargetReport {
+                                    target: target.0,
+                                    outcome: "rolled_back",
+                                    detail: None,
+                                    result: None,
+                                },
+                            })
+                            .collect();
+                        let text = format!(
+                            "REGISTER_PARTIAL_FAILURE: at start, {}",
+                            one_line(&registration_failure_text(registration))
+                        );
+                        self.failed_at_start
+                            .insert(registration.handle.handle_id, (text, targets));
+                    }
+                    start.outcomes
+                }
                 Err(e) => {
                     report.outcome = Err(operation_error_text(&e));
                     e.outcomes
@@ -321,6 +379,25 @@ mod with_python {
                 report.unmet = unmet_error(expect_error, &report.outcome);
             }
             report
+        }
+
+        /// Marks a pre-start register step whose callable some target could
+        /// not install at start: it failed (its label names no handle),
+        /// with every target's part; its expectation is checked again.
+        fn settle_pre_start(&mut self, step: &Step, report: &mut StepReport) {
+            let Some(name) = report.name.clone() else {
+                return;
+            };
+            let Some(Label::Live(handle)) = self.labels.get(&name) else {
+                return;
+            };
+            let Some((text, targets)) = self.failed_at_start.get(&handle.handle_id) else {
+                return;
+            };
+            report.outcome = Err(text.clone());
+            report.targets = targets.clone();
+            report.unmet = unmet(step, &report.outcome);
+            self.labels.insert(name, Label::Failed);
         }
 
         fn register(&mut self, index: usize, register: &RegisterStep) -> StepReport {

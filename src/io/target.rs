@@ -51,8 +51,9 @@ use nix::errno::Errno;
 
 /// Exit status: the runtime failed to start.
 pub const START_EXIT_CODE: i32 = 103;
-/// Exit status: the startup snapshot could not be installed (after a
-/// [`Frame::Ready`] naming each entry's outcome).
+/// Exit status: the startup snapshot does not fit the target's slots
+/// (after a [`Frame::Ready`] failing every entry). An entry that fails to
+/// install does not end the target: it reports it and serves without it.
 pub const SNAPSHOT_EXIT_CODE: i32 = 104;
 /// Exit status: a control frame could not be decoded or was out of protocol.
 pub const FRAME_EXIT_CODE: i32 = 105;
@@ -322,8 +323,11 @@ struct Control<'a, R: Runtime> {
 ///
 /// Order: start the runtime; install the startup snapshot (each entry
 /// from the inherited envelope, with its metadata); send [`Frame::Ready`]
-/// with every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
-/// failed); then serve frames.
+/// with every entry's outcome; then serve frames, holding the entries that
+/// installed (`Target::with_snapshot_failures`: the parent unregisters a
+/// failed entry's digest where it was installed, `specs/protocol.md`).
+/// Exits with [`SNAPSHOT_EXIT_CODE`] only when the snapshot does not fit
+/// the slots.
 pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let TargetEnds {
         index,
@@ -385,20 +389,18 @@ fn install_snapshot<R: Runtime>(
         .filter(|(_, n)| *n > 0)
         .map(|(d, _)| *d)
         .collect();
-    let machine = match Target::new(config, &setup.snapshot) {
-        Ok(machine) => machine,
-        Err(error) => {
-            let failure = ReplyError {
-                code: error.code,
-                message: error.message,
-            };
-            let snapshot = entries.iter().map(|d| (*d, Err(failure.clone()))).collect();
-            writer.send(Frame::Ready { pid, snapshot });
-            return None;
-        }
-    };
+    if let Err(error) = Target::new(config, &setup.snapshot) {
+        let failure = ReplyError {
+            code: error.code,
+            message: error.message,
+        };
+        let snapshot = entries.iter().map(|d| (*d, Err(failure.clone()))).collect();
+        writer.send(Frame::Ready { pid, snapshot });
+        return None;
+    }
     let mut callables = Vec::with_capacity(entries.len());
     let mut outcomes = Vec::with_capacity(entries.len());
+    let mut failed = Vec::new();
     for digest in entries {
         let result = install_one(setup, digest);
         outcomes.push((
@@ -408,23 +410,26 @@ fn install_snapshot<R: Runtime>(
                 .map(|_| ())
                 .map_err(|f| reply_error(f.clone())),
         ));
-        if let Ok(callable) = result {
-            callables.push(callable);
+        match result {
+            Ok(callable) => callables.push(callable),
+            Err(_) => failed.push(digest),
         }
     }
-    let failed = outcomes.iter().any(|(_, r)| r.is_err());
+    // The failed entries' slots stay free: the callables fill slots `0..`
+    // in snapshot order, as the machine does.
+    let machine = Target::with_snapshot_failures(config, &setup.snapshot, &failed).ok()?;
     writer.send(Frame::Ready {
         pid,
         snapshot: outcomes,
     });
     let runtime = setup.runtime.clone();
-    (!failed).then(|| {
+    Some(
         SlotTable::new(machine, callables).with_finalizer(Box::new(move |release| {
             runtime
                 .finalize(release)
                 .map_err(|e| format!("{}: {}", e.kind, e.message))
-        }))
-    })
+        })),
+    )
 }
 
 fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::Callable, Failure> {

@@ -70,8 +70,8 @@ use crate::envelope::{Envelope, HEADER_LEN};
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
-    Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
+    Completion, ControlFrame, Effect, FailedRegistration, Failure, Handle, Lifecycle, Namespace,
+    OpId, OwnerToken, Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
     DEFAULT_SLOT_CAPACITY,
 };
 use crate::runtime::{Runtime, TaskEncoding};
@@ -153,14 +153,46 @@ pub struct TaskError {
     pub kind: String,
 }
 
-/// What [`Worker::start`] did at each target.
+/// What [`Worker::start`] did at each target, and the startup-snapshot
+/// registrations that failed.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize)]
 pub struct StartReport {
-    /// Every target with its outcome: `Ok` (live, snapshot installed),
-    /// `Failed` (it reported a snapshot entry it could not install, or it
-    /// exited before it was ready; it was stopped), `Fenced` (not ready
-    /// before the control timeout; killed).
+    /// Every target with its outcome: `Ok` (live, ready: it installed
+    /// every snapshot entry but those in `failed` that name it), `Failed`
+    /// (it exited before it was ready; it was stopped), `Fenced` (not ready
+    /// before the start's deadline; killed).
     pub outcomes: Vec<(TargetId, TargetOutcome)>,
+    /// The pre-start registrations whose callable some target could not
+    /// install (it failed to deserialize, or its version or dependency
+    /// check refused it), in handle order, each with every such target's
+    /// failure (code, and a message made of the Python exception type and
+    /// text): their handles are no longer live, and the targets that did
+    /// install the callable drop it (`specs/protocol.md`, §2.6).
+    pub failed: Vec<FailedRegistration>,
+}
+
+impl StartReport {
+    /// Whether every target is live and every pre-start registration
+    /// stayed live.
+    pub fn is_complete(&self) -> bool {
+        self.failed.is_empty() && self.outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok)
+    }
+}
+
+/// One line for a failed startup-snapshot registration: `registration of
+/// sha256:… (handle 3) failed: target 0: DESERIALIZE_FAILED: TypeError: …`.
+pub fn registration_failure_text(registration: &FailedRegistration) -> String {
+    let reasons: Vec<String> = registration
+        .failures
+        .iter()
+        .map(|(target, failure)| format!("{target}: {failure}"))
+        .collect();
+    format!(
+        "registration of {} (handle {}) failed: {}",
+        registration.handle.hashid,
+        registration.handle.handle_id,
+        reasons.join("; ")
+    )
 }
 
 /// One target's reported table ([`Worker::inspect`]): never a slot.
@@ -858,9 +890,14 @@ impl<R: Runtime> Worker<R> {
     /// Call it from a thread that outlives the Worker: targets are killed
     /// when the thread that forked them ends (`PR_SET_PDEATHSIG`).
     ///
-    /// A target that cannot install the snapshot (or is not ready in time)
-    /// is stopped and reported; the Worker still starts with the others,
-    /// and the returned error lists every target's outcome.
+    /// A snapshot entry that some target cannot install (it fails to
+    /// deserialize there, or its checks refuse it) fails that registration
+    /// only (`specs/protocol.md` §2.6): its handles are no longer live,
+    /// the targets that installed it drop it, and the returned
+    /// [`StartReport::failed`] names each with every target's reason. A
+    /// target that is not ready (it exited, or missed the deadline) is
+    /// stopped and reported; the Worker still starts with the others, and
+    /// the returned error lists every target's outcome.
     ///
     /// Deadline: the control timeout bounds the whole start, counted from
     /// before the first fork; a target not ready by then is fenced (killed,
@@ -878,9 +915,12 @@ impl<R: Runtime> Worker<R> {
     /// runs other threads (unless accepted in the builder), when the
     /// targets' pipes would exceed the soft `RLIMIT_NOFILE`, when `fork`,
     /// `pipe2` fails, or `FAILPOINTS` is malformed;
-    /// `REGISTER_PARTIAL_FAILURE` (a startup snapshot was not installed
-    /// everywhere) or `TARGET_LOST` (no snapshot; a target did not start),
-    /// with every target's outcome.
+    /// `REGISTER_PARTIAL_FAILURE` (with a startup snapshot) or
+    /// `TARGET_LOST` (without) when some target was not ready (it exited
+    /// or broke the protocol before, or missed the deadline), with every
+    /// target's outcome and, in the message, every failed registration.
+    /// A snapshot entry that a ready target could not install is not an
+    /// error: it is in [`StartReport::failed`].
     pub fn start(&self) -> Result<StartReport, OperationError> {
         let mut core = self.shared.lock();
         let start_error = |code, message: String| {
@@ -934,13 +974,14 @@ impl<R: Runtime> Worker<R> {
         core.metadata = BTreeMap::new();
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
-        let (mut links, outcomes) = wait_ready(processes, self.max_frame_bytes, deadline);
+        let (mut links, outcomes, snapshot_failures) =
+            wait_ready(processes, self.max_frame_bytes, deadline);
         let now = now_since(self.clock);
         for (target, outcome) in &outcomes {
             if *outcome != TargetOutcome::Ok {
                 if let Some(mut link) = links[usize::from(target.0)].take() {
-                    // A target that failed its snapshot exits on its own; one
-                    // that was not ready in time is fenced at once.
+                    // A target that exited before it was ready is reaped;
+                    // one that was not ready in time is fenced at once.
                     let grace = if *outcome == TargetOutcome::Fenced {
                         Duration::ZERO
                     } else {
@@ -954,6 +995,13 @@ impl<R: Runtime> Worker<R> {
             }
         }
         while core.machine.poll_effect().is_some() {}
+        // A snapshot entry some target could not install fails its
+        // registration; the machine unregisters it where it was installed
+        // (its frames are carried out below, by the IO loop's drain).
+        let failed = core
+            .machine
+            .snapshot_failed(&snapshot_failures, now)
+            .map_err(OperationError::new)?;
         let (wake_read, wake_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
         core.wake = Some(wake_write);
@@ -973,6 +1021,8 @@ impl<R: Runtime> Worker<R> {
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
         };
+        let mut io = io;
+        io.drain(&mut core, &mut Context::default());
         drop(core);
         let handle = std::thread::Builder::new()
             .name("callreg-io".to_owned())
@@ -981,7 +1031,7 @@ impl<R: Runtime> Worker<R> {
                 start_error(ErrorCode::IO_FAILED, format!("spawning the IO thread: {e}"))
             })?;
         *self.io_thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
-        let report = StartReport { outcomes };
+        let report = StartReport { outcomes, failed };
         if report.outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok) {
             return Ok(report);
         }
@@ -1004,12 +1054,12 @@ impl<R: Runtime> Worker<R> {
                 "could not install the startup snapshot",
             )
         };
-        let mut error = Error::new(
-            code,
-            OperationKind::Start,
-            format!("{subject} {} {what} and {verb} stopped", failed.join(", ")),
-        )
-        .with_namespace(Namespace::LocalPython);
+        let mut message = format!("{subject} {} {what} and {verb} stopped", failed.join(", "));
+        for registration in &report.failed {
+            message.push_str(&format!("; {}", registration_failure_text(registration)));
+        }
+        let mut error =
+            Error::new(code, OperationKind::Start, message).with_namespace(Namespace::LocalPython);
         if let Some((target, _)) = report
             .outcomes
             .iter()
@@ -1102,8 +1152,9 @@ fn check_descriptor_room(targets: u16) -> Result<(), String> {
     }
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
     let needed = 2 * u64::from(targets) + 2;
-    let room = u64::try_from(limit.rlim_cur)
-        .unwrap_or(u64::MAX)
+    // `rlim_t` is `u64` on Linux.
+    let room = limit
+        .rlim_cur
         .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
     if needed > room {
         return Err(format!(
@@ -1140,14 +1191,22 @@ struct Link {
     outbox_fds: VecDeque<(usize, OwnedFd)>,
 }
 
+/// The snapshot entries targets reported they could not install.
+type SnapshotFailures = Vec<(TargetId, Digest, Failure)>;
+
 /// Waits until every target sent [`Frame::Ready`], exited or the deadline
-/// passed; returns the links (`None` for a target that is not usable) and
-/// each target's outcome.
+/// passed; returns the links (`None` for a target that is not usable),
+/// each target's outcome (`Ok` once ready, whatever its snapshot entries
+/// did) and the snapshot entries each ready target failed.
 fn wait_ready(
     processes: Vec<TargetProcess>,
     max_frame_bytes: usize,
     deadline: Instant,
-) -> (Vec<Option<Link>>, Vec<(TargetId, TargetOutcome)>) {
+) -> (
+    Vec<Option<Link>>,
+    Vec<(TargetId, TargetOutcome)>,
+    SnapshotFailures,
+) {
     let mut links: Vec<Option<Link>> = Vec::with_capacity(processes.len());
     for process in processes {
         match FrameBuffer::new(max_frame_bytes) {
@@ -1167,6 +1226,7 @@ fn wait_ready(
                 .then(|| failed_outcome(ErrorCode::FRAME_INVALID, "no frame buffer".to_owned()))
         })
         .collect();
+    let mut failures = Vec::new();
     let mut chunk = vec![0u8; READ_CHUNK_BYTES];
     while outcomes.iter().any(Option::is_none) {
         let now = Instant::now();
@@ -1200,7 +1260,15 @@ fn wait_ready(
             };
             let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed);
             outcomes[index] = match link.input.next_frame() {
-                Ok(Some(Frame::Ready { snapshot, .. })) => Some(ready_outcome(snapshot)),
+                Ok(Some(Frame::Ready { snapshot, .. })) => {
+                    let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                    failures.extend(snapshot.into_iter().filter_map(|(digest, result)| {
+                        result
+                            .err()
+                            .map(|e| (target, digest, Failure::new(e.code, e.message)))
+                    }));
+                    Some(TargetOutcome::Ok)
+                }
                 Ok(Some(other)) => Some(failed_outcome(
                     ErrorCode::FRAME_INVALID,
                     format!("sent a {:?} frame before it was ready", other.kind()),
@@ -1221,37 +1289,12 @@ fn wait_ready(
             )
         })
         .collect();
-    (links, outcomes)
+    (links, outcomes, failures)
 }
 
 fn failed_outcome(code: ErrorCode, message: String) -> TargetOutcome {
     TargetOutcome::Failed {
         failure: Failure::new(code, message),
-    }
-}
-
-fn ready_outcome(snapshot: Vec<(Digest, Result<(), crate::wire::ReplyError>)>) -> TargetOutcome {
-    let failures: Vec<_> = snapshot
-        .into_iter()
-        .filter_map(|(digest, result)| result.err().map(|e| (digest, e)))
-        .collect();
-    match failures.first() {
-        None => TargetOutcome::Ok,
-        Some((_, first)) => {
-            // The outcome shows the first failure's code: repeat a code only
-            // where it differs from that one.
-            let text: Vec<String> = failures
-                .iter()
-                .map(|(digest, e)| {
-                    if e.code == first.code {
-                        format!("{digest}: {}", e.message)
-                    } else {
-                        format!("{digest}: {}: {}", e.code, e.message)
-                    }
-                })
-                .collect();
-            failed_outcome(first.code, format!("startup snapshot: {}", text.join("; ")))
-        }
     }
 }
 

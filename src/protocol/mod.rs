@@ -55,7 +55,9 @@ mod target;
 pub use forms::{
     DigestCount, InstalledDigest, RegistrySnapshot, TargetOutcomeEntry, TargetSnapshot,
 };
-pub use parent::{Completion, Effect, Handle, Lifecycle, Parent, ParentConfig, TargetOutcome};
+pub use parent::{
+    Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, TargetOutcome,
+};
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
 
 /// A point in time: opaque microseconds on a monotonic clock chosen by the

@@ -189,6 +189,29 @@ impl Target {
         Ok(target)
     }
 
+    /// A target that installed the startup snapshot except the entries in
+    /// `failed` (those it could not deserialize or whose checks refused
+    /// them): it holds nothing of a failed digest, and the others in slots
+    /// `0..` in snapshot order, as [`Target::new`] of the snapshot without
+    /// them. The parent learns the failures from the target's readiness
+    /// report and settles them ([`super::Parent::snapshot_failed`]); the
+    /// target keeps serving.
+    ///
+    /// # Errors
+    /// As [`Target::new`].
+    pub fn with_snapshot_failures(
+        config: TargetConfig,
+        snapshot: &[(Digest, u32)],
+        failed: &[Digest],
+    ) -> Result<Target, Error> {
+        let kept: Vec<(Digest, u32)> = snapshot
+            .iter()
+            .filter(|(digest, _)| !failed.contains(digest))
+            .copied()
+            .collect();
+        Target::new(config, &kept)
+    }
+
     /// Switches on one known bug (model mutation tests only).
     #[cfg(feature = "mutants")]
     pub fn with_mutant(mut self, mutant: Mutant) -> Target {
