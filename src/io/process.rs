@@ -17,6 +17,19 @@
 //! they are the target's own (what a callable prints goes where the
 //! parent's stdout and stderr go at fork time).
 //!
+//! Death is seen without the channels: the parent opens a pidfd for each
+//! target right after forking it ([`TargetProcess::pidfd`], readable once
+//! the process has ended), so a process that user code forked inside a
+//! target, and that still holds copies of its channel ends, cannot hide
+//! the target's death. And such a process cannot use them: each target
+//! registers a `pthread_atfork` child handler that points both of its
+//! channel descriptors at `/dev/null` in the child of any `fork` made
+//! through the C library (Python's `os.fork` included), and the target's
+//! code checks [`is_target_process`] before it reads a control or writes a
+//! reply, ending any other process that reaches it with
+//! [`FORKED_EXIT_CODE`] (a fork made by a raw system call, which runs no
+//! handler, is stopped there).
+//!
 //! A target: ignores SIGINT (Ctrl-C in a terminal reaches the parent only);
 //! asks the kernel for SIGKILL when the thread that forked it ends
 //! (`PR_SET_PDEATHSIG`) and checks `getppid` right after, closing the race
@@ -28,6 +41,7 @@ use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -45,6 +59,85 @@ pub const PANIC_EXIT_CODE: i32 = 101;
 
 /// Exit status of a target that found its parent already gone at start.
 pub const ORPHAN_EXIT_CODE: i32 = 102;
+
+/// Exit status of a process forked inside a target (by user code) that
+/// reached the target's protocol code: it is not the target, so it never
+/// reads a control or writes a reply.
+pub const FORKED_EXIT_CODE: i32 = 107;
+
+/// The target's own pid, set in the target right after fork (0 elsewhere).
+static TARGET_PID: AtomicI32 = AtomicI32::new(0);
+
+/// The target's channel descriptors (control, reply), for the at-fork
+/// child handler; -1 when unset.
+static CHANNEL_FDS: [AtomicI32; 2] = [AtomicI32::new(-1), AtomicI32::new(-1)];
+
+/// Whether this process is a target itself (not its parent, and not a
+/// process forked inside it): only then may it use the target's channels.
+pub fn is_target_process() -> bool {
+    let target = TARGET_PID.load(Ordering::Relaxed);
+    target != 0 && target == nix::unistd::getpid().as_raw()
+}
+
+/// Ends this process with [`FORKED_EXIT_CODE`] unless it is the target.
+pub fn exit_unless_target() {
+    if !is_target_process() {
+        // SAFETY: `_exit` ends a process forked inside a target without
+        // running anything of the target's state.
+        unsafe { libc::_exit(FORKED_EXIT_CODE) }
+    }
+}
+
+/// The at-fork child handler: points the target's channel descriptors at
+/// `/dev/null` (the child can neither read controls nor write replies
+/// through them, and the numbers stay taken, so no file the child opens
+/// later can be mistaken for them). Only async-signal-safe calls.
+extern "C" fn after_fork_in_child() {
+    if TARGET_PID.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    // SAFETY: open, dup3 and close are async-signal-safe; the path is a
+    // NUL-terminated literal.
+    unsafe {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+        for fd in &CHANNEL_FDS {
+            let fd = fd.load(Ordering::Relaxed);
+            if fd >= 0 {
+                if null >= 0 {
+                    libc::dup3(null, fd, libc::O_CLOEXEC);
+                } else {
+                    libc::close(fd);
+                }
+            }
+        }
+        if null >= 0 {
+            libc::close(null);
+        }
+    }
+}
+
+/// Runs in the target right after fork: records its pid and channel
+/// descriptors and registers [`after_fork_in_child`].
+fn guard_channels(control: RawFd, reply: RawFd) {
+    TARGET_PID.store(nix::unistd::getpid().as_raw(), Ordering::Relaxed);
+    CHANNEL_FDS[0].store(control, Ordering::Relaxed);
+    CHANNEL_FDS[1].store(reply, Ordering::Relaxed);
+    // SAFETY: registers a handler with no prepare or parent part; the
+    // handler only makes async-signal-safe calls.
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+}
+
+/// A pidfd for `pid` (`pidfd_open`, close-on-exec), or `None` where the
+/// kernel has none (before Linux 5.3): death is then seen through the
+/// channels only.
+fn pidfd_open(pid: Pid) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new
+    // descriptor, which nothing else owns.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+    let fd = RawFd::try_from(fd).ok().filter(|fd| *fd >= 0)?;
+    // SAFETY: `fd` was just returned by the kernel to this process.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+}
 
 /// Whether [`spawn_targets`] may fork in a process that already runs other
 /// threads.
@@ -134,6 +227,7 @@ pub struct TargetProcess {
     pid: Pid,
     control: Option<OwnedFd>,
     reply: OwnedFd,
+    pidfd: Option<OwnedFd>,
     exit: Option<Exit>,
 }
 
@@ -157,6 +251,12 @@ impl TargetProcess {
     /// The parent's read end of the reply pipe (non-blocking).
     pub fn reply(&self) -> BorrowedFd<'_> {
         self.reply.as_fd()
+    }
+
+    /// A pidfd of the target process, readable once it has ended (whoever
+    /// else holds its channels), or `None` where the kernel has none.
+    pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
+        self.pidfd.as_ref().map(|fd| fd.as_fd())
     }
 
     /// Closes the control socket: the target reads EOF and exits.
@@ -319,6 +419,7 @@ where
                     pid: child,
                     control: Some(control_write),
                     reply: reply_read,
+                    pidfd: pidfd_open(child),
                     exit: None,
                 });
             }
@@ -326,6 +427,7 @@ where
                 let keep = [control_read.as_raw_fd(), reply_write.as_raw_fd()];
                 let code = catch_unwind(AssertUnwindSafe(|| {
                     prepare_child(parent, &keep);
+                    guard_channels(keep[0], keep[1]);
                     before_body(index);
                     body(TargetEnds {
                         index,

@@ -25,7 +25,11 @@
 //! The target ends (with `_exit`, from [`super::process`]) when the control
 //! socket reports EOF (the parent closed it or died), when a frame cannot be
 //! decoded or is out of protocol ([`FRAME_EXIT_CODE`]), or when the reply
-//! pipe is gone ([`REPLY_EXIT_CODE`]).
+//! pipe is gone ([`REPLY_EXIT_CODE`]). A process forked inside the target
+//! by user code (during a deserialization or a task) ends with
+//! [`super::process::FORKED_EXIT_CODE`] as soon as it is back in this
+//! code: before it reads a control, reports an install or a task result,
+//! or writes any reply.
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, VecDeque};
@@ -37,7 +41,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use super::failpoints::{self, ABRUPT_EXIT_CODE};
-use super::process::{receive_control, TargetEnds};
+use super::process::{exit_unless_target, receive_control, TargetEnds};
 use super::slots::{Effects, SlotTable};
 use super::staging::StagedView;
 use crate::descriptor::{python_serialized_digest, Digest};
@@ -101,6 +105,8 @@ impl ReplyWriter {
     /// message is cut at a character boundary, an oversized task result is
     /// replaced by an error saying so). Ends the target if the pipe is gone.
     fn send(&self, frame: Frame) {
+        // A process forked inside the target never writes a reply.
+        exit_unless_target();
         if failpoints::hit(failpoints::TARGET_REPLY_DELAY).is_err() {
             abrupt_exit();
         }
@@ -228,7 +234,11 @@ fn install<R: Runtime>(
     if let Err(message) = failpoints::hit(failpoints::TARGET_DESERIALIZE) {
         return Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, message));
     }
-    match catch_unwind(AssertUnwindSafe(|| runtime.install(payload, metadata))) {
+    let installed = catch_unwind(AssertUnwindSafe(|| runtime.install(payload, metadata)));
+    // Deserializing ran user code, which may have forked: only the target
+    // goes on.
+    exit_unless_target();
+    match installed {
         Ok(result) => result.map_err(runtime_failure),
         Err(panic) => Err(Failure::new(
             ErrorCode::DESERIALIZE_FAILED,
@@ -463,7 +473,10 @@ fn serve<R: Runtime>(control: &OwnedFd, max_frame_bytes: usize, this: &Control<'
     // the frame is whole, and the k-th register takes the k-th descriptor.
     let mut payloads = VecDeque::new();
     loop {
-        let n = match receive_control(control.as_fd(), &mut chunk, &mut payloads) {
+        let received = receive_control(control.as_fd(), &mut chunk, &mut payloads);
+        // A process forked inside the target never serves its controls.
+        exit_unless_target();
+        let n = match received {
             Ok(0) => return 0,
             Ok(n) => n,
             Err(Errno::EINTR) => continue,
@@ -808,7 +821,11 @@ fn call_caught<R: Runtime>(
     encoding: TaskEncoding,
     input: &[u8],
 ) -> Result<Vec<u8>, TaskFailure> {
-    match catch_unwind(AssertUnwindSafe(|| runtime.call(callable, encoding, input))) {
+    let called = catch_unwind(AssertUnwindSafe(|| runtime.call(callable, encoding, input)));
+    // The call ran user code, which may have forked: only the target goes
+    // on (a forked copy returning here never reports a result).
+    exit_unless_target();
+    match called {
         Ok(Ok(output)) => Ok(output),
         Ok(Err(error)) => Err(TaskFailure {
             code: error.code,

@@ -22,9 +22,9 @@
 //!    close) and give each to the machine; drain effects after each.
 //! 2. Read the clock; if the machine's `poll_timeout` has passed, call
 //!    `handle_timeout(now)`; drain effects.
-//! 3. Build the poll set: the wake pipe, every live target's reply pipe,
-//!    and the control pipe of every target with unsent bytes; the poll
-//!    timeout is the machine's next deadline (none: block).
+//! 3. Build the poll set: the wake pipe, every live target's reply pipe
+//!    and pidfd, and the control socket of every target with unsent bytes;
+//!    the poll timeout is the machine's next deadline (none: block).
 //! 4. Release the state lock, hand the results decided since the last
 //!    `poll` to their waiting callers (a caller woken under the lock would
 //!    block on it at once), and `poll`.
@@ -33,7 +33,9 @@
 //!    machine (`handle_reply`), draining effects after each; task results
 //!    and tables go to their waiting callers. EOF, a hang-up, an
 //!    undecodable or out-of-protocol frame: kill and reap the target, then
-//!    `target_lost`; drain effects.
+//!    `target_lost`; drain effects. A readable pidfd (the target process
+//!    ended, even if a process it forked still holds its pipes): read what
+//!    its reply pipe holds, then the same.
 //! 6. Flush pending control bytes to writable targets (a full socket never
 //!    blocks the loop; a register's sealed payload descriptor goes with
 //!    its frame's first byte), then go to 1.
@@ -904,8 +906,9 @@ impl<R: Runtime> Worker<R> {
     /// reaped, reported `Fenced`). So `start` returns within the control
     /// timeout plus the time to reap the targets it gave up.
     ///
-    /// Limits: at most `u16::MAX` targets; the parent holds two
-    /// descriptors per target (its ends of the control and reply pipes),
+    /// Limits: at most `u16::MAX` targets; the parent holds three
+    /// descriptors per target (its end of the control socket, its end of
+    /// the reply pipe, a pidfd),
     /// so the soft `RLIMIT_NOFILE` bounds the count (checked first); each
     /// Python target costs about 11.5 MB PSS (19 MB RSS; CPython 3.11 with
     /// cloudpickle, nothing registered; `BENCHMARKS.md`).
@@ -1133,7 +1136,7 @@ fn refuse(request: Request, before_start: bool) {
     }
 }
 
-/// Checks that the parent can hold its two pipe ends per target (and the
+/// Checks that the parent can hold its three descriptors per target (and the
 /// IO thread's wake pipe) within the soft `RLIMIT_NOFILE`, counting the
 /// descriptors already open.
 ///
@@ -1151,14 +1154,14 @@ fn check_descriptor_room(targets: u16) -> Result<(), String> {
         return Ok(());
     }
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-    let needed = 2 * u64::from(targets) + 2;
+    let needed = 3 * u64::from(targets) + 2;
     // `rlim_t` is `u64` on Linux.
     let room = limit
         .rlim_cur
         .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
     if needed > room {
         return Err(format!(
-            "{targets} targets need {needed} more file descriptors in the parent (two pipe ends each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
             limit.rlim_cur
         ));
     }
@@ -1236,29 +1239,39 @@ fn wait_ready(
         let waiting: Vec<usize> = (0..links.len())
             .filter(|i| outcomes[*i].is_none())
             .collect();
-        let mut fds: Vec<PollFd<'_>> = waiting
-            .iter()
-            .filter_map(|i| links[*i].as_ref())
-            .map(|l| PollFd::new(l.process.reply(), PollFlags::POLLIN))
-            .collect();
+        // Each waiting target's reply pipe, and its pidfd: a target that
+        // ended while a process it forked holds its pipe is seen all the
+        // same.
+        let mut fds: Vec<PollFd<'_>> = Vec::new();
+        let mut owners: Vec<(usize, bool)> = Vec::new();
+        for index in &waiting {
+            let Some(link) = links[*index].as_ref() else {
+                continue;
+            };
+            fds.push(PollFd::new(link.process.reply(), PollFlags::POLLIN));
+            owners.push((*index, false));
+            if let Some(pidfd) = link.process.pidfd() {
+                fds.push(PollFd::new(pidfd, PollFlags::POLLIN));
+                owners.push((*index, true));
+            }
+        }
         let timeout = PollTimeout::try_from(deadline - now).unwrap_or(PollTimeout::MAX);
         match nix::poll::poll(&mut fds, timeout) {
             Ok(_) | Err(Errno::EINTR) => {}
             Err(_) => break,
         }
-        let ready: Vec<bool> = fds
-            .iter()
-            .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
-            .collect();
-        drop(fds);
-        for (index, is_ready) in waiting.into_iter().zip(ready) {
-            if !is_ready {
-                continue;
+        let mut ready: BTreeMap<usize, bool> = BTreeMap::new();
+        for (fd, (index, is_pidfd)) in fds.iter().zip(owners) {
+            if fd.revents().is_some_and(|r| !r.is_empty()) {
+                *ready.entry(index).or_default() |= is_pidfd;
             }
+        }
+        drop(fds);
+        for (index, ended) in ready {
             let Some(link) = links[index].as_mut() else {
                 continue;
             };
-            let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed);
+            let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed) || ended;
             outcomes[index] = match link.input.next_frame() {
                 Ok(Some(Frame::Ready { snapshot, .. })) => {
                     let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
@@ -1452,6 +1465,7 @@ enum Ready {
     Wake,
     Reply(usize),
     Control(usize),
+    Ended(usize),
 }
 
 impl IoLoop {
@@ -1524,6 +1538,10 @@ impl IoLoop {
                 let Some(link) = link else { continue };
                 fds.push(PollFd::new(link.process.reply(), PollFlags::POLLIN));
                 watched.push(Ready::Reply(index));
+                if let Some(pidfd) = link.process.pidfd() {
+                    fds.push(PollFd::new(pidfd, PollFlags::POLLIN));
+                    watched.push(Ready::Ended(index));
+                }
                 if let (false, Some(control)) = (link.outbox.is_empty(), link.process.control()) {
                     fds.push(PollFd::new(control, PollFlags::POLLOUT));
                     watched.push(Ready::Control(index));
@@ -1564,6 +1582,13 @@ impl IoLoop {
                     }
                     Ready::Reply(index) => self.read_replies(&mut core, index, &mut chunk),
                     Ready::Control(index) => self.flush(&mut core, index),
+                    Ready::Ended(index) => {
+                        // Its last replies first (a reply pipe that also
+                        // closed was handled just before, as `Reply`).
+                        self.read_replies(&mut core, index, &mut chunk);
+                        let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                        self.lose(&mut core, target, "its process ended");
+                    }
                 }
             }
             // Completions decided here are handed over at step 4 of the
