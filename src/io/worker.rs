@@ -978,7 +978,7 @@ impl<R: Runtime> Worker<R> {
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
         let (mut links, outcomes, snapshot_failures) =
-            wait_ready(processes, self.max_frame_bytes, deadline);
+            wait_ready(processes, &snapshot, self.max_frame_bytes, deadline);
         let now = now_since(self.clock);
         for (target, outcome) in &outcomes {
             if *outcome != TargetOutcome::Ok {
@@ -1203,6 +1203,7 @@ type SnapshotFailures = Vec<(TargetId, Digest, Failure)>;
 /// did) and the snapshot entries each ready target failed.
 fn wait_ready(
     processes: Vec<TargetProcess>,
+    snapshot: &[(Digest, u32)],
     max_frame_bytes: usize,
     deadline: Instant,
 ) -> (
@@ -1273,14 +1274,26 @@ fn wait_ready(
             };
             let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed) || ended;
             outcomes[index] = match link.input.next_frame() {
-                Ok(Some(Frame::Ready { snapshot, .. })) => {
+                Ok(Some(Frame::Ready {
+                    snapshot: entries, ..
+                })) => {
                     let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
-                    failures.extend(snapshot.into_iter().filter_map(|(digest, result)| {
-                        result
-                            .err()
-                            .map(|e| (target, digest, Failure::new(e.code, e.message)))
-                    }));
-                    Some(TargetOutcome::Ok)
+                    if let Some((digest, _)) = entries
+                        .iter()
+                        .find(|(d, _)| !snapshot.iter().any(|(s, _)| s == d))
+                    {
+                        Some(failed_outcome(
+                            ErrorCode::FRAME_INVALID,
+                            format!("it reported {digest}, which is not in the startup snapshot"),
+                        ))
+                    } else {
+                        failures.extend(entries.into_iter().filter_map(|(digest, result)| {
+                            result
+                                .err()
+                                .map(|e| (target, digest, Failure::new(e.code, e.message)))
+                        }));
+                        Some(TargetOutcome::Ok)
+                    }
                 }
                 Ok(Some(other)) => Some(failed_outcome(
                     ErrorCode::FRAME_INVALID,
