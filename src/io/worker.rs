@@ -1565,9 +1565,9 @@ impl IoLoop {
             drop(core);
             handovers.into_iter().for_each(|handover| handover());
             let polled = nix::poll::poll(&mut fds, timeout);
-            let events: Vec<bool> = fds
+            let events: Vec<PollFlags> = fds
                 .iter()
-                .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
+                .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
                 .collect();
             drop(fds);
             if let Err(errno) = polled {
@@ -1582,7 +1582,7 @@ impl IoLoop {
             // Steps 5 and 6: replies, losses, flushes.
             let mut core = shared.lock();
             for (what, event) in watched.into_iter().zip(events) {
-                if !event {
+                if event.is_empty() {
                     continue;
                 }
                 match what {
@@ -1593,7 +1593,13 @@ impl IoLoop {
                         {
                         }
                     }
-                    Ready::Reply(index) => self.read_replies(&mut core, index, &mut chunk),
+                    Ready::Reply(index) => {
+                        // A hung-up pipe is read to its end in this turn: a
+                        // completion decided now must not be handed over
+                        // while the target that died is still counted live.
+                        let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
+                        self.read_replies(&mut core, index, &mut chunk, hung_up)
+                    }
                     Ready::Control(index) => self.flush(&mut core, index),
                     Ready::Ended(index) => {
                         // Its last replies first (a reply pipe that also
@@ -1870,10 +1876,18 @@ impl IoLoop {
         }
     }
 
-    fn read_replies(&mut self, core: &mut Core, index: usize, chunk: &mut [u8]) {
+    fn read_replies(&mut self, core: &mut Core, index: usize, chunk: &mut [u8], hung_up: bool) {
         let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
         let closed = match self.links.get_mut(index) {
-            Some(Some(link)) => matches!(read_available(link, chunk), ReadOutcome::Closed),
+            Some(Some(link)) => loop {
+                // Its writer is gone: what is left is bounded by the pipe's
+                // capacity, then end of file.
+                match read_available(link, chunk) {
+                    ReadOutcome::Closed => break true,
+                    ReadOutcome::Data if hung_up => continue,
+                    _ => break false,
+                }
+            },
             _ => return,
         };
         loop {
