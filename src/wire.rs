@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (3) |
 //! | 1 | 1 | kind (u8) | a [`FrameKind`] value |
-//! | 2 | 2 | flags (u16) | must be 0 |
+//! | 2 | 2 | flags (u16) | 0, or [`FLAG_TASK_EXCEPTION`] on a failed task result |
 //! | 4 | 4 | body length (u32, bytes) | `8 + body length <= maximum frame size` |
 //! | 8 | body length | body | the kind's fields, in order, nothing after |
 //!
@@ -34,6 +34,14 @@ use crate::error::ErrorCode;
 /// register control's metadata field. Frames of versions 1 and 2 are
 /// refused.
 pub const WIRE_VERSION: u8 = 3;
+
+/// Header flag of a [`Frame::TaskResult`] with an error status whose
+/// failure carries a serialized exception ([`TaskFailure::exception`]):
+/// a byte array after the message. Set exactly when that field is
+/// non-empty; every other frame, and a task result without it, has flags 0,
+/// so frames without an exception are the same bytes as before the flag
+/// existed.
+pub const FLAG_TASK_EXCEPTION: u16 = 1;
 
 /// Size of a frame header in bytes.
 pub const HEADER_BYTES: usize = 8;
@@ -129,6 +137,10 @@ pub struct TaskFailure {
     pub kind: String,
     /// The full message (for Python: ending with the traceback's last lines).
     pub message: String,
+    /// The runtime's serialized form of the failure (e.g. a pickled
+    /// exception), or empty; a non-empty one is flagged in the header
+    /// ([`FLAG_TASK_EXCEPTION`]) and carried after the message.
+    pub exception: Vec<u8>,
 }
 
 /// One row of a target's reported table ([`Frame::Table`]): never a slot.
@@ -241,9 +253,14 @@ pub enum WireError {
     /// The header's kind byte names no [`FrameKind`].
     #[error("unknown frame kind {0}")]
     Kind(u8),
-    /// The header's flags are not 0.
-    #[error("frame flags {0:#06x} are not 0")]
+    /// The header's flags are not 0 (or, for a failed task result, not 0
+    /// or [`FLAG_TASK_EXCEPTION`]).
+    #[error("frame flags {0:#06x} are not allowed for this frame")]
     Flags(u16),
+    /// A task result flagged [`FLAG_TASK_EXCEPTION`] with an empty exception
+    /// field (not canonical: an empty one is sent unflagged).
+    #[error("a flagged task failure carries an empty exception")]
+    EmptyException,
     /// The frame (header included) is larger than the maximum frame size.
     #[error("frame of {size} bytes exceeds the maximum frame size of {max} bytes")]
     TooLarge {
@@ -312,16 +329,19 @@ pub fn decode(bytes: &[u8], max_frame_bytes: usize) -> Result<Decoded, WireError
     if bytes.len() < HEADER_BYTES {
         return Ok(Decoded::Incomplete(HEADER_BYTES));
     }
-    let (kind, body_len) = parse_header(&bytes[..HEADER_BYTES], max_frame_bytes)?;
+    let (kind, flags, body_len) = parse_header(&bytes[..HEADER_BYTES], max_frame_bytes)?;
     let total = HEADER_BYTES + body_len;
     if bytes.len() < total {
         return Ok(Decoded::Incomplete(total));
     }
-    let frame = decode_body(kind, &bytes[HEADER_BYTES..total])?;
+    let frame = decode_body(kind, flags, &bytes[HEADER_BYTES..total])?;
     Ok(Decoded::Frame(frame, total))
 }
 
-fn parse_header(header: &[u8], max_frame_bytes: usize) -> Result<(FrameKind, usize), WireError> {
+fn parse_header(
+    header: &[u8],
+    max_frame_bytes: usize,
+) -> Result<(FrameKind, u16, usize), WireError> {
     let mut r = Reader { rest: header };
     let version = r.u8("version")?;
     let kind = r.u8("kind")?;
@@ -331,7 +351,14 @@ fn parse_header(header: &[u8], max_frame_bytes: usize) -> Result<(FrameKind, usi
         return Err(WireError::Version(version));
     }
     let kind = FrameKind::from_u8(kind).ok_or(WireError::Kind(kind))?;
-    if flags != 0 {
+    // Only a task result may set a flag, and only FLAG_TASK_EXCEPTION (its
+    // status is checked with the body).
+    let allowed = if kind == FrameKind::TaskResult {
+        FLAG_TASK_EXCEPTION
+    } else {
+        0
+    };
+    if flags & !allowed != 0 {
         return Err(WireError::Flags(flags));
     }
     let size = HEADER_BYTES as u64 + u64::from(body_len);
@@ -342,10 +369,10 @@ fn parse_header(header: &[u8], max_frame_bytes: usize) -> Result<(FrameKind, usi
         });
     }
     // Fits in usize: it is at most max_frame_bytes.
-    Ok((kind, body_len as usize))
+    Ok((kind, flags, body_len as usize))
 }
 
-fn decode_body(kind: FrameKind, body: &[u8]) -> Result<Frame, WireError> {
+fn decode_body(kind: FrameKind, flags: u16, body: &[u8]) -> Result<Frame, WireError> {
     let mut r = Reader { rest: body };
     let frame = match kind {
         FrameKind::Register => Frame::Register {
@@ -381,11 +408,21 @@ fn decode_body(kind: FrameKind, body: &[u8]) -> Result<Frame, WireError> {
             let seq = r.u64("seq")?;
             let digest = r.digest()?;
             let result = match r.status()? {
+                None if flags != 0 => return Err(WireError::Flags(flags)),
                 None => Ok(r.bytes("output")?.to_vec()),
                 Some(code) => Err(TaskFailure {
                     code,
                     kind: r.string("failure kind")?,
                     message: r.string("message")?,
+                    exception: if flags & FLAG_TASK_EXCEPTION != 0 {
+                        let exception = r.bytes("exception")?;
+                        if exception.is_empty() {
+                            return Err(WireError::EmptyException);
+                        }
+                        exception.to_vec()
+                    } else {
+                        Vec::new()
+                    },
                 }),
             };
             Frame::TaskResult {
@@ -532,7 +569,16 @@ impl Frame {
     /// than `u32::MAX` bytes; `out` is then left unchanged.
     pub fn encode_into(&self, out: &mut Vec<u8>, max_frame_bytes: usize) -> Result<(), WireError> {
         let start = out.len();
-        out.extend_from_slice(&[WIRE_VERSION, self.kind() as u8, 0, 0, 0, 0, 0, 0]);
+        let flags = match self {
+            Frame::TaskResult {
+                result: Err(failure),
+                ..
+            } if !failure.exception.is_empty() => FLAG_TASK_EXCEPTION,
+            _ => 0,
+        };
+        out.extend_from_slice(&[WIRE_VERSION, self.kind() as u8]);
+        out.extend_from_slice(&flags.to_le_bytes());
+        out.extend_from_slice(&[0, 0, 0, 0]);
         let result = self.encode_body(out);
         let body_len = (out.len() - start - HEADER_BYTES) as u64;
         let size = HEADER_BYTES as u64 + body_len;
@@ -611,6 +657,9 @@ impl Frame {
                         out.extend_from_slice(&failure.code.as_u16().to_le_bytes());
                         put_bytes(out, failure.kind.as_bytes())?;
                         put_bytes(out, failure.message.as_bytes())?;
+                        if !failure.exception.is_empty() {
+                            put_bytes(out, &failure.exception)?;
+                        }
                     }
                 }
             }
@@ -800,13 +849,20 @@ mod tests {
                 digest_strategy(),
                 prop_oneof![
                     bytes().prop_map(Ok),
-                    (code_strategy(), ".{0,40}", ".{0,300}").prop_map(|(code, kind, message)| Err(
-                        TaskFailure {
-                            code,
-                            kind,
-                            message
-                        }
-                    )),
+                    (
+                        code_strategy(),
+                        ".{0,40}",
+                        ".{0,300}",
+                        proptest::collection::vec(any::<u8>(), 0..40)
+                    )
+                        .prop_map(|(code, kind, message, exception)| Err(
+                            TaskFailure {
+                                code,
+                                kind,
+                                message,
+                                exception,
+                            }
+                        )),
                 ]
             )
                 .prop_map(|(seq, digest, result)| Frame::TaskResult {
@@ -905,6 +961,61 @@ mod tests {
             decode(&header(WIRE_VERSION, 4, 1, 0), MAX),
             Err(WireError::Flags(1))
         );
+    }
+
+    #[test]
+    fn a_task_failure_carries_its_exception_behind_the_flag() {
+        let failed = |exception: &[u8]| Frame::TaskResult {
+            seq: 5,
+            digest: Digest([7; 32]),
+            result: Err(TaskFailure {
+                code: ErrorCode::TASK_FAILED,
+                kind: "ValueError".into(),
+                message: "bad".into(),
+                exception: exception.to_vec(),
+            }),
+        };
+        let plain = failed(b"").encode(MAX).unwrap();
+        let with = failed(b"\x80\x05exc").encode(MAX).unwrap();
+        // Without an exception: flags 0, the bytes of a frame from before
+        // the flag existed. With one: flag 1 and the bytes appended.
+        assert_eq!(&plain[2..4], &[0, 0]);
+        assert_eq!(&with[2..4], &FLAG_TASK_EXCEPTION.to_le_bytes());
+        assert_eq!(with.len(), plain.len() + 4 + 5);
+        assert_eq!(&with[8..plain.len()], &plain[8..]);
+        assert_eq!(
+            decode(&with, MAX),
+            Ok(Decoded::Frame(failed(b"\x80\x05exc"), with.len()))
+        );
+        // The flag with an empty exception is not canonical.
+        let mut empty = plain.clone();
+        empty[2] = 1;
+        empty.extend_from_slice(&0u32.to_le_bytes());
+        let body_len = u32::try_from(empty.len() - HEADER_BYTES).unwrap();
+        empty[4..8].copy_from_slice(&body_len.to_le_bytes());
+        assert_eq!(decode(&empty, MAX), Err(WireError::EmptyException));
+        // The flag on an OK task result, or on any other kind, is refused.
+        let ok = Frame::TaskResult {
+            seq: 5,
+            digest: Digest([7; 32]),
+            result: Ok(b"1".to_vec()),
+        };
+        let mut ok = ok.encode(MAX).unwrap();
+        ok[2] = 1;
+        assert_eq!(decode(&ok, MAX), Err(WireError::Flags(1)));
+        let mut reply = Frame::Inspect { seq: 1 }.encode(MAX).unwrap();
+        reply[2] = 1;
+        assert_eq!(decode(&reply, MAX), Err(WireError::Flags(1)));
+        // A flagged frame without the field is truncated.
+        let mut cut = plain;
+        cut[2] = 1;
+        assert!(matches!(
+            decode(&cut, MAX),
+            Err(WireError::Truncated {
+                field: "exception",
+                ..
+            })
+        ));
     }
 
     #[test]

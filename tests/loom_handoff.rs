@@ -7,6 +7,8 @@
 #![cfg(all(loom, feature = "io"))]
 
 use callreg::io::handoff::{channel, Abandoned};
+use loom::sync::atomic::{AtomicUsize, Ordering};
+use loom::sync::{mpsc, Arc};
 use loom::thread;
 
 #[test]
@@ -53,6 +55,57 @@ fn two_operations_complete_independently() {
         let waiter = thread::spawn(move || p2.wait());
         assert_eq!(p1.wait(), Ok(1));
         assert_eq!(waiter.join().unwrap(), Ok(2));
+        io.join().unwrap();
+    });
+}
+
+#[test]
+fn a_callback_gets_the_value_once_whatever_the_order() {
+    loom::model(|| {
+        let (completer, pending) = channel::<u32>();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = mpsc::channel();
+        let io = thread::spawn(move || completer.complete(7));
+        let counted = calls.clone();
+        pending.on_complete(move |value| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tx.send(value).unwrap();
+        });
+        io.join().unwrap();
+        // Run by the IO thread or at once here: either way done by now.
+        assert_eq!(rx.recv().unwrap(), Ok(7));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    });
+}
+
+#[test]
+fn a_callback_hears_of_a_dropped_completer() {
+    loom::model(|| {
+        let (completer, pending) = channel::<u32>();
+        let (tx, rx) = mpsc::channel();
+        let io = thread::spawn(move || drop(completer));
+        pending.on_complete(move |value| tx.send(value).unwrap());
+        io.join().unwrap();
+        assert_eq!(rx.recv().unwrap(), Err(Abandoned));
+    });
+}
+
+#[test]
+fn a_sliced_wait_ends_with_the_value() {
+    loom::model(|| {
+        let (completer, pending) = channel::<u32>();
+        let io = thread::spawn(move || completer.complete(3));
+        let mut pending = pending;
+        let value = loop {
+            match pending.wait_timeout(std::time::Duration::from_millis(1)) {
+                Ok(value) => break value,
+                Err(again) => {
+                    pending = again;
+                    thread::yield_now();
+                }
+            }
+        };
+        assert_eq!(value, Ok(3));
         io.join().unwrap();
     });
 }

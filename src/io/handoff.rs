@@ -5,7 +5,13 @@
 //! the caller) share a slot guarded by a mutex and a condition variable.
 //! Completing twice is impossible (the completer is consumed); a completer
 //! dropped without completing (the IO thread ended) wakes the caller with
-//! [`Abandoned`] instead of leaving it blocked forever. Checked with loom
+//! [`Abandoned`] instead of leaving it blocked forever.
+//!
+//! A caller may also wait in slices ([`Pending::wait_timeout`], e.g. to
+//! check for signals between them) or hand the result to a callback
+//! ([`Pending::on_complete`]) instead of waiting: the callback runs exactly
+//! once, in the completing thread (the IO thread), or at once in the
+//! registering thread when the result is already there. Checked with loom
 //! (`tests/loom_handoff.rs`).
 
 use crate::sync::{lock, Arc, Condvar, Mutex};
@@ -15,8 +21,13 @@ use crate::sync::{lock, Arc, Condvar, Mutex};
 #[error("the operation was abandoned: the Worker's IO thread ended before completing it")]
 pub struct Abandoned;
 
+/// A callback waiting for the result ([`Pending::on_complete`]).
+type Callback<T> = Box<dyn FnOnce(Result<T, Abandoned>) + Send>;
+
 enum State<T> {
     Waiting,
+    /// Waiting, and the result goes to this callback.
+    Callback(Callback<T>),
     Done(T),
     Taken,
     Abandoned,
@@ -52,10 +63,11 @@ pub fn channel<T>() -> (Completer<T>, Pending<T>) {
 }
 
 impl<T> Completer<T> {
-    /// Stores `value` and wakes the waiting caller.
+    /// Stores `value` and wakes the waiting caller (or runs its callback,
+    /// in this thread, after the slot's lock is released).
     pub fn complete(mut self, value: T) {
         if let Some(shared) = self.shared.take() {
-            finish(&shared, State::Done(value));
+            finish(&shared, Ok(value));
         }
     }
 }
@@ -63,15 +75,27 @@ impl<T> Completer<T> {
 impl<T> Drop for Completer<T> {
     fn drop(&mut self) {
         if let Some(shared) = self.shared.take() {
-            finish(&shared, State::Abandoned);
+            finish(&shared, Err(Abandoned));
         }
     }
 }
 
-fn finish<T>(shared: &Shared<T>, state: State<T>) {
+fn finish<T>(shared: &Shared<T>, value: Result<T, Abandoned>) {
     let mut guard = lock(&shared.state);
-    if matches!(*guard, State::Waiting) {
-        *guard = state;
+    match std::mem::replace(&mut *guard, State::Taken) {
+        State::Waiting => {
+            *guard = match value {
+                Ok(value) => State::Done(value),
+                Err(Abandoned) => State::Abandoned,
+            };
+        }
+        State::Callback(callback) => {
+            drop(guard);
+            callback(value);
+            return;
+        }
+        // Completed already: impossible (the completer is consumed).
+        other => *guard = other,
     }
     drop(guard);
     shared.ready.notify_all();
@@ -95,14 +119,65 @@ impl<T> Pending<T> {
                         .unwrap_or_else(|poisoned| poisoned.into_inner());
                 }
                 State::Done(value) => return Ok(value),
-                State::Abandoned | State::Taken => return Err(Abandoned),
+                State::Abandoned | State::Taken | State::Callback(_) => return Err(Abandoned),
             }
         }
+    }
+
+    /// Waits at most `timeout` for the result: `Ok` with what
+    /// [`Pending::wait`] would return, or `Err(self)` when the time is up
+    /// (wait again, or drop it to stop waiting).
+    pub fn wait_timeout(self, timeout: std::time::Duration) -> Result<Result<T, Abandoned>, Self> {
+        let guard = lock(&self.shared.state);
+        let mut guard = if matches!(*guard, State::Waiting) {
+            self.shared
+                .ready
+                .wait_timeout(guard, timeout)
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|poisoned| poisoned.into_inner().0)
+        } else {
+            guard
+        };
+        match std::mem::replace(&mut *guard, State::Taken) {
+            State::Waiting => {
+                *guard = State::Waiting;
+                drop(guard);
+                Err(self)
+            }
+            State::Done(value) => Ok(Ok(value)),
+            State::Abandoned | State::Taken | State::Callback(_) => Ok(Err(Abandoned)),
+        }
+    }
+
+    /// Hands the result to `callback` instead of waiting for it: the
+    /// callback runs exactly once, with the result or [`Abandoned`], in the
+    /// thread that completes (or abandons) the operation, or at once in
+    /// this thread when that already happened. It runs without the slot's
+    /// lock held; it must not block for long (in a Worker it runs on the
+    /// IO thread: hand the value on, e.g. into a channel).
+    pub fn on_complete<F>(self, callback: F)
+    where
+        F: FnOnce(Result<T, Abandoned>) + Send + 'static,
+    {
+        let mut guard = lock(&self.shared.state);
+        let value = match std::mem::replace(&mut *guard, State::Taken) {
+            State::Waiting => {
+                *guard = State::Callback(Box::new(callback));
+                return;
+            }
+            State::Done(value) => Ok(value),
+            State::Abandoned | State::Taken | State::Callback(_) => Err(Abandoned),
+        };
+        drop(guard);
+        callback(value);
     }
 
     /// Whether the result (or the abandonment) is there: [`Pending::wait`]
     /// would not block.
     pub fn is_complete(&self) -> bool {
-        !matches!(*lock(&self.shared.state), State::Waiting)
+        !matches!(
+            *lock(&self.shared.state),
+            State::Waiting | State::Callback(_)
+        )
     }
 }

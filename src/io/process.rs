@@ -30,6 +30,14 @@
 //! [`FORKED_EXIT_CODE`] (a fork made by a raw system call, which runs no
 //! handler, is stopped there).
 //!
+//! The runtime's fork hooks ([`Runtime::before_fork`] and the after-fork
+//! ones) run around each `fork`. A runtime whose state lives on in targets
+//! ([`Runtime::keeps_inherited_descriptors`], an inherited Python
+//! interpreter) keeps the descriptors it inherits: the target then closes
+//! only the descriptors callreg itself opened (every Worker's channel
+//! ends, pidfds and staged payloads, tracked in a process-wide set,
+//! [`TrackedFd`]), not the interpreter's open files.
+//!
 //! A target: ignores SIGINT (Ctrl-C in a terminal reaches the parent only);
 //! asks the kernel for SIGKILL when the thread that forked it ends
 //! (`PR_SET_PDEATHSIG`) and checks `getppid` right after, closing the race
@@ -37,11 +45,12 @@
 //! `catch_unwind` and ends with `_exit`, so no destructor of the parent's
 //! state ever runs in a target.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -53,6 +62,43 @@ use nix::sys::socket::{
 };
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{ForkResult, Pid};
+
+use crate::runtime::Runtime;
+
+/// Every descriptor a [`TrackedFd`] owns in this process.
+static TRACKED: Mutex<BTreeSet<RawFd>> = Mutex::new(BTreeSet::new());
+
+fn tracked() -> MutexGuard<'static, BTreeSet<RawFd>> {
+    TRACKED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A descriptor callreg opened for a Worker (a pipe end): recorded in a
+/// process-wide set while open, so that a target forked by any Worker can
+/// close it even when it keeps the other descriptors it inherits.
+#[derive(Debug)]
+pub struct TrackedFd(OwnedFd);
+
+impl TrackedFd {
+    /// Records `fd` until this value is dropped.
+    pub fn new(fd: OwnedFd) -> TrackedFd {
+        tracked().insert(fd.as_raw_fd());
+        TrackedFd(fd)
+    }
+}
+
+impl AsFd for TrackedFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl Drop for TrackedFd {
+    fn drop(&mut self) {
+        // Forgotten before it closes (right after, with the field), so a
+        // number reused by another open is never in the set.
+        tracked().remove(&self.0.as_raw_fd());
+    }
+}
 
 /// Exit status of a target whose body panicked.
 pub const PANIC_EXIT_CODE: i32 = 101;
@@ -225,9 +271,9 @@ impl std::fmt::Display for Exit {
 pub struct TargetProcess {
     index: usize,
     pid: Pid,
-    control: Option<OwnedFd>,
-    reply: OwnedFd,
-    pidfd: Option<OwnedFd>,
+    control: Option<TrackedFd>,
+    reply: TrackedFd,
+    pidfd: Option<TrackedFd>,
     exit: Option<Exit>,
 }
 
@@ -364,6 +410,11 @@ impl Drop for TargetProcess {
 /// error are flushed before forking. On an error after some targets were
 /// forked, those are killed and reaped before returning.
 ///
+/// `runtime`'s fork hooks run around each fork: [`Runtime::before_fork`]
+/// and [`Runtime::after_fork_parent`] in this thread,
+/// [`Runtime::after_fork_child`] first thing in the target (before its
+/// signals and descriptors are set up).
+///
 /// The targets receive SIGKILL when the thread that called this function
 /// ends (`PR_SET_PDEATHSIG` follows the forking thread, not the process):
 /// call it from a thread that lives as long as the targets should.
@@ -372,13 +423,15 @@ impl Drop for TargetProcess {
 /// [`ProcessError::Threaded`] when the process runs other threads and
 /// `policy` refuses; [`ProcessError::Os`] when counting threads, `pipe2`,
 /// `socketpair` or `fork` fails.
-pub fn spawn_targets<F, B>(
+pub fn spawn_targets<R, F, B>(
     count: usize,
     policy: ThreadPolicy,
+    runtime: &R,
     before_body: B,
     body: F,
 ) -> Result<Vec<TargetProcess>, ProcessError>
 where
+    R: Runtime + ?Sized,
     F: Fn(TargetEnds) -> i32,
     B: Fn(usize),
 {
@@ -406,11 +459,23 @@ where
             nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(os("pipe2"))?;
         set_nonblocking(control_write.as_fd()).map_err(os("fcntl"))?;
         set_nonblocking(reply_read.as_fd()).map_err(os("fcntl"))?;
+        let (control_write, reply_read) =
+            (TrackedFd::new(control_write), TrackedFd::new(reply_read));
+        runtime.before_fork();
+        // Held across the fork: no other thread holds it then, and the
+        // child reads the set through this guard (its only thread).
+        let mut owned = Some(tracked());
         // SAFETY: the process is single-threaded here (checked above, or the
-        // caller accepted the risk); the child only calls async-signal-safe
-        // functions until it has closed the inherited descriptors, and it
-        // never returns from this function: it ends with `_exit`.
-        match unsafe { nix::unistd::fork() }.map_err(os("fork"))? {
+        // caller accepted the risk, as `os.fork` does); the child only calls
+        // async-signal-safe functions and the runtime's after-fork hook
+        // until it has closed the inherited descriptors, and it never
+        // returns from this function: it ends with `_exit`.
+        let forked = unsafe { nix::unistd::fork() };
+        if !matches!(forked, Ok(ForkResult::Child)) {
+            drop(owned.take());
+            runtime.after_fork_parent();
+        }
+        match forked.map_err(os("fork"))? {
             ForkResult::Parent { child } => {
                 drop(control_read);
                 drop(reply_write);
@@ -419,14 +484,22 @@ where
                     pid: child,
                     control: Some(control_write),
                     reply: reply_read,
-                    pidfd: pidfd_open(child),
+                    pidfd: pidfd_open(child).map(TrackedFd::new),
                     exit: None,
                 });
             }
             ForkResult::Child => {
                 let keep = [control_read.as_raw_fd(), reply_write.as_raw_fd()];
+                let owned: Vec<RawFd> = owned.iter().flat_map(|set| set.iter().copied()).collect();
+                runtime.after_fork_child();
+                let keeps_inherited = runtime.keeps_inherited_descriptors();
                 let code = catch_unwind(AssertUnwindSafe(|| {
-                    prepare_child(parent, &keep);
+                    prepare_child(parent);
+                    if keeps_inherited {
+                        close_tracked(&owned, &keep);
+                    } else {
+                        close_inherited(&keep);
+                    }
                     guard_channels(keep[0], keep[1]);
                     before_body(index);
                     body(TargetEnds {
@@ -452,8 +525,8 @@ fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<(), Errno> {
     Ok(())
 }
 
-/// Runs first in every target: signals, parent death, inherited descriptors.
-fn prepare_child(parent: Pid, keep: &[RawFd]) {
+/// Runs first in every target: signals, parent death.
+fn prepare_child(parent: Pid) {
     // SAFETY: installing SIG_IGN has no handler code to be unsafe about.
     let _ = unsafe { signal::signal(Signal::SIGINT, SigHandler::SigIgn) };
     // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and no pointer.
@@ -463,7 +536,18 @@ fn prepare_child(parent: Pid, keep: &[RawFd]) {
         // SAFETY: see the `_exit` in `spawn_targets`.
         unsafe { libc::_exit(ORPHAN_EXIT_CODE) }
     }
-    close_inherited(keep);
+}
+
+/// Closes the descriptors callreg opened in the parent (`owned`, read from
+/// the tracked set at fork) except `keep`.
+fn close_tracked(owned: &[RawFd], keep: &[RawFd]) {
+    for fd in owned {
+        if !keep.contains(fd) {
+            // SAFETY: the descriptor belongs to a Worker of the parent, which
+            // this target never uses (it ends with `_exit`).
+            unsafe { libc::close(*fd) };
+        }
+    }
 }
 
 /// Closes every descriptor above 2 except `keep`, close-on-exec or not:

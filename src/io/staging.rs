@@ -31,6 +31,7 @@ use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MFdFlags};
 use sha2::{Digest as _, Sha256};
 
+use super::process::TrackedFd;
 use crate::error::ErrorCode;
 
 /// The label of every staged payload's `memfd` (seen as
@@ -114,11 +115,13 @@ fn io_errno(e: &std::io::Error) -> Errno {
     Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
 }
 
-/// A staged payload owned by the parent: a sealed `memfd`. Dropping it
+/// A staged payload owned by the parent: a sealed `memfd` (a
+/// [`TrackedFd`], so that a target forked meanwhile by any Worker closes
+/// it even when its runtime keeps inherited descriptors). Dropping it
 /// closes the parent's descriptor; the memory goes with the last one.
 #[derive(Debug)]
 pub struct StagedPayload {
-    fd: OwnedFd,
+    fd: TrackedFd,
     size: u64,
 }
 
@@ -166,7 +169,7 @@ impl StagedPayload {
         fcntl(&fd, FcntlArg::F_ADD_SEALS(REQUIRED_SEALS)).map_err(os_error("F_ADD_SEALS"))?;
         Ok((
             StagedPayload {
-                fd,
+                fd: TrackedFd::new(fd),
                 size: bytes.len() as u64,
             },
             hasher.finalize().into(),

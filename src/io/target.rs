@@ -172,9 +172,13 @@ fn fit(frame: Frame, max: usize) -> Frame {
                         "the task's result of {} bytes does not fit in a frame of at most {max} bytes",
                         output.len()
                     ),
+                    exception: Vec::new(),
                 },
                 Err(failure) => failure,
             };
+            // An oversized failure loses its serialized exception first
+            // (the caller still gets the kind and message).
+            failure.exception.clear();
             truncate(&mut failure.kind, 64);
             truncate(
                 &mut failure.message,
@@ -684,6 +688,7 @@ impl<R: Runtime> Control<'_, R> {
                 code,
                 kind: String::new(),
                 message: message.to_owned(),
+                exception: Vec::new(),
             }),
         });
     }
@@ -831,11 +836,13 @@ fn call_caught<R: Runtime>(
             code: error.code,
             kind: error.kind,
             message: error.message,
+            exception: error.exception,
         }),
         Err(panic) => Err(TaskFailure {
             code: ErrorCode::TASK_FAILED,
             kind: "panic".to_owned(),
             message: panic_message(&*panic),
+            exception: Vec::new(),
         }),
     }
 }
@@ -850,6 +857,7 @@ fn hook_failure(list: &str, hook: &HookCall, when: &str, failure: TaskFailure) -
             "{list} hook {} failed{when}: {}: {}",
             hook.hashid, failure.kind, failure.message
         ),
+        exception: Vec::new(),
     }
 }
 
@@ -878,6 +886,7 @@ fn run_with_hooks<R: Runtime>(runtime: &R, run: &Run<R::Callable>) -> Result<Vec
                         code: ErrorCode::TASK_FAILED,
                         kind: "RetvalKeywordInvalid".to_owned(),
                         message: e.to_string(),
+                        exception: Vec::new(),
                     },
                 )
             })?;

@@ -52,7 +52,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::io::Read;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -64,7 +64,7 @@ use serde::Serialize;
 
 use super::failpoints;
 use super::handoff::{self, Completer, Pending};
-use super::process::{self, Exit, TargetProcess, ThreadPolicy};
+use super::process::{self, Exit, TargetProcess, ThreadPolicy, TrackedFd};
 use super::staging::StagedPayload;
 use super::target::{self, TargetSetup};
 use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
@@ -123,24 +123,30 @@ impl std::fmt::Display for OperationError {
         write!(f, "{}", self.error)?;
         for (i, (target, outcome)) in self.outcomes.iter().enumerate() {
             let sep = if i == 0 { "; outcomes: " } else { ", " };
-            write!(f, "{sep}{target}: ")?;
-            match outcome {
-                TargetOutcome::Ok => f.write_str("ok")?,
-                TargetOutcome::Failed { failure } => write!(f, "failed ({failure})")?,
-                TargetOutcome::Lost => f.write_str("lost")?,
-                TargetOutcome::TimedOut => f.write_str("timed out")?,
-                TargetOutcome::Fenced => f.write_str("fenced")?,
-                TargetOutcome::RolledBack => f.write_str("rolled back")?,
-                TargetOutcome::CleanupUnconfirmed { failure } => {
-                    write!(f, "cleanup unconfirmed ({failure})")?
-                }
-            }
+            write!(f, "{sep}{target}: {}", outcome_text(outcome))?;
         }
         Ok(())
     }
 }
 
 impl std::error::Error for OperationError {}
+
+/// One target's outcome as [`OperationError`]'s message shows it: `ok`,
+/// `failed (CODE: message)`, `lost`, `timed out`, `fenced`, `rolled back`
+/// or `cleanup unconfirmed (CODE: message)`.
+pub fn outcome_text(outcome: &TargetOutcome) -> String {
+    match outcome {
+        TargetOutcome::Ok => "ok".to_owned(),
+        TargetOutcome::Failed { failure } => format!("failed ({failure})"),
+        TargetOutcome::Lost => "lost".to_owned(),
+        TargetOutcome::TimedOut => "timed out".to_owned(),
+        TargetOutcome::Fenced => "fenced".to_owned(),
+        TargetOutcome::RolledBack => "rolled back".to_owned(),
+        TargetOutcome::CleanupUnconfirmed { failure } => {
+            format!("cleanup unconfirmed ({failure})")
+        }
+    }
+}
 
 /// A failed task: the error (code `TASK_FAILED` for a failure inside the
 /// callable, else e.g. `TARGET_LOST`, `DIGEST_NOT_INSTALLED`) naming the
@@ -153,6 +159,11 @@ pub struct TaskError {
     pub error: Error,
     /// The runtime's kind of failure, or empty.
     pub kind: String,
+    /// The runtime's serialized form of the failure, or empty (see
+    /// [`crate::runtime::RuntimeError::exception`]); the parent never
+    /// decodes it.
+    #[serde(skip)]
+    pub exception: Box<[u8]>,
 }
 
 /// What [`Worker::start`] did at each target, and the startup-snapshot
@@ -393,22 +404,55 @@ impl PendingTask {
     /// The task's [`TaskError`]; `LIFECYCLE_INVALID` if the Worker's IO
     /// thread ended without an answer.
     pub fn wait(self) -> Result<Vec<u8>, TaskError> {
-        self.pending.wait().unwrap_or_else(|abandoned| {
-            Err(TaskError {
-                error: Error::new(
-                    ErrorCode::LIFECYCLE_INVALID,
-                    OperationKind::Task,
-                    abandoned.to_string(),
-                ),
-                kind: String::new(),
-            })
-        })
+        self.pending.wait().unwrap_or_else(task_abandoned)
+    }
+
+    /// Waits at most `timeout`: `Ok` with what [`PendingTask::wait`] would
+    /// return, or `Err(self)` when the time is up (e.g. to check for
+    /// signals between slices, then wait again).
+    pub fn wait_timeout(
+        self,
+        timeout: Duration,
+    ) -> Result<Result<Vec<u8>, TaskError>, PendingTask> {
+        match self.pending.wait_timeout(timeout) {
+            Ok(result) => Ok(result.unwrap_or_else(task_abandoned)),
+            Err(pending) => Err(PendingTask { pending }),
+        }
+    }
+
+    /// Hands the result to `callback` instead of waiting: it runs exactly
+    /// once, on the Worker's IO thread when the result arrives (possibly
+    /// while the Worker's state lock is held), or at once in this thread
+    /// when the task is already complete. It must not block, nor call the
+    /// Worker: hand the result on
+    /// (e.g. push it into a channel) and return; above all it must not wait
+    /// for anything the IO thread's progress depends on (an interpreter
+    /// lock held by a thread that waits on this Worker).
+    pub fn on_complete<F>(self, callback: F)
+    where
+        F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
+    {
+        self.pending
+            .on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
     }
 
     /// Whether [`PendingTask::wait`] would return at once.
     pub fn is_complete(&self) -> bool {
         self.pending.is_complete()
     }
+}
+
+/// The error of a task whose completer was dropped unanswered.
+fn task_abandoned(abandoned: handoff::Abandoned) -> Result<Vec<u8>, TaskError> {
+    Err(TaskError {
+        error: Error::new(
+            ErrorCode::LIFECYCLE_INVALID,
+            OperationKind::Task,
+            abandoned.to_string(),
+        ),
+        kind: String::new(),
+        exception: Box::default(),
+    })
 }
 
 enum Request {
@@ -454,7 +498,7 @@ struct Core {
     requests: VecDeque<Request>,
     io_running: bool,
     /// Write end of the IO thread's wake pipe.
-    wake: Option<OwnedFd>,
+    wake: Option<TrackedFd>,
     pids: Vec<i32>,
     /// How lost targets ended.
     exits: BTreeMap<TargetId, Exit>,
@@ -771,6 +815,7 @@ impl<R: Runtime> Worker<R> {
                 .with_target(target)
                 .with_digest(handle.digest()),
                 kind: String::new(),
+                exception: Box::default(),
             }));
         } else {
             self.push(Request::Task {
@@ -959,6 +1004,7 @@ impl<R: Runtime> Worker<R> {
         let processes = process::spawn_targets(
             usize::from(self.targets),
             self.thread_policy,
+            &*self.runtime,
             |index| {
                 if cfg!(feature = "failpoints")
                     && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
@@ -1007,12 +1053,12 @@ impl<R: Runtime> Worker<R> {
             .map_err(OperationError::new)?;
         let (wake_read, wake_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
-        core.wake = Some(wake_write);
+        core.wake = Some(TrackedFd::new(wake_write));
         core.io_running = true;
         let io = IoLoop {
             shared: self.shared.clone(),
             links,
-            wake: wake_read,
+            wake: TrackedFd::new(wake_read),
             staged: BTreeMap::new(),
             ops: BTreeMap::new(),
             tasks: BTreeMap::new(),
@@ -1128,6 +1174,7 @@ fn refuse(request: Request, before_start: bool) {
         Request::Task { done, .. } => done.complete(Err(TaskError {
             error: lifecycle_error(OperationKind::Task, message),
             kind: String::new(),
+            exception: Box::default(),
         })),
         Request::Inspect { done } => drop(done),
         #[cfg(feature = "failpoints")]
@@ -1191,7 +1238,7 @@ struct Link {
     outbox: Vec<u8>,
     /// Staged payload descriptors waiting to go with the outbox byte at
     /// their offset (a register frame's first byte), in offset order.
-    outbox_fds: VecDeque<(usize, OwnedFd)>,
+    outbox_fds: VecDeque<(usize, TrackedFd)>,
 }
 
 /// The snapshot entries targets reported they could not install.
@@ -1449,7 +1496,7 @@ struct Context {
 struct IoLoop {
     shared: Arc<Shared>,
     links: Vec<Option<Link>>,
-    wake: OwnedFd,
+    wake: TrackedFd,
     staged: BTreeMap<StagingId, Staged>,
     ops: BTreeMap<OpId, OpWaiter>,
     tasks: BTreeMap<u64, TaskWaiter>,
@@ -1604,7 +1651,7 @@ impl IoLoop {
                     Ready::Ended(index) => {
                         // Its last replies first (a reply pipe that also
                         // closed was handled just before, as `Reply`).
-                        self.read_replies(&mut core, index, &mut chunk);
+                        self.read_replies(&mut core, index, &mut chunk, true);
                         let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
                         self.lose(&mut core, target, "its process ended");
                     }
@@ -1677,6 +1724,7 @@ impl IoLoop {
                 Err(error) => done.complete(Err(TaskError {
                     error,
                     kind: String::new(),
+                    exception: Box::default(),
                 })),
             },
             Request::Inspect { done } => {
@@ -1772,7 +1820,7 @@ impl IoLoop {
         frame: ControlFrame,
         context: &mut Context,
     ) {
-        let mut attached: Option<OwnedFd> = None;
+        let mut attached: Option<TrackedFd> = None;
         let wire = match frame {
             ControlFrame::Register {
                 seq,
@@ -1787,7 +1835,7 @@ impl IoLoop {
                             "its register's staged payload could not be duplicated",
                         );
                     };
-                    attached = Some(fd);
+                    attached = Some(TrackedFd::new(fd));
                     Frame::Register {
                         seq: seq.0,
                         digest,
@@ -1948,6 +1996,7 @@ impl IoLoop {
                         .with_digest(digest)
                         .with_seq(Seq(seq)),
                     kind: failure.kind,
+                    exception: failure.exception.into_boxed_slice(),
                 });
                 self.defer(waiter.done, result);
                 Ok(())
@@ -2086,6 +2135,7 @@ impl IoLoop {
                     .with_digest(waiter.digest)
                     .with_seq(Seq(seq)),
                     kind: String::new(),
+                    exception: Box::default(),
                 }));
             }
         }
@@ -2146,6 +2196,7 @@ impl IoLoop {
                 .with_digest(waiter.digest)
                 .with_seq(Seq(seq)),
                 kind: String::new(),
+                exception: Box::default(),
             }));
         }
         for mut waiter in std::mem::take(&mut self.inspects) {

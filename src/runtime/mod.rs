@@ -29,6 +29,12 @@ pub struct RuntimeError {
     /// The full message; for a Python task failure it ends with the last
     /// traceback lines.
     pub message: String,
+    /// The failure in the runtime's own serialized form, for a caller that
+    /// can rebuild it (the Python runtime: the raised exception pickled
+    /// with cloudpickle when available, for a task encoded
+    /// [`TaskEncoding::Pickle`]); empty when there is none or it could not
+    /// be serialized. Carried in the task result frame (`specs/wire.md`).
+    pub exception: Vec<u8>,
 }
 
 /// A target-side runtime.
@@ -45,6 +51,30 @@ pub trait Runtime: Send + Sync + 'static {
     /// # Errors
     /// A [`RuntimeError`] makes the target exit: it is reported lost.
     fn start(&self) -> Result<(), RuntimeError>;
+
+    /// Runs in the parent right before each target's `fork`, on the
+    /// forking thread (`crate::io::process::spawn_targets`). The default
+    /// does nothing; a runtime whose parent runs an interpreter takes that
+    /// interpreter's pre-fork steps here (`PythonRuntime::inherited`).
+    fn before_fork(&self) {}
+
+    /// Runs in the parent right after each `fork` (also when it failed),
+    /// undoing [`Runtime::before_fork`]. The default does nothing.
+    fn after_fork_parent(&self) {}
+
+    /// Runs in each new target right after `fork`, before anything else
+    /// that could touch the runtime (before [`Runtime::start`]). The
+    /// default does nothing.
+    fn after_fork_child(&self) {}
+
+    /// Whether targets keep the descriptors they inherit from the parent
+    /// (other than the Worker's own pipes, which are always closed): true
+    /// when the parent's runtime state lives on in the targets (an
+    /// inherited interpreter's open files), false (the default) to close
+    /// every inherited close-on-exec descriptor.
+    fn keeps_inherited_descriptors(&self) -> bool {
+        false
+    }
 
     /// Deserializes a serializer payload (the bytes after the SPYC header,
     /// already validated and digest-checked, borrowed straight from the
@@ -128,12 +158,14 @@ pub fn refuse_unhonoured_metadata(metadata: &CallableMetadata) -> Result<(), Run
                 "executor {:?} is unknown: this runtime has no executors",
                 metadata.executor_short_name()
             ),
+            exception: Vec::new(),
         });
     }
     let unsupported = |field: &str| RuntimeError {
         code: ErrorCode::METADATA_INVALID,
         kind: "MetadataUnsupported".to_owned(),
         message: format!("this runtime cannot honour the metadata field {field:?}"),
+        exception: Vec::new(),
     };
     if metadata.python.is_some() {
         return Err(unsupported("python"));
@@ -165,6 +197,7 @@ mod tests {
                 code: ErrorCode::EXECUTOR_UNKNOWN,
                 kind: "ExecutorUnknown".into(),
                 message: "executor \"python\" is unknown: this runtime has no executors".into(),
+                exception: Vec::new(),
             }
         );
         assert_eq!(
@@ -175,6 +208,7 @@ mod tests {
                 code: ErrorCode::METADATA_INVALID,
                 kind: "MetadataUnsupported".into(),
                 message: "this runtime cannot honour the metadata field \"python\"".into(),
+                exception: Vec::new(),
             }
         );
         assert_eq!(

@@ -3,9 +3,17 @@
 //!
 //! Rules this module keeps:
 //!
-//! * The interpreter starts only in a target, after `fork`
-//!   ([`PythonRuntime::start`] refuses to run where Python is already
-//!   initialised). The parent never calls into Python.
+//! * Two modes. Embedded ([`PythonRuntime::new`], what `callreg run` and a
+//!   Rust embedder use): the interpreter starts only in a target, after
+//!   `fork` ([`PythonRuntime::start`] refuses to run where Python is
+//!   already initialised), and the parent never calls into Python.
+//!   Inherited ([`PythonRuntime::inherited`], what the Python package
+//!   uses): the parent is a Python process; targets are forked with the
+//!   interpreter's own fork steps (`PyOS_BeforeFork`,
+//!   `PyOS_AfterFork_Parent`, `PyOS_AfterFork_Child`, as `os.fork` does,
+//!   so `os.register_at_fork` hooks run) and keep the inherited
+//!   interpreter; it is never initialised a second time. Even then the
+//!   Rust parent never deserializes a payload: only the targets do.
 //! * A payload is unpickled from a read-only `memoryview` over the borrowed
 //!   bytes (no copy), and the view is released before
 //!   [`PythonRuntime::deserialize`] returns, so nothing refers to the mapping
@@ -28,6 +36,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::c_char;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use pyo3::prelude::*;
@@ -43,6 +52,11 @@ use crate::metadata::{CallableMetadata, ExecutorSpec, RehydrateError, DEFAULT_EX
 mod checks;
 
 pub use checks::{BASH_SHELL, BASH_STDERR_TAIL_BYTES, BASH_STDERR_TAIL_LINES};
+
+/// `PyBUF_READ` (CPython's `Include/memoryobject.h`, stable since 3.3;
+/// PyO3 does not export it under the limited API, which the extension
+/// module's abi3 build uses).
+const PYBUF_READ: std::ffi::c_int = 0x100;
 
 /// How many of the innermost traceback frames a task failure's message keeps.
 pub const TRACEBACK_FRAMES_KEPT: usize = 6;
@@ -72,12 +86,20 @@ pub struct PythonRuntime {
     /// The executor registry, by short name; built in the parent, before
     /// the fork, so every target has the same one.
     executors: BTreeMap<String, Arc<dyn PythonExecutor>>,
+    /// Inherited mode ([`PythonRuntime::inherited`]): the parent is a
+    /// Python process and targets keep its interpreter.
+    inherited: bool,
+    /// Between [`Runtime::before_fork`] and [`Runtime::after_fork_parent`]:
+    /// whether `PyGILState_Ensure` found the GIL released (its state to
+    /// give back to `PyGILState_Release`).
+    fork_gil_unlocked: AtomicBool,
 }
 
 impl fmt::Debug for PythonRuntime {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PythonRuntime")
             .field("started", &self.functions.get().is_some())
+            .field("inherited", &self.inherited)
             .field("executors", &self.executors.keys().collect::<Vec<_>>())
             .finish()
     }
@@ -175,8 +197,9 @@ const HELPERS_MODULE: &str = "_callreg_metadata";
 struct PythonFunctions {
     /// `pickle.loads`.
     pickle_loads: Py<PyAny>,
-    /// `pickle.dumps`.
-    pickle_dumps: Py<PyAny>,
+    /// `cloudpickle.dumps` when installed, else `pickle.dumps`: pickled task
+    /// results and exceptions (a lambda can be a result).
+    result_dumps: Py<PyAny>,
     /// `pickle.HIGHEST_PROTOCOL`, the protocol of pickled task results.
     pickle_protocol: Py<PyAny>,
     /// `json.loads`.
@@ -252,7 +275,32 @@ impl PythonRuntime {
         PythonRuntime {
             functions: OnceLock::new(),
             executors,
+            inherited: false,
+            fork_gil_unlocked: AtomicBool::new(false),
         }
+    }
+
+    /// A runtime for a parent that is itself a Python process with an
+    /// initialised interpreter (a Python extension module): targets are
+    /// forked with the interpreter's fork steps ([`Runtime::before_fork`]
+    /// and the after-fork hooks, as `os.fork` does) and keep the
+    /// interpreter they inherit; [`Runtime::start`] never initialises
+    /// Python. Use it with [`crate::io::WorkerBuilder::accept_thread_risk`]
+    /// (a Python process usually runs other threads; `os.fork` forks
+    /// anyway, and so does this), and call `Worker::start` from a thread
+    /// attached to the interpreter or not, but not inside a PyO3 `attach`
+    /// that is still holding the GIL for this thread (detach first): the
+    /// hooks take the GIL themselves.
+    pub fn inherited() -> Self {
+        PythonRuntime {
+            inherited: true,
+            ..Self::new()
+        }
+    }
+
+    /// Whether this runtime is in inherited mode ([`PythonRuntime::inherited`]).
+    pub fn is_inherited(&self) -> bool {
+        self.inherited
     }
 
     /// Adds (or replaces, by short name) an executor in the registry. Call
@@ -281,6 +329,7 @@ impl PythonRuntime {
                 "no executor named {short_name:?} in this target (known: {})",
                 self.executor_names().join(", ")
             ),
+            exception: Vec::new(),
         })?;
         let attributes = executor
             .spec()
@@ -293,8 +342,10 @@ impl PythonRuntime {
     }
 
     /// Whether the Python interpreter is initialised in the calling
-    /// process. A parent (the process that owns a [`crate::io::Worker`])
-    /// must always see `false`: it never runs Python (DESIGN.md §1, §6).
+    /// process. A parent of embedded-mode targets (the process that owns a
+    /// [`crate::io::Worker`] over [`PythonRuntime::new`], e.g. `callreg
+    /// run`) must always see `false`: it never runs Python. In inherited
+    /// mode the parent is a Python process (`specs/python.md` §1).
     pub fn interpreter_initialized() -> bool {
         // SAFETY: `Py_IsInitialized` only reads a flag and may be called
         // before the interpreter exists.
@@ -312,7 +363,97 @@ impl PythonRuntime {
             code: ErrorCode::LIFECYCLE_INVALID,
             kind: KIND_NOT_STARTED.to_owned(),
             message: "the Python runtime was used before it started in this target".to_owned(),
+            exception: Vec::new(),
         })
+    }
+}
+
+impl PythonRuntime {
+    /// [`Runtime::start`] in inherited mode: the interpreter must already
+    /// run (inherited through `fork`, after [`Runtime::after_fork_child`]).
+    /// Ignores SIGINT, releases the GIL this thread holds since the fork
+    /// (so the target's threads can attach), then imports what the runtime
+    /// calls.
+    fn start_inherited(&self) -> Result<(), RuntimeError> {
+        // SAFETY: `Py_IsInitialized` only reads a flag.
+        if unsafe { ffi::Py_IsInitialized() } == 0 || self.functions.get().is_some() {
+            return Err(RuntimeError {
+                code: ErrorCode::LIFECYCLE_INVALID,
+                kind: "InterpreterNotInherited".to_owned(),
+                message: "an inherited Python runtime starts once, in a target forked from \
+                          a Python process"
+                    .to_owned(),
+                exception: Vec::new(),
+            });
+        }
+        // SAFETY: as in `start`: SIG_IGN installs no handler function.
+        unsafe {
+            nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGINT,
+                nix::sys::signal::SigHandler::SigIgn,
+            )
+        }
+        .map_err(|errno| RuntimeError {
+            code: ErrorCode::TARGET_LOST,
+            kind: "SignalSetupFailed".to_owned(),
+            message: format!("could not ignore SIGINT in the target: {errno}"),
+            exception: Vec::new(),
+        })?;
+        // SAFETY: this thread holds the GIL since `before_fork` (kept by
+        // `after_fork_child`); saving its thread state releases the GIL, and
+        // later attaches on this thread restore it (`PyGILState_Ensure`
+        // finds the thread's state).
+        unsafe {
+            ffi::PyEval_SaveThread();
+        }
+        self.import_functions()
+    }
+
+    /// Imports the standard-library functions the runtime calls and
+    /// compiles the helper module; the runtime is started once they are set.
+    fn import_functions(&self) -> Result<(), RuntimeError> {
+        let functions = Python::attach(|py| {
+            let import = || -> PyResult<PythonFunctions> {
+                let pickle = py.import("pickle")?;
+                let json = py.import("json")?;
+                let traceback = py.import("traceback")?;
+                // Optional: a plain-pickle payload does not need it, and a
+                // cloudpickle payload without it fails with a clear
+                // `ModuleNotFoundError` when deserialized.
+                let cloudpickle = py.import("cloudpickle").ok();
+                let helpers = PyModule::from_code(
+                    py,
+                    checks::HELPERS_SOURCE,
+                    c"_callreg_metadata.py",
+                    c"_callreg_metadata",
+                )?;
+                Ok(PythonFunctions {
+                    pickle_loads: pickle.getattr("loads")?.unbind(),
+                    result_dumps: match &cloudpickle {
+                        Some(module) => module.getattr("dumps")?.unbind(),
+                        None => pickle.getattr("dumps")?.unbind(),
+                    },
+                    pickle_protocol: pickle.getattr("HIGHEST_PROTOCOL")?.unbind(),
+                    json_loads: json.getattr("loads")?.unbind(),
+                    json_dumps: json.getattr("dumps")?.unbind(),
+                    format_tb: traceback.getattr("format_tb")?.unbind(),
+                    helpers: helpers.unbind(),
+                })
+            };
+            import().map_err(|err| {
+                let (kind, message) = describe_exception(py, &err);
+                RuntimeError {
+                    code: ErrorCode::TARGET_LOST,
+                    kind,
+                    message: format!("starting the Python runtime failed: {message}"),
+                    exception: Vec::new(),
+                }
+            })
+        })?;
+        // `start` runs once per target; a concurrent second call lost the
+        // race above only if the caller broke that contract.
+        let _ = self.functions.set(functions);
+        Ok(())
     }
 }
 
@@ -336,6 +477,9 @@ impl Runtime for PythonRuntime {
     /// when a standard module cannot be imported; `TARGET_LOST` with kind
     /// `SignalSetupFailed` when SIGINT cannot be ignored.
     fn start(&self) -> Result<(), RuntimeError> {
+        if self.inherited {
+            return self.start_inherited();
+        }
         // SAFETY: `Py_IsInitialized` only reads a flag and may be called
         // before the interpreter exists.
         if unsafe { ffi::Py_IsInitialized() } != 0 || self.functions.get().is_some() {
@@ -345,6 +489,7 @@ impl Runtime for PythonRuntime {
                 message: "the Python interpreter is already initialised in this process; \
                           it must start only once, in a forked target"
                     .to_owned(),
+                exception: Vec::new(),
             });
         }
         // SAFETY: installing SIG_IGN sets no handler function, so no
@@ -359,46 +504,72 @@ impl Runtime for PythonRuntime {
             code: ErrorCode::TARGET_LOST,
             kind: "SignalSetupFailed".to_owned(),
             message: format!("could not ignore SIGINT before starting Python: {errno}"),
+            exception: Vec::new(),
         })?;
         Python::initialize();
-        let functions = Python::attach(|py| {
-            let import = || -> PyResult<PythonFunctions> {
-                let pickle = py.import("pickle")?;
-                let json = py.import("json")?;
-                let traceback = py.import("traceback")?;
-                // Optional: a plain-pickle payload does not need it, and a
-                // cloudpickle payload without it fails with a clear
-                // `ModuleNotFoundError` when deserialized.
-                let _ = py.import("cloudpickle");
-                let helpers = PyModule::from_code(
-                    py,
-                    checks::HELPERS_SOURCE,
-                    c"_callreg_metadata.py",
-                    c"_callreg_metadata",
-                )?;
-                Ok(PythonFunctions {
-                    pickle_loads: pickle.getattr("loads")?.unbind(),
-                    pickle_dumps: pickle.getattr("dumps")?.unbind(),
-                    pickle_protocol: pickle.getattr("HIGHEST_PROTOCOL")?.unbind(),
-                    json_loads: json.getattr("loads")?.unbind(),
-                    json_dumps: json.getattr("dumps")?.unbind(),
-                    format_tb: traceback.getattr("format_tb")?.unbind(),
-                    helpers: helpers.unbind(),
-                })
-            };
-            import().map_err(|err| {
-                let (kind, message) = describe_exception(py, &err);
-                RuntimeError {
-                    code: ErrorCode::TARGET_LOST,
-                    kind,
-                    message: format!("starting the Python runtime failed: {message}"),
-                }
-            })
-        })?;
-        // `start` runs once per target; a concurrent second call lost the
-        // race above only if the caller broke that contract.
-        let _ = self.functions.set(functions);
-        Ok(())
+        self.import_functions()
+    }
+
+    /// In inherited mode: takes the GIL for this thread and runs the
+    /// interpreter's before-fork steps (`PyOS_BeforeFork`: the
+    /// `os.register_at_fork(before=...)` hooks, then the import lock).
+    /// No-op in embedded mode.
+    fn before_fork(&self) {
+        if !self.inherited {
+            return;
+        }
+        // SAFETY: in inherited mode the interpreter is initialised (the
+        // parent is a Python process). `PyGILState_Ensure` attaches this
+        // thread (creating its thread state if needed) and takes the GIL,
+        // which `PyOS_BeforeFork` requires; the matching release is in
+        // `after_fork_parent` (and, in the target, `start_inherited`).
+        unsafe {
+            let state = ffi::PyGILState_Ensure();
+            self.fork_gil_unlocked.store(
+                matches!(state, ffi::PyGILState_STATE::PyGILState_UNLOCKED),
+                Ordering::SeqCst,
+            );
+            ffi::PyOS_BeforeFork();
+        }
+    }
+
+    /// In inherited mode: `PyOS_AfterFork_Parent` (the `after_in_parent`
+    /// hooks), then gives the GIL back as [`Runtime::before_fork`] found it.
+    fn after_fork_parent(&self) {
+        if !self.inherited {
+            return;
+        }
+        let state = if self.fork_gil_unlocked.load(Ordering::SeqCst) {
+            ffi::PyGILState_STATE::PyGILState_UNLOCKED
+        } else {
+            ffi::PyGILState_STATE::PyGILState_LOCKED
+        };
+        // SAFETY: pairs with `before_fork` on this thread, which holds the
+        // GIL since then.
+        unsafe {
+            ffi::PyOS_AfterFork_Parent();
+            ffi::PyGILState_Release(state);
+        }
+    }
+
+    /// In inherited mode, in the new target: `PyOS_AfterFork_Child` (resets
+    /// the interpreter's locks and threads to this one, runs the
+    /// `after_in_child` hooks). The GIL stays held until
+    /// [`Runtime::start`] releases it.
+    fn after_fork_child(&self) {
+        if !self.inherited {
+            return;
+        }
+        // SAFETY: called once in the child right after `fork`, on the thread
+        // that forked, which holds the GIL (taken in `before_fork`).
+        unsafe { ffi::PyOS_AfterFork_Child() }
+    }
+
+    /// True in inherited mode: the interpreter's open files (its
+    /// close-on-exec descriptors, e.g. `sys.stdout` redirected to a file)
+    /// stay valid in targets.
+    fn keeps_inherited_descriptors(&self) -> bool {
+        self.inherited
     }
 
     /// Unpickles `payload` (cloudpickle bytes, borrowed from the read-only
@@ -426,6 +597,7 @@ impl Runtime for PythonRuntime {
                         code: ErrorCode::DESERIALIZE_FAILED,
                         kind,
                         message,
+                        exception: Vec::new(),
                     }
                 })?;
             if !object.is_callable() {
@@ -436,6 +608,7 @@ impl Runtime for PythonRuntime {
                         "the payload unpickled to an object of type '{}', which is not callable",
                         type_name(&object.get_type())
                     ),
+                    exception: Vec::new(),
                 });
             }
             Ok(PythonCallable {
@@ -550,6 +723,7 @@ impl Runtime for PythonRuntime {
                 code: ErrorCode::TASK_FAILED,
                 kind,
                 message: format!("a finalizer raised: {text}{more}"),
+                exception: Vec::new(),
             })
         })
     }
@@ -596,7 +770,7 @@ impl Runtime for PythonRuntime {
                 }
                 None => object.call(args, Some(&kwargs)),
             }
-            .map_err(|err| task_failure(py, functions, &err))?;
+            .map_err(|err| task_failure(py, functions, &err, encoding))?;
             match encoding {
                 TaskEncoding::Json => json_result(py, functions, &result),
                 TaskEncoding::Pickle => pickle_result(py, functions, &result),
@@ -618,6 +792,7 @@ fn rehydrate_error(error: RehydrateError) -> RuntimeError {
         code: error.code(),
         kind: kind.to_owned(),
         message: error.to_string(),
+        exception: Vec::new(),
     }
 }
 
@@ -694,7 +869,7 @@ fn loads_borrowed<'py>(
     let view = unsafe {
         Bound::from_owned_ptr_or_err(
             py,
-            ffi::PyMemoryView_FromMemory(bytes.as_ptr() as *mut c_char, len, ffi::PyBUF_READ),
+            ffi::PyMemoryView_FromMemory(bytes.as_ptr() as *mut c_char, len, PYBUF_READ),
         )?
     };
     let loaded = pickle_loads.call1((&view,));
@@ -717,6 +892,7 @@ fn json_input<'py>(
         code: ErrorCode::TASK_FAILED,
         kind: KIND_INPUT_INVALID.to_owned(),
         message,
+        exception: Vec::new(),
     };
     let text = std::str::from_utf8(input)
         .map_err(|err| invalid(format!("the task input is not UTF-8: {err}")))?;
@@ -776,6 +952,7 @@ fn pickle_input<'py>(
         code: ErrorCode::TASK_FAILED,
         kind: KIND_INPUT_INVALID.to_owned(),
         message,
+        exception: Vec::new(),
     };
     let decoded = loads_borrowed(py, functions.pickle_loads.bind(py), input).map_err(|err| {
         let (kind, message) = describe_exception(py, &err);
@@ -843,7 +1020,7 @@ fn pickle_result(
     result: &Bound<'_, PyAny>,
 ) -> Result<Vec<u8>, RuntimeError> {
     let encoded = functions
-        .pickle_dumps
+        .result_dumps
         .bind(py)
         .call1((result, functions.pickle_protocol.bind(py)))
         .map_err(|err| unencodable_result(py, &err, result, "picklable"))?;
@@ -868,6 +1045,7 @@ fn unencodable_result(
             "the task's result of type '{}' is not {what}: {message}",
             type_name(&result.get_type())
         ),
+        exception: Vec::new(),
     }
 }
 
@@ -879,21 +1057,40 @@ fn unencodable_result_text(result: &Bound<'_, PyAny>, reason: &str) -> RuntimeEr
             "the task's result of type '{}' could not be encoded: {reason}",
             type_name(&result.get_type())
         ),
+        exception: Vec::new(),
     }
 }
 
 /// A `TASK_FAILED` error for an exception raised by the task, with the last
-/// traceback frames appended to the message.
-fn task_failure(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> RuntimeError {
+/// traceback frames appended to the message and, for a pickle-encoded task,
+/// the exception object pickled as results are (empty when that fails: the
+/// kind and message still say what happened).
+fn task_failure(
+    py: Python<'_>,
+    functions: &PythonFunctions,
+    err: &PyErr,
+    encoding: TaskEncoding,
+) -> RuntimeError {
     let (kind, mut message) = describe_exception(py, err);
     if let Some(frames) = traceback_tail(py, functions, err) {
         message.push('\n');
         message.push_str(&frames);
     }
+    let exception = match encoding {
+        TaskEncoding::Json => Vec::new(),
+        TaskEncoding::Pickle => functions
+            .result_dumps
+            .bind(py)
+            .call1((err.value(py), functions.pickle_protocol.bind(py)))
+            .ok()
+            .and_then(|b| b.cast::<PyBytes>().ok().map(|b| b.as_bytes().to_vec()))
+            .unwrap_or_default(),
+    };
     RuntimeError {
         code: ErrorCode::TASK_FAILED,
         kind,
         message,
+        exception,
     }
 }
 

@@ -62,6 +62,7 @@ fn deserialize_error(message: String) -> RuntimeError {
         code: ErrorCode::DESERIALIZE_FAILED,
         kind: "TestDeserializeError".to_owned(),
         message,
+        exception: Vec::new(),
     }
 }
 
@@ -70,6 +71,7 @@ fn task_error(kind: &str, message: String) -> RuntimeError {
         code: ErrorCode::TASK_FAILED,
         kind: kind.to_owned(),
         message,
+        exception: Vec::new(),
     }
 }
 

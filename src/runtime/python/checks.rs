@@ -113,6 +113,7 @@ fn helper<'py, T: FromPyObjectOwned<'py>>(
                 code,
                 kind,
                 message: format!("checking the metadata failed in {name}: {message}"),
+                exception: Vec::new(),
             }
         })
 }
@@ -134,6 +135,7 @@ pub(super) fn check_versions(
         code: ErrorCode::PYTHON_VERSION_MISMATCH,
         kind: kind.to_owned(),
         message,
+        exception: Vec::new(),
     };
     let target: String = helper(
         py,
@@ -202,6 +204,7 @@ pub(super) fn check_pip(
             code: ErrorCode::DEPS_UNSATISFIED,
             kind,
             message,
+            exception: Vec::new(),
         }
     })?;
     let checked: Option<Vec<String>> = helper(
@@ -252,6 +255,7 @@ pub(super) fn check_pip(
             code: ErrorCode::DEPS_UNSATISFIED,
             kind: "PipRequirementUnsatisfied".to_owned(),
             message: format!("deps.pip is not satisfied: {}", problems.join("; ")),
+            exception: Vec::new(),
         })
     }
 }
@@ -292,6 +296,7 @@ pub(super) fn run_bash(commands: &[String]) -> Result<(), RuntimeError> {
                 "deps.bash command {} of {count} ({command:?}) {what}",
                 index + 1
             ),
+            exception: Vec::new(),
         };
         let mut child = Command::new(BASH_SHELL)
             .arg("-c")

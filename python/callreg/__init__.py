@@ -1,0 +1,704 @@
+"""callreg: register Python callables into forked worker processes by
+content identity, and run tasks on them as futures.
+
+A :class:`Worker` forks *targets* (child processes) from the calling
+interpreter. :meth:`Worker.register` packs a callable with
+``cloudpickle.dumps`` into a SPYC envelope, whose hashid (``sha256:...``)
+names it everywhere, and installs it in every target; the returned
+:class:`Handle` runs tasks with :meth:`Worker.submit` (a
+:class:`concurrent.futures.Future`), :meth:`Worker.call`,
+:meth:`Worker.call_all` and :meth:`Worker.map`::
+
+    import callreg
+
+    scale = 3
+    with callreg.Worker(4) as w:
+        w.start()
+        h = w.register(lambda x: x * scale)
+        print(w.call_all(h, 14))         # {0: 42, 1: 42, 2: 42, 3: 42}
+        w.unregister(h)
+
+Process model (Linux):
+
+* :meth:`Worker.start` forks the targets with the interpreter's own fork
+  steps, as :func:`os.fork` does (``os.register_at_fork`` hooks run, the
+  child's interpreter is valid). Like :func:`os.fork`, it forks even when
+  the process runs other threads: only the calling thread exists in a
+  target, and a lock another thread held at that moment stays held there
+  (an idle extra thread is harmless; CPython itself warns about this
+  since 3.12). Call it from a thread that lives as long as the Worker
+  (targets are killed when the thread that forked them ends), usually the
+  main thread.
+* A target keeps the interpreter it inherited: the modules imported and
+  the globals set before ``start()`` are there. Every callable, whether
+  registered before or after ``start()``, is installed in the target from
+  its envelope (``cloudpickle.loads``), so both behave the same: a
+  callable registered before ``start()`` is not the parent's original
+  object, and state it holds is a copy per target.
+* Arguments and results travel pickled with cloudpickle both ways (a
+  lambda can be an argument or a result). A task's exception reaches the
+  caller as :class:`TaskError` with the remote type, message and traceback,
+  and the original exception as ``__cause__`` when it unpickles here.
+* Every wait releases the GIL. Ctrl-C while :meth:`Worker.call` waits
+  raises :class:`KeyboardInterrupt` in the caller and leaves the Worker
+  usable (the task still finishes in its target; its result is dropped).
+* Tasks cannot be cancelled and have no deadline of their own; a task ends
+  when its target answers, is lost (e.g. killed: :class:`TargetLostError`)
+  or the Worker closes (:class:`LifecycleError`).
+* :meth:`Worker.close` (also on leaving a ``with`` block, when the Worker
+  is garbage-collected, and at interpreter exit) stops and reaps the
+  targets; staged payloads are sealed anonymous memory files that the
+  kernel frees with their last descriptor (nothing is ever named in
+  ``/dev/shm``).
+* An ``async def`` function is refused by :meth:`Worker.register` (its call
+  would only return a coroutine); register a plain function that runs it,
+  e.g. ``lambda *a: asyncio.run(coro_fn(*a))``. A generator function's call
+  returns a generator, which cannot be pickled: the task fails with
+  :class:`TaskError` (``remote_type`` ``"TypeError"``); return a list.
+"""
+
+import concurrent.futures
+import inspect as _inspect
+import json
+import os
+import pickle
+import platform
+import threading
+import time
+import weakref
+
+import cloudpickle
+
+from callreg import _callreg
+
+__all__ = [
+    "Worker",
+    "Handle",
+    "pack",
+    "hashid",
+    "CallregError",
+    "RegisterError",
+    "HandleError",
+    "TargetLostError",
+    "LifecycleError",
+    "EnvelopeError",
+    "TaskError",
+    "DEFAULT_MAX_FRAME_BYTES",
+]
+
+DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
+"""The default bound (bytes) on one task's pickled arguments, and on its
+pickled result, with a few bytes of framing."""
+
+KIND = "PYTHON_SERIALIZED"
+"""The descriptor kind of every handle."""
+
+NAMESPACE = "LOCAL_PYTHON"
+"""The target namespace of every handle."""
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+# --------------------------------------------------------------------------
+# Exceptions
+
+
+class CallregError(Exception):
+    """A failed callreg operation.
+
+    ``code`` is the error code (e.g. ``"REGISTER_PARTIAL_FAILURE"``);
+    ``operation`` what was being done (``"register"``, ``"task"``, ...);
+    ``target`` the target id, ``hashid`` the callable's hashid and ``seq``
+    the operation's sequence number, each ``None`` where not applicable.
+    ``str()`` is the full message."""
+
+    def __init__(self, message, *, code, operation=None, target=None, hashid=None, seq=None):
+        super().__init__(message)
+        self.code = code
+        self.operation = operation
+        self.target = target
+        self.hashid = hashid
+        self.seq = seq
+
+
+class RegisterError(CallregError):
+    """A register (or unregister) failed; ``outcomes`` maps every target id
+    in its scope to what it did (``"ok"``, ``"failed (CODE: message)"``,
+    ``"rolled back"``, ``"lost"``, ...). After a partial failure the register
+    was rolled back everywhere: the Worker stays usable."""
+
+    def __init__(self, message, *, outcomes=None, **fields):
+        super().__init__(message, **fields)
+        self.outcomes = dict(outcomes or {})
+
+
+class HandleError(CallregError):
+    """A handle was refused: ``code`` is ``"HANDLE_FOREIGN"`` (not issued by
+    this Worker, or not a handle at all), ``"HANDLE_STALE"`` (unregistered),
+    ``"HANDLE_MUTATED"`` or ``"HANDLE_WRONG_NAMESPACE"``."""
+
+
+class TargetLostError(CallregError):
+    """The target died or was stopped before the task's result arrived, or
+    there is no live target (``code`` ``"TARGET_LOST"`` or
+    ``"NO_LIVE_TARGET"``)."""
+
+
+class LifecycleError(CallregError):
+    """Not allowed in the Worker's state: not started yet, already closed,
+    or closed while the task was pending (``code`` ``"LIFECYCLE_INVALID"``)."""
+
+
+class EnvelopeError(CallregError):
+    """Bytes are not a valid SPYC envelope (``code`` ``"ENVELOPE_INVALID"``)."""
+
+
+class TaskError(CallregError):
+    """The task raised (``code`` ``"TASK_FAILED"``): ``remote_type`` is the
+    exception's type name as the target saw it (``"ZeroDivisionError"``,
+    ``"mymodule.MyError"``), ``remote_traceback`` its formatted traceback
+    (its innermost frames, file names without directories) or ``None``;
+    ``__cause__`` is the original exception when it unpickles here."""
+
+    def __init__(self, message, *, remote_type=None, remote_traceback=None, **fields):
+        super().__init__(message, **fields)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
+_BY_CODE = {
+    "HANDLE_FOREIGN": HandleError,
+    "HANDLE_STALE": HandleError,
+    "HANDLE_MUTATED": HandleError,
+    "HANDLE_WRONG_NAMESPACE": HandleError,
+    "TARGET_LOST": TargetLostError,
+    "NO_LIVE_TARGET": TargetLostError,
+    "LIFECYCLE_INVALID": LifecycleError,
+    "ENVELOPE_INVALID": EnvelopeError,
+    "TASK_FAILED": TaskError,
+    "REGISTER_PARTIAL_FAILURE": RegisterError,
+    "REGISTER_CLEANUP_UNCERTAIN": RegisterError,
+    "REGISTER_TOMBSTONE_ACTIVE": RegisterError,
+    "UNREGISTER_PARTIAL_FAILURE": RegisterError,
+    "UNREGISTER_TOMBSTONE_ACTIVE": RegisterError,
+    "LOCAL_SLOT_EXHAUSTED": RegisterError,
+}
+
+_TRACEBACK_HEADER = "Traceback (most recent call last):"
+
+
+def _error(raw):
+    """The exception for a ``RawError``'s field dict."""
+    fields = raw.args[0] if isinstance(raw, _callreg.RawError) else raw
+    code = fields["code"]
+    cls = _BY_CODE.get(code, CallregError)
+    common = dict(
+        code=code,
+        operation=fields["operation"],
+        target=fields["target"],
+        hashid=fields["hashid"],
+        seq=fields["seq"],
+    )
+    if cls is TaskError:
+        message = fields["message"]
+        cut = message.find("\n" + _TRACEBACK_HEADER)
+        traceback = message[cut + 1 :] if cut >= 0 else None
+        text = message[:cut] if cut >= 0 else message
+        kind = fields["kind"] or None
+        shown = "%s: %s" % (kind, text) if kind else text
+        error = TaskError(
+            "%s (target %s, hashid %s)%s"
+            % (shown, fields["target"], fields["hashid"], "\n" + traceback if traceback else ""),
+            remote_type=kind,
+            remote_traceback=traceback,
+            **common,
+        )
+        blob = fields["exception"]
+        if blob is not None:
+            try:
+                cause = pickle.loads(blob)
+            except Exception:
+                cause = None
+            if isinstance(cause, BaseException):
+                error.__cause__ = cause
+        return error
+    if cls is RegisterError or fields["outcomes"]:
+        outcomes = {target: outcome for target, outcome in fields["outcomes"]}
+        if cls is CallregError:
+            cls = RegisterError
+        return cls(fields["full"], outcomes=outcomes, **common)
+    return cls(fields["full"], **common)
+
+
+def _raise(raw):
+    error = _error(raw)
+    raise error from error.__cause__
+
+
+# --------------------------------------------------------------------------
+# Envelopes and hashids
+
+
+def pack(fn):
+    """The SPYC envelope (bytes) of ``cloudpickle.dumps(fn)``: a 16-byte
+    header then the payload. Raises what cloudpickle raises for an object it
+    cannot pickle."""
+    return _callreg.encode_envelope(cloudpickle.dumps(fn, protocol=_PROTOCOL))
+
+
+def hashid(obj):
+    """The hashid (``"sha256:"`` + 64 hex digits) of envelope bytes, of a
+    :class:`Handle`, or of a callable (via :func:`pack`; two packs of one
+    function give one hashid). Raises :class:`EnvelopeError` for bytes that
+    are not an envelope, ``TypeError`` for anything else."""
+    if isinstance(obj, Handle):
+        return obj.hashid
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        try:
+            return _callreg.envelope_hashid(bytes(obj))
+        except _callreg.RawError as raw:
+            _raise(raw)
+    if callable(obj):
+        return _callreg.envelope_hashid(pack(obj))
+    raise TypeError("hashid() takes envelope bytes, a Handle or a callable, not %s" % type(obj).__name__)
+
+
+def _default_metadata(name):
+    return {
+        "name": name,
+        "python": {
+            "version": platform.python_version(),
+            "serializer": "cloudpickle",
+            "serializer_version": cloudpickle.__version__,
+        },
+    }
+
+
+def _hook_list(hooks, key):
+    if not isinstance(hooks, (list, tuple)):
+        raise TypeError("metadata[%r] must be a list of hook calls" % key)
+    out = []
+    for hook in hooks:
+        if isinstance(hook, dict) and isinstance(hook.get("hashid"), Handle):
+            hook = dict(hook, hashid=hook["hashid"].hashid)
+        out.append(hook)
+    return out
+
+
+def _merge_metadata(base, metadata):
+    if metadata is None:
+        return base
+    if not isinstance(metadata, dict):
+        raise TypeError("metadata must be a dict, not %s" % type(metadata).__name__)
+    merged = dict(base or {})
+    for key, value in metadata.items():
+        if key in ("call_before", "call_after"):
+            value = _hook_list(value, key)
+        merged[key] = value
+    return merged
+
+
+def _callable_name(fn):
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if not isinstance(name, str) or not name:
+        func = getattr(fn, "func", None)  # functools.partial
+        name = getattr(func, "__qualname__", None) or type(fn).__qualname__
+    return name
+
+
+# --------------------------------------------------------------------------
+# Handles
+
+
+class Handle:
+    """A registration, returned by :meth:`Worker.register`: immutable,
+    hashable, equal only to itself (two registers of one function give two
+    unequal handles with one hashid). It cannot be pickled or built by hand;
+    another Worker refuses it (:class:`HandleError`, ``HANDLE_FOREIGN``), and
+    so does its own after :meth:`Worker.unregister` (``HANDLE_STALE``)."""
+
+    __slots__ = ("_raw", "__weakref__")
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("a Handle is returned by Worker.register, not built directly")
+
+    @classmethod
+    def _of(cls, raw):
+        handle = object.__new__(cls)
+        object.__setattr__(handle, "_raw", raw)
+        return handle
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a Handle is immutable")
+
+    def __delattr__(self, name):
+        raise AttributeError("a Handle is immutable")
+
+    def __reduce__(self):
+        raise TypeError("a Handle cannot be pickled: it is valid only in the Worker that issued it")
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    @property
+    def hashid(self):
+        """The callable's hashid, ``"sha256:"`` + 64 lowercase hex digits."""
+        return self._raw.hashid
+
+    @property
+    def digest(self):
+        """The hashid's 32 bytes."""
+        return self._raw.digest
+
+    @property
+    def kind(self):
+        """``"PYTHON_SERIALIZED"``."""
+        return KIND
+
+    @property
+    def namespace(self):
+        """``"LOCAL_PYTHON"``."""
+        return self._raw.namespace
+
+    def __repr__(self):
+        return "<callreg.Handle %s #%d %s>" % (self.hashid, self._raw.handle_id, self.namespace)
+
+
+def _raw_handle(handle):
+    if not isinstance(handle, Handle):
+        raise HandleError(
+            "%r is not a Handle returned by Worker.register" % (handle,),
+            code="HANDLE_FOREIGN",
+            operation="resolve",
+        )
+    return handle._raw
+
+
+# --------------------------------------------------------------------------
+# The Worker
+
+
+class _Dispatch:
+    """Futures waiting for results, and the thread that resolves them. Holds
+    no reference to its Worker (so the Worker can be garbage-collected)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.lock = threading.Lock()
+        self.futures = {}
+        self.thread = None
+
+    def start(self):
+        """Starts the thread once (at the Worker's start, or at the first
+        submit, which before start fails at once)."""
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self.run, name="callreg-dispatch", daemon=True)
+                self.thread.start()
+
+    def run(self):
+        raw, lock, futures = self.raw, self.lock, self.futures
+        while True:
+            batch = raw.next_completions(0.5)
+            if batch is None:
+                break
+            for task, output, error in batch:
+                with lock:
+                    future = futures.pop(task, None)
+                if future is None:
+                    continue
+                if error is None:
+                    try:
+                        value = pickle.loads(output)
+                    except BaseException as exc:  # an unpicklable result
+                        future.set_exception(exc)
+                    else:
+                        future.set_result(value)
+                else:
+                    future.set_exception(_error(error))
+        self.fail_remaining()
+
+    def fail_remaining(self):
+        with self.lock:
+            left = list(self.futures.values())
+            self.futures.clear()
+        for future in left:
+            if not future.done():
+                future.set_exception(
+                    LifecycleError(
+                        "the Worker closed before the task's result arrived",
+                        code="LIFECYCLE_INVALID",
+                        operation="task",
+                    )
+                )
+
+
+def _shutdown(raw, dispatch):
+    """Closes a Worker: at :meth:`Worker.close`, garbage collection or exit."""
+    raw.close()
+    thread = dispatch.thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+    dispatch.fail_remaining()
+
+
+def _positive_int(name, value, limit):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("%s must be an int, not %s" % (name, type(value).__name__))
+    if not 1 <= value <= limit:
+        raise ValueError("%s must be between 1 and %d, got %d" % (name, limit, value))
+    return value
+
+
+class Worker:
+    """A parent with ``targets`` forked child processes (``None``: one per
+    CPU, ``os.cpu_count()``), not started until :meth:`start`.
+
+    ``control_timeout`` (seconds): how long a target has to answer a
+    register or unregister, and to be ready at start. ``slot_capacity``:
+    callables a target holds at once. ``max_frame_bytes``: bound on one
+    task's pickled arguments and on its pickled result
+    (:data:`DEFAULT_MAX_FRAME_BYTES`).
+
+    Thread-safe: any number of threads may submit at once. A context
+    manager: leaving a ``with`` block closes it."""
+
+    def __init__(
+        self,
+        targets=None,
+        *,
+        control_timeout=30.0,
+        slot_capacity=64,
+        max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
+    ):
+        if targets is None:
+            targets = os.cpu_count() or 1
+        _positive_int("targets", targets, 0xFFFF)
+        _positive_int("slot_capacity", slot_capacity, 0xFFFF)
+        _positive_int("max_frame_bytes", max_frame_bytes, 0xFFFFFFFF)
+        if isinstance(control_timeout, bool) or not isinstance(control_timeout, (int, float)):
+            raise TypeError("control_timeout must be a number of seconds, not %s" % type(control_timeout).__name__)
+        if not control_timeout > 0:
+            raise ValueError("control_timeout must be positive, got %r" % (control_timeout,))
+        try:
+            self._raw = _callreg.RawWorker(targets, float(control_timeout), slot_capacity, max_frame_bytes)
+        except _callreg.RawError as raw:
+            _raise(raw)
+        self._count = targets
+        self._dispatch = _Dispatch(self._raw)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._raw, self._dispatch)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        state = "closed" if self._closed else "targets %s" % (self.targets,)
+        return "<callreg.Worker of %d targets, %s>" % (self._count, state)
+
+    # -- registration --------------------------------------------------
+
+    def register(self, fn, *, metadata=None):
+        """Registers ``fn`` (any callable cloudpickle can pickle) and returns
+        its :class:`Handle`. The side-car metadata (this interpreter's and
+        cloudpickle's versions, the callable's name) is filled in and
+        ``metadata`` (a dict in the ``specs/metadata.md`` form: ``name``,
+        ``executor``, ``executor_data``, ``deps``, ``call_before``,
+        ``call_after``; a hook's ``"hashid"`` may be a :class:`Handle`) is
+        merged over it. Before :meth:`start` it joins the startup snapshot;
+        after, it returns once every live target installed it.
+
+        Raises ``TypeError`` for a non-callable or an ``async def``
+        function, :class:`RegisterError` (``.outcomes`` per target) when a
+        target failed to install it (rolled back), :class:`CallregError`
+        (``METADATA_INVALID``) for bad metadata, :class:`LifecycleError`
+        once closed."""
+        if not callable(fn):
+            raise TypeError("register() takes a callable, not %s" % type(fn).__name__)
+        if _inspect.iscoroutinefunction(fn) or _inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                "%s is an async function: its call would return a coroutine, which a target "
+                "cannot send back; register a function that runs it (e.g. with asyncio.run)"
+                % _callable_name(fn)
+            )
+        envelope = pack(fn)
+        meta = _merge_metadata(_default_metadata(_callable_name(fn)), metadata)
+        return self._register(envelope, meta)
+
+    def register_envelope(self, data, *, metadata=None):
+        """Registers a pre-packed SPYC envelope (e.g. from ``callreg pack``
+        or :func:`pack`) with ``metadata`` (a dict, or ``None`` for none:
+        nothing is filled in, the packer's versions are unknown here).
+
+        Raises ``TypeError`` unless ``data`` is bytes-like,
+        :class:`EnvelopeError` for invalid bytes, then as :meth:`register`."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError("register_envelope() takes bytes, not %s" % type(data).__name__)
+        meta = _merge_metadata(None, metadata) if metadata is not None else None
+        return self._register(bytes(data), meta)
+
+    def _register(self, envelope, meta):
+        text = None if meta is None else json.dumps(meta, separators=(",", ":"))
+        try:
+            raw = self._raw.register(envelope, text)
+        except _callreg.RawError as error:
+            _raise(error)
+        return Handle._of(raw)
+
+    def unregister(self, handle):
+        """Unregisters ``handle``; returns once every target dropped it.
+        Raises :class:`HandleError` for a foreign or stale handle,
+        :class:`RegisterError` when a target failed to drop it."""
+        raw = _raw_handle(handle)
+        try:
+            self._raw.unregister(raw)
+        except _callreg.RawError as error:
+            _raise(error)
+
+    # -- lifecycle -----------------------------------------------------
+
+    def start(self):
+        """Forks the targets from this interpreter (see the module docs) and
+        waits until each installed the startup snapshot. Raises
+        :class:`LifecycleError` unless new, :class:`RegisterError` when a
+        snapshot entry failed somewhere (the Worker starts with the other
+        targets), :class:`TargetLostError` when a target did not start."""
+        try:
+            self._raw.start()
+        except _callreg.RawError as error:
+            _raise(error)
+        finally:
+            # Also after a partial start: the live targets serve tasks.
+            self._dispatch.start()
+
+    def close(self):
+        """Closes the Worker: pending futures fail with
+        :class:`LifecycleError`, targets are stopped and reaped, staged
+        payloads are removed. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+    # -- tasks ---------------------------------------------------------
+
+    @staticmethod
+    def _input(args, kwargs):
+        return cloudpickle.dumps((args, kwargs), protocol=_PROTOCOL)
+
+    @staticmethod
+    def _target(target):
+        if target is None:
+            return None
+        if isinstance(target, bool) or not isinstance(target, int):
+            raise TypeError("target must be an int or None, not %s" % type(target).__name__)
+        if not 0 <= target <= 0xFFFF:
+            raise ValueError("target must be between 0 and 65535, got %d" % target)
+        return target
+
+    def submit(self, handle, /, *args, target=None, **kwargs):
+        """Runs ``handle(*args, **kwargs)`` on ``target`` (any live target
+        when ``None``, in turn) and returns a
+        :class:`concurrent.futures.Future` of its result (running at once;
+        it cannot be cancelled). The future fails with :class:`TaskError`,
+        :class:`TargetLostError`, :class:`HandleError` or
+        :class:`LifecycleError`."""
+        raw = _raw_handle(handle)
+        target = self._target(target)
+        data = self._input(args, kwargs)
+        future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        dispatch = self._dispatch
+        if dispatch.thread is None:
+            dispatch.start()
+        try:
+            with dispatch.lock:
+                task, _ = self._raw.submit(raw, target, data)
+                dispatch.futures[task] = future
+        except _callreg.RawError as error:
+            future.set_exception(_error(error))
+        return future
+
+    def call(self, handle, /, *args, target=None, **kwargs):
+        """``submit(handle, *args, target=target, **kwargs).result()``, waiting
+        without the dispatcher thread. Ctrl-C while it waits raises
+        :class:`KeyboardInterrupt` here; the Worker stays usable."""
+        raw = _raw_handle(handle)
+        target = self._target(target)
+        data = self._input(args, kwargs)
+        try:
+            output = self._raw.call(raw, target, data)
+        except _callreg.RawError as error:
+            _raise(error)
+        return pickle.loads(output)
+
+    def call_all(self, handle, /, *args, **kwargs):
+        """Runs the task on every live target; returns ``{target id:
+        result}`` in target order. Raises the first failure (in target
+        order) once every target answered."""
+        futures = {t: self.submit(handle, *args, target=t, **kwargs) for t in self.targets}
+        results = {}
+        first = None
+        for target, future in futures.items():
+            try:
+                results[target] = future.result()
+            except BaseException as error:
+                if first is None:
+                    first = error
+        if first is not None:
+            raise first
+        return results
+
+    def map(self, handle, /, *iterables, timeout=None):
+        """Like :meth:`concurrent.futures.Executor.map`: submits
+        ``handle(*items)`` for each tuple of items at once, spread over the
+        live targets, and returns an iterator of the results in order;
+        ``timeout`` (seconds from this call) raises
+        :class:`concurrent.futures.TimeoutError` for a result not there in
+        time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        futures = [self.submit(handle, *items) for items in zip(*iterables)]
+
+        def results():
+            try:
+                futures.reverse()
+                while futures:
+                    future = futures.pop()
+                    if deadline is None:
+                        yield future.result()
+                    else:
+                        yield future.result(max(0.0, deadline - time.monotonic()))
+            finally:
+                futures.clear()
+
+        return results()
+
+    # -- inspection ----------------------------------------------------
+
+    @property
+    def targets(self):
+        """The live target ids, sorted (empty before start and after close)."""
+        return self._raw.live_targets()
+
+    def target_pid(self, target):
+        """The process id of ``target`` (``None`` before start)."""
+        return self._raw.target_pid(self._target(target))
+
+    def inspect(self):
+        """The parent's registry and every live target's table, as dicts
+        (the JSON forms): ``{"registry": {...}, "targets": {id: {"installed":
+        [{"hashid", "refcount"}], "tombstones": n} or None}}``."""
+        registry = json.loads(self._raw.registry_json())
+        tables = {}
+        if registry.get("lifecycle") == "started":
+            try:
+                listed = json.loads(self._raw.tables_json())
+            except _callreg.RawError as error:
+                _raise(error)
+            tables = {entry["target"]: entry["table"] for entry in listed}
+        return {"registry": registry, "targets": tables}
+

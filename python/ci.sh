@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds the callreg wheel (abi3: one wheel for CPython 3.10+, built once
+# per checkout), installs it into a fresh venv of PYTHON with
+# CLOUDPICKLE_SPEC (default: the latest cloudpickle) and pytest, and runs
+# the package's tests. Usage: python/ci.sh PYTHON [CLOUDPICKLE_SPEC]
+set -euo pipefail
+shopt -s globstar
+python="${1:?usage: python/ci.sh PYTHON [CLOUDPICKLE_SPEC]}"
+cloudpickle="${2:-cloudpickle}"
+here="$(cd "$(dirname "$0")" && pwd)"
+work="${CALLREG_CI_DIR:-$here/target/ci}"
+mkdir -p "$work"
+
+# The wheel: built once with maturin from a venv of its own; reused by
+# every later run in this checkout unless the sources changed.
+stamp="$(cd "$here/.." && cat Cargo.toml Cargo.lock src/**/*.rs src/*.rs python/Cargo.toml python/Cargo.lock python/pyproject.toml python/src/*.rs python/callreg/* 2>/dev/null | sha256sum | cut -c1-16)"
+wheels="$work/wheels-$stamp"
+if ! compgen -G "$wheels/callreg-*.whl" >/dev/null; then
+  builder="$work/build-venv"
+  [ -x "$builder/bin/maturin" ] || {
+    python3 -m venv "$builder"
+    "$builder/bin/pip" install --quiet --disable-pip-version-check 'maturin>=1.9,<2'
+  }
+  "$builder/bin/maturin" build --release --quiet --manifest-path "$here/Cargo.toml" -o "$wheels"
+fi
+wheel="$(ls "$wheels"/callreg-*.whl | head -n1)"
+
+version="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+venv="$work/venv-$version-$(printf '%s' "$cloudpickle" | tr -c 'A-Za-z0-9.' '_')"
+rm -rf "$venv"
+"$python" -m venv "$venv"
+"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest
+"$venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"
+echo "callreg python tests: CPython $version, $("$venv/bin/python" -c 'import cloudpickle; print("cloudpickle", cloudpickle.__version__)')"
+# From outside the source tree, so `import callreg` is the installed wheel.
+cd "$work"
+"$venv/bin/pytest" -q -p no:cacheprovider "$here/tests"

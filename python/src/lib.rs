@@ -1,0 +1,478 @@
+//! `callreg._callreg`: the extension module under the `callreg` Python
+//! package, a thin front over [`callreg::io::Worker`] with an inherited
+//! [`PythonRuntime`] (targets keep the calling interpreter).
+//!
+//! It holds no protocol logic: the Worker and its parent machine decide
+//! every outcome. What it adds is the Python edge:
+//!
+//! * every wait releases the GIL; [`RawWorker::call`] waits in slices of
+//!   [`SIGNAL_CHECK_INTERVAL`] and runs `PyErr_CheckSignals` between them,
+//!   so Ctrl-C raises `KeyboardInterrupt` in the caller (the task itself
+//!   finishes in its target, its result is dropped);
+//! * [`RawWorker::submit`] hands each result to a channel from the IO
+//!   thread ([`callreg::io::PendingTask::on_complete`], never touching the
+//!   GIL there); the package's dispatcher thread collects them with
+//!   [`RawWorker::next_completions`] and resolves its futures;
+//! * errors are raised as `RawError` with one dict argument (`code`,
+//!   `operation`, `target`, `hashid`, `seq`, `message`, `full`, `kind`,
+//!   `exception`, `outcomes`), which the package maps to its exception
+//!   classes.
+//!
+//! Envelope packing and hashids ([`encode_envelope`], [`envelope_hashid`])
+//! are the crate's own ([`callreg::envelope`], [`callreg::descriptor`]).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use callreg::descriptor::python_serialized_digest;
+use callreg::envelope::Envelope;
+use callreg::error::{Error, ErrorCode, OperationKind};
+use callreg::io::worker::{outcome_text, OperationError, PendingTask, TaskError};
+use callreg::io::Worker;
+use callreg::metadata::CallableMetadata;
+use callreg::protocol::{Handle, TargetId, TargetOutcome};
+use callreg::runtime::python::PythonRuntime;
+use callreg::runtime::TaskEncoding;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+pyo3::create_exception!(
+    _callreg,
+    RawError,
+    PyException,
+    "A failed operation: args[0] is a dict with the error's fields."
+);
+
+/// How long [`RawWorker::call`] waits between two signal checks.
+pub const SIGNAL_CHECK_INTERVAL: Duration = Duration::from_millis(50);
+
+/// At most this many completions are returned by one
+/// [`RawWorker::next_completions`].
+const COMPLETION_BATCH: usize = 4096;
+
+/// One finished task, from the IO thread to the dispatcher: its id and result.
+type Completion = (u64, Result<Vec<u8>, TaskError>);
+
+/// A handle issued by a [`RawWorker`] (the protocol's [`Handle`]).
+#[pyclass(frozen, module = "callreg._callreg")]
+struct RawHandle {
+    handle: Handle,
+}
+
+#[pymethods]
+impl RawHandle {
+    /// `"sha256:"` and 64 lowercase hex digits.
+    #[getter]
+    fn hashid(&self) -> String {
+        self.handle.hashid.to_string()
+    }
+
+    /// The hashid's 32 bytes.
+    #[getter]
+    fn digest<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.handle.digest().0)
+    }
+
+    /// The namespace's name (`"LOCAL_PYTHON"`).
+    #[getter]
+    fn namespace(&self) -> &'static str {
+        self.handle.namespace.as_str()
+    }
+
+    /// Distinct for every register of the issuing Worker.
+    #[getter]
+    fn handle_id(&self) -> u64 {
+        self.handle.handle_id
+    }
+}
+
+/// A [`Worker`] with Python targets forked from this interpreter.
+#[pyclass(frozen, module = "callreg._callreg")]
+struct RawWorker {
+    worker: Worker<PythonRuntime>,
+    next_task: AtomicU64,
+    next_target: AtomicUsize,
+    /// Cloned into each submitted task's completion callback; dropped at
+    /// close, so the channel disconnects once every task completed.
+    sender: Mutex<Option<mpsc::Sender<Completion>>>,
+    receiver: Mutex<mpsc::Receiver<Completion>>,
+}
+
+fn error_dict<'py>(
+    py: Python<'py>,
+    error: &Error,
+    full: String,
+    kind: &str,
+    exception: &[u8],
+    outcomes: &[(TargetId, TargetOutcome)],
+) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("code", error.code.as_str())?;
+    dict.set_item("operation", error.operation.as_str())?;
+    dict.set_item("target", error.target.map(|t| t.0))?;
+    dict.set_item("hashid", error.hashid.map(|h| h.to_string()))?;
+    dict.set_item("seq", error.seq.map(|s| s.0))?;
+    dict.set_item("message", &error.message)?;
+    dict.set_item("full", full)?;
+    dict.set_item("kind", kind)?;
+    if exception.is_empty() {
+        dict.set_item("exception", py.None())?;
+    } else {
+        dict.set_item("exception", PyBytes::new(py, exception))?;
+    }
+    let list = PyList::empty(py);
+    for (target, outcome) in outcomes {
+        list.append((target.0, outcome_text(outcome)))?;
+    }
+    dict.set_item("outcomes", list)?;
+    Ok(dict)
+}
+
+fn raw_error(dict: Bound<'_, PyDict>) -> PyErr {
+    RawError::new_err(dict.unbind())
+}
+
+fn operation_err(py: Python<'_>, e: &OperationError) -> PyErr {
+    match error_dict(py, &e.error, e.to_string(), "", &[], &e.outcomes) {
+        Ok(dict) => raw_error(dict),
+        Err(err) => err,
+    }
+}
+
+fn plain_err(py: Python<'_>, e: &Error) -> PyErr {
+    match error_dict(py, e, e.to_string(), "", &[], &[]) {
+        Ok(dict) => raw_error(dict),
+        Err(err) => err,
+    }
+}
+
+fn task_err_dict<'py>(py: Python<'py>, e: &TaskError) -> PyResult<Bound<'py, PyDict>> {
+    error_dict(
+        py,
+        &e.error,
+        e.error.to_string(),
+        &e.kind,
+        &e.exception,
+        &[],
+    )
+}
+
+impl RawWorker {
+    /// Picks the task's target: the given one, else the live targets in
+    /// turn (round robin).
+    fn pick_target(&self, target: Option<u16>) -> Result<TargetId, Error> {
+        if let Some(target) = target {
+            return Ok(TargetId(target));
+        }
+        let live = self.worker.live_targets();
+        if live.is_empty() {
+            // Not started, closed or every target lost: the Worker's own
+            // refusal for target 0 says which.
+            return Ok(TargetId(0));
+        }
+        let turn = self.next_target.fetch_add(1, Ordering::Relaxed);
+        Ok(live[turn % live.len()])
+    }
+
+    fn start_task(
+        &self,
+        handle: &RawHandle,
+        target: Option<u16>,
+        input: &[u8],
+    ) -> Result<PendingTask, Error> {
+        let target = self.pick_target(target)?;
+        Ok(self
+            .worker
+            .submit_async(&handle.handle, target, TaskEncoding::Pickle, input))
+    }
+}
+
+#[pymethods]
+impl RawWorker {
+    /// A Worker, not started. `control_timeout` in seconds (positive),
+    /// `max_frame_bytes` bounds one task's pickled input and result.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        targets: u16,
+        control_timeout: f64,
+        slot_capacity: u16,
+        max_frame_bytes: usize,
+    ) -> PyResult<RawWorker> {
+        if !(control_timeout.is_finite() && control_timeout > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "control_timeout must be a positive number of seconds, got {control_timeout}"
+            )));
+        }
+        let worker = Worker::builder(Arc::new(PythonRuntime::inherited()))
+            .targets(targets)
+            .control_timeout(Duration::from_secs_f64(control_timeout))
+            .slot_capacity(slot_capacity)
+            .max_frame_bytes(max_frame_bytes)
+            // A Python process usually runs other threads; os.fork forks
+            // anyway (with its before/after-fork steps), and so does this.
+            .accept_thread_risk()
+            .build()
+            .map_err(|e| plain_err(py, &e))?;
+        let (sender, receiver) = mpsc::channel();
+        Ok(RawWorker {
+            worker,
+            next_task: AtomicU64::new(1),
+            next_target: AtomicUsize::new(0),
+            sender: Mutex::new(Some(sender)),
+            receiver: Mutex::new(receiver),
+        })
+    }
+
+    /// Registers an envelope (with optional metadata JSON) and waits, GIL
+    /// released, until every live target confirmed (before start: joins
+    /// the startup snapshot at once).
+    #[pyo3(signature = (envelope, metadata=None))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        envelope: &[u8],
+        metadata: Option<&str>,
+    ) -> PyResult<RawHandle> {
+        let metadata = match metadata {
+            None => None,
+            Some(text) => Some(CallableMetadata::from_json(text).map_err(|e| {
+                plain_err(
+                    py,
+                    &Error::new(
+                        ErrorCode::METADATA_INVALID,
+                        OperationKind::Register,
+                        format!("metadata: {e}"),
+                    ),
+                )
+            })?),
+        };
+        let result = py.detach(|| {
+            self.worker
+                .register_with_metadata(envelope, metadata.as_ref())
+        });
+        result
+            .map(|handle| RawHandle { handle })
+            .map_err(|e| operation_err(py, &e))
+    }
+
+    /// Unregisters and waits (GIL released).
+    fn unregister(&self, py: Python<'_>, handle: &RawHandle) -> PyResult<()> {
+        let result = py.detach(|| self.worker.unregister(&handle.handle));
+        result.map_err(|e| operation_err(py, &e))
+    }
+
+    /// Forks the targets (GIL released; the runtime's fork hooks take it
+    /// around each fork) and waits until each is ready.
+    fn start(&self, py: Python<'_>) -> PyResult<()> {
+        let result = py.detach(|| self.worker.start());
+        result.map(|_| ()).map_err(|e| operation_err(py, &e))
+    }
+
+    /// Starts a task whose result goes to [`RawWorker::next_completions`];
+    /// returns its id and target. `input` is pickled `(args, kwargs)`.
+    #[pyo3(signature = (handle, target, input))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        handle: &RawHandle,
+        target: Option<u16>,
+        input: &[u8],
+    ) -> PyResult<(u64, u16)> {
+        let sender = self
+            .sender
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(sender) = sender else {
+            return Err(plain_err(
+                py,
+                &Error::new(
+                    ErrorCode::LIFECYCLE_INVALID,
+                    OperationKind::Task,
+                    "the Worker is closed",
+                ),
+            ));
+        };
+        let id = self.next_task.fetch_add(1, Ordering::Relaxed);
+        let started = py.detach(|| {
+            let target = self.pick_target(target)?;
+            let pending =
+                self.worker
+                    .submit_async(&handle.handle, target, TaskEncoding::Pickle, input);
+            pending.on_complete(move |result| {
+                // The dispatcher may be gone (interpreter exit): nothing waits.
+                let _ = sender.send((id, result));
+            });
+            Ok::<_, Error>(target)
+        });
+        let target = started.map_err(|e| plain_err(py, &e))?;
+        Ok((id, target.0))
+    }
+
+    /// Runs a task and waits for its pickled result, GIL released, checking
+    /// for signals every [`SIGNAL_CHECK_INTERVAL`] (a `KeyboardInterrupt`
+    /// abandons the wait, not the Worker).
+    #[pyo3(signature = (handle, target, input))]
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &RawHandle,
+        target: Option<u16>,
+        input: &[u8],
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut pending = py
+            .detach(|| self.start_task(handle, target, input))
+            .map_err(|e| plain_err(py, &e))?;
+        loop {
+            match py.detach(|| pending.wait_timeout(SIGNAL_CHECK_INTERVAL)) {
+                Ok(Ok(output)) => return Ok(PyBytes::new(py, &output)),
+                Ok(Err(error)) => return Err(raw_error(task_err_dict(py, &error)?)),
+                Err(again) => {
+                    pending = again;
+                    py.check_signals()?;
+                }
+            }
+        }
+    }
+
+    /// Waits up to `timeout` seconds (GIL released) for finished tasks and
+    /// returns them: a list of `(id, output, error)` with `output` the
+    /// pickled result (bytes) or `None`, `error` the error dict or `None`.
+    /// An empty list when none finished in time; `None` once the Worker is
+    /// closed and every task was returned.
+    fn next_completions<'py>(
+        &self,
+        py: Python<'py>,
+        timeout: f64,
+    ) -> PyResult<Option<Bound<'py, PyList>>> {
+        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        let received = py.detach(|| {
+            let receiver = self.receiver.lock().unwrap_or_else(|p| p.into_inner());
+            let mut batch = Vec::new();
+            match receiver.recv_timeout(timeout) {
+                Ok(first) => batch.push(first),
+                Err(mpsc::RecvTimeoutError::Timeout) => return Some(batch),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+            }
+            while batch.len() < COMPLETION_BATCH {
+                match receiver.try_recv() {
+                    Ok(next) => batch.push(next),
+                    Err(_) => break,
+                }
+            }
+            Some(batch)
+        });
+        let Some(batch) = received else {
+            return Ok(None);
+        };
+        let list = PyList::empty(py);
+        for (id, result) in batch {
+            match result {
+                Ok(output) => list.append((id, PyBytes::new(py, &output), py.None()))?,
+                Err(error) => list.append((id, py.None(), task_err_dict(py, &error)?))?,
+            }
+        }
+        Ok(Some(list))
+    }
+
+    /// The live target ids, sorted.
+    fn live_targets(&self) -> Vec<u16> {
+        self.worker
+            .live_targets()
+            .into_iter()
+            .map(|t| t.0)
+            .collect()
+    }
+
+    /// A target's process id, once started.
+    fn target_pid(&self, target: u16) -> Option<i32> {
+        self.worker.target_pid(TargetId(target))
+    }
+
+    /// Why a target was lost, if it was.
+    fn target_loss(&self, target: u16) -> Option<String> {
+        self.worker.target_loss(TargetId(target))
+    }
+
+    /// The parent's registry snapshot, JSON (`specs/metadata.md` §7).
+    fn registry_json(&self) -> String {
+        self.worker.parent_state().registry_snapshot().to_json()
+    }
+
+    /// Every live target's table as JSON (GIL released while waiting): a
+    /// list of `{"target", "installed": [{"hashid", "refcount"}],
+    /// "tombstones"}`, `null` for a target lost before it answered.
+    fn tables_json(&self, py: Python<'_>) -> PyResult<String> {
+        let tables = py
+            .detach(|| self.worker.inspect())
+            .map_err(|e| plain_err(py, &e))?;
+        let list: Vec<serde_json::Value> = tables
+            .into_iter()
+            .map(|(target, table)| match table {
+                None => serde_json::json!({"target": target.0, "table": null}),
+                Some(table) => serde_json::json!({
+                    "target": target.0,
+                    "table": {
+                        "installed": table.installed.iter().map(|(digest, refcount)| {
+                            serde_json::json!({
+                                "hashid": callreg::descriptor::HashId(*digest).to_string(),
+                                "refcount": refcount,
+                            })
+                        }).collect::<Vec<_>>(),
+                        "tombstones": table.tombstones,
+                    },
+                }),
+            })
+            .collect();
+        Ok(serde_json::Value::Array(list).to_string())
+    }
+
+    /// Closes (GIL released): tasks in flight fail with
+    /// `LIFECYCLE_INVALID`, targets are reaped, staged payloads unlinked.
+    /// Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            self.worker.close();
+            self.sender.lock().unwrap_or_else(|p| p.into_inner()).take();
+        });
+    }
+}
+
+/// The SPYC envelope around serializer payload `payload` (the crate's
+/// [`callreg::envelope::encode`]).
+#[pyfunction]
+fn encode_envelope<'py>(py: Python<'py>, payload: &[u8]) -> Bound<'py, PyBytes> {
+    let envelope = py.detach(|| callreg::envelope::encode(payload));
+    PyBytes::new(py, &envelope)
+}
+
+/// The hashid of a SPYC envelope; raises `RawError` (`ENVELOPE_INVALID` and
+/// the other envelope codes) for invalid bytes.
+#[pyfunction]
+fn envelope_hashid(py: Python<'_>, envelope: &[u8]) -> PyResult<String> {
+    let parsed = py.detach(|| {
+        Envelope::parse(envelope)
+            .map(|parsed| python_serialized_digest(&parsed))
+            .map_err(|e| Error::new(e.code(), OperationKind::Register, e.message()))
+    });
+    parsed
+        .map(|digest| callreg::descriptor::HashId(digest).to_string())
+        .map_err(|e| plain_err(py, &e))
+}
+
+#[pymodule]
+fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<RawWorker>()?;
+    m.add_class::<RawHandle>()?;
+    m.add("RawError", m.py().get_type::<RawError>())?;
+    m.add_function(wrap_pyfunction!(encode_envelope, m)?)?;
+    m.add_function(wrap_pyfunction!(envelope_hashid, m)?)?;
+    m.add(
+        "DEFAULT_MAX_FRAME_BYTES",
+        callreg::wire::DEFAULT_MAX_FRAME_BYTES,
+    )?;
+    Ok(())
+}

@@ -1,0 +1,361 @@
+"""Callable shapes, arguments and results, task exceptions, handles."""
+
+import concurrent.futures
+import copy
+import dataclasses
+import functools
+import math
+import pickle
+
+import pytest
+
+import callreg
+
+TARGETS = 3
+
+
+def add(a, b=0):
+    return a + b
+
+
+def fact(n):
+    return 1 if n <= 1 else n * fact(n - 1)
+
+
+def countdown(n):
+    while n > 0:
+        yield n
+        n -= 1
+
+
+async def coroutine_fn(x):
+    return x
+
+
+class Scaler:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, x):
+        return x * self.factor
+
+    def scale(self, x):
+        return x * self.factor + 1
+
+
+def make_closure(k):
+    def inner(x):
+        return x + k
+
+    return inner
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    x: int
+    y: float
+
+
+def identity(x):
+    return x
+
+
+def pid_of(_=None):
+    import os
+
+    return os.getpid()
+
+
+SHAPES = [
+    ("function", add, (2, 3), 5),
+    ("lambda", lambda x: x * 2, (21,), 42),
+    ("closure", make_closure(10), (5,), 15),
+    ("callable object", Scaler(3), (4,), 12),
+    ("bound method", Scaler(3).scale, (4,), 13),
+    ("partial", functools.partial(add, b=100), (1,), 101),
+    ("recursive", fact, (10,), 3628800),
+]
+
+
+@pytest.mark.parametrize("when", ["before start", "after start"])
+def test_every_callable_shape_runs_on_every_target(when):
+    with callreg.Worker(TARGETS) as w:
+        handles = {}
+        if when == "before start":
+            handles = {name: w.register(fn) for name, fn, _, _ in SHAPES}
+            w.start()
+        else:
+            w.start()
+            handles = {name: w.register(fn) for name, fn, _, _ in SHAPES}
+        for name, _, args, expected in SHAPES:
+            assert w.call_all(handles[name], *args) == {t: expected for t in range(TARGETS)}, name
+            for target in range(TARGETS):
+                assert w.call(handles[name], *args, target=target) == expected
+
+
+def test_keyword_arguments_and_submit_target():
+    with callreg.Worker(2) as w:
+        w.start()
+        h = w.register(add)
+        assert w.call(h, 1, b=2) == 3
+        assert w.submit(h, a=5, b=6, target=1).result(timeout=10) == 11
+
+
+def test_a_generator_function_fails_clearly():
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(countdown)
+        with pytest.raises(callreg.TaskError) as info:
+            w.call(h, 3)
+        assert info.value.code == "TASK_FAILED"
+        assert info.value.remote_type == "TypeError"
+        assert "generator" in str(info.value)
+        # A generator's values can be returned as a list.
+        lister = w.register(lambda n: list(countdown(n)))
+        assert w.call(lister, 3) == [3, 2, 1]
+
+
+def test_an_async_function_is_refused_at_register():
+    with callreg.Worker(1) as w:
+        with pytest.raises(TypeError, match="async function"):
+            w.register(coroutine_fn)
+
+
+def test_register_refuses_non_callables_and_bad_arguments():
+    with pytest.raises(TypeError):
+        callreg.Worker("4")
+    with pytest.raises(ValueError):
+        callreg.Worker(0)
+    with pytest.raises(ValueError):
+        callreg.Worker(1, control_timeout=0)
+    with pytest.raises(TypeError):
+        callreg.Worker(1, slot_capacity=1.5)
+    with callreg.Worker(1) as w:
+        with pytest.raises(TypeError):
+            w.register(42)
+        with pytest.raises(TypeError):
+            w.register_envelope("not bytes")
+        with pytest.raises(TypeError):
+            w.register(add, metadata=["not", "a", "dict"])
+        h = w.register(add)
+        w.start()
+        with pytest.raises(TypeError):
+            w.call(h, 1, target="0")
+
+
+VALUES = [
+    None,
+    True,
+    2**200 + 1,
+    -(2**70),
+    1.5,
+    float("inf"),
+    "text ünïcode",
+    b"\x00\xffbytes",
+    bytearray(b"ba"),
+    [1, [2, [3, {"k": (4, 5)}]]],
+    {"a": {1, 2}, "b": frozenset({3})},
+    {1, 2, 3},
+    (1, "two", 3.0),
+    Point(1, 2.5),
+    complex(1, 2),
+]
+
+
+def test_arguments_and_results_of_many_types():
+    with callreg.Worker(2) as w:
+        w.start()
+        h = w.register(identity)
+        for value in VALUES:
+            assert w.call(h, value) == value, value
+            assert w.submit(h, value).result(timeout=10) == value
+        nan = w.call(h, float("nan"))
+        assert isinstance(nan, float) and math.isnan(nan)
+        assert w.call(h, Point(3, 4.0)) == Point(3, 4.0)
+
+
+def test_a_64_mib_bytes_argument_and_result():
+    big = bytes(range(256)) * (64 * 1024 * 1024 // 256)
+    with callreg.Worker(2) as w:
+        w.start()
+        h = w.register(lambda b: b[::-1])
+        out = w.call(h, big)
+        assert len(out) == len(big) and out == big[::-1]
+        assert w.submit(h, big, target=1).result(timeout=60) == big[::-1]
+
+
+def test_a_lambda_as_argument_and_as_result():
+    with callreg.Worker(2) as w:
+        w.start()
+        apply = w.register(lambda f, x: f(x))
+        assert w.call(apply, lambda v: v * 7, 6) == 42
+        maker = w.register(lambda k: (lambda x: x + k))
+        returned = w.call(maker, 5)
+        assert returned(1) == 6
+
+
+class CustomError(Exception):
+    def __init__(self, message, detail):
+        super().__init__(message, detail)
+        self.detail = detail
+
+
+class Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("this exception cannot be pickled")
+
+
+def raises_custom(detail):
+    raise CustomError("custom failure", detail)
+
+
+def raises_unpicklable():
+    raise Unpicklable("no way back")
+
+
+def divide(a, b):
+    return a / b
+
+
+def test_task_exceptions_carry_type_message_traceback_and_cause():
+    with callreg.Worker(2) as w:
+        w.start()
+        h = w.register(divide)
+        with pytest.raises(callreg.TaskError) as info:
+            w.call(h, 1, 0)
+        error = info.value
+        assert isinstance(error, callreg.CallregError)
+        assert error.code == "TASK_FAILED"
+        assert error.operation == "task"
+        assert error.remote_type == "ZeroDivisionError"
+        assert error.hashid == h.hashid
+        assert error.target in (0, 1)
+        assert isinstance(error.seq, int)
+        assert "division by zero" in str(error)
+        assert error.remote_traceback.startswith("Traceback (most recent call last):")
+        assert "in divide" in error.remote_traceback
+        assert "return a / b" in error.remote_traceback
+        assert type(error.__cause__) is ZeroDivisionError
+        assert str(error.__cause__) == "division by zero"
+        # The same through a future.
+        future = w.submit(h, 1, 0)
+        assert type(future.exception(timeout=10)) is callreg.TaskError
+        assert type(future.exception().__cause__) is ZeroDivisionError
+
+        custom = w.register(raises_custom)
+        with pytest.raises(callreg.TaskError) as info:
+            w.call(custom, {"why": [1, 2]})
+        assert info.value.remote_type.endswith("CustomError")
+        cause = info.value.__cause__
+        assert type(cause) is CustomError
+        assert cause.detail == {"why": [1, 2]}
+
+        unpicklable = w.register(raises_unpicklable)
+        with pytest.raises(callreg.TaskError) as info:
+            w.call(unpicklable)
+        assert info.value.remote_type.endswith("Unpicklable")
+        assert "no way back" in str(info.value)
+        assert info.value.__cause__ is None
+        # The Worker is still usable.
+        assert w.call(h, 6, 3) == 2.0
+
+
+def test_an_unpicklable_result_fails_the_task():
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(lambda: __import__("threading").Lock())
+        with pytest.raises(callreg.TaskError) as info:
+            w.call(h)
+        assert info.value.remote_type == "TypeError"
+        assert "is not picklable" in str(info.value)
+
+
+def test_handles_are_immutable_hashable_and_equal_only_to_themselves():
+    with callreg.Worker(1) as w:
+        a = w.register(add)
+        b = w.register(add)
+        assert a != b and a == a and hash(a) != hash(b)
+        assert a.hashid == b.hashid == callreg.hashid(add)
+        assert a.hashid.startswith("sha256:") and len(a.hashid) == 7 + 64
+        assert a.digest == bytes.fromhex(a.hashid[7:])
+        assert a.kind == "PYTHON_SERIALIZED"
+        assert a.namespace == "LOCAL_PYTHON"
+        assert repr(a).startswith("<callreg.Handle sha256:") and "LOCAL_PYTHON" in repr(a)
+        assert {a: 1, b: 2}[a] == 1
+        assert copy.copy(a) is a and copy.deepcopy(a) is a
+        with pytest.raises(AttributeError):
+            a.hashid = "x"
+        with pytest.raises(AttributeError):
+            a._raw = None
+        with pytest.raises(TypeError):
+            pickle.dumps(a)
+        with pytest.raises(TypeError):
+            callreg.Handle()
+        w.start()
+        # Two handles, one callable: unregistering one keeps the other.
+        w.unregister(a)
+        assert w.call(b, 2, 2) == 4
+        with pytest.raises(callreg.HandleError) as info:
+            w.call(a, 1)
+        assert info.value.code == "HANDLE_STALE"
+
+
+def test_unregister_then_call_and_foreign_and_forged_handles():
+    with callreg.Worker(2) as w, callreg.Worker(1) as other:
+        w.start()
+        other.start()
+        h = w.register(add)
+        theirs = other.register(add)
+        assert theirs.hashid == h.hashid
+        for call in (lambda x: w.call(x, 1), lambda x: w.submit(x, 1).result(timeout=10)):
+            with pytest.raises(callreg.HandleError) as info:
+                call(theirs)
+            assert info.value.code == "HANDLE_FOREIGN"
+            for forged in (h.hashid, None, 42):
+                with pytest.raises(callreg.HandleError) as info:
+                    call(forged)
+                assert info.value.code == "HANDLE_FOREIGN"
+        with pytest.raises(callreg.HandleError) as info:
+            w.unregister(theirs)
+        assert info.value.code == "HANDLE_FOREIGN"
+        w.unregister(h)
+        with pytest.raises(callreg.HandleError) as info:
+            w.call(h, 1)
+        assert info.value.code == "HANDLE_STALE"
+        with pytest.raises(callreg.HandleError) as info:
+            w.unregister(h)
+        assert info.value.code == "HANDLE_STALE"
+        assert other.call(theirs, 1, 1) == 2
+
+
+def test_pack_and_hashid():
+    envelope = callreg.pack(add)
+    assert envelope[:4] == b"SPYC" and len(envelope) > 16
+    assert callreg.hashid(envelope) == callreg.hashid(add)
+    assert callreg.hashid(bytearray(envelope)) == callreg.hashid(add)
+    with pytest.raises(callreg.EnvelopeError) as info:
+        callreg.hashid(b"not an envelope at all")
+    assert info.value.code == "ENVELOPE_INVALID"
+    with pytest.raises(TypeError):
+        callreg.hashid(3)
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register_envelope(envelope)
+        assert h.hashid == callreg.hashid(add)
+        assert w.call(h, 20, 22) == 42
+        with pytest.raises(callreg.EnvelopeError):
+            w.register_envelope(b"SPYC" + b"\x00" * 4)
+
+
+def test_map_and_call_all():
+    with callreg.Worker(3) as w:
+        w.start()
+        h = w.register(add)
+        assert list(w.map(h, range(100), range(100))) == [2 * i for i in range(100)]
+        pid = w.register(pid_of)
+        pids = set(w.map(pid, range(30)))
+        assert pids == {w.target_pid(t) for t in w.targets}
+        assert w.call_all(pid) == {t: w.target_pid(t) for t in range(3)}
+        slow = w.register(lambda s: __import__("time").sleep(s))
+        with pytest.raises(concurrent.futures.TimeoutError):
+            list(w.map(slow, [2], timeout=0.2))

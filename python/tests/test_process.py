@@ -1,0 +1,405 @@
+"""The process model: registration failures, lost targets, concurrency,
+close, Ctrl-C, garbage collection and interpreter exit, fork hooks."""
+
+import gc
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import callreg
+
+FORKED_CHILD = []
+
+
+def _mark_child():
+    FORKED_CHILD.append(os.getpid())
+
+
+os.register_at_fork(after_in_child=_mark_child)
+
+
+def fork_marks():
+    return list(FORKED_CHILD)
+
+
+def _explode(message):
+    raise ValueError(message)
+
+
+class Bomb:
+    """Unpickles by raising ValueError."""
+
+    def __reduce__(self):
+        return (_explode, ("this payload refuses to load",))
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def square(x):
+    return x * x
+
+
+def test_a_payload_failing_to_unpickle_is_rolled_back_and_the_worker_stays_usable():
+    with callreg.Worker(3) as w:
+        w.start()
+        good = w.register(square)
+        envelope = callreg._callreg.encode_envelope(pickle.dumps(Bomb()))
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register_envelope(envelope)
+        error = info.value
+        assert error.code == "REGISTER_PARTIAL_FAILURE"
+        assert error.operation == "register"
+        assert error.hashid == callreg.hashid(envelope)
+        assert sorted(error.outcomes) == [0, 1, 2]
+        for outcome in error.outcomes.values():
+            assert outcome.startswith("failed (DESERIALIZE_FAILED: ")
+            assert "this payload refuses to load" in outcome
+        not_callable = callreg._callreg.encode_envelope(pickle.dumps(42))
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register_envelope(not_callable)
+        assert all("not callable" in o for o in info.value.outcomes.values())
+        assert w.call_all(good, 9) == {0: 81, 1: 81, 2: 81}
+        assert w.targets == [0, 1, 2]
+        registry = w.inspect()["registry"]
+        assert [h["hashid"] for h in registry["handles"]] == [good.hashid]
+
+
+def test_metadata_is_filled_in_and_merged():
+    with callreg.Worker(2) as w:
+        w.start()
+        capture = {
+            "executor_data": {
+                "type": "PythonExecutor",
+                "short_name": "python",
+                "attributes": {"capture_output": True},
+            }
+        }
+        h = w.register(lambda x: print("got", x) or x + 1, metadata=capture)
+        assert w.call(h, 1) == {"result": 2, "stdout": "got 1\n", "stderr": ""}
+        missing = {"deps": {"pip": {"packages": ["callreg-no-such-distribution>=1"]}}}
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register(square, metadata=missing)
+        assert sorted(info.value.outcomes) == [0, 1]
+        assert all(o.startswith("failed (DEPS_UNSATISFIED") for o in info.value.outcomes.values())
+        wrong = {"python": {"version": "2.7", "serializer": "cloudpickle", "serializer_version": "1"}}
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register(square, metadata=wrong)
+        assert all("PYTHON_VERSION_MISMATCH" in o for o in info.value.outcomes.values())
+        with pytest.raises(callreg.CallregError) as info:
+            w.register(square, metadata={"no_such_key": 1})
+        assert info.value.code == "METADATA_INVALID"
+        setter = w.register(set_scale)
+        hooked = w.register(
+            scaled,
+            metadata={"call_before": [{"hashid": setter, "args": [10]}]},
+        )
+        assert w.call_all(hooked, 4) == {0: 40, 1: 40}
+        # A hook's result as a keyword argument needs a JSON task: refused
+        # with a clear error for the package's pickled tasks.
+        keyword = w.register(
+            lambda x, scale: x * scale,
+            metadata={"call_before": [{"hashid": setter, "retval_keyword": "scale"}]},
+        )
+        with pytest.raises(callreg.TaskError, match="needs a JSON-encoded task"):
+            w.call(keyword, 1)
+
+
+SCALE = {}
+
+
+def set_scale(value):
+    SCALE["value"] = value
+
+
+def scaled(x):
+    return x * SCALE["value"]
+
+
+def test_a_killed_target_fails_its_tasks_and_the_rest_keep_working():
+    with callreg.Worker(3) as w:
+        w.start()
+        slow = w.register(sleep_then)
+        pid = w.target_pid(1)
+        pending = [w.submit(slow, 30, "never", target=1) for _ in range(3)]
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        for future in pending:
+            error = future.exception(timeout=10)
+            assert type(error) is callreg.TargetLostError
+            assert error.code == "TARGET_LOST"
+            assert error.target == 1
+        deadline = time.monotonic() + 5
+        while 1 in w.targets and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.targets == [0, 2]
+        with pytest.raises(callreg.TargetLostError):
+            w.call(slow, 0, 1, target=1)
+        assert w.call_all(slow, 0, "ok") == {0: "ok", 2: "ok"}
+        assert sorted(set(w.map(slow, [0] * 20, range(20)))) == list(range(20))
+        h = w.register(square)
+        assert w.call_all(h, 3) == {0: 9, 2: 9}
+
+
+def test_eight_threads_submitting_at_once():
+    with callreg.Worker(4) as w:
+        w.start()
+        h = w.register(square)
+        results = {}
+        errors = []
+        barrier = threading.Barrier(8)
+
+        def run(n):
+            try:
+                barrier.wait()
+                futures = [w.submit(h, n * 1000 + i) for i in range(200)]
+                calls = [w.call(h, n * 1000 + i) for i in range(50)]
+                results[n] = ([f.result(timeout=30) for f in futures], calls)
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        for n in range(8):
+            submitted, called = results[n]
+            assert submitted == [(n * 1000 + i) ** 2 for i in range(200)]
+            assert called == [(n * 1000 + i) ** 2 for i in range(50)]
+
+
+def test_a_thousand_futures_in_flight():
+    with callreg.Worker(2) as w:
+        w.start()
+        h = w.register(lambda x: (x, os.getpid()))
+        futures = [w.submit(h, i) for i in range(1000)]
+        values = [f.result(timeout=60) for f in futures]
+        assert [v for v, _ in values] == list(range(1000))
+        assert {p for _, p in values} == {w.target_pid(0), w.target_pid(1)}
+
+
+def test_close_with_futures_pending():
+    w = callreg.Worker(2)
+    w.start()
+    slow = w.register(sleep_then)
+    pending = [w.submit(slow, 30, i) for i in range(6)]
+    pids = [w.target_pid(t) for t in w.targets]
+    started = time.monotonic()
+    w.close()
+    assert time.monotonic() - started < 5
+    for future in pending:
+        assert future.done()
+        error = future.exception()
+        assert type(error) is callreg.LifecycleError
+        assert error.code == "LIFECYCLE_INVALID"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    w.close()  # idempotent
+    assert w.targets == []
+    with pytest.raises(callreg.LifecycleError):
+        w.register(square)
+    with pytest.raises(callreg.LifecycleError):
+        w.submit(slow, 0, 1).result(timeout=1)
+    with pytest.raises(callreg.LifecycleError):
+        w.call(slow, 0, 1)
+
+
+def test_lifecycle_errors_before_start_and_double_start():
+    with callreg.Worker(1) as w:
+        h = w.register(square)
+        with pytest.raises(callreg.LifecycleError):
+            w.call(h, 2)
+        error = w.submit(h, 2).exception(timeout=10)
+        assert type(error) is callreg.LifecycleError
+        assert "not started" in str(error)
+        assert w.targets == []
+        assert w.target_pid(0) is None
+        w.start()
+        with pytest.raises(callreg.LifecycleError):
+            w.start()
+        assert w.call(h, 2) == 4
+
+
+def test_keyboard_interrupt_during_call_leaves_the_worker_usable():
+    assert threading.current_thread() is threading.main_thread()
+    with callreg.Worker(2) as w:
+        w.start()
+        slow = w.register(sleep_then)
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            w.call(slow, 3, "late", target=0)
+        assert time.monotonic() - started < 2
+        timer.join()
+        # Targets ignore SIGINT: both are still live and answer.
+        assert w.targets == [0, 1]
+        assert w.call(slow, 0, "fine", target=1) == "fine"
+        assert w.call(slow, 0, "after", target=0) == "after"
+
+
+def test_a_worker_dropped_without_close_reaps_its_targets():
+    w = callreg.Worker(2)
+    w.start()
+    h = w.register(square)
+    assert w.call(h, 5) == 25
+    future = w.submit(h, 6)
+    assert future.result(timeout=10) == 36
+    pids = [w.target_pid(t) for t in w.targets]
+    ref = __import__("weakref").ref(w)
+    del w, h
+    gc.collect()
+    assert ref() is None
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_worker_left_open_at_interpreter_exit_is_closed():
+    script = textwrap.dedent(
+        """
+        import os, sys, callreg
+        w = callreg.Worker(2)
+        w.start()
+        h = w.register(lambda x: x + 1)
+        assert w.call(h, 1) == 2
+        slow = w.register(lambda: __import__("time").sleep(60))
+        w.submit(slow)
+        print(os.getpid(), *[w.target_pid(t) for t in w.targets], flush=True)
+        """
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 20
+    parent, *targets = (int(p) for p in done.stdout.split())
+    for pid in targets:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert [n for n in os.listdir("/dev/shm") if n.startswith("callreg-%d-" % parent)] == []
+
+
+def test_fork_runs_the_interpreters_fork_hooks_and_keeps_its_state():
+    marker = os.getpid()
+    with callreg.Worker(2) as w:
+        w.start()
+        h = w.register(fork_marks)
+        marks = w.call_all(h)
+        for target, pids in marks.items():
+            assert pids[-1] == w.target_pid(target)
+        # The parent ran no child hook.
+        assert os.getpid() not in FORKED_CHILD
+        # Module state from before start is there in the target.
+        assert w.call(w.register(lambda: marker)) == marker
+
+
+def test_start_with_an_idle_extra_thread_does_not_deadlock():
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def idle():
+        with lock:
+            stop.wait()
+
+    thread = threading.Thread(target=idle)
+    thread.start()
+    try:
+        with callreg.Worker(2) as w:
+            w.start()
+            h = w.register(square)
+            assert w.call_all(h, 7) == {0: 49, 1: 49}
+            # A second Worker forks while the first one's threads run.
+            with callreg.Worker(2) as second:
+                second.start()
+                assert second.call_all(second.register(square), 3) == {0: 9, 1: 9}
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_start_that_fails_on_a_snapshot_entry_keeps_no_live_target():
+    envelope = callreg._callreg.encode_envelope(pickle.dumps(Bomb()))
+    with callreg.Worker(2) as w:
+        bomb = w.register_envelope(envelope)
+        with pytest.raises(callreg.RegisterError) as info:
+            w.start()
+        assert info.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert info.value.operation == "start"
+        assert sorted(info.value.outcomes) == [0, 1]
+        assert all("this payload refuses to load" in o for o in info.value.outcomes.values())
+        assert w.targets == []
+        with pytest.raises(callreg.TargetLostError) as info:
+            w.register(square)
+        assert info.value.code == "NO_LIVE_TARGET"
+        error = w.submit(bomb).exception(timeout=10)
+        assert type(error) is callreg.TargetLostError
+
+
+def test_two_workers_close_independently():
+    first = callreg.Worker(2)
+    first.start()
+    second = callreg.Worker(2)
+    second.start()
+    h1, h2 = first.register(square), second.register(square)
+    started = time.monotonic()
+    first.close()
+    # The second Worker's targets never held the first's pipes: closing
+    # the first does not wait for its targets' grace period.
+    assert time.monotonic() - started < 1.5
+    assert second.call_all(h2, 4) == {0: 16, 1: 16}
+    second.close()
+    with pytest.raises(callreg.LifecycleError):
+        first.call(h1, 1)
+
+
+def test_other_python_threads_run_while_a_caller_waits():
+    with callreg.Worker(1) as w:
+        w.start()
+        slow = w.register(sleep_then)
+        ticks = []
+        stop = threading.Event()
+
+        def tick():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.01)
+
+        thread = threading.Thread(target=tick)
+        thread.start()
+        try:
+            started = time.monotonic()
+            assert w.call(slow, 0.5, "done") == "done"
+            during = [t for t in ticks if t > started]
+            # The GIL is released while waiting: the other thread ran all along.
+            assert len(during) >= 10
+            future = w.submit(slow, 0.3, "later")
+            before = len(ticks)
+            assert future.result(timeout=10) == "later"
+            assert len(ticks) - before >= 5
+        finally:
+            stop.set()
+            thread.join()
+
+
+def test_default_targets_are_one_per_cpu_and_with_closes():
+    with callreg.Worker() as w:
+        w.start()
+        assert w.targets == list(range(os.cpu_count()))
+        pids = [w.target_pid(t) for t in w.targets]
+        assert len(set(pids)) == len(pids) and os.getpid() not in pids
+    assert w.targets == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
