@@ -603,6 +603,20 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_snapshot_entry_is_not_held_and_the_rest_fill_slots_in_order() {
+        let snapshot = [(digest(1), 2), (digest(2), 1), (digest(3), 1)];
+        let mut t =
+            Target::with_snapshot_failures(TargetConfig::new(TargetId(0)), &snapshot, &[digest(2)])
+                .unwrap();
+        assert_eq!(t.installed(), vec![(digest(1), 2), (digest(3), 1)]);
+        assert_eq!(t.begin_task(Seq(1), digest(3)).unwrap(), Slot(1));
+        assert_eq!(
+            t.begin_task(Seq(2), digest(2)).unwrap_err().code,
+            ErrorCode::DIGEST_NOT_INSTALLED
+        );
+    }
+
+    #[test]
     fn a_task_for_an_unknown_digest_names_the_hashid() {
         let mut t = Target::new(TargetConfig::new(TargetId(1)), &[(digest(1), 1)]).unwrap();
         let e = t.begin_task(Seq(3), digest(2)).unwrap_err();
