@@ -266,7 +266,7 @@ fn call(
 
 /// A descriptor the parent holds without close-on-exec (like a saved copy
 /// of stdout) and one with it: a target has neither, only 0, 1, 2 and its
-/// two pipe ends.
+/// two channel ends (control socket, reply pipe).
 fn a_target_holds_no_descriptor_of_the_parent() {
     // Opened before the Worker exists: every target is forked after it.
     let inheritable = nix::unistd::dup(std::io::stdout()).expect("dup");
@@ -281,12 +281,13 @@ fn a_target_holds_no_descriptor_of_the_parent() {
         let numbers: Vec<i64> = fds.iter().map(|e| e[0].as_i64().unwrap()).collect();
         assert_eq!(numbers.len(), 5, "target {target}: {fds:?}");
         assert_eq!(&numbers[..3], &[0, 1, 2], "target {target}: {fds:?}");
-        for entry in &fds[3..] {
-            assert!(
-                entry[1].as_str().unwrap().starts_with("pipe:["),
-                "target {target}: {fds:?}"
-            );
-        }
+        // Its own channel ends: the control socket and the reply pipe.
+        let mut kinds: Vec<&str> = fds[3..]
+            .iter()
+            .map(|e| e[1].as_str().unwrap().split(':').next().unwrap())
+            .collect();
+        kinds.sort_unstable();
+        assert_eq!(kinds, ["pipe", "socket"], "target {target}: {fds:?}");
         for fd in [inheritable.as_raw_fd(), cloexec.as_raw_fd()] {
             assert_eq!(
                 call(&worker, &fstat, target, json!([fd])),

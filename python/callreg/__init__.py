@@ -47,7 +47,9 @@ Process model (Linux):
   or the Worker closes (:class:`LifecycleError`).
 * :meth:`Worker.close` (also on leaving a ``with`` block, when the Worker
   is garbage-collected, and at interpreter exit) stops and reaps the
-  targets and removes every staged payload from ``/dev/shm``.
+  targets; staged payloads are sealed anonymous memory files that the
+  kernel frees with their last descriptor (nothing is ever named in
+  ``/dev/shm``).
 * An ``async def`` function is refused by :meth:`Worker.register` (its call
   would only return a coroutine); register a plain function that runs it,
   e.g. ``lambda *a: asyncio.run(coro_fn(*a))``. A generator function's call

@@ -1,5 +1,6 @@
 //! The [`Worker`]: the protocol's [`Parent`] machine run over real forked
-//! targets, POSIX shm staging and pipes (DESIGN.md §4.1, §5).
+//! targets, sealed `memfd` staging (`specs/staging.md`), control sockets
+//! and reply pipes (DESIGN.md §4.1, §5).
 //!
 //! # Threads
 //!
@@ -21,9 +22,9 @@
 //!    close) and give each to the machine; drain effects after each.
 //! 2. Read the clock; if the machine's `poll_timeout` has passed, call
 //!    `handle_timeout(now)`; drain effects.
-//! 3. Build the poll set: the wake pipe, every live target's reply pipe,
-//!    and the control pipe of every target with unsent bytes; the poll
-//!    timeout is the machine's next deadline (none: block).
+//! 3. Build the poll set: the wake pipe, every live target's reply pipe
+//!    and pidfd, and the control socket of every target with unsent bytes;
+//!    the poll timeout is the machine's next deadline (none: block).
 //! 4. Release the state lock, hand the results decided since the last
 //!    `poll` to their waiting callers (a caller woken under the lock would
 //!    block on it at once), and `poll`.
@@ -32,15 +33,19 @@
 //!    machine (`handle_reply`), draining effects after each; task results
 //!    and tables go to their waiting callers. EOF, a hang-up, an
 //!    undecodable or out-of-protocol frame: kill and reap the target, then
-//!    `target_lost`; drain effects.
-//! 6. Flush pending control bytes to writable targets (a full pipe never
-//!    blocks the loop), then go to 1.
+//!    `target_lost`; drain effects. A readable pidfd (the target process
+//!    ended, even if a process it forked still holds its pipes): read what
+//!    its reply pipe holds, then the same.
+//! 6. Flush pending control bytes to writable targets (a full socket never
+//!    blocks the loop; a register's sealed payload descriptor goes with
+//!    its frame's first byte), then go to 1.
 //!
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
 //! with `stage_failed`); `Send` encodes a wire frame into the target's
-//! outbox (a register's carries its metadata as JSON); `ReleaseStaged`
-//! unlinks the shm object; `Fence` kills and reaps the target; `Completed`
+//! outbox (a register's carries its metadata as JSON, and a duplicate of
+//! its staged payload's descriptor waits beside it); `ReleaseStaged`
+//! closes the parent's descriptor of the payload; `Fence` kills and reaps the target; `Completed`
 //! hands the result to the waiting caller (a published handle passes
 //! `parent.before_publish` first).
 
@@ -60,7 +65,7 @@ use serde::Serialize;
 use super::failpoints;
 use super::handoff::{self, Completer, Pending};
 use super::process::{self, Exit, TargetProcess, ThreadPolicy, TrackedFd};
-use super::staging::{self, StagedPayload};
+use super::staging::StagedPayload;
 use super::target::{self, TargetSetup};
 use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
 use crate::envelope::{Envelope, HEADER_LEN};
@@ -339,7 +344,6 @@ impl<R: Runtime> WorkerBuilder<R> {
                     pids: Vec::new(),
                     exits: BTreeMap::new(),
                     losses: BTreeMap::new(),
-                    next_staging: 1,
                 }),
             }),
             io_thread: Mutex::new(None),
@@ -500,8 +504,6 @@ struct Core {
     exits: BTreeMap<TargetId, Exit>,
     /// Why lost targets were given up, with how they ended.
     losses: BTreeMap<TargetId, String>,
-    /// Numbers staged payload names (`callreg-<pid>-<n>-<random>`).
-    next_staging: u64,
 }
 
 struct Shared {
@@ -645,10 +647,10 @@ impl<R: Runtime> Worker<R> {
     ) -> Result<PendingOperation<Handle>, OperationError> {
         let parsed = Envelope::parse(envelope).map_err(Self::envelope_error)?;
         if let Some(metadata) = metadata {
-            // Room for the register control's fixed fields and a staged
-            // name (`/callreg-<pid>-<n>-<16 hex>`, well under 128 bytes).
+            // Room for the register control's fixed fields: seq, digest,
+            // staged size and the metadata's length.
             let json_bytes = metadata.to_json().len();
-            if HEADER_BYTES + 8 + 32 + 4 + 128 + 8 + 4 + json_bytes > self.max_frame_bytes {
+            if HEADER_BYTES + 8 + 32 + 8 + 4 + json_bytes > self.max_frame_bytes {
                 return Err(OperationError::new(
                     Error::new(
                         ErrorCode::FRAME_INVALID,
@@ -690,18 +692,17 @@ impl<R: Runtime> Worker<R> {
                 "the Worker is closed",
             ))),
             Lifecycle::Started => {
-                let number = core.next_staging;
-                core.next_staging += 1;
                 drop(core);
                 let hashed = HEADER_LEN..parsed.encoded_len();
                 let (staged, payload_sha256) =
-                    StagedPayload::create(number, &envelope[..parsed.encoded_len()], hashed)
-                        .map_err(|e| {
+                    StagedPayload::create(&envelope[..parsed.encoded_len()], hashed).map_err(
+                        |e| {
                             OperationError::new(
                                 Error::new(e.code(), OperationKind::Stage, e.to_string())
                                     .with_namespace(Namespace::LocalPython),
                             )
-                        })?;
+                        },
+                    )?;
                 let digest = PythonSerialized {
                     payload_format_version: parsed.version(),
                     serializer_id: parsed.serializer(),
@@ -950,8 +951,9 @@ impl<R: Runtime> Worker<R> {
     /// reaped, reported `Fenced`). So `start` returns within the control
     /// timeout plus the time to reap the targets it gave up.
     ///
-    /// Limits: at most `u16::MAX` targets; the parent holds two
-    /// descriptors per target (its ends of the control and reply pipes),
+    /// Limits: at most `u16::MAX` targets; the parent holds three
+    /// descriptors per target (its end of the control socket, its end of
+    /// the reply pipe, a pidfd),
     /// so the soft `RLIMIT_NOFILE` bounds the count (checked first); each
     /// Python target costs about 11.5 MB PSS (19 MB RSS; CPython 3.11 with
     /// cloudpickle, nothing registered; `BENCHMARKS.md`).
@@ -978,7 +980,6 @@ impl<R: Runtime> Worker<R> {
                 "start needs a new Worker",
             )));
         }
-        let _ = staging::sweep_stale();
         // Only a build with fail points reads their variables: `FAILPOINTS`
         // may be meant for another crate of the embedding process.
         if cfg!(feature = "failpoints") {
@@ -1182,7 +1183,7 @@ fn refuse(request: Request, before_start: bool) {
     }
 }
 
-/// Checks that the parent can hold its two pipe ends per target (and the
+/// Checks that the parent can hold its three descriptors per target (and the
 /// IO thread's wake pipe) within the soft `RLIMIT_NOFILE`, counting the
 /// descriptors already open.
 ///
@@ -1200,14 +1201,14 @@ fn check_descriptor_room(targets: u16) -> Result<(), String> {
         return Ok(());
     }
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-    let needed = 2 * u64::from(targets) + 2;
+    let needed = 3 * u64::from(targets) + 2;
     // `rlim_t` is `u64` on Linux.
     let room = limit
         .rlim_cur
         .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
     if needed > room {
         return Err(format!(
-            "{targets} targets need {needed} more file descriptors in the parent (two pipe ends each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
             limit.rlim_cur
         ));
     }
@@ -1233,8 +1234,11 @@ fn ignore_sigpipe() {
 struct Link {
     process: TargetProcess,
     input: FrameBuffer,
-    /// Encoded control bytes not yet written (the pipe was full).
+    /// Encoded control bytes not yet written (the socket was full).
     outbox: Vec<u8>,
+    /// Staged payload descriptors waiting to go with the outbox byte at
+    /// their offset (a register frame's first byte), in offset order.
+    outbox_fds: VecDeque<(usize, TrackedFd)>,
 }
 
 /// The snapshot entries targets reported they could not install.
@@ -1261,6 +1265,7 @@ fn wait_ready(
                 process,
                 input,
                 outbox: Vec::new(),
+                outbox_fds: VecDeque::new(),
             })),
             Err(_) => links.push(None),
         }
@@ -1282,29 +1287,39 @@ fn wait_ready(
         let waiting: Vec<usize> = (0..links.len())
             .filter(|i| outcomes[*i].is_none())
             .collect();
-        let mut fds: Vec<PollFd<'_>> = waiting
-            .iter()
-            .filter_map(|i| links[*i].as_ref())
-            .map(|l| PollFd::new(l.process.reply(), PollFlags::POLLIN))
-            .collect();
+        // Each waiting target's reply pipe, and its pidfd: a target that
+        // ended while a process it forked holds its pipe is seen all the
+        // same.
+        let mut fds: Vec<PollFd<'_>> = Vec::new();
+        let mut owners: Vec<(usize, bool)> = Vec::new();
+        for index in &waiting {
+            let Some(link) = links[*index].as_ref() else {
+                continue;
+            };
+            fds.push(PollFd::new(link.process.reply(), PollFlags::POLLIN));
+            owners.push((*index, false));
+            if let Some(pidfd) = link.process.pidfd() {
+                fds.push(PollFd::new(pidfd, PollFlags::POLLIN));
+                owners.push((*index, true));
+            }
+        }
         let timeout = PollTimeout::try_from(deadline - now).unwrap_or(PollTimeout::MAX);
         match nix::poll::poll(&mut fds, timeout) {
             Ok(_) | Err(Errno::EINTR) => {}
             Err(_) => break,
         }
-        let ready: Vec<bool> = fds
-            .iter()
-            .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
-            .collect();
-        drop(fds);
-        for (index, is_ready) in waiting.into_iter().zip(ready) {
-            if !is_ready {
-                continue;
+        let mut ready: BTreeMap<usize, bool> = BTreeMap::new();
+        for (fd, (index, is_pidfd)) in fds.iter().zip(owners) {
+            if fd.revents().is_some_and(|r| !r.is_empty()) {
+                *ready.entry(index).or_default() |= is_pidfd;
             }
+        }
+        drop(fds);
+        for (index, ended) in ready {
             let Some(link) = links[index].as_mut() else {
                 continue;
             };
-            let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed);
+            let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed) || ended;
             outcomes[index] = match link.input.next_frame() {
                 Ok(Some(Frame::Ready {
                     snapshot: entries, ..
@@ -1510,6 +1525,7 @@ enum Ready {
     Wake,
     Reply(usize),
     Control(usize),
+    Ended(usize),
 }
 
 impl IoLoop {
@@ -1582,6 +1598,10 @@ impl IoLoop {
                 let Some(link) = link else { continue };
                 fds.push(PollFd::new(link.process.reply(), PollFlags::POLLIN));
                 watched.push(Ready::Reply(index));
+                if let Some(pidfd) = link.process.pidfd() {
+                    fds.push(PollFd::new(pidfd, PollFlags::POLLIN));
+                    watched.push(Ready::Ended(index));
+                }
                 if let (false, Some(control)) = (link.outbox.is_empty(), link.process.control()) {
                     fds.push(PollFd::new(control, PollFlags::POLLOUT));
                     watched.push(Ready::Control(index));
@@ -1628,6 +1648,13 @@ impl IoLoop {
                         self.read_replies(&mut core, index, &mut chunk, hung_up)
                     }
                     Ready::Control(index) => self.flush(&mut core, index),
+                    Ready::Ended(index) => {
+                        // Its last replies first (a reply pipe that also
+                        // closed was handled just before, as `Reply`).
+                        self.read_replies(&mut core, index, &mut chunk, true);
+                        let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                        self.lose(&mut core, target, "its process ended");
+                    }
                 }
             }
             // Completions decided here are handed over at step 4 of the
@@ -1793,19 +1820,29 @@ impl IoLoop {
         frame: ControlFrame,
         context: &mut Context,
     ) {
+        let mut attached: Option<TrackedFd> = None;
         let wire = match frame {
             ControlFrame::Register {
                 seq,
                 digest,
                 staging,
             } => match self.staged.get(&staging) {
-                Some(staged) => Frame::Register {
-                    seq: seq.0,
-                    digest,
-                    staged_name: staged.payload.name().to_owned(),
-                    staged_size: staged.payload.size(),
-                    metadata: staged.metadata.clone(),
-                },
+                Some(staged) => {
+                    let Ok(fd) = staged.payload.fd().try_clone_to_owned() else {
+                        return self.lose(
+                            core,
+                            target,
+                            "its register's staged payload could not be duplicated",
+                        );
+                    };
+                    attached = Some(TrackedFd::new(fd));
+                    Frame::Register {
+                        seq: seq.0,
+                        digest,
+                        staged_size: staged.payload.size(),
+                        metadata: staged.metadata.clone(),
+                    }
+                }
                 // The machine sends a register only while its payload is
                 // staged; an unknown staging id means a lost target now.
                 None => return self.lose(core, target, "no staged payload for its register"),
@@ -1828,6 +1865,7 @@ impl IoLoop {
         let Some(Some(link)) = self.links.get_mut(index) else {
             return;
         };
+        let offset = link.outbox.len();
         if wire
             .encode_into(&mut link.outbox, self.max_frame_bytes)
             .is_err()
@@ -1840,10 +1878,17 @@ impl IoLoop {
                 "a control frame exceeded the maximum frame size",
             );
         }
+        if let Some(fd) = attached {
+            link.outbox_fds.push_back((offset, fd));
+        }
         self.flush(core, index);
     }
 
-    /// Writes as much of a link's outbox as the pipe takes now.
+    /// Writes as much of a link's outbox as the socket takes now. Each
+    /// `sendmsg` stops before the next frame that carries a descriptor, and
+    /// a descriptor goes with the first byte of its frame, so a target
+    /// receives each register's payload no later than the frame's first
+    /// byte and in frame order.
     fn flush(&mut self, core: &mut Core, index: usize) {
         let Some(Some(link)) = self.links.get_mut(index) else {
             return;
@@ -1852,15 +1897,28 @@ impl IoLoop {
             return;
         };
         while !link.outbox.is_empty() {
-            match nix::unistd::write(control, &link.outbox) {
+            let (fd, end) = match (link.outbox_fds.front(), link.outbox_fds.get(1)) {
+                (Some((0, fd)), next) => (Some(fd.as_fd()), next.map(|(at, _)| *at)),
+                (Some((at, _)), _) => (None, Some(*at)),
+                (None, _) => (None, None),
+            };
+            let end = end.unwrap_or(link.outbox.len());
+            let with_fd = fd.is_some();
+            match process::send_control(control, &link.outbox[..end], fd) {
                 Ok(n) => {
                     link.outbox.drain(..n);
+                    if n > 0 && with_fd {
+                        link.outbox_fds.pop_front();
+                    }
+                    for (at, _) in link.outbox_fds.iter_mut() {
+                        *at -= n;
+                    }
                 }
                 Err(Errno::EINTR) => continue,
                 Err(Errno::EAGAIN) => return,
                 Err(_) => {
                     let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
-                    return self.lose(core, target, "its control pipe is closed");
+                    return self.lose(core, target, "its control socket is closed");
                 }
             }
         }
