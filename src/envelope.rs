@@ -1,4 +1,4 @@
-//! SPYC envelope (DESIGN.md §3.1): a 16-byte little-endian header followed
+//! SPYC envelope (specs/design.md §3.1): a 16-byte little-endian header followed
 //! by the serializer payload (`cloudpickle.dumps(fn)` bytes).
 //!
 //! ```text
@@ -16,10 +16,10 @@
 
 use crate::error::ErrorCode;
 
-/// The four magic bytes every envelope starts with (DESIGN.md §3.1).
+/// The four magic bytes every envelope starts with (specs/design.md §3.1).
 pub const MAGIC: [u8; 4] = *b"SPYC";
 
-/// Length of the envelope header in bytes (DESIGN.md §3.1).
+/// Length of the envelope header in bytes (specs/design.md §3.1).
 pub const HEADER_LEN: usize = 16;
 
 /// The only envelope format version this crate reads and writes.
@@ -29,8 +29,8 @@ pub const VERSION: u8 = 1;
 pub const SERIALIZER_CLOUDPICKLE: u8 = 1;
 
 /// Why staged bytes are not a valid SPYC envelope (error code
-/// [`ErrorCode::ENVELOPE_INVALID`]). One variant per check of DESIGN.md
-/// §3.1, in the order the checks run; each carries the offending values.
+/// [`ErrorCode::ENVELOPE_INVALID`]). One variant per check of
+/// `specs/design.md` §3.1, in the order the checks run; each carries the offending values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum EnvelopeError {
     /// Fewer than [`HEADER_LEN`] staged bytes (check 1).
@@ -119,7 +119,7 @@ impl From<EnvelopeError> for ErrorCode {
 }
 
 /// A validated, zero-copy view of a SPYC envelope over staged bytes
-/// (DESIGN.md §3.1). Trailing bytes after the declared payload (e.g. page
+/// (specs/design.md §3.1). Trailing bytes after the declared payload (e.g. page
 /// rounding of a staged region) are allowed and ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Envelope<'a> {
@@ -131,7 +131,7 @@ pub struct Envelope<'a> {
 }
 
 impl<'a> Envelope<'a> {
-    /// Validates `staged` with the six checks of DESIGN.md §3.1, in order,
+    /// Validates `staged` with the six checks of specs/design.md §3.1, in order,
     /// and returns a view borrowing it. No copy, no allocation.
     ///
     /// # Errors
@@ -226,7 +226,7 @@ impl<'a> Envelope<'a> {
 }
 
 /// The 16-byte header of a version-1 cloudpickle envelope around a payload
-/// of `payload_size` bytes (DESIGN.md §3.1).
+/// of `payload_size` bytes (specs/design.md §3.1).
 pub fn header(payload_size: u64) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[0..4].copy_from_slice(&MAGIC);

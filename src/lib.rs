@@ -6,12 +6,12 @@
 //!
 //! Layers, each a module (a module never imports from a layer above it):
 //!
-//! * formats — [`envelope`] (SPYC, DESIGN.md §3.1) and [`descriptor`]
-//!   (canonical descriptors, digests and hashids, DESIGN.md §3.2);
+//! * formats — [`envelope`] (SPYC, specs/design.md §3.1) and [`descriptor`]
+//!   (canonical descriptors, digests and hashids, specs/design.md §3.2);
 //! * plain data as JSON — [`json`] (strict decoding naming the field) and
 //!   [`metadata`] (callable metadata: versions, executor, deps, hooks;
-//!   DESIGN.md §6, `specs/metadata.md`);
-//! * the pure protocol — [`error`] and [`protocol`] (DESIGN.md §4): state
+//!   specs/design.md §6, `specs/metadata.md`);
+//! * the pure protocol — [`error`] and [`protocol`] (specs/design.md §4): state
 //!   machines with no IO, no clock reads, no randomness and no threads.
 //!
 //! The default build holds only these; the IO layer and Python targets are

@@ -501,7 +501,7 @@ fn call_json(
     String::from_utf8(result).map_err(|e| format!("{name}: result not UTF-8: {e}"))
 }
 
-/// The serializer payload of a SPYC envelope (DESIGN.md §3.1): checks the
+/// The serializer payload of a SPYC envelope (specs/design.md §3.1): checks the
 /// magic, version 1, serializer 1, flags 0 and the declared size.
 fn envelope_payload(envelope: &[u8]) -> Result<&[u8], String> {
     let header: [u8; 16] = envelope

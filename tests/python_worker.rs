@@ -209,7 +209,7 @@ fn tables(worker: &Worker<PythonRuntime>) -> Vec<(TargetId, Vec<(Digest, u32)>)>
         .collect()
 }
 
-/// DESIGN.md §4.4 invariants 1–9 on the parent state and the reported
+/// specs/design.md §4.4 invariants 1–9 on the parent state and the reported
 /// tables (the Worker must be quiescent), and the parent never ran Python.
 fn check(worker: &Worker<PythonRuntime>) {
     let parent = worker.parent_state();

@@ -1,4 +1,4 @@
-//! `callreg inspect [--json] FILE...`: validate envelopes (DESIGN.md §3.1)
+//! `callreg inspect [--json] FILE...`: validate envelopes (specs/design.md §3.1)
 //! and show their header, PYTHON_SERIALIZED descriptor and hashid (§3.2),
 //! and the metadata side-car `FILE.json` when one exists next to the
 //! envelope (`specs/metadata.md`).
@@ -227,7 +227,7 @@ fn table(rows: &[(&str, Row, Sidecar)]) -> String {
 }
 
 /// Reads an envelope from `file` (`-` = stdin) without reading past what
-/// it declares: the 16-byte SPYC header (DESIGN.md §3.1), then, if the
+/// it declares: the 16-byte SPYC header (specs/design.md §3.1), then, if the
 /// header is valid, at most its `payload_size` bytes. So a stream such as
 /// `/dev/zero` or a pipe costs at most `16 + payload_size` bytes of memory,
 /// and a bad header costs 16. Returns the bytes read and, for a regular

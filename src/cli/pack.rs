@@ -1,5 +1,5 @@
 //! `callreg pack --payload RAW -o OUT.spyc`: wrap raw serializer bytes in a
-//! version-1 cloudpickle SPYC envelope (DESIGN.md §3.1).
+//! version-1 cloudpickle SPYC envelope (specs/design.md §3.1).
 
 use std::io::Write;
 

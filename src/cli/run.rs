@@ -4,7 +4,7 @@
 //!
 //! This process is the parent: it forks the targets, stages envelopes and
 //! sends frames, and never initialises Python or deserializes a payload
-//! (DESIGN.md §1, §6); it checks that before start and after close.
+//! (specs/design.md §1, §6); it checks that before start and after close.
 //!
 //! Output: one line per step on stdout, then a summary. Text lines read
 //! `step 3 call add [target 0]: ok -> 5 (74 µs)`; with `--json`, each line

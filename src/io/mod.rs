@@ -1,5 +1,5 @@
 //! The IO layer (cargo feature `io`): runs the pure protocol over real
-//! forked targets, POSIX shared memory and pipes (DESIGN.md §5).
+//! forked targets, POSIX shared memory and pipes (specs/design.md §5).
 //!
 //! * [`staging`] — staged payloads in POSIX shm;
 //! * [`process`] — forking targets, their pipes, fencing and reaping;

@@ -1,7 +1,7 @@
 //! Target processes: fork, pipes, parent-death handling, fencing, reaping.
 //!
 //! [`spawn_targets`] forks N targets while the process is single-threaded
-//! (DESIGN.md §5; the note on fork safety). Each target gets two pipes: a
+//! (specs/design.md §5; the note on fork safety). Each target gets two pipes: a
 //! control pipe (parent writes, target reads) and a reply pipe (target
 //! writes, parent reads). The parent's ends are close-on-exec and
 //! non-blocking, for its poll loop; the target's ends are blocking. Each

@@ -1,4 +1,4 @@
-//! Staged payloads: envelopes in POSIX shared memory (DESIGN.md §4.1, §5).
+//! Staged payloads: envelopes in POSIX shared memory (specs/design.md §4.1, §5).
 //!
 //! The parent creates one shm object per register operation, named
 //! `/callreg-<parent pid>-<seq>-<16 random hex digits>` (the file
@@ -104,7 +104,7 @@ impl StagedPayload {
     /// copying (one pass over the bytes).
     ///
     /// `hashed` is the part of the envelope that identifies it: the
-    /// serializer payload after the SPYC header (DESIGN.md §3.2).
+    /// serializer payload after the SPYC header (specs/design.md §3.2).
     ///
     /// # Errors
     /// [`StagingError::BadRange`] for a range outside `bytes`;

@@ -1,5 +1,5 @@
 //! The target process: installs its startup snapshot, then serves control
-//! frames on one thread and runs tasks on another (DESIGN.md §4.2, §5).
+//! frames on one thread and runs tasks on another (specs/design.md §4.2, §5).
 //!
 //! The control thread reads frames from the control pipe in order and
 //! drives the protocol's [`Target`] machine (through the [`SlotTable`]);
@@ -237,7 +237,7 @@ fn install<R: Runtime>(
 }
 
 /// Opens a staged payload read-only, validates the envelope against the
-/// mapped size and recomputes its digest (DESIGN.md §4.2).
+/// mapped size and recomputes its digest (specs/design.md §4.2).
 fn open_and_verify(name: &str, size: u64) -> Result<(StagedView, Digest), Failure> {
     let view = StagedView::open(name, size).map_err(|e| Failure::new(e.code(), e.to_string()))?;
     let digest = {

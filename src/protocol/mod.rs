@@ -1,4 +1,4 @@
-//! The registration protocol as pure state machines (DESIGN.md §4).
+//! The registration protocol as pure state machines (specs/design.md §4).
 //!
 //! This module is deterministic protocol logic: it performs no IO, reads no
 //! clock, draws no random numbers and starts no threads. Time arrives as a
@@ -36,7 +36,7 @@
 //! have `to_json`, `to_json_pretty` and a strict `from_json` naming the
 //! offending field (`specs/metadata.md` §7). None of them holds a slot.
 //!
-//! [`invariants`] holds DESIGN.md §4.4's invariants as pure predicates over
+//! [`invariants`] holds specs/design.md §4.4's invariants as pure predicates over
 //! a [`invariants::View`] of both machines and the frames in transit; the
 //! model checker and the tests call the same functions.
 
@@ -115,7 +115,7 @@ pub struct StagingId(pub u64);
 #[serde(transparent)]
 pub struct OwnerToken(pub u64);
 
-/// A target namespace (DESIGN.md §2). Python callables live in
+/// A target namespace (specs/design.md §2). Python callables live in
 /// `LOCAL_PYTHON`; every target of this crate serves it.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 pub enum Namespace {
@@ -143,7 +143,7 @@ impl fmt::Display for Namespace {
     }
 }
 
-/// A frame the parent sends to one target (DESIGN.md §3.3 gives its wire
+/// A frame the parent sends to one target (specs/design.md §3.3 gives its wire
 /// form). No frame carries a slot (invariant 9).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 #[serde(tag = "frame", rename_all = "snake_case")]

@@ -1,4 +1,4 @@
-//! The parent state machine: registry, operations, scopes (DESIGN.md §4.1).
+//! The parent state machine: registry, operations, scopes (specs/design.md §4.1).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -37,11 +37,11 @@ pub struct ParentConfig {
     /// At a passed deadline: `true` fences the silent target (the IO layer
     /// kills and reaps it; it becomes lost and nothing turns uncertain);
     /// `false` leaves it running and marks the digest uncertain
-    /// (DESIGN.md §4.1, for embedders that cannot fence).
+    /// (specs/design.md §4.1, for embedders that cannot fence).
     pub fence_on_timeout: bool,
     /// This Worker's random owner token, stamped on every handle it issues.
     pub owner: OwnerToken,
-    /// Slots per target (DESIGN.md §4.2; [`DEFAULT_SLOT_CAPACITY`] is the
+    /// Slots per target (specs/design.md §4.2; [`DEFAULT_SLOT_CAPACITY`] is the
     /// usual value). Every target installs the whole startup snapshot, one
     /// slot per distinct digest, so the snapshot holds at most this many.
     ///
@@ -49,7 +49,7 @@ pub struct ParentConfig {
     pub slot_capacity: u16,
 }
 
-/// The parent's lifecycle (DESIGN.md §4.1).
+/// The parent's lifecycle (specs/design.md §4.1).
 ///
 /// ```text
 ///   New ──start()──▶ Started ──close()──▶ Closed
@@ -70,7 +70,7 @@ pub enum Lifecycle {
 }
 
 /// A registered callable as the user holds it: plain data, serializable,
-/// checked field by field when it comes back (DESIGN.md §4.1).
+/// checked field by field when it comes back (specs/design.md §4.1).
 ///
 /// JSON form ([`Handle::to_json`], strict [`Handle::from_json`]; no other
 /// field, and no slot, is part of it):
@@ -301,7 +301,7 @@ impl Op {
     }
 }
 
-/// The parent state machine (DESIGN.md §4.1): the registry of handles, the
+/// The parent state machine (specs/design.md §4.1): the registry of handles, the
 /// startup snapshot, and the register and unregister operations in flight.
 ///
 /// Pure: see the module documentation for the driving rule. The state is
@@ -634,7 +634,7 @@ impl Parent {
     }
 
     /// Resolves a handle to its digest for use in `namespace`
-    /// (DESIGN.md §4.1, invariant 6). Checks in this order, each with its
+    /// (specs/design.md §4.1, invariant 6). Checks in this order, each with its
     /// own error:
     ///
     /// # Errors
@@ -780,7 +780,7 @@ impl Parent {
     ///
     /// A reply that answers nothing pending (a late answer after the
     /// target's deadline passed, or a duplicate) marks its digest uncertain,
-    /// since the target's state is then unknown (DESIGN.md §4.1). Replies
+    /// since the target's state is then unknown (specs/design.md §4.1). Replies
     /// from a lost target and replies after close are ignored.
     ///
     /// # Errors

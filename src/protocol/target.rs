@@ -1,5 +1,5 @@
 //! The target state machine: one child's private `digest -> slot` table
-//! with refcounts, tombstones and run pins (DESIGN.md §4.2).
+//! with refcounts, tombstones and run pins (specs/design.md §4.2).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -108,7 +108,7 @@ pub enum TargetEffect {
     },
 }
 
-/// The target state machine (DESIGN.md §4.2).
+/// The target state machine (specs/design.md §4.2).
 ///
 /// Pure: the IO layer opens staged payloads, recomputes digests, runs the
 /// runtime and moves frames; this machine decides. Runs must be begun

@@ -1,5 +1,5 @@
 //! The Python runtime: deserializes cloudpickle payloads with `pickle.loads`
-//! inside a target and runs tasks on the resulting callables (DESIGN.md §5).
+//! inside a target and runs tasks on the resulting callables (specs/design.md §5).
 //!
 //! Rules this module keeps:
 //!
@@ -90,7 +90,7 @@ impl Default for PythonRuntime {
 }
 
 /// An executor a Python target can rehydrate from metadata by its short
-/// name (DESIGN.md §6, the transport-graph `executor` / `executor_data`
+/// name (specs/design.md §6, the transport-graph `executor` / `executor_data`
 /// convention): it decides how a task of an installed callable runs.
 ///
 /// Embedders add their own with [`PythonRuntime::with_executor`]; the
@@ -292,7 +292,7 @@ impl PythonRuntime {
 
     /// Whether the Python interpreter is initialised in the calling
     /// process. A parent (the process that owns a [`crate::io::Worker`])
-    /// must always see `false`: it never runs Python (DESIGN.md §1, §6).
+    /// must always see `false`: it never runs Python (specs/design.md §1, §6).
     pub fn interpreter_initialized() -> bool {
         // SAFETY: `Py_IsInitialized` only reads a flag and may be called
         // before the interpreter exists.
@@ -859,7 +859,7 @@ fn traceback_tail(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> O
 
 /// A formatted frame (`  File "/dir/name.py", line 3, in f` then source
 /// lines) with the file's directories removed: error messages never carry
-/// a user's absolute path (DESIGN.md §4.3).
+/// a user's absolute path (specs/design.md §4.3).
 fn without_directories(frame: &str) -> String {
     const START: &str = "  File \"";
     const END: &str = "\", line ";
