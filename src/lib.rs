@@ -16,6 +16,38 @@
 //!
 //! The default build holds only these; the IO layer and Python targets are
 //! behind the `io` and `python` cargo features.
+//!
+//! # Embedding Python targets (feature `python`)
+//!
+//! The build links the shared libpython of the interpreter named by
+//! `PYO3_PYTHON` (an absolute path; best a virtual environment's
+//! `bin/python` with cloudpickle installed), and the targets start that
+//! interpreter's configuration, its site-packages included
+//! ([`runtime::python::BUILD_PYTHON`]). The dynamic loader must then find
+//! that same libpython when the program runs. callreg's own binaries carry
+//! its directory as their RUNPATH; a program that depends on callreg adds it
+//! in its own build script, from what callreg publishes (`links = "callreg"`)
+//! as `DEP_CALLREG_PYTHON_LIBDIR`:
+//!
+//! ```text
+//! // build.rs of a crate with `callreg = { version = "…", features = ["python"] }`
+//! fn main() {
+//!     println!("cargo:rerun-if-env-changed=DEP_CALLREG_PYTHON_LIBDIR");
+//!     if let Ok(dir) = std::env::var("DEP_CALLREG_PYTHON_LIBDIR") {
+//!         if !dir.is_empty() {
+//!             println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+//!         }
+//!     }
+//! }
+//! ```
+//!
+//! (`DEP_CALLREG_PYTHON` names the interpreter; `tests/dependent/` is a
+//! complete such crate, built and run by the tests.) Without it the loader
+//! may pick another libpython of the same minor version, such as the
+//! system's, whose site-packages lack cloudpickle: the targets then refuse
+//! to start (`TARGET_LOST`, kind `LibpythonMismatch`, naming the library
+//! loaded and the directory the build expected; the target writes it to
+//! stderr) instead of failing later with `ModuleNotFoundError`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

@@ -316,7 +316,9 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         pipe: Mutex::new(File::from(reply)),
         max_frame_bytes: setup.max_frame_bytes,
     });
-    if setup.runtime.start().is_err() {
+    if let Err(error) = setup.runtime.start() {
+        // The parent sees only the exit status: the reason goes to stderr.
+        eprintln!("callreg target {index}: the runtime did not start: {error}");
         return START_EXIT_CODE;
     }
     let config = TargetConfig {

@@ -203,8 +203,11 @@ fn initialize_interpreter() -> Result<(), RuntimeError> {
         ffi::PyConfig_InitPythonConfig(&mut config);
         config.install_signal_handlers = 0;
         if let Some(program) = &program {
-            let status =
-                ffi::PyConfig_SetBytesString(&mut config, &mut config.program_name, program.as_ptr());
+            let status = ffi::PyConfig_SetBytesString(
+                &mut config,
+                &mut config.program_name,
+                program.as_ptr(),
+            );
             if ffi::PyStatus_Exception(status) != 0 {
                 ffi::PyConfig_Clear(&mut config);
                 return Err(failed(status_message(status)));
