@@ -1,4 +1,24 @@
 //! Canonical descriptors, digests and hashids (specs/design.md §3.2).
+//!
+//! ```
+//! use callreg::descriptor::{python_serialized_digest, Descriptor, HashId, PythonImport};
+//! use callreg::envelope::{encode, Envelope};
+//!
+//! // A serialized callable: identified by its envelope's payload.
+//! let staged = encode(&[0x80, 0x05, 0x4e, 0x2e]);
+//! let digest = python_serialized_digest(&Envelope::parse(&staged).unwrap());
+//! assert_eq!(
+//!     digest.hashid().to_string(),
+//!     "sha256:8d96f0f9bfdddf028d9c22f471496088efc60377264fc7b3d6382f32782ecbd1"
+//! );
+//!
+//! // An importable callable: identified by `module:qualname`.
+//! let import = Descriptor::PythonImport(PythonImport::new("pkg.mod", "Class.method").unwrap());
+//! let hashid: HashId = "sha256:6086292cb02d057e8b0de3739e65ba81b361f93368d5ebc4d4fc21865dbee107"
+//!     .parse()
+//!     .unwrap();
+//! assert_eq!(import.digest().unwrap(), hashid.digest());
+//! ```
 
 use std::fmt;
 use std::str::FromStr;
@@ -58,6 +78,25 @@ impl fmt::Display for Digest {
 /// The text form of a [`Digest`]: exactly `sha256:` followed by 64 lowercase
 /// hex digits (specs/design.md §3.2). Parsing is strict: no whitespace, no upper
 /// case, no other prefix.
+///
+/// ```
+/// use callreg::descriptor::{HashId, HashIdError};
+///
+/// let text = "sha256:8d96f0f9bfdddf028d9c22f471496088efc60377264fc7b3d6382f32782ecbd1";
+/// let hashid: HashId = text.parse().unwrap();
+/// assert_eq!(hashid.to_string(), text);
+/// assert_eq!(hashid.digest().as_bytes()[0], 0x8d);
+///
+/// assert_eq!(text.to_uppercase().parse::<HashId>(), Err(HashIdError::MissingPrefix));
+/// assert_eq!(
+///     format!("{text} ").parse::<HashId>(),
+///     Err(HashIdError::WrongLength { len: 72 })
+/// );
+/// assert_eq!(
+///     text.replace("8d96", "8D96").parse::<HashId>(),
+///     Err(HashIdError::BadDigit { offset: 8, found: 'D' })
+/// );
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct HashId(pub Digest);
 
@@ -330,6 +369,17 @@ pub fn python_serialized_descriptor(
 /// The digest of an envelope's PYTHON_SERIALIZED descriptor: one SHA-256
 /// pass over the payload, then one over the 52 descriptor bytes. This is
 /// the fast path the parent and targets use (specs/design.md §3.2).
+///
+/// ```
+/// use callreg::descriptor::{python_serialized_digest, Digest, PythonSerialized};
+/// use callreg::envelope::{encode, Envelope};
+///
+/// let staged = encode(b"any payload");
+/// let envelope = Envelope::parse(&staged).unwrap();
+/// let descriptor = PythonSerialized::from_envelope(&envelope).to_bytes();
+/// assert_eq!(descriptor.len(), 52);
+/// assert_eq!(python_serialized_digest(&envelope), Digest::of_descriptor(&descriptor));
+/// ```
 pub fn python_serialized_digest(envelope: &Envelope<'_>) -> Digest {
     PythonSerialized::from_envelope(envelope).digest()
 }
@@ -429,6 +479,17 @@ impl PythonImport {
     /// contains `<locals>`; [`DescriptorError::ImportBadIdentifier`] for the
     /// first dotted part of the module, then of the qualname, that is not an
     /// identifier.
+    ///
+    /// ```
+    /// use callreg::descriptor::{DescriptorError, PythonImport};
+    ///
+    /// let import = PythonImport::new("os.path", "join").unwrap();
+    /// assert_eq!((import.module(), import.qualname()), ("os.path", "join"));
+    /// assert!(matches!(
+    ///     PythonImport::new("pkg", "outer.<locals>.inner"),
+    ///     Err(DescriptorError::ImportLocals { .. })
+    /// ));
+    /// ```
     pub fn new(module: &str, qualname: &str) -> Result<Self, DescriptorError> {
         let colons = module.matches(':').count() + qualname.matches(':').count();
         if colons != 0 {

@@ -13,6 +13,22 @@
 //!
 //! [`Envelope::parse`] is a zero-copy view over the caller's staged bytes;
 //! [`encode`] and [`encode_into`] build an envelope around a payload.
+//!
+//! ```
+//! use callreg::envelope::{encode, Envelope, EnvelopeError, HEADER_LEN};
+//!
+//! let staged = encode(b"\x80\x05N."); // pickle.dumps(None)
+//! assert_eq!(staged.len(), HEADER_LEN + 4);
+//! let envelope = Envelope::parse(&staged)?;
+//! assert_eq!(envelope.payload(), b"\x80\x05N.");
+//!
+//! // The checks run in order; the first failure is reported.
+//! assert_eq!(
+//!     Envelope::parse(b"SPYD\x01\x01\0\0\0\0\0\0\0\0\0\0"),
+//!     Err(EnvelopeError::BadMagic { found: *b"SPYD" })
+//! );
+//! # Ok::<(), EnvelopeError>(())
+//! ```
 
 use crate::error::ErrorCode;
 
@@ -141,6 +157,25 @@ impl<'a> Envelope<'a> {
     /// [`EnvelopeError::UnsupportedSerializer`], [`EnvelopeError::NonZeroFlags`],
     /// [`EnvelopeError::PayloadTruncated`] (`16 + payload_size` greater than
     /// the staged length, computed without overflow).
+    ///
+    /// ```
+    /// use callreg::envelope::{encode, Envelope, EnvelopeError};
+    ///
+    /// // Page-rounded staging: the bytes after the payload are ignored.
+    /// let mut staged = encode(b"payload");
+    /// staged.resize(4096, 0);
+    /// let envelope = Envelope::parse(&staged).unwrap();
+    /// assert_eq!((envelope.payload_size(), envelope.staged_size()), (7, 4096));
+    ///
+    /// // A declared size past the staged bytes.
+    /// let short = &encode(b"payload")[..20];
+    /// assert_eq!(
+    ///     Envelope::parse(short).unwrap_err().to_string(),
+    ///     "ENVELOPE_INVALID: payload truncated: header declares 7 payload bytes, \
+    ///      only 4 staged after the 16-byte header"
+    /// );
+    /// assert!(matches!(Envelope::parse(short), Err(EnvelopeError::PayloadTruncated { .. })));
+    /// ```
     pub fn parse(staged: &'a [u8]) -> Result<Self, EnvelopeError> {
         let Some((header, rest)) = staged.split_first_chunk::<HEADER_LEN>() else {
             return Err(EnvelopeError::HeaderTruncated {
@@ -239,6 +274,12 @@ pub fn header(payload_size: u64) -> [u8; HEADER_LEN] {
 
 /// Encodes `payload` as a version-1 cloudpickle envelope: a new vector of
 /// `16 + payload.len()` bytes.
+///
+/// ```
+/// let staged = callreg::envelope::encode(&[0x80, 0x05, 0x4e, 0x2e]);
+/// assert_eq!(&staged[..8], b"SPYC\x01\x01\0\0");
+/// assert_eq!(&staged[8..16], &4u64.to_le_bytes());
+/// ```
 pub fn encode(payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(&header(payload.len() as u64));
@@ -263,6 +304,19 @@ pub struct BufferTooSmall {
 /// # Errors
 /// [`BufferTooSmall`] when `buf.len() < 16 + payload.len()`; `buf` is then
 /// not modified.
+///
+/// ```
+/// use callreg::envelope::{encode, encode_into, BufferTooSmall};
+///
+/// let mut page = [0xffu8; 64];
+/// assert_eq!(encode_into(b"abc", &mut page), Ok(19));
+/// assert_eq!(&page[..19], encode(b"abc").as_slice());
+/// assert_eq!(page[19], 0xff);
+/// assert_eq!(
+///     encode_into(b"abc", &mut [0u8; 18]),
+///     Err(BufferTooSmall { needed: 19, available: 18 })
+/// );
+/// ```
 pub fn encode_into(payload: &[u8], buf: &mut [u8]) -> Result<usize, BufferTooSmall> {
     let needed = payload
         .len()

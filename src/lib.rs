@@ -69,3 +69,8 @@ pub mod sync;
 
 #[doc(hidden)]
 pub mod fuzzing;
+
+/// The README's Rust snippets, compiled and run by `cargo test --doc`.
+#[cfg(all(doctest, feature = "io"))]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -28,6 +28,64 @@
 //! (a pipe is FIFO); frames to different targets may interleave freely.
 //! The exact loop an IO layer runs, step by step, is in `specs/protocol.md`.
 //!
+//! One register after start, with one target, moved by hand (the IO layer
+//! would stage the envelope, write the frame to a pipe and read the reply;
+//! `examples/protocol_by_hand.rs` goes further):
+//!
+//! ```
+//! use callreg::descriptor::Digest;
+//! use callreg::protocol::{
+//!     Completion, ControlFrame, Effect, Namespace, OwnerToken, Parent, ParentConfig, Target,
+//!     TargetConfig, TargetEffect, TargetId, TargetOutcome, Time, DEFAULT_SLOT_CAPACITY,
+//! };
+//!
+//! let mut parent = Parent::new(ParentConfig {
+//!     targets: 1,
+//!     control_timeout: 1_000_000,
+//!     fence_on_timeout: true,
+//!     owner: OwnerToken(7),
+//!     slot_capacity: DEFAULT_SLOT_CAPACITY,
+//! });
+//! parent.start()?;
+//! let mut target = Target::new(TargetConfig::new(TargetId(0)), &parent.startup_snapshot())?;
+//!
+//! let digest = Digest::sha256(b"a descriptor");
+//! let op = parent.register(digest, Namespace::LocalPython, Time(0))?;
+//! let staging = match parent.poll_effect() {
+//!     Some(Effect::Stage { staging, digest: d }) if d == digest => staging,
+//!     other => panic!("{other:?}"),
+//! };
+//! let Some(Effect::Send { target: TargetId(0), frame }) = parent.poll_effect() else {
+//!     panic!("a frame for target 0")
+//! };
+//! assert_eq!(frame, ControlFrame::Register { seq: frame.seq(), digest, staging });
+//! assert_eq!(parent.poll_effect(), None);
+//!
+//! // The target: the IO layer verified the staged payload's digest.
+//! target.on_register(frame.seq(), digest, Ok(digest));
+//! let Some(TargetEffect::Deserialize { seq, .. }) = target.poll_effect() else {
+//!     panic!("deserialize first")
+//! };
+//! target.on_deserialized(seq, Ok(()))?;
+//! let Some(TargetEffect::Reply(reply)) = target.poll_effect() else {
+//!     panic!("then reply")
+//! };
+//! assert_eq!(reply.result, Ok(()));
+//! assert_eq!(target.installed(), vec![(digest, 1)]);
+//!
+//! // The parent publishes the handle only now (invariant 1).
+//! parent.handle_reply(TargetId(0), reply, Time(10))?;
+//! assert_eq!(parent.poll_effect(), Some(Effect::ReleaseStaged { staging }));
+//! let Some(Effect::Completed { op: done, result: Ok(Completion::Registered(handle)), outcomes }) =
+//!     parent.poll_effect()
+//! else {
+//!     panic!("completed")
+//! };
+//! assert_eq!((done, handle.hashid, outcomes), (op, digest.hashid(), vec![(TargetId(0), TargetOutcome::Ok)]));
+//! assert!(parent.is_idle());
+//! # Ok::<(), callreg::error::Error>(())
+//! ```
+//!
 //! # Plain data as JSON
 //!
 //! [`Handle`], [`Failure`], [`TargetOutcome`], [`TargetOutcomeEntry`],

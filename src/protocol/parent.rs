@@ -510,6 +510,42 @@ impl Parent {
     /// `CALLABLE_KIND_UNSUPPORTED` for a namespace other than `LOCAL_PYTHON`;
     /// `REGISTER_CLEANUP_UNCERTAIN` for an uncertain digest (invariant 3);
     /// `NO_LIVE_TARGET` when every target is lost. Nothing is emitted then.
+    ///
+    /// ```
+    /// use callreg::descriptor::Digest;
+    /// use callreg::error::ErrorCode;
+    /// use callreg::protocol::{Effect, Namespace, OwnerToken, Parent, ParentConfig, TargetId, Time};
+    ///
+    /// let config = ParentConfig {
+    ///     targets: 2,
+    ///     control_timeout: 1_000_000,
+    ///     fence_on_timeout: true,
+    ///     owner: OwnerToken(1),
+    ///     slot_capacity: 64,
+    /// };
+    /// let mut parent = Parent::new(config);
+    /// let digest = Digest::sha256(b"descriptor");
+    /// // Not started yet: refused, nothing emitted.
+    /// let refused = parent.register(digest, Namespace::LocalPython, Time(0)).unwrap_err();
+    /// assert_eq!(refused.code, ErrorCode::LIFECYCLE_INVALID);
+    /// assert_eq!(parent.poll_effect(), None);
+    ///
+    /// parent.start().unwrap();
+    /// parent.register(digest, Namespace::LocalPython, Time(0)).unwrap();
+    /// let effects: Vec<Effect> = std::iter::from_fn(|| parent.poll_effect()).collect();
+    /// // Stage, then one register frame per live target.
+    /// assert!(matches!(effects[0], Effect::Stage { .. }));
+    /// let receivers: Vec<TargetId> = effects[1..]
+    ///     .iter()
+    ///     .map(|e| match e {
+    ///         Effect::Send { target, .. } => *target,
+    ///         other => panic!("{other:?}"),
+    ///     })
+    ///     .collect();
+    /// assert_eq!(receivers, [TargetId(0), TargetId(1)]);
+    /// // Its deadline is the control timeout after `now`.
+    /// assert_eq!(parent.poll_timeout(), Some(Time(1_000_000)));
+    /// ```
     pub fn register(
         &mut self,
         digest: Digest,
