@@ -7,6 +7,11 @@ use super::{read_input, report, write_stdout, CliError, EXIT_INVALID, EXIT_OK};
 
 /// Arguments of `callreg hashid`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = "\
+Exit status:
+  0  the hashid was printed
+  1  the file is not a valid envelope or cannot be read
+  2  usage error, or stdout cannot be written")]
 pub struct Args {
     /// The SPYC envelope file (`-` = stdin).
     #[arg(value_name = "FILE")]
@@ -15,12 +20,20 @@ pub struct Args {
 
 /// Prints `sha256:<hex>` of the envelope's PYTHON_SERIALIZED descriptor.
 /// Returns [`EXIT_INVALID`] (with the error on stderr) for an invalid
-/// envelope.
+/// envelope or a file that cannot be read.
 ///
 /// # Errors
-/// [`CliError`] when the file cannot be read or stdout written.
+/// [`CliError`] when stdout cannot be written.
 pub fn run(args: &Args) -> Result<u8, CliError> {
-    let staged = read_input(&args.file)?;
+    // A file that cannot be read is an input that is not a valid envelope:
+    // the same status as a malformed one.
+    let staged = match read_input(&args.file) {
+        Ok(staged) => staged,
+        Err(CliError(message)) => {
+            report(&message);
+            return Ok(EXIT_INVALID);
+        }
+    };
     match Envelope::parse(&staged) {
         Ok(env) => {
             write_stdout(&format!("{}\n", python_serialized_digest(&env)))?;
