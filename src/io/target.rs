@@ -317,8 +317,10 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         max_frame_bytes: setup.max_frame_bytes,
     });
     if let Err(error) = setup.runtime.start() {
-        // The parent sees only the exit status: the reason goes to stderr.
-        eprintln!("callreg target {index}: the runtime did not start: {error}");
+        // The parent sees only the exit status: the reason goes to stderr,
+        // in one write so that targets failing together do not interleave.
+        let line = format!("callreg target {index}: the runtime did not start: {error}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         return START_EXIT_CODE;
     }
     let config = TargetConfig {
