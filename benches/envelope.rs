@@ -1,4 +1,4 @@
-//! Validate + digest of a SPYC envelope (DESIGN.md §3.1, §3.2) against a
+//! Validate + digest of a SPYC envelope (specs/design.md §3.1, §3.2) against a
 //! raw `sha2` SHA-256 over the same staged bytes, at 1 KiB, 64 KiB, 1 MiB
 //! and 16 MiB of payload. Goal: raw/callreg throughput ratio ≥ 0.97 from
 //! 64 KiB up (the parse and the 52-byte descriptor hash are the only extra

@@ -2,7 +2,7 @@
 
 Standard library and cloudpickle only; Python 3.8 or later.
 
-Formats (DESIGN.md, section 3):
+Formats (specs/design.md §3, specs/formats.md):
 
 * SPYC envelope (3.1): a 16-byte little-endian header -- magic ``b"SPYC"``,
   u8 version 1, u8 serializer 1 (CLOUDPICKLE), u16 flags 0, u64
@@ -87,7 +87,7 @@ def dumps(fn):
 def parse(envelope):
     """Return ``(version, serializer, payload)`` of a SPYC envelope.
 
-    Checks in DESIGN.md 3.1 order: at least 16 bytes, magic, version,
+    Checks in specs/design.md §3.1 order: at least 16 bytes, magic, version,
     serializer, flags, payload size (bytes after the declared payload are
     ignored). Raises ``ValueError`` naming the first failed check."""
     envelope = memoryview(envelope).cast("B")

@@ -1,4 +1,4 @@
-"""Tests of callreg_envelope: the DESIGN.md 3.1/3.2 known vector, envelope
+"""Tests of callreg_envelope: the specs/design.md §3.1/§3.2 known vector, envelope
 checks, and a pack round trip through the command.
 
 Run: ``python3 -m unittest python/test_callreg_envelope.py`` (needs

@@ -1,4 +1,24 @@
-//! Canonical descriptors, digests and hashids (DESIGN.md §3.2).
+//! Canonical descriptors, digests and hashids (specs/design.md §3.2).
+//!
+//! ```
+//! use callreg::descriptor::{python_serialized_digest, Descriptor, HashId, PythonImport};
+//! use callreg::envelope::{encode, Envelope};
+//!
+//! // A serialized callable: identified by its envelope's payload.
+//! let staged = encode(&[0x80, 0x05, 0x4e, 0x2e]);
+//! let digest = python_serialized_digest(&Envelope::parse(&staged).unwrap());
+//! assert_eq!(
+//!     digest.hashid().to_string(),
+//!     "sha256:8d96f0f9bfdddf028d9c22f471496088efc60377264fc7b3d6382f32782ecbd1"
+//! );
+//!
+//! // An importable callable: identified by `module:qualname`.
+//! let import = Descriptor::PythonImport(PythonImport::new("pkg.mod", "Class.method").unwrap());
+//! let hashid: HashId = "sha256:6086292cb02d057e8b0de3739e65ba81b361f93368d5ebc4d4fc21865dbee107"
+//!     .parse()
+//!     .unwrap();
+//! assert_eq!(import.digest().unwrap(), hashid.digest());
+//! ```
 
 use std::fmt;
 use std::str::FromStr;
@@ -7,14 +27,14 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::envelope::Envelope;
 
-/// The text prefix of every hashid (DESIGN.md §3.2).
+/// The text prefix of every hashid (specs/design.md §3.2).
 pub const HASHID_PREFIX: &str = "sha256:";
 
 /// Length of a hashid in characters: `sha256:` (7) + 64 lowercase hex digits.
 pub const HASHID_LEN: usize = 7 + 64;
 
 /// A 32-byte SHA-256 digest of a canonical descriptor: the identity of a
-/// callable (DESIGN.md §3.2). Its text form is a [`HashId`].
+/// callable (specs/design.md §3.2). Its text form is a [`HashId`].
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Digest(pub [u8; 32]);
 
@@ -56,8 +76,27 @@ impl fmt::Display for Digest {
 }
 
 /// The text form of a [`Digest`]: exactly `sha256:` followed by 64 lowercase
-/// hex digits (DESIGN.md §3.2). Parsing is strict: no whitespace, no upper
+/// hex digits (specs/design.md §3.2). Parsing is strict: no whitespace, no upper
 /// case, no other prefix.
+///
+/// ```
+/// use callreg::descriptor::{HashId, HashIdError};
+///
+/// let text = "sha256:8d96f0f9bfdddf028d9c22f471496088efc60377264fc7b3d6382f32782ecbd1";
+/// let hashid: HashId = text.parse().unwrap();
+/// assert_eq!(hashid.to_string(), text);
+/// assert_eq!(hashid.digest().as_bytes()[0], 0x8d);
+///
+/// assert_eq!(text.to_uppercase().parse::<HashId>(), Err(HashIdError::MissingPrefix));
+/// assert_eq!(
+///     format!("{text} ").parse::<HashId>(),
+///     Err(HashIdError::WrongLength { len: 72 })
+/// );
+/// assert_eq!(
+///     text.replace("8d96", "8D96").parse::<HashId>(),
+///     Err(HashIdError::BadDigit { offset: 8, found: 'D' })
+/// );
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct HashId(pub Digest);
 
@@ -181,21 +220,21 @@ impl Digest {
     }
 
     /// The digest of canonical descriptor bytes: `sha256(descriptor)`
-    /// (DESIGN.md §3.2). Use [`Descriptor::digest`] to build and hash in one
+    /// (specs/design.md §3.2). Use [`Descriptor::digest`] to build and hash in one
     /// step.
     pub fn of_descriptor(descriptor_bytes: &[u8]) -> Digest {
         Digest::sha256(descriptor_bytes)
     }
 }
 
-/// `schema_version`, the first u32 of every descriptor (DESIGN.md §3.2).
+/// `schema_version`, the first u32 of every descriptor (specs/design.md §3.2).
 pub const SCHEMA_VERSION: u32 = 1;
 
 /// Length in bytes of every PYTHON_SERIALIZED descriptor: five u32 fields
 /// (schema, kind, format version, serializer id, digest length) + 32.
 pub const PYTHON_SERIALIZED_LEN: usize = 52;
 
-/// `callable_kind`, the second u32 of every descriptor (DESIGN.md §3.2).
+/// `callable_kind`, the second u32 of every descriptor (specs/design.md §3.2).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum CallableKind {
@@ -215,7 +254,7 @@ impl CallableKind {
 }
 
 /// Direction of one CHIP_CALLABLE argument in the signature schema
-/// (DESIGN.md §3.2).
+/// (specs/design.md §3.2).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Direction {
@@ -298,7 +337,7 @@ fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-/// Appends a `u32 length` + bytes field (DESIGN.md §3.2 primitives).
+/// Appends a `u32 length` + bytes field (specs/design.md §3.2 primitives).
 fn put_bytes(out: &mut Vec<u8>, field: &'static str, bytes: &[u8]) -> Result<(), DescriptorError> {
     let len = u32::try_from(bytes.len()).map_err(|_| DescriptorError::FieldTooLong {
         field,
@@ -310,7 +349,7 @@ fn put_bytes(out: &mut Vec<u8>, field: &'static str, bytes: &[u8]) -> Result<(),
 }
 
 /// The canonical PYTHON_SERIALIZED descriptor (always 52 bytes,
-/// DESIGN.md §3.2): `u32 1, u32 2, u32 payload_format_version,
+/// specs/design.md §3.2): `u32 1, u32 2, u32 payload_format_version,
 /// u32 serializer_id, u32 32, sha256(payload)[32]`.
 pub fn python_serialized_descriptor(
     payload_format_version: u8,
@@ -329,12 +368,23 @@ pub fn python_serialized_descriptor(
 
 /// The digest of an envelope's PYTHON_SERIALIZED descriptor: one SHA-256
 /// pass over the payload, then one over the 52 descriptor bytes. This is
-/// the fast path the parent and targets use (DESIGN.md §3.2).
+/// the fast path the parent and targets use (specs/design.md §3.2).
+///
+/// ```
+/// use callreg::descriptor::{python_serialized_digest, Digest, PythonSerialized};
+/// use callreg::envelope::{encode, Envelope};
+///
+/// let staged = encode(b"any payload");
+/// let envelope = Envelope::parse(&staged).unwrap();
+/// let descriptor = PythonSerialized::from_envelope(&envelope).to_bytes();
+/// assert_eq!(descriptor.len(), 52);
+/// assert_eq!(python_serialized_digest(&envelope), Digest::of_descriptor(&descriptor));
+/// ```
 pub fn python_serialized_digest(envelope: &Envelope<'_>) -> Digest {
     PythonSerialized::from_envelope(envelope).digest()
 }
 
-/// Fields of a PYTHON_SERIALIZED descriptor (DESIGN.md §3.2): the envelope's
+/// Fields of a PYTHON_SERIALIZED descriptor (specs/design.md §3.2): the envelope's
 /// version and serializer, and the SHA-256 of the serializer payload only
 /// (not the header, not trailing slack).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
@@ -372,7 +422,7 @@ impl PythonSerialized {
     }
 }
 
-/// Fields of a PYTHON_IMPORT descriptor (DESIGN.md §3.2): an absolute,
+/// Fields of a PYTHON_IMPORT descriptor (specs/design.md §3.2): an absolute,
 /// dotted module and a dotted qualname without `<locals>`. Constructed only
 /// through validation ([`PythonImport::new`], [`FromStr`], serde).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
@@ -429,6 +479,17 @@ impl PythonImport {
     /// contains `<locals>`; [`DescriptorError::ImportBadIdentifier`] for the
     /// first dotted part of the module, then of the qualname, that is not an
     /// identifier.
+    ///
+    /// ```
+    /// use callreg::descriptor::{DescriptorError, PythonImport};
+    ///
+    /// let import = PythonImport::new("os.path", "join").unwrap();
+    /// assert_eq!((import.module(), import.qualname()), ("os.path", "join"));
+    /// assert!(matches!(
+    ///     PythonImport::new("pkg", "outer.<locals>.inner"),
+    ///     Err(DescriptorError::ImportLocals { .. })
+    /// ));
+    /// ```
     pub fn new(module: &str, qualname: &str) -> Result<Self, DescriptorError> {
         let colons = module.matches(':').count() + qualname.matches(':').count();
         if colons != 0 {
@@ -503,7 +564,7 @@ impl fmt::Display for PythonImport {
     }
 }
 
-/// Fields of a CHIP_CALLABLE descriptor (DESIGN.md §3.2).
+/// Fields of a CHIP_CALLABLE descriptor (specs/design.md §3.2).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 pub struct ChipCallable {
     /// Target architecture name, as the chip runtime spells it.
@@ -520,7 +581,7 @@ pub struct ChipCallable {
 
 impl ChipCallable {
     /// The signature schema bytes: `u32 1, u32 count, u32 direction[count]`
-    /// (DESIGN.md §3.2).
+    /// (specs/design.md §3.2).
     ///
     /// # Errors
     /// [`DescriptorError::FieldTooLong`] if there are more than `u32::MAX`
@@ -563,7 +624,7 @@ impl ChipCallable {
     }
 }
 
-/// A canonical descriptor of a callable (DESIGN.md §3.2): the plain data
+/// A canonical descriptor of a callable (specs/design.md §3.2): the plain data
 /// its identity is computed from.
 ///
 /// JSON form (serde, [`Descriptor::to_json`], [`Descriptor::from_json`];
@@ -625,7 +686,7 @@ impl Descriptor {
     }
 }
 
-/// The JSON name of serializer id 1 (DESIGN.md §3.1).
+/// The JSON name of serializer id 1 (specs/design.md §3.1).
 pub const SERIALIZER_NAME_CLOUDPICKLE: &str = "CLOUDPICKLE";
 
 /// A JSON `serializer_id`: the name `"CLOUDPICKLE"` for id 1, the number
@@ -991,7 +1052,7 @@ mod tests {
         assert_eq!(good.to_string(), "_x.y2:Cls.f");
     }
 
-    /// Expected bytes computed independently from DESIGN.md §3.2 with Python
+    /// Expected bytes computed independently from specs/design.md §3.2 with Python
     /// `struct`/`hashlib` (arch "arch", platform "plat", runtime "rt",
     /// blob b"blob", signature IN, OUT, SCALAR).
     #[test]

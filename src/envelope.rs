@@ -1,4 +1,4 @@
-//! SPYC envelope (DESIGN.md §3.1): a 16-byte little-endian header followed
+//! SPYC envelope (specs/design.md §3.1): a 16-byte little-endian header followed
 //! by the serializer payload (`cloudpickle.dumps(fn)` bytes).
 //!
 //! ```text
@@ -13,13 +13,29 @@
 //!
 //! [`Envelope::parse`] is a zero-copy view over the caller's staged bytes;
 //! [`encode`] and [`encode_into`] build an envelope around a payload.
+//!
+//! ```
+//! use callreg::envelope::{encode, Envelope, EnvelopeError, HEADER_LEN};
+//!
+//! let staged = encode(b"\x80\x05N."); // pickle.dumps(None)
+//! assert_eq!(staged.len(), HEADER_LEN + 4);
+//! let envelope = Envelope::parse(&staged)?;
+//! assert_eq!(envelope.payload(), b"\x80\x05N.");
+//!
+//! // The checks run in order; the first failure is reported.
+//! assert_eq!(
+//!     Envelope::parse(b"SPYD\x01\x01\0\0\0\0\0\0\0\0\0\0"),
+//!     Err(EnvelopeError::BadMagic { found: *b"SPYD" })
+//! );
+//! # Ok::<(), EnvelopeError>(())
+//! ```
 
 use crate::error::ErrorCode;
 
-/// The four magic bytes every envelope starts with (DESIGN.md §3.1).
+/// The four magic bytes every envelope starts with (specs/design.md §3.1).
 pub const MAGIC: [u8; 4] = *b"SPYC";
 
-/// Length of the envelope header in bytes (DESIGN.md §3.1).
+/// Length of the envelope header in bytes (specs/design.md §3.1).
 pub const HEADER_LEN: usize = 16;
 
 /// The only envelope format version this crate reads and writes.
@@ -29,8 +45,8 @@ pub const VERSION: u8 = 1;
 pub const SERIALIZER_CLOUDPICKLE: u8 = 1;
 
 /// Why staged bytes are not a valid SPYC envelope (error code
-/// [`ErrorCode::ENVELOPE_INVALID`]). One variant per check of DESIGN.md
-/// §3.1, in the order the checks run; each carries the offending values.
+/// [`ErrorCode::ENVELOPE_INVALID`]). One variant per check of
+/// `specs/design.md` §3.1, in the order the checks run; each carries the offending values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum EnvelopeError {
     /// Fewer than [`HEADER_LEN`] staged bytes (check 1).
@@ -119,7 +135,7 @@ impl From<EnvelopeError> for ErrorCode {
 }
 
 /// A validated, zero-copy view of a SPYC envelope over staged bytes
-/// (DESIGN.md §3.1). Trailing bytes after the declared payload (e.g. page
+/// (specs/design.md §3.1). Trailing bytes after the declared payload (e.g. page
 /// rounding of a staged region) are allowed and ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Envelope<'a> {
@@ -131,7 +147,7 @@ pub struct Envelope<'a> {
 }
 
 impl<'a> Envelope<'a> {
-    /// Validates `staged` with the six checks of DESIGN.md §3.1, in order,
+    /// Validates `staged` with the six checks of specs/design.md §3.1, in order,
     /// and returns a view borrowing it. No copy, no allocation.
     ///
     /// # Errors
@@ -141,6 +157,25 @@ impl<'a> Envelope<'a> {
     /// [`EnvelopeError::UnsupportedSerializer`], [`EnvelopeError::NonZeroFlags`],
     /// [`EnvelopeError::PayloadTruncated`] (`16 + payload_size` greater than
     /// the staged length, computed without overflow).
+    ///
+    /// ```
+    /// use callreg::envelope::{encode, Envelope, EnvelopeError};
+    ///
+    /// // Page-rounded staging: the bytes after the payload are ignored.
+    /// let mut staged = encode(b"payload");
+    /// staged.resize(4096, 0);
+    /// let envelope = Envelope::parse(&staged).unwrap();
+    /// assert_eq!((envelope.payload_size(), envelope.staged_size()), (7, 4096));
+    ///
+    /// // A declared size past the staged bytes.
+    /// let short = &encode(b"payload")[..20];
+    /// assert_eq!(
+    ///     Envelope::parse(short).unwrap_err().to_string(),
+    ///     "ENVELOPE_INVALID: payload truncated: header declares 7 payload bytes, \
+    ///      only 4 staged after the 16-byte header"
+    /// );
+    /// assert!(matches!(Envelope::parse(short), Err(EnvelopeError::PayloadTruncated { .. })));
+    /// ```
     pub fn parse(staged: &'a [u8]) -> Result<Self, EnvelopeError> {
         let Some((header, rest)) = staged.split_first_chunk::<HEADER_LEN>() else {
             return Err(EnvelopeError::HeaderTruncated {
@@ -226,7 +261,7 @@ impl<'a> Envelope<'a> {
 }
 
 /// The 16-byte header of a version-1 cloudpickle envelope around a payload
-/// of `payload_size` bytes (DESIGN.md §3.1).
+/// of `payload_size` bytes (specs/design.md §3.1).
 pub fn header(payload_size: u64) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[0..4].copy_from_slice(&MAGIC);
@@ -239,6 +274,12 @@ pub fn header(payload_size: u64) -> [u8; HEADER_LEN] {
 
 /// Encodes `payload` as a version-1 cloudpickle envelope: a new vector of
 /// `16 + payload.len()` bytes.
+///
+/// ```
+/// let staged = callreg::envelope::encode(&[0x80, 0x05, 0x4e, 0x2e]);
+/// assert_eq!(&staged[..8], b"SPYC\x01\x01\0\0");
+/// assert_eq!(&staged[8..16], &4u64.to_le_bytes());
+/// ```
 pub fn encode(payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(&header(payload.len() as u64));
@@ -263,6 +304,19 @@ pub struct BufferTooSmall {
 /// # Errors
 /// [`BufferTooSmall`] when `buf.len() < 16 + payload.len()`; `buf` is then
 /// not modified.
+///
+/// ```
+/// use callreg::envelope::{encode, encode_into, BufferTooSmall};
+///
+/// let mut page = [0xffu8; 64];
+/// assert_eq!(encode_into(b"abc", &mut page), Ok(19));
+/// assert_eq!(&page[..19], encode(b"abc").as_slice());
+/// assert_eq!(page[19], 0xff);
+/// assert_eq!(
+///     encode_into(b"abc", &mut [0u8; 18]),
+///     Err(BufferTooSmall { needed: 19, available: 18 })
+/// );
+/// ```
 pub fn encode_into(payload: &[u8], buf: &mut [u8]) -> Result<usize, BufferTooSmall> {
     let needed = payload
         .len()

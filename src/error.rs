@@ -1,4 +1,4 @@
-//! Error codes (DESIGN.md §4.3) and the error value with its context.
+//! Error codes (specs/design.md §4.3) and the error value with its context.
 //!
 //! Every failure callreg can produce, in any layer, has one [`ErrorCode`].
 //! Codes are stable: their text form is what the command and the JSON show,
@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 macro_rules! error_codes {
     ($( $(#[$doc:meta])* $name:ident = $num:literal, )*) => {
-        /// One code per kind of failure (DESIGN.md §4.3 plus the codes this
+        /// One code per kind of failure (specs/design.md §4.3 plus the codes this
         /// implementation adds; `specs/protocol.md` lists them all).
         ///
         /// Text form: the `SCREAMING_SNAKE_CASE` name ([`ErrorCode::as_str`]).
@@ -67,7 +67,7 @@ error_codes! {
     REGISTER_TOMBSTONE_ACTIVE = 7,
     /// An unregister found the digest already tombstoned.
     UNREGISTER_TOMBSTONE_ACTIVE = 8,
-    /// The staged bytes are not a valid SPYC envelope (DESIGN.md §3.1).
+    /// The staged bytes are not a valid SPYC envelope (specs/design.md §3.1).
     ENVELOPE_INVALID = 9,
     /// A descriptor's fields are invalid (e.g. a bad `module:qualname`).
     DESCRIPTOR_INVALID = 10,
@@ -188,7 +188,7 @@ impl std::fmt::Display for OperationKind {
     }
 }
 
-/// A callreg error: a code with its context (DESIGN.md §4.3).
+/// A callreg error: a code with its context (specs/design.md §4.3).
 ///
 /// Names the target, namespace, hashid, operation and seq when they apply
 /// (`None` otherwise) and carries the full message. A message never contains

@@ -40,7 +40,7 @@ pub fn hashid(data: &[u8]) {
     }
 }
 
-/// Wire frame oracle (DESIGN.md §3.3), with a 4096-byte maximum so that
+/// Wire frame oracle (specs/design.md §3.3), with a 4096-byte maximum so that
 /// oversized headers are common: decoding never panics and never asks for
 /// more than the maximum; an accepted frame re-encodes to exactly the bytes
 /// it used (the encoding is canonical); feeding the bytes one at a time to

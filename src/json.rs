@@ -1,5 +1,5 @@
 //! Strict JSON decoding shared by every plain-data type with a JSON form
-//! (DESIGN.md §6): descriptors, callable metadata, and what the protocol
+//! (specs/design.md §6): descriptors, callable metadata, and what the protocol
 //! layer adds.
 //!
 //! A decoding failure names the field where it happened as a path, e.g.

@@ -1,5 +1,5 @@
 //! Callable metadata: what a registration carries beside its envelope, as
-//! plain JSON, never as objects (DESIGN.md §6; the
+//! plain JSON, never as objects (specs/design.md §6; the
 //! transport-graph convention of an `executor` short name plus
 //! `executor_data`, `deps`, `call_before` and `call_after`).
 //!
@@ -48,12 +48,12 @@ pub fn sidecar_path(envelope: &std::path::Path) -> std::path::PathBuf {
     path.into()
 }
 
-/// The executor short name used when metadata names none (DESIGN.md §6):
+/// The executor short name used when metadata names none (specs/design.md §6):
 /// run in the target's own interpreter.
 pub const DEFAULT_EXECUTOR: &str = "python";
 
 /// The only serializer name a Python target knows (the SPYC serializer id 1,
-/// DESIGN.md §3.1), as `python.serializer` spells it.
+/// specs/design.md §3.1), as `python.serializer` spells it.
 pub const SERIALIZER_CLOUDPICKLE: &str = "cloudpickle";
 
 /// The metadata of one registration.
@@ -491,7 +491,7 @@ pub fn leading_major(version: &str) -> Option<u64> {
 }
 
 /// An executor's registry entry, as far as rehydration needs it: its
-/// short name, type name and default attributes (DESIGN.md §6).
+/// short name, type name and default attributes (specs/design.md §6).
 #[derive(Clone, PartialEq, Debug)]
 pub struct ExecutorSpec {
     /// The short name metadata uses, e.g. `"python"`.
@@ -567,7 +567,7 @@ impl ExecutorSpec {
         }
     }
 
-    /// Rehydrates the executor's attributes (DESIGN.md §6): a copy of the
+    /// Rehydrates the executor's attributes (specs/design.md §6): a copy of the
     /// defaults, then a deep copy of each of `data.attributes` over them
     /// (whole values replace defaults; objects are not merged key by key).
     /// With no `data`, the defaults.

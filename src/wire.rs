@@ -1,4 +1,4 @@
-//! Wire frames between the parent and its targets (DESIGN.md §3.3).
+//! Wire frames between the parent and its targets (specs/design.md §3.3).
 //!
 //! Pure: no IO. Every frame is an 8-byte header followed by a body:
 //!
@@ -22,7 +22,7 @@
 //! remain, and no trailing bytes. Decoding never panics and never allocates
 //! more than the frame's own size, which is bounded by the maximum.
 //!
-//! No frame carries a slot (DESIGN.md §4.4 invariant 9): slots stay inside
+//! No frame carries a slot (specs/design.md §4.4 invariant 9): slots stay inside
 //! the target; frames name callables by digest only.
 
 use crate::descriptor::Digest;
@@ -157,7 +157,7 @@ pub struct TableEntry {
 /// Body fields, in wire order, are listed on each variant.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub enum Frame {
-    /// Register control (DESIGN.md §4.2). Body: `u64 seq`, digest,
+    /// Register control (specs/design.md §4.2). Body: `u64 seq`, digest,
     /// `u64` staged size in bytes, string metadata (the registration's
     /// callable metadata as JSON, `specs/metadata.md`; empty for none).
     /// The staged payload itself is a sealed descriptor sent with the
@@ -175,7 +175,7 @@ pub enum Frame {
         /// part of the hashid; the wire does not parse it (the target does).
         metadata: String,
     },
-    /// Digest-owned unregister control (DESIGN.md §4.2). Body: `u64 seq`,
+    /// Digest-owned unregister control (specs/design.md §4.2). Body: `u64 seq`,
     /// digest.
     Unregister {
         /// The operation's sequence number.

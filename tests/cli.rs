@@ -1,6 +1,7 @@
-//! The `callreg` binary on the shared vectors: `inspect --json` output,
-//! the table, exit statuses (0 valid, 1 invalid, 2 usage or read error),
-//! stdin, `hashid`, and a `pack` → `inspect` round trip.
+//! The `callreg` binary on the vectors: `inspect --json` output, the table,
+//! exit statuses (0 valid, 1 invalid or unreadable, 2 usage error) and the
+//! `--help` that lists them, stdin, `hashid`, `pack` (refusing an envelope,
+//! the side-car) and a `pack` → `inspect` round trip.
 //! Needs `--features cli` (declared in Cargo.toml).
 
 mod common;
@@ -132,17 +133,68 @@ fn exit_status_one_for_one_invalid_file() {
 }
 
 #[test]
-fn missing_file_is_a_read_error() {
+fn missing_file_gets_a_row_and_exit_one() {
     let out = run(&["inspect", "--json", "no_such.spyc", "func_add.spyc"]);
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(1));
     assert_eq!(
         text(&out.stderr),
         "callreg: cannot read no_such.spyc: No such file or directory\n"
     );
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert_eq!(
+        lines[0],
+        r#"{"file":"no_such.spyc","valid":false,"error":"ReadError","message":"cannot read no_such.spyc: No such file or directory"}"#
+    );
     // The readable file is still reported.
-    let line: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    let line: Value = serde_json::from_str(lines[1]).unwrap();
     assert_eq!(line["file"], "func_add.spyc");
     assert_eq!(line["valid"], true);
+
+    // The table has its row; a directory is unreadable too.
+    let out = run(&["inspect", "no_such.spyc", "."]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stdout),
+        "FILE          VALID       PAYLOAD        STAGED  HASHID / ERROR\n\
+         no_such.spyc  no                -             -  ReadError: cannot read no_such.spyc: No such file or directory\n\
+         .             no                -             -  ReadError: cannot read .: Is a directory\n"
+    );
+    // A missing and a malformed envelope: the same status.
+    assert_eq!(run(&["inspect", "bad_magic.spyc"]).status.code(), Some(1));
+}
+
+#[test]
+fn every_help_lists_the_exit_statuses() {
+    let help = |args: &[&str]| {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(0), "{args:?}");
+        text(&out.stdout)
+    };
+    assert!(help(&["--help"]).contains(
+        "Exit status (every command; `callreg COMMAND --help` says what each means there):\n  0  success\n"
+    ));
+    assert!(help(&["inspect", "--help"]).contains(
+        "Exit status:\n  0  every file is a valid envelope (and every side-car valid metadata)\n  \
+         1  a file is not a valid envelope, cannot be read, or has an invalid side-car\n  \
+         2  usage error, or stdout cannot be written\n"
+    ));
+    assert!(help(&["hashid", "--help"]).contains(
+        "Exit status:\n  0  the hashid was printed\n  1  the file is not a valid envelope or cannot be read\n"
+    ));
+    assert!(help(&["pack", "--help"])
+        .contains("Exit status:\n  0  the envelope (and side-car) were written\n  2  usage error"));
+    let run_help = help(&["run", "--help"]);
+    assert!(run_help.contains("specs/plan.md"), "{run_help}");
+    assert!(
+        run_help.contains("Exit status:\n  0  every step met its expectation\n  1  a step failed"),
+        "{run_help}"
+    );
+    // What the help points to exists.
+    assert!(Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("specs/plan.md")
+        .is_file());
 }
 
 #[test]
@@ -219,8 +271,13 @@ fn hashid_prints_only_the_hashid() {
             );
         }
     }
+    // Unreadable like invalid: status 1.
     let missing = run(&["hashid", "no_such.spyc"]);
-    assert_eq!(missing.status.code(), Some(2));
+    assert_eq!(missing.status.code(), Some(1));
+    assert_eq!(
+        text(&missing.stderr),
+        "callreg: cannot read no_such.spyc: No such file or directory\n"
+    );
 }
 
 #[test]
@@ -238,8 +295,16 @@ fn pack_then_inspect_round_trips() {
     ]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(
+        text(&out.stdout),
+        "sha256:8d96f0f9bfdddf028d9c22f471496088efc60377264fc7b3d6382f32782ecbd1\n"
+    );
+    assert_eq!(
         common::hex(&std::fs::read(&packed).unwrap()),
         "5350594301010000040000000000000080054e2e"
+    );
+    assert!(
+        !dir.join("known.spyc.json").exists(),
+        "no side-car unless asked"
     );
     let out = run(&["inspect", "--json", packed.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(0));
@@ -255,23 +320,234 @@ fn pack_then_inspect_round_trips() {
     let out = run_stdin(&["pack", "--payload", "-", "-o", "-"], &staged[16..]);
     assert_eq!(out.status.code(), Some(0));
     assert_eq!(out.stdout, staged);
+    // stdout holds the envelope: the hashid goes to stderr.
+    assert_eq!(
+        text(&out.stderr),
+        "sha256:ce0e9ac2d18b555e6e62cd6e874927b71c258737e673e30b32f8657fe9d6112a\n"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn pack_reports_unwritable_output() {
-    let out = run(&[
-        "pack",
-        "--payload",
-        "func_add.spyc",
-        "-o",
-        "no_such_dir/out.spyc",
-    ]);
+    let out = run_stdin(
+        &["pack", "--payload", "-", "-o", "no_such_dir/out.spyc"],
+        &[0x80, 0x05, 0x4e, 0x2e],
+    );
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         text(&out.stderr),
         "callreg: cannot write no_such_dir/out.spyc: No such file or directory\n"
     );
+}
+
+#[test]
+fn pack_refuses_an_envelope_unless_forced() {
+    let dir = scratch("pack-envelope");
+    let out_path = dir.join("twice.spyc");
+    let out_arg = out_path.to_str().unwrap();
+    let out = run(&["pack", "--payload", "func_add.spyc", "-o", out_arg]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        "callreg: func_add.spyc already is a SPYC envelope \
+         (sha256:51961bef7b98dd7bc6de342d7fb2cb25df63852e6b42345034c18386d1b74b07), not raw \
+         serializer bytes; wrapping it again would hide the callable inside a second envelope \
+         (use --force to do it anyway)\n"
+    );
+    assert!(!out_path.exists());
+    // A malformed envelope is refused too (it is no pickle either).
+    let out = run(&["pack", "--payload", "bad_flags.spyc", "-o", out_arg]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains(
+        "bad_flags.spyc already is the start of a SPYC envelope (NonZeroFlags), not raw serializer bytes"
+    ));
+    // --force wraps it.
+    let out = run(&[
+        "pack",
+        "--force",
+        "--payload",
+        "func_add.spyc",
+        "-o",
+        out_arg,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let inner = std::fs::read(vectors_dir().join("func_add.spyc")).unwrap();
+    let twice = std::fs::read(&out_path).unwrap();
+    assert_eq!(&twice[16..], inner.as_slice());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn pack_writes_the_side_car_with_given_versions() {
+    let dir = scratch("pack-sidecar");
+    let out_path = dir.join("square.spyc");
+    let staged = std::fs::read(vectors_dir().join("lambda_square.spyc")).unwrap();
+    let out = run_stdin(
+        &[
+            "pack",
+            "--payload",
+            "-",
+            "-o",
+            out_path.to_str().unwrap(),
+            "--sidecar",
+            "--python-version",
+            "3.11.7",
+            "--cloudpickle-version",
+            "2.1.0",
+        ],
+        &staged[16..],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "sha256:ce0e9ac2d18b555e6e62cd6e874927b71c258737e673e30b32f8657fe9d6112a\n"
+    );
+    let sidecar = std::fs::read_to_string(dir.join("square.spyc.json")).unwrap();
+    let value: Value = serde_json::from_str(&sidecar).unwrap();
+    assert_eq!(
+        value,
+        serde_json::json!({
+            "name": "square",
+            "python": {"version": "3.11.7", "serializer": "cloudpickle", "serializer_version": "2.1.0"},
+            "executor": "python",
+            "deps": {"pip": {"packages": []}, "bash": {"commands": []}},
+            "call_before": [],
+            "call_after": []
+        })
+    );
+    // inspect reads it back as the envelope's metadata.
+    let out = run(&["inspect", "--json", out_path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0));
+    let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["metadata"], value);
+
+    // Bad versions, no output file, options without --sidecar: refused.
+    let out = run_stdin(
+        &[
+            "pack",
+            "--payload",
+            "-",
+            "-o",
+            out_path.to_str().unwrap(),
+            "--sidecar",
+            "--python-version",
+            "three",
+            "--cloudpickle-version",
+            "2.1.0",
+        ],
+        &staged[16..],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr)
+            .starts_with("callreg: the side-car would not be valid metadata: at python.version: "),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run_stdin(
+        &["pack", "--payload", "-", "-o", "-", "--sidecar"],
+        &staged[16..],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        "callreg: --sidecar needs an output file (-o OUT.spyc), not stdout\n"
+    );
+    let out = run(&[
+        "pack",
+        "--payload",
+        "-",
+        "-o",
+        "x.spyc",
+        "--python-version",
+        "3.11.7",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn pack_detects_the_versions_by_running_the_interpreter() {
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let versions = Command::new(&python)
+        .args(["-c", "import platform, cloudpickle; print(platform.python_version(), cloudpickle.__version__)"])
+        .output()
+        .expect("the interpreter runs");
+    assert!(
+        versions.status.success(),
+        "{python} with cloudpickle is required"
+    );
+    let versions = text(&versions.stdout);
+    let (python_version, cloudpickle_version) = versions.trim().split_once(' ').unwrap();
+    let dir = scratch("pack-detect");
+    let out_path = dir.join("f.spyc");
+    let out = run_stdin(
+        &[
+            "pack",
+            "--payload",
+            "-",
+            "-o",
+            out_path.to_str().unwrap(),
+            "--sidecar",
+            "--name",
+            "doubled",
+            "--python",
+            &python,
+        ],
+        &[0x80, 0x05, 0x4e, 0x2e],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let value: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("f.spyc.json")).unwrap()).unwrap();
+    assert_eq!(value["name"], "doubled");
+    assert_eq!(
+        value["python"],
+        serde_json::json!({"version": python_version, "serializer": "cloudpickle", "serializer_version": cloudpickle_version})
+    );
+    // A given version wins over the detected one.
+    let out = run_stdin(
+        &[
+            "pack",
+            "--payload",
+            "-",
+            "-o",
+            out_path.to_str().unwrap(),
+            "--sidecar",
+            "--python",
+            &python,
+            "--cloudpickle-version",
+            "9.9.9",
+        ],
+        &[0x80, 0x05, 0x4e, 0x2e],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let value: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("f.spyc.json")).unwrap()).unwrap();
+    assert_eq!(value["name"], "f");
+    assert_eq!(value["python"]["version"], python_version);
+    assert_eq!(value["python"]["serializer_version"], "9.9.9");
+    // An interpreter that cannot be run.
+    let out = run_stdin(
+        &[
+            "pack",
+            "--payload",
+            "-",
+            "-o",
+            out_path.to_str().unwrap(),
+            "--sidecar",
+            "--python",
+            "/no/such/python",
+        ],
+        &[0x80, 0x05, 0x4e, 0x2e],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        "callreg: cannot run /no/such/python to detect the versions: No such file or directory \
+         (give --python-version and --cloudpickle-version)\n"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `inspect` shows the side-car `FILE.json` next to an envelope: its

@@ -1,6 +1,9 @@
 //! `callreg run` end to end: the binary runs `examples/plan.json` on real
 //! Python targets with every expectation met (exit 0), a plan with a wrong
-//! expectation exits 1, and a malformed plan exits 2 with a one-line error.
+//! expectation exits 1, and a malformed plan exits 2 with a one-line error
+//! (and a JSON line with `--json`); mistakes of one kind (a missing or a
+//! malformed envelope, a second unregister or kill) fail their step alike,
+//! and `--json` gives each failed step's code in its own field.
 //!
 //! Needs `--features cli,python` (declared in Cargo.toml) and cloudpickle
 //! for the interpreter named by `PYO3_PYTHON` (else `python3`). These
@@ -247,10 +250,6 @@ fn a_malformed_plan_exits_2_with_one_line() {
             r#"step 1 (call): unknown field "colour" (expected one of "op", "name", "target", "args", "kwargs", "expect", "expect_error")"#,
         ),
         (
-            r#"{"targets": 2, "steps": [{"op": "register", "name": "f", "envelope": "absent.spyc"}]}"#,
-            r#"step 0 (register): field "envelope": cannot read absent.spyc: No such file or directory"#,
-        ),
-        (
             r#"{"targets": 2, "steps": [{"op": "call", "name": "f", "args": 3}]}"#,
             r#"step 0 (call): field "name": "f" is not the name of any earlier register step"#,
         ),
@@ -275,6 +274,134 @@ fn a_malformed_plan_exits_2_with_one_line() {
     assert_eq!(
         text(&output.stderr),
         "callreg: cannot read no-such-plan.json: No such file or directory\n"
+    );
+}
+
+#[test]
+fn a_plan_error_is_a_json_line_with_json() {
+    let dir = TempDir::new("plan-error-json");
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"targets": 2, "steps": [{"op": "start"}, {"op": "call", "name": "f", "colour": 1}]}"#,
+    )
+    .unwrap();
+    let output = callreg(&[plan.as_os_str(), "--json".as_ref()]);
+    assert_eq!(output.status.code(), Some(2));
+    let message = format!(
+        r#"{}: step 1 (call): unknown field "colour" (expected one of "op", "name", "target", "args", "kwargs", "expect", "expect_error")"#,
+        plan.display()
+    );
+    assert_eq!(text(&output.stderr), format!("callreg: {message}\n"));
+    let line: Value = serde_json::from_str(text(&output.stdout).trim_end()).unwrap();
+    assert_eq!(
+        line,
+        serde_json::json!({"plan_error": {"plan": plan.to_str().unwrap(), "step": 1, "field": "colour", "message": message}})
+    );
+    // Not a step's: step and field are null.
+    std::fs::write(&plan, "[1]").unwrap();
+    let output = callreg(&[plan.as_os_str(), "--json".as_ref()]);
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(
+        text(&output.stdout),
+        format!(
+            "{{\"plan_error\":{{\"plan\":{:?},\"step\":null,\"field\":null,\"message\":\"{}: the plan must be a JSON object, got an array\"}}}}\n",
+            plan.to_str().unwrap(),
+            plan.display()
+        )
+    );
+    let output = callreg(&["no-such-plan.json".as_ref(), "--json".as_ref()]);
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(
+        text(&output.stdout),
+        "{\"plan_error\":{\"plan\":\"no-such-plan.json\",\"step\":null,\"field\":null,\"message\":\"cannot read no-such-plan.json: No such file or directory\"}}\n"
+    );
+}
+
+/// The lines of a `--json` run without `micros` (timings vary).
+fn json_steps(stdout: &str) -> Vec<Value> {
+    stdout
+        .lines()
+        .map(|l| {
+            let mut v: Value = serde_json::from_str(l).expect("one JSON object per line");
+            if let Some(o) = v.as_object_mut() {
+                o.remove("micros");
+                if let Some(s) = o.get_mut("summary").and_then(Value::as_object_mut) {
+                    s.remove("micros");
+                }
+            }
+            v
+        })
+        .collect()
+}
+
+#[test]
+fn mistakes_of_one_kind_fail_their_step_alike() {
+    let dir = TempDir::new("same-kind");
+    pack_examples(&dir.0);
+    std::fs::write(dir.0.join("bad.spyc"), b"not an envelope").unwrap();
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"targets": 2, "steps": [
+            {"op": "register", "name": "missing", "envelope": "absent.spyc"},
+            {"op": "register", "name": "bad", "envelope": "bad.spyc"},
+            {"op": "register", "name": "add", "envelope": "payloads/add.spyc"},
+            {"op": "start"},
+            {"op": "unregister", "name": "add"},
+            {"op": "unregister", "name": "add"},
+            {"op": "kill_target", "target": 1},
+            {"op": "kill_target", "target": 1},
+            {"op": "call", "name": "missing", "expect_error": "IO_FAILED"}
+        ]}"#,
+    )
+    .unwrap();
+    let output = callreg(&[plan.as_os_str(), "--json".as_ref()]);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output.stderr));
+    let lines = json_steps(&text(&output.stdout));
+    assert_eq!(lines.len(), 10);
+    let failed = |step: usize| (lines[step]["ok"].clone(), lines[step]["code"].clone());
+    let no = Value::Bool(false);
+    assert_eq!(failed(0), (no.clone(), "IO_FAILED".into()));
+    assert_eq!(
+        lines[0]["error"],
+        "IO_FAILED: cannot read absent.spyc: No such file or directory (operation register)"
+    );
+    assert_eq!(failed(1), (no.clone(), "ENVELOPE_INVALID".into()));
+    assert_eq!(
+        lines[1]["error"],
+        "ENVELOPE_INVALID: header truncated: 15 staged bytes, a SPYC header needs 16 (operation register, namespace LOCAL_PYTHON)"
+    );
+    assert_eq!(lines[2]["ok"], true);
+    assert_eq!(lines[2].get("code"), None);
+    assert_eq!(lines[4]["ok"], true);
+    assert_eq!(failed(5), (no.clone(), "HANDLE_STALE".into()));
+    let hashid = lines[2]["hashid"].as_str().unwrap();
+    assert!(
+        lines[5]["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("\"add\" is not registered (it was unregistered): HANDLE_STALE: "),
+        "{}",
+        lines[5]
+    );
+    assert_eq!(lines[5]["hashid"], hashid);
+    assert_eq!(lines[6]["ok"], true);
+    assert_eq!(failed(7), (no.clone(), "NO_LIVE_TARGET".into()));
+    assert_eq!(
+        lines[7]["error"],
+        "NO_LIVE_TARGET: target 1 is not live, so it cannot be killed"
+    );
+    // The call of a label whose register failed carries that register's code.
+    assert_eq!(lines[8]["ok"], true);
+    assert_eq!(lines[8]["code"], "IO_FAILED");
+    assert_eq!(
+        lines[8]["error"],
+        "\"missing\" is not registered (its register failed: IO_FAILED)"
+    );
+    assert_eq!(
+        lines[9],
+        serde_json::json!({"summary": {"steps": 9, "ok": 5, "failed": 4}})
     );
 }
 

@@ -218,12 +218,18 @@ fn tasks_reach_no_descriptor_of_the_parent() {
 /// read that blocks would otherwise hang the suite); returns the exit
 /// code and stderr.
 fn callreg_with(redirect: &str, args: &[&std::ffi::OsStr]) -> (Option<i32>, String) {
-    let mut child = Command::new("sh")
+    let (code, _, stderr) = callreg_output(redirect, args);
+    (code, stderr)
+}
+
+/// As [`callreg_with`], with stdout too: `(code, stdout, stderr)`.
+fn callreg_output(redirect: &str, args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
+    let child = Command::new("sh")
         .arg("-c")
         .arg(format!("exec \"$0\" \"$@\" {redirect}"))
         .arg(env!("CARGO_BIN_EXE_callreg"))
         .args(args)
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("sh runs");
@@ -234,17 +240,14 @@ fn callreg_with(redirect: &str, args: &[&std::ffi::OsStr]) -> (Option<i32>, Stri
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
         }
     });
-    let mut stderr = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
-    let status = child.wait().unwrap();
+    let output = child.wait_with_output().unwrap();
     let _ = tx.send(());
     watchdog.join().unwrap();
-    (status.code(), stderr)
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
 }
 
 fn mkfifo(path: &Path) {
@@ -253,7 +256,8 @@ fn mkfifo(path: &Path) {
 
 /// `hashid` refuses what is not a regular file, before reading it (a FIFO
 /// with no writer does not block), and a closed stdin is a read error
-/// (not an invalid envelope).
+/// (not an invalid envelope); an input that cannot be read exits 1, as an
+/// invalid one does.
 #[test]
 fn hashid_reads_only_regular_files_and_an_open_stdin() {
     let dir = TempDir::new("hashid-inputs");
@@ -263,14 +267,14 @@ fn hashid_reads_only_regular_files_and_an_open_stdin() {
     assert_eq!(
         hashid("/dev/zero".as_ref()),
         (
-            Some(2),
+            Some(1),
             "callreg: cannot read /dev/zero: not a regular file (a character device)\n".to_owned()
         )
     );
     assert_eq!(
         hashid(fifo.as_os_str()),
         (
-            Some(2),
+            Some(1),
             format!(
                 "callreg: cannot read {}: not a regular file (a FIFO)\n",
                 fifo.display()
@@ -280,7 +284,7 @@ fn hashid_reads_only_regular_files_and_an_open_stdin() {
     assert_eq!(
         callreg_with("<&-", &["hashid".as_ref(), "-".as_ref()]),
         (
-            Some(2),
+            Some(1),
             "callreg: cannot read <stdin>: no input (stdin is closed or empty)\n".to_owned()
         )
     );
@@ -360,15 +364,23 @@ fn run_refuses_envelope_paths_that_are_not_regular_files() {
             .to_string(),
         )
         .unwrap();
+        // Refused before anything is read; the step fails (exit 1), as a
+        // malformed envelope's does.
+        let (code, stdout, stderr) =
+            callreg_output("", &["run".as_ref(), plan.as_os_str(), "--json".as_ref()]);
+        assert_eq!((code, stderr.as_str()), (Some(1), ""));
+        let step: serde_json::Value = stdout
+            .lines()
+            .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+            .find(|line| line["step"] == json!(0))
+            .expect("a line for step 0");
+        assert_eq!(step["ok"], json!(false));
+        assert_eq!(step["code"], json!("IO_FAILED"));
         assert_eq!(
-            callreg_with("", &["run".as_ref(), plan.as_os_str()]),
-            (
-                Some(2),
-                format!(
-                    "callreg: {}: step 0 (register): field \"envelope\": cannot read {envelope}: not a regular file ({kind})\n",
-                    plan.display()
-                )
-            )
+            step["error"],
+            json!(format!(
+                "IO_FAILED: cannot read {envelope}: not a regular file ({kind}) (operation register)"
+            ))
         );
     }
 }

@@ -1,4 +1,4 @@
-//! Property tests of the SPYC envelope (DESIGN.md §3.1): encode → parse
+//! Property tests of the SPYC envelope (specs/design.md §3.1): encode → parse
 //! round trip, arbitrary bytes never panic, and each single corrupted header
 //! field yields its own `EnvelopeError` variant.
 

@@ -2,7 +2,7 @@
 //! thread (unregister, register) and the task thread (ending a run) race on
 //! one slot; the callable must stay alive while a run holds it, be dropped
 //! exactly once, and never be confused with the callable of a later
-//! register that reuses the slot (DESIGN.md §4.4 invariant 4).
+//! register that reuses the slot (specs/design.md §4.4 invariant 4).
 //!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test --features io
 //! --test loom_slots --release`. Without `--cfg loom` this file is empty.

@@ -1,6 +1,6 @@
 //! Random operation sequences with random faults, driven through the real
 //! parent and 1–4 real targets over in-memory FIFO queues (`common::sim`).
-//! Every invariant predicate (DESIGN.md §4.4, 1–9) is checked after every
+//! Every invariant predicate (specs/design.md §4.4, 1–9) is checked after every
 //! step, and liveness (10) at the end: once everything in transit is
 //! delivered and every crash noticed, no operation is left in flight and
 //! the system is quiescent.
@@ -151,7 +151,7 @@ proptest! {
         prop_assert!(sim.parent.in_flight().is_empty());
         prop_assert!(sim.is_quiescent());
         prop_assert!(sim.parent.staged().is_empty());
-        // With fencing, nothing ever becomes uncertain (DESIGN.md §4.1: only
+        // With fencing, nothing ever becomes uncertain (specs/design.md §4.1: only
         // an embedder that cannot fence reaches the uncertain path).
         if fence {
             for c in &sim.completed {

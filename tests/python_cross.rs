@@ -1,4 +1,4 @@
-//! Cross-language check against Python (DESIGN.md §3.1, §3.2): `python3`
+//! Cross-language check against Python (specs/design.md §3.1, §3.2): `python3`
 //! cloudpickles fresh callables (a lambda, a closure, a callable object and
 //! a closure over ~1 MiB of data), builds each envelope, descriptor and
 //! hashid with `struct`/`hashlib` straight from the format description, and

@@ -1,5 +1,5 @@
 //! Runs the Python unit tests of `python/callreg_envelope.py` (the SPYC
-//! envelope and hashid tool, DESIGN.md §3.1–§3.2) so that `cargo test`
+//! envelope and hashid tool, specs/design.md §3.1–§3.2) so that `cargo test`
 //! covers them.
 //!
 //! Needs `python3` (or the interpreter named by `PYO3_PYTHON`) with

@@ -6,7 +6,7 @@
 //! is no second copy of the protocol here — through every interleaving of a
 //! client script with FIFO delivery per target, crashes, failed
 //! deserializations, corrupted staged payloads and passing deadlines, and
-//! checks DESIGN.md §4.4's invariants with the library's predicates
+//! checks specs/design.md §4.4's invariants with the library's predicates
 //! ([`callreg::protocol::invariants`]).
 //!
 //! * [`script`] — client scripts (built-in and JSON);

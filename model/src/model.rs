@@ -1123,7 +1123,7 @@ pub fn mutant_named(name: &str) -> Option<Mutant> {
 /// Whether `mutant`'s code path is reachable only with fencing off
 /// (`fence_on_timeout: false`, `--no-fence`): `forget-uncertain` skips
 /// marking a digest uncertain, which happens only when a silent target is
-/// left running instead of fenced (DESIGN.md §4.1).
+/// left running instead of fenced (specs/design.md §4.1).
 #[cfg(feature = "mutants")]
 pub fn mutant_needs_no_fence(mutant: Mutant) -> bool {
     mutant == Mutant::ForgetUncertain

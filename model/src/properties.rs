@@ -1,6 +1,6 @@
 //! The properties checked on every reachable state (`specs/model.md`).
 //!
-//! * `always` — DESIGN.md §4.4 invariants 1–9, each through the library's
+//! * `always` — specs/design.md §4.4 invariants 1–9, each through the library's
 //!   own predicate in `callreg::protocol::invariants` (invariant 8 also
 //!   through the driver's direct observation of a task arriving at a target
 //!   lacking its digest), the driving rule (no machine refuses an input the

@@ -2,12 +2,12 @@
 //!
 //! A script has two parts. `before_start` runs synchronously before the
 //! targets exist (pre-start registers and unregisters only touch the
-//! registry and the startup snapshot, DESIGN.md §4.1), then the parent
+//! registry and the startup snapshot, specs/design.md §4.1), then the parent
 //! starts. `operations` are post-start registers and unregisters that the
 //! client issues in any order its dependencies allow: an operation may be
 //! issued once every operation listed in its `after`, and the register
 //! whose handle it unregisters, have completed. Several operations may
-//! therefore be in flight at once (multi-flight, DESIGN.md §4.1).
+//! therefore be in flight at once (multi-flight, specs/design.md §4.1).
 //!
 //! Payload bytes are abstracted to digests: a callable is named by one
 //! capital letter (`"A"`, `"B"`, ...), which stands for one envelope and

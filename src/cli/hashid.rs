@@ -7,6 +7,11 @@ use super::{input, report, shown, write_stdout, CliError, EXIT_INVALID, EXIT_OK}
 
 /// Arguments of `callreg hashid`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = "\
+Exit status:
+  0  the hashid was printed
+  1  the file is not a valid envelope or cannot be read
+  2  usage error, or stdout cannot be written")]
 pub struct Args {
     /// The SPYC envelope file (`-` = stdin).
     #[arg(value_name = "FILE")]
@@ -15,16 +20,23 @@ pub struct Args {
 
 /// Prints `sha256:<hex>` of the envelope's PYTHON_SERIALIZED descriptor.
 /// Returns [`EXIT_INVALID`] (with the error on stderr) for an invalid
-/// envelope. Reads the 16-byte header first, then at most the payload
-/// size it declares ([`input::read_envelope`]).
+/// envelope or a file that cannot be read. Reads the 16-byte header
+/// first, then at most the payload size it declares
+/// ([`input::read_envelope`]); a file that is not a regular file (a FIFO,
+/// a device) or a closed stdin cannot be read.
 ///
 /// # Errors
-/// [`CliError`] (exit status 2) when the file cannot be read, is not a
-/// regular file (a FIFO, a device), stdin is closed, or stdout cannot be
-/// written.
+/// [`CliError`] when stdout cannot be written.
 pub fn run(args: &Args) -> Result<u8, CliError> {
-    let staged = input::read_envelope(&args.file)
-        .map_err(|why| CliError::read_because(shown(&args.file), &why))?;
+    // A file that cannot be read is an input that is not a valid envelope:
+    // the same status as a malformed one.
+    let staged = match input::read_envelope(&args.file) {
+        Ok(staged) => staged,
+        Err(why) => {
+            report(&CliError::read_because(shown(&args.file), &why).0);
+            return Ok(EXIT_INVALID);
+        }
+    };
     match Envelope::parse(&staged) {
         Ok(env) => {
             write_stdout(&format!("{}\n", python_serialized_digest(&env)))?;

@@ -1,4 +1,4 @@
-//! `callreg inspect [--json] FILE...`: validate envelopes (DESIGN.md §3.1)
+//! `callreg inspect [--json] FILE...`: validate envelopes (specs/design.md §3.1)
 //! and show their header, PYTHON_SERIALIZED descriptor and hashid (§3.2),
 //! and the metadata side-car `FILE.json` when one exists next to the
 //! envelope (`specs/metadata.md`).
@@ -8,10 +8,17 @@ use callreg::envelope::{Envelope, EnvelopeError, HEADER_LEN};
 use callreg::metadata::CallableMetadata;
 use serde::Serialize;
 
-use super::{report, write_stdout, CliError, EXIT_INVALID, EXIT_OK, EXIT_USAGE};
+use super::{report, write_stdout, CliError, EXIT_INVALID, EXIT_OK};
 
 /// Arguments of `callreg inspect`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = "\
+A file that cannot be read gets a row too (error ReadError), and a JSON object with --json.
+
+Exit status:
+  0  every file is a valid envelope (and every side-car valid metadata)
+  1  a file is not a valid envelope, cannot be read, or has an invalid side-car
+  2  usage error, or stdout cannot be written")]
 pub struct Args {
     /// One JSON object per line per file instead of a table.
     #[arg(long)]
@@ -66,11 +73,29 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// What `--json` prints for a file that cannot be read.
+#[derive(Serialize)]
+struct UnreadableReport<'a> {
+    file: &'a str,
+    valid: bool,
+    /// Always `ReadError`.
+    error: &'static str,
+    /// `cannot read FILE: REASON`.
+    message: &'a str,
+}
+
+/// The `error` of a file that cannot be read (table and `--json`).
+const READ_ERROR: &str = "ReadError";
+
 /// One file's outcome.
 enum Row {
     Valid(ValidFields),
     Invalid {
         error: &'static str,
+        message: String,
+    },
+    /// The file could not be opened or read.
+    Unreadable {
         message: String,
     },
 }
@@ -192,6 +217,12 @@ fn json_line(file: &str, row: &Row, sidecar: &Sidecar) -> Result<String, CliErro
             metadata: sidecar.metadata(),
             metadata_error: sidecar.error(),
         }),
+        Row::Unreadable { message } => serde_json::to_string(&UnreadableReport {
+            file,
+            valid: false,
+            error: READ_ERROR,
+            message,
+        }),
     };
     text.map_err(|e| CliError(format!("cannot format JSON for {file}: {e}")))
 }
@@ -217,6 +248,10 @@ fn table(rows: &[(&str, Row, Sidecar)]) -> String {
                 "{file:<width$}  {:<5}  {:>12}  {:>12}  {error}: {message}\n",
                 "no", "-", "-"
             ),
+            Row::Unreadable { message } => format!(
+                "{file:<width$}  {:<5}  {:>12}  {:>12}  {READ_ERROR}: {message}\n",
+                "no", "-", "-"
+            ),
         };
         out.push_str(&line);
         if let Some(line) = sidecar.table_line() {
@@ -227,7 +262,7 @@ fn table(rows: &[(&str, Row, Sidecar)]) -> String {
 }
 
 /// Reads an envelope from `file` (`-` = stdin) without reading past what
-/// it declares: the 16-byte SPYC header (DESIGN.md §3.1), then, if the
+/// it declares: the 16-byte SPYC header (specs/design.md §3.1), then, if the
 /// header is valid, at most its `payload_size` bytes. So a stream such as
 /// `/dev/zero` or a pipe costs at most `16 + payload_size` bytes of memory,
 /// and a bad header costs 16. Returns the bytes read and, for a regular
@@ -262,46 +297,40 @@ fn read_envelope(file: &str) -> Result<(Vec<u8>, Option<u64>), CliError> {
 }
 
 /// Inspects every file in order, with its side-car `FILE.json` when one
-/// exists. Unreadable files are reported on stderr and skipped. Returns
-/// [`EXIT_USAGE`] if any file could not be read, else [`EXIT_INVALID`] if
-/// any envelope or side-car is invalid, else [`EXIT_OK`].
+/// exists. A file that cannot be read gets a row too (error `ReadError`;
+/// also on stderr). Returns [`EXIT_INVALID`] if any file cannot be read or
+/// any envelope or side-car is invalid, else [`EXIT_OK`] (a missing and a
+/// malformed envelope are the same kind of mistake).
 ///
 /// # Errors
 /// [`CliError`] when stdout cannot be written.
 pub fn run(args: &Args) -> Result<u8, CliError> {
     let mut rows: Vec<(&str, Row, Sidecar)> = Vec::with_capacity(args.files.len());
-    let mut read_failed = false;
     for file in &args.files {
-        match read_envelope(file) {
+        let (row, sidecar) = match read_envelope(file) {
             Ok((staged, file_len)) => {
                 let mut row = inspect_bytes(&staged);
                 if let (Row::Valid(fields), Some(len)) = (&mut row, file_len) {
                     fields.staged_size = usize::try_from(len).unwrap_or(usize::MAX);
                 }
-                let sidecar = Sidecar::read(file);
-                if args.json {
-                    // Stream JSON lines so a long list shows progress.
-                    write_stdout(&(json_line(file, &row, &sidecar)? + "\n"))?;
-                }
-                rows.push((file, row, sidecar));
+                (row, Sidecar::read(file))
             }
             Err(CliError(message)) => {
                 report(&message);
-                read_failed = true;
+                (Row::Unreadable { message }, Sidecar::Absent)
             }
+        };
+        if args.json {
+            // Stream JSON lines so a long list shows progress.
+            write_stdout(&(json_line(file, &row, &sidecar)? + "\n"))?;
         }
+        rows.push((file, row, sidecar));
     }
-    if !args.json && !rows.is_empty() {
+    if !args.json {
         write_stdout(&table(&rows))?;
     }
     let any_invalid = rows.iter().any(|(_, r, sidecar)| {
-        matches!(r, Row::Invalid { .. }) || matches!(sidecar, Sidecar::Invalid(_))
+        !matches!(r, Row::Valid(_)) || matches!(sidecar, Sidecar::Invalid(_))
     });
-    Ok(if read_failed {
-        EXIT_USAGE
-    } else if any_invalid {
-        EXIT_INVALID
-    } else {
-        EXIT_OK
-    })
+    Ok(if any_invalid { EXIT_INVALID } else { EXIT_OK })
 }

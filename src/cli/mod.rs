@@ -20,14 +20,27 @@ mod run;
 
 /// Exit status when every input was valid.
 pub const EXIT_OK: u8 = 0;
-/// Exit status when at least one input is not a valid envelope.
+/// Exit status when at least one input is not a valid (or readable)
+/// envelope, or a plan step did not go as expected.
 pub const EXIT_INVALID: u8 = 1;
-/// Exit status on a usage, read or write error.
+/// Exit status on a usage error, a plan that cannot run, or an output that
+/// cannot be written.
 pub const EXIT_USAGE: u8 = 2;
 
 /// `callreg`: tools for SPYC envelopes of serialized Python callables.
 #[derive(Debug, Parser)]
-#[command(name = "callreg", version, about, long_about = None)]
+#[command(
+    name = "callreg",
+    version,
+    about,
+    long_about = None,
+    after_help = "\
+Exit status (every command; `callreg COMMAND --help` says what each means there):
+  0  success
+  1  an input is not what it must be (an invalid or unreadable envelope; a
+     plan step that did not go as expected)
+  2  usage error (also: a plan that cannot be run)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -40,7 +53,7 @@ enum Command {
     Inspect(inspect::Args),
     /// Print the hashid of one SPYC envelope.
     Hashid(hashid::Args),
-    /// Wrap raw serializer (cloudpickle) bytes in a SPYC envelope.
+    /// Wrap raw serializer (cloudpickle) bytes in a SPYC envelope and print its hashid.
     Pack(pack::Args),
     /// Run a plan of registrations and tasks on forked Python targets.
     Run(run::Args),

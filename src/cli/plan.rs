@@ -1,4 +1,5 @@
-//! The plan file of `callreg run` : a JSON object
+//! The plan file of `callreg run` (`specs/plan.md` is the reference for
+//! users; this is how it is read and checked): a JSON object
 //!
 //! ```json
 //! {"targets": 4, "control_timeout_s": 30,
@@ -44,6 +45,9 @@
 //! before it is registered (or registered again while it labels a handle),
 //! a `target` outside `0..targets`, a call before the Worker can be started
 //! or a second `start` is a [`PlanError`] naming the step index and field.
+//! What only running can tell (an envelope file that cannot be read, a
+//! second unregister of a label) fails its step instead (`specs/plan.md`
+//! §3).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -80,6 +84,10 @@ pub struct Plan {
     pub steps: Vec<Step>,
     /// The envelope files' bytes, by the path written in the plan.
     pub envelopes: BTreeMap<String, Vec<u8>>,
+    /// Why an envelope file could not be read, by the path written in the
+    /// plan: its register step fails with `IO_FAILED` when it runs, as a
+    /// malformed envelope's fails with `ENVELOPE_INVALID`.
+    pub unreadable: BTreeMap<String, String>,
 }
 
 /// One step of a plan.
@@ -150,11 +158,29 @@ pub struct CallStep {
 /// the problem is in a step (e.g. `step 3 (call): field "target": 7 is not
 /// a target of this plan (targets: 4)`).
 #[derive(Clone, PartialEq, Eq, Debug)]
-pub struct PlanError(pub String);
+pub struct PlanError {
+    /// The whole line, as [`std::fmt::Display`] prints it.
+    pub message: String,
+    /// The step's index, when the problem is in a step.
+    pub step: Option<usize>,
+    /// The field named, when the problem is in one field.
+    pub field: Option<String>,
+}
+
+impl PlanError {
+    /// An error about the plan as a whole.
+    fn plan(message: String) -> PlanError {
+        PlanError {
+            message,
+            step: None,
+            field: None,
+        }
+    }
+}
 
 impl std::fmt::Display for PlanError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.message)
     }
 }
 
@@ -167,15 +193,19 @@ impl std::fmt::Display for PlanError {
 /// the module documentation), or when an envelope file cannot be read.
 pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
     let value: Value = serde_json::from_str(text)
-        .map_err(|e| PlanError(format!("the plan is not valid JSON: {e}")))?;
+        .map_err(|e| PlanError::plan(format!("the plan is not valid JSON: {e}")))?;
     let Value::Object(mut top) = value else {
-        return Err(PlanError(format!(
+        return Err(PlanError::plan(format!(
             "the plan must be a JSON object, got {}",
             value_type(&value)
         )));
     };
     refuse_unknown(&top, &["targets", "control_timeout_s", "steps"], "the plan")?;
-    let top_field = |field: &str, why: String| PlanError(format!("field {field:?}: {why}"));
+    let top_field = |field: &str, why: String| PlanError {
+        message: format!("field {field:?}: {why}"),
+        step: None,
+        field: Some(field.to_owned()),
+    };
     let targets = match top.get("targets") {
         None => {
             return Err(top_field(
@@ -232,6 +262,7 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
         labels: BTreeMap::new(),
         started: !explicit_start,
         envelopes: BTreeMap::new(),
+        unreadable: BTreeMap::new(),
         hashids: BTreeMap::new(),
     };
     let steps = steps
@@ -244,6 +275,7 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
         control_timeout,
         steps,
         envelopes: checker.envelopes,
+        unreadable: checker.unreadable,
     })
 }
 
@@ -263,6 +295,7 @@ struct Checker<'a> {
     labels: BTreeMap<String, Label>,
     started: bool,
     envelopes: BTreeMap<String, Vec<u8>>,
+    unreadable: BTreeMap<String, String>,
     /// The hashid of each label's envelope (for hooks named by label).
     hashids: BTreeMap<String, String>,
 }
@@ -270,20 +303,34 @@ struct Checker<'a> {
 impl Checker<'_> {
     fn step(&mut self, index: usize, step: Value) -> Result<Step, PlanError> {
         let Value::Object(fields) = step else {
-            return Err(PlanError(format!(
-                "step {index}: expected an object with an \"op\" field, got {}",
-                value_type(&step)
-            )));
+            return Err(PlanError {
+                message: format!(
+                    "step {index}: expected an object with an \"op\" field, got {}",
+                    value_type(&step)
+                ),
+                step: Some(index),
+                field: None,
+            });
         };
         let op = match fields.get("op") {
             Some(Value::String(op)) => op.clone(),
             Some(v) => {
-                return Err(PlanError(format!(
-                    "step {index}: field \"op\": expected a string, got {}",
-                    value_type(v)
-                )))
+                return Err(PlanError {
+                    message: format!(
+                        "step {index}: field \"op\": expected a string, got {}",
+                        value_type(v)
+                    ),
+                    step: Some(index),
+                    field: Some("op".to_owned()),
+                })
             }
-            None => return Err(PlanError(format!("step {index}: field \"op\" is missing"))),
+            None => {
+                return Err(PlanError {
+                    message: format!("step {index}: field \"op\" is missing"),
+                    step: Some(index),
+                    field: Some("op".to_owned()),
+                })
+            }
         };
         let at = StepFields {
             index,
@@ -302,7 +349,7 @@ impl Checker<'_> {
                     ));
                 }
                 let envelope = at.required_string("envelope")?;
-                self.read_envelope(&at, &envelope)?;
+                self.read_envelope(&envelope);
                 let (metadata, metadata_source) = match self.read_metadata(&at, &envelope)? {
                     Some((metadata, source)) => (Some(Box::new(metadata)), Some(source)),
                     None => (None, None),
@@ -334,17 +381,15 @@ impl Checker<'_> {
             "unregister" => {
                 at.allow(&["name", "expect_error"])?;
                 let name = at.name()?;
+                // Unregistering a label a second time is a step that fails
+                // when it runs (HANDLE_STALE), like killing a target twice.
                 match self.labels.get(&name) {
-                    Some(Label::Registered(_)) => {}
-                    Some(Label::Unregistered(earlier)) => {
-                        return Err(at.field_error(
-                            "name",
-                            format!("{name:?} was already unregistered by step {earlier}"),
-                        ))
+                    Some(Label::Registered(_)) => {
+                        self.labels.insert(name.clone(), Label::Unregistered(index));
                     }
+                    Some(Label::Unregistered(_)) => {}
                     None => return Err(at.unknown_name(&name)),
                 }
-                self.labels.insert(name.clone(), Label::Unregistered(index));
                 Op::Unregister { name }
             }
             "call" | "call_all" => {
@@ -530,16 +575,21 @@ impl Checker<'_> {
     }
 
     /// Reads an envelope file once, relative to the plan's directory.
-    fn read_envelope(&mut self, at: &StepFields<'_>, envelope: &str) -> Result<(), PlanError> {
-        if self.envelopes.contains_key(envelope) {
-            return Ok(());
+    /// One that cannot be read is recorded in [`Plan::unreadable`].
+    fn read_envelope(&mut self, envelope: &str) {
+        if self.envelopes.contains_key(envelope) || self.unreadable.contains_key(envelope) {
+            return;
         }
         // The header first, then at most the payload it declares; a FIFO
         // or a device is refused before anything is read.
-        let bytes = super::input::read_envelope(self.plan_dir.join(envelope))
-            .map_err(|why| at.field_error("envelope", format!("cannot read {envelope}: {why}")))?;
-        self.envelopes.insert(envelope.to_owned(), bytes);
-        Ok(())
+        match super::input::read_envelope(self.plan_dir.join(envelope)) {
+            Ok(bytes) => {
+                self.envelopes.insert(envelope.to_owned(), bytes);
+            }
+            Err(why) => {
+                self.unreadable.insert(envelope.to_owned(), why);
+            }
+        }
     }
 }
 
@@ -552,11 +602,18 @@ struct StepFields<'a> {
 
 impl StepFields<'_> {
     fn error(&self, why: String) -> PlanError {
-        PlanError(format!("step {} ({}): {why}", self.index, self.op))
+        PlanError {
+            message: format!("step {} ({}): {why}", self.index, self.op),
+            step: Some(self.index),
+            field: None,
+        }
     }
 
     fn field_error(&self, field: &str, why: String) -> PlanError {
-        self.error(format!("field {field:?}: {why}"))
+        PlanError {
+            field: Some(field.to_owned()),
+            ..self.error(format!("field {field:?}: {why}"))
+        }
     }
 
     fn unknown_name(&self, name: &str) -> PlanError {
@@ -575,6 +632,10 @@ impl StepFields<'_> {
             &known,
             &format!("step {} ({})", self.index, self.op),
         )
+        .map_err(|e| PlanError {
+            step: Some(self.index),
+            ..e
+        })
     }
 
     fn optional_string(&self, field: &str) -> Result<Option<String>, PlanError> {
@@ -627,14 +688,18 @@ fn refuse_unknown(
 ) -> Result<(), PlanError> {
     match object.keys().find(|k| !known.contains(&k.as_str())) {
         None => Ok(()),
-        Some(unknown) => Err(PlanError(format!(
-            "{what}: unknown field {unknown:?} (expected one of {})",
-            known
-                .iter()
-                .map(|k| format!("{k:?}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))),
+        Some(unknown) => Err(PlanError {
+            message: format!(
+                "{what}: unknown field {unknown:?} (expected one of {})",
+                known
+                    .iter()
+                    .map(|k| format!("{k:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            step: None,
+            field: Some(unknown.clone()),
+        }),
     }
 }
 
@@ -647,7 +712,7 @@ mod tests {
     }
 
     fn error(text: &str) -> String {
-        parse_text(text).expect_err("the plan is refused").0
+        parse_text(text).expect_err("the plan is refused").message
     }
 
     #[test]
@@ -734,15 +799,15 @@ mod tests {
         assert_eq!(hook.hashid, expected);
         assert_eq!(hook.retval_keyword.as_deref(), Some("c"));
         assert_eq!(
-            results.1.unwrap_err().0,
+            results.1.unwrap_err().message,
             r#"step 0 (register): field "metadata": inline: at call_after[0].name: "nope" does not label a registered handle here"#
         );
         assert_eq!(
-            results.2.unwrap_err().0,
+            results.2.unwrap_err().message,
             r#"step 0 (register): field "metadata": inline: at colour: unknown field `colour`, expected one of `name`, `python`, `executor`, `executor_data`, `deps`, `call_before`, `call_after`"#
         );
         assert_eq!(
-            results.3.unwrap_err().0,
+            results.3.unwrap_err().message,
             r#"step 0 (register): field "metadata": expected an object or a file path, got a number"#
         );
     }
@@ -775,12 +840,24 @@ mod tests {
         );
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(
-            results.0.unwrap_err().0,
+            results.0.unwrap_err().message,
             r#"step 1 (register): field "name": "f" already labels the handle of step 0; unregister it first"#
         );
+        // A second unregister is a step that fails when it runs.
+        let again = results.1.expect("a valid plan");
         assert_eq!(
-            results.1.unwrap_err().0,
-            r#"step 2 (unregister): field "name": "f" was already unregistered by step 1"#
+            again.steps[1..]
+                .iter()
+                .map(|step| step.op.clone())
+                .collect::<Vec<_>>(),
+            vec![
+                Op::Unregister {
+                    name: "f".to_owned()
+                },
+                Op::Unregister {
+                    name: "f".to_owned()
+                }
+            ]
         );
         let plan = results.2.expect("a valid plan");
         assert_eq!(
@@ -803,7 +880,7 @@ mod tests {
             }
         );
         assert_eq!(
-            results.3.unwrap_err().0,
+            results.3.unwrap_err().message,
             r#"step 1 (call): "expect" and "expect_error" exclude each other"#
         );
     }
@@ -871,11 +948,45 @@ mod tests {
             error(r#"{"targets": 1, "steps": [], "extra": 1}"#),
             r#"the plan: unknown field "extra" (expected one of "targets", "control_timeout_s", "steps")"#
         );
+        // A missing envelope is no plan error: its step fails when it runs.
+        let plan = parse(
+            r#"{"targets": 1, "steps": [{"op": "register", "name": "f", "envelope": "missing.spyc"}]}"#,
+            Path::new("."),
+        )
+        .expect("a valid plan");
         assert_eq!(
-            error(
-                r#"{"targets": 1, "steps": [{"op": "register", "name": "f", "envelope": "missing.spyc"}]}"#
-            ),
-            r#"step 0 (register): field "envelope": cannot read missing.spyc: No such file or directory"#
+            plan.unreadable.get("missing.spyc").map(String::as_str),
+            Some("No such file or directory")
         );
+        assert!(plan.envelopes.is_empty());
+    }
+
+    #[test]
+    fn errors_name_their_step_and_field() {
+        let error = parse(
+            r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "call", "name": "f", "colour": 1}]}"#,
+            Path::new("."),
+        )
+        .unwrap_err();
+        assert_eq!(
+            (error.step, error.field.as_deref()),
+            (Some(1), Some("colour"))
+        );
+        let error = parse(
+            r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "call", "name": "g"}]}"#,
+            Path::new("."),
+        )
+        .unwrap_err();
+        assert_eq!(
+            (error.step, error.field.as_deref()),
+            (Some(1), Some("name"))
+        );
+        let error = parse(r#"{"targets": 0, "steps": []}"#, Path::new(".")).unwrap_err();
+        assert_eq!(
+            (error.step, error.field.as_deref()),
+            (None, Some("targets"))
+        );
+        let error = parse("[]", Path::new(".")).unwrap_err();
+        assert_eq!((error.step, error.field), (None, None));
     }
 }

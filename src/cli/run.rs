@@ -4,7 +4,7 @@
 //!
 //! This process is the parent: it forks the targets, stages envelopes and
 //! sends frames, and never initialises Python or deserializes a payload
-//! (DESIGN.md §1, §6); it checks that before start and after close.
+//! (specs/design.md §1, §6); it checks that before start and after close.
 //!
 //! Output: one line per step on stdout, then a summary. Text lines read
 //! `step 3 call add [target 0]: ok -> 5 (74 µs)`; with `--json`, each line
@@ -29,6 +29,17 @@ use super::CliError;
 
 /// Arguments of `callreg run`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = "\
+The plan format (ops, fields, metadata, expectations, output): specs/plan.md
+in the callreg repository; examples/plan.json is a complete plan.
+
+Exit status:
+  0  every step met its expectation
+  1  a step failed unexpectedly or an expectation was not met (a missing or a
+     malformed envelope, a second unregister, a second kill of one target)
+  2  usage or plan error: the plan cannot be read, is not valid JSON, or a
+     step has an unknown, missing or wrong field (with --json also a
+     {\"plan_error\": ...} line on stdout)")]
 pub struct Args {
     /// The plan (JSON); envelope paths in it are relative to its directory.
     #[arg(value_name = "PLAN.json")]
@@ -63,7 +74,7 @@ mod with_python {
 
     use callreg::descriptor::python_serialized_digest;
     use callreg::envelope::Envelope;
-    use callreg::error::Error;
+    use callreg::error::{Error, ErrorCode};
     use callreg::io::worker::registration_failure_text;
     use callreg::io::{OperationError, TaskError, Worker};
     use callreg::protocol::{Failure, Handle, TargetId, TargetOutcome};
@@ -92,16 +103,43 @@ mod with_python {
     /// (naming the step and field), when the Worker cannot be built, or if
     /// Python turns out to be initialised in this (parent) process.
     pub fn run(args: &Args) -> Result<u8, CliError> {
-        let text = super::super::input::read_limited(&args.plan)
-            .map_err(|why| CliError::read_because(super::super::shown(&args.plan), &why))?;
-        let text = String::from_utf8(text)
-            .map_err(|_| CliError(format!("{}: the plan is not UTF-8", args.plan)))?;
+        // With --json, a plan that cannot be run is also a JSON line on
+        // stdout (`{"plan_error": {"plan", "step", "field", "message"}}`);
+        // the line on stderr and the exit status are as without --json.
+        let plan_error = |message: String, step: Option<usize>, field: Option<&str>| {
+            if args.json {
+                let line = PlanErrorLine {
+                    plan_error: PlanErrorFields {
+                        plan: &args.plan,
+                        step,
+                        field,
+                        message: &message,
+                    },
+                };
+                write_stdout(&format!(
+                    "{}\n",
+                    serde_json::to_string(&line).unwrap_or_default()
+                ))?;
+            }
+            Err(CliError(message))
+        };
+        let text = match super::super::input::read_limited(&args.plan)
+            .map_err(|why| CliError::read_because(super::super::shown(&args.plan), &why))
+        {
+            Ok(text) => text,
+            Err(CliError(message)) => return plan_error(message, None, None),
+        };
+        let Ok(text) = String::from_utf8(text) else {
+            return plan_error(format!("{}: the plan is not UTF-8", args.plan), None, None);
+        };
         let plan_dir = match Path::new(&args.plan).parent() {
             Some(dir) if !dir.as_os_str().is_empty() && args.plan != "-" => dir,
             _ => Path::new("."),
         };
-        let plan =
-            plan::parse(&text, plan_dir).map_err(|e| CliError(format!("{}: {e}", args.plan)))?;
+        let plan = match plan::parse(&text, plan_dir) {
+            Ok(plan) => plan,
+            Err(e) => return plan_error(format!("{}: {e}", args.plan), e.step, e.field.as_deref()),
+        };
         parent_has_no_python("before start")?;
         let mut runner = Runner::new(&plan, args.json)?;
         let total = Instant::now();
@@ -181,8 +219,8 @@ mod with_python {
         /// A handle unregistered by an earlier step (calls on it still go
         /// to the Worker, which refuses the stale handle).
         Unregistered(Handle),
-        /// The register failed: no handle.
-        Failed,
+        /// The register failed with this code: no handle.
+        Failed(ErrorCode),
     }
 
     /// One target's part in a step.
@@ -209,6 +247,8 @@ mod with_python {
         metadata: Option<String>,
         targets: Vec<TargetReport>,
         outcome: Result<Option<Value>, String>,
+        /// The error code of a failed step (`None` when it succeeded).
+        code: Option<ErrorCode>,
         /// The step's expectation, when it was not met.
         unmet: Option<String>,
         micros: u64,
@@ -258,6 +298,7 @@ mod with_python {
                 let mut report = self.report(Some(index), op);
                 report.name = name.map(str::to_owned);
                 report.outcome = Err(NOT_RUN.to_owned());
+                report.code = Some(ErrorCode::LIFECYCLE_INVALID);
                 report.unmet = unmet_error(None, &report.outcome);
                 return report;
             }
@@ -322,6 +363,7 @@ mod with_python {
                 metadata: None,
                 targets: Vec::new(),
                 outcome: Ok(None),
+                code: None,
                 unmet: None,
                 micros: 0,
             }
@@ -369,6 +411,7 @@ mod with_python {
                 }
                 Err(e) => {
                     report.outcome = Err(operation_error_text(&e));
+                    report.code = Some(e.code());
                     e.outcomes
                 }
             };
@@ -396,13 +439,26 @@ mod with_python {
             };
             report.outcome = Err(text.clone());
             report.targets = targets.clone();
+            report.code = Some(ErrorCode::REGISTER_PARTIAL_FAILURE);
             report.unmet = unmet(step, &report.outcome);
-            self.labels.insert(name, Label::Failed);
+            self.labels
+                .insert(name, Label::Failed(ErrorCode::REGISTER_PARTIAL_FAILURE));
         }
 
         fn register(&mut self, index: usize, register: &RegisterStep) -> StepReport {
             let mut report = self.report(Some(index), "register");
             report.name = Some(register.name.clone());
+            if let Some(reason) = self.plan.unreadable.get(&register.envelope) {
+                // As a malformed envelope fails the step, not the plan.
+                report.outcome = Err(format!(
+                    "IO_FAILED: cannot read {}: {reason} (operation register)",
+                    register.envelope
+                ));
+                report.code = Some(ErrorCode::IO_FAILED);
+                self.labels
+                    .insert(register.name.clone(), Label::Failed(ErrorCode::IO_FAILED));
+                return report;
+            }
             let bytes = self
                 .plan
                 .envelopes
@@ -426,7 +482,9 @@ mod with_python {
                 Err(e) => {
                     report.targets = e.outcomes.iter().map(|o| self.target_report(o)).collect();
                     report.outcome = Err(operation_error_text(&e));
-                    self.labels.insert(register.name.clone(), Label::Failed);
+                    report.code = Some(e.code());
+                    self.labels
+                        .insert(register.name.clone(), Label::Failed(e.code()));
                 }
             }
             report
@@ -435,10 +493,13 @@ mod with_python {
         fn unregister(&mut self, index: usize, name: &str) -> StepReport {
             let mut report = self.report(Some(index), "unregister");
             report.name = Some(name.to_owned());
-            let handle = match self.labels.get(name) {
-                Some(Label::Live(handle)) => *handle,
-                _ => {
-                    report.outcome = Err(not_registered(name, "its register failed"));
+            // An unregistered label's stale handle still goes to the
+            // Worker, which refuses it (HANDLE_STALE), as for a call.
+            let (handle, prefix) = match self.resolve(name) {
+                Ok(resolved) => resolved,
+                Err((code, why)) => {
+                    report.outcome = Err(why);
+                    report.code = Some(code);
                     return report;
                 }
             };
@@ -452,21 +513,34 @@ mod with_python {
                 }
                 Err(e) => {
                     report.targets = e.outcomes.iter().map(|o| self.target_report(o)).collect();
-                    report.outcome = Err(operation_error_text(&e));
+                    let text = operation_error_text(&e);
+                    report.outcome = Err(match prefix {
+                        Some(prefix) => format!("{prefix}: {text}"),
+                        None => text,
+                    });
+                    report.code = Some(e.code());
                 }
             }
             report
         }
 
-        /// The handle of a call's label, and the error prefix for a label
-        /// that no longer names a live handle.
-        fn resolve(&self, name: &str) -> Result<(Handle, Option<String>), String> {
+        /// The handle of a label, and the error prefix for a label that no
+        /// longer names a live handle; for a label whose register failed,
+        /// that register's code and the error.
+        fn resolve(&self, name: &str) -> Result<(Handle, Option<String>), (ErrorCode, String)> {
             match self.labels.get(name) {
                 Some(Label::Live(handle)) => Ok((*handle, None)),
                 Some(Label::Unregistered(handle)) => {
                     Ok((*handle, Some(not_registered(name, "it was unregistered"))))
                 }
-                _ => Err(not_registered(name, "its register failed")),
+                Some(Label::Failed(code)) => Err((
+                    *code,
+                    not_registered(name, &format!("its register failed: {code}")),
+                )),
+                None => Err((
+                    ErrorCode::LIFECYCLE_INVALID,
+                    not_registered(name, "no step registered it"),
+                )),
             }
         }
 
@@ -486,8 +560,9 @@ mod with_python {
                     report.hashid = Some(handle.hashid.to_string());
                     (report, Some((handle, prefix)))
                 }
-                Err(why) => {
+                Err((code, why)) => {
                     report.outcome = Err(why);
+                    report.code = Some(code);
                     (report, None)
                 }
             }
@@ -505,6 +580,7 @@ mod with_python {
                     if live.is_empty() {
                         report.outcome =
                             Err("NO_LIVE_TARGET: no live target to run the call on".to_owned());
+                        report.code = Some(ErrorCode::NO_LIVE_TARGET);
                         return report;
                     }
                     let target = live[self.next_target % live.len()];
@@ -516,7 +592,11 @@ mod with_python {
             let result = self
                 .worker
                 .submit(&handle, target, TaskEncoding::Json, &input);
+            report.code = result.as_ref().err().map(|e| e.error.code);
             let (target_report, outcome) = task_outcome(target, result, prefix.as_deref());
+            if outcome.is_err() && report.code.is_none() {
+                report.code = Some(ErrorCode::FRAME_INVALID); // a result that is not JSON
+            }
             report.targets = vec![target_report];
             report.outcome = outcome;
             report
@@ -534,12 +614,18 @@ mod with_python {
             if results.is_empty() {
                 report.outcome =
                     Err("NO_LIVE_TARGET: no live target to run the call on".to_owned());
+                report.code = Some(ErrorCode::NO_LIVE_TARGET);
                 return report;
             }
             let mut values = Vec::new();
             let mut errors = Vec::new();
             for (target, result) in results {
+                // The first failing target's code is the step's.
+                let code = result.as_ref().err().map(|e| e.error.code);
                 let (mut target_report, outcome) = task_outcome(target, result, prefix.as_deref());
+                if outcome.is_err() && report.code.is_none() {
+                    report.code = Some(code.unwrap_or(ErrorCode::FRAME_INVALID));
+                }
                 match outcome {
                     Ok(value) => {
                         target_report.result.clone_from(&value);
@@ -572,6 +658,7 @@ mod with_python {
                     report.outcome = Err(format!(
                         "NO_LIVE_TARGET: target {target} is not live, so it cannot be killed"
                     ));
+                    report.code = Some(ErrorCode::NO_LIVE_TARGET);
                     return report;
                 }
             };
@@ -581,6 +668,7 @@ mod with_python {
             );
             if let Err(errno) = killed {
                 report.outcome = Err(format!("IO_FAILED: cannot kill target {target}: {errno}"));
+                report.code = Some(ErrorCode::IO_FAILED);
                 return report;
             }
             // The IO thread notices the closed pipe and reaps the target;
@@ -591,6 +679,7 @@ mod with_python {
                     report.outcome = Err(format!(
                         "DEADLINE_EXCEEDED: target {target} was killed but the Worker still counts it live"
                     ));
+                    report.code = Some(ErrorCode::DEADLINE_EXCEEDED);
                     return report;
                 }
                 std::thread::sleep(KILL_POLL);
@@ -831,6 +920,22 @@ mod with_python {
         }
     }
 
+    /// The `--json` line of a plan that cannot run.
+    #[derive(Serialize)]
+    struct PlanErrorLine<'r> {
+        plan_error: PlanErrorFields<'r>,
+    }
+
+    /// What a plan error names: the plan file as given, the step index and
+    /// field when the error is in one, and the message (as on stderr).
+    #[derive(Serialize)]
+    struct PlanErrorFields<'r> {
+        plan: &'r str,
+        step: Option<usize>,
+        field: Option<&'r str>,
+        message: &'r str,
+    }
+
     /// One `--json` step line, keys in the documented order.
     #[derive(Serialize)]
     struct JsonLine<'r> {
@@ -845,6 +950,9 @@ mod with_python {
         targets: Vec<JsonTarget<'r>>,
         #[serde(skip_serializing_if = "Option::is_none")]
         result: Option<&'r Value>,
+        /// The failed step's error code, e.g. `"HANDLE_STALE"`.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        code: Option<&'r str>,
         #[serde(skip_serializing_if = "Option::is_none")]
         error: Option<&'r str>,
         /// Why the step did not meet its expectation.
@@ -886,6 +994,12 @@ mod with_python {
             // `None` is the JSON `null` it returned); register, unregister,
             // start and kill_target have none.
             result: report.outcome.as_ref().ok().and_then(Option::as_ref),
+            code: report
+                .outcome
+                .as_ref()
+                .err()
+                .and(report.code)
+                .map(ErrorCode::as_str),
             error: report.outcome.as_ref().err().map(String::as_str),
             unmet: report.unmet.as_deref(),
             micros: report.micros,

@@ -1,6 +1,6 @@
 //! The IO layer (cargo feature `io`): runs the pure protocol over real
 //! forked targets, sealed `memfd` staging, control sockets and reply pipes
-//! (DESIGN.md §5).
+//! (specs/design.md §5, `specs/staging.md`).
 //!
 //! * [`staging`] — staged payloads in sealed `memfd`s (`specs/staging.md`);
 //! * [`process`] — forking targets, their channels and pidfds, fencing,
@@ -13,6 +13,50 @@
 //!
 //! The IO layer moves bytes and time into the protocol's state machines and
 //! applies the effects they return; it makes no protocol decision itself.
+//!
+//! A Worker over 3 forked targets with the test runtime
+//! ([`crate::runtime::testing`]: a payload is an instruction; Python targets
+//! work the same way with `runtime::python::PythonRuntime`, see
+//! `examples/python_worker.rs`). A register that one target cannot install
+//! fails everywhere and is rolled back; the Worker keeps serving:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! use callreg::envelope::encode;
+//! use callreg::error::ErrorCode;
+//! use callreg::io::Worker;
+//! use callreg::protocol::{TargetId, TargetOutcome};
+//! use callreg::runtime::{testing::TestRuntime, TaskEncoding};
+//!
+//! let worker = Worker::builder(Arc::new(TestRuntime))
+//!     .targets(3)
+//!     .control_timeout(Duration::from_secs(10))
+//!     .build()?;
+//! let report = worker.start()?; // forks: call it before starting threads
+//! assert_eq!(report.outcomes.len(), 3);
+//!
+//! let echo = worker.register(&encode(b"echo"))?; // staged, confirmed by all 3
+//! let input = br#"{"args": ["hi"]}"#;
+//! for (target, result) in worker.submit_to_every(&echo, TaskEncoding::Json, input) {
+//!     assert_eq!(result?, input, "{target}");
+//! }
+//!
+//! let failed = worker.register(&encode(b"bad no such callable")).unwrap_err();
+//! assert_eq!(failed.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
+//! assert!(failed
+//!     .outcomes
+//!     .iter()
+//!     .all(|(_, outcome)| matches!(outcome, TargetOutcome::Failed { .. })));
+//!
+//! worker.unregister(&echo)?;
+//! let gone = worker.submit(&echo, TargetId(0), TaskEncoding::Json, input).unwrap_err();
+//! assert_eq!(gone.error.code, ErrorCode::HANDLE_STALE);
+//! worker.close();
+//! assert!(worker.live_targets().is_empty());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub mod failpoints;
 pub mod handoff;

@@ -2,7 +2,7 @@
 //! reaping.
 //!
 //! [`spawn_targets`] forks N targets while the process is single-threaded
-//! (DESIGN.md §5; the note on fork safety). Each target gets two channels:
+//! (specs/design.md §5; the note on fork safety). Each target gets two channels:
 //! a control socket (a Unix stream `socketpair`: the parent writes control
 //! frames and passes each register's sealed staged payload beside its frame
 //! with `SCM_RIGHTS`, [`send_control`] / [`receive_control`]; the target

@@ -1,5 +1,5 @@
 //! The target process: installs its startup snapshot, then serves control
-//! frames on one thread and runs tasks on another (DESIGN.md §4.2, §5).
+//! frames on one thread and runs tasks on another (specs/design.md §4.2, §5).
 //!
 //! The control thread reads frames from the control socket in order and
 //! drives the protocol's [`Target`] machine (through the [`SlotTable`]);
@@ -352,7 +352,11 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         pipe: Mutex::new(File::from(reply)),
         max_frame_bytes: setup.max_frame_bytes,
     });
-    if setup.runtime.start().is_err() {
+    if let Err(error) = setup.runtime.start() {
+        // The parent sees only the exit status: the reason goes to stderr,
+        // in one write so that targets failing together do not interleave.
+        let line = format!("callreg target {index}: the runtime did not start: {error}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         return START_EXIT_CODE;
     }
     let config = TargetConfig {

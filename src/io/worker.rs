@@ -1,6 +1,6 @@
 //! The [`Worker`]: the protocol's [`Parent`] machine run over real forked
 //! targets, sealed `memfd` staging (`specs/staging.md`), control sockets
-//! and reply pipes (DESIGN.md §4.1, §5).
+//! and reply pipes (specs/design.md §4.1, §5).
 //!
 //! # Threads
 //!
@@ -516,7 +516,7 @@ impl Shared {
     }
 }
 
-/// A parent worker with its forked targets (DESIGN.md §4.1).
+/// A parent worker with its forked targets (specs/design.md §4.1).
 ///
 /// `Send + Sync`: share it (e.g. in an `Arc`) and call it from many threads
 /// at once; several operations may be in flight. Closing is idempotent and
@@ -566,7 +566,7 @@ impl<R: Runtime> Worker<R> {
         )
     }
 
-    /// Registers an envelope (SPYC, DESIGN.md §3.1) and waits for the
+    /// Registers an envelope (SPYC, specs/design.md §3.1) and waits for the
     /// handle. Before start: adds it to the startup snapshot. After start:
     /// stages it and installs it at every live target; the handle is
     /// returned only when every target in scope confirmed (invariant 1).

@@ -1,4 +1,4 @@
-//! DESIGN.md §4.4's invariants 1–9 as pure predicates over a [`View`] of the
+//! specs/design.md §4.4's invariants 1–9 as pure predicates over a [`View`] of the
 //! parent, the targets and the frames in transit. The model checker and the
 //! tests call these same functions. Invariant 10 (liveness) is a property of
 //! runs, not of one state: the drivers check it (every operation completes
@@ -48,7 +48,7 @@ impl<'a> View<'a> {
             .filter_map(|(i, t)| Some((TargetId(u16::try_from(i).ok()?), (*t)?)))
     }
 
-    /// Quiescent (DESIGN.md §4.4): no operation in flight, no effect
+    /// Quiescent (specs/design.md §4.4): no operation in flight, no effect
     /// undrained, no control frame or reply in transit, no target owing a
     /// reply. Task frames may still be in transit: they change no refcount.
     pub fn is_quiescent(&self) -> bool {
@@ -73,7 +73,7 @@ impl<'a> View<'a> {
     }
 }
 
-/// A broken invariant: its number and name as in DESIGN.md §4.4 and what
+/// A broken invariant: its number and name as in specs/design.md §4.4 and what
 /// was seen.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct Violation {

@@ -1,4 +1,4 @@
-//! The registration protocol as pure state machines (DESIGN.md §4).
+//! The registration protocol as pure state machines (specs/design.md §4).
 //!
 //! This module is deterministic protocol logic: it performs no IO, reads no
 //! clock, draws no random numbers and starts no threads. Time arrives as a
@@ -28,6 +28,64 @@
 //! (a pipe is FIFO); frames to different targets may interleave freely.
 //! The exact loop an IO layer runs, step by step, is in `specs/protocol.md`.
 //!
+//! One register after start, with one target, moved by hand (the IO layer
+//! would stage the envelope, write the frame to a pipe and read the reply;
+//! `examples/protocol_by_hand.rs` goes further):
+//!
+//! ```
+//! use callreg::descriptor::Digest;
+//! use callreg::protocol::{
+//!     Completion, ControlFrame, Effect, Namespace, OwnerToken, Parent, ParentConfig, Target,
+//!     TargetConfig, TargetEffect, TargetId, TargetOutcome, Time, DEFAULT_SLOT_CAPACITY,
+//! };
+//!
+//! let mut parent = Parent::new(ParentConfig {
+//!     targets: 1,
+//!     control_timeout: 1_000_000,
+//!     fence_on_timeout: true,
+//!     owner: OwnerToken(7),
+//!     slot_capacity: DEFAULT_SLOT_CAPACITY,
+//! });
+//! parent.start()?;
+//! let mut target = Target::new(TargetConfig::new(TargetId(0)), &parent.startup_snapshot())?;
+//!
+//! let digest = Digest::sha256(b"a descriptor");
+//! let op = parent.register(digest, Namespace::LocalPython, Time(0))?;
+//! let staging = match parent.poll_effect() {
+//!     Some(Effect::Stage { staging, digest: d }) if d == digest => staging,
+//!     other => panic!("{other:?}"),
+//! };
+//! let Some(Effect::Send { target: TargetId(0), frame }) = parent.poll_effect() else {
+//!     panic!("a frame for target 0")
+//! };
+//! assert_eq!(frame, ControlFrame::Register { seq: frame.seq(), digest, staging });
+//! assert_eq!(parent.poll_effect(), None);
+//!
+//! // The target: the IO layer verified the staged payload's digest.
+//! target.on_register(frame.seq(), digest, Ok(digest));
+//! let Some(TargetEffect::Deserialize { seq, .. }) = target.poll_effect() else {
+//!     panic!("deserialize first")
+//! };
+//! target.on_deserialized(seq, Ok(()))?;
+//! let Some(TargetEffect::Reply(reply)) = target.poll_effect() else {
+//!     panic!("then reply")
+//! };
+//! assert_eq!(reply.result, Ok(()));
+//! assert_eq!(target.installed(), vec![(digest, 1)]);
+//!
+//! // The parent publishes the handle only now (invariant 1).
+//! parent.handle_reply(TargetId(0), reply, Time(10))?;
+//! assert_eq!(parent.poll_effect(), Some(Effect::ReleaseStaged { staging }));
+//! let Some(Effect::Completed { op: done, result: Ok(Completion::Registered(handle)), outcomes }) =
+//!     parent.poll_effect()
+//! else {
+//!     panic!("completed")
+//! };
+//! assert_eq!((done, handle.hashid, outcomes), (op, digest.hashid(), vec![(TargetId(0), TargetOutcome::Ok)]));
+//! assert!(parent.is_idle());
+//! # Ok::<(), callreg::error::Error>(())
+//! ```
+//!
 //! # Plain data as JSON
 //!
 //! [`Handle`], [`Failure`], [`TargetOutcome`], [`TargetOutcomeEntry`],
@@ -36,7 +94,7 @@
 //! have `to_json`, `to_json_pretty` and a strict `from_json` naming the
 //! offending field (`specs/metadata.md` §7). None of them holds a slot.
 //!
-//! [`invariants`] holds DESIGN.md §4.4's invariants as pure predicates over
+//! [`invariants`] holds specs/design.md §4.4's invariants as pure predicates over
 //! a [`invariants::View`] of both machines and the frames in transit; the
 //! model checker and the tests call the same functions.
 
@@ -117,7 +175,7 @@ pub struct StagingId(pub u64);
 #[serde(transparent)]
 pub struct OwnerToken(pub u64);
 
-/// A target namespace (DESIGN.md §2). Python callables live in
+/// A target namespace (specs/design.md §2). Python callables live in
 /// `LOCAL_PYTHON`; every target of this crate serves it.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 pub enum Namespace {
@@ -145,7 +203,7 @@ impl fmt::Display for Namespace {
     }
 }
 
-/// A frame the parent sends to one target (DESIGN.md §3.3 gives its wire
+/// A frame the parent sends to one target (specs/design.md §3.3 gives its wire
 /// form). No frame carries a slot (invariant 9).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 #[serde(tag = "frame", rename_all = "snake_case")]

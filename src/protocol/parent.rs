@@ -1,4 +1,4 @@
-//! The parent state machine: registry, operations, scopes (DESIGN.md §4.1).
+//! The parent state machine: registry, operations, scopes (specs/design.md §4.1).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -37,11 +37,11 @@ pub struct ParentConfig {
     /// At a passed deadline: `true` fences the silent target (the IO layer
     /// kills and reaps it; it becomes lost and nothing turns uncertain);
     /// `false` leaves it running and marks the digest uncertain
-    /// (DESIGN.md §4.1, for embedders that cannot fence).
+    /// (specs/design.md §4.1, for embedders that cannot fence).
     pub fence_on_timeout: bool,
     /// This Worker's random owner token, stamped on every handle it issues.
     pub owner: OwnerToken,
-    /// Slots per target (DESIGN.md §4.2; [`DEFAULT_SLOT_CAPACITY`] is the
+    /// Slots per target (specs/design.md §4.2; [`DEFAULT_SLOT_CAPACITY`] is the
     /// usual value). Every target installs the whole startup snapshot, one
     /// slot per distinct digest, so the snapshot holds at most this many.
     ///
@@ -49,7 +49,7 @@ pub struct ParentConfig {
     pub slot_capacity: u16,
 }
 
-/// The parent's lifecycle (DESIGN.md §4.1).
+/// The parent's lifecycle (specs/design.md §4.1).
 ///
 /// ```text
 ///   New ──start()──▶ Started ──close()──▶ Closed
@@ -70,7 +70,7 @@ pub enum Lifecycle {
 }
 
 /// A registered callable as the user holds it: plain data, serializable,
-/// checked field by field when it comes back (DESIGN.md §4.1).
+/// checked field by field when it comes back (specs/design.md §4.1).
 ///
 /// JSON form ([`Handle::to_json`], strict [`Handle::from_json`]; no other
 /// field, and no slot, is part of it):
@@ -312,7 +312,7 @@ impl Op {
     }
 }
 
-/// The parent state machine (DESIGN.md §4.1): the registry of handles, the
+/// The parent state machine (specs/design.md §4.1): the registry of handles, the
 /// startup snapshot, and the register and unregister operations in flight.
 ///
 /// Pure: see the module documentation for the driving rule. The state is
@@ -606,6 +606,42 @@ impl Parent {
     /// `CALLABLE_KIND_UNSUPPORTED` for a namespace other than `LOCAL_PYTHON`;
     /// `REGISTER_CLEANUP_UNCERTAIN` for an uncertain digest (invariant 3);
     /// `NO_LIVE_TARGET` when every target is lost. Nothing is emitted then.
+    ///
+    /// ```
+    /// use callreg::descriptor::Digest;
+    /// use callreg::error::ErrorCode;
+    /// use callreg::protocol::{Effect, Namespace, OwnerToken, Parent, ParentConfig, TargetId, Time};
+    ///
+    /// let config = ParentConfig {
+    ///     targets: 2,
+    ///     control_timeout: 1_000_000,
+    ///     fence_on_timeout: true,
+    ///     owner: OwnerToken(1),
+    ///     slot_capacity: 64,
+    /// };
+    /// let mut parent = Parent::new(config);
+    /// let digest = Digest::sha256(b"descriptor");
+    /// // Not started yet: refused, nothing emitted.
+    /// let refused = parent.register(digest, Namespace::LocalPython, Time(0)).unwrap_err();
+    /// assert_eq!(refused.code, ErrorCode::LIFECYCLE_INVALID);
+    /// assert_eq!(parent.poll_effect(), None);
+    ///
+    /// parent.start().unwrap();
+    /// parent.register(digest, Namespace::LocalPython, Time(0)).unwrap();
+    /// let effects: Vec<Effect> = std::iter::from_fn(|| parent.poll_effect()).collect();
+    /// // Stage, then one register frame per live target.
+    /// assert!(matches!(effects[0], Effect::Stage { .. }));
+    /// let receivers: Vec<TargetId> = effects[1..]
+    ///     .iter()
+    ///     .map(|e| match e {
+    ///         Effect::Send { target, .. } => *target,
+    ///         other => panic!("{other:?}"),
+    ///     })
+    ///     .collect();
+    /// assert_eq!(receivers, [TargetId(0), TargetId(1)]);
+    /// // Its deadline is the control timeout after `now`.
+    /// assert_eq!(parent.poll_timeout(), Some(Time(1_000_000)));
+    /// ```
     pub fn register(
         &mut self,
         digest: Digest,
@@ -738,7 +774,7 @@ impl Parent {
     }
 
     /// Resolves a handle to its digest for use in `namespace`
-    /// (DESIGN.md §4.1, invariant 6). Checks in this order, each with its
+    /// (specs/design.md §4.1, invariant 6). Checks in this order, each with its
     /// own error:
     ///
     /// # Errors
@@ -884,7 +920,7 @@ impl Parent {
     ///
     /// A reply that answers nothing pending (a late answer after the
     /// target's deadline passed, or a duplicate) marks its digest uncertain,
-    /// since the target's state is then unknown (DESIGN.md §4.1). Replies
+    /// since the target's state is then unknown (specs/design.md §4.1). Replies
     /// from a lost target and replies after close are ignored.
     ///
     /// # Errors

@@ -1,5 +1,5 @@
 //! The target state machine: one child's private `digest -> slot` table
-//! with refcounts, tombstones and run pins (DESIGN.md §4.2).
+//! with refcounts, tombstones and run pins (specs/design.md §4.2).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -108,7 +108,7 @@ pub enum TargetEffect {
     },
 }
 
-/// The target state machine (DESIGN.md §4.2).
+/// The target state machine (specs/design.md §4.2).
 ///
 /// Pure: the IO layer opens staged payloads, recomputes digests, runs the
 /// runtime and moves frames; this machine decides. Runs must be begun
@@ -434,6 +434,29 @@ impl Target {
     /// is not installed is refused (parent and target disagree):
     /// `UNREGISTER_TOMBSTONE_ACTIVE` if only a tombstoned slot of it
     /// remains, `DIGEST_NOT_INSTALLED` otherwise.
+    ///
+    /// ```
+    /// use callreg::descriptor::Digest;
+    /// use callreg::error::ErrorCode;
+    /// use callreg::protocol::{Seq, Target, TargetConfig, TargetEffect, TargetId};
+    ///
+    /// let digest = Digest::sha256(b"descriptor");
+    /// // Inherited from the startup snapshot with refcount 1.
+    /// let mut target = Target::new(TargetConfig::new(TargetId(0)), &[(digest, 1)]).unwrap();
+    /// // A run pins the slot; the unregister then only tombstones it.
+    /// target.begin_task(Seq(1), digest).unwrap();
+    /// target.on_unregister(Seq(2), digest);
+    /// let Some(TargetEffect::Reply(reply)) = target.poll_effect() else { panic!() };
+    /// assert_eq!(reply.result, Ok(()));
+    /// assert_eq!((target.refcount(digest), target.tombstones()), (0, 1));
+    /// target.end_task(Seq(1)).unwrap();
+    /// assert_eq!(target.tombstones(), 0);
+    ///
+    /// // A second unregister: parent and target disagree, refused.
+    /// target.on_unregister(Seq(3), digest);
+    /// let Some(TargetEffect::Reply(reply)) = target.poll_effect() else { panic!() };
+    /// assert_eq!(reply.result.unwrap_err().code, ErrorCode::DIGEST_NOT_INSTALLED);
+    /// ```
     pub fn on_unregister(&mut self, seq: Seq, digest: Digest) {
         let Some(entry) = self.installed.get_mut(&digest) else {
             let tombstoned = self

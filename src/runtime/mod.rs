@@ -2,7 +2,7 @@
 //! callable and runs tasks on it, inside a target process.
 //!
 //! The parent never calls a runtime: it holds digests and JSON only
-//! (DESIGN.md §6). A runtime value is built in the parent, inherited by
+//! (specs/design.md §6). A runtime value is built in the parent, inherited by
 //! `fork`, and [`Runtime::start`]ed once in each target.
 
 use crate::error::ErrorCode;

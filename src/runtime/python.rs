@@ -1,5 +1,5 @@
 //! The Python runtime: deserializes cloudpickle payloads with `pickle.loads`
-//! inside a target and runs tasks on the resulting callables (DESIGN.md §5).
+//! inside a target and runs tasks on the resulting callables (specs/design.md §5).
 //!
 //! Rules this module keeps:
 //!
@@ -75,10 +75,16 @@ const KIND_INPUT_INVALID: &str = "TaskInputInvalid";
 /// other methods may be called from any thread of the target.
 ///
 /// Interpreter selection: the build links the libpython of `PYO3_PYTHON`
-/// (an absolute path to the interpreter; `python3` on `PATH` when unset),
-/// and `build.rs` records its library directory as the RUNPATH. Payloads
-/// must come from the same Python minor version: cloudpickled code objects
-/// are version-specific.
+/// (an absolute path to the interpreter, e.g. a virtual environment's
+/// `bin/python`; `python3` on `PATH` when unset), and `build.rs` records its
+/// library directory as the RUNPATH of callreg's own binaries (a dependent
+/// adds it from `DEP_CALLREG_PYTHON_LIBDIR`, see the crate docs). A target
+/// starts CPython configured as that interpreter ([`BUILD_PYTHON`]), so its
+/// site-packages are the ones cloudpickle was installed into. Payloads must
+/// come from the same Python minor version: cloudpickled code objects are
+/// version-specific. CPython 3.10–3.13 and cloudpickle 2.2 or newer are
+/// tested; tracebacks of code that cloudpickle 3.1+ pickled by value name
+/// the file `<dynamic-code>` (older versions: the defining file's name).
 pub struct PythonRuntime {
     /// Functions looked up once by [`PythonRuntime::start`]; empty in the
     /// parent and in a target that has not started.
@@ -111,8 +117,147 @@ impl Default for PythonRuntime {
     }
 }
 
+/// The interpreter this build was configured for: `PYO3_PYTHON` at build
+/// time (an absolute path, e.g. a virtual environment's `bin/python`), or
+/// the `python3` found on `PATH` then; empty if the build did not know it.
+/// [`PythonRuntime::start`] configures the target's interpreter as this one.
+pub const BUILD_PYTHON: &str = env!("CALLREG_BUILD_PYTHON");
+
+/// The directory of the shared libpython this build linked (the build
+/// interpreter's `LIBDIR`), or empty for a static libpython.
+///
+/// `callreg`'s own binaries, tests and examples carry it as their RUNPATH; a
+/// dependent's build script gets it as `DEP_CALLREG_PYTHON_LIBDIR` and must
+/// add it itself (see the crate docs). [`PythonRuntime::start`] refuses to
+/// run on a libpython loaded from another directory (while this one exists
+/// on the machine).
+pub const BUILD_LIBPYTHON_DIR: &str = env!("CALLREG_BUILD_LIBPYTHON_DIR");
+
+/// The file the dynamic loader loaded libpython from in this process
+/// (found with `dlsym` and `dladdr` on `Py_IsInitialized`); `None` when the
+/// loader cannot tell (e.g. a static libpython, or a program that never
+/// references libpython and so did not load it). `tests/dependent_crate.rs`
+/// checks what it reports in a target.
+pub fn loaded_libpython() -> Option<std::path::PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: `dlsym` with RTLD_DEFAULT only looks a NUL-terminated name up
+    // in the loaded objects; `dladdr` only fills `info` (zero-initialised,
+    // plain data) for that address; `dli_fname` is then either null or a
+    // NUL-terminated string owned by the loader for as long as the object
+    // stays loaded (libpython is never unloaded).
+    unsafe {
+        let address = libc::dlsym(libc::RTLD_DEFAULT, c"Py_IsInitialized".as_ptr());
+        if address.is_null() {
+            return None;
+        }
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        if libc::dladdr(address, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        let name = std::ffi::CStr::from_ptr(info.dli_fname);
+        Some(std::path::PathBuf::from(std::ffi::OsStr::from_bytes(
+            name.to_bytes(),
+        )))
+    }
+}
+
+/// Refuses a libpython loaded from elsewhere than [`BUILD_LIBPYTHON_DIR`]:
+/// another copy of the same minor version has other site-packages (the
+/// symptom would be `ModuleNotFoundError: cloudpickle` on the first
+/// payload). Accepts when the build directory does not exist on this
+/// machine (a program moved elsewhere) or when nothing can be compared.
+fn check_libpython() -> Result<(), RuntimeError> {
+    if BUILD_LIBPYTHON_DIR.is_empty() {
+        return Ok(());
+    }
+    let Ok(expected) = std::fs::canonicalize(BUILD_LIBPYTHON_DIR) else {
+        return Ok(());
+    };
+    let Some(loaded) = loaded_libpython() else {
+        return Ok(());
+    };
+    let loaded_dir = std::fs::canonicalize(&loaded)
+        .ok()
+        .and_then(|path| path.parent().map(std::path::Path::to_path_buf));
+    if loaded_dir.as_deref() == Some(expected.as_path()) {
+        return Ok(());
+    }
+    Err(RuntimeError {
+        code: ErrorCode::TARGET_LOST,
+        kind: "LibpythonMismatch".to_owned(),
+        message: format!(
+            "this program was built for the Python at {BUILD_PYTHON} (libpython in \
+             {BUILD_LIBPYTHON_DIR}) but loaded {}; give the program that directory as its \
+             rpath (a dependent's build script: DEP_CALLREG_PYTHON_LIBDIR, see the callreg \
+             crate docs) or put it first in LD_LIBRARY_PATH",
+            loaded.display()
+        ),
+        exception: Vec::new(),
+    })
+}
+
+/// Starts CPython configured as [`BUILD_PYTHON`] (program name; no signal
+/// handlers, as `Py_InitializeEx(0)`), then releases the GIL for
+/// `Python::attach`.
+fn initialize_interpreter() -> Result<(), RuntimeError> {
+    let failed = |message: String| RuntimeError {
+        code: ErrorCode::TARGET_LOST,
+        kind: "InterpreterInitFailed".to_owned(),
+        message: format!("starting the Python interpreter failed: {message}"),
+        exception: Vec::new(),
+    };
+    let program = std::ffi::CString::new(BUILD_PYTHON)
+        .ok()
+        .filter(|_| std::path::Path::new(BUILD_PYTHON).is_absolute())
+        .filter(|_| std::path::Path::new(BUILD_PYTHON).exists());
+    // SAFETY: the config is initialised by `PyConfig_InitPythonConfig`
+    // before any field is read or written, set only through the C API (or
+    // plain int fields), passed to `Py_InitializeFromConfig` once and
+    // cleared once. Python is not initialised yet (checked by the caller),
+    // and this runs on the target's main thread before any other thread
+    // touches Python. `err_msg` of a failed status is a static C string.
+    unsafe {
+        let mut config: ffi::PyConfig = std::mem::zeroed();
+        ffi::PyConfig_InitPythonConfig(&mut config);
+        config.install_signal_handlers = 0;
+        if let Some(program) = &program {
+            let status = ffi::PyConfig_SetBytesString(
+                &mut config,
+                &mut config.program_name,
+                program.as_ptr(),
+            );
+            if ffi::PyStatus_Exception(status) != 0 {
+                ffi::PyConfig_Clear(&mut config);
+                return Err(failed(status_message(status)));
+            }
+        }
+        let status = ffi::Py_InitializeFromConfig(&config);
+        ffi::PyConfig_Clear(&mut config);
+        if ffi::PyStatus_Exception(status) != 0 {
+            return Err(failed(status_message(status)));
+        }
+        ffi::PyEval_SaveThread();
+    }
+    Ok(())
+}
+
+/// The message of a failed `PyStatus`.
+///
+/// # Safety
+/// `status.err_msg` is null or a NUL-terminated string (CPython's are static).
+unsafe fn status_message(status: ffi::PyStatus) -> String {
+    if status.err_msg.is_null() {
+        format!("status {}", status.exitcode)
+    } else {
+        // SAFETY: non-null, NUL-terminated per this function's contract.
+        unsafe { std::ffi::CStr::from_ptr(status.err_msg) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
 /// An executor a Python target can rehydrate from metadata by its short
-/// name (DESIGN.md §6, the transport-graph `executor` / `executor_data`
+/// name (specs/design.md §6, the transport-graph `executor` / `executor_data`
 /// convention): it decides how a task of an installed callable runs.
 ///
 /// Embedders add their own with [`PythonRuntime::with_executor`]; the
@@ -475,7 +620,15 @@ impl Runtime for PythonRuntime {
     /// Python already runs in this process (the parent must never run Python,
     /// and a target starts once); `TARGET_LOST` with the Python exception's type
     /// when a standard module cannot be imported; `TARGET_LOST` with kind
-    /// `SignalSetupFailed` when SIGINT cannot be ignored.
+    /// `SignalSetupFailed` when SIGINT cannot be ignored; `TARGET_LOST` with
+    /// kind `LibpythonMismatch` when the process loaded another libpython than
+    /// the one the build linked ([`loaded_libpython`], [`BUILD_LIBPYTHON_DIR`]:
+    /// the program lacks an rpath, see the crate docs); `TARGET_LOST` with
+    /// kind `InterpreterInitFailed` when CPython refuses its configuration.
+    ///
+    /// The interpreter is configured as [`BUILD_PYTHON`] would be (its
+    /// `sys.executable`, its site-packages, a virtual environment's
+    /// included), whatever `python3` is first on `PATH`.
     fn start(&self) -> Result<(), RuntimeError> {
         if self.inherited {
             return self.start_inherited();
@@ -506,7 +659,8 @@ impl Runtime for PythonRuntime {
             message: format!("could not ignore SIGINT before starting Python: {errno}"),
             exception: Vec::new(),
         })?;
-        Python::initialize();
+        check_libpython()?;
+        initialize_interpreter()?;
         self.import_functions()
     }
 
@@ -1114,7 +1268,7 @@ fn traceback_tail(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> O
 
 /// A formatted frame (`  File "/dir/name.py", line 3, in f` then source
 /// lines) with the file's directories removed: error messages never carry
-/// a user's absolute path (DESIGN.md §4.3).
+/// a user's absolute path (specs/design.md §4.3).
 fn without_directories(frame: &str) -> String {
     const START: &str = "  File \"";
     const END: &str = "\", line ";

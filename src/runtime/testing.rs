@@ -31,7 +31,7 @@ pub const CRASH_EXIT_CODE: i32 = 87;
 static DESERIALIZED: AtomicUsize = AtomicUsize::new(0);
 
 /// How many payloads [`TestRuntime::deserialize`] was called for in this
-/// process (a parent must keep it at 0: it never deserializes, DESIGN.md §6).
+/// process (a parent must keep it at 0: it never deserializes, specs/design.md §6).
 pub fn deserialize_count() -> usize {
     DESERIALIZED.load(Ordering::SeqCst)
 }

@@ -9,14 +9,9 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-/// `tests/data/spyc`: the in-repository copy of the shared vectors.
+/// `tests/data/spyc`: the SPYC test vectors.
 pub fn vectors_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/spyc")
-}
-
-/// `../shared/vectors/spyc` next to the repository, the copy's source.
-pub fn shared_vectors_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/vectors/spyc")
 }
 
 /// `vectors.json`.

@@ -194,7 +194,7 @@ pub fn builder(targets: u16) -> WorkerBuilder<TestRuntime> {
         .control_timeout(Duration::from_secs(5))
 }
 
-/// Asks every live target for its table and checks DESIGN.md §4.4's
+/// Asks every live target for its table and checks specs/design.md §4.4's
 /// invariants 1–9 on the parent state and the reported tables (a lost
 /// target counts as dead). The Worker must be quiescent.
 pub fn check_invariants(worker: &Worker<TestRuntime>, targets: u16) {

@@ -145,6 +145,35 @@ fn run_python(command: &mut Command) -> Result<(), String> {
     }
 }
 
+/// The file name (no directory) that the cloudpickle of `PYO3_PYTHON`
+/// gives the code of a function it pickles by value and which `callables.py`
+/// defines: `callables.py` before cloudpickle 3.1, a fixed name such as
+/// `<dynamic-code>` from 3.1 on (its payloads no longer depend on where the
+/// function was defined). Tracebacks of tasks show this name.
+pub fn dynamic_code_filename() -> String {
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let output = Command::new(&python)
+        .arg("-c")
+        .arg(
+            "import os, sys, cloudpickle\n\
+             sys.path.insert(0, sys.argv[1])\n\
+             import callables\n\
+             cloudpickle.register_pickle_by_value(callables)\n\
+             code = cloudpickle.loads(cloudpickle.dumps(callables.divide)).__code__\n\
+             print(os.path.basename(code.co_filename))",
+        )
+        .arg(&examples)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
+    assert!(
+        output.status.success(),
+        "{python}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap().trim().to_owned()
+}
+
 /// The envelope packed for `name`.
 pub fn envelope(name: &str) -> &'static [u8] {
     payloads()
