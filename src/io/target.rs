@@ -306,10 +306,11 @@ struct Control<'a, R: Runtime> {
 
 /// Runs a target until its control pipe closes; returns its exit status.
 ///
-/// Order: start the runtime; install the startup snapshot (each entry
-/// from the inherited envelope, with its metadata); send [`Frame::Ready`]
-/// with every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
-/// failed); then serve frames.
+/// Order: start the runtime ([`Runtime::start_target`] with this
+/// target's id); install the startup snapshot (each entry from the
+/// inherited envelope, with its metadata); send [`Frame::Ready`] with
+/// every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
+/// failed); then serve frames; at EOF, [`Runtime::stop`].
 pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let TargetEnds {
         index,
@@ -320,13 +321,13 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         pipe: Mutex::new(File::from(reply)),
         max_frame_bytes: setup.max_frame_bytes,
     });
-    if setup.runtime.start().is_err() {
-        return START_EXIT_CODE;
-    }
     let config = TargetConfig {
         id: TargetId(u16::try_from(index).unwrap_or(u16::MAX)),
         slot_capacity: setup.slot_capacity,
     };
+    if setup.runtime.start_target(config.id).is_err() {
+        return START_EXIT_CODE;
+    }
     let Some(table) = install_snapshot(config, setup, &writer) else {
         return SNAPSHOT_EXIT_CODE;
     };
@@ -354,7 +355,9 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     // Never closed before the process ends: a parent that sees the pipe
     // close then always finds an exit status, not a target still exiting.
     let control = std::mem::ManuallyDrop::new(File::from(control));
-    serve(&control, setup.max_frame_bytes, &control_thread)
+    let status = serve(&control, setup.max_frame_bytes, &control_thread);
+    setup.runtime.stop();
+    status
 }
 
 fn install_snapshot<R: Runtime>(

@@ -48,6 +48,7 @@ use serde_json::{Map, Value};
 use super::{Runtime, RuntimeError, TaskEncoding};
 use crate::error::ErrorCode;
 use crate::metadata::{CallableMetadata, ExecutorSpec, RehydrateError, DEFAULT_EXECUTOR};
+use crate::protocol::TargetId;
 
 mod checks;
 
@@ -93,6 +94,12 @@ pub struct PythonRuntime {
     /// whether `PyGILState_Ensure` found the GIL released (its state to
     /// give back to `PyGILState_Release`).
     fork_gil_unlocked: AtomicBool,
+    /// Inherited mode: the Python callable run at each target's start
+    /// ([`PythonRuntime::with_target_initializer`]).
+    target_initializer: Option<Py<PyAny>>,
+    /// What the initializer returned in this target, when not `None`: the
+    /// context every task's callable is called with first.
+    context: OnceLock<Py<PyAny>>,
 }
 
 impl fmt::Debug for PythonRuntime {
@@ -275,6 +282,8 @@ impl PythonRuntime {
             executors,
             inherited: false,
             fork_gil_unlocked: AtomicBool::new(false),
+            target_initializer: None,
+            context: OnceLock::new(),
         }
     }
 
@@ -294,6 +303,25 @@ impl PythonRuntime {
             inherited: true,
             ..Self::new()
         }
+    }
+
+    /// Sets the target initializer (inherited mode only; it is a Python
+    /// object of the parent's interpreter, inherited by `fork`): in each
+    /// target, once the runtime started and before the startup snapshot is
+    /// installed, [`Runtime::start_target`] calls `initializer(target_id)`
+    /// on the target's main thread, before the target runs any thread of
+    /// its own, so it may fork (build and start a Worker of its own: the
+    /// Python package's next-level targets, `specs/python.md`). When it
+    /// returns an object other than `None`, that object is the target's
+    /// *context*: every callable, hooks included, is called as
+    /// `callable(context, *args, **kwargs)`, and at the target's
+    /// [`Runtime::stop`] the context's `close()` runs, if it has one.
+    ///
+    /// An initializer that raises makes the target exit at start (it is
+    /// reported lost, `TARGET_LOST`); its traceback is not printed here.
+    pub fn with_target_initializer(mut self, initializer: Py<PyAny>) -> Self {
+        self.target_initializer = Some(initializer);
+        self
     }
 
     /// Whether this runtime is in inherited mode ([`PythonRuntime::inherited`]).
@@ -508,6 +536,52 @@ impl Runtime for PythonRuntime {
         self.import_functions()
     }
 
+    /// [`Runtime::start`], then the target initializer, if one is set
+    /// ([`PythonRuntime::with_target_initializer`]), with `target`'s id.
+    ///
+    /// # Errors
+    /// As [`Runtime::start`]; `TARGET_LOST` with the exception's type when
+    /// the initializer raises.
+    fn start_target(&self, target: TargetId) -> Result<(), RuntimeError> {
+        self.start()?;
+        let Some(initializer) = &self.target_initializer else {
+            return Ok(());
+        };
+        Python::attach(|py| {
+            let context = initializer.bind(py).call1((target.0,)).map_err(|err| {
+                let (kind, message) = describe_exception(py, &err);
+                RuntimeError {
+                    code: ErrorCode::TARGET_LOST,
+                    kind,
+                    message: format!("the target initializer failed: {message}"),
+                    exception: Vec::new(),
+                }
+            })?;
+            if !context.is_none() {
+                let _ = self.context.set(context.unbind());
+            }
+            Ok(())
+        })
+    }
+
+    /// Calls the target context's `close()` (when there is a context and it
+    /// has one); an exception it raises is ignored (the target exits next).
+    fn stop(&self) {
+        let Some(context) = self.context.get() else {
+            return;
+        };
+        if self.functions.get().is_none() {
+            return;
+        }
+        retain_thread_state();
+        Python::attach(|py| {
+            let context = context.bind(py);
+            if let Ok(close) = context.getattr("close") {
+                let _ = close.call0();
+            }
+        });
+    }
+
     /// In inherited mode: takes the GIL for this thread and runs the
     /// interpreter's before-fork steps (`PyOS_BeforeFork`: the
     /// `os.register_at_fork(before=...)` hooks, then the import lock).
@@ -701,6 +775,15 @@ impl Runtime for PythonRuntime {
             let (args, kwargs) = match encoding {
                 TaskEncoding::Json => json_input(py, functions, input)?,
                 TaskEncoding::Pickle => pickle_input(py, functions, input)?,
+            };
+            let args = match self.context.get() {
+                None => args,
+                Some(context) => {
+                    let mut items = Vec::with_capacity(args.len() + 1);
+                    items.push(context.bind(py).clone());
+                    items.extend(args.iter());
+                    PyTuple::new(py, items).map_err(|err| task_failure(py, functions, &err, encoding))?
+                }
             };
             let object = callable.object.bind(py);
             let result = match &callable.executor {
