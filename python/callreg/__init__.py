@@ -148,7 +148,9 @@ class HandleError(CallregError):
 class TargetLostError(CallregError):
     """The target died or was stopped before the task's result arrived, or
     there is no live target (``code`` ``"TARGET_LOST"`` or
-    ``"NO_LIVE_TARGET"``)."""
+    ``"NO_LIVE_TARGET"``). Raised by :meth:`Worker.start` when a target
+    did not start, with ``outcomes`` (as :class:`RegisterError`'s) when
+    the start had some."""
 
 
 class LifecycleError(CallregError):
@@ -240,7 +242,12 @@ def _error(raw):
         outcomes = {target: outcome for target, outcome in fields["outcomes"]}
         if cls is CallregError:
             cls = RegisterError
-        return cls(fields["full"], outcomes=outcomes, **common)
+        if issubclass(cls, RegisterError):
+            return cls(fields["full"], outcomes=outcomes, **common)
+        # E.g. a start whose target was lost: the outcomes ride along.
+        error = cls(fields["full"], **common)
+        error.outcomes = outcomes
+        return error
     return cls(fields["full"], **common)
 
 
