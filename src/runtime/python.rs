@@ -782,7 +782,8 @@ impl Runtime for PythonRuntime {
                     let mut items = Vec::with_capacity(args.len() + 1);
                     items.push(context.bind(py).clone());
                     items.extend(args.iter());
-                    PyTuple::new(py, items).map_err(|err| task_failure(py, functions, &err, encoding))?
+                    PyTuple::new(py, items)
+                        .map_err(|err| task_failure(py, functions, &err, encoding))?
                 }
             };
             let object = callable.object.bind(py);
