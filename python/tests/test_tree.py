@@ -213,6 +213,34 @@ def test_bad_tree_arguments_are_refused():
         callreg.NextLevel(2, next_level=callreg.NextLevel(1), next_level_targets=0)
 
 
+def pipes_of(pid):
+    """The inodes of the pipes process ``pid`` holds open."""
+    found = set()
+    base = "/proc/%d/fd" % pid
+    for fd in os.listdir(base):
+        try:
+            link = os.readlink("%s/%s" % (base, fd))
+        except OSError:
+            continue
+        if link.startswith("pipe:["):
+            found.add(link)
+    return found
+
+
+def test_inner_targets_do_not_hold_their_next_level_targets_pipes():
+    with tree(sub=1, inner=2, upper=1) as w:
+        w.start()
+        pids = w.register(tree_pids)
+        pid, inner = w.call(pids, target=1)
+        mine = pipes_of(os.getpid())
+        # The next-level child's own two pipes: shared with this process,
+        # and not with the sibling SUB target (which inherited the rest).
+        own = (mine & pipes_of(pid)) - (mine & pipes_of(w.target_pid(0)))
+        assert len(own) == 2
+        for inner_pid in inner.values():
+            assert pipes_of(inner_pid) & own == set()
+
+
 # --------------------------------------------------------------------------
 # Failure containment
 
