@@ -48,6 +48,11 @@ Process model (Linux):
 * :meth:`Worker.close` (also on leaving a ``with`` block, when the Worker
   is garbage-collected, and at interpreter exit) stops and reaps the
   targets and removes every staged payload from ``/dev/shm``.
+* Trees: ``Worker(targets, next_level=NextLevel(...), next_level_targets=M)``
+  adds M next-level targets (ids after the SUB targets), each running an
+  inner Worker of its own; callables registered on the outer Worker run
+  there as ``fn(ctx, *args, **kwargs)`` (:class:`Context`). See
+  :class:`Worker` and ``specs/python.md`` §5.
 * An ``async def`` function is refused by :meth:`Worker.register` (its call
   would only return a coroutine); register a plain function that runs it,
   e.g. ``lambda *a: asyncio.run(coro_fn(*a))``. A generator function's call
