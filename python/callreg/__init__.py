@@ -154,8 +154,12 @@ class TargetLostError(CallregError):
     """The target died or was stopped before the task's result arrived, or
     there is no live target (``code`` ``"TARGET_LOST"`` or
     ``"NO_LIVE_TARGET"``). Raised by :meth:`Worker.start` when a target
-    did not start, with ``outcomes`` (as :class:`RegisterError`'s) when
-    the start had some."""
+    did not start, with ``outcomes`` (as :class:`RegisterError`'s; empty
+    for a task)."""
+
+    def __init__(self, message, *, outcomes=None, **fields):
+        super().__init__(message, **fields)
+        self.outcomes = dict(outcomes or {})
 
 
 class LifecycleError(CallregError):
@@ -247,9 +251,8 @@ def _error(raw):
         outcomes = {target: outcome for target, outcome in fields["outcomes"]}
         if cls is CallregError:
             cls = RegisterError
-        if issubclass(cls, RegisterError):
+        if issubclass(cls, (RegisterError, TargetLostError)):
             return cls(fields["full"], outcomes=outcomes, **common)
-        # E.g. a start whose target was lost: the outcomes ride along.
         error = cls(fields["full"], **common)
         error.outcomes = outcomes
         return error

@@ -196,6 +196,10 @@ def test_a_setup_that_raises_loses_its_next_level_target_at_start(capfd):
             w.start()
         assert info.value.code == "TARGET_LOST"
         assert info.value.target == 1
+        assert info.value.outcomes == {
+            0: "ok",
+            1: "failed (TARGET_LOST: the target exited with status 103 before it was ready)",
+        }
         assert w.targets == [0]
     assert "RuntimeError: setup refused" in capfd.readouterr().err
 

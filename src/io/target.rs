@@ -310,7 +310,7 @@ struct Control<'a, R: Runtime> {
 /// target's id); install the startup snapshot (each entry from the
 /// inherited envelope, with its metadata); send [`Frame::Ready`] with
 /// every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
-/// failed); then serve frames; at EOF, [`Runtime::stop`].
+/// failed); then serve frames; when serving ends, [`Runtime::stop`].
 pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let TargetEnds {
         index,

@@ -66,10 +66,11 @@ pub trait Runtime: Send + Sync + 'static {
         self.start()
     }
 
-    /// Runs in the target once its control pipe reported EOF, on its main
-    /// thread, right before it exits (a task may still be running on the
-    /// task thread). Not run when the target is killed. The default does
-    /// nothing.
+    /// Runs in the target once it stops serving (its control pipe reported
+    /// EOF, or a control frame was out of protocol), on its main thread,
+    /// right before it exits (a task may still be running on the task
+    /// thread). Not run when the target is killed or the runtime never
+    /// started. The default does nothing.
     fn stop(&self) {}
 
     /// Runs in the parent right before each target's `fork`, on the
