@@ -94,9 +94,10 @@ pub struct PythonRuntime {
     /// whether `PyGILState_Ensure` found the GIL released (its state to
     /// give back to `PyGILState_Release`).
     fork_gil_unlocked: AtomicBool,
-    /// Inherited mode: the Python callable run at each target's start
-    /// ([`PythonRuntime::with_target_initializer`]).
-    target_initializer: Option<Py<PyAny>>,
+    /// What runs at each target's start, when set
+    /// ([`PythonRuntime::with_target_initializer`],
+    /// [`PythonRuntime::with_target_initializer_source`]).
+    target_initializer: Option<TargetInitializer>,
     /// What the initializer returned in this target, when not `None`: the
     /// context every task's callable is called with first.
     context: OnceLock<Py<PyAny>>,
@@ -117,6 +118,18 @@ impl Default for PythonRuntime {
         Self::new()
     }
 }
+
+/// A target initializer: a Python object of the parent's interpreter
+/// (inherited mode), or the source of a module defining `initialize`
+/// (either mode: compiled in each target).
+enum TargetInitializer {
+    Object(Py<PyAny>),
+    Source(std::ffi::CString),
+}
+
+/// Name under which a [`PythonRuntime::with_target_initializer_source`]
+/// module is compiled in each target.
+const INITIALIZER_MODULE: &std::ffi::CStr = c"_callreg_target_initializer";
 
 /// An executor a Python target can rehydrate from metadata by its short
 /// name (DESIGN.md §6, the transport-graph `executor` / `executor_data`
@@ -320,8 +333,30 @@ impl PythonRuntime {
     /// An initializer that raises makes the target exit at start (it is
     /// reported lost, `TARGET_LOST`); its traceback is not printed here.
     pub fn with_target_initializer(mut self, initializer: Py<PyAny>) -> Self {
-        self.target_initializer = Some(initializer);
+        self.target_initializer = Some(TargetInitializer::Object(initializer));
         self
+    }
+
+    /// Sets the target initializer from Python source (either mode; what a
+    /// Rust embedder of [`PythonRuntime::new`] uses, whose parent has no
+    /// interpreter): `source` is a module defining `initialize(target_id)`,
+    /// compiled in each target as `_callreg_target_initializer` and then
+    /// called as [`PythonRuntime::with_target_initializer`]'s initializer.
+    /// E.g. a module whose `initialize` builds and starts a Worker of the
+    /// `callreg` Python package and returns an object holding it makes
+    /// each target a next-level target (the package must be importable in
+    /// the targets; `specs/python.md` §5).
+    ///
+    /// Compiling fails the target's start like an initializer that raises.
+    ///
+    /// # Errors
+    /// [`std::ffi::NulError`] when `source` holds a NUL byte.
+    pub fn with_target_initializer_source(
+        mut self,
+        source: &str,
+    ) -> Result<Self, std::ffi::NulError> {
+        self.target_initializer = Some(TargetInitializer::Source(std::ffi::CString::new(source)?));
+        Ok(self)
     }
 
     /// Whether this runtime is in inherited mode ([`PythonRuntime::inherited`]).
@@ -548,7 +583,17 @@ impl Runtime for PythonRuntime {
             return Ok(());
         };
         Python::attach(|py| {
-            let context = initializer.bind(py).call1((target.0,)).map_err(|err| {
+            let function = match initializer {
+                TargetInitializer::Object(object) => Ok(object.bind(py).clone()),
+                TargetInitializer::Source(source) => PyModule::from_code(
+                    py,
+                    source,
+                    c"_callreg_target_initializer.py",
+                    INITIALIZER_MODULE,
+                )
+                .and_then(|module| module.getattr("initialize")),
+            };
+            let context = function.and_then(|f| f.call1((target.0,))).map_err(|err| {
                 let (kind, message) = describe_exception(py, &err);
                 RuntimeError {
                     code: ErrorCode::TARGET_LOST,
