@@ -575,16 +575,25 @@ fn opaque_pickled_arguments_and_result() {
 /// the initializer runs in each target with its id; where it returns a
 /// context, every callable is called with it first; where it returns
 /// `None`, callables are called as usual; where it raises, the target is
-/// lost at start.
+/// lost at start; the context's `close()` runs when the target stops.
 fn a_target_initializer_gives_callables_a_context() {
-    let source = "\
+    let stopped =
+        std::env::temp_dir().join(format!("callreg-python-initializer-{}", std::process::id()));
+    let source = format!(
+        "\
+class Context(int):
+    def close(self):
+        open({path:?}, 'w').write('closed %d' % self)
+
 def initialize(target):
     if target == 2:
         raise RuntimeError('no start for target 2')
-    return 100 * target if target else None
-";
+    return Context(100 * target) if target else None
+",
+        path = stopped.to_str().expect("a UTF-8 path")
+    );
     let runtime = PythonRuntime::new()
-        .with_target_initializer_source(source)
+        .with_target_initializer_source(&source)
         .expect("no NUL");
     let worker = Worker::builder(Arc::new(runtime))
         .targets(3)
@@ -619,7 +628,12 @@ def initialize(target):
         )
         .expect_err("add(100, 2, 3) has one argument too many");
     assert_eq!(refused.kind, "TypeError");
+    assert!(!stopped.exists());
+    // At stop, target 1 closes its context.
     worker.close();
+    let closed = std::fs::read_to_string(&stopped).expect("the context was closed");
+    std::fs::remove_file(&stopped).expect("remove the marker");
+    assert_eq!(closed, "closed 100");
     assert!(
         !PythonRuntime::interpreter_initialized(),
         "the parent initialised Python"
