@@ -95,7 +95,7 @@ error_codes! {
     TASK_FAILED = 21,
     /// A frame could not be decoded or was out of protocol.
     FRAME_INVALID = 22,
-    /// An OS-level IO operation failed (shm, pipe, fork).
+    /// An OS-level IO operation failed (staging, socket, pipe, fork).
     IO_FAILED = 23,
     /// There is no live target to run the operation on.
     NO_LIVE_TARGET = 24,

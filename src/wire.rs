@@ -4,7 +4,7 @@
 //!
 //! | offset | size | field | rule |
 //! |---|---|---|---|
-//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (2) |
+//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (3) |
 //! | 1 | 1 | kind (u8) | a [`FrameKind`] value |
 //! | 2 | 2 | flags (u16) | 0, or [`FLAG_TASK_EXCEPTION`] on a failed task result |
 //! | 4 | 4 | body length (u32, bytes) | `8 + body length <= maximum frame size` |
@@ -28,10 +28,12 @@
 use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 
-/// The only wire version this implementation reads and writes. Version 2
-/// added the register control's metadata field; version 1
-/// frames are refused.
-pub const WIRE_VERSION: u8 = 2;
+/// The only wire version this implementation reads and writes. Version 3
+/// replaced the register control's staged shm name by a sealed descriptor
+/// passed beside the frame (`specs/staging.md`); version 2 added the
+/// register control's metadata field. Frames of versions 1 and 2 are
+/// refused.
+pub const WIRE_VERSION: u8 = 3;
 
 /// Header flag of a [`Frame::TaskResult`] with an error status whose
 /// failure carries a serialized exception ([`TaskFailure::exception`]):
@@ -156,16 +158,16 @@ pub struct TableEntry {
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub enum Frame {
     /// Register control (DESIGN.md §4.2). Body: `u64 seq`, digest,
-    /// string staged shm name (e.g. `/callreg-<pid>-<seq>-<random>`),
     /// `u64` staged size in bytes, string metadata (the registration's
     /// callable metadata as JSON, `specs/metadata.md`; empty for none).
+    /// The staged payload itself is a sealed descriptor sent with the
+    /// frame's first byte (`SCM_RIGHTS`, `specs/wire.md`); the frame does
+    /// not name it.
     Register {
         /// The operation's sequence number.
         seq: u64,
         /// The digest the parent computed; the target recomputes it.
         digest: Digest,
-        /// The POSIX shm name of the staged payload.
-        staged_name: String,
         /// The staged payload's exact size in bytes.
         staged_size: u64,
         /// The registration's callable metadata as compact JSON
@@ -376,7 +378,6 @@ fn decode_body(kind: FrameKind, flags: u16, body: &[u8]) -> Result<Frame, WireEr
         FrameKind::Register => Frame::Register {
             seq: r.u64("seq")?,
             digest: r.digest()?,
-            staged_name: r.string("staged name")?,
             staged_size: r.u64("staged size")?,
             metadata: r.string("metadata")?,
         },
@@ -607,13 +608,11 @@ impl Frame {
             Frame::Register {
                 seq,
                 digest,
-                staged_name,
                 staged_size,
                 metadata,
             } => {
                 out.extend_from_slice(&seq.to_le_bytes());
                 out.extend_from_slice(&digest.0);
-                put_bytes(out, staged_name.as_bytes())?;
                 out.extend_from_slice(&staged_size.to_le_bytes());
                 put_bytes(out, metadata.as_bytes())?;
             }
@@ -812,15 +811,13 @@ mod tests {
             (
                 any::<u64>(),
                 digest_strategy(),
-                ".{0,80}",
                 any::<u64>(),
                 prop_oneof![Just(String::new()), ".{1,200}"]
             )
-                .prop_map(|(seq, digest, staged_name, staged_size, metadata)| {
+                .prop_map(|(seq, digest, staged_size, metadata)| {
                     Frame::Register {
                         seq,
                         digest,
-                        staged_name,
                         staged_size,
                         metadata,
                     }
@@ -1171,15 +1168,14 @@ mod tests {
         let bytes = Frame::Register {
             seq: 7,
             digest: Digest([0xcd; 32]),
-            staged_name: "/s".into(),
             staged_size: 9,
             metadata: r#"{"name":"f"}"#.into(),
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![2, 1, 0, 0, 70, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![3, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xcd; 32]);
-        expected.extend_from_slice(&[2, 0, 0, 0, b'/', b's', 9, 0, 0, 0, 0, 0, 0, 0]);
+        expected.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0]);
         expected.extend_from_slice(&[12, 0, 0, 0]);
         expected.extend_from_slice(br#"{"name":"f"}"#);
         assert_eq!(bytes, expected);
@@ -1193,7 +1189,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![2, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![3, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xab; 32]);
         assert_eq!(bytes, expected);
     }

@@ -326,14 +326,15 @@ fn without_duration(line: &str) -> &str {
     line.rsplit_once(" (").map_or(line, |(head, _)| head)
 }
 
-/// A start that fails (the startup snapshot holds a payload that is not a
-/// pickle) stops the plan: every later step fails as not run, exit 1.
+/// A start that fails (the startup snapshot holds a pickle whose loading
+/// ends the target: `os._exit(3)`) stops the plan: every later step fails
+/// as not run, exit 1.
 #[test]
 fn steps_after_a_failed_start_are_not_run() {
     let dir = TempDir::new("failed-start");
     std::fs::write(
         dir.0.join("bad.spyc"),
-        callreg::envelope::encode(b"not a pickle"),
+        callreg::envelope::encode(b"cos\n_exit\n(I3\ntR."),
     )
     .unwrap();
     let plan = dir.0.join("plan.json");
@@ -412,12 +413,19 @@ fn error_codes_are_not_repeated() {
         "ENVELOPE_INVALID: bad magic 58585858 (expected 53505943, \"SPYC\") (operation register, namespace LOCAL_PYTHON)"
     );
     assert_eq!(lines[1]["hashid"], hashid.as_str());
+    // The pre-start register is marked failed at start, each code once.
     assert_eq!(
-        lines[2]["targets"][0]["detail"],
+        lines[1]["error"],
         format!(
-            "DESERIALIZE_FAILED: startup snapshot: {hashid}: _pickle.UnpicklingError: invalid load key, 'n'."
+            "REGISTER_PARTIAL_FAILURE: at start, registration of {hashid} (handle 1) failed: target 0: DESERIALIZE_FAILED: _pickle.UnpicklingError: invalid load key, 'n'."
         )
     );
+    assert_eq!(
+        lines[1]["targets"][0]["detail"],
+        "DESERIALIZE_FAILED: _pickle.UnpicklingError: invalid load key, 'n'."
+    );
+    assert_eq!(lines[2]["op"], "start");
+    assert_eq!(lines[2]["targets"][0]["outcome"], "ok");
 }
 
 /// Runs `plan` (JSON text) in a fresh directory holding `files`, as text;
@@ -441,7 +449,13 @@ fn run_text(test: &str, files: &[(&str, Vec<u8>)], plan: &str) -> (Option<i32>, 
 /// step in the summary, and a target's exit reads "it was killed by signal 9".
 #[test]
 fn messages_agree_in_number_and_voice() {
-    let bad = || ("bad.spyc", callreg::envelope::encode(b"not a pickle"));
+    // Loading it ends the target (`os._exit(3)`): it is never ready.
+    let bad = || {
+        (
+            "bad.spyc",
+            callreg::envelope::encode(b"cos\n_exit\n(I3\ntR."),
+        )
+    };
     for (targets, stopped) in [
         (
             1,
@@ -528,8 +542,15 @@ fn a_pre_start_register_beyond_the_slot_capacity_is_refused() {
         ),
     );
     assert_eq!(code, Some(1));
+    // The 64 that fit were registered, then failed to unpickle at start
+    // (they are not pickles): each is marked failed there.
     for line in &lines[..64] {
-        assert_eq!(line["ok"], true, "{line}");
+        assert_eq!(line["ok"], false, "{line}");
+        let error = line["error"].as_str().unwrap();
+        assert!(
+            error.starts_with("REGISTER_PARTIAL_FAILURE: at start, registration of "),
+            "{line}"
+        );
     }
     let hashid = lines[64]["hashid"].as_str().unwrap().to_owned();
     assert_eq!(
@@ -538,7 +559,10 @@ fn a_pre_start_register_beyond_the_slot_capacity_is_refused() {
             "LOCAL_SLOT_EXHAUSTED: the startup snapshot already holds as many distinct callables as a target has slots (64) (operation register, namespace LOCAL_PYTHON, hashid {hashid})"
         )
     );
-    assert_eq!(lines[65]["ok"], true, "{}", lines[65]);
+    // A second handle of f0's callable fails with it.
+    assert_eq!(lines[65]["ok"], false, "{}", lines[65]);
+    assert_eq!(lines[66]["op"], "start", "{}", lines[66]);
+    assert_eq!(lines[66]["ok"], true, "{}", lines[66]);
 }
 
 /// A failed register's line names its hashid once (the error carries it).

@@ -51,8 +51,8 @@ fn main() {
             parent_before_publish_delay_changes_nothing,
         ),
         (
-            "parent_crash_after_stage_is_swept_and_targets_die",
-            parent_crash_after_stage_is_swept_and_targets_die,
+            "a_killed_parent_leaves_no_staged_payload",
+            a_killed_parent_leaves_no_staged_payload,
         ),
         (
             "parent_crash_before_publish_takes_its_targets_along",
@@ -63,12 +63,8 @@ fn main() {
             a_delayed_reply_past_the_deadline_is_fenced,
         ),
         (
-            "a_truncated_staged_payload_is_refused",
-            a_truncated_staged_payload_is_refused,
-        ),
-        (
-            "a_replaced_staged_payload_fails_the_digest_check",
-            a_replaced_staged_payload_fails_the_digest_check,
+            "a_staged_payload_cannot_be_changed_after_sealing",
+            a_staged_payload_cannot_be_changed_after_sealing,
         ),
         (
             "malformed_and_oversized_control_frames_end_only_that_target",
@@ -216,7 +212,23 @@ fn run_case(point: &str, scenario: Scenario, abrupt: bool) {
             worker.register(&envelope("echo")).unwrap();
             let result = worker.start();
             if not_hit {
-                result.unwrap_or_else(|e| panic!("{case}: {e}"));
+                let report = result.unwrap_or_else(|e| panic!("{case}: {e}"));
+                assert!(report.is_complete(), "{case}: {report:?}");
+            } else if let Some(code) = hit {
+                // An entry the target refused fails that registration
+                // only: every target starts, and the others drop it.
+                let report = result.unwrap_or_else(|e| panic!("{case}: {e}"));
+                others_ok(&report.outcomes, TargetOutcome::Ok);
+                assert_eq!(report.outcomes[1], (FAULTY, TargetOutcome::Ok), "{case}");
+                assert_eq!(report.failed.len(), 1, "{case}: {report:?}");
+                let failures = &report.failed[0].failures;
+                assert_eq!(failures.len(), 1, "{case}: {report:?}");
+                assert_eq!(
+                    (failures[0].0, failures[0].1.code),
+                    (FAULTY, code),
+                    "{case}"
+                );
+                assert!(worker.parent_state().live_handles().is_empty(), "{case}");
             } else {
                 let err = result.unwrap_err();
                 assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{case}");
@@ -428,16 +440,17 @@ fn parent_before_publish_delay_changes_nothing() {
 /// Runs `body` in a forked child acting as a Worker's parent; returns the
 /// child's pid and how it ended, plus the target pids it reported.
 /// Reports the target pids of a Worker running in a child parent.
-type ReportPids<'a> = &'a dyn Fn(&[i32]);
+/// The child's exit status, or minus the signal that ended it.
+type ReportPids<'a> = &'a dyn Fn(&[i64]);
 
-fn in_child_parent(body: fn(ReportPids<'_>)) -> (i32, i32, Vec<i32>) {
+fn in_child_parent(body: fn(ReportPids<'_>)) -> (i32, i32, Vec<i64>) {
     let (read, write) = nix::unistd::pipe().unwrap();
     // SAFETY: this test binary runs tests on its single main thread.
     match unsafe { nix::unistd::fork() }.unwrap() {
         nix::unistd::ForkResult::Child => {
             drop(read);
-            let report = move |pids: &[i32]| {
-                let text: Vec<String> = pids.iter().map(i32::to_string).collect();
+            let report = move |pids: &[i64]| {
+                let text: Vec<String> = pids.iter().map(i64::to_string).collect();
                 let _ = nix::unistd::write(&write, format!("{}\n", text.join(" ")).as_bytes());
             };
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&report)));
@@ -449,6 +462,7 @@ fn in_child_parent(body: fn(ReportPids<'_>)) -> (i32, i32, Vec<i32>) {
             let status = nix::sys::wait::waitpid(child, None).unwrap();
             let code = match status {
                 nix::sys::wait::WaitStatus::Exited(_, code) => code,
+                nix::sys::wait::WaitStatus::Signaled(_, signal, _) => -(signal as i32),
                 other => panic!("child parent ended with {other:?}"),
             };
             let mut text = String::new();
@@ -488,34 +502,73 @@ fn is_zombie(pid: i32) -> bool {
         .unwrap_or(true)
 }
 
-fn parent_crash_after_stage_is_swept_and_targets_die() {
-    let (parent, code, pids) = in_child_parent(|report| {
+/// A parent SIGKILLed in the middle of a register (both targets hold the
+/// staged payload's mapping, paused before installing it) leaves nothing:
+/// its targets die with it, and no process on the machine holds the
+/// payload afterwards (no descriptor, no mapping, no name).
+fn a_killed_parent_leaves_no_staged_payload() {
+    let (parent, code, reported) = in_child_parent(|report| {
+        for index in 0..2 {
+            std::env::set_var(
+                target_env_var(index),
+                format!("{}=sleep(10000)", failpoints::TARGET_BEFORE_INSTALL),
+            );
+        }
         let worker = builder(2).build().unwrap();
         worker.start().unwrap();
-        report(&[
+        let pids = [
             worker.target_pid(TargetId(0)).unwrap(),
             worker.target_pid(TargetId(1)).unwrap(),
+        ];
+        let _pending = worker.register_async(&envelope("echo")).unwrap();
+        let fds = staging::open_payloads().unwrap();
+        if fds.len() != 1 {
+            // SAFETY: the child never returns into the test runner.
+            unsafe { libc::_exit(3) }
+        }
+        let identity = io_common::payload_identity(fds[0]);
+        // Both targets have mapped it before the kill.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let holders = io_common::payload_holders(identity);
+            if pids.iter().all(|p| holders.contains(&format!("{p} maps"))) {
+                break;
+            }
+            if Instant::now() > deadline {
+                // SAFETY: as above.
+                unsafe { libc::_exit(4) }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        report(&[
+            i64::from(pids[0]),
+            i64::from(pids[1]),
+            identity.0 as i64,
+            identity.1 as i64,
         ]);
-        fail::cfg(failpoints::PARENT_AFTER_STAGE, "return(exit)").unwrap();
-        let _ = worker.register(&envelope("echo"));
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
     });
-    assert_eq!(code, ABRUPT_EXIT_CODE);
-    assert_eq!(pids.len(), 2);
+    assert_eq!(code, -9, "the child parent ended with {code}");
+    assert_eq!(reported.len(), 4, "{reported:?}");
+    let pids: Vec<i32> = reported[..2].iter().map(|p| *p as i32).collect();
     assert_all_gone(&pids);
-    let prefix = format!("callreg-{parent}-");
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.starts_with(&prefix))
-        .collect();
+    let identity = (reported[2] as u64, reported[3] as u64);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let holders = io_common::payload_holders(identity);
+        if holders.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the staged payload outlived its parent: {holders:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     assert_eq!(
-        left.len(),
-        1,
-        "the crash leaves its staged payload: {left:?}"
+        io_common::shm_names_of(parent as u32).unwrap(),
+        Vec::<String>::new()
     );
-    let swept = staging::sweep_stale().unwrap();
-    assert!(swept.contains(&left[0]), "{swept:?}");
-    assert!(!std::path::Path::new(&format!("/dev/shm/{}", left[0])).exists());
 }
 
 fn parent_crash_before_publish_takes_its_targets_along() {
@@ -523,15 +576,15 @@ fn parent_crash_before_publish_takes_its_targets_along() {
         let worker = builder(2).build().unwrap();
         worker.start().unwrap();
         report(&[
-            worker.target_pid(TargetId(0)).unwrap(),
-            worker.target_pid(TargetId(1)).unwrap(),
+            i64::from(worker.target_pid(TargetId(0)).unwrap()),
+            i64::from(worker.target_pid(TargetId(1)).unwrap()),
         ]);
         fail::cfg(failpoints::PARENT_BEFORE_PUBLISH, "return(exit)").unwrap();
         let _ = worker.register(&envelope("echo"));
     });
     assert_eq!(code, ABRUPT_EXIT_CODE);
+    let pids: Vec<i32> = pids.iter().map(|p| *p as i32).collect();
     assert_all_gone(&pids);
-    let _ = staging::sweep_stale();
 }
 
 fn a_delayed_reply_past_the_deadline_is_fenced() {
@@ -561,58 +614,48 @@ fn a_delayed_reply_past_the_deadline_is_fenced() {
     survivors_work(&worker, "reply_delay past the deadline");
 }
 
-/// Registers `instruction` with the staged payload altered by `alter`
-/// between staging and the register controls (the IO thread is paused at
-/// `parent.after_stage`).
-fn register_with_altered_staging(
-    worker: &callreg::io::Worker<TestRuntime>,
-    instruction: &str,
-    alter: fn(&std::path::Path),
-) -> callreg::io::OperationError {
+/// A staged payload is sealed before any control names it: paused
+/// between staging and the register controls, another open of the same
+/// file (read-write, through `/proc`) can neither truncate, grow, rewrite
+/// nor map it writable, and the register then installs what was staged.
+fn a_staged_payload_cannot_be_changed_after_sealing() {
+    let worker = builder(TARGETS).build().unwrap();
+    worker.start().unwrap();
     let point = PointGuard::set(failpoints::PARENT_AFTER_STAGE, "pause");
-    let pending = worker.register_async(&envelope(instruction)).unwrap();
-    let names = staging::own_names().unwrap();
-    assert_eq!(names.len(), 1, "{names:?}");
-    alter(&std::path::Path::new("/dev/shm").join(&names[0]));
+    let pending = worker.register_async(&envelope("echo")).unwrap();
+    let fds = staging::open_payloads().unwrap();
+    assert_eq!(fds.len(), 1, "{fds:?}");
+    let path = format!("/proc/self/fd/{}", fds[0]);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let len = file.metadata().unwrap().len();
+    let eperm = Some(libc::EPERM);
+    assert_eq!(file.set_len(len - 1).unwrap_err().raw_os_error(), eperm);
+    assert_eq!(file.set_len(len + 1).unwrap_err().raw_os_error(), eperm);
+    let other = envelope("eval");
+    assert_eq!(
+        std::io::Write::write(&mut file, &other)
+            .unwrap_err()
+            .raw_os_error(),
+        eperm
+    );
+    // SAFETY: a writable shared mapping is requested only to see it refused.
+    let mapped = unsafe { memmap2::MmapMut::map_mut(&file) };
+    assert_eq!(mapped.unwrap_err().raw_os_error(), eperm);
+    drop(file);
     drop(point);
-    pending.wait().unwrap_err()
+    let handle = pending.wait().unwrap();
+    assert_eq!(handle.digest(), digest_of(&envelope("echo")));
+    survivors_work(&worker, "sealed staging");
+    check_invariants(&worker, TARGETS);
 }
 
-fn a_truncated_staged_payload_is_refused() {
-    let worker = builder(TARGETS).build().unwrap();
-    worker.start().unwrap();
-    let err = register_with_altered_staging(&worker, "echo", |path| {
-        let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
-        let len = file.metadata().unwrap().len();
-        file.set_len(len - 1).unwrap();
-    });
-    assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
-    for (target, outcome) in &err.outcomes {
-        assert!(
-            matches!(outcome, TargetOutcome::Failed { failure } if failure.code == ErrorCode::ENVELOPE_INVALID),
-            "{target}: {outcome:?}"
-        );
-    }
-    check_invariants(&worker, TARGETS);
-    survivors_work(&worker, "truncated staging");
-}
-
-fn a_replaced_staged_payload_fails_the_digest_check() {
-    let worker = builder(TARGETS).build().unwrap();
-    worker.start().unwrap();
-    let err = register_with_altered_staging(&worker, "echo", |path| {
-        // Same size, other payload: a valid envelope with another digest.
-        std::fs::write(path, envelope("eval")).unwrap();
-    });
-    assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
-    for (target, outcome) in &err.outcomes {
-        assert!(
-            matches!(outcome, TargetOutcome::Failed { failure } if failure.code == ErrorCode::HASHID_DESCRIPTOR_MISMATCH),
-            "{target}: {outcome:?}"
-        );
-    }
-    check_invariants(&worker, TARGETS);
-    survivors_work(&worker, "replaced staging");
+fn digest_of(envelope: &[u8]) -> callreg::descriptor::Digest {
+    let parsed = callreg::envelope::Envelope::parse(envelope).unwrap();
+    callreg::descriptor::python_serialized_digest(&parsed)
 }
 
 fn malformed_and_oversized_control_frames_end_only_that_target() {

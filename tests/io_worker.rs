@@ -1,11 +1,11 @@
-//! The Worker over real forked targets, POSIX shm and pipes, with the test
-//! runtime (`callreg::runtime::testing`).
+//! The Worker over real forked targets, sealed staged payloads, control
+//! sockets and reply pipes, with the test runtime
+//! (`callreg::runtime::testing`).
 //!
 //! A `harness = false` binary (see `tests/io_common/mod.rs`): each test
 //! runs on the main thread, so forking is safe under plain `cargo test`;
 //! `cargo nextest` runs each test in its own process. Every test ends with
-//! no staged payload in `/dev/shm` and no child left (checked by the
-//! runner).
+//! no staged payload left and no child left (checked by the runner).
 
 mod io_common;
 
@@ -21,7 +21,17 @@ use io_common::{builder, check_invariants, envelope};
 
 const ADD_INPUT: &[u8] = br#"{"args": [40, 2], "kwargs": {}}"#;
 
+/// Set for this binary run as the Worker of [`NAMESPACE_REGISTERS`] inside
+/// its own pid namespace.
+const NAMESPACE_CHILD_VAR: &str = "CALLREG_TEST_NAMESPACE_WORKER";
+
+/// Registers the pid-namespace Worker makes.
+const NAMESPACE_REGISTERS: usize = 33;
+
 fn main() {
+    if std::env::var_os(NAMESPACE_CHILD_VAR).is_some() {
+        std::process::exit(namespace_worker());
+    }
     io_common::run(&[
         (
             "pre_start_register_reaches_every_target",
@@ -73,8 +83,8 @@ fn main() {
             start_refuses_a_threaded_process_unless_accepted,
         ),
         (
-            "stale_staging_of_a_dead_parent_is_swept_at_start",
-            stale_staging_of_a_dead_parent_is_swept_at_start,
+            "a_worker_in_its_own_pid_namespace_is_untouched_by_host_workers",
+            a_worker_in_its_own_pid_namespace_is_untouched_by_host_workers,
         ),
         (
             "lifecycle_errors_and_idempotent_close",
@@ -518,15 +528,97 @@ fn start_refuses_a_threaded_process_unless_accepted() {
     other.join().unwrap().unwrap();
 }
 
-fn stale_staging_of_a_dead_parent_is_swept_at_start() {
-    let mut child = std::process::Command::new("true").spawn().unwrap();
-    let dead = child.id();
-    child.wait().unwrap();
-    let name = format!("callreg-{dead}-1-00000000deadbeef");
-    std::fs::write(format!("/dev/shm/{name}"), b"stale").unwrap();
+/// The body of this binary inside a pid namespace: a Worker with one
+/// target makes [`NAMESPACE_REGISTERS`] registers of 1 MiB envelopes (so
+/// each is staged for a while), printing `N registers ok`; exit status 0
+/// when all succeeded, else 1 with the first error.
+fn namespace_worker() -> i32 {
     let worker = builder(1).build().unwrap();
     worker.start().unwrap();
-    assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists());
+    for i in 0..NAMESPACE_REGISTERS {
+        let instruction = format!("echo#{i}{}", "x".repeat(1 << 20));
+        match worker.register(&envelope(&instruction)) {
+            Ok(handle) => worker.unregister(&handle).unwrap(),
+            Err(e) => {
+                println!("register {i} (pid {}): {e}", std::process::id());
+                return 1;
+            }
+        }
+    }
+    worker.close();
+    println!("{NAMESPACE_REGISTERS} registers ok");
+    0
+}
+
+/// A Worker whose pid in its own pid namespace names no process on the
+/// host (so a pid-based sweep on the host would take its staging for a
+/// dead parent's) registers while Workers keep starting on the host: every
+/// register succeeds. Skipped, saying why, where unprivileged user and pid
+/// namespaces are not allowed.
+fn a_worker_in_its_own_pid_namespace_is_untouched_by_host_workers() {
+    let probe = std::process::Command::new("unshare")
+        .args([
+            "--user",
+            "--map-root-user",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "true",
+        ])
+        .output();
+    match probe {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            println!(
+                "SKIPPED: unshare cannot make a user and pid namespace here: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            return;
+        }
+        Err(e) => {
+            println!("SKIPPED: unshare cannot be run: {e}");
+            return;
+        }
+    }
+    // The first pid above 1 that no host process has: the namespace's
+    // shell (pid 1) uses up the pids below it, then runs the Worker there.
+    let free = (2..1000)
+        .find(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+        .unwrap();
+    let script =
+        format!("i=2; while [ $i -lt {free} ]; do /bin/true; i=$((i+1)); done; \"$0\"; exit $?");
+    let exe = std::env::current_exe().unwrap();
+    let mut child = std::process::Command::new("unshare")
+        .args([
+            "--user",
+            "--map-root-user",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "sh",
+            "-c",
+        ])
+        .arg(&script)
+        .arg(&exe)
+        .env(NAMESPACE_CHILD_VAR, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut host_starts = 0;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        let worker = builder(1).build().unwrap();
+        worker.start().unwrap();
+        worker.close();
+        host_starts += 1;
+    };
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+    assert!(status.success(), "{status}: {out}");
+    assert_eq!(out, format!("{NAMESPACE_REGISTERS} registers ok\n"));
+    assert!(host_starts > 0);
 }
 
 fn lifecycle_errors_and_idempotent_close() {

@@ -41,8 +41,8 @@ fn main() {
             a_version_mismatch_is_refused_before_unpickling,
         ),
         (
-            "a_version_mismatch_in_the_startup_snapshot_fails_the_start",
-            a_version_mismatch_in_the_startup_snapshot_fails_the_start,
+            "a_version_mismatch_in_the_startup_snapshot_fails_its_registration",
+            a_version_mismatch_in_the_startup_snapshot_fails_its_registration,
         ),
         ("a_missing_pip_dependency", a_missing_pip_dependency),
         ("a_failing_bash_dependency", a_failing_bash_dependency),
@@ -189,32 +189,38 @@ fn a_version_mismatch_is_refused_before_unpickling() {
     let _ = std::fs::remove_file(&marker);
 }
 
-fn a_version_mismatch_in_the_startup_snapshot_fails_the_start() {
+/// A startup-snapshot entry every target refuses (its version check)
+/// fails that registration only: the Worker starts on every target, the
+/// report names the handle and each target's reason, nothing is installed.
+fn a_version_mismatch_in_the_startup_snapshot_fails_its_registration() {
     let worker = worker();
     let wanted = metadata(json!({"name": "add",
         "python": {"version": "2.7.18", "serializer": "cloudpickle", "serializer_version": "1.6.0"}}));
-    worker
+    let handle = worker
         .register_with_metadata(envelope("add"), Some(&wanted))
         .unwrap();
-    let error = worker.start().unwrap_err();
-    assert_eq!(error.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{error}");
-    assert_eq!(error.outcomes.len(), usize::from(TARGETS));
-    for (target, outcome) in &error.outcomes {
-        let TargetOutcome::Failed { failure } = outcome else {
-            panic!("{target}: {outcome:?}");
-        };
+    let report = worker.start().unwrap();
+    assert_eq!(report.outcomes.len(), usize::from(TARGETS));
+    assert!(report
+        .outcomes
+        .iter()
+        .all(|(_, outcome)| *outcome == TargetOutcome::Ok));
+    assert_eq!(report.failed.len(), 1);
+    assert_eq!(report.failed[0].handle, handle);
+    assert_eq!(report.failed[0].failures.len(), usize::from(TARGETS));
+    for (target, failure) in &report.failed[0].failures {
         assert_eq!(failure.code, ErrorCode::PYTHON_VERSION_MISMATCH, "{target}");
         assert_eq!(
             failure.message,
             format!(
-                "startup snapshot: {}: PythonVersionMismatch: the payload was serialized by Python 2.7.18 but this target runs Python {} (major.minor must match)",
-                hashid("add"),
+                "PythonVersionMismatch: the payload was serialized by Python 2.7.18 but this target runs Python {} (major.minor must match)",
                 target_python_version()
             ),
             "{target}"
         );
     }
-    assert!(worker.live_targets().is_empty());
+    assert_eq!(worker.live_targets().len(), usize::from(TARGETS));
+    assert_tables(&worker, &[]);
     assert!(!PythonRuntime::interpreter_initialized());
 }
 

@@ -99,6 +99,10 @@ struct ConfigArgs {
     /// Slots per target.
     #[arg(long, default_value_t = 2)]
     slots: u16,
+    /// Targets (comma-separated ids) on which the startup snapshot's first
+    /// digest fails to install.
+    #[arg(long, value_delimiter = ',', value_name = "TARGETS")]
+    snapshot_failures: Vec<u16>,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -153,6 +157,7 @@ fn model_of(args: &ConfigArgs) -> Result<RegistrationModel, String> {
         tasks: args.tasks,
         fence_on_timeout,
         slot_capacity: args.slots,
+        snapshot_failures: args.snapshot_failures.clone(),
         #[cfg(feature = "mutants")]
         mutant: match &args.mutant {
             None => None,

@@ -61,6 +61,12 @@ pub struct ModelConfig {
     pub fence_on_timeout: bool,
     /// Slots per target.
     pub slot_capacity: u16,
+    /// The targets on which the startup snapshot's first digest (in digest
+    /// order) fails to install (`specs/model.md`, §1 "Startup-snapshot failures"): they start without
+    /// it, report it, and the parent settles it
+    /// (`Parent::snapshot_failed`) before anything else happens. Empty: no
+    /// snapshot entry fails.
+    pub snapshot_failures: Vec<u16>,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -84,6 +90,7 @@ impl ModelConfig {
             tasks: 1,
             fence_on_timeout: true,
             slot_capacity: 2,
+            snapshot_failures: Vec::new(),
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -326,6 +333,9 @@ pub struct RegistrationModel {
     init: State,
     /// Handles issued before start, by `before_start` index.
     before_start_handles: Vec<Option<Handle>>,
+    /// Operations `1..=snapshot_ops` are the unregisters the parent issued
+    /// to settle a failed snapshot entry: no client step waits for them.
+    snapshot_ops: u64,
 }
 
 fn insert_ordered<T>(queue: &mut Vec<(TargetId, T)>, target: TargetId, item: T) {
@@ -405,14 +415,57 @@ impl RegistrationModel {
         parent
             .start()
             .map_err(|e| ConfigError(format!("start: {e}")))?;
+        // A snapshot entry that fails on some targets: they hold nothing
+        // of it, and the parent settles it from their reports.
+        let failing = match (config.snapshot_failures.is_empty(), snapshot.first()) {
+            (true, _) => None,
+            (false, Some((digest, _))) => Some(*digest),
+            (false, None) => {
+                return Err(ConfigError(
+                    "snapshot failures need a startup snapshot".into(),
+                ))
+            }
+        };
+        if let Some(bad) = config
+            .snapshot_failures
+            .iter()
+            .find(|t| **t >= config.targets)
+        {
+            return Err(ConfigError(format!(
+                "snapshot failure on target {bad}, which does not exist"
+            )));
+        }
+        let mut snapshot_ops = 0;
+        if let Some(digest) = failing {
+            let failures: Vec<(TargetId, Digest, Failure)> = config
+                .snapshot_failures
+                .iter()
+                .map(|t| {
+                    (
+                        TargetId(*t),
+                        digest,
+                        Failure::new(ErrorCode::DESERIALIZE_FAILED, "the snapshot entry failed"),
+                    )
+                })
+                .collect();
+            let failed = parent
+                .snapshot_failed(&failures, Time(0))
+                .map_err(|e| ConfigError(format!("snapshot_failed: {e}")))?;
+            snapshot_ops = u64::try_from(failed.len()).unwrap_or(u64::MAX);
+        }
         let mut targets = Vec::new();
         for i in 0..config.targets {
-            let target = Target::new(
+            let failed: Vec<Digest> = failing
+                .filter(|_| config.snapshot_failures.contains(&i))
+                .into_iter()
+                .collect();
+            let target = Target::with_snapshot_failures(
                 TargetConfig {
                     id: TargetId(i),
                     slot_capacity: config.slot_capacity,
                 },
                 &snapshot,
+                &failed,
             )
             .map_err(|e| ConfigError(format!("target {i}: {e}")))?;
             #[cfg(feature = "mutants")]
@@ -444,11 +497,17 @@ impl RegistrationModel {
             },
             seen: 0,
         };
-        Ok(RegistrationModel {
+        let mut model = RegistrationModel {
             config,
-            init,
+            init: init.clone(),
             before_start_handles,
-        })
+            snapshot_ops,
+        };
+        // The settling unregisters are on their way before the first step.
+        let mut init = init;
+        model.drain_parent(&mut init);
+        model.init = init;
+        Ok(model)
     }
 
     fn target_ids(&self) -> impl Iterator<Item = TargetId> {
@@ -547,6 +606,8 @@ impl RegistrationModel {
                         .find(|s| **s == StepStatus::InFlight(op))
                     {
                         Some(step) => *step = StepStatus::Done(done),
+                        // A snapshot entry's settling unregister: nobody waits.
+                        None if op.0 <= self.snapshot_ops => {}
                         None => state.seen |= seen::DRIVER_ERROR,
                     }
                 }

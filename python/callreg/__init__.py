@@ -47,7 +47,9 @@ Process model (Linux):
   or the Worker closes (:class:`LifecycleError`).
 * :meth:`Worker.close` (also on leaving a ``with`` block, when the Worker
   is garbage-collected, and at interpreter exit) stops and reaps the
-  targets and removes every staged payload from ``/dev/shm``.
+  targets; staged payloads are sealed anonymous memory files that the
+  kernel frees with their last descriptor (nothing is ever named in
+  ``/dev/shm``).
 * Trees: ``Worker(targets, next_level=NextLevel(...), next_level_targets=M)``
   adds M next-level targets (ids after the SUB targets), each running an
   inner Worker of its own; callables registered on the outer Worker run
@@ -517,8 +519,9 @@ def _start_target(sub_targets, level, target):
     the runtime in each of its targets, at start, on the target's main
     thread): ``None`` on a SUB target; on a next-level target, builds the
     inner Worker, runs ``setup``, starts it and returns the
-    :class:`Context`. A failure is printed to this target's stderr and
-    raised (the target is then lost at start)."""
+    :class:`Context`. A failure (``setup`` raising, or a registration of
+    ``setup`` failing in the inner targets) is printed to this target's
+    stderr and raised (the target is then lost at start)."""
     global _CONTEXT
     if target < sub_targets:
         return None
@@ -537,7 +540,11 @@ def _start_target(sub_targets, level, target):
             handles = {}
         if not isinstance(handles, dict):
             raise TypeError("setup must return a dict of handles or None, not %s" % type(handles).__name__)
-        inner.start()
+        failed = inner.start()
+        if failed:
+            # A callable setup registered did not install in the inner
+            # targets: this next-level target cannot serve as set up.
+            raise next(iter(failed.values()))
     except BaseException:
         import traceback
 
@@ -713,6 +720,8 @@ class Worker:
             _raise(raw)
         self._count = sub + upper
         self._sub = sub
+        # Handles registered before start (None once started).
+        self._prestart = []
         self._dispatch = _Dispatch(self._raw)
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._raw, self._dispatch)
@@ -775,7 +784,11 @@ class Worker:
             raw = self._raw.register(envelope, text)
         except _callreg.RawError as error:
             _raise(error)
-        return Handle._of(raw)
+        handle = Handle._of(raw)
+        if self._prestart is not None:
+            # Before start: start() maps failed snapshot entries back to it.
+            self._prestart.append(handle)
+        return handle
 
     def unregister(self, handle):
         """Unregisters ``handle``; returns once every target dropped it.
@@ -791,17 +804,31 @@ class Worker:
 
     def start(self):
         """Forks the targets from this interpreter (see the module docs) and
-        waits until each installed the startup snapshot. Raises
-        :class:`LifecycleError` unless new, :class:`RegisterError` when a
-        snapshot entry failed somewhere (the Worker starts with the other
-        targets), :class:`TargetLostError` when a target did not start."""
+        waits until each installed the startup snapshot.
+
+        Returns the pre-start registrations that failed, as a dict
+        ``{Handle: RegisterError}`` (empty when every one was installed): a
+        callable of the startup snapshot that some target could not install
+        (it failed to unpickle, or its version or dependency check refused
+        it) fails its registration only. Its handle is no longer live
+        (:class:`HandleError`, ``HANDLE_STALE``), every target that did
+        install it drops it, the error's ``outcomes`` give each failing
+        target's reason (code, Python type and message), and the Worker
+        starts with the rest.
+
+        Raises :class:`LifecycleError` unless new, :class:`RegisterError`
+        or :class:`TargetLostError` when a target did not start (the Worker
+        then serves with the others)."""
+        prestart, self._prestart = self._prestart, None
         try:
-            self._raw.start()
+            failed = self._raw.start()
         except _callreg.RawError as error:
             _raise(error)
         finally:
             # Also after a partial start: the live targets serve tasks.
             self._dispatch.start()
+        by_id = {h._raw.handle_id: h for h in prestart or ()}
+        return {by_id[handle_id]: _error(fields) for handle_id, fields in failed if handle_id in by_id}
 
     def close(self):
         """Closes the Worker: pending futures fail with

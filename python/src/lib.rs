@@ -28,7 +28,9 @@ use std::time::Duration;
 use callreg::descriptor::python_serialized_digest;
 use callreg::envelope::Envelope;
 use callreg::error::{Error, ErrorCode, OperationKind};
-use callreg::io::worker::{outcome_text, OperationError, PendingTask, TaskError};
+use callreg::io::worker::{
+    outcome_text, registration_failure_text, OperationError, PendingTask, TaskError,
+};
 use callreg::io::Worker;
 use callreg::metadata::CallableMetadata;
 use callreg::protocol::{Handle, TargetId, TargetOutcome};
@@ -275,10 +277,40 @@ impl RawWorker {
     }
 
     /// Forks the targets (GIL released; the runtime's fork hooks take it
-    /// around each fork) and waits until each is ready.
-    fn start(&self, py: Python<'_>) -> PyResult<()> {
-        let result = py.detach(|| self.worker.start());
-        result.map(|_| ()).map_err(|e| operation_err(py, &e))
+    /// around each fork) and waits until each is ready. Returns the
+    /// startup-snapshot registrations that failed (`specs/protocol.md`,
+    /// §2.6) as `[(handle_id, error dict)]`, each error a
+    /// `REGISTER_PARTIAL_FAILURE` of operation `start` with every failing
+    /// target's outcome.
+    fn start<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let report = py
+            .detach(|| self.worker.start())
+            .map_err(|e| operation_err(py, &e))?;
+        let failed = PyList::empty(py);
+        for registration in &report.failed {
+            let handle = &registration.handle;
+            let error = Error::new(
+                ErrorCode::REGISTER_PARTIAL_FAILURE,
+                OperationKind::Start,
+                registration_failure_text(registration),
+            )
+            .with_digest(handle.digest());
+            let outcomes: Vec<(TargetId, TargetOutcome)> = registration
+                .failures
+                .iter()
+                .map(|(target, failure)| {
+                    (
+                        *target,
+                        TargetOutcome::Failed {
+                            failure: failure.clone(),
+                        },
+                    )
+                })
+                .collect();
+            let dict = error_dict(py, &error, error.to_string(), "", &[], &outcomes)?;
+            failed.append((handle.handle_id, dict))?;
+        }
+        Ok(failed)
     }
 
     /// Starts a task whose result goes to [`RawWorker::next_completions`];

@@ -329,22 +329,32 @@ def test_start_with_an_idle_extra_thread_does_not_deadlock():
         thread.join()
 
 
-def test_a_start_that_fails_on_a_snapshot_entry_keeps_no_live_target():
+def test_a_snapshot_entry_that_fails_at_start_fails_its_registration_only():
     envelope = callreg._callreg.encode_envelope(pickle.dumps(Bomb()))
     with callreg.Worker(2) as w:
+        good = w.register(square)
         bomb = w.register_envelope(envelope)
-        with pytest.raises(callreg.RegisterError) as info:
-            w.start()
-        assert info.value.code == "REGISTER_PARTIAL_FAILURE"
-        assert info.value.operation == "start"
-        assert sorted(info.value.outcomes) == [0, 1]
-        assert all("this payload refuses to load" in o for o in info.value.outcomes.values())
-        assert w.targets == []
-        with pytest.raises(callreg.TargetLostError) as info:
-            w.register(square)
-        assert info.value.code == "NO_LIVE_TARGET"
-        error = w.submit(bomb).exception(timeout=10)
-        assert type(error) is callreg.TargetLostError
+        failed = w.start()
+        assert list(failed) == [bomb]
+        error = failed[bomb]
+        assert type(error) is callreg.RegisterError
+        assert error.code == "REGISTER_PARTIAL_FAILURE"
+        assert error.operation == "start"
+        assert error.hashid == bomb.hashid
+        assert sorted(error.outcomes) == [0, 1]
+        assert all("this payload refuses to load" in o for o in error.outcomes.values())
+        # The Worker started with every target; the good entry is live.
+        assert w.targets == [0, 1]
+        assert w.call_all(good, 6) == {0: 36, 1: 36}
+        # The failed handle is no longer live.
+        with pytest.raises(callreg.HandleError) as info:
+            w.call(bomb)
+        assert info.value.code == "HANDLE_STALE"
+        # Every target holds the good callable only.
+        tables = w.inspect()["targets"]
+        assert sorted(tables) == [0, 1]
+        for table in tables.values():
+            assert table["installed"] == [{"hashid": good.hashid, "refcount": 1}]
 
 
 def test_two_workers_close_independently():

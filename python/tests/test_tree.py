@@ -217,8 +217,9 @@ def test_bad_tree_arguments_are_refused():
         callreg.NextLevel(2, next_level=callreg.NextLevel(1), next_level_targets=0)
 
 
-def pipes_of(pid):
-    """The inodes of the pipes process ``pid`` holds open."""
+def channels_of(pid, kind):
+    """The inodes (``"pipe:[N]"``, ``"socket:[N]"``) of the pipes or sockets
+    (``kind``) process ``pid`` holds open."""
     found = set()
     base = "/proc/%d/fd" % pid
     for fd in os.listdir(base):
@@ -226,23 +227,30 @@ def pipes_of(pid):
             link = os.readlink("%s/%s" % (base, fd))
         except OSError:
             continue
-        if link.startswith("pipe:["):
+        if link.startswith(kind + ":["):
             found.add(link)
     return found
 
 
-def test_inner_targets_do_not_hold_their_next_level_targets_pipes():
+def test_inner_targets_do_not_hold_their_next_level_targets_channels():
     with tree(sub=1, inner=2, upper=1) as w:
         w.start()
         pids = w.register(tree_pids)
         pid, inner = w.call(pids, target=1)
-        mine = pipes_of(os.getpid())
-        # The next-level child's own two pipes: shared with this process,
-        # and not with the sibling SUB target (which inherited the rest).
-        own = (mine & pipes_of(pid)) - (mine & pipes_of(w.target_pid(0)))
-        assert len(own) == 2
+        sibling = w.target_pid(0)
+        # Its reply pipe: shared with this process (one inode for both
+        # ends), not with the sibling SUB target (which inherited the rest).
+        mine = channels_of(os.getpid(), "pipe")
+        pipes = (mine & channels_of(pid, "pipe")) - channels_of(sibling, "pipe")
+        assert len(pipes) == 1
+        # Its sockets (one inode per end): its control end and its inner
+        # Worker's two control ends, held by neither this process nor the
+        # sibling.
+        sockets = channels_of(pid, "socket") - channels_of(sibling, "socket") - channels_of(os.getpid(), "socket")
+        assert len(sockets) == 3
         for inner_pid in inner.values():
-            assert pipes_of(inner_pid) & own == set()
+            assert channels_of(inner_pid, "pipe") & pipes == set()
+            assert channels_of(inner_pid, "socket") & sockets == set()
 
 
 # --------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 use callreg::descriptor::python_serialized_digest;
 use callreg::envelope::Envelope;
 
-use super::{read_input, report, write_stdout, CliError, EXIT_INVALID, EXIT_OK};
+use super::{input, report, shown, write_stdout, CliError, EXIT_INVALID, EXIT_OK};
 
 /// Arguments of `callreg hashid`.
 #[derive(Debug, clap::Args)]
@@ -15,12 +15,16 @@ pub struct Args {
 
 /// Prints `sha256:<hex>` of the envelope's PYTHON_SERIALIZED descriptor.
 /// Returns [`EXIT_INVALID`] (with the error on stderr) for an invalid
-/// envelope.
+/// envelope. Reads the 16-byte header first, then at most the payload
+/// size it declares ([`input::read_envelope`]).
 ///
 /// # Errors
-/// [`CliError`] when the file cannot be read or stdout written.
+/// [`CliError`] (exit status 2) when the file cannot be read, is not a
+/// regular file (a FIFO, a device), stdin is closed, or stdout cannot be
+/// written.
 pub fn run(args: &Args) -> Result<u8, CliError> {
-    let staged = read_input(&args.file)?;
+    let staged = input::read_envelope(&args.file)
+        .map_err(|why| CliError::read_because(shown(&args.file), &why))?;
     match Envelope::parse(&staged) {
         Ok(env) => {
             write_stdout(&format!("{}\n", python_serialized_digest(&env)))?;

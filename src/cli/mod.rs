@@ -5,12 +5,13 @@
 //! naming the argument as the user gave it; no panics, no backtraces.
 
 use std::ffi::OsString;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
 mod hashid;
+mod input;
 mod inspect;
 mod pack;
 #[cfg(feature = "python")]
@@ -52,7 +53,13 @@ pub struct CliError(pub String);
 impl CliError {
     /// A read failure of `arg` (the argument as given, never resolved).
     pub fn read(arg: &str, e: &io::Error) -> Self {
-        CliError(format!("cannot read {arg}: {}", io_reason(e)))
+        CliError::read_because(arg, &io_reason(e))
+    }
+
+    /// A read failure of `arg` for the reason `why` (e.g. `not a regular
+    /// file (a FIFO)`).
+    pub fn read_because(arg: &str, why: &str) -> Self {
+        CliError(format!("cannot read {arg}: {why}"))
     }
 
     /// A write failure of `arg` (the argument as given, never resolved).
@@ -70,20 +77,21 @@ fn io_reason(e: &io::Error) -> String {
     }
 }
 
-/// Reads a whole input file; `-` reads stdin.
+/// Reads a whole input file; `-` reads stdin ([`input::read_all`]: a
+/// named file must be a regular file, a closed stdin is a read error).
 ///
 /// # Errors
 /// [`CliError`] naming `arg` when the file cannot be opened or read.
 pub fn read_input(arg: &str) -> Result<Vec<u8>, CliError> {
+    input::read_all(arg).map_err(|why| CliError::read_because(shown(arg), &why))
+}
+
+/// How an input argument is named in errors (`<stdin>` for `-`).
+fn shown(arg: &str) -> &str {
     if arg == "-" {
-        let mut buf = Vec::new();
-        io::stdin()
-            .lock()
-            .read_to_end(&mut buf)
-            .map_err(|e| CliError::read("<stdin>", &e))?;
-        Ok(buf)
+        "<stdin>"
     } else {
-        std::fs::read(arg).map_err(|e| CliError::read(arg, &e))
+        arg
     }
 }
 

@@ -450,11 +450,8 @@ impl Checker<'_> {
                 Ok(Some((parse(&text, "inline")?, "inline".to_owned())))
             }
             Some(Value::String(path)) if !path.is_empty() => {
-                let text = std::fs::read_to_string(self.plan_dir.join(path)).map_err(|e| {
-                    at.field_error(
-                        "metadata",
-                        format!("cannot read {path}: {}", super::io_reason(&e)),
-                    )
+                let text = super::input::read_text(self.plan_dir.join(path)).map_err(|why| {
+                    at.field_error("metadata", format!("cannot read {path}: {why}"))
                 })?;
                 Ok(Some((parse(&text, path)?, path.clone())))
             }
@@ -470,11 +467,8 @@ impl Checker<'_> {
                     return Ok(None);
                 }
                 let source = relative.display().to_string();
-                let text = std::fs::read_to_string(&full).map_err(|e| {
-                    at.field_error(
-                        "metadata",
-                        format!("cannot read side-car {source}: {}", super::io_reason(&e)),
-                    )
+                let text = super::input::read_text(&full).map_err(|why| {
+                    at.field_error("metadata", format!("cannot read side-car {source}: {why}"))
                 })?;
                 Ok(Some((parse(&text, &source)?, source)))
             }
@@ -540,12 +534,10 @@ impl Checker<'_> {
         if self.envelopes.contains_key(envelope) {
             return Ok(());
         }
-        let bytes = std::fs::read(self.plan_dir.join(envelope)).map_err(|e| {
-            at.field_error(
-                "envelope",
-                format!("cannot read {envelope}: {}", super::io_reason(&e)),
-            )
-        })?;
+        // The header first, then at most the payload it declares; a FIFO
+        // or a device is refused before anything is read.
+        let bytes = super::input::read_envelope(self.plan_dir.join(envelope))
+            .map_err(|why| at.field_error("envelope", format!("cannot read {envelope}: {why}")))?;
         self.envelopes.insert(envelope.to_owned(), bytes);
         Ok(())
     }

@@ -64,15 +64,16 @@ mod with_python {
     use callreg::descriptor::python_serialized_digest;
     use callreg::envelope::Envelope;
     use callreg::error::Error;
+    use callreg::io::worker::registration_failure_text;
     use callreg::io::{OperationError, TaskError, Worker};
-    use callreg::protocol::{Handle, TargetId, TargetOutcome};
+    use callreg::protocol::{Failure, Handle, TargetId, TargetOutcome};
     use callreg::runtime::python::PythonRuntime;
     use callreg::runtime::TaskEncoding;
     use serde::Serialize;
     use serde_json::{json, Value};
 
     use super::super::plan::{self, CallStep, Op, Plan, RegisterStep, Step};
-    use super::super::{read_input, write_stdout, CliError, EXIT_INVALID, EXIT_OK};
+    use super::super::{write_stdout, CliError, EXIT_INVALID, EXIT_OK};
     use super::Args;
 
     /// How often `kill_target` checks whether the Worker noticed the kill.
@@ -91,7 +92,8 @@ mod with_python {
     /// (naming the step and field), when the Worker cannot be built, or if
     /// Python turns out to be initialised in this (parent) process.
     pub fn run(args: &Args) -> Result<u8, CliError> {
-        let text = read_input(&args.plan)?;
+        let text = super::super::input::read_limited(&args.plan)
+            .map_err(|why| CliError::read_because(super::super::shown(&args.plan), &why))?;
         let text = String::from_utf8(text)
             .map_err(|_| CliError(format!("{}: the plan is not UTF-8", args.plan)))?;
         let plan_dir = match Path::new(&args.plan).parent() {
@@ -111,9 +113,25 @@ mod with_python {
             implicit_start_ok = Some(runner.emit(report)?);
         }
         let mut reports = Vec::with_capacity(plan.steps.len());
+        // The steps before the start are printed with it: the start tells
+        // whether each pre-start register's callable installed everywhere.
+        let mut before_start: Vec<(usize, StepReport)> = Vec::new();
         for (index, step) in plan.steps.iter().enumerate() {
             let report = runner.step(index, step);
+            if step.op != Op::Start && !runner.started {
+                before_start.push((index, report));
+                continue;
+            }
+            if step.op == Op::Start {
+                for (register_index, mut register) in before_start.drain(..) {
+                    runner.settle_pre_start(&plan.steps[register_index], &mut register);
+                    reports.push(runner.emit(register)?);
+                }
+            }
             reports.push(runner.emit(report)?);
+        }
+        for (_, register) in before_start {
+            reports.push(runner.emit(register)?);
         }
         runner.worker.close();
         parent_has_no_python("after close")?;
@@ -168,6 +186,7 @@ mod with_python {
     }
 
     /// One target's part in a step.
+    #[derive(Clone)]
     struct TargetReport {
         target: u16,
         /// `ok`, `failed`, `lost`, `timed_out`, `fenced`, `rolled_back`,
@@ -207,6 +226,11 @@ mod with_python {
         /// step runs (a register would otherwise go silently into the
         /// startup snapshot of a Worker that never started).
         start_failed: bool,
+        /// A start ran (whatever its outcome).
+        started: bool,
+        /// The startup-snapshot registrations that failed at start, by
+        /// handle id: the step's error text and each target's report.
+        failed_at_start: BTreeMap<u64, (String, Vec<TargetReport>)>,
     }
 
     impl<'a> Runner<'a> {
@@ -223,6 +247,8 @@ mod with_python {
                 next_target: 0,
                 json,
                 start_failed: false,
+                started: false,
+                failed_at_start: BTreeMap::new(),
             })
         }
 
@@ -249,6 +275,44 @@ mod with_python {
             report
         }
 
+        /// The outcomes of an operation that succeeded, sampled after it:
+        /// each target live before it is `ok` if it still is, else `lost`
+        /// with why (a target can die during a step and the operation
+        /// still succeed on the others).
+        fn after(&self, before: &[TargetId]) -> Vec<TargetReport> {
+            let live = self.worker.live_targets();
+            before
+                .iter()
+                .map(|t| {
+                    if live.contains(t) {
+                        ok_target(*t)
+                    } else {
+                        TargetReport {
+                            target: t.0,
+                            outcome: "lost",
+                            detail: self.worker.target_loss(*t),
+                            result: None,
+                        }
+                    }
+                })
+                .collect()
+        }
+
+        /// One target's report for an operation's outcome; a lost or
+        /// fenced target's detail says why it was given up and how it
+        /// ended.
+        fn target_report(&self, entry: &(TargetId, TargetOutcome)) -> TargetReport {
+            let mut report = target_report(entry);
+            if matches!(entry.1, TargetOutcome::Lost | TargetOutcome::Fenced) {
+                report.detail = self.worker.target_loss(entry.0).or_else(|| {
+                    self.worker
+                        .target_exit(entry.0)
+                        .map(|exit| format!("it {exit}"))
+                });
+            }
+            report
+        }
+
         fn report(&self, step: Option<usize>, op: &'static str) -> StepReport {
             StepReport {
                 step,
@@ -268,20 +332,72 @@ mod with_python {
         fn start(&mut self, step: Option<usize>, expect_error: Option<&str>) -> StepReport {
             let started = Instant::now();
             let mut report = self.report(step, "start");
+            self.started = true;
             let outcomes = match start_with_stdout_on_stderr(&self.worker) {
-                Ok(start) => start.outcomes,
+                Ok(start) => {
+                    for registration in &start.failed {
+                        let failed: BTreeMap<TargetId, &Failure> =
+                            registration.failures.iter().map(|(t, f)| (*t, f)).collect();
+                        let targets = start
+                            .outcomes
+                            .iter()
+                            .map(|(target, _)| match failed.get(target) {
+                                Some(failure) => TargetReport {
+                                    target: target.0,
+                                    outcome: "failed",
+                                    detail: Some(one_line(&failure.to_string())),
+                                    result: None,
+                                },
+                                // It installed the callable; the Worker
+                                // unregisters it there.
+                                None => TargetReport {
+                                    target: target.0,
+                                    outcome: "rolled_back",
+                                    detail: None,
+                                    result: None,
+                                },
+                            })
+                            .collect();
+                        let text = format!(
+                            "REGISTER_PARTIAL_FAILURE: at start, {}",
+                            one_line(&registration_failure_text(registration))
+                        );
+                        self.failed_at_start
+                            .insert(registration.handle.handle_id, (text, targets));
+                    }
+                    start.outcomes
+                }
                 Err(e) => {
                     report.outcome = Err(operation_error_text(&e));
                     e.outcomes
                 }
             };
-            report.targets = outcomes.iter().map(target_report).collect();
+            report.targets = outcomes.iter().map(|o| self.target_report(o)).collect();
             self.start_failed = report.outcome.is_err();
             if step.is_none() {
                 report.micros = micros(started.elapsed());
                 report.unmet = unmet_error(expect_error, &report.outcome);
             }
             report
+        }
+
+        /// Marks a pre-start register step whose callable some target could
+        /// not install at start: it failed (its label names no handle),
+        /// with every target's part; its expectation is checked again.
+        fn settle_pre_start(&mut self, step: &Step, report: &mut StepReport) {
+            let Some(name) = report.name.clone() else {
+                return;
+            };
+            let Some(Label::Live(handle)) = self.labels.get(&name) else {
+                return;
+            };
+            let Some((text, targets)) = self.failed_at_start.get(&handle.handle_id) else {
+                return;
+            };
+            report.outcome = Err(text.clone());
+            report.targets = targets.clone();
+            report.unmet = unmet(step, &report.outcome);
+            self.labels.insert(name, Label::Failed);
         }
 
         fn register(&mut self, index: usize, register: &RegisterStep) -> StepReport {
@@ -303,12 +419,12 @@ mod with_python {
             {
                 Ok(handle) => {
                     report.hashid = Some(handle.hashid.to_string());
-                    report.targets = live.iter().map(|t| ok_target(*t)).collect();
+                    report.targets = self.after(&live);
                     self.labels
                         .insert(register.name.clone(), Label::Live(handle));
                 }
                 Err(e) => {
-                    report.targets = e.outcomes.iter().map(target_report).collect();
+                    report.targets = e.outcomes.iter().map(|o| self.target_report(o)).collect();
                     report.outcome = Err(operation_error_text(&e));
                     self.labels.insert(register.name.clone(), Label::Failed);
                 }
@@ -330,12 +446,12 @@ mod with_python {
             let live = self.worker.live_targets();
             match self.worker.unregister(&handle) {
                 Ok(()) => {
-                    report.targets = live.iter().map(|t| ok_target(*t)).collect();
+                    report.targets = self.after(&live);
                     self.labels
                         .insert(name.to_owned(), Label::Unregistered(handle));
                 }
                 Err(e) => {
-                    report.targets = e.outcomes.iter().map(target_report).collect();
+                    report.targets = e.outcomes.iter().map(|o| self.target_report(o)).collect();
                     report.outcome = Err(operation_error_text(&e));
                 }
             }
@@ -522,7 +638,15 @@ mod with_python {
         };
         // Lines written so far must reach the real stdout.
         let _ = std::io::Write::flush(&mut std::io::stdout());
-        let saved = nix::unistd::dup(std::io::stdout()).map_err(|e| io_failed("save", e))?;
+        // Close-on-exec: nothing this process starts may inherit the copy
+        // (targets close every descriptor of the parent anyway).
+        let saved = nix::fcntl::fcntl(std::io::stdout(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(3))
+            .map(|fd| {
+                // SAFETY: `F_DUPFD_CLOEXEC` returned a new descriptor that
+                // nothing else owns.
+                unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+            })
+            .map_err(|e| io_failed("save", e))?;
         nix::unistd::dup2_stdout(std::io::stderr()).map_err(|e| io_failed("redirect", e))?;
         let started = worker.start();
         nix::unistd::dup2_stdout(&saved).map_err(|e| io_failed("restore", e))?;

@@ -1,8 +1,10 @@
 //! The IO layer (cargo feature `io`): runs the pure protocol over real
-//! forked targets, POSIX shared memory and pipes (DESIGN.md §5).
+//! forked targets, sealed `memfd` staging, control sockets and reply pipes
+//! (DESIGN.md §5).
 //!
-//! * [`staging`] — staged payloads in POSIX shm;
-//! * [`process`] — forking targets, their pipes, fencing and reaping;
+//! * [`staging`] — staged payloads in sealed `memfd`s (`specs/staging.md`);
+//! * [`process`] — forking targets, their channels and pidfds, fencing,
+//!   reaping, processes forked inside a target;
 //! * [`handoff`] — results from the IO thread to waiting callers;
 //! * [`slots`] — a target's slot table shared by its two threads;
 //! * [`target`] — the target process: snapshot, control and task threads;

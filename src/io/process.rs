@@ -1,21 +1,42 @@
-//! Target processes: fork, pipes, parent-death handling, fencing, reaping.
+//! Target processes: fork, channels, parent-death handling, fencing,
+//! reaping.
 //!
 //! [`spawn_targets`] forks N targets while the process is single-threaded
-//! (DESIGN.md §5; the note on fork safety). Each target gets two pipes: a
-//! control pipe (parent writes, target reads) and a reply pipe (target
-//! writes, parent reads). The parent's ends are close-on-exec and
-//! non-blocking, for its poll loop; the target's ends are blocking. Each
-//! target closes every inherited close-on-exec descriptor (the other
-//! targets' pipe ends, other Workers' pipes), so a pipe reports EOF as soon
-//! as its only real peer is gone.
+//! (DESIGN.md §5; the note on fork safety). Each target gets two channels:
+//! a control socket (a Unix stream `socketpair`: the parent writes control
+//! frames and passes each register's sealed staged payload beside its frame
+//! with `SCM_RIGHTS`, [`send_control`] / [`receive_control`]; the target
+//! reads) and a reply pipe (target writes, parent reads). The parent's ends
+//! are close-on-exec and non-blocking, for its poll loop; the target's ends
+//! are blocking. Each target closes every inherited descriptor above 2 but
+//! its own two channel ends, close-on-exec or not (the other targets'
+//! channel ends, other Workers' pipes, files and sockets the embedder
+//! opened, a saved copy of its stdout): a channel then reports EOF as soon
+//! as its only real peer is gone, and nothing a task runs can write to, or
+//! keep open, a descriptor of the parent. Standard input, output and error (0, 1, 2) are kept:
+//! they are the target's own (what a callable prints goes where the
+//! parent's stdout and stderr go at fork time).
+//!
+//! Death is seen without the channels: the parent opens a pidfd for each
+//! target right after forking it ([`TargetProcess::pidfd`], readable once
+//! the process has ended), so a process that user code forked inside a
+//! target, and that still holds copies of its channel ends, cannot hide
+//! the target's death. And such a process cannot use them: each target
+//! registers a `pthread_atfork` child handler that points both of its
+//! channel descriptors at `/dev/null` in the child of any `fork` made
+//! through the C library (Python's `os.fork` included), and the target's
+//! code checks [`is_target_process`] before it reads a control or writes a
+//! reply, ending any other process that reaches it with
+//! [`FORKED_EXIT_CODE`] (a fork made by a raw system call, which runs no
+//! handler, is stopped there).
 //!
 //! The runtime's fork hooks ([`Runtime::before_fork`] and the after-fork
 //! ones) run around each `fork`. A runtime whose state lives on in targets
 //! ([`Runtime::keeps_inherited_descriptors`], an inherited Python
 //! interpreter) keeps the descriptors it inherits: the target then closes
-//! only the descriptors callreg itself opened (every Worker's pipe ends,
-//! tracked in a process-wide set, [`TrackedFd`]), not the interpreter's
-//! open files.
+//! only the descriptors callreg itself opened (every Worker's channel
+//! ends, pidfds and staged payloads, tracked in a process-wide set,
+//! [`TrackedFd`]), not the interpreter's open files.
 //!
 //! A target: ignores SIGINT (Ctrl-C in a terminal reaches the parent only);
 //! asks the kernel for SIGKILL when the thread that forked it ends
@@ -24,15 +45,21 @@
 //! `catch_unwind` and ends with `_exit`, so no destructor of the parent's
 //! state ever runs in a target.
 
-use std::collections::BTreeSet;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::collections::{BTreeSet, VecDeque};
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::sys::signal::{self, SigHandler, Signal};
+use nix::sys::socket::{
+    recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
+    SockFlag, SockType, UnixAddr,
+};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{ForkResult, Pid};
 
@@ -78,6 +105,85 @@ pub const PANIC_EXIT_CODE: i32 = 101;
 
 /// Exit status of a target that found its parent already gone at start.
 pub const ORPHAN_EXIT_CODE: i32 = 102;
+
+/// Exit status of a process forked inside a target (by user code) that
+/// reached the target's protocol code: it is not the target, so it never
+/// reads a control or writes a reply.
+pub const FORKED_EXIT_CODE: i32 = 107;
+
+/// The target's own pid, set in the target right after fork (0 elsewhere).
+static TARGET_PID: AtomicI32 = AtomicI32::new(0);
+
+/// The target's channel descriptors (control, reply), for the at-fork
+/// child handler; -1 when unset.
+static CHANNEL_FDS: [AtomicI32; 2] = [AtomicI32::new(-1), AtomicI32::new(-1)];
+
+/// Whether this process is a target itself (not its parent, and not a
+/// process forked inside it): only then may it use the target's channels.
+pub fn is_target_process() -> bool {
+    let target = TARGET_PID.load(Ordering::Relaxed);
+    target != 0 && target == nix::unistd::getpid().as_raw()
+}
+
+/// Ends this process with [`FORKED_EXIT_CODE`] unless it is the target.
+pub fn exit_unless_target() {
+    if !is_target_process() {
+        // SAFETY: `_exit` ends a process forked inside a target without
+        // running anything of the target's state.
+        unsafe { libc::_exit(FORKED_EXIT_CODE) }
+    }
+}
+
+/// The at-fork child handler: points the target's channel descriptors at
+/// `/dev/null` (the child can neither read controls nor write replies
+/// through them, and the numbers stay taken, so no file the child opens
+/// later can be mistaken for them). Only async-signal-safe calls.
+extern "C" fn after_fork_in_child() {
+    if TARGET_PID.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    // SAFETY: open, dup3 and close are async-signal-safe; the path is a
+    // NUL-terminated literal.
+    unsafe {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+        for fd in &CHANNEL_FDS {
+            let fd = fd.load(Ordering::Relaxed);
+            if fd >= 0 {
+                if null >= 0 {
+                    libc::dup3(null, fd, libc::O_CLOEXEC);
+                } else {
+                    libc::close(fd);
+                }
+            }
+        }
+        if null >= 0 {
+            libc::close(null);
+        }
+    }
+}
+
+/// Runs in the target right after fork: records its pid and channel
+/// descriptors and registers [`after_fork_in_child`].
+fn guard_channels(control: RawFd, reply: RawFd) {
+    TARGET_PID.store(nix::unistd::getpid().as_raw(), Ordering::Relaxed);
+    CHANNEL_FDS[0].store(control, Ordering::Relaxed);
+    CHANNEL_FDS[1].store(reply, Ordering::Relaxed);
+    // SAFETY: registers a handler with no prepare or parent part; the
+    // handler only makes async-signal-safe calls.
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+}
+
+/// A pidfd for `pid` (`pidfd_open`, close-on-exec), or `None` where the
+/// kernel has none (before Linux 5.3): death is then seen through the
+/// channels only.
+fn pidfd_open(pid: Pid) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new
+    // descriptor, which nothing else owns.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+    let fd = RawFd::try_from(fd).ok().filter(|fd| *fd >= 0)?;
+    // SAFETY: `fd` was just returned by the kernel to this process.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+}
 
 /// Whether [`spawn_targets`] may fork in a process that already runs other
 /// threads.
@@ -126,12 +232,13 @@ pub fn thread_count() -> Result<usize, ProcessError> {
     Ok(entries.count())
 }
 
-/// The target's ends of its two pipes, handed to the target body.
+/// The target's ends of its two channels, handed to the target body.
 #[derive(Debug)]
 pub struct TargetEnds {
     /// The target's index (0-based) among the Worker's targets.
     pub index: usize,
-    /// Read end of the control pipe (blocking).
+    /// The target's end of the control socket (blocking; read it with
+    /// [`receive_control`]).
     pub control: OwnedFd,
     /// Write end of the reply pipe (blocking).
     pub reply: OwnedFd,
@@ -157,8 +264,8 @@ impl std::fmt::Display for Exit {
     }
 }
 
-/// The parent's view of one target process: its pid and the parent's pipe
-/// ends. Dropping it without [`TargetProcess::reap`] kills the target with
+/// The parent's view of one target process: its pid and the parent's
+/// channel ends. Dropping it without [`TargetProcess::reap`] kills the target with
 /// SIGKILL and reaps it, so no zombie is left.
 #[derive(Debug)]
 pub struct TargetProcess {
@@ -166,6 +273,7 @@ pub struct TargetProcess {
     pid: Pid,
     control: Option<TrackedFd>,
     reply: TrackedFd,
+    pidfd: Option<TrackedFd>,
     exit: Option<Exit>,
 }
 
@@ -180,8 +288,8 @@ impl TargetProcess {
         self.pid
     }
 
-    /// The parent's write end of the control pipe (non-blocking), or `None`
-    /// after [`TargetProcess::close_control`].
+    /// The parent's end of the control socket (non-blocking; write it with
+    /// [`send_control`]), or `None` after [`TargetProcess::close_control`].
     pub fn control(&self) -> Option<BorrowedFd<'_>> {
         self.control.as_ref().map(|fd| fd.as_fd())
     }
@@ -191,7 +299,13 @@ impl TargetProcess {
         self.reply.as_fd()
     }
 
-    /// Closes the control pipe: the target reads EOF and exits.
+    /// A pidfd of the target process, readable once it has ended (whoever
+    /// else holds its channels), or `None` where the kernel has none.
+    pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
+        self.pidfd.as_ref().map(|fd| fd.as_fd())
+    }
+
+    /// Closes the control socket: the target reads EOF and exits.
     pub fn close_control(&mut self) {
         self.control = None;
     }
@@ -279,7 +393,7 @@ impl TargetProcess {
 impl Drop for TargetProcess {
     fn drop(&mut self) {
         if self.exit.is_none() {
-            // Closing the control pipe first lets a healthy target exit on
+            // Closing the control socket first lets a healthy target exit on
             // its own; the kill covers a hung one.
             self.control = None;
             let _ = self.kill();
@@ -307,8 +421,8 @@ impl Drop for TargetProcess {
 ///
 /// # Errors
 /// [`ProcessError::Threaded`] when the process runs other threads and
-/// `policy` refuses; [`ProcessError::Os`] when counting threads, `pipe2` or
-/// `fork` fails.
+/// `policy` refuses; [`ProcessError::Os`] when counting threads, `pipe2`,
+/// `socketpair` or `fork` fails.
 pub fn spawn_targets<R, F, B>(
     count: usize,
     policy: ThreadPolicy,
@@ -334,8 +448,13 @@ where
     let mut targets = Vec::with_capacity(count);
     for index in 0..count {
         let os = |operation| move |errno| ProcessError::Os { operation, errno };
-        let (control_read, control_write) =
-            nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(os("pipe2"))?;
+        let (control_write, control_read) = socketpair(
+            AddressFamily::Unix,
+            SockType::Stream,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(os("socketpair"))?;
         let (reply_read, reply_write) =
             nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(os("pipe2"))?;
         set_nonblocking(control_write.as_fd()).map_err(os("fcntl"))?;
@@ -365,6 +484,7 @@ where
                     pid: child,
                     control: Some(control_write),
                     reply: reply_read,
+                    pidfd: pidfd_open(child).map(TrackedFd::new),
                     exit: None,
                 });
             }
@@ -390,8 +510,9 @@ where
                     if keeps_inherited {
                         close_tracked(&owned, &keep);
                     } else {
-                        close_inherited_cloexec(&keep);
+                        close_inherited(&keep);
                     }
+                    guard_channels(keep[0], keep[1]);
                     before_body(index);
                     body(TargetEnds {
                         index,
@@ -441,10 +562,12 @@ fn close_tracked(owned: &[RawFd], keep: &[RawFd]) {
     }
 }
 
-/// Closes every descriptor marked close-on-exec except `keep`: they belong
-/// to the parent (other targets' pipe ends, other Workers) and would keep
-/// those pipes from reporting EOF.
-fn close_inherited_cloexec(keep: &[RawFd]) {
+/// Closes every descriptor above 2 except `keep`, close-on-exec or not:
+/// they belong to the parent (other targets' pipe ends, other Workers,
+/// the embedder's files) and would keep those pipes from reporting EOF, or
+/// let a task write into the parent's output. The runtime needs none of
+/// them: it opens what it uses (staged payloads, its own files) after this.
+fn close_inherited(keep: &[RawFd]) {
     let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
         return;
     };
@@ -456,13 +579,78 @@ fn close_inherited_cloexec(keep: &[RawFd]) {
         if fd <= 2 || keep.contains(&fd) {
             continue;
         }
-        // SAFETY: F_GETFD reads a descriptor's flags; an fd closed meanwhile
-        // (the directory's own) just returns -1.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-        if flags >= 0 && flags & libc::FD_CLOEXEC != 0 {
-            // SAFETY: the descriptor belongs to the parent's state, which this
-            // target never uses (it ends with `_exit`, never dropping it).
-            unsafe { libc::close(fd) };
+        // SAFETY: the descriptor belongs to the parent's state, which this
+        // target never uses (it ends with `_exit`, never dropping it); one
+        // closed meanwhile (the directory's own) just fails with EBADF.
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// Descriptors one [`receive_control`] call accepts: more than one message
+/// could carry (the parent attaches at most one descriptor per `sendmsg`,
+/// and Linux never merges two messages that carry descriptors into one
+/// read).
+const MAX_FDS_PER_READ: usize = 8;
+
+/// Writes `bytes` (or a prefix of them) to a control socket, with `fd`
+/// attached to the first byte written when given (`SCM_RIGHTS`: the
+/// receiver gets its own descriptor of the same open file). Never raises
+/// `SIGPIPE` (`MSG_NOSIGNAL`). Returns how many bytes were written; `fd`
+/// went with them when that is more than 0.
+///
+/// # Errors
+/// The `sendmsg` error (`EAGAIN` when the socket is full, `EPIPE` when the
+/// peer is gone).
+pub fn send_control(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fd: Option<BorrowedFd<'_>>,
+) -> Result<usize, Errno> {
+    let iov = [IoSlice::new(bytes)];
+    let raw = fd.map(|fd| [fd.as_raw_fd()]);
+    let cmsgs: Vec<ControlMessage<'_>> = raw
+        .as_ref()
+        .map(|r| ControlMessage::ScmRights(r))
+        .into_iter()
+        .collect();
+    sendmsg::<UnixAddr>(
+        socket.as_raw_fd(),
+        &iov,
+        &cmsgs,
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+}
+
+/// Reads what a control socket holds into `buffer` (blocking until
+/// something arrives); descriptors that came with the bytes are appended
+/// to `fds` in arrival order, close-on-exec (`MSG_CMSG_CLOEXEC`). Returns
+/// the number of bytes read, 0 at EOF.
+///
+/// # Errors
+/// The `recvmsg` error; `ENOBUFS` when more descriptors came than one read
+/// accepts (never sent by a parent: a broken channel).
+pub fn receive_control(
+    socket: BorrowedFd<'_>,
+    buffer: &mut [u8],
+    fds: &mut VecDeque<OwnedFd>,
+) -> Result<usize, Errno> {
+    let mut space = nix::cmsg_space!([RawFd; MAX_FDS_PER_READ]);
+    let mut iov = [IoSliceMut::new(buffer)];
+    let message = recvmsg::<UnixAddr>(
+        socket.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    for cmsg in message.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(received) = cmsg {
+            for raw in received {
+                // SAFETY: the kernel just installed `raw` in this process
+                // for this message; nothing else owns it.
+                fds.push_back(unsafe { OwnedFd::from_raw_fd(raw) });
+            }
         }
     }
+    Ok(message.bytes)
 }

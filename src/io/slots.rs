@@ -23,9 +23,17 @@ struct Inner<C> {
     callables: Vec<Option<Arc<C>>>,
 }
 
+/// How a table releases the callables of freed slots: it runs the given
+/// closure (which drops them) and reports what their finalizers did
+/// ([`crate::runtime::Runtime::finalize`]).
+pub type Finalizer = Box<dyn Fn(&mut dyn FnMut()) -> Result<(), String> + Send + Sync>;
+
 /// The machine and its callables behind one mutex.
 pub struct SlotTable<C> {
     inner: Mutex<Inner<C>>,
+    finalizer: Option<Finalizer>,
+    /// What finalizers reported since [`SlotTable::take_finalizer_failures`].
+    failures: Mutex<Vec<String>>,
 }
 
 /// What a call returns besides its own value: the machine's effects, in
@@ -44,7 +52,22 @@ impl<C> SlotTable<C> {
         }
         SlotTable {
             inner: Mutex::new(Inner { machine, callables }),
+            finalizer: None,
+            failures: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Releases freed callables through `finalizer` (without it they are
+    /// plain drops).
+    pub fn with_finalizer(mut self, finalizer: Finalizer) -> SlotTable<C> {
+        self.finalizer = Some(finalizer);
+        self
+    }
+
+    /// What the finalizer reported for the callables released since the
+    /// last call (the caller says which operation freed them).
+    pub fn take_finalizer_failures(&self) -> Vec<String> {
+        std::mem::take(&mut *lock(&self.failures))
     }
 
     /// Runs `input` on the machine under the lock, drains its effects, and
@@ -71,8 +94,20 @@ impl<C> SlotTable<C> {
             (result, effects)
         };
         // A callable's destructor may be slow (or need an interpreter lock):
-        // never run it while holding the table.
-        drop(freed);
+        // never run it while holding the table. It runs before the caller
+        // carries out the effects (the reply of the operation that freed
+        // it), through the runtime's finalizer.
+        if !freed.is_empty() {
+            match &self.finalizer {
+                Some(finalize) => {
+                    let mut freed = Some(freed);
+                    if let Err(failure) = finalize(&mut || drop(freed.take())) {
+                        lock(&self.failures).push(failure);
+                    }
+                }
+                None => drop(freed),
+            }
+        }
         (result, effects)
     }
 

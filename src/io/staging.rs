@@ -1,64 +1,86 @@
-//! Staged payloads: envelopes in POSIX shared memory (DESIGN.md §4.1, §5).
+//! Staged payloads: envelopes in sealed anonymous memory files
+//! (`memfd`s), passed to targets as descriptors (`specs/staging.md`).
 //!
-//! The parent creates one shm object per register operation, named
-//! `/callreg-<parent pid>-<seq>-<16 random hex digits>` (the file
-//! `/dev/shm/callreg-…` on Linux), with `O_CREAT|O_EXCL` and mode 0600, sized
-//! exactly to the envelope. The envelope is copied in and hashed in the same
-//! pass. Targets open it read-only and map it ([`StagedView`]); the parent
-//! unlinks it as soon as every target in scope has replied or been lost
-//! (dropping the [`StagedPayload`]). Names left by a parent that died are
-//! removed by [`sweep_stale`] when a Worker starts.
+//! The parent creates one `memfd` per register operation
+//! (`memfd_create` with `MFD_CLOEXEC | MFD_ALLOW_SEALING`, named
+//! [`MEMFD_NAME`], which is only a label: nothing appears in any
+//! directory), writes the envelope into it while hashing it (one pass),
+//! then seals it with [`REQUIRED_SEALS`]: from then on no process can
+//! write, grow, shrink or unseal it, whatever descriptor it holds. The
+//! descriptor travels to each target with its Register control
+//! (`SCM_RIGHTS`, `specs/wire.md`). A target checks the seals and the size
+//! before it maps the file read-only ([`StagedView`]), verifies the digest
+//! over that mapping and deserializes from the same mapping: the bytes it
+//! verified are the bytes it deserializes.
+//!
+//! The kernel frees the memory when the last descriptor and mapping are
+//! gone: the parent's ([`StagedPayload`], dropped when every target in
+//! scope answered or was lost), the targets' (dropped after the register),
+//! and any still in flight in a socket (freed with the socket). No name
+//! exists, so nothing can outlive its Worker by a crash, in any pid
+//! namespace, and there is nothing to sweep.
 
 use std::fs::File;
 use std::io::Write;
 use std::ops::Range;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use memmap2::Mmap;
 use nix::errno::Errno;
-use nix::fcntl::OFlag;
-use nix::sys::stat::Mode;
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use nix::sys::memfd::{memfd_create, MFdFlags};
 use sha2::{Digest as _, Sha256};
 
+use super::process::TrackedFd;
 use crate::error::ErrorCode;
 
-/// Prefix of every staged payload's shm name (without the leading `/`).
-pub const NAME_PREFIX: &str = "callreg-";
+/// The label of every staged payload's `memfd` (seen as
+/// `/memfd:callreg-staged (deleted)` in `/proc/PID/fd`; not a name anyone
+/// can open).
+pub const MEMFD_NAME: &str = "callreg-staged";
 
-/// Where Linux exposes POSIX shm objects as files.
-pub const SHM_DIR: &str = "/dev/shm";
+/// The seals a staged payload carries before it leaves the parent, and that
+/// a target requires before it trusts the bytes: no write (by `write` or a
+/// writable shared mapping), no growing, no shrinking, no further change
+/// of the seals.
+pub const REQUIRED_SEALS: SealFlag = SealFlag::F_SEAL_SHRINK
+    .union(SealFlag::F_SEAL_GROW)
+    .union(SealFlag::F_SEAL_WRITE)
+    .union(SealFlag::F_SEAL_SEAL);
 
 /// Bytes copied (and hashed) per step while staging: large enough to
 /// amortise the write call, small enough to stay in cache for the hash.
 const CHUNK_BYTES: usize = 64 * 1024;
 
-/// A failure to create, open, map or remove a staged payload.
+/// A failure to create, seal, check or map a staged payload.
 #[derive(Debug, thiserror::Error)]
 pub enum StagingError {
     /// An OS call failed.
-    #[error("{operation} of staged payload {name} failed: {errno}")]
+    #[error("{operation} of a staged payload failed: {errno}")]
     Os {
-        /// What was attempted (`"shm_open"`, `"ftruncate"`, `"write"`, …).
+        /// What was attempted (`"memfd_create"`, `"write"`, `"F_ADD_SEALS"`,
+        /// `"F_GET_SEALS"`, `"fstat"`, `"mmap"`).
         operation: &'static str,
-        /// The shm name.
-        name: String,
         /// The OS error.
         errno: Errno,
     },
-    /// The staged object's real size differs from the size the register
-    /// control announced (a truncated or replaced segment).
-    #[error("staged payload {name} holds {actual} bytes, the control announced {expected}")]
+    /// The staged file's real size differs from the size the register
+    /// control announced.
+    #[error("the staged payload holds {actual} bytes, the control announced {expected}")]
     SizeMismatch {
-        /// The shm name.
-        name: String,
         /// The size in the register control (bytes).
         expected: u64,
-        /// The object's real size (bytes).
+        /// The file's real size (bytes).
         actual: u64,
     },
-    /// A name that is not a staged payload name (`/callreg-…`, no other `/`).
-    #[error("{0:?} is not a staged payload name")]
-    BadName(String),
+    /// The descriptor does not carry every seal of [`REQUIRED_SEALS`]
+    /// (another process could still change the bytes), or is not a sealable
+    /// file at all.
+    #[error("the staged payload is not sealed against change (seals {seals:#x}, need {:#x})", REQUIRED_SEALS.bits())]
+    Unsealed {
+        /// The seals found (`F_GET_SEALS`), or -1 for a file without seals.
+        seals: i32,
+    },
     /// The hashed range lies outside the bytes to stage.
     #[error("hashed range {start}..{end} is outside the {len} staged bytes")]
     BadRange {
@@ -72,46 +94,50 @@ pub enum StagingError {
 }
 
 impl StagingError {
-    /// `ENVELOPE_INVALID` for a size mismatch (the bytes cannot be the
-    /// envelope that was staged), `IO_FAILED` otherwise.
+    /// `ENVELOPE_INVALID` for a size mismatch or missing seals (the bytes
+    /// cannot be trusted to be the envelope that was staged), `IO_FAILED`
+    /// otherwise.
     pub fn code(&self) -> ErrorCode {
         match self {
-            StagingError::SizeMismatch { .. } => ErrorCode::ENVELOPE_INVALID,
+            StagingError::SizeMismatch { .. } | StagingError::Unsealed { .. } => {
+                ErrorCode::ENVELOPE_INVALID
+            }
             _ => ErrorCode::IO_FAILED,
         }
     }
 }
 
-fn os_error<'a>(operation: &'static str, name: &'a str) -> impl FnOnce(Errno) -> StagingError + 'a {
-    move |errno| StagingError::Os {
-        operation,
-        name: name.to_owned(),
-        errno,
-    }
+fn os_error(operation: &'static str) -> impl FnOnce(Errno) -> StagingError {
+    move |errno| StagingError::Os { operation, errno }
 }
 
-/// A staged payload owned by the parent: unlinked when dropped (RAII), so an
-/// early return or a panic on the parent's IO thread cannot leak it.
+fn io_errno(e: &std::io::Error) -> Errno {
+    Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
+}
+
+/// A staged payload owned by the parent: a sealed `memfd` (a
+/// [`TrackedFd`], so that a target forked meanwhile by any Worker closes
+/// it even when its runtime keeps inherited descriptors). Dropping it
+/// closes the parent's descriptor; the memory goes with the last one.
 #[derive(Debug)]
 pub struct StagedPayload {
-    name: String,
+    fd: TrackedFd,
     size: u64,
 }
 
 impl StagedPayload {
-    /// Creates `/callreg-<this pid>-<seq>-<random>` holding exactly `bytes`,
-    /// and returns it with the SHA-256 of `bytes[hashed]`, computed while
-    /// copying (one pass over the bytes).
+    /// Creates a sealed `memfd` holding exactly `bytes`, and returns it with
+    /// the SHA-256 of `bytes[hashed]`, computed while copying (one pass over
+    /// the bytes).
     ///
     /// `hashed` is the part of the envelope that identifies it: the
-    /// serializer payload after the SPYC header (DESIGN.md §3.2).
+    /// serializer payload after the SPYC header (`specs/formats.md`).
     ///
     /// # Errors
     /// [`StagingError::BadRange`] for a range outside `bytes`;
-    /// [`StagingError::Os`] when reading random bytes, `shm_open`,
-    /// `ftruncate` or `write` fails (the object is then unlinked).
+    /// [`StagingError::Os`] when `memfd_create`, `write` or `F_ADD_SEALS`
+    /// fails (nothing is left behind: the descriptor is closed).
     pub fn create(
-        seq: u64,
         bytes: &[u8],
         hashed: Range<usize>,
     ) -> Result<(StagedPayload, [u8; 32]), StagingError> {
@@ -122,49 +148,37 @@ impl StagedPayload {
                 len: bytes.len(),
             });
         }
-        let name = format!(
-            "/{NAME_PREFIX}{}-{seq}-{:016x}",
-            std::process::id(),
-            random_u64()?
-        );
-        let fd = nix::sys::mman::shm_open(
-            name.as_str(),
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
+        let fd = memfd_create(
+            MEMFD_NAME,
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
         )
-        .map_err(os_error("shm_open", &name))?;
-        // From here on the object exists: the guard unlinks it on any error.
-        let staged = StagedPayload {
-            name,
-            size: bytes.len() as u64,
-        };
-        let size = i64::try_from(bytes.len()).map_err(|_| StagingError::Os {
-            operation: "ftruncate",
-            name: staged.name.clone(),
-            errno: Errno::EFBIG,
-        })?;
-        nix::unistd::ftruncate(&fd, size).map_err(os_error("ftruncate", &staged.name))?;
+        .map_err(os_error("memfd_create"))?;
         let mut file = File::from(fd);
         let mut hasher = Sha256::new();
         let mut offset = 0;
         for chunk in bytes.chunks(CHUNK_BYTES) {
-            file.write_all(chunk).map_err(|e| StagingError::Os {
-                operation: "write",
-                name: staged.name.clone(),
-                errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
-            })?;
+            file.write_all(chunk)
+                .map_err(|e| os_error("write")(io_errno(&e)))?;
             let chunk_range = offset..offset + chunk.len();
             let start = hashed.start.clamp(chunk_range.start, chunk_range.end);
             let end = hashed.end.clamp(chunk_range.start, chunk_range.end);
             hasher.update(&chunk[start - offset..end - offset]);
             offset += chunk.len();
         }
-        Ok((staged, hasher.finalize().into()))
+        let fd = OwnedFd::from(file);
+        fcntl(&fd, FcntlArg::F_ADD_SEALS(REQUIRED_SEALS)).map_err(os_error("F_ADD_SEALS"))?;
+        Ok((
+            StagedPayload {
+                fd: TrackedFd::new(fd),
+                size: bytes.len() as u64,
+            },
+            hasher.finalize().into(),
+        ))
     }
 
-    /// The shm name, with its leading `/` (as carried in a register control).
-    pub fn name(&self) -> &str {
-        &self.name
+    /// The sealed descriptor (sent with a register control).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 
     /// The staged size in bytes.
@@ -173,50 +187,39 @@ impl StagedPayload {
     }
 }
 
-impl Drop for StagedPayload {
-    fn drop(&mut self) {
-        // ENOENT only if someone else removed it; nothing else can be done.
-        let _ = nix::sys::mman::shm_unlink(self.name.as_str());
-    }
-}
-
-/// A target's read-only mapping of a staged payload.
+/// A target's read-only mapping of a staged payload, taken only after the
+/// seals were checked.
 #[derive(Debug)]
 pub struct StagedView {
     map: Option<Mmap>,
 }
 
 impl StagedView {
-    /// Opens `name` read-only, checks that its real size is `expected_size`
-    /// bytes, and maps it read-only.
+    /// Checks that `fd` carries every seal of [`REQUIRED_SEALS`] and holds
+    /// exactly `expected_size` bytes, then maps it read-only. The
+    /// descriptor is closed on return: the mapping keeps the memory.
     ///
     /// # Errors
-    /// [`StagingError::BadName`] for a name outside the `/callreg-` space
-    /// (a target never opens anything else); [`StagingError::SizeMismatch`]
-    /// when the object's size differs from `expected_size`;
-    /// [`StagingError::Os`] when `shm_open`, `fstat` or `mmap` fails (e.g.
-    /// `ENOENT` for an object already unlinked).
-    pub fn open(name: &str, expected_size: u64) -> Result<StagedView, StagingError> {
-        let valid = name
-            .strip_prefix('/')
-            .is_some_and(|rest| rest.starts_with(NAME_PREFIX) && !rest.contains('/'));
-        if !valid {
-            return Err(StagingError::BadName(name.to_owned()));
+    /// [`StagingError::Unsealed`] when a seal is missing or `fd` is not a
+    /// sealable file; [`StagingError::SizeMismatch`] when its size differs
+    /// from `expected_size`; [`StagingError::Os`] when `fstat` or `mmap`
+    /// fails.
+    pub fn open(fd: OwnedFd, expected_size: u64) -> Result<StagedView, StagingError> {
+        let seals = match fcntl(&fd, FcntlArg::F_GET_SEALS) {
+            Ok(seals) => seals,
+            Err(Errno::EINVAL) => return Err(StagingError::Unsealed { seals: -1 }),
+            Err(errno) => return Err(os_error("F_GET_SEALS")(errno)),
+        };
+        if !SealFlag::from_bits_truncate(seals).contains(REQUIRED_SEALS) {
+            return Err(StagingError::Unsealed { seals });
         }
-        let fd: OwnedFd = nix::sys::mman::shm_open(name, OFlag::O_RDONLY, Mode::empty())
-            .map_err(os_error("shm_open", name))?;
         let file = File::from(fd);
         let actual = file
             .metadata()
-            .map_err(|e| StagingError::Os {
-                operation: "fstat",
-                name: name.to_owned(),
-                errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
-            })?
+            .map_err(|e| os_error("fstat")(io_errno(&e)))?
             .len();
         if actual != expected_size {
             return Err(StagingError::SizeMismatch {
-                name: name.to_owned(),
                 expected: expected_size,
                 actual,
             });
@@ -225,28 +228,14 @@ impl StagedView {
             // mmap of zero bytes is EINVAL; an empty view is the same bytes.
             return Ok(StagedView { map: None });
         }
-        // The size just checked: without a length `map` would `fstat` the
-        // object a second time.
-        let len = usize::try_from(actual).map_err(|_| StagingError::Os {
-            operation: "mmap",
-            name: name.to_owned(),
-            errno: Errno::EFBIG,
-        })?;
-        // SAFETY: the object is mapped read-only and private to this view.
-        // The parent never writes it after sending the control (it is
-        // written once, before), so the mapped bytes do not change under us;
-        // a concurrent truncation by a hostile process would raise SIGBUS,
-        // which only that process can cause (mode 0600, same user).
-        // MAP_POPULATE: the target reads every byte (digest, then the
-        // runtime), so faulting the pages in up front is cheaper.
-        let map =
-            unsafe { memmap2::MmapOptions::new().len(len).populate().map(&file) }.map_err(|e| {
-                StagingError::Os {
-                    operation: "mmap",
-                    name: name.to_owned(),
-                    errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
-                }
-            })?;
+        let len = usize::try_from(actual).map_err(|_| os_error("mmap")(Errno::EFBIG))?;
+        // SAFETY: the file is sealed against writes, growing and shrinking
+        // (checked above; `F_SEAL_SEAL` forbids removing a seal), so the
+        // mapped bytes cannot change and no access can fault for as long as
+        // the mapping lives. It is mapped read-only. MAP_POPULATE: the
+        // target reads every byte (digest, then the runtime).
+        let map = unsafe { memmap2::MmapOptions::new().len(len).populate().map(&file) }
+            .map_err(|e| os_error("mmap")(io_errno(&e)))?;
         Ok(StagedView { map: Some(map) })
     }
 
@@ -256,135 +245,111 @@ impl StagedView {
     }
 }
 
-/// 64 random bits from the kernel (`getrandom(2)`), for staged names that
-/// another process cannot predict.
-fn random_u64() -> Result<u64, StagingError> {
-    let mut buf = [0u8; 8];
-    let mut filled = 0;
-    while filled < buf.len() {
-        // SAFETY: the pointer and length describe the unfilled tail of `buf`.
-        let n =
-            unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
-        if n < 0 {
-            let errno = Errno::last();
-            if errno == Errno::EINTR {
-                continue;
-            }
-            return Err(StagingError::Os {
-                operation: "getrandom",
-                name: String::new(),
-                errno,
-            });
-        }
-        filled += n as usize;
-    }
-    Ok(u64::from_le_bytes(buf))
-}
-
-/// The parent pid embedded in a staged name (`callreg-<pid>-…`, without
-/// the leading `/`), or `None` for a name of another shape.
-pub fn parent_pid_of(file_name: &str) -> Option<i32> {
-    let rest = file_name.strip_prefix(NAME_PREFIX)?;
-    let (pid, _) = rest.split_once('-')?;
-    pid.parse().ok().filter(|pid| *pid > 0)
-}
-
-/// Staged names in [`SHM_DIR`] created by this process (`callreg-<own pid>-…`),
-/// as file names; used by tests and [`sweep_stale`]'s callers to check that
-/// nothing leaked.
+/// The descriptors of this process that are staged payloads (their
+/// `/proc/self/fd` link names [`MEMFD_NAME`]), as numbers: tests check that
+/// none is left after an operation.
 ///
 /// # Errors
-/// The IO error of reading the directory.
-pub fn own_names() -> std::io::Result<Vec<String>> {
-    let own = i32::try_from(std::process::id()).ok();
-    Ok(list_names()?
-        .into_iter()
-        .filter(|n| parent_pid_of(n) == own)
-        .collect())
+/// The IO error of reading `/proc/self/fd`.
+pub fn open_payloads() -> std::io::Result<Vec<i32>> {
+    payloads_of("self")
 }
 
-fn list_names() -> std::io::Result<Vec<String>> {
-    let mut names = Vec::new();
-    for entry in std::fs::read_dir(SHM_DIR)? {
-        if let Some(name) = entry?.file_name().to_str() {
-            if name.starts_with(NAME_PREFIX) {
-                names.push(name.to_owned());
-            }
-        }
-    }
-    names.sort();
-    Ok(names)
-}
-
-/// Removes every `callreg-<pid>-…` object in [`SHM_DIR`] whose pid names no
-/// live process (staged payloads of a parent that crashed); returns the
-/// names removed, sorted.
-///
-/// A name whose pid is alive (this process, another Worker, or an unrelated
-/// process that reused the pid) is kept: removing a live parent's staging
-/// would fail its operation.
+/// The descriptors of process `pid` (`"self"` or a number) that are staged
+/// payloads; a process that is gone has none.
 ///
 /// # Errors
-/// The IO error of reading the directory; a name that disappears meanwhile
-/// (another sweeper) is not an error.
-pub fn sweep_stale() -> std::io::Result<Vec<String>> {
-    let mut removed = Vec::new();
-    for name in list_names()? {
-        let Some(pid) = parent_pid_of(&name) else {
+/// The IO error of reading `/proc/PID/fd`, other than its absence.
+pub fn payloads_of(pid: &str) -> std::io::Result<Vec<i32>> {
+    let dir = match std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        Ok(dir) => dir,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let label = format!("/memfd:{MEMFD_NAME}");
+    let mut found = Vec::new();
+    for entry in dir.flatten() {
+        let Ok(link) = std::fs::read_link(entry.path()) else {
             continue;
         };
-        let dead = matches!(
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
-            Err(Errno::ESRCH)
-        );
-        if dead && nix::sys::mman::shm_unlink(format!("/{name}").as_str()).is_ok() {
-            removed.push(name);
+        if link.to_string_lossy().starts_with(&label) {
+            if let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse().ok()) {
+                found.push(fd);
+            }
         }
     }
-    Ok(removed)
+    found.sort_unstable();
+    Ok(found)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::fd::AsRawFd;
 
-    fn path_of(staged: &StagedPayload) -> String {
-        format!("{SHM_DIR}{}", staged.name())
+    fn dup(staged: &StagedPayload) -> OwnedFd {
+        staged.fd().try_clone_to_owned().unwrap()
     }
 
     #[test]
-    fn create_sizes_exactly_hashes_the_range_and_unlinks_on_drop() {
+    fn create_sizes_exactly_hashes_the_range_and_seals() {
         let bytes: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
-        let (staged, hash) = StagedPayload::create(7, &bytes, 16..bytes.len()).unwrap();
+        let (staged, hash) = StagedPayload::create(&bytes, 16..bytes.len()).unwrap();
         let expected: [u8; 32] = Sha256::digest(&bytes[16..]).into();
         assert_eq!(hash, expected);
-        let prefix = format!("/callreg-{}-7-", std::process::id());
-        assert!(staged.name().starts_with(&prefix), "{}", staged.name());
-        assert_eq!(staged.name().len(), prefix.len() + 16);
-        let meta = std::fs::metadata(path_of(&staged)).unwrap();
-        assert_eq!(meta.len(), 200_000);
-        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
-        let view = StagedView::open(staged.name(), 200_000).unwrap();
+        assert_eq!(staged.size(), 200_000);
+        let seals = fcntl(staged.fd(), FcntlArg::F_GET_SEALS).unwrap();
+        assert_eq!(seals, REQUIRED_SEALS.bits());
+        let view = StagedView::open(dup(&staged), 200_000).unwrap();
         assert_eq!(view.bytes(), &bytes[..]);
-        let path = path_of(&staged);
+        assert!(open_payloads().unwrap().contains(&staged.fd().as_raw_fd()));
         drop(staged);
-        assert!(!std::path::Path::new(&path).exists());
-        // The view outlives the name: the mapping stays valid.
+        // The view outlives every descriptor: the mapping stays valid.
         assert_eq!(view.bytes()[1000], bytes[1000]);
     }
 
     #[test]
+    fn a_sealed_payload_refuses_every_change() {
+        let (staged, _) = StagedPayload::create(b"0123456789", 0..10).unwrap();
+        // Even through a new read-write open of the same file.
+        let path = format!("/proc/self/fd/{}", staged.fd().as_raw_fd());
+        let mut rw = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        assert_eq!(
+            rw.write(b"x").unwrap_err().raw_os_error(),
+            Some(libc::EPERM)
+        );
+        assert_eq!(rw.set_len(5).unwrap_err().raw_os_error(), Some(libc::EPERM));
+        assert_eq!(
+            rw.set_len(20).unwrap_err().raw_os_error(),
+            Some(libc::EPERM)
+        );
+        // SAFETY: a writable shared mapping is requested only to see it
+        // refused; nothing is written.
+        let mapped = unsafe { memmap2::MmapMut::map_mut(&rw) };
+        assert_eq!(mapped.unwrap_err().raw_os_error(), Some(libc::EPERM));
+        assert_eq!(
+            fcntl(staged.fd(), FcntlArg::F_ADD_SEALS(SealFlag::empty())),
+            Err(Errno::EPERM)
+        );
+        let view = StagedView::open(dup(&staged), 10).unwrap();
+        assert_eq!(view.bytes(), b"0123456789");
+    }
+
+    #[test]
     fn empty_range_and_empty_bytes() {
-        let (staged, hash) = StagedPayload::create(1, b"", 0..0).unwrap();
+        let (staged, hash) = StagedPayload::create(b"", 0..0).unwrap();
         let expected: [u8; 32] = Sha256::digest(b"").into();
         assert_eq!(hash, expected);
-        assert_eq!(StagedView::open(staged.name(), 0).unwrap().bytes(), b"");
+        assert_eq!(StagedView::open(dup(&staged), 0).unwrap().bytes(), b"");
     }
 
     #[test]
     fn bad_range_is_refused_before_anything_is_created() {
-        let err = StagedPayload::create(1, b"abc", 2..4).unwrap_err();
+        let err = StagedPayload::create(b"abc", 2..4).unwrap_err();
         assert!(matches!(
             err,
             StagingError::BadRange {
@@ -396,66 +361,26 @@ mod tests {
     }
 
     #[test]
-    fn open_checks_size_and_name() {
-        let (staged, _) = StagedPayload::create(2, b"0123456789", 0..10).unwrap();
-        let err = StagedView::open(staged.name(), 11).unwrap_err();
+    fn open_checks_size_and_seals() {
+        let (staged, _) = StagedPayload::create(b"0123456789", 0..10).unwrap();
+        let err = StagedView::open(dup(&staged), 11).unwrap_err();
         assert!(matches!(
             err,
             StagingError::SizeMismatch {
                 expected: 11,
                 actual: 10,
-                ..
             }
         ));
         assert_eq!(err.code(), ErrorCode::ENVELOPE_INVALID);
+        // An unsealed memfd and a plain file are refused before mapping.
+        let open = memfd_create("x", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING).unwrap();
+        let err = StagedView::open(open, 0).unwrap_err();
+        assert!(matches!(err, StagingError::Unsealed { seals: 0 }), "{err}");
+        assert_eq!(err.code(), ErrorCode::ENVELOPE_INVALID);
+        let plain = OwnedFd::from(File::open("/proc/self/stat").unwrap());
         assert!(matches!(
-            StagedView::open("/other", 1),
-            Err(StagingError::BadName(_))
+            StagedView::open(plain, 0),
+            Err(StagingError::Unsealed { seals: -1 })
         ));
-        assert!(matches!(
-            StagedView::open("/callreg-1/x", 1),
-            Err(StagingError::BadName(_))
-        ));
-        let name = staged.name().to_owned();
-        drop(staged);
-        let err = StagedView::open(&name, 10).unwrap_err();
-        assert!(matches!(
-            err,
-            StagingError::Os {
-                operation: "shm_open",
-                errno: Errno::ENOENT,
-                ..
-            }
-        ));
-        assert_eq!(err.code(), ErrorCode::IO_FAILED);
-    }
-
-    #[test]
-    fn parent_pid_parsing() {
-        assert_eq!(parent_pid_of("callreg-123-4-00ff"), Some(123));
-        assert_eq!(parent_pid_of("callreg-0-4-00ff"), None);
-        assert_eq!(parent_pid_of("callreg-x-4"), None);
-        assert_eq!(parent_pid_of("other-123-4"), None);
-    }
-
-    #[test]
-    fn sweep_removes_dead_parents_names_only() {
-        // A pid that certainly belonged to a process that is now reaped.
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
-        let dead_name = format!("callreg-{dead}-1-sweeptest");
-        let fd = nix::sys::mman::shm_open(
-            format!("/{dead_name}").as_str(),
-            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
-        )
-        .unwrap();
-        drop(fd);
-        let (live, _) = StagedPayload::create(3, b"x", 0..1).unwrap();
-        let removed = sweep_stale().unwrap();
-        assert!(removed.contains(&dead_name), "{removed:?}");
-        assert!(!std::path::Path::new(&format!("{SHM_DIR}/{dead_name}")).exists());
-        assert!(std::path::Path::new(&path_of(&live)).exists());
     }
 }

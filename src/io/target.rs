@@ -1,10 +1,11 @@
 //! The target process: installs its startup snapshot, then serves control
 //! frames on one thread and runs tasks on another (DESIGN.md §4.2, §5).
 //!
-//! The control thread reads frames from the control pipe in order and
+//! The control thread reads frames from the control socket in order and
 //! drives the protocol's [`Target`] machine (through the [`SlotTable`]);
-//! it carries out the machine's effects: it opens and verifies staged
-//! payloads, installs them through the runtime (checks, then
+//! it carries out the machine's effects: it checks the seals of each
+//! staged payload received with a register, maps it read-only, verifies
+//! its digest, installs it from that same mapping through the runtime (checks, then
 //! deserialization), and writes replies. A task frame pins its slot on the
 //! control thread (frame order) and is handed to the task thread, so a
 //! long task never delays a register into a timeout.
@@ -22,20 +23,25 @@
 //! `u64::MAX` (a parent's seqs count up from 1 and never reach them).
 //!
 //! The target ends (with `_exit`, from [`super::process`]) when the control
-//! pipe reports EOF (the parent closed it or died), when a frame cannot be
+//! socket reports EOF (the parent closed it or died), when a frame cannot be
 //! decoded or is out of protocol ([`FRAME_EXIT_CODE`]), or when the reply
-//! pipe is gone ([`REPLY_EXIT_CODE`]).
+//! pipe is gone ([`REPLY_EXIT_CODE`]). A process forked inside the target
+//! by user code (during a deserialization or a task) ends with
+//! [`super::process::FORKED_EXIT_CODE`] as soon as it is back in this
+//! code: before it reads a control, reports an install or a task result,
+//! or writes any reply.
 
 use std::cell::Cell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use super::failpoints::{self, ABRUPT_EXIT_CODE};
-use super::process::TargetEnds;
+use super::process::{exit_unless_target, receive_control, TargetEnds};
 use super::slots::{Effects, SlotTable};
 use super::staging::StagedView;
 use crate::descriptor::{python_serialized_digest, Digest};
@@ -45,18 +51,20 @@ use crate::metadata::{merge_retval_keyword, CallableMetadata, HookCall};
 use crate::protocol::{Failure, Seq, Slot, Target, TargetConfig, TargetEffect, TargetId};
 use crate::runtime::{Runtime, RuntimeError, TaskEncoding};
 use crate::wire::{Frame, FrameBuffer, ReplyError, TaskFailure, HEADER_BYTES};
+use nix::errno::Errno;
 
 /// Exit status: the runtime failed to start.
 pub const START_EXIT_CODE: i32 = 103;
-/// Exit status: the startup snapshot could not be installed (after a
-/// [`Frame::Ready`] naming each entry's outcome).
+/// Exit status: the startup snapshot does not fit the target's slots
+/// (after a [`Frame::Ready`] failing every entry). An entry that fails to
+/// install does not end the target: it reports it and serves without it.
 pub const SNAPSHOT_EXIT_CODE: i32 = 104;
 /// Exit status: a control frame could not be decoded or was out of protocol.
 pub const FRAME_EXIT_CODE: i32 = 105;
 /// Exit status: a reply could not be written (the parent is gone).
 pub const REPLY_EXIT_CODE: i32 = 106;
 
-/// Bytes read from the control pipe per `read` call.
+/// Bytes read from the control socket per `recvmsg` call.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
 
 /// What a target inherits from the parent through `fork`.
@@ -97,6 +105,8 @@ impl ReplyWriter {
     /// message is cut at a character boundary, an oversized task result is
     /// replaced by an error saying so). Ends the target if the pipe is gone.
     fn send(&self, frame: Frame) {
+        // A process forked inside the target never writes a reply.
+        exit_unless_target();
         if failpoints::hit(failpoints::TARGET_REPLY_DELAY).is_err() {
             abrupt_exit();
         }
@@ -228,7 +238,11 @@ fn install<R: Runtime>(
     if let Err(message) = failpoints::hit(failpoints::TARGET_DESERIALIZE) {
         return Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, message));
     }
-    match catch_unwind(AssertUnwindSafe(|| runtime.install(payload, metadata))) {
+    let installed = catch_unwind(AssertUnwindSafe(|| runtime.install(payload, metadata)));
+    // Deserializing ran user code, which may have forked: only the target
+    // goes on.
+    exit_unless_target();
+    match installed {
         Ok(result) => result.map_err(runtime_failure),
         Err(panic) => Err(Failure::new(
             ErrorCode::DESERIALIZE_FAILED,
@@ -240,10 +254,24 @@ fn install<R: Runtime>(
     }
 }
 
-/// Opens a staged payload read-only, validates the envelope against the
-/// mapped size and recomputes its digest (DESIGN.md §4.2).
-fn open_and_verify(name: &str, size: u64) -> Result<(StagedView, Digest), Failure> {
-    let view = StagedView::open(name, size).map_err(|e| Failure::new(e.code(), e.to_string()))?;
+/// Checks a staged payload's seals and size and maps it read-only
+/// ([`StagedView::open`]), validates the envelope against the mapped size
+/// and recomputes its digest over that mapping (`specs/staging.md`); the
+/// same mapping is what the runtime later deserializes.
+///
+/// # Errors
+/// `IO_FAILED` when no descriptor came with the register control; the
+/// view's errors (`ENVELOPE_INVALID` for missing seals or another size);
+/// the envelope's errors.
+fn open_and_verify(payload: Option<OwnedFd>, size: u64) -> Result<(StagedView, Digest), Failure> {
+    let payload = payload.ok_or_else(|| {
+        Failure::new(
+            ErrorCode::IO_FAILED,
+            "no staged payload came with the register control",
+        )
+    })?;
+    let view =
+        StagedView::open(payload, size).map_err(|e| Failure::new(e.code(), e.to_string()))?;
     let digest = {
         let envelope =
             Envelope::parse(view.bytes()).map_err(|e| Failure::new(e.code(), e.message()))?;
@@ -293,6 +321,7 @@ struct Run<C> {
 }
 
 struct Control<'a, R: Runtime> {
+    id: TargetId,
     runtime: &'a R,
     table: Arc<SlotTable<R::Callable>>,
     writer: Arc<ReplyWriter>,
@@ -304,13 +333,16 @@ struct Control<'a, R: Runtime> {
     next_hook_seq: Cell<u64>,
 }
 
-/// Runs a target until its control pipe closes; returns its exit status.
+/// Runs a target until its control socket closes; returns its exit status.
 ///
 /// Order: start the runtime ([`Runtime::start_target`] with this
 /// target's id); install the startup snapshot (each entry from the
 /// inherited envelope, with its metadata); send [`Frame::Ready`] with
-/// every entry's outcome (and exit with [`SNAPSHOT_EXIT_CODE`] if any
-/// failed); then serve frames; when serving ends, [`Runtime::stop`].
+/// every entry's outcome; then serve frames, holding the entries that
+/// installed (`Target::with_snapshot_failures`: the parent unregisters a
+/// failed entry's digest where it was installed, `specs/protocol.md`);
+/// when serving ends, [`Runtime::stop`]. Exits with [`SNAPSHOT_EXIT_CODE`]
+/// only when the snapshot does not fit the slots.
 pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let TargetEnds {
         index,
@@ -337,7 +369,8 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         let table = table.clone();
         let writer = writer.clone();
         let runtime = setup.runtime.clone();
-        std::thread::spawn(move || run_tasks(&*runtime, &table, &writer, queue));
+        let id = config.id;
+        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, queue));
     }
     let hooks = setup
         .metadata
@@ -345,6 +378,7 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         .filter_map(|(digest, metadata)| Hooks::of(Some(metadata)).map(|h| (*digest, h)))
         .collect();
     let control_thread = Control {
+        id: config.id,
         runtime: &*setup.runtime,
         table,
         writer,
@@ -352,9 +386,9 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         hooks: std::cell::RefCell::new(hooks),
         next_hook_seq: Cell::new(u64::MAX),
     };
-    // Never closed before the process ends: a parent that sees the pipe
+    // Never closed before the process ends: a parent that sees the channel
     // close then always finds an exit status, not a target still exiting.
-    let control = std::mem::ManuallyDrop::new(File::from(control));
+    let control = std::mem::ManuallyDrop::new(control);
     let status = serve(&control, setup.max_frame_bytes, &control_thread);
     setup.runtime.stop();
     status
@@ -372,20 +406,18 @@ fn install_snapshot<R: Runtime>(
         .filter(|(_, n)| *n > 0)
         .map(|(d, _)| *d)
         .collect();
-    let machine = match Target::new(config, &setup.snapshot) {
-        Ok(machine) => machine,
-        Err(error) => {
-            let failure = ReplyError {
-                code: error.code,
-                message: error.message,
-            };
-            let snapshot = entries.iter().map(|d| (*d, Err(failure.clone()))).collect();
-            writer.send(Frame::Ready { pid, snapshot });
-            return None;
-        }
-    };
+    if let Err(error) = Target::new(config, &setup.snapshot) {
+        let failure = ReplyError {
+            code: error.code,
+            message: error.message,
+        };
+        let snapshot = entries.iter().map(|d| (*d, Err(failure.clone()))).collect();
+        writer.send(Frame::Ready { pid, snapshot });
+        return None;
+    }
     let mut callables = Vec::with_capacity(entries.len());
     let mut outcomes = Vec::with_capacity(entries.len());
+    let mut failed = Vec::new();
     for digest in entries {
         let result = install_one(setup, digest);
         outcomes.push((
@@ -395,16 +427,26 @@ fn install_snapshot<R: Runtime>(
                 .map(|_| ())
                 .map_err(|f| reply_error(f.clone())),
         ));
-        if let Ok(callable) = result {
-            callables.push(callable);
+        match result {
+            Ok(callable) => callables.push(callable),
+            Err(_) => failed.push(digest),
         }
     }
-    let failed = outcomes.iter().any(|(_, r)| r.is_err());
+    // The failed entries' slots stay free: the callables fill slots `0..`
+    // in snapshot order, as the machine does.
+    let machine = Target::with_snapshot_failures(config, &setup.snapshot, &failed).ok()?;
     writer.send(Frame::Ready {
         pid,
         snapshot: outcomes,
     });
-    (!failed).then(|| SlotTable::new(machine, callables))
+    let runtime = setup.runtime.clone();
+    Some(
+        SlotTable::new(machine, callables).with_finalizer(Box::new(move |release| {
+            runtime
+                .finalize(release)
+                .map_err(|e| format!("{}: {}", e.kind, e.message))
+        })),
+    )
 }
 
 fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::Callable, Failure> {
@@ -428,23 +470,31 @@ fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::
     Ok(callable)
 }
 
-fn serve<R: Runtime>(mut control: &File, max_frame_bytes: usize, this: &Control<'_, R>) -> i32 {
+fn serve<R: Runtime>(control: &OwnedFd, max_frame_bytes: usize, this: &Control<'_, R>) -> i32 {
     let Ok(mut buffer) = FrameBuffer::new(max_frame_bytes) else {
         return FRAME_EXIT_CODE;
     };
     let mut chunk = vec![0u8; READ_CHUNK_BYTES];
+    // Staged payloads received with register controls, in arrival order:
+    // each comes with its frame's first byte, so it is here by the time
+    // the frame is whole, and the k-th register takes the k-th descriptor.
+    let mut payloads = VecDeque::new();
     loop {
-        let n = match control.read(&mut chunk) {
+        let received = receive_control(control.as_fd(), &mut chunk, &mut payloads);
+        // A process forked inside the target never serves its controls.
+        exit_unless_target();
+        let n = match received {
             Ok(0) => return 0,
             Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(Errno::EINTR) => continue,
+            Err(Errno::ENOBUFS) => return FRAME_EXIT_CODE,
             Err(_) => return 0,
         };
         buffer.extend(&chunk[..n]);
         loop {
             match buffer.next_frame() {
                 Ok(Some(frame)) => {
-                    if !this.handle(frame) {
+                    if !this.handle(frame, &mut payloads) {
                         return FRAME_EXIT_CODE;
                     }
                 }
@@ -456,18 +506,19 @@ fn serve<R: Runtime>(mut control: &File, max_frame_bytes: usize, this: &Control<
 }
 
 impl<R: Runtime> Control<'_, R> {
-    /// Handles one frame; `false` for a frame a target never receives.
-    fn handle(&self, frame: Frame) -> bool {
+    /// Handles one frame (a register takes the next received staged
+    /// payload from `payloads`); `false` for a frame a target never
+    /// receives.
+    fn handle(&self, frame: Frame, payloads: &mut VecDeque<OwnedFd>) -> bool {
         match frame {
             Frame::Register {
                 seq,
                 digest,
-                staged_name,
                 staged_size,
                 metadata,
             } => {
                 let metadata = parse_metadata(&metadata);
-                let opened = open_and_verify(&staged_name, staged_size);
+                let opened = open_and_verify(payloads.pop_front(), staged_size);
                 let failpoint = failpoints::hit(failpoints::TARGET_BEFORE_INSTALL);
                 let verified = match (&opened, failpoint, &metadata) {
                     (_, Err(message), _) => Err(Failure::new(ErrorCode::IO_FAILED, message)),
@@ -494,6 +545,13 @@ impl<R: Runtime> Control<'_, R> {
                     });
                 } else {
                     let effects = self.table.on_unregister(Seq(seq), digest);
+                    // The last reference's callable was released (its
+                    // finalizer ran) before this unregister is answered.
+                    report_finalizers(
+                        &self.table,
+                        self.id,
+                        &format!("the unregister (seq {seq}) of {}", digest.hashid()),
+                    );
                     self.carry_out(effects, None, None);
                 }
             }
@@ -705,8 +763,22 @@ impl<R: Runtime> Control<'_, R> {
     }
 }
 
+/// Writes one line on the target's stderr for each failure a finalizer
+/// reported since the last call, naming the target and `what` freed the
+/// callable (the operation it belongs to); nothing else in the target's
+/// protocol changes: the slot is free all the same.
+fn report_finalizers<C>(table: &SlotTable<C>, id: TargetId, what: &str) {
+    for failure in table.take_finalizer_failures() {
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "callreg {id}: {what} released a callable whose finalizer failed: {failure}"
+        );
+    }
+}
+
 fn run_tasks<R: Runtime>(
     runtime: &R,
+    id: TargetId,
     table: &SlotTable<R::Callable>,
     writer: &ReplyWriter,
     queue: mpsc::Receiver<Run<R::Callable>>,
@@ -715,6 +787,15 @@ fn run_tasks<R: Runtime>(
         let result = run_with_hooks(runtime, &run);
         let (seq, digest) = (run.seq, run.digest);
         end_run(table, run);
+        // A slot unregistered during the run is freed at its end.
+        report_finalizers(
+            table,
+            id,
+            &format!(
+                "the end of task seq {seq} of {} (unregistered while it ran)",
+                digest.hashid()
+            ),
+        );
         writer.send(Frame::TaskResult {
             seq,
             digest,
@@ -748,7 +829,11 @@ fn call_caught<R: Runtime>(
     encoding: TaskEncoding,
     input: &[u8],
 ) -> Result<Vec<u8>, TaskFailure> {
-    match catch_unwind(AssertUnwindSafe(|| runtime.call(callable, encoding, input))) {
+    let called = catch_unwind(AssertUnwindSafe(|| runtime.call(callable, encoding, input)));
+    // The call ran user code, which may have forked: only the target goes
+    // on (a forked copy returning here never reports a result).
+    exit_unless_target();
+    match called {
         Ok(Ok(output)) => Ok(output),
         Ok(Err(error)) => Err(TaskFailure {
             code: error.code,

@@ -1,5 +1,6 @@
 //! The [`Worker`]: the protocol's [`Parent`] machine run over real forked
-//! targets, POSIX shm staging and pipes (DESIGN.md §4.1, §5).
+//! targets, sealed `memfd` staging (`specs/staging.md`), control sockets
+//! and reply pipes (DESIGN.md §4.1, §5).
 //!
 //! # Threads
 //!
@@ -21,9 +22,9 @@
 //!    close) and give each to the machine; drain effects after each.
 //! 2. Read the clock; if the machine's `poll_timeout` has passed, call
 //!    `handle_timeout(now)`; drain effects.
-//! 3. Build the poll set: the wake pipe, every live target's reply pipe,
-//!    and the control pipe of every target with unsent bytes; the poll
-//!    timeout is the machine's next deadline (none: block).
+//! 3. Build the poll set: the wake pipe, every live target's reply pipe
+//!    and pidfd, and the control socket of every target with unsent bytes;
+//!    the poll timeout is the machine's next deadline (none: block).
 //! 4. Release the state lock, hand the results decided since the last
 //!    `poll` to their waiting callers (a caller woken under the lock would
 //!    block on it at once), and `poll`.
@@ -32,15 +33,19 @@
 //!    machine (`handle_reply`), draining effects after each; task results
 //!    and tables go to their waiting callers. EOF, a hang-up, an
 //!    undecodable or out-of-protocol frame: kill and reap the target, then
-//!    `target_lost`; drain effects.
-//! 6. Flush pending control bytes to writable targets (a full pipe never
-//!    blocks the loop), then go to 1.
+//!    `target_lost`; drain effects. A readable pidfd (the target process
+//!    ended, even if a process it forked still holds its pipes): read what
+//!    its reply pipe holds, then the same.
+//! 6. Flush pending control bytes to writable targets (a full socket never
+//!    blocks the loop; a register's sealed payload descriptor goes with
+//!    its frame's first byte), then go to 1.
 //!
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
 //! with `stage_failed`); `Send` encodes a wire frame into the target's
-//! outbox (a register's carries its metadata as JSON); `ReleaseStaged`
-//! unlinks the shm object; `Fence` kills and reaps the target; `Completed`
+//! outbox (a register's carries its metadata as JSON, and a duplicate of
+//! its staged payload's descriptor waits beside it); `ReleaseStaged`
+//! closes the parent's descriptor of the payload; `Fence` kills and reaps the target; `Completed`
 //! hands the result to the waiting caller (a published handle passes
 //! `parent.before_publish` first).
 
@@ -60,15 +65,15 @@ use serde::Serialize;
 use super::failpoints;
 use super::handoff::{self, Completer, Pending};
 use super::process::{self, Exit, TargetProcess, ThreadPolicy, TrackedFd};
-use super::staging::{self, StagedPayload};
+use super::staging::StagedPayload;
 use super::target::{self, TargetSetup};
 use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
 use crate::envelope::{Envelope, HEADER_LEN};
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
-    Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
+    Completion, ControlFrame, Effect, FailedRegistration, Failure, Handle, Lifecycle, Namespace,
+    OpId, OwnerToken, Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
     DEFAULT_SLOT_CAPACITY,
 };
 use crate::runtime::{Runtime, TaskEncoding};
@@ -161,14 +166,46 @@ pub struct TaskError {
     pub exception: Box<[u8]>,
 }
 
-/// What [`Worker::start`] did at each target.
+/// What [`Worker::start`] did at each target, and the startup-snapshot
+/// registrations that failed.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize)]
 pub struct StartReport {
-    /// Every target with its outcome: `Ok` (live, snapshot installed),
-    /// `Failed` (it reported a snapshot entry it could not install, or it
-    /// exited before it was ready; it was stopped), `Fenced` (not ready
-    /// before the control timeout; killed).
+    /// Every target with its outcome: `Ok` (live, ready: it installed
+    /// every snapshot entry but those in `failed` that name it), `Failed`
+    /// (it exited before it was ready; it was stopped), `Fenced` (not ready
+    /// before the start's deadline; killed).
     pub outcomes: Vec<(TargetId, TargetOutcome)>,
+    /// The pre-start registrations whose callable some target could not
+    /// install (it failed to deserialize, or its version or dependency
+    /// check refused it), in handle order, each with every such target's
+    /// failure (code, and a message made of the Python exception type and
+    /// text): their handles are no longer live, and the targets that did
+    /// install the callable drop it (`specs/protocol.md`, §2.6).
+    pub failed: Vec<FailedRegistration>,
+}
+
+impl StartReport {
+    /// Whether every target is live and every pre-start registration
+    /// stayed live.
+    pub fn is_complete(&self) -> bool {
+        self.failed.is_empty() && self.outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok)
+    }
+}
+
+/// One line for a failed startup-snapshot registration: `registration of
+/// sha256:… (handle 3) failed: target 0: DESERIALIZE_FAILED: TypeError: …`.
+pub fn registration_failure_text(registration: &FailedRegistration) -> String {
+    let reasons: Vec<String> = registration
+        .failures
+        .iter()
+        .map(|(target, failure)| format!("{target}: {failure}"))
+        .collect();
+    format!(
+        "registration of {} (handle {}) failed: {}",
+        registration.handle.hashid,
+        registration.handle.handle_id,
+        reasons.join("; ")
+    )
 }
 
 /// One target's reported table ([`Worker::inspect`]): never a slot.
@@ -213,8 +250,13 @@ impl<R: Runtime> WorkerBuilder<R> {
         self
     }
 
-    /// How long a target has to answer a register, an unregister or a
-    /// cleanup, and to be ready at start.
+    /// How long a target has to answer a register, an unregister, a
+    /// cleanup or an inspection, and how long [`Worker::start`] waits for
+    /// every target to be ready, counted from before its first fork (one
+    /// deadline for the whole start, not one per target: a target's
+    /// runtime start — about 50 ms of CPU for Python — competes with the
+    /// others' and with the forks, so allow at least `targets × 50 ms ÷
+    /// cores`, with a margin).
     pub fn control_timeout(mut self, timeout: Duration) -> Self {
         self.control_timeout = timeout;
         self
@@ -302,7 +344,6 @@ impl<R: Runtime> WorkerBuilder<R> {
                     pids: Vec::new(),
                     exits: BTreeMap::new(),
                     losses: BTreeMap::new(),
-                    next_staging: 1,
                 }),
             }),
             io_thread: Mutex::new(None),
@@ -447,7 +488,8 @@ enum Request {
 struct Core {
     machine: Parent,
     /// Envelope bytes of pre-start registrations, by digest (the startup
-    /// snapshot's payloads, inherited by the targets).
+    /// snapshot's payloads, inherited by the targets); emptied at start and
+    /// at close.
     envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
     /// Callable metadata of pre-start registrations, by digest: the first
     /// registration of a digest that brought metadata (targets install each
@@ -462,8 +504,6 @@ struct Core {
     exits: BTreeMap<TargetId, Exit>,
     /// Why lost targets were given up, with how they ended.
     losses: BTreeMap<TargetId, String>,
-    /// Numbers staged payload names (`callreg-<pid>-<n>-<random>`).
-    next_staging: u64,
 }
 
 struct Shared {
@@ -607,10 +647,10 @@ impl<R: Runtime> Worker<R> {
     ) -> Result<PendingOperation<Handle>, OperationError> {
         let parsed = Envelope::parse(envelope).map_err(Self::envelope_error)?;
         if let Some(metadata) = metadata {
-            // Room for the register control's fixed fields and a staged
-            // name (`/callreg-<pid>-<n>-<16 hex>`, well under 128 bytes).
+            // Room for the register control's fixed fields: seq, digest,
+            // staged size and the metadata's length.
             let json_bytes = metadata.to_json().len();
-            if HEADER_BYTES + 8 + 32 + 4 + 128 + 8 + 4 + json_bytes > self.max_frame_bytes {
+            if HEADER_BYTES + 8 + 32 + 8 + 4 + json_bytes > self.max_frame_bytes {
                 return Err(OperationError::new(
                     Error::new(
                         ErrorCode::FRAME_INVALID,
@@ -652,18 +692,17 @@ impl<R: Runtime> Worker<R> {
                 "the Worker is closed",
             ))),
             Lifecycle::Started => {
-                let number = core.next_staging;
-                core.next_staging += 1;
                 drop(core);
                 let hashed = HEADER_LEN..parsed.encoded_len();
                 let (staged, payload_sha256) =
-                    StagedPayload::create(number, &envelope[..parsed.encoded_len()], hashed)
-                        .map_err(|e| {
+                    StagedPayload::create(&envelope[..parsed.encoded_len()], hashed).map_err(
+                        |e| {
                             OperationError::new(
                                 Error::new(e.code(), OperationKind::Stage, e.to_string())
                                     .with_namespace(Namespace::LocalPython),
                             )
-                        })?;
+                        },
+                    )?;
                 let digest = PythonSerialized {
                     payload_format_version: parsed.version(),
                     serializer_id: parsed.serializer(),
@@ -833,6 +872,16 @@ impl<R: Runtime> Worker<R> {
         self.shared.lock().losses.get(&target).cloned()
     }
 
+    /// Bytes of envelopes this parent keeps for the startup snapshot (the
+    /// distinct pre-start envelopes with a live handle, until start): what
+    /// the targets will inherit through `fork`. Zero after start and after
+    /// close: the parent holds only what live registrations need, and a
+    /// registration after start keeps only its staged payload, until every
+    /// target answered.
+    pub fn retained_envelope_bytes(&self) -> usize {
+        self.shared.lock().envelopes.values().map(|e| e.len()).sum()
+    }
+
     /// A copy of the parent machine's state (diagnostics and tests: the
     /// protocol's invariant predicates take it).
     pub fn parent_state(&self) -> Parent {
@@ -840,7 +889,10 @@ impl<R: Runtime> Worker<R> {
     }
 
     /// Asks every live target for its table and waits for the answers, in
-    /// target order; `None` for a target lost before it answered.
+    /// target order, for at most the control timeout: `None` for a target
+    /// lost before it answered, or that did not answer in time (e.g. a
+    /// stopped process; it is not fenced for it: an inspection changes
+    /// nothing, and its table, if it comes later, is dropped).
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless started.
@@ -885,17 +937,38 @@ impl<R: Runtime> Worker<R> {
     /// Call it from a thread that outlives the Worker: targets are killed
     /// when the thread that forked them ends (`PR_SET_PDEATHSIG`).
     ///
-    /// A target that cannot install the snapshot (or is not ready in time)
-    /// is stopped and reported; the Worker still starts with the others,
-    /// and the returned error lists every target's outcome.
+    /// A snapshot entry that some target cannot install (it fails to
+    /// deserialize there, or its checks refuse it) fails that registration
+    /// only (`specs/protocol.md` §2.6): its handles are no longer live,
+    /// the targets that installed it drop it, and the returned
+    /// [`StartReport::failed`] names each with every target's reason. A
+    /// target that is not ready (it exited, or missed the deadline) is
+    /// stopped and reported; the Worker still starts with the others, and
+    /// the returned error lists every target's outcome.
+    ///
+    /// Deadline: the control timeout bounds the whole start, counted from
+    /// before the first fork; a target not ready by then is fenced (killed,
+    /// reaped, reported `Fenced`). So `start` returns within the control
+    /// timeout plus the time to reap the targets it gave up.
+    ///
+    /// Limits: at most `u16::MAX` targets; the parent holds three
+    /// descriptors per target (its end of the control socket, its end of
+    /// the reply pipe, a pidfd),
+    /// so the soft `RLIMIT_NOFILE` bounds the count (checked first); each
+    /// Python target costs about 11.5 MB PSS (19 MB RSS; CPython 3.11 with
+    /// cloudpickle, nothing registered; `BENCHMARKS.md`).
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless new; `IO_FAILED` when the process already
-    /// runs other threads (unless accepted in the builder), when `fork`,
+    /// runs other threads (unless accepted in the builder), when the
+    /// targets' pipes would exceed the soft `RLIMIT_NOFILE`, when `fork`,
     /// `pipe2` fails, or `FAILPOINTS` is malformed;
-    /// `REGISTER_PARTIAL_FAILURE` (a startup snapshot was not installed
-    /// everywhere) or `TARGET_LOST` (no snapshot; a target did not start),
-    /// with every target's outcome.
+    /// `REGISTER_PARTIAL_FAILURE` (with a startup snapshot) or
+    /// `TARGET_LOST` (without) when some target was not ready (it exited
+    /// or broke the protocol before, or missed the deadline), with every
+    /// target's outcome and, in the message, every failed registration.
+    /// A snapshot entry that a ready target could not install is not an
+    /// error: it is in [`StartReport::failed`].
     pub fn start(&self) -> Result<StartReport, OperationError> {
         let mut core = self.shared.lock();
         let start_error = |code, message: String| {
@@ -907,7 +980,6 @@ impl<R: Runtime> Worker<R> {
                 "start needs a new Worker",
             )));
         }
-        let _ = staging::sweep_stale();
         // Only a build with fail points reads their variables: `FAILPOINTS`
         // may be meant for another crate of the embedding process.
         if cfg!(feature = "failpoints") {
@@ -915,6 +987,11 @@ impl<R: Runtime> Worker<R> {
                 .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         }
         ignore_sigpipe();
+        check_descriptor_room(self.targets).map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
+        // One deadline for the whole start, from before the first fork:
+        // every target must be ready by then (forking under load, and every
+        // target starting its runtime at once, all count against it).
+        let deadline = Instant::now() + self.control_timeout;
         let snapshot = core.machine.startup_snapshot();
         let setup = TargetSetup {
             runtime: self.runtime.clone(),
@@ -940,16 +1017,20 @@ impl<R: Runtime> Worker<R> {
         )
         .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
         drop(setup);
+        // Every target inherited the snapshot's bytes through `fork`; the
+        // parent never sends them again (a later register stages its own).
+        core.envelopes = BTreeMap::new();
+        core.metadata = BTreeMap::new();
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
-        let deadline = Instant::now() + self.control_timeout;
-        let (mut links, outcomes) = wait_ready(processes, self.max_frame_bytes, deadline);
+        let (mut links, outcomes, snapshot_failures) =
+            wait_ready(processes, &snapshot, self.max_frame_bytes, deadline);
         let now = now_since(self.clock);
         for (target, outcome) in &outcomes {
             if *outcome != TargetOutcome::Ok {
                 if let Some(mut link) = links[usize::from(target.0)].take() {
-                    // A target that failed its snapshot exits on its own; one
-                    // that was not ready in time is fenced at once.
+                    // A target that exited before it was ready is reaped;
+                    // one that was not ready in time is fenced at once.
                     let grace = if *outcome == TargetOutcome::Fenced {
                         Duration::ZERO
                     } else {
@@ -963,6 +1044,13 @@ impl<R: Runtime> Worker<R> {
             }
         }
         while core.machine.poll_effect().is_some() {}
+        // A snapshot entry some target could not install fails its
+        // registration; the machine unregisters it where it was installed
+        // (its frames are carried out below, by the IO loop's drain).
+        let failed = core
+            .machine
+            .snapshot_failed(&snapshot_failures, now)
+            .map_err(OperationError::new)?;
         let (wake_read, wake_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
         core.wake = Some(TrackedFd::new(wake_write));
@@ -975,11 +1063,15 @@ impl<R: Runtime> Worker<R> {
             ops: BTreeMap::new(),
             tasks: BTreeMap::new(),
             inspects: Vec::new(),
+            late_tables: std::collections::BTreeSet::new(),
             next_inspect: 1,
+            control_timeout: self.control_timeout,
             clock: self.clock,
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
         };
+        let mut io = io;
+        io.drain(&mut core, &mut Context::default());
         drop(core);
         let handle = std::thread::Builder::new()
             .name("callreg-io".to_owned())
@@ -988,7 +1080,7 @@ impl<R: Runtime> Worker<R> {
                 start_error(ErrorCode::IO_FAILED, format!("spawning the IO thread: {e}"))
             })?;
         *self.io_thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
-        let report = StartReport { outcomes };
+        let report = StartReport { outcomes, failed };
         if report.outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok) {
             return Ok(report);
         }
@@ -1011,12 +1103,12 @@ impl<R: Runtime> Worker<R> {
                 "could not install the startup snapshot",
             )
         };
-        let mut error = Error::new(
-            code,
-            OperationKind::Start,
-            format!("{subject} {} {what} and {verb} stopped", failed.join(", ")),
-        )
-        .with_namespace(Namespace::LocalPython);
+        let mut message = format!("{subject} {} {what} and {verb} stopped", failed.join(", "));
+        for registration in &report.failed {
+            message.push_str(&format!("; {}", registration_failure_text(registration)));
+        }
+        let mut error =
+            Error::new(code, OperationKind::Start, message).with_namespace(Namespace::LocalPython);
         if let Some((target, _)) = report
             .outcomes
             .iter()
@@ -1040,6 +1132,8 @@ impl<R: Runtime> Worker<R> {
             let mut core = self.shared.lock();
             if core.machine.lifecycle() == Lifecycle::New {
                 let _ = core.machine.close();
+                core.envelopes = BTreeMap::new();
+                core.metadata = BTreeMap::new();
                 return;
             }
         }
@@ -1089,6 +1183,38 @@ fn refuse(request: Request, before_start: bool) {
     }
 }
 
+/// Checks that the parent can hold its three descriptors per target (and the
+/// IO thread's wake pipe) within the soft `RLIMIT_NOFILE`, counting the
+/// descriptors already open.
+///
+/// # Errors
+/// The message naming what is needed and what the limit allows.
+fn check_descriptor_room(targets: u16) -> Result<(), String> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` into the valid pointer given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return Ok(());
+    }
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
+    let needed = 3 * u64::from(targets) + 2;
+    // `rlim_t` is `u64` on Linux.
+    let room = limit
+        .rlim_cur
+        .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
+    if needed > room {
+        return Err(format!(
+            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            limit.rlim_cur
+        ));
+    }
+    Ok(())
+}
+
 /// Ignores SIGPIPE if it has its default action (ending the process), so a
 /// write to a dead target's pipe fails with `EPIPE` instead. Rust programs
 /// and CPython already ignore it; this covers other embedders.
@@ -1108,18 +1234,30 @@ fn ignore_sigpipe() {
 struct Link {
     process: TargetProcess,
     input: FrameBuffer,
-    /// Encoded control bytes not yet written (the pipe was full).
+    /// Encoded control bytes not yet written (the socket was full).
     outbox: Vec<u8>,
+    /// Staged payload descriptors waiting to go with the outbox byte at
+    /// their offset (a register frame's first byte), in offset order.
+    outbox_fds: VecDeque<(usize, TrackedFd)>,
 }
 
+/// The snapshot entries targets reported they could not install.
+type SnapshotFailures = Vec<(TargetId, Digest, Failure)>;
+
 /// Waits until every target sent [`Frame::Ready`], exited or the deadline
-/// passed; returns the links (`None` for a target that is not usable) and
-/// each target's outcome.
+/// passed; returns the links (`None` for a target that is not usable),
+/// each target's outcome (`Ok` once ready, whatever its snapshot entries
+/// did) and the snapshot entries each ready target failed.
 fn wait_ready(
     processes: Vec<TargetProcess>,
+    snapshot: &[(Digest, u32)],
     max_frame_bytes: usize,
     deadline: Instant,
-) -> (Vec<Option<Link>>, Vec<(TargetId, TargetOutcome)>) {
+) -> (
+    Vec<Option<Link>>,
+    Vec<(TargetId, TargetOutcome)>,
+    SnapshotFailures,
+) {
     let mut links: Vec<Option<Link>> = Vec::with_capacity(processes.len());
     for process in processes {
         match FrameBuffer::new(max_frame_bytes) {
@@ -1127,6 +1265,7 @@ fn wait_ready(
                 process,
                 input,
                 outbox: Vec::new(),
+                outbox_fds: VecDeque::new(),
             })),
             Err(_) => links.push(None),
         }
@@ -1138,6 +1277,7 @@ fn wait_ready(
                 .then(|| failed_outcome(ErrorCode::FRAME_INVALID, "no frame buffer".to_owned()))
         })
         .collect();
+    let mut failures = Vec::new();
     let mut chunk = vec![0u8; READ_CHUNK_BYTES];
     while outcomes.iter().any(Option::is_none) {
         let now = Instant::now();
@@ -1147,31 +1287,61 @@ fn wait_ready(
         let waiting: Vec<usize> = (0..links.len())
             .filter(|i| outcomes[*i].is_none())
             .collect();
-        let mut fds: Vec<PollFd<'_>> = waiting
-            .iter()
-            .filter_map(|i| links[*i].as_ref())
-            .map(|l| PollFd::new(l.process.reply(), PollFlags::POLLIN))
-            .collect();
+        // Each waiting target's reply pipe, and its pidfd: a target that
+        // ended while a process it forked holds its pipe is seen all the
+        // same.
+        let mut fds: Vec<PollFd<'_>> = Vec::new();
+        let mut owners: Vec<(usize, bool)> = Vec::new();
+        for index in &waiting {
+            let Some(link) = links[*index].as_ref() else {
+                continue;
+            };
+            fds.push(PollFd::new(link.process.reply(), PollFlags::POLLIN));
+            owners.push((*index, false));
+            if let Some(pidfd) = link.process.pidfd() {
+                fds.push(PollFd::new(pidfd, PollFlags::POLLIN));
+                owners.push((*index, true));
+            }
+        }
         let timeout = PollTimeout::try_from(deadline - now).unwrap_or(PollTimeout::MAX);
         match nix::poll::poll(&mut fds, timeout) {
             Ok(_) | Err(Errno::EINTR) => {}
             Err(_) => break,
         }
-        let ready: Vec<bool> = fds
-            .iter()
-            .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
-            .collect();
-        drop(fds);
-        for (index, is_ready) in waiting.into_iter().zip(ready) {
-            if !is_ready {
-                continue;
+        let mut ready: BTreeMap<usize, bool> = BTreeMap::new();
+        for (fd, (index, is_pidfd)) in fds.iter().zip(owners) {
+            if fd.revents().is_some_and(|r| !r.is_empty()) {
+                *ready.entry(index).or_default() |= is_pidfd;
             }
+        }
+        drop(fds);
+        for (index, ended) in ready {
             let Some(link) = links[index].as_mut() else {
                 continue;
             };
-            let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed);
+            let closed = matches!(read_available(link, &mut chunk), ReadOutcome::Closed) || ended;
             outcomes[index] = match link.input.next_frame() {
-                Ok(Some(Frame::Ready { snapshot, .. })) => Some(ready_outcome(snapshot)),
+                Ok(Some(Frame::Ready {
+                    snapshot: entries, ..
+                })) => {
+                    let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                    if let Some((digest, _)) = entries
+                        .iter()
+                        .find(|(d, _)| !snapshot.iter().any(|(s, _)| s == d))
+                    {
+                        Some(failed_outcome(
+                            ErrorCode::FRAME_INVALID,
+                            format!("it reported {digest}, which is not in the startup snapshot"),
+                        ))
+                    } else {
+                        failures.extend(entries.into_iter().filter_map(|(digest, result)| {
+                            result
+                                .err()
+                                .map(|e| (target, digest, Failure::new(e.code, e.message)))
+                        }));
+                        Some(TargetOutcome::Ok)
+                    }
+                }
                 Ok(Some(other)) => Some(failed_outcome(
                     ErrorCode::FRAME_INVALID,
                     format!("sent a {:?} frame before it was ready", other.kind()),
@@ -1192,37 +1362,12 @@ fn wait_ready(
             )
         })
         .collect();
-    (links, outcomes)
+    (links, outcomes, failures)
 }
 
 fn failed_outcome(code: ErrorCode, message: String) -> TargetOutcome {
     TargetOutcome::Failed {
         failure: Failure::new(code, message),
-    }
-}
-
-fn ready_outcome(snapshot: Vec<(Digest, Result<(), crate::wire::ReplyError>)>) -> TargetOutcome {
-    let failures: Vec<_> = snapshot
-        .into_iter()
-        .filter_map(|(digest, result)| result.err().map(|e| (digest, e)))
-        .collect();
-    match failures.first() {
-        None => TargetOutcome::Ok,
-        Some((_, first)) => {
-            // The outcome shows the first failure's code: repeat a code only
-            // where it differs from that one.
-            let text: Vec<String> = failures
-                .iter()
-                .map(|(digest, e)| {
-                    if e.code == first.code {
-                        format!("{digest}: {}", e.message)
-                    } else {
-                        format!("{digest}: {}: {}", e.code, e.message)
-                    }
-                })
-                .collect();
-            failed_outcome(first.code, format!("startup snapshot: {}", text.join("; ")))
-        }
     }
 }
 
@@ -1286,6 +1431,9 @@ struct TaskWaiter {
 
 struct InspectWaiter {
     seq: u64,
+    /// When the targets still waited for are given up (`None` in the
+    /// answer): the control timeout after the inspect was sent.
+    deadline: Instant,
     waiting: Vec<TargetId>,
     tables: BTreeMap<TargetId, Option<TargetTable>>,
     done: Completer<Vec<(TargetId, Option<TargetTable>)>>,
@@ -1353,7 +1501,12 @@ struct IoLoop {
     ops: BTreeMap<OpId, OpWaiter>,
     tasks: BTreeMap<u64, TaskWaiter>,
     inspects: Vec<InspectWaiter>,
+    /// Inspections a target did not answer before their deadline, by seq
+    /// and target: its table, if it comes, is dropped (it is not out of
+    /// protocol).
+    late_tables: std::collections::BTreeSet<(u64, TargetId)>,
     next_inspect: u64,
+    control_timeout: Duration,
     clock: Instant,
     max_frame_bytes: usize,
     /// Completions decided under the state lock, handed to their callers
@@ -1372,6 +1525,7 @@ enum Ready {
     Wake,
     Reply(usize),
     Control(usize),
+    Ended(usize),
 }
 
 impl IoLoop {
@@ -1419,11 +1573,22 @@ impl IoLoop {
                 core.machine.handle_timeout(now);
                 self.drain(&mut core, &mut Context::default());
             }
-            // Step 3: poll set and timeout.
-            let timeout = match core.machine.poll_timeout() {
+            self.expire_inspects();
+            // Step 3: poll set and timeout (the machine's next deadline, or
+            // an inspection's, whichever comes first).
+            let machine_micros = core
+                .machine
+                .poll_timeout()
+                .map(|deadline| deadline.0.saturating_sub(self.now().0));
+            let inspect_micros = self
+                .inspects
+                .iter()
+                .map(|w| w.deadline.saturating_duration_since(Instant::now()))
+                .min()
+                .map(|left| u64::try_from(left.as_micros()).unwrap_or(u64::MAX));
+            let timeout = match machine_micros.into_iter().chain(inspect_micros).min() {
                 None => PollTimeout::NONE,
-                Some(deadline) => {
-                    let micros = deadline.0.saturating_sub(self.now().0);
+                Some(micros) => {
                     PollTimeout::try_from(micros.div_ceil(1000)).unwrap_or(PollTimeout::MAX)
                 }
             };
@@ -1433,6 +1598,10 @@ impl IoLoop {
                 let Some(link) = link else { continue };
                 fds.push(PollFd::new(link.process.reply(), PollFlags::POLLIN));
                 watched.push(Ready::Reply(index));
+                if let Some(pidfd) = link.process.pidfd() {
+                    fds.push(PollFd::new(pidfd, PollFlags::POLLIN));
+                    watched.push(Ready::Ended(index));
+                }
                 if let (false, Some(control)) = (link.outbox.is_empty(), link.process.control()) {
                     fds.push(PollFd::new(control, PollFlags::POLLOUT));
                     watched.push(Ready::Control(index));
@@ -1443,9 +1612,9 @@ impl IoLoop {
             drop(core);
             handovers.into_iter().for_each(|handover| handover());
             let polled = nix::poll::poll(&mut fds, timeout);
-            let events: Vec<bool> = fds
+            let events: Vec<PollFlags> = fds
                 .iter()
-                .map(|fd| fd.revents().is_some_and(|r| !r.is_empty()))
+                .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
                 .collect();
             drop(fds);
             if let Err(errno) = polled {
@@ -1460,7 +1629,7 @@ impl IoLoop {
             // Steps 5 and 6: replies, losses, flushes.
             let mut core = shared.lock();
             for (what, event) in watched.into_iter().zip(events) {
-                if !event {
+                if event.is_empty() {
                     continue;
                 }
                 match what {
@@ -1471,8 +1640,21 @@ impl IoLoop {
                         {
                         }
                     }
-                    Ready::Reply(index) => self.read_replies(&mut core, index, &mut chunk),
+                    Ready::Reply(index) => {
+                        // A hung-up pipe is read to its end in this turn: a
+                        // completion decided now must not be handed over
+                        // while the target that died is still counted live.
+                        let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
+                        self.read_replies(&mut core, index, &mut chunk, hung_up)
+                    }
                     Ready::Control(index) => self.flush(&mut core, index),
+                    Ready::Ended(index) => {
+                        // Its last replies first (a reply pipe that also
+                        // closed was handled just before, as `Reply`).
+                        self.read_replies(&mut core, index, &mut chunk, true);
+                        let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                        self.lose(&mut core, target, "its process ended");
+                    }
                 }
             }
             // Completions decided here are handed over at step 4 of the
@@ -1561,6 +1743,7 @@ impl IoLoop {
                 }
                 let mut waiter = InspectWaiter {
                     seq,
+                    deadline: Instant::now() + self.control_timeout,
                     waiting: waiting.clone(),
                     tables: BTreeMap::new(),
                     done,
@@ -1625,7 +1808,7 @@ impl IoLoop {
                     op,
                     result,
                     outcomes,
-                } => self.complete(op, result, outcomes),
+                } => self.complete(op, result, outcomes, &core.losses),
             }
         }
     }
@@ -1637,19 +1820,29 @@ impl IoLoop {
         frame: ControlFrame,
         context: &mut Context,
     ) {
+        let mut attached: Option<TrackedFd> = None;
         let wire = match frame {
             ControlFrame::Register {
                 seq,
                 digest,
                 staging,
             } => match self.staged.get(&staging) {
-                Some(staged) => Frame::Register {
-                    seq: seq.0,
-                    digest,
-                    staged_name: staged.payload.name().to_owned(),
-                    staged_size: staged.payload.size(),
-                    metadata: staged.metadata.clone(),
-                },
+                Some(staged) => {
+                    let Ok(fd) = staged.payload.fd().try_clone_to_owned() else {
+                        return self.lose(
+                            core,
+                            target,
+                            "its register's staged payload could not be duplicated",
+                        );
+                    };
+                    attached = Some(TrackedFd::new(fd));
+                    Frame::Register {
+                        seq: seq.0,
+                        digest,
+                        staged_size: staged.payload.size(),
+                        metadata: staged.metadata.clone(),
+                    }
+                }
                 // The machine sends a register only while its payload is
                 // staged; an unknown staging id means a lost target now.
                 None => return self.lose(core, target, "no staged payload for its register"),
@@ -1672,6 +1865,7 @@ impl IoLoop {
         let Some(Some(link)) = self.links.get_mut(index) else {
             return;
         };
+        let offset = link.outbox.len();
         if wire
             .encode_into(&mut link.outbox, self.max_frame_bytes)
             .is_err()
@@ -1684,10 +1878,17 @@ impl IoLoop {
                 "a control frame exceeded the maximum frame size",
             );
         }
+        if let Some(fd) = attached {
+            link.outbox_fds.push_back((offset, fd));
+        }
         self.flush(core, index);
     }
 
-    /// Writes as much of a link's outbox as the pipe takes now.
+    /// Writes as much of a link's outbox as the socket takes now. Each
+    /// `sendmsg` stops before the next frame that carries a descriptor, and
+    /// a descriptor goes with the first byte of its frame, so a target
+    /// receives each register's payload no later than the frame's first
+    /// byte and in frame order.
     fn flush(&mut self, core: &mut Core, index: usize) {
         let Some(Some(link)) = self.links.get_mut(index) else {
             return;
@@ -1696,24 +1897,45 @@ impl IoLoop {
             return;
         };
         while !link.outbox.is_empty() {
-            match nix::unistd::write(control, &link.outbox) {
+            let (fd, end) = match (link.outbox_fds.front(), link.outbox_fds.get(1)) {
+                (Some((0, fd)), next) => (Some(fd.as_fd()), next.map(|(at, _)| *at)),
+                (Some((at, _)), _) => (None, Some(*at)),
+                (None, _) => (None, None),
+            };
+            let end = end.unwrap_or(link.outbox.len());
+            let with_fd = fd.is_some();
+            match process::send_control(control, &link.outbox[..end], fd) {
                 Ok(n) => {
                     link.outbox.drain(..n);
+                    if n > 0 && with_fd {
+                        link.outbox_fds.pop_front();
+                    }
+                    for (at, _) in link.outbox_fds.iter_mut() {
+                        *at -= n;
+                    }
                 }
                 Err(Errno::EINTR) => continue,
                 Err(Errno::EAGAIN) => return,
                 Err(_) => {
                     let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
-                    return self.lose(core, target, "its control pipe is closed");
+                    return self.lose(core, target, "its control socket is closed");
                 }
             }
         }
     }
 
-    fn read_replies(&mut self, core: &mut Core, index: usize, chunk: &mut [u8]) {
+    fn read_replies(&mut self, core: &mut Core, index: usize, chunk: &mut [u8], hung_up: bool) {
         let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
         let closed = match self.links.get_mut(index) {
-            Some(Some(link)) => matches!(read_available(link, chunk), ReadOutcome::Closed),
+            Some(Some(link)) => loop {
+                // Its writer is gone: what is left is bounded by the pipe's
+                // capacity, then end of file.
+                match read_available(link, chunk) {
+                    ReadOutcome::Closed => break true,
+                    ReadOutcome::Data if hung_up => continue,
+                    _ => break false,
+                }
+            },
             _ => return,
         };
         loop {
@@ -1789,6 +2011,9 @@ impl IoLoop {
                     .iter()
                     .position(|w| w.seq == seq && w.waiting.contains(&target))
                 else {
+                    if self.late_tables.remove(&(seq, target)) {
+                        return Ok(());
+                    }
                     return Err(format!("it sent a table for unknown inspect seq {seq}"));
                 };
                 let waiter = &mut self.inspects[position];
@@ -1823,6 +2048,7 @@ impl IoLoop {
         op: OpId,
         result: Result<Completion, Error>,
         outcomes: Vec<(TargetId, TargetOutcome)>,
+        losses: &BTreeMap<TargetId, String>,
     ) {
         let Some(waiter) = self.ops.remove(&op) else {
             return;
@@ -1841,11 +2067,31 @@ impl IoLoop {
                 self.defer(done, Ok(()))
             }
             (OpWaiter::Register(done), result) => {
-                self.defer(done, Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes, losses)))
             }
             (OpWaiter::Unregister(done), result) => {
-                self.defer(done, Err(operation_error(result, outcomes)))
+                self.defer(done, Err(operation_error(result, outcomes, losses)))
             }
+        }
+    }
+
+    /// Answers every inspection whose deadline passed: a target that has
+    /// not sent its table is `None` in the answer (it stays live; its table
+    /// is dropped if it comes later).
+    fn expire_inspects(&mut self) {
+        let now = Instant::now();
+        let mut index = 0;
+        while index < self.inspects.len() {
+            if self.inspects[index].deadline > now {
+                index += 1;
+                continue;
+            }
+            let mut waiter = self.inspects.remove(index);
+            for target in &waiter.waiting {
+                self.late_tables.insert((waiter.seq, *target));
+            }
+            let tables = finish_inspect(&mut waiter);
+            waiter.done.complete(tables);
         }
     }
 
@@ -1869,6 +2115,7 @@ impl IoLoop {
             .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
         let reason = format!("{why}; it {how}");
         core.losses.insert(target, reason.clone());
+        self.late_tables.retain(|(_, t)| *t != target);
         let lost: Vec<u64> = self
             .tasks
             .iter()
@@ -1975,11 +2222,16 @@ fn finish_inspect(waiter: &mut InspectWaiter) -> Vec<(TargetId, Option<TargetTab
     std::mem::take(&mut waiter.tables).into_iter().collect()
 }
 
+/// The error of a failed operation; its message says why each lost or
+/// fenced target in its scope was given up and how it ended (as a task's
+/// `TARGET_LOST` does), e.g. `target 1: lost (its reply pipe closed; it was
+/// killed by signal 9)`.
 fn operation_error(
     result: Result<Completion, Error>,
     outcomes: Vec<(TargetId, TargetOutcome)>,
+    losses: &BTreeMap<TargetId, String>,
 ) -> OperationError {
-    let error = match result {
+    let mut error = match result {
         Err(error) => error,
         Ok(completion) => Error::new(
             ErrorCode::FRAME_INVALID,
@@ -1987,5 +2239,37 @@ fn operation_error(
             format!("the operation completed as {completion:?}, which does not match its kind"),
         ),
     };
+    // The machine's message names a lost target `target N: lost` (a
+    // fenced one `target N: fenced after its deadline`): say why there, or
+    // at the end when the message does not name it.
+    let mut appended = Vec::new();
+    for (target, outcome) in &outcomes {
+        let needle = match outcome {
+            TargetOutcome::Lost => format!("{target}: lost"),
+            TargetOutcome::Fenced => format!("{target}: fenced after its deadline"),
+            _ => continue,
+        };
+        let Some(reason) = losses.get(target) else {
+            continue;
+        };
+        let ends = |at: usize| {
+            let rest = &error.message[at + needle.len()..];
+            rest.is_empty() || rest.starts_with(';') || rest.starts_with(',')
+        };
+        match error
+            .message
+            .match_indices(&needle)
+            .map(|(at, _)| at)
+            .find(|at| ends(*at))
+        {
+            Some(at) => error
+                .message
+                .insert_str(at + needle.len(), &format!(" ({reason})")),
+            None => appended.push(format!("{needle} ({reason})")),
+        }
+    }
+    if !appended.is_empty() {
+        error.message = format!("{}; {}", error.message, appended.join("; "));
+    }
     OperationError { error, outcomes }
 }

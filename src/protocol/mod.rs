@@ -55,7 +55,9 @@ mod target;
 pub use forms::{
     DigestCount, InstalledDigest, RegistrySnapshot, TargetOutcomeEntry, TargetSnapshot,
 };
-pub use parent::{Completion, Effect, Handle, Lifecycle, Parent, ParentConfig, TargetOutcome};
+pub use parent::{
+    Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, TargetOutcome,
+};
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
 
 /// A point in time: opaque microseconds on a monotonic clock chosen by the
@@ -101,9 +103,9 @@ impl fmt::Display for Seq {
 #[serde(transparent)]
 pub struct OpId(pub u64);
 
-/// Identifies one staged payload (the envelope the IO layer puts in shared
-/// memory for one register operation). The IO layer derives the shm name
-/// from it and the [`OwnerToken`].
+/// Identifies one staged payload (the envelope the IO layer stages for one
+/// register operation: a sealed `memfd` there, `specs/staging.md`). The IO
+/// layer keeps the payload under this id until `ReleaseStaged`.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct StagingId(pub u64);

@@ -192,6 +192,17 @@ pub enum Effect {
     },
 }
 
+/// A startup-snapshot registration that failed at start
+/// ([`Parent::snapshot_failed`]): its handle is no longer live.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize)]
+pub struct FailedRegistration {
+    /// The handle that was issued before start.
+    pub handle: Handle,
+    /// Each target that could not install it, with its failure (code and
+    /// message: for Python, the exception type and text), in target order.
+    pub failures: Vec<(TargetId, Failure)>,
+}
+
 /// A live handle's record in the registry.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct HandleRecord {
@@ -498,6 +509,91 @@ impl Parent {
         Ok(())
     }
 
+    /// Settles the startup snapshot after [`Parent::start`], from the
+    /// targets' readiness reports: each `(target, digest, failure)` says
+    /// that `target` could not install snapshot entry `digest` (it failed
+    /// to deserialize, or its version or dependency check refused it) and
+    /// holds nothing of it. Every handle of a failed digest stops being
+    /// live (its registration failed), and each is unregistered, as by
+    /// [`Parent::unregister`], at the live targets that did install it:
+    /// one [`ControlFrame::Unregister`] per handle (so a target's refcount
+    /// of the digest goes to zero), under the usual deadlines, fencing and
+    /// uncertainty rules; its [`Effect::Completed`] completes an operation
+    /// no caller waits for. The other handles stay live; a target that
+    /// failed an entry stays live. Call it once, right after start and
+    /// before any other post-start input; with no failure it changes
+    /// nothing.
+    ///
+    /// Returns the failed registrations, in handle order, each with the
+    /// failures reported for it, in target order.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless [`Lifecycle::Started`] with no
+    /// post-start operation or task issued yet; `FRAME_INVALID` for a target
+    /// out of range or a digest that is not in the startup snapshot
+    /// (nothing changes then).
+    pub fn snapshot_failed(
+        &mut self,
+        failures: &[(TargetId, Digest, Failure)],
+        now: Time,
+    ) -> Result<Vec<FailedRegistration>, Error> {
+        if failures.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.lifecycle != Lifecycle::Started || self.next_seq != 1 {
+            return Err(self.lifecycle_error(
+                OperationKind::Start,
+                "just started (no post-start operation yet)",
+            ));
+        }
+        let mut by_digest: BTreeMap<Digest, BTreeMap<TargetId, Failure>> = BTreeMap::new();
+        for (target, digest, failure) in failures {
+            self.check_target(*target, OperationKind::Start)?;
+            if !self.handles.values().any(|r| r.digest == *digest) {
+                return Err(Error::new(
+                    ErrorCode::FRAME_INVALID,
+                    OperationKind::Start,
+                    format!("{digest} is not in the startup snapshot"),
+                )
+                .with_target(*target)
+                .with_digest(*digest));
+            }
+            by_digest
+                .entry(*digest)
+                .or_default()
+                .entry(*target)
+                .or_insert_with(|| failure.clone());
+        }
+        let mut failed = Vec::new();
+        for (digest, reasons) in by_digest {
+            let ids: Vec<u64> = self
+                .handles
+                .iter()
+                .filter(|(_, r)| r.digest == digest)
+                .map(|(id, _)| *id)
+                .collect();
+            for handle_id in ids {
+                let Some(mut record) = self.handles.remove(&handle_id) else {
+                    continue;
+                };
+                let handle = Handle {
+                    namespace: record.namespace,
+                    hashid: digest.hashid(),
+                    handle_id,
+                    owner: self.config.owner,
+                };
+                // Only the targets that installed the entry hold it.
+                record.confirmed.retain(|t| !reasons.contains_key(t));
+                self.begin_unregister(handle, &record, now);
+                failed.push(FailedRegistration {
+                    handle,
+                    failures: reasons.iter().map(|(t, f)| (*t, f.clone())).collect(),
+                });
+            }
+        }
+        Ok(failed)
+    }
+
     /// Begins a post-start register of the envelope whose digest is
     /// `digest`: emits [`Effect::Stage`], then a
     /// [`ControlFrame::Register`] (one fresh seq) to every live target,
@@ -591,6 +687,14 @@ impl Parent {
             // resolve_for just found it; keep the error path rather than panic.
             return Err(self.stale(handle, OperationKind::Unregister));
         };
+        debug_assert_eq!(record.digest, digest);
+        Ok(self.begin_unregister(*handle, &record, now))
+    }
+
+    /// Sends the unregister of `handle` (out of the registry already) to
+    /// the live targets that confirmed it, and tracks it as an operation.
+    fn begin_unregister(&mut self, handle: Handle, record: &HandleRecord, now: Time) -> OpId {
+        let digest = record.digest;
         let seq = self.fresh_seq();
         let scope: BTreeMap<TargetId, Progress> = record
             .confirmed
@@ -608,7 +712,7 @@ impl Parent {
         self.ops.insert(
             id,
             Op {
-                kind: OpKind::Unregister { handle: *handle },
+                kind: OpKind::Unregister { handle },
                 digest,
                 namespace: record.namespace,
                 seq,
@@ -617,7 +721,7 @@ impl Parent {
             },
         );
         self.advance(id, now);
-        Ok(id)
+        id
     }
 
     fn stale(&self, handle: &Handle, operation: OperationKind) -> Error {
@@ -1450,6 +1554,120 @@ mod tests {
             digest: digest(n),
             result: Ok(()),
         }
+    }
+
+    fn new_parent(targets: u16) -> Parent {
+        Parent::new(ParentConfig {
+            targets,
+            control_timeout: 100,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+            slot_capacity: 64,
+        })
+    }
+
+    #[test]
+    fn a_snapshot_entry_failed_somewhere_is_unregistered_where_it_was_installed() {
+        let mut p = new_parent(3);
+        let first = p
+            .register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        let second = p
+            .register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        let kept = p
+            .register_before_start(digest(2), Namespace::LocalPython)
+            .unwrap();
+        p.start().unwrap();
+        let failure = Failure::new(ErrorCode::DESERIALIZE_FAILED, "UnpicklingError: bad");
+        let failed = p
+            .snapshot_failed(&[(TargetId(1), digest(1), failure.clone())], Time(5))
+            .unwrap();
+        assert_eq!(
+            failed,
+            vec![
+                FailedRegistration {
+                    handle: first,
+                    failures: vec![(TargetId(1), failure.clone())],
+                },
+                FailedRegistration {
+                    handle: second,
+                    failures: vec![(TargetId(1), failure)],
+                },
+            ]
+        );
+        assert!(!p.is_live(digest(1), Namespace::LocalPython));
+        assert_eq!(p.live_handles(), vec![kept]);
+        let unregister = |seq, target| Effect::Send {
+            target: TargetId(target),
+            frame: ControlFrame::Unregister {
+                seq: Seq(seq),
+                digest: digest(1),
+            },
+        };
+        // One unregister per handle, to the targets that installed it.
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                unregister(1, 0),
+                unregister(1, 2),
+                unregister(2, 0),
+                unregister(2, 2)
+            ]
+        );
+        for seq in [1, 2] {
+            for target in [0, 2] {
+                p.handle_reply(TargetId(target), ok(seq, 1), Time(6))
+                    .unwrap();
+            }
+        }
+        let completed: Vec<_> = drain(&mut p)
+            .into_iter()
+            .map(|e| match e {
+                Effect::Completed { op, result, .. } => (op, result),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            completed,
+            vec![
+                (OpId(1), Ok(Completion::Unregistered(first))),
+                (OpId(2), Ok(Completion::Unregistered(second)))
+            ]
+        );
+        assert!(p.is_idle());
+        assert_eq!(
+            p.resolve(&first, Namespace::LocalPython).unwrap_err().code,
+            ErrorCode::HANDLE_STALE
+        );
+    }
+
+    #[test]
+    fn snapshot_failures_are_settled_once_before_any_operation() {
+        let mut p = new_parent(2);
+        p.register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        let failure = Failure::new(ErrorCode::DESERIALIZE_FAILED, "x");
+        let before = p.snapshot_failed(&[(TargetId(0), digest(1), failure.clone())], Time(0));
+        assert_eq!(before.unwrap_err().code, ErrorCode::LIFECYCLE_INVALID);
+        p.start().unwrap();
+        let unknown = p.snapshot_failed(&[(TargetId(0), digest(7), failure.clone())], Time(0));
+        assert_eq!(unknown.unwrap_err().code, ErrorCode::FRAME_INVALID);
+        let out_of_range = p.snapshot_failed(&[(TargetId(5), digest(1), failure.clone())], Time(0));
+        assert_eq!(out_of_range.unwrap_err().code, ErrorCode::FRAME_INVALID);
+        assert!(drain(&mut p).is_empty());
+        // Failed everywhere: nothing to unregister, the operation is done.
+        let all = [
+            (TargetId(0), digest(1), failure.clone()),
+            (TargetId(1), digest(1), failure.clone()),
+        ];
+        assert_eq!(p.snapshot_failed(&all, Time(0)).unwrap().len(), 1);
+        assert!(matches!(
+            drain(&mut p).as_slice(),
+            [Effect::Completed { op: OpId(1), result: Ok(Completion::Unregistered(_)), outcomes }] if outcomes.is_empty()
+        ));
+        let again = p.snapshot_failed(&all, Time(0));
+        assert_eq!(again.unwrap_err().code, ErrorCode::LIFECYCLE_INVALID);
     }
 
     #[test]

@@ -189,6 +189,29 @@ impl Target {
         Ok(target)
     }
 
+    /// A target that installed the startup snapshot except the entries in
+    /// `failed` (those it could not deserialize or whose checks refused
+    /// them): it holds nothing of a failed digest, and the others in slots
+    /// `0..` in snapshot order, as [`Target::new`] of the snapshot without
+    /// them. The parent learns the failures from the target's readiness
+    /// report and settles them ([`super::Parent::snapshot_failed`]); the
+    /// target keeps serving.
+    ///
+    /// # Errors
+    /// As [`Target::new`].
+    pub fn with_snapshot_failures(
+        config: TargetConfig,
+        snapshot: &[(Digest, u32)],
+        failed: &[Digest],
+    ) -> Result<Target, Error> {
+        let kept: Vec<(Digest, u32)> = snapshot
+            .iter()
+            .filter(|(digest, _)| !failed.contains(digest))
+            .copied()
+            .collect();
+        Target::new(config, &kept)
+    }
+
     /// Switches on one known bug (model mutation tests only).
     #[cfg(feature = "mutants")]
     pub fn with_mutant(mut self, mutant: Mutant) -> Target {
@@ -577,6 +600,20 @@ mod tests {
         assert_eq!(t.installed(), vec![(digest(1), 3)]);
         assert_eq!(DEFAULT_SLOT_CAPACITY, 64);
         assert_eq!(TargetConfig::new(TargetId(0)).slot_capacity, 64);
+    }
+
+    #[test]
+    fn a_failed_snapshot_entry_is_not_held_and_the_rest_fill_slots_in_order() {
+        let snapshot = [(digest(1), 2), (digest(2), 1), (digest(3), 1)];
+        let mut t =
+            Target::with_snapshot_failures(TargetConfig::new(TargetId(0)), &snapshot, &[digest(2)])
+                .unwrap();
+        assert_eq!(t.installed(), vec![(digest(1), 2), (digest(3), 1)]);
+        assert_eq!(t.begin_task(Seq(1), digest(3)).unwrap(), Slot(1));
+        assert_eq!(
+            t.begin_task(Seq(2), digest(2)).unwrap_err().code,
+            ErrorCode::DIGEST_NOT_INSTALLED
+        );
     }
 
     #[test]

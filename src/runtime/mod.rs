@@ -66,7 +66,7 @@ pub trait Runtime: Send + Sync + 'static {
         self.start()
     }
 
-    /// Runs in the target once it stops serving (its control pipe reported
+    /// Runs in the target once it stops serving (its control channel reported
     /// EOF, or a control frame was out of protocol), on its main thread,
     /// right before it exits (a task may still be running on the task
     /// thread). Not run when the target is killed or the runtime never
@@ -126,6 +126,26 @@ pub trait Runtime: Send + Sync + 'static {
             refuse_unhonoured_metadata(metadata)?;
         }
         self.deserialize(payload)
+    }
+
+    /// Runs `release`, which drops callables of this runtime (a slot the
+    /// protocol freed: an unregister's last reference, or the end of the
+    /// last run of a tombstoned slot), so that their finalizers run now,
+    /// inside the operation that freed them, and reports what they did.
+    /// The target calls it before it answers that operation: a finalizer
+    /// that is slow delays that answer (and is fenced with it at the
+    /// control timeout), one that ends the process loses the target during
+    /// that operation, never during a later one.
+    ///
+    /// This provided version just runs `release` (plain Rust drops).
+    ///
+    /// # Errors
+    /// A [`RuntimeError`] describing a failure a finalizer reported (for
+    /// Python: an exception raised in `__del__`, with its type and
+    /// message); the callables are released all the same.
+    fn finalize(&self, release: &mut dyn FnMut()) -> Result<(), RuntimeError> {
+        release();
+        Ok(())
     }
 
     /// Runs one task on `callable` with `input` encoded as `encoding`;

@@ -237,7 +237,9 @@ struct PythonFunctions {
 /// Dropping it is safe from any thread, attached to the interpreter or not:
 /// without the GIL, the reference is queued and released by the next thread
 /// that attaches (PyO3's reference pool), so a drop never waits for a
-/// running task.
+/// running task. A target releases a freed callable through
+/// [`Runtime::finalize`] instead, so its finalizer runs with the operation
+/// that freed it.
 #[derive(Debug)]
 pub struct PythonCallable {
     object: Py<PyAny>,
@@ -786,6 +788,63 @@ impl Runtime for PythonRuntime {
         let mut callable = self.deserialize(payload)?;
         callable.executor = Some(executor);
         Ok(callable)
+    }
+
+    /// Releases callables attached to the interpreter, so each one's
+    /// reference is dropped at once (not queued for the next thread that
+    /// attaches) and its finalizer (`__del__`, weakref callbacks) runs now.
+    /// An exception a finalizer raises, which Python only reports through
+    /// `sys.unraisablehook`, is caught for the duration (the hook is
+    /// restored after) and returned.
+    ///
+    /// # Errors
+    /// `TASK_FAILED` with the first finalizer exception's type and a
+    /// message `a finalizer raised: MESSAGE` (and how many more did, if
+    /// any). Before [`Runtime::start`], `release` runs without the
+    /// interpreter (nothing Python-owned exists then).
+    fn finalize(&self, release: &mut dyn FnMut()) -> Result<(), RuntimeError> {
+        if self.functions().is_err() {
+            release();
+            return Ok(());
+        }
+        Python::attach(|py| {
+            let caught = PyList::empty(py);
+            let sys = py.import("sys").ok();
+            let previous = sys
+                .as_ref()
+                .and_then(|sys| sys.getattr("unraisablehook").ok());
+            let hooked = match (&sys, caught.getattr("append")) {
+                (Some(sys), Ok(append)) => sys.setattr("unraisablehook", append).is_ok(),
+                _ => false,
+            };
+            release();
+            if let (true, Some(sys), Some(previous)) = (hooked, &sys, previous) {
+                let _ = sys.setattr("unraisablehook", previous);
+            }
+            let Ok(first) = caught.get_item(0) else {
+                return Ok(());
+            };
+            let kind = first
+                .getattr("exc_type")
+                .ok()
+                .and_then(|t| t.cast_into::<PyType>().ok())
+                .map_or_else(|| "BaseException".to_owned(), |t| type_name(&t));
+            let text = first
+                .getattr("exc_value")
+                .and_then(|v| v.str())
+                .map(|t| t.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let more = match caught.len() {
+                0 | 1 => String::new(),
+                n => format!(" ({} more finalizers raised)", n - 1),
+            };
+            Err(RuntimeError {
+                code: ErrorCode::TASK_FAILED,
+                kind,
+                message: format!("a finalizer raised: {text}{more}"),
+                exception: Vec::new(),
+            })
+        })
     }
 
     /// Runs one task: calls `callable(*args, **kwargs)`.

@@ -5,8 +5,8 @@
 //! Why a runner of its own: these tests fork, and forking is only safe in a
 //! single-threaded process. The runner runs each test on the main thread,
 //! one after the other, and after each one checks that no staged payload
-//! (`/dev/shm/callreg-<pid>-*`) and no child process (running or zombie) is
-//! left. It speaks enough of libtest's command line for `cargo test`
+//! (a sealed `memfd` descriptor of this process, or a `/dev/shm/callreg-*`
+//! name) and no child process (running or zombie) is left. It speaks enough of libtest's command line for `cargo test`
 //! (`[FILTER] [--exact]`) and `cargo nextest` (`--list --format terse`,
 //! `NAME --exact`), which runs each test in its own process.
 #![allow(dead_code)]
@@ -98,15 +98,17 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic".to_owned())
 }
 
-/// No staged payload of this process and no child (running or zombie).
+/// No staged payload of this process (no descriptor of one, nothing of
+/// ours in `/dev/shm`) and no child (running or zombie).
 fn leftovers() -> Result<(), String> {
-    let names = staging::own_names().map_err(|e| e.to_string())?;
     let mut problems = Vec::new();
+    let fds = staging::open_payloads().map_err(|e| e.to_string())?;
+    if !fds.is_empty() {
+        problems.push(format!("staged payload descriptors left open: {fds:?}"));
+    }
+    let names = shm_names_of(std::process::id())?;
     if !names.is_empty() {
-        problems.push(format!("staged payloads left in /dev/shm: {names:?}"));
-        for name in names {
-            let _ = nix::sys::mman::shm_unlink(format!("/{name}").as_str());
-        }
+        problems.push(format!("names left in /dev/shm: {names:?}"));
     }
     loop {
         match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
@@ -127,6 +129,56 @@ fn leftovers() -> Result<(), String> {
     } else {
         Err(problems.join("; "))
     }
+}
+
+/// The `/dev/shm` entries named `callreg-<pid>-*` (the names earlier
+/// versions gave staged payloads of parent `pid`; none is made now).
+pub fn shm_names_of(pid: u32) -> Result<Vec<String>, String> {
+    let dir = std::fs::read_dir("/dev/shm").map_err(|e| format!("/dev/shm: {e}"))?;
+    let prefix = format!("callreg-{pid}-");
+    Ok(dir
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(&prefix))
+        .collect())
+}
+
+/// The identity (device, inode) of the staged payload open as descriptor
+/// `fd` in this process.
+pub fn payload_identity(fd: i32) -> (u64, u64) {
+    let meta = std::fs::metadata(format!("/proc/self/fd/{fd}")).expect("a staged payload");
+    use std::os::unix::fs::MetadataExt;
+    (meta.dev(), meta.ino())
+}
+
+/// Every process on the machine that still holds the staged payload
+/// `identity` (as a descriptor or a mapping), as `PID fd N` / `PID maps`.
+pub fn payload_holders(identity: (u64, u64)) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut holders = Vec::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return holders;
+    };
+    for entry in procs.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        for fd in staging::payloads_of(&name).unwrap_or_default() {
+            if let Ok(meta) = std::fs::metadata(format!("/proc/{name}/fd/{fd}")) {
+                if (meta.dev(), meta.ino()) == identity {
+                    holders.push(format!("{name} fd {fd}"));
+                }
+            }
+        }
+        let maps = std::fs::read_to_string(format!("/proc/{name}/maps")).unwrap_or_default();
+        let ino = identity.1.to_string();
+        if maps.lines().any(|line| {
+            line.contains(staging::MEMFD_NAME) && line.split_whitespace().nth(4) == Some(&ino)
+        }) {
+            holders.push(format!("{name} maps"));
+        }
+    }
+    holders
 }
 
 /// An envelope whose payload is a test-runtime instruction.

@@ -1,0 +1,209 @@
+//! The Worker over real forked targets with the test runtime: what the
+//! parent keeps, deadlines on every wait, and truthful reports.
+//!
+//! A `harness = false` binary (see `tests/io_common/mod.rs`): each test
+//! runs on the main thread; every test ends with no staged payload in
+//! `/dev/shm` and no child left (checked by the runner).
+
+mod io_common;
+
+use std::time::Duration;
+
+use callreg::error::ErrorCode;
+use callreg::protocol::{TargetId, TargetOutcome};
+use io_common::{builder, envelope};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+fn main() {
+    io_common::run(&[
+        (
+            "pre_start_envelopes_are_released_at_unregister_start_and_close",
+            pre_start_envelopes_are_released_at_unregister_start_and_close,
+        ),
+        (
+            "inspect_gives_up_a_stopped_target_at_the_control_timeout",
+            inspect_gives_up_a_stopped_target_at_the_control_timeout,
+        ),
+        (
+            "a_register_failure_says_why_each_target_was_lost",
+            a_register_failure_says_why_each_target_was_lost,
+        ),
+        (
+            "a_target_never_ready_is_fenced_at_the_start_deadline",
+            a_target_never_ready_is_fenced_at_the_start_deadline,
+        ),
+        (
+            "start_refuses_more_targets_than_descriptors_allow",
+            start_refuses_more_targets_than_descriptors_allow,
+        ),
+    ]);
+}
+
+fn signal(
+    worker: &callreg::io::Worker<callreg::runtime::testing::TestRuntime>,
+    target: u16,
+    sig: Signal,
+) {
+    let pid = worker.target_pid(TargetId(target)).expect("a pid");
+    kill(Pid::from_raw(pid), sig).expect("kill");
+}
+
+/// `inspect` on a stopped (SIGSTOP) target answers `None` for it once the
+/// control timeout passed, without fencing it; its late table is dropped
+/// and the next inspection sees it again.
+fn inspect_gives_up_a_stopped_target_at_the_control_timeout() {
+    let worker = builder(2)
+        .control_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    worker.register(&envelope("echo")).unwrap();
+    worker.start().unwrap();
+    signal(&worker, 1, Signal::SIGSTOP);
+    let tables = worker.inspect().unwrap();
+    assert_eq!(tables.len(), 2);
+    assert_eq!(tables[0].0, TargetId(0));
+    assert_eq!(tables[0].1.as_ref().map(|t| t.installed.len()), Some(1));
+    assert_eq!(tables[1], (TargetId(1), None));
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    signal(&worker, 1, Signal::SIGCONT);
+    let tables = worker.inspect().unwrap();
+    assert!(
+        tables
+            .iter()
+            .all(|(_, t)| t.as_ref().map(|t| t.installed.len()) == Some(1)),
+        "{tables:?}"
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    io_common::check_invariants(&worker, 2);
+    worker.close();
+}
+
+/// A register whose targets die says, per target, why it was lost and how
+/// it ended (as a task's `TARGET_LOST` does).
+fn a_register_failure_says_why_each_target_was_lost() {
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let error = worker.register(&envelope("crash")).unwrap_err();
+    assert_eq!(
+        error.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Lost),
+            (TargetId(1), TargetOutcome::Lost)
+        ]
+    );
+    assert_eq!(error.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{error}");
+    let status = callreg::runtime::testing::CRASH_EXIT_CODE;
+    assert_eq!(
+        error.error.message,
+        format!(
+            "register failed: target 0: lost (its reply pipe closed; it exited with status {status}); \
+             target 1: lost (its reply pipe closed; it exited with status {status})"
+        )
+    );
+    worker.close();
+}
+
+/// The parent keeps a pre-start envelope's bytes only while a live handle
+/// needs them for the startup snapshot.
+fn pre_start_envelopes_are_released_at_unregister_start_and_close() {
+    let big = envelope(&format!("echo #{}", "x".repeat(1 << 20)));
+    let small = envelope("add");
+    let worker = builder(2).build().unwrap();
+    let first = worker.register(&big).unwrap();
+    let second = worker.register(&big).unwrap();
+    let add = worker.register(&small).unwrap();
+    assert_eq!(worker.retained_envelope_bytes(), big.len() + small.len());
+    worker.unregister(&first).unwrap();
+    // Another handle still needs the same bytes.
+    assert_eq!(worker.retained_envelope_bytes(), big.len() + small.len());
+    worker.unregister(&second).unwrap();
+    assert_eq!(worker.retained_envelope_bytes(), small.len());
+    worker.start().unwrap();
+    // The targets inherited the snapshot; the parent keeps none of it.
+    assert_eq!(worker.retained_envelope_bytes(), 0);
+    worker.unregister(&add).unwrap();
+    worker.close();
+    assert_eq!(worker.retained_envelope_bytes(), 0);
+
+    let unstarted = builder(1).build().unwrap();
+    unstarted.register(&big).unwrap();
+    assert_eq!(unstarted.retained_envelope_bytes(), big.len());
+    unstarted.close();
+    assert_eq!(unstarted.retained_envelope_bytes(), 0);
+}
+
+/// A target that never becomes ready (it hangs before installing its
+/// snapshot) is fenced when the start's deadline passes; the others start.
+fn a_target_never_ready_is_fenced_at_the_start_deadline() {
+    let var = callreg::io::failpoints::target_env_var(1);
+    std::env::set_var(
+        &var,
+        format!(
+            "{}=sleep(600000)",
+            callreg::io::failpoints::TARGET_BEFORE_INSTALL
+        ),
+    );
+    let worker = builder(3)
+        .control_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let handle = worker.register(&envelope("echo")).unwrap();
+    let started = worker.start();
+    std::env::remove_var(&var);
+    let error = started.unwrap_err();
+    assert_eq!(
+        error.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Ok),
+            (TargetId(1), TargetOutcome::Fenced),
+            (TargetId(2), TargetOutcome::Ok),
+        ]
+    );
+    assert_eq!(
+        worker.target_exit(TargetId(1)),
+        Some(callreg::io::process::Exit::Signal(9))
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(2)]);
+    let echoed = worker
+        .submit(
+            &handle,
+            TargetId(2),
+            callreg::runtime::TaskEncoding::Json,
+            b"[1]",
+        )
+        .unwrap();
+    assert_eq!(echoed, b"[1]");
+    worker.close();
+}
+
+/// A start that would run out of descriptors (two per target in the
+/// parent) is refused before anything is forked, saying what is needed.
+fn start_refuses_more_targets_than_descriptors_allow() {
+    let mut saved = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write one valid `rlimit`.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut saved) };
+    let lowered = libc::rlimit {
+        rlim_cur: 64,
+        rlim_max: saved.rlim_max,
+    };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lowered) }, 0);
+    let worker = builder(40).build().unwrap();
+    let started = worker.start();
+    // SAFETY: as above.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &saved) };
+    let error = started.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::IO_FAILED);
+    assert!(
+        error.error.message.starts_with(
+            "40 targets need 122 more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, and a wake pipe), but the soft RLIMIT_NOFILE of 64 leaves "
+        ),
+        "{error}"
+    );
+    assert_eq!(worker.target_pid(TargetId(0)), None);
+    assert_eq!(worker.live_targets(), vec![]);
+}

@@ -1,0 +1,397 @@
+//! The Worker with Python targets over real forked processes: what a
+//! target inherits, when finalizers run, and a startup snapshot with a
+//! callable that fails on some targets.
+//!
+//! A `harness = false` binary run by the runner of `tests/io_common/mod.rs`
+//! (each test on the main thread; no staged payload and no child is left).
+//! Payloads are packed at test time by the interpreter named by
+//! `PYO3_PYTHON` (else `python3`), which must have cloudpickle.
+//!
+//! Run: `PYO3_PYTHON=$(python3 -c 'import sys; print(sys.executable)')
+//! cargo test --features python --test python_hardening [-- FILTER]`.
+
+mod io_common;
+mod python_common;
+
+use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use callreg::error::ErrorCode;
+use callreg::io::Worker;
+use callreg::protocol::{TargetId, TargetOutcome};
+use callreg::runtime::python::PythonRuntime;
+use callreg::runtime::TaskEncoding;
+use serde_json::{json, Value};
+
+/// Writes the payloads into argv[1] as `NAME.spyc` envelopes made by
+/// `callreg_envelope.dumps`; argv[2] is the directory of
+/// `callreg_envelope.py`.
+///
+/// * `open_fds()`: every open descriptor of the target with what it is
+///   (`[[fd, readlink], …]`, without the one listing them).
+/// * `fstat_fd(fd)`: `"open"`, or the `OSError` text for a closed `fd`.
+/// * `first_target_only`: unpickles on the first target that tries
+///   (it creates `$CALLREG_TEST_FIRST_MARKER`), raises `RuntimeError` on
+///   the others.
+/// * `del_raises`, `del_exits`, `del_sleeps`: callable objects whose
+///   `__del__` appends a line to `$CALLREG_TEST_FINALIZED`, then raises
+///   `ValueError`, calls `os._exit(7)`, or sleeps 3 s.
+const PAYLOADS: &str = r#"
+import os, sys
+sys.path.insert(0, sys.argv[2])
+import callreg_envelope
+
+out = sys.argv[1]
+
+def open_fds():
+    names = os.listdir("/proc/self/fd")
+    found = []
+    for name in names:
+        try:
+            found.append([int(name), os.readlink("/proc/self/fd/" + name)])
+        except OSError:
+            pass  # the directory's own descriptor, closed by now
+    return sorted(found)
+
+def fstat_fd(fd):
+    try:
+        os.fstat(fd)
+        return "open"
+    except OSError as e:
+        return e.strerror
+
+class Finalized:
+    """Calls return "called"; `__del__` appends "finalized" to the file
+    named by `CALLREG_TEST_FINALIZED`, then does what `then` says."""
+    def __init__(self, then, armed=False):
+        self.then = then
+        self.armed = armed
+    def __reduce__(self):
+        # Only an unpickled copy (in a target) acts when finalized.
+        return (Finalized, (self.then, True))
+    def __call__(self):
+        return "called"
+    def __del__(self):
+        import os, time
+        if not self.armed:
+            return
+        with open(os.environ["CALLREG_TEST_FINALIZED"], "a") as f:
+            f.write("finalized\n")
+        if self.then == "raise":
+            raise ValueError("the finalizer refuses")
+        if self.then == "exit":
+            os._exit(7)
+        if self.then == "sleep":
+            time.sleep(3)
+
+def first_only():
+    try:
+        fd = os.open(os.environ["CALLREG_TEST_FIRST_MARKER"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        raise RuntimeError("only the first target may unpickle this payload")
+    os.close(fd)
+    return lambda: "first"
+
+class FirstTargetOnly:
+    def __call__(self):
+        return None
+    def __reduce__(self):
+        return (first_only, ())
+
+for name, value in [
+    ("first_target_only", FirstTargetOnly()),
+    ("open_fds", open_fds),
+    ("fstat_fd", fstat_fd),
+    ("del_raises", Finalized("raise")),
+    ("del_exits", Finalized("exit")),
+    ("del_sleeps", Finalized("sleep")),
+]:
+    with open(os.path.join(out, name + ".spyc"), "wb") as f:
+        f.write(callreg_envelope.dumps(value))
+"#;
+
+fn main() {
+    io_common::run(&[
+        (
+            "a_target_holds_no_descriptor_of_the_parent",
+            a_target_holds_no_descriptor_of_the_parent,
+        ),
+        (
+            "a_finalizer_runs_at_the_unregister_that_frees_it",
+            a_finalizer_runs_at_the_unregister_that_frees_it,
+        ),
+        (
+            "a_finalizer_that_exits_loses_the_target_in_its_unregister",
+            a_finalizer_that_exits_loses_the_target_in_its_unregister,
+        ),
+        (
+            "a_slow_finalizer_is_fenced_in_its_unregister",
+            a_slow_finalizer_is_fenced_in_its_unregister,
+        ),
+        (
+            "a_bad_startup_callable_fails_its_registration_not_the_worker",
+            a_bad_startup_callable_fails_its_registration_not_the_worker,
+        ),
+    ]);
+}
+
+/// The file the finalizers of `del_*` append to (set for the targets,
+/// which inherit the environment), emptied; removed by the caller.
+fn finalized_file(test: &str) -> std::path::PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("callreg-finalized-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    std::env::set_var("CALLREG_TEST_FINALIZED", &path);
+    path
+}
+
+fn finalized_lines(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path).map_or(0, |text| text.lines().count())
+}
+
+/// A callable's `__del__` runs when the unregister that frees it is
+/// applied, on every target, before the unregister returns; one that
+/// raises leaves the target serving.
+fn a_finalizer_runs_at_the_unregister_that_frees_it() {
+    let file = finalized_file("raises");
+    let worker = worker(2);
+    let early = worker.register(envelope("del_raises")).unwrap();
+    let fds = worker.register(envelope("open_fds")).unwrap();
+    worker.start().unwrap();
+    assert_eq!(call(&worker, &early, 0, json!([])), json!("called"));
+    let late = worker.register(envelope("del_raises")).unwrap();
+    worker.unregister(&early).unwrap();
+    // Another handle still holds the digest: nothing is released.
+    assert_eq!(finalized_lines(&file), 0);
+    worker.unregister(&late).unwrap();
+    assert_eq!(finalized_lines(&file), 2, "one finalizer per target");
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    for target in 0..2 {
+        assert_eq!(
+            call(&worker, &fds, target, json!([]))
+                .as_array()
+                .unwrap()
+                .len(),
+            5
+        );
+    }
+    worker.close();
+    let _ = std::fs::remove_file(&file);
+}
+
+/// A `__del__` calling `os._exit` ends its target during the unregister
+/// that freed it: the target is lost there, with its exit status, and
+/// never during a later, unrelated operation.
+fn a_finalizer_that_exits_loses_the_target_in_its_unregister() {
+    let file = finalized_file("exits");
+    let worker = worker(1);
+    let handle = worker.register(envelope("del_exits")).unwrap();
+    worker.start().unwrap();
+    worker.unregister(&handle).unwrap();
+    assert_eq!(finalized_lines(&file), 1);
+    assert_eq!(worker.live_targets(), vec![]);
+    assert_eq!(
+        worker.target_exit(TargetId(0)),
+        Some(callreg::io::process::Exit::Code(7))
+    );
+    worker.close();
+    let _ = std::fs::remove_file(&file);
+}
+
+/// A `__del__` slower than the control timeout delays the answer of the
+/// unregister that freed it, which fences the target at that unregister's
+/// deadline (not at a later operation's).
+fn a_slow_finalizer_is_fenced_in_its_unregister() {
+    let file = finalized_file("sleeps");
+    let worker = Worker::builder(Arc::new(PythonRuntime::new()))
+        .targets(2)
+        .control_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let slow = worker.register(envelope("del_sleeps")).unwrap();
+    worker.start().unwrap();
+    worker.unregister(&slow).unwrap();
+    assert_eq!(worker.live_targets(), vec![]);
+    for target in 0..2 {
+        let loss = worker.target_loss(TargetId(target)).unwrap_or_default();
+        assert!(
+            loss.starts_with("it missed a deadline and was fenced"),
+            "{loss}"
+        );
+    }
+    worker.close();
+    let _ = std::fs::remove_file(&file);
+}
+
+fn payloads() -> &'static BTreeMap<String, Vec<u8>> {
+    static PAYLOADS_MADE: OnceLock<BTreeMap<String, Vec<u8>>> = OnceLock::new();
+    PAYLOADS_MADE.get_or_init(|| {
+        python_common::pack_payloads("hardening", PAYLOADS, &[])
+            .unwrap_or_else(|why| panic!("{why}"))
+    })
+}
+
+fn envelope(name: &str) -> &'static [u8] {
+    payloads()
+        .get(name)
+        .unwrap_or_else(|| panic!("no payload {name:?}"))
+}
+
+fn worker(targets: u16) -> Worker<PythonRuntime> {
+    Worker::builder(Arc::new(PythonRuntime::new()))
+        .targets(targets)
+        .control_timeout(Duration::from_secs(20))
+        .build()
+        .expect("a Worker")
+}
+
+fn call(
+    worker: &Worker<PythonRuntime>,
+    name: &callreg::protocol::Handle,
+    target: u16,
+    args: Value,
+) -> Value {
+    let bytes = worker
+        .submit(
+            name,
+            TargetId(target),
+            TaskEncoding::Json,
+            &python_common::input(args, json!({})),
+        )
+        .unwrap_or_else(|e| panic!("target {target}: {e}"));
+    serde_json::from_slice(&bytes).expect("a JSON result")
+}
+
+/// A descriptor the parent holds without close-on-exec (like a saved copy
+/// of stdout) and one with it: a target has neither, only 0, 1, 2 and its
+/// two channel ends (control socket, reply pipe).
+fn a_target_holds_no_descriptor_of_the_parent() {
+    // Opened before the Worker exists: every target is forked after it.
+    let inheritable = nix::unistd::dup(std::io::stdout()).expect("dup");
+    let cloexec = std::fs::File::open("/proc/self/stat").expect("a file");
+    let worker = worker(2);
+    let list = worker.register(envelope("open_fds")).unwrap();
+    let fstat = worker.register(envelope("fstat_fd")).unwrap();
+    worker.start().unwrap();
+    for target in 0..2 {
+        let fds = call(&worker, &list, target, json!([]));
+        let fds = fds.as_array().expect("a list");
+        let numbers: Vec<i64> = fds.iter().map(|e| e[0].as_i64().unwrap()).collect();
+        assert_eq!(numbers.len(), 5, "target {target}: {fds:?}");
+        assert_eq!(&numbers[..3], &[0, 1, 2], "target {target}: {fds:?}");
+        // Its own channel ends: the control socket and the reply pipe.
+        let mut kinds: Vec<&str> = fds[3..]
+            .iter()
+            .map(|e| e[1].as_str().unwrap().split(':').next().unwrap())
+            .collect();
+        kinds.sort_unstable();
+        assert_eq!(kinds, ["pipe", "socket"], "target {target}: {fds:?}");
+        for fd in [inheritable.as_raw_fd(), cloexec.as_raw_fd()] {
+            assert_eq!(
+                call(&worker, &fstat, target, json!([fd])),
+                json!("Bad file descriptor"),
+                "target {target}, fd {fd}"
+            );
+        }
+    }
+    worker.close();
+}
+
+/// A startup-snapshot callable that fails on some targets (unpickling
+/// raises there) and one refused everywhere by its version check fail
+/// their registrations only: the Worker starts on every target, reports
+/// each failed handle with every target's reason, and the target that
+/// installed the first one drops it.
+fn a_bad_startup_callable_fails_its_registration_not_the_worker() {
+    let marker = std::env::temp_dir().join(format!("callreg-first-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    std::env::set_var("CALLREG_TEST_FIRST_MARKER", &marker);
+    let worker = worker(3);
+    let good = worker.register(envelope("open_fds")).unwrap();
+    let some = worker.register(envelope("first_target_only")).unwrap();
+    let wrong_python = python_common::metadata(json!({
+        "name": "f",
+        "python": {"version": "2.7", "serializer": "cloudpickle", "serializer_version": "2"}
+    }));
+    let everywhere = worker
+        .register_with_metadata(envelope("fstat_fd"), Some(&wrong_python))
+        .unwrap();
+    let report = worker.start().unwrap();
+    let _ = std::fs::remove_file(&marker);
+    assert_eq!(
+        report.outcomes,
+        (0..3)
+            .map(|t| (TargetId(t), TargetOutcome::Ok))
+            .collect::<Vec<_>>()
+    );
+    assert!(!report.is_complete());
+    let mut failed = report.failed.clone();
+    failed.sort_by_key(|f| f.handle.handle_id);
+    assert_eq!(failed.len(), 2, "{failed:?}");
+    assert_eq!(failed[0].handle, some);
+    assert_eq!(failed[0].failures.len(), 2, "{failed:?}");
+    for (_, failure) in &failed[0].failures {
+        assert_eq!(failure.code, ErrorCode::DESERIALIZE_FAILED);
+        assert_eq!(
+            failure.message,
+            "RuntimeError: only the first target may unpickle this payload"
+        );
+    }
+    assert_eq!(failed[1].handle, everywhere);
+    assert_eq!(
+        failed[1]
+            .failures
+            .iter()
+            .map(|(t, _)| *t)
+            .collect::<Vec<_>>(),
+        vec![TargetId(0), TargetId(1), TargetId(2)]
+    );
+    for (_, failure) in &failed[1].failures {
+        assert_eq!(
+            failure.code,
+            ErrorCode::PYTHON_VERSION_MISMATCH,
+            "{failure}"
+        );
+        assert!(
+            failure.message.starts_with("PythonVersionMismatch: "),
+            "{failure}"
+        );
+    }
+    let text = callreg::io::worker::registration_failure_text(&failed[0]);
+    assert!(
+        text.starts_with(&format!(
+            "registration of {} (handle {}) failed: target ",
+            some.hashid, some.handle_id
+        )),
+        "{text}"
+    );
+    // Every target holds only the good callable (inspections queue behind
+    // the unregisters of the failed one).
+    for (target, table) in worker.inspect().unwrap() {
+        let table = table.unwrap_or_else(|| panic!("{target}: no table"));
+        assert_eq!(table.installed, vec![(good.digest(), 1)], "{target}");
+    }
+    for target in 0..3 {
+        assert_eq!(
+            call(&worker, &good, target, json!([]))
+                .as_array()
+                .unwrap()
+                .len(),
+            5
+        );
+        let stale = worker
+            .submit(
+                &some,
+                TargetId(target),
+                TaskEncoding::Json,
+                &python_common::input(json!([]), json!({})),
+            )
+            .unwrap_err();
+        assert_eq!(stale.error.code, ErrorCode::HANDLE_STALE);
+    }
+    assert!(worker.parent_state().is_idle());
+    assert!(worker.parent_state().uncertain_digests().is_empty());
+    worker.close();
+}
