@@ -204,6 +204,32 @@ def test_a_setup_that_raises_loses_its_next_level_target_at_start(capfd):
     assert "RuntimeError: setup refused" in capfd.readouterr().err
 
 
+def _refuse(message):
+    raise ValueError(message)
+
+
+class Bomb:
+    """Unpickles by raising ValueError (on every target)."""
+
+    def __reduce__(self):
+        return (_refuse, ("this payload refuses to load",))
+
+
+def test_a_setup_registration_that_fails_in_the_inner_targets_loses_the_next_level_target(capfd):
+    def setup(inner):
+        envelope = callreg._callreg.encode_envelope(pickle.dumps(Bomb()))
+        return {"bomb": inner.register_envelope(envelope)}
+
+    with callreg.Worker(1, next_level=callreg.NextLevel(2, setup=setup)) as w:
+        with pytest.raises(callreg.TargetLostError) as info:
+            w.start()
+        assert info.value.target == 1
+        assert w.targets == [0]
+    err = capfd.readouterr().err
+    assert "callreg.RegisterError" in err
+    assert "this payload refuses to load" in err
+
+
 def test_bad_tree_arguments_are_refused():
     with pytest.raises(ValueError, match="next_level_targets needs next_level"):
         callreg.Worker(1, next_level_targets=2)
