@@ -2,7 +2,8 @@
 # Builds the callreg wheel (abi3: one wheel for CPython 3.10+, built once
 # per checkout), installs it into a fresh venv of PYTHON with
 # CLOUDPICKLE_SPEC (default: the latest cloudpickle) and pytest, and runs
-# the package's tests. Usage: python/ci.sh PYTHON [CLOUDPICKLE_SPEC]
+# the package's tests and examples/tree.py. Usage: python/ci.sh PYTHON
+# [CLOUDPICKLE_SPEC]
 set -euo pipefail
 shopt -s globstar
 python="${1:?usage: python/ci.sh PYTHON [CLOUDPICKLE_SPEC]}"
@@ -35,3 +36,7 @@ echo "callreg python tests: CPython $version, $("$venv/bin/python" -c 'import cl
 # From outside the source tree, so `import callreg` is the installed wheel.
 cd "$work"
 "$venv/bin/pytest" -q -p no:cacheprovider "$here/tests"
+# The README's tree example, with the installed wheel; its last line
+# checks its own result.
+"$venv/bin/python" "$here/../examples/tree.py" | tee "$work/tree-example.out"
+grep -qx 'sum of cubes below 100: 24502500 True' "$work/tree-example.out"

@@ -121,6 +121,10 @@ fn main() {
             "opaque_pickled_arguments_and_result",
             opaque_pickled_arguments_and_result,
         ),
+        (
+            "a_target_initializer_gives_callables_a_context",
+            a_target_initializer_gives_callables_a_context,
+        ),
     ]);
 }
 
@@ -569,4 +573,73 @@ fn opaque_pickled_arguments_and_result() {
     assert_eq!(err.error.code, ErrorCode::TASK_FAILED);
     assert_eq!(err.kind, "TaskInputInvalid");
     check(&worker);
+}
+
+/// `PythonRuntime::with_target_initializer_source` (`specs/python.md` §5):
+/// the initializer runs in each target with its id; where it returns a
+/// context, every callable is called with it first; where it returns
+/// `None`, callables are called as usual; where it raises, the target is
+/// lost at start; the context's `close()` runs when the target stops.
+fn a_target_initializer_gives_callables_a_context() {
+    let stopped =
+        std::env::temp_dir().join(format!("callreg-python-initializer-{}", std::process::id()));
+    let source = format!(
+        "\
+class Context(int):
+    def close(self):
+        open({path:?}, 'w').write('closed %d' % self)
+
+def initialize(target):
+    if target == 2:
+        raise RuntimeError('no start for target 2')
+    return Context(100 * target) if target else None
+",
+        path = stopped.to_str().expect("a UTF-8 path")
+    );
+    let runtime = PythonRuntime::new()
+        .with_target_initializer_source(&source)
+        .expect("no NUL");
+    let worker = Worker::builder(Arc::new(runtime))
+        .targets(3)
+        .control_timeout(Duration::from_secs(20))
+        .build()
+        .expect("a Worker");
+    let error = worker.start().expect_err("target 2 does not start");
+    assert_eq!(error.error.code, ErrorCode::TARGET_LOST);
+    assert_eq!(error.error.target, Some(TargetId(2)));
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    let add = worker.register(envelope("add")).unwrap();
+    let run = |target: u16, args: Value| -> Value {
+        let bytes = worker
+            .submit(
+                &add,
+                TargetId(target),
+                TaskEncoding::Json,
+                &input(args, json!({})),
+            )
+            .unwrap_or_else(|e| panic!("{target}: {e}"));
+        serde_json::from_slice(&bytes).expect("a JSON result")
+    };
+    // Target 0: no context, add(2, 3). Target 1: context 100, add(100, 5).
+    assert_eq!(run(0, json!([2, 3])), json!(5));
+    assert_eq!(run(1, json!([5])), json!(105));
+    let refused = worker
+        .submit(
+            &add,
+            TargetId(1),
+            TaskEncoding::Json,
+            &input(json!([2, 3]), json!({})),
+        )
+        .expect_err("add(100, 2, 3) has one argument too many");
+    assert_eq!(refused.kind, "TypeError");
+    assert!(!stopped.exists());
+    // At stop, target 1 closes its context.
+    worker.close();
+    let closed = std::fs::read_to_string(&stopped).expect("the context was closed");
+    std::fs::remove_file(&stopped).expect("remove the marker");
+    assert_eq!(closed, "closed 100");
+    assert!(
+        !PythonRuntime::interpreter_initialized(),
+        "the parent initialised Python"
+    );
 }

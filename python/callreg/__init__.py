@@ -50,6 +50,11 @@ Process model (Linux):
   targets; staged payloads are sealed anonymous memory files that the
   kernel frees with their last descriptor (nothing is ever named in
   ``/dev/shm``).
+* Trees: ``Worker(targets, next_level=NextLevel(...), next_level_targets=M)``
+  adds M next-level targets (ids after the SUB targets), each running an
+  inner Worker of its own; callables registered on the outer Worker run
+  there as ``fn(ctx, *args, **kwargs)`` (:class:`Context`). See
+  :class:`Worker` and ``specs/python.md`` §5.
 * An ``async def`` function is refused by :meth:`Worker.register` (its call
   would only return a coroutine); register a plain function that runs it,
   e.g. ``lambda *a: asyncio.run(coro_fn(*a))``. A generator function's call
@@ -58,6 +63,7 @@ Process model (Linux):
 """
 
 import concurrent.futures
+import functools
 import inspect as _inspect
 import json
 import os
@@ -73,6 +79,9 @@ from callreg import _callreg
 
 __all__ = [
     "Worker",
+    "NextLevel",
+    "Context",
+    "context",
     "Handle",
     "pack",
     "hashid",
@@ -119,6 +128,12 @@ class CallregError(Exception):
         self.hashid = hashid
         self.seq = seq
 
+    def __reduce__(self):
+        # Picklable with every field (a task's exception travels pickled,
+        # e.g. a TargetLostError from an orchestration callable's inner
+        # Worker).
+        return (_rebuild_error, (type(self), str(self), dict(self.__dict__)))
+
 
 class RegisterError(CallregError):
     """A register (or unregister) failed; ``outcomes`` maps every target id
@@ -140,7 +155,13 @@ class HandleError(CallregError):
 class TargetLostError(CallregError):
     """The target died or was stopped before the task's result arrived, or
     there is no live target (``code`` ``"TARGET_LOST"`` or
-    ``"NO_LIVE_TARGET"``)."""
+    ``"NO_LIVE_TARGET"``). Raised by :meth:`Worker.start` when a target
+    did not start, with ``outcomes`` (as :class:`RegisterError`'s; empty
+    for a task)."""
+
+    def __init__(self, message, *, outcomes=None, **fields):
+        super().__init__(message, **fields)
+        self.outcomes = dict(outcomes or {})
 
 
 class LifecycleError(CallregError):
@@ -163,6 +184,13 @@ class TaskError(CallregError):
         super().__init__(message, **fields)
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+
+
+def _rebuild_error(cls, message, fields):
+    error = Exception.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
 
 
 _BY_CODE = {
@@ -225,7 +253,11 @@ def _error(raw):
         outcomes = {target: outcome for target, outcome in fields["outcomes"]}
         if cls is CallregError:
             cls = RegisterError
-        return cls(fields["full"], outcomes=outcomes, **common)
+        if issubclass(cls, (RegisterError, TargetLostError)):
+            return cls(fields["full"], outcomes=outcomes, **common)
+        error = cls(fields["full"], **common)
+        error.outcomes = outcomes
+        return error
     return cls(fields["full"], **common)
 
 
@@ -377,6 +409,189 @@ def _raw_handle(handle):
 
 
 # --------------------------------------------------------------------------
+# Next-level targets
+
+
+class NextLevel:
+    """What each next-level target of a :class:`Worker` builds: an inner
+    :class:`Worker` of ``targets`` SUB targets (``None``: one per CPU) and,
+    when ``next_level`` is another :class:`NextLevel`, ``next_level_targets``
+    next-level targets of its own (a tree of any depth). ``setup(inner)``
+    runs in the next-level child before the inner Worker starts (what it
+    registers joins the inner startup snapshot) and returns a dict of
+    handles (``None`` for none), given to orchestration callables as
+    ``ctx.handles``. ``control_timeout``, ``slot_capacity`` and
+    ``max_frame_bytes`` are the inner Worker's, as in :class:`Worker`.
+
+    The objects are inherited by ``fork``, not pickled: ``setup`` may be any
+    callable, a lambda or a closure included."""
+
+    __slots__ = (
+        "targets",
+        "setup",
+        "next_level",
+        "next_level_targets",
+        "control_timeout",
+        "slot_capacity",
+        "max_frame_bytes",
+    )
+
+    def __init__(
+        self,
+        targets=None,
+        *,
+        setup=None,
+        next_level=None,
+        next_level_targets=None,
+        control_timeout=30.0,
+        slot_capacity=64,
+        max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
+    ):
+        if setup is not None and not callable(setup):
+            raise TypeError("setup must be a callable or None, not %s" % type(setup).__name__)
+        _counts(targets, next_level, next_level_targets)
+        _check_options(control_timeout, slot_capacity, max_frame_bytes)
+        self.targets = targets
+        self.setup = setup
+        self.next_level = next_level
+        self.next_level_targets = next_level_targets
+        self.control_timeout = control_timeout
+        self.slot_capacity = slot_capacity
+        self.max_frame_bytes = max_frame_bytes
+
+    def __repr__(self):
+        return "<callreg.NextLevel targets=%r next_level_targets=%r next_level=%r>" % (
+            self.targets,
+            self.next_level_targets,
+            self.next_level,
+        )
+
+
+class Context:
+    """The first argument of every callable run on a next-level target:
+    ``inner`` is the next-level child's own :class:`Worker` (started),
+    ``handles`` the dict ``setup`` returned, ``target`` this target's id
+    in the outer Worker. :func:`context` returns it anywhere in that
+    child."""
+
+    __slots__ = ("inner", "handles", "target")
+
+    def __init__(self, inner, handles, target):
+        self.inner = inner
+        self.handles = handles
+        self.target = target
+
+    def close(self):
+        """Closes the inner Worker (when the next-level target stops)."""
+        self.inner.close()
+
+    def __reduce__(self):
+        raise TypeError("a callreg.Context lives in its next-level target and cannot be pickled")
+
+    def __repr__(self):
+        return "<callreg.Context of target %d, inner %r, handles %s>" % (
+            self.target,
+            self.inner,
+            sorted(self.handles),
+        )
+
+
+_CONTEXT = None
+
+
+def context():
+    """The :class:`Context` of this process when it is a next-level target,
+    else ``None`` (in a parent, in a SUB target, after any fork)."""
+    return _CONTEXT
+
+
+def _forget_context():
+    global _CONTEXT
+    _CONTEXT = None
+
+
+# A context (its inner Worker) belongs to the process that built it.
+os.register_at_fork(after_in_child=_forget_context)
+
+
+def _start_target(sub_targets, level, target):
+    """The target initializer of a Worker with next-level targets (run by
+    the runtime in each of its targets, at start, on the target's main
+    thread): ``None`` on a SUB target; on a next-level target, builds the
+    inner Worker, runs ``setup``, starts it and returns the
+    :class:`Context`. A failure (``setup`` raising, or a registration of
+    ``setup`` failing in the inner targets) is printed to this target's
+    stderr and raised (the target is then lost at start)."""
+    global _CONTEXT
+    if target < sub_targets:
+        return None
+    inner = None
+    try:
+        inner = Worker(
+            level.targets,
+            next_level=level.next_level,
+            next_level_targets=level.next_level_targets,
+            control_timeout=level.control_timeout,
+            slot_capacity=level.slot_capacity,
+            max_frame_bytes=level.max_frame_bytes,
+        )
+        handles = level.setup(inner) if level.setup is not None else None
+        if handles is None:
+            handles = {}
+        if not isinstance(handles, dict):
+            raise TypeError("setup must return a dict of handles or None, not %s" % type(handles).__name__)
+        failed = inner.start()
+        if failed:
+            # A callable setup registered did not install in the inner
+            # targets: this next-level target cannot serve as set up.
+            raise next(iter(failed.values()))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        if inner is not None:
+            inner.close()
+        raise
+    _CONTEXT = Context(inner, handles, target)
+    return _CONTEXT
+
+
+def _counts(targets, next_level, next_level_targets):
+    """Checks a Worker's (or NextLevel's) target counts; returns (SUB
+    targets, next-level targets)."""
+    if next_level is not None and not isinstance(next_level, NextLevel):
+        raise TypeError("next_level must be a callreg.NextLevel or None, not %s" % type(next_level).__name__)
+    if next_level is None:
+        if next_level_targets is not None:
+            raise ValueError("next_level_targets needs next_level")
+        if targets is None:
+            targets = os.cpu_count() or 1
+        return _positive_int("targets", targets, 0xFFFF), 0
+    if next_level_targets is None:
+        next_level_targets = 1
+    _positive_int("next_level_targets", next_level_targets, 0xFFFF)
+    if targets is None:
+        targets = os.cpu_count() or 1
+    if isinstance(targets, bool) or not isinstance(targets, int):
+        raise TypeError("targets must be an int, not %s" % type(targets).__name__)
+    if not 0 <= targets <= 0xFFFF - next_level_targets:
+        raise ValueError(
+            "targets must be between 0 and %d with %d next-level targets, got %d"
+            % (0xFFFF - next_level_targets, next_level_targets, targets)
+        )
+    return targets, next_level_targets
+
+
+def _check_options(control_timeout, slot_capacity, max_frame_bytes):
+    _positive_int("slot_capacity", slot_capacity, 0xFFFF)
+    _positive_int("max_frame_bytes", max_frame_bytes, 0xFFFFFFFF)
+    if isinstance(control_timeout, bool) or not isinstance(control_timeout, (int, float)):
+        raise TypeError("control_timeout must be a number of seconds, not %s" % type(control_timeout).__name__)
+    if not control_timeout > 0:
+        raise ValueError("control_timeout must be positive, got %r" % (control_timeout,))
+
+
+# --------------------------------------------------------------------------
 # The Worker
 
 
@@ -462,6 +677,25 @@ class Worker:
     task's pickled arguments and on its pickled result
     (:data:`DEFAULT_MAX_FRAME_BYTES`).
 
+    Next-level targets: with ``next_level`` (a :class:`NextLevel`), the
+    Worker also has ``next_level_targets`` (default 1) next-level targets:
+    ids ``0 .. targets-1`` are SUB targets (``targets`` may then be 0),
+    ids ``targets .. targets+next_level_targets-1`` next-level targets.
+    Each next-level target is a child process that builds its own inner
+    Worker as ``next_level`` says, runs its ``setup``, starts it, then
+    serves this Worker like any target: a callable registered here is
+    installed in every live target of both kinds (one operation, one
+    scope, rolled back everywhere when any target fails), and on a
+    next-level target it is called as ``fn(ctx, *args, **kwargs)`` with
+    its :class:`Context` (``ctx.inner``, ``ctx.handles``). A register here
+    never reaches an inner Worker's registry. A task with ``target=None``
+    goes to any live target of either kind: pass ``target=`` (see
+    :attr:`sub_targets`, :attr:`next_level_targets`) when both kinds run
+    different callables. When a next-level target dies, its inner
+    targets die with it (the kernel's parent-death signal) and it is a
+    lost target here; an inner target's death is the inner Worker's
+    (a :class:`TargetLostError` in the orchestration callable).
+
     Thread-safe: any number of threads may submit at once. A context
     manager: leaving a ``with`` block closes it."""
 
@@ -469,24 +703,23 @@ class Worker:
         self,
         targets=None,
         *,
+        next_level=None,
+        next_level_targets=None,
         control_timeout=30.0,
         slot_capacity=64,
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
     ):
-        if targets is None:
-            targets = os.cpu_count() or 1
-        _positive_int("targets", targets, 0xFFFF)
-        _positive_int("slot_capacity", slot_capacity, 0xFFFF)
-        _positive_int("max_frame_bytes", max_frame_bytes, 0xFFFFFFFF)
-        if isinstance(control_timeout, bool) or not isinstance(control_timeout, (int, float)):
-            raise TypeError("control_timeout must be a number of seconds, not %s" % type(control_timeout).__name__)
-        if not control_timeout > 0:
-            raise ValueError("control_timeout must be positive, got %r" % (control_timeout,))
+        sub, upper = _counts(targets, next_level, next_level_targets)
+        _check_options(control_timeout, slot_capacity, max_frame_bytes)
+        initializer = None if next_level is None else functools.partial(_start_target, sub, next_level)
         try:
-            self._raw = _callreg.RawWorker(targets, float(control_timeout), slot_capacity, max_frame_bytes)
+            self._raw = _callreg.RawWorker(
+                sub + upper, float(control_timeout), slot_capacity, max_frame_bytes, initializer
+            )
         except _callreg.RawError as raw:
             _raise(raw)
-        self._count = targets
+        self._count = sub + upper
+        self._sub = sub
         # Handles registered before start (None once started).
         self._prestart = []
         self._dispatch = _Dispatch(self._raw)
@@ -703,6 +936,17 @@ class Worker:
     def targets(self):
         """The live target ids, sorted (empty before start and after close)."""
         return self._raw.live_targets()
+
+    @property
+    def sub_targets(self):
+        """The live SUB target ids, sorted."""
+        return [t for t in self._raw.live_targets() if t < self._sub]
+
+    @property
+    def next_level_targets(self):
+        """The live next-level target ids, sorted (empty without
+        ``next_level``)."""
+        return [t for t in self._raw.live_targets() if t >= self._sub]
 
     def target_pid(self, target):
         """The process id of ``target`` (``None`` before start)."""

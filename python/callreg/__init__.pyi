@@ -30,7 +30,11 @@ class RegisterError(CallregError):
     def __init__(self, message: str, *, outcomes: Mapping[int, str] | None = ..., **fields: Any) -> None: ...
 
 class HandleError(CallregError): ...
-class TargetLostError(CallregError): ...
+
+class TargetLostError(CallregError):
+    outcomes: dict[int, str]
+    def __init__(self, message: str, *, outcomes: Mapping[int, str] | None = ..., **fields: Any) -> None: ...
+
 class LifecycleError(CallregError): ...
 class EnvelopeError(CallregError): ...
 
@@ -61,11 +65,42 @@ class Handle:
 def pack(fn: Callable[..., Any]) -> bytes: ...
 def hashid(obj: bytes | bytearray | memoryview | Handle | Callable[..., Any]) -> str: ...
 
+class NextLevel:
+    targets: int | None
+    setup: Callable[[Worker], Mapping[str, Handle] | None] | None
+    next_level: NextLevel | None
+    next_level_targets: int | None
+    control_timeout: float
+    slot_capacity: int
+    max_frame_bytes: int
+    def __init__(
+        self,
+        targets: int | None = ...,
+        *,
+        setup: Callable[[Worker], Mapping[str, Handle] | None] | None = ...,
+        next_level: NextLevel | None = ...,
+        next_level_targets: int | None = ...,
+        control_timeout: float = ...,
+        slot_capacity: int = ...,
+        max_frame_bytes: int = ...,
+    ) -> None: ...
+
+class Context:
+    inner: Worker
+    handles: dict[str, Handle]
+    target: int
+    def __init__(self, inner: Worker, handles: dict[str, Handle], target: int) -> None: ...
+    def close(self) -> None: ...
+
+def context() -> Context | None: ...
+
 class Worker:
     def __init__(
         self,
         targets: int | None = ...,
         *,
+        next_level: NextLevel | None = ...,
+        next_level_targets: int | None = ...,
         control_timeout: float = ...,
         slot_capacity: int = ...,
         max_frame_bytes: int = ...,
@@ -85,5 +120,9 @@ class Worker:
     def map(self, handle: Handle, /, *iterables: Iterable[Any], timeout: float | None = ...) -> Iterator[Any]: ...
     @property
     def targets(self) -> list[int]: ...
+    @property
+    def sub_targets(self) -> list[int]: ...
+    @property
+    def next_level_targets(self) -> list[int]: ...
     def target_pid(self, target: int) -> int | None: ...
     def inspect(self) -> dict[str, Any]: ...

@@ -195,20 +195,30 @@ impl RawWorker {
 impl RawWorker {
     /// A Worker, not started. `control_timeout` in seconds (positive),
     /// `max_frame_bytes` bounds one task's pickled input and result.
+    /// `target_initializer`, when given, runs in each target at its start
+    /// with the target's id ([`PythonRuntime::with_target_initializer`]:
+    /// a result other than `None` is the context every callable there is
+    /// called with first).
     #[new]
+    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None))]
     fn new(
         py: Python<'_>,
         targets: u16,
         control_timeout: f64,
         slot_capacity: u16,
         max_frame_bytes: usize,
+        target_initializer: Option<Py<PyAny>>,
     ) -> PyResult<RawWorker> {
         if !(control_timeout.is_finite() && control_timeout > 0.0) {
             return Err(PyValueError::new_err(format!(
                 "control_timeout must be a positive number of seconds, got {control_timeout}"
             )));
         }
-        let worker = Worker::builder(Arc::new(PythonRuntime::inherited()))
+        let mut runtime = PythonRuntime::inherited();
+        if let Some(initializer) = target_initializer {
+            runtime = runtime.with_target_initializer(initializer);
+        }
+        let worker = Worker::builder(Arc::new(runtime))
             .targets(targets)
             .control_timeout(Duration::from_secs_f64(control_timeout))
             .slot_capacity(slot_capacity)

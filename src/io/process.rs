@@ -490,7 +490,19 @@ where
             }
             ForkResult::Child => {
                 let keep = [control_read.as_raw_fd(), reply_write.as_raw_fd()];
-                let owned: Vec<RawFd> = owned.iter().flat_map(|set| set.iter().copied()).collect();
+                // The parent's descriptors leave the set (closed below) and
+                // this target's own ends join it, so that a Worker this
+                // target builds closes them in its own targets; the lock is
+                // released before the body, which may build such a Worker.
+                let owned: Vec<RawFd> = match owned.take() {
+                    Some(mut set) => {
+                        let parents = set.iter().copied().collect();
+                        set.clear();
+                        set.extend(keep);
+                        parents
+                    }
+                    None => Vec::new(),
+                };
                 runtime.after_fork_child();
                 let keeps_inherited = runtime.keeps_inherited_descriptors();
                 let code = catch_unwind(AssertUnwindSafe(|| {

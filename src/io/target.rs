@@ -335,13 +335,14 @@ struct Control<'a, R: Runtime> {
 
 /// Runs a target until its control socket closes; returns its exit status.
 ///
-/// Order: start the runtime; install the startup snapshot (each entry
-/// from the inherited envelope, with its metadata); send [`Frame::Ready`]
-/// with every entry's outcome; then serve frames, holding the entries that
+/// Order: start the runtime ([`Runtime::start_target`] with this
+/// target's id); install the startup snapshot (each entry from the
+/// inherited envelope, with its metadata); send [`Frame::Ready`] with
+/// every entry's outcome; then serve frames, holding the entries that
 /// installed (`Target::with_snapshot_failures`: the parent unregisters a
-/// failed entry's digest where it was installed, `specs/protocol.md`).
-/// Exits with [`SNAPSHOT_EXIT_CODE`] only when the snapshot does not fit
-/// the slots.
+/// failed entry's digest where it was installed, `specs/protocol.md`);
+/// when serving ends, [`Runtime::stop`]. Exits with [`SNAPSHOT_EXIT_CODE`]
+/// only when the snapshot does not fit the slots.
 pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let TargetEnds {
         index,
@@ -352,17 +353,17 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         pipe: Mutex::new(File::from(reply)),
         max_frame_bytes: setup.max_frame_bytes,
     });
-    if let Err(error) = setup.runtime.start() {
+    let config = TargetConfig {
+        id: TargetId(u16::try_from(index).unwrap_or(u16::MAX)),
+        slot_capacity: setup.slot_capacity,
+    };
+    if let Err(error) = setup.runtime.start_target(config.id) {
         // The parent sees only the exit status: the reason goes to stderr,
         // in one write so that targets failing together do not interleave.
         let line = format!("callreg target {index}: the runtime did not start: {error}\n");
         let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         return START_EXIT_CODE;
     }
-    let config = TargetConfig {
-        id: TargetId(u16::try_from(index).unwrap_or(u16::MAX)),
-        slot_capacity: setup.slot_capacity,
-    };
     let Some(table) = install_snapshot(config, setup, &writer) else {
         return SNAPSHOT_EXIT_CODE;
     };
@@ -392,7 +393,9 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     // Never closed before the process ends: a parent that sees the channel
     // close then always finds an exit status, not a target still exiting.
     let control = std::mem::ManuallyDrop::new(control);
-    serve(&control, setup.max_frame_bytes, &control_thread)
+    let status = serve(&control, setup.max_frame_bytes, &control_thread);
+    setup.runtime.stop();
+    status
 }
 
 fn install_snapshot<R: Runtime>(

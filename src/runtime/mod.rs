@@ -7,6 +7,7 @@
 
 use crate::error::ErrorCode;
 use crate::metadata::CallableMetadata;
+use crate::protocol::TargetId;
 
 #[cfg(feature = "python")]
 pub mod python;
@@ -51,6 +52,26 @@ pub trait Runtime: Send + Sync + 'static {
     /// # Errors
     /// A [`RuntimeError`] makes the target exit: it is reported lost.
     fn start(&self) -> Result<(), RuntimeError>;
+
+    /// Starts the runtime in the target with id `target`, on the target's
+    /// main thread, before the target installs its startup snapshot and
+    /// before it starts any thread of its own (so the runtime may fork
+    /// here, e.g. a Worker of its own: `specs/python.md`, next-level
+    /// targets). The default is [`Runtime::start`].
+    ///
+    /// # Errors
+    /// As [`Runtime::start`]: the target exits and is reported lost.
+    fn start_target(&self, target: TargetId) -> Result<(), RuntimeError> {
+        let _ = target;
+        self.start()
+    }
+
+    /// Runs in the target once it stops serving (its control channel reported
+    /// EOF, or a control frame was out of protocol), on its main thread,
+    /// right before it exits (a task may still be running on the task
+    /// thread). Not run when the target is killed or the runtime never
+    /// started. The default does nothing.
+    fn stop(&self) {}
 
     /// Runs in the parent right before each target's `fork`, on the
     /// forking thread (`crate::io::process::spawn_targets`). The default

@@ -48,6 +48,7 @@ use serde_json::{Map, Value};
 use super::{Runtime, RuntimeError, TaskEncoding};
 use crate::error::ErrorCode;
 use crate::metadata::{CallableMetadata, ExecutorSpec, RehydrateError, DEFAULT_EXECUTOR};
+use crate::protocol::TargetId;
 
 mod checks;
 
@@ -99,6 +100,13 @@ pub struct PythonRuntime {
     /// whether `PyGILState_Ensure` found the GIL released (its state to
     /// give back to `PyGILState_Release`).
     fork_gil_unlocked: AtomicBool,
+    /// What runs at each target's start, when set
+    /// ([`PythonRuntime::with_target_initializer`],
+    /// [`PythonRuntime::with_target_initializer_source`]).
+    target_initializer: Option<TargetInitializer>,
+    /// What the initializer returned in this target, when not `None`: the
+    /// context every task's callable is called with first.
+    context: OnceLock<Py<PyAny>>,
 }
 
 impl fmt::Debug for PythonRuntime {
@@ -255,6 +263,18 @@ unsafe fn status_message(status: ffi::PyStatus) -> String {
             .into_owned()
     }
 }
+
+/// A target initializer: a Python object of the parent's interpreter
+/// (inherited mode), or the source of a module defining `initialize`
+/// (either mode: compiled in each target).
+enum TargetInitializer {
+    Object(Py<PyAny>),
+    Source(std::ffi::CString),
+}
+
+/// Name under which a [`PythonRuntime::with_target_initializer_source`]
+/// module is compiled in each target.
+const INITIALIZER_MODULE: &std::ffi::CStr = c"_callreg_target_initializer";
 
 /// An executor a Python target can rehydrate from metadata by its short
 /// name (specs/design.md §6, the transport-graph `executor` / `executor_data`
@@ -422,6 +442,8 @@ impl PythonRuntime {
             executors,
             inherited: false,
             fork_gil_unlocked: AtomicBool::new(false),
+            target_initializer: None,
+            context: OnceLock::new(),
         }
     }
 
@@ -441,6 +463,47 @@ impl PythonRuntime {
             inherited: true,
             ..Self::new()
         }
+    }
+
+    /// Sets the target initializer (inherited mode only; it is a Python
+    /// object of the parent's interpreter, inherited by `fork`): in each
+    /// target, once the runtime started and before the startup snapshot is
+    /// installed, [`Runtime::start_target`] calls `initializer(target_id)`
+    /// on the target's main thread, before the target runs any thread of
+    /// its own, so it may fork (build and start a Worker of its own: the
+    /// Python package's next-level targets, `specs/python.md`). When it
+    /// returns an object other than `None`, that object is the target's
+    /// *context*: every callable, hooks included, is called as
+    /// `callable(context, *args, **kwargs)`, and at the target's
+    /// [`Runtime::stop`] the context's `close()` runs, if it has one.
+    ///
+    /// An initializer that raises makes the target exit at start (it is
+    /// reported lost, `TARGET_LOST`); its traceback is not printed here.
+    pub fn with_target_initializer(mut self, initializer: Py<PyAny>) -> Self {
+        self.target_initializer = Some(TargetInitializer::Object(initializer));
+        self
+    }
+
+    /// Sets the target initializer from Python source (either mode; what a
+    /// Rust embedder of [`PythonRuntime::new`] uses, whose parent has no
+    /// interpreter): `source` is a module defining `initialize(target_id)`,
+    /// compiled in each target as `_callreg_target_initializer` and then
+    /// called as [`PythonRuntime::with_target_initializer`]'s initializer.
+    /// E.g. a module whose `initialize` builds and starts a Worker of the
+    /// `callreg` Python package and returns an object holding it makes
+    /// each target a next-level target (the package must be importable in
+    /// the targets; `specs/python.md` §5).
+    ///
+    /// Compiling fails the target's start like an initializer that raises.
+    ///
+    /// # Errors
+    /// [`std::ffi::NulError`] when `source` holds a NUL byte.
+    pub fn with_target_initializer_source(
+        mut self,
+        source: &str,
+    ) -> Result<Self, std::ffi::NulError> {
+        self.target_initializer = Some(TargetInitializer::Source(std::ffi::CString::new(source)?));
+        Ok(self)
     }
 
     /// Whether this runtime is in inherited mode ([`PythonRuntime::inherited`]).
@@ -662,6 +725,62 @@ impl Runtime for PythonRuntime {
         check_libpython()?;
         initialize_interpreter()?;
         self.import_functions()
+    }
+
+    /// [`Runtime::start`], then the target initializer, if one is set
+    /// ([`PythonRuntime::with_target_initializer`]), with `target`'s id.
+    ///
+    /// # Errors
+    /// As [`Runtime::start`]; `TARGET_LOST` with the exception's type when
+    /// the initializer raises.
+    fn start_target(&self, target: TargetId) -> Result<(), RuntimeError> {
+        self.start()?;
+        let Some(initializer) = &self.target_initializer else {
+            return Ok(());
+        };
+        Python::attach(|py| {
+            let function = match initializer {
+                TargetInitializer::Object(object) => Ok(object.bind(py).clone()),
+                TargetInitializer::Source(source) => PyModule::from_code(
+                    py,
+                    source,
+                    c"_callreg_target_initializer.py",
+                    INITIALIZER_MODULE,
+                )
+                .and_then(|module| module.getattr("initialize")),
+            };
+            let context = function.and_then(|f| f.call1((target.0,))).map_err(|err| {
+                let (kind, message) = describe_exception(py, &err);
+                RuntimeError {
+                    code: ErrorCode::TARGET_LOST,
+                    kind,
+                    message: format!("the target initializer failed: {message}"),
+                    exception: Vec::new(),
+                }
+            })?;
+            if !context.is_none() {
+                let _ = self.context.set(context.unbind());
+            }
+            Ok(())
+        })
+    }
+
+    /// Calls the target context's `close()` (when there is a context and it
+    /// has one); an exception it raises is ignored (the target exits next).
+    fn stop(&self) {
+        let Some(context) = self.context.get() else {
+            return;
+        };
+        if self.functions.get().is_none() {
+            return;
+        }
+        retain_thread_state();
+        Python::attach(|py| {
+            let context = context.bind(py);
+            if let Ok(close) = context.getattr("close") {
+                let _ = close.call0();
+            }
+        });
     }
 
     /// In inherited mode: takes the GIL for this thread and runs the
@@ -914,6 +1033,16 @@ impl Runtime for PythonRuntime {
             let (args, kwargs) = match encoding {
                 TaskEncoding::Json => json_input(py, functions, input)?,
                 TaskEncoding::Pickle => pickle_input(py, functions, input)?,
+            };
+            let args = match self.context.get() {
+                None => args,
+                Some(context) => {
+                    let mut items = Vec::with_capacity(args.len() + 1);
+                    items.push(context.bind(py).clone());
+                    items.extend(args.iter());
+                    PyTuple::new(py, items)
+                        .map_err(|err| task_failure(py, functions, &err, encoding))?
+                }
             };
             let object = callable.object.bind(py);
             let result = match &callable.executor {
