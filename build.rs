@@ -27,6 +27,10 @@ fn main() {
     #[cfg(feature = "python")]
     if std::env::var_os("CARGO_FEATURE_PYTHON").is_some() {
         pyo3_build_config::add_libpython_rpath_link_args();
+        // `Py_LIMITED_API` when built for the stable ABI (the `callreg`
+        // Python package's abi3 extension): the embedded interpreter's
+        // configuration API is not part of it.
+        pyo3_build_config::use_pyo3_cfgs();
         let config = pyo3_build_config::get();
         let executable = config.executable().unwrap_or_default().to_owned();
         let lib_dir = if config.shared() {

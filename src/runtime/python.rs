@@ -207,6 +207,7 @@ fn check_libpython() -> Result<(), RuntimeError> {
 /// Starts CPython configured as [`BUILD_PYTHON`] (program name; no signal
 /// handlers, as `Py_InitializeEx(0)`), then releases the GIL for
 /// `Python::attach`.
+#[cfg(not(Py_LIMITED_API))]
 fn initialize_interpreter() -> Result<(), RuntimeError> {
     let failed = |message: String| RuntimeError {
         code: ErrorCode::TARGET_LOST,
@@ -249,10 +250,27 @@ fn initialize_interpreter() -> Result<(), RuntimeError> {
     Ok(())
 }
 
+/// In a build for the stable ABI (the Python package's extension module,
+/// whose targets use the inherited interpreter instead), the configuration
+/// API is not available: starts CPython with `Py_InitializeEx(0)` (no
+/// signal handlers) and its default configuration, then releases the GIL.
+#[cfg(Py_LIMITED_API)]
+fn initialize_interpreter() -> Result<(), RuntimeError> {
+    // SAFETY: Python is not initialised yet (checked by the caller), and
+    // this runs on the target's main thread before any other thread
+    // touches Python; saving the thread state releases the GIL it took.
+    unsafe {
+        ffi::Py_InitializeEx(0);
+        ffi::PyEval_SaveThread();
+    }
+    Ok(())
+}
+
 /// The message of a failed `PyStatus`.
 ///
 /// # Safety
 /// `status.err_msg` is null or a NUL-terminated string (CPython's are static).
+#[cfg(not(Py_LIMITED_API))]
 unsafe fn status_message(status: ffi::PyStatus) -> String {
     if status.err_msg.is_null() {
         format!("status {}", status.exitcode)
