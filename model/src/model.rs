@@ -262,8 +262,6 @@ pub mod seen {
     pub const STAGE_FAILED: u16 = 512;
     /// A pre-start step was refused because the Worker had started.
     pub const PRE_START_AFTER_START: u16 = 1024;
-    /// A target had two deserializations in progress at once.
-    pub const TWO_DESERIALIZING: u16 = 2048;
     /// A completed unregister failed (some target refused it or timed out).
     pub const UNREGISTER_FAILED: u16 = 4096;
 }
@@ -893,9 +891,6 @@ impl RegistrationModel {
                         state.seen |= seen::SLOT_REUSED_AFTER_TOMBSTONE;
                     }
                     side.deserializing.push((seq, slot));
-                    if side.deserializing.len() >= 2 {
-                        state.seen |= seen::TWO_DESERIALIZING;
-                    }
                 }
             }
         }

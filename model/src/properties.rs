@@ -215,7 +215,7 @@ fn queries(m: &RegistrationModel, s: &State) -> bool {
     queries_agree(m, s).is_ok()
 }
 fn two_deserializing(_: &RegistrationModel, s: &State) -> bool {
-    s.seen & seen::TWO_DESERIALIZING != 0
+    s.sides.iter().any(|side| side.deserializing.len() >= 2)
 }
 fn closed_in_flight(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::CLOSED_IN_FLIGHT != 0

@@ -60,7 +60,7 @@ fn pinned_state_counts() {
         ("pre-start", 85_110, 23),
         ("staging", 4_322, 18),
         ("close", 13_090, 26),
-        ("two-deserializations", 31_211, 21),
+        ("two-deserializations", 19_961, 20),
         ("forged", 2_725, 14),
     ];
     let names: Vec<&str> = configs::all().iter().map(|n| n.name).collect();
