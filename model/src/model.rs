@@ -435,11 +435,20 @@ pub enum Forged {
     /// `start` again once started or closed, `close` again once closed,
     /// pre-start calls once started (`LIFECYCLE_INVALID`).
     LifecycleAgain,
+    /// Registers in `LOCAL_CHIP`, which no target serves
+    /// (`CALLABLE_KIND_UNSUPPORTED`), and resolving each live handle for it
+    /// (`HANDLE_WRONG_NAMESPACE`).
+    WrongNamespace,
+    /// Before start: `register_before_start` of a digest not in the startup
+    /// snapshot (refused with `LOCAL_SLOT_EXHAUSTED` exactly when the
+    /// snapshot already holds as many digests as a target has slots) and
+    /// of each digest in it (accepted: it takes no new slot).
+    PreStartCapacity,
 }
 
 impl Forged {
     /// Every forged input.
-    pub const ALL: [Forged; 8] = [
+    pub const ALL: [Forged; 10] = [
         Forged::ReplyFromNoTarget,
         Forged::ReplySeqZero,
         Forged::ReplySeqUnissued,
@@ -448,6 +457,8 @@ impl Forged {
         Forged::SubmitOutOfScope,
         Forged::TargetUnknownSeq,
         Forged::LifecycleAgain,
+        Forged::WrongNamespace,
+        Forged::PreStartCapacity,
     ];
 }
 
@@ -1236,6 +1247,49 @@ impl RegistrationModel {
                     }
                 }
                 "a call out of lifecycle order was not refused with LIFECYCLE_INVALID, or changed the parent"
+            }
+            Forged::WrongNamespace => {
+                let chip = Namespace::LocalChip;
+                match lifecycle {
+                    Lifecycle::New => ok &= refused(
+                        parent.register_before_start(a, chip).map(|_| ()),
+                        E::CALLABLE_KIND_UNSUPPORTED,
+                    ),
+                    Lifecycle::Started => ok &= refused(
+                        parent.register(a, chip, now).map(|_| ()),
+                        E::CALLABLE_KIND_UNSUPPORTED,
+                    ),
+                    Lifecycle::Closed => {}
+                }
+                if lifecycle != Lifecycle::Closed {
+                    for handle in state.parent.live_handles() {
+                        ok &= refused(
+                            parent.resolve(&handle, chip).map(|_| ()),
+                            E::HANDLE_WRONG_NAMESPACE,
+                        );
+                    }
+                }
+                "a register in a namespace no target serves, or a resolve for another namespace, was not refused with its documented error, or changed the parent"
+            }
+            Forged::PreStartCapacity => {
+                if lifecycle == Lifecycle::New {
+                    let snapshot = state.parent.startup_snapshot();
+                    let full = snapshot.len() >= usize::from(self.config.slot_capacity);
+                    let mut copy = state.parent.clone();
+                    let fresh = copy.register_before_start(digest_of('Y')?, Namespace::LocalPython);
+                    ok &= if full {
+                        refused(fresh.map(|_| ()), E::LOCAL_SLOT_EXHAUSTED)
+                    } else {
+                        fresh.is_ok()
+                    };
+                    for (digest, _) in &snapshot {
+                        let mut copy = state.parent.clone();
+                        ok &= copy
+                            .register_before_start(*digest, Namespace::LocalPython)
+                            .is_ok();
+                    }
+                }
+                "register_before_start refused a digest with room in the startup snapshot, or accepted one beyond the slots"
             }
         };
         ok &= parent == state.parent;

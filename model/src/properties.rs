@@ -327,8 +327,19 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
     if p.staged() != s.staged.keys().copied().collect::<Vec<_>>() {
         return fail("Parent::staged disagrees with shared memory");
     }
-    if p.poll_timeout().is_some() && in_flight.is_empty() {
-        return fail("Parent::poll_timeout names a deadline with no operation in flight");
+    if let Some(deadline) = p.poll_timeout() {
+        if in_flight.is_empty() {
+            return fail("Parent::poll_timeout names a deadline with no operation in flight");
+        }
+        // Every deadline is set CONTROL_TIMEOUT after the time its phase
+        // began (time 1 at the earliest); once a deadline passed, every
+        // phase due by then stopped waiting.
+        if deadline.0 <= CONTROL_TIMEOUT
+            || deadline.0 > s.now + CONTROL_TIMEOUT
+            || deadline.0 <= s.now
+        {
+            return fail("Parent::poll_timeout is not a deadline still ahead, CONTROL_TIMEOUT after its phase began");
+        }
     }
     for (t, reply) in &s.replies {
         let awaited = p.awaits_reply(*t, reply.seq);
