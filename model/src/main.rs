@@ -236,9 +236,8 @@ fn with_mutant(mut config: ModelConfig, mutant: Option<&str>) -> Result<ModelCon
 }
 
 fn named_config(name: &str) -> Result<Named, String> {
-    configs::named(name).ok_or_else(|| {
-        format!("unknown configuration {name:?}; `callreg-model list` shows them")
-    })
+    configs::named(name)
+        .ok_or_else(|| format!("unknown configuration {name:?}; `callreg-model list` shows them"))
 }
 
 /// The human-readable report of one run, line by line.
@@ -433,7 +432,10 @@ fn main() -> ExitCode {
                     Ok(c) => c,
                     Err(e) => return usage(&e),
                 };
-                say(json, &format!("== configuration {}: {}", n.name, n.description));
+                say(
+                    json,
+                    &format!("== configuration {}: {}", n.name, n.description),
+                );
                 let outcome = match check_named(&n, &options) {
                     Ok(o) => o,
                     Err(e) => return usage(&format!("configuration {}: {e}", n.name)),

@@ -17,9 +17,9 @@ use callreg::protocol::invariants::{self, View, Violation};
 #[cfg(feature = "mutants")]
 use callreg::protocol::Mutant;
 use callreg::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken, Parent,
-    ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig, TargetEffect, TargetId,
-    TargetOutcome, Time,
+    Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
+    Parent, ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig, TargetEffect,
+    TargetId, TargetOutcome, Time,
 };
 
 use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Script, CORRUPTED};
@@ -561,7 +561,10 @@ impl RegistrationModel {
                 if let PreStatus::Refused(code) = state.pre[i] {
                     return Err(ConfigError(format!(
                         "before_start[{i}] was refused ({})",
-                        code.map_or_else(|| "its register was refused".to_owned(), |c| c.to_string())
+                        code.map_or_else(
+                            || "its register was refused".to_owned(),
+                            |c| c.to_string()
+                        )
                     )));
                 }
             }
@@ -794,9 +797,9 @@ impl RegistrationModel {
             self.config.script.operations[index].operation,
             Operation::Register(_)
         );
-        let mask = outcomes
-            .iter()
-            .fold(0u32, |m, (t, _)| m | 1u32.checked_shl(u32::from(t.0)).unwrap_or(0));
+        let mask = outcomes.iter().fold(0u32, |m, (t, _)| {
+            m | 1u32.checked_shl(u32::from(t.0)).unwrap_or(0)
+        });
         let ordered = outcomes.windows(2).all(|w| w[0].0 < w[1].0);
         if !ordered || mask != scope {
             state.breach("a completion's outcomes do not name each target of its scope once, in target order");
@@ -827,7 +830,9 @@ impl RegistrationModel {
             }
             Err(error) if error.code == ErrorCode::LIFECYCLE_INVALID => {
                 if !closed {
-                    state.breach("an operation failed with LIFECYCLE_INVALID while the Worker was open");
+                    state.breach(
+                        "an operation failed with LIFECYCLE_INVALID while the Worker was open",
+                    );
                 }
             }
             Err(error) if register => {
@@ -935,7 +940,9 @@ impl RegistrationModel {
         state.client[i] = match started {
             Ok(op) => {
                 if !open {
-                    state.breach("a register or unregister was accepted before start or after close");
+                    state.breach(
+                        "a register or unregister was accepted before start or after close",
+                    );
                 }
                 StepStatus::InFlight { op, scope: 0 }
             }
@@ -1103,15 +1110,12 @@ impl RegistrationModel {
         let a = digest_of('A')?;
         // What a parent input that checks its target answers: refused
         // before start, ignored after close, `code` while started.
-        let expect = |result: Result<(), callreg::error::Error>, code: ErrorCode| match lifecycle
-        {
+        let expect = |result: Result<(), callreg::error::Error>, code: ErrorCode| match lifecycle {
             Lifecycle::New => matches!(result, Err(e) if e.code == E::LIFECYCLE_INVALID),
             Lifecycle::Closed => result.is_ok(),
             Lifecycle::Started => matches!(result, Err(e) if e.code == code),
         };
-        let refused = |result: Result<(), callreg::error::Error>, code: ErrorCode| {
-            matches!(result, Err(e) if e.code == code)
-        };
+        let refused = |result: Result<(), callreg::error::Error>, code: ErrorCode| matches!(result, Err(e) if e.code == code);
         // The seq the parent issues next, from a register on a copy.
         let next_seq = {
             let mut probe = state.parent.clone();
@@ -1130,7 +1134,10 @@ impl RegistrationModel {
         let why: &'static str = match forged {
             Forged::ReplyFromNoTarget => {
                 let seq = state.parent.in_flight().first().map_or(1, |op| op.0);
-                ok &= expect(parent.handle_reply(nobody, reply(seq), now), E::FRAME_INVALID);
+                ok &= expect(
+                    parent.handle_reply(nobody, reply(seq), now),
+                    E::FRAME_INVALID,
+                );
                 ok &= expect(parent.target_lost(nobody, now), E::FRAME_INVALID);
                 "a reply from the target id one past the last was not refused with FRAME_INVALID, or changed the parent"
             }
@@ -1173,7 +1180,10 @@ impl RegistrationModel {
                 for handle in state.parent.live_handles() {
                     let uncertain = state.parent.is_uncertain(handle.digest());
                     let mut targets = vec![nobody];
-                    targets.extend(self.target_ids().filter(|t| !state.parent.is_target_live(*t)));
+                    targets.extend(
+                        self.target_ids()
+                            .filter(|t| !state.parent.is_target_live(*t)),
+                    );
                     for target in targets {
                         let code = if lifecycle != Lifecycle::Started {
                             E::LIFECYCLE_INVALID
@@ -1232,7 +1242,9 @@ impl RegistrationModel {
                     }
                 }
                 if lifecycle != Lifecycle::Started {
-                    ok &= lifecycle_error(parent.register(a, Namespace::LocalPython, now).map(|_| ()));
+                    ok &= lifecycle_error(
+                        parent.register(a, Namespace::LocalPython, now).map(|_| ()),
+                    );
                     let forged = handle_for(a, 1);
                     ok &= lifecycle_error(parent.unregister(&forged, now).map(|_| ()));
                     ok &= lifecycle_error(parent.submit(&forged, TargetId(0)).map(|_| ()));
@@ -1251,14 +1263,18 @@ impl RegistrationModel {
             Forged::WrongNamespace => {
                 let chip = Namespace::LocalChip;
                 match lifecycle {
-                    Lifecycle::New => ok &= refused(
-                        parent.register_before_start(a, chip).map(|_| ()),
-                        E::CALLABLE_KIND_UNSUPPORTED,
-                    ),
-                    Lifecycle::Started => ok &= refused(
-                        parent.register(a, chip, now).map(|_| ()),
-                        E::CALLABLE_KIND_UNSUPPORTED,
-                    ),
+                    Lifecycle::New => {
+                        ok &= refused(
+                            parent.register_before_start(a, chip).map(|_| ()),
+                            E::CALLABLE_KIND_UNSUPPORTED,
+                        )
+                    }
+                    Lifecycle::Started => {
+                        ok &= refused(
+                            parent.register(a, chip, now).map(|_| ()),
+                            E::CALLABLE_KIND_UNSUPPORTED,
+                        )
+                    }
                     Lifecycle::Closed => {}
                 }
                 if lifecycle != Lifecycle::Closed {
@@ -1361,8 +1377,7 @@ impl stateright::Model for RegistrationModel {
                     self.config.script.operations[i].operation,
                     Operation::Register(_)
                 );
-                if register && state.budgets.stage_failures > 0 && lifecycle == Lifecycle::Started
-                {
+                if register && state.budgets.stage_failures > 0 && lifecycle == Lifecycle::Started {
                     actions.push(Action::IssueStageFails(i));
                 }
             }

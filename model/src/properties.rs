@@ -21,9 +21,7 @@ use stateright::Property;
 use std::collections::BTreeMap;
 
 use callreg::descriptor::Digest;
-use callreg::protocol::{
-    Lifecycle, Namespace, OpId, RegistrySnapshot, Seq, Slot, TargetId, Time,
-};
+use callreg::protocol::{Lifecycle, Namespace, OpId, RegistrySnapshot, Seq, Slot, TargetId, Time};
 
 use crate::model::{
     seen, RegistrationModel, State, StepResult, StepStatus, CONTROL_TIMEOUT, OWNER,
@@ -82,8 +80,7 @@ pub const SOMETIMES_CLOSED_IN_FLIGHT: &str =
 /// Witness: staging a register's payload fails.
 pub const SOMETIMES_STAGE_FAILED: &str = "sometimes: staging a payload fails";
 /// Witness: a pre-start step is called after start (and refused).
-pub const SOMETIMES_PRE_START_AFTER_START: &str =
-    "sometimes: a pre-start step comes after start";
+pub const SOMETIMES_PRE_START_AFTER_START: &str = "sometimes: a pre-start step comes after start";
 /// Witness: an unregister fails (a target refused it or timed out).
 pub const SOMETIMES_UNREGISTER_FAILED: &str = "sometimes: an unregister fails";
 /// Witness: a reply names another digest than its frame.
@@ -322,7 +319,9 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         .collect();
     in_flight.sort();
     if p.in_flight() != in_flight || p.is_idle() != in_flight.is_empty() {
-        return fail("Parent::in_flight or is_idle disagrees with the operations the client has in flight");
+        return fail(
+            "Parent::in_flight or is_idle disagrees with the operations the client has in flight",
+        );
     }
     if p.staged() != s.staged.keys().copied().collect::<Vec<_>>() {
         return fail("Parent::staged disagrees with shared memory");
@@ -371,7 +370,9 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
                 || once.uncertain_digests() != expected
                 || once.poll_effect().is_some()
             {
-                return fail("Parent::awaits_reply is false but handle_reply took the reply as awaited");
+                return fail(
+                    "Parent::awaits_reply is false but handle_reply took the reply as awaited",
+                );
             }
         }
     }
@@ -387,7 +388,9 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         if target.tombstones() != tombstoned.len() {
             return fail("Target::tombstones disagrees with Target::tombstoned_slots");
         }
-        let used = (0..capacity).filter(|i| target.is_slot_used(Slot(*i))).count();
+        let used = (0..capacity)
+            .filter(|i| target.is_slot_used(Slot(*i)))
+            .count();
         if used != target.slots_in_use() || target.is_slot_used(Slot(capacity)) {
             return fail("Target::is_slot_used disagrees with Target::slots_in_use");
         }
@@ -396,7 +399,10 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
             return fail("a used slot is neither installed, tombstoned nor deserializing");
         }
         let run_slots: Vec<Slot> = side.runs.iter().map(|(_, slot)| *slot).collect();
-        if tombstoned.iter().any(|t| !run_slots.contains(t) || !target.is_slot_used(*t)) {
+        if tombstoned
+            .iter()
+            .any(|t| !run_slots.contains(t) || !target.is_slot_used(*t))
+        {
             return fail("a tombstoned slot is held by no run, or not used");
         }
         let deserializing: Vec<Slot> = side.deserializing.iter().map(|(_, slot)| *slot).collect();

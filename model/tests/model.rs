@@ -564,7 +564,14 @@ fn explore_on_a_busy_port_exits_2() {
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = busy.local_addr().unwrap().to_string();
     let out = std::process::Command::new(bin)
-        .args(["explore", "--targets", "1", "--script", "single-register", "--addr"])
+        .args([
+            "explore",
+            "--targets",
+            "1",
+            "--script",
+            "single-register",
+            "--addr",
+        ])
         .arg(&addr)
         .output()
         .unwrap();
@@ -618,7 +625,10 @@ fn a_missing_expected_witness_fails_the_verdict() {
     );
     assert!(outcome.complete);
     assert!(outcome.violations.is_empty());
-    assert_eq!(outcome.missing_witnesses, vec![SOMETIMES_UNCERTAIN.to_owned()]);
+    assert_eq!(
+        outcome.missing_witnesses,
+        vec![SOMETIMES_UNCERTAIN.to_owned()]
+    );
     assert!(!outcome.passed());
     // The derived expectations of a fault-free configuration: it starts
     // and publishes.
