@@ -197,8 +197,8 @@ pub struct TargetSide {
     /// with the slot the machine reserved for each.
     pub deserializing: Vec<(Seq, Slot)>,
     /// Task seqs whose run is in progress, oldest first, with the slot
-    /// `begin_task` returned.
-    pub runs: Vec<(Seq, Slot)>,
+    /// `begin_task` returned and the digest the task named.
+    pub runs: Vec<(Seq, Slot, Digest)>,
     /// Bit `s` set: slot `s` was tombstoned and then freed.
     pub freed_tombstones: u64,
 }
@@ -842,11 +842,21 @@ impl RegistrationModel {
                     .iter()
                     .any(|(_, o)| matches!(o, TargetOutcome::CleanupUnconfirmed { .. }));
                 let uncertain = digest.is_some_and(|d| state.parent.is_uncertain(d));
+                // REGISTER_CLEANUP_UNCERTAIN exactly when every target of
+                // the scope confirmed (and was then rolled back) but the
+                // digest became uncertain in flight.
+                let confirmed_everywhere = outcomes.iter().all(|(_, o)| {
+                    matches!(
+                        o,
+                        TargetOutcome::RolledBack | TargetOutcome::CleanupUnconfirmed { .. }
+                    )
+                });
                 let code_ok = if stage {
                     outcomes.is_empty()
+                } else if confirmed_everywhere && uncertain {
+                    error.code == ErrorCode::REGISTER_CLEANUP_UNCERTAIN
                 } else {
                     error.code == ErrorCode::REGISTER_PARTIAL_FAILURE
-                        || error.code == ErrorCode::REGISTER_CLEANUP_UNCERTAIN
                 };
                 if kept || !code_ok || (unconfirmed && !uncertain) {
                     state.breach("a failed register kept a confirmed install, has an undocumented error, or left an unconfirmed cleanup without marking the digest uncertain");
@@ -1011,7 +1021,7 @@ impl RegistrationModel {
                     .position(|(s, _)| *s == seq)
                     .map(|at| state.tasks.remove(at).1);
                 match target.begin_task(seq, digest) {
-                    Ok(slot) => state.sides[index].runs.push((seq, slot)),
+                    Ok(slot) => state.sides[index].runs.push((seq, slot, digest)),
                     Err(error) => {
                         let live = handle_id.is_some_and(|h| {
                             state.parent.live_handles().iter().any(|l| l.handle_id == h)
@@ -1205,7 +1215,7 @@ impl RegistrationModel {
                     let side = &state.sides[index];
                     let mut copy = target.clone();
                     let mut unknown = vec![Seq(0)];
-                    unknown.extend(side.runs.iter().map(|(s, _)| *s));
+                    unknown.extend(side.runs.iter().map(|(s, _, _)| *s));
                     for seq in &unknown {
                         ok &= refused(copy.on_deserialized(*seq, Ok(())), E::FRAME_INVALID);
                     }
@@ -1215,6 +1225,41 @@ impl RegistrationModel {
                         ok &= refused(copy.end_task(*seq), E::FRAME_INVALID);
                     }
                     ok &= copy.poll_effect().is_none() && copy == *target;
+                    // Unregisters of digests not installed: refused, with
+                    // UNREGISTER_TOMBSTONE_ACTIVE when a run still holds a
+                    // tombstoned slot of it; tasks for them and second runs
+                    // of a seq in progress are refused.
+                    let tombstoned = target.tombstoned_slots();
+                    for c in ['A', 'B', 'C', 'D'] {
+                        let d = digest_of(c)?;
+                        if target.refcount(d) > 0 {
+                            continue;
+                        }
+                        let expected = if side
+                            .runs
+                            .iter()
+                            .any(|(_, slot, run)| *run == d && tombstoned.contains(slot))
+                        {
+                            E::UNREGISTER_TOMBSTONE_ACTIVE
+                        } else {
+                            E::DIGEST_NOT_INSTALLED
+                        };
+                        copy.on_unregister(Seq(0), d);
+                        ok &= matches!(
+                            copy.poll_effect(),
+                            Some(TargetEffect::Reply(Reply { seq: Seq(0), digest, result: Err(f) }))
+                                if digest == d && f.code == expected
+                        );
+                        ok &= refused(
+                            copy.begin_task(Seq(0), d).map(|_| ()),
+                            E::DIGEST_NOT_INSTALLED,
+                        );
+                        ok &= copy.poll_effect().is_none() && copy == *target;
+                    }
+                    for (seq, _, d) in &side.runs {
+                        ok &= refused(copy.begin_task(*seq, *d).map(|_| ()), E::FRAME_INVALID);
+                    }
+                    ok &= copy == *target;
                     for (seq, _) in &side.deserializing {
                         copy.on_register(*seq, a, Ok(a));
                         ok &= matches!(
@@ -1416,7 +1461,7 @@ impl stateright::Model for RegistrationModel {
                     });
                 }
             }
-            for (seq, _) in &side.runs {
+            for (seq, _, _) in &side.runs {
                 actions.push(Action::EndRun {
                     target: id,
                     seq: *seq,
@@ -1501,7 +1546,7 @@ impl stateright::Model for RegistrationModel {
             Action::EndRun { target: id, seq } => {
                 let index = usize::from(id.0);
                 let side = state.sides.get_mut(index)?;
-                let at = side.runs.iter().position(|(s, _)| *s == seq)?;
+                let at = side.runs.iter().position(|(s, _, _)| *s == seq)?;
                 side.runs.remove(at);
                 let target = state.targets.get_mut(index)?.as_mut()?;
                 let before = target.tombstoned_slots();

@@ -398,7 +398,7 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         if target.slots_in_use() != installed.len() + tombstoned.len() + side.deserializing.len() {
             return fail("a used slot is neither installed, tombstoned nor deserializing");
         }
-        let run_slots: Vec<Slot> = side.runs.iter().map(|(_, slot)| *slot).collect();
+        let run_slots: Vec<Slot> = side.runs.iter().map(|(_, slot, _)| *slot).collect();
         if tombstoned
             .iter()
             .any(|t| !run_slots.contains(t) || !target.is_slot_used(*t))
