@@ -55,13 +55,13 @@ fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.
     let expected = [
-        ("standard", 48_294, 36),
-        ("no-fence", 187_740, 39),
-        ("pre-start", 85_110, 23),
+        ("forged", 2_725, 14),
         ("staging", 4_322, 18),
         ("close", 13_090, 26),
         ("two-deserializations", 19_961, 20),
-        ("forged", 2_725, 14),
+        ("pre-start", 85_110, 23),
+        ("standard", 48_294, 36),
+        ("no-fence", 187_740, 39),
     ];
     let names: Vec<&str> = configs::all().iter().map(|n| n.name).collect();
     assert_eq!(
