@@ -149,6 +149,9 @@ pub enum StepStatus {
         /// frame of the operation was sent to target `t` (the targets its
         /// completion must report on).
         scope: u32,
+        /// The model time it was issued at: no target of it may time out
+        /// before `issued + CONTROL_TIMEOUT`.
+        issued: u64,
     },
     /// Finished.
     Done(StepResult),
@@ -733,7 +736,7 @@ impl RegistrationModel {
                     if !matches!(frame, ControlFrame::Task { .. }) {
                         let seq = frame.seq().0;
                         for step in &mut state.client {
-                            if let StepStatus::InFlight { op, scope } = step {
+                            if let StepStatus::InFlight { op, scope, .. } = step {
                                 if op.0 == seq && target.0 < 32 {
                                     *scope |= 1u32 << target.0;
                                 }
@@ -790,7 +793,7 @@ impl RegistrationModel {
             state.seen |= seen::DRIVER_ERROR;
             return;
         };
-        let StepStatus::InFlight { scope, .. } = state.client[index] else {
+        let StepStatus::InFlight { scope, issued, .. } = state.client[index] else {
             return;
         };
         let register = matches!(
@@ -803,6 +806,16 @@ impl RegistrationModel {
         let ordered = outcomes.windows(2).all(|w| w[0].0 < w[1].0);
         if !ordered || mask != scope {
             state.breach("a completion's outcomes do not name each target of its scope once, in target order");
+        }
+        let timed_out = outcomes.iter().any(|(_, o)| match o {
+            TargetOutcome::TimedOut => true,
+            TargetOutcome::CleanupUnconfirmed { failure } => {
+                failure.code == ErrorCode::DEADLINE_EXCEEDED
+            }
+            _ => false,
+        });
+        if timed_out && state.now < issued + CONTROL_TIMEOUT {
+            state.breach("a target of an operation timed out before the operation's deadline");
         }
         let all_ok = outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok);
         let digest = match self.config.script.operations[index].operation {
@@ -954,7 +967,11 @@ impl RegistrationModel {
                         "a register or unregister was accepted before start or after close",
                     );
                 }
-                StepStatus::InFlight { op, scope: 0 }
+                StepStatus::InFlight {
+                    op,
+                    scope: 0,
+                    issued: state.now,
+                }
             }
             Err(error) => {
                 if !open && (error.code != ErrorCode::LIFECYCLE_INVALID || state.parent != before) {

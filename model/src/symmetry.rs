@@ -113,7 +113,7 @@ impl State {
             .client
             .iter()
             .map(|step| match step {
-                StepStatus::InFlight { op, scope } => {
+                StepStatus::InFlight { op, scope, issued } => {
                     let mut renamed = 0u32;
                     for (old, new) in permutation.iter().enumerate().take(n) {
                         if scope & (1u32 << old) != 0 {
@@ -123,6 +123,7 @@ impl State {
                     StepStatus::InFlight {
                         op: *op,
                         scope: renamed,
+                        issued: *issued,
                     }
                 }
                 other => *other,
