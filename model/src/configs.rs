@@ -116,6 +116,26 @@ pub fn all() -> Vec<Named> {
             expected: &[SOMETIMES_ROLLBACK],
         },
         Named {
+            name: "refused-unregister",
+            description: "2 targets, register-unregister-same-digest, a reply naming a wrong digest and no other fault: a refused register and a refused unregister",
+            config: ModelConfig {
+                wrong_digests: 1,
+                crashes: 0,
+                deserialize_failures: 0,
+                corruptions: 0,
+                deadlines: 0,
+                tasks: 0,
+                ..two("register-unregister-same-digest")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_UNCERTAIN,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_UNREGISTER_FAILED,
+            ],
+        },
+        Named {
             name: "staging",
             description: "2 targets, duplicate-register, a staging failure, a crash, a failed deserialization, a deadline",
             config: ModelConfig {

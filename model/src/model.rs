@@ -152,6 +152,10 @@ pub enum StepStatus {
         /// The model time it was issued at: no target of it may time out
         /// before `issued + CONTROL_TIMEOUT`.
         issued: u64,
+        /// Bit `t` set when target `t`'s awaited reply to the operation's
+        /// own frame refused it (or named a wrong digest): its outcome must
+        /// be `Failed` (or, for a register, never `Ok`).
+        refused: u32,
     },
     /// Finished.
     Done(StepResult),
@@ -793,7 +797,13 @@ impl RegistrationModel {
             state.seen |= seen::DRIVER_ERROR;
             return;
         };
-        let StepStatus::InFlight { scope, issued, .. } = state.client[index] else {
+        let StepStatus::InFlight {
+            scope,
+            issued,
+            refused,
+            ..
+        } = state.client[index]
+        else {
             return;
         };
         let register = matches!(
@@ -806,6 +816,13 @@ impl RegistrationModel {
         let ordered = outcomes.windows(2).all(|w| w[0].0 < w[1].0);
         if !ordered || mask != scope {
             state.breach("a completion's outcomes do not name each target of its scope once, in target order");
+        }
+        let misreported = outcomes.iter().any(|(t, o)| {
+            let was_refused = t.0 < 32 && refused & (1u32 << t.0) != 0;
+            was_refused != matches!(o, TargetOutcome::Failed { .. })
+        });
+        if misreported {
+            state.breach("a completion's outcomes do not report as Failed exactly the targets that refused the operation");
         }
         let timed_out = outcomes.iter().any(|(_, o)| match o {
             TargetOutcome::TimedOut => true,
@@ -971,6 +988,7 @@ impl RegistrationModel {
                     op,
                     scope: 0,
                     issued: state.now,
+                    refused: 0,
                 }
             }
             Err(error) => {
@@ -1066,8 +1084,19 @@ impl RegistrationModel {
             if wrong_digest {
                 reply.digest = CORRUPTED;
             }
-            if state.parent.is_target_live(id) && !state.parent.awaits_reply(id, reply.seq) {
+            let awaited = state.parent.awaits_reply(id, reply.seq);
+            if state.parent.is_target_live(id) && !awaited {
                 state.seen |= seen::LATE_REPLY;
+            }
+            let refusal = reply.result.is_err() || wrong_digest;
+            if awaited && refusal && id.0 < 32 {
+                for step in &mut state.client {
+                    if let StepStatus::InFlight { op, refused, .. } = step {
+                        if op.0 == reply.seq.0 {
+                            *refused |= 1u32 << id.0;
+                        }
+                    }
+                }
             }
             if state.parent.handle_reply(id, reply, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;

@@ -113,17 +113,26 @@ impl State {
             .client
             .iter()
             .map(|step| match step {
-                StepStatus::InFlight { op, scope, issued } => {
-                    let mut renamed = 0u32;
-                    for (old, new) in permutation.iter().enumerate().take(n) {
-                        if scope & (1u32 << old) != 0 {
-                            renamed |= 1u32 << new.0;
+                StepStatus::InFlight {
+                    op,
+                    scope,
+                    issued,
+                    refused,
+                } => {
+                    let rename = |mask: u32| {
+                        let mut renamed = 0u32;
+                        for (old, new) in permutation.iter().enumerate().take(n) {
+                            if mask & (1u32 << old) != 0 {
+                                renamed |= 1u32 << new.0;
+                            }
                         }
-                    }
+                        renamed
+                    };
                     StepStatus::InFlight {
                         op: *op,
-                        scope: renamed,
+                        scope: rename(*scope),
                         issued: *issued,
+                        refused: rename(*refused),
                     }
                 }
                 other => *other,

@@ -56,6 +56,7 @@ fn pinned_state_counts() {
     // symmetric (depth-first) counts are reproducible.
     let expected = [
         ("forged", 2_725, 14),
+        ("refused-unregister", 351, 23),
         ("staging", 4_322, 18),
         ("close", 13_090, 26),
         ("two-deserializations", 19_961, 20),
