@@ -664,3 +664,130 @@ fn a_passed_deadline_without_fencing_times_out_and_marks_uncertain() {
     p.handle_reply(TargetId(1), ok(1, 1), Time(2_001)).unwrap();
     assert_eq!(drain(&mut p), vec![]);
 }
+
+// Boundaries the IO layer relies on, each pinned exactly (a reply or loss
+// naming the id one past the last target, an unregister that timed out,
+// the awaited-reply query, the cleanup's own deadline).
+
+#[test]
+fn a_reply_or_loss_naming_the_id_one_past_the_last_target_is_refused() {
+    let mut p = started(2, true);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    let before = p.clone();
+    let e = p.handle_reply(TargetId(2), ok(1, 1), Time(1)).unwrap_err();
+    assert_eq!(
+        (e.code, e.target),
+        (ErrorCode::FRAME_INVALID, Some(TargetId(2)))
+    );
+    assert_eq!(e.message, "there is no target 2 (targets 0..2)");
+    let e = p.target_lost(TargetId(2), Time(1)).unwrap_err();
+    assert_eq!(
+        (e.code, e.target),
+        (ErrorCode::FRAME_INVALID, Some(TargetId(2)))
+    );
+    // Nothing changed: in particular the digest is not uncertain.
+    assert_eq!(p, before);
+    assert!(!p.is_uncertain(digest(1)));
+    assert!(!p.is_target_live(TargetId(2)));
+    assert!(!p.awaits_reply(TargetId(2), Seq(1)));
+    // The last real target is accepted.
+    p.handle_reply(TargetId(1), ok(1, 1), Time(2)).unwrap();
+    assert!(!p.awaits_reply(TargetId(1), Seq(1)));
+}
+
+#[test]
+fn replies_for_seq_zero_and_the_next_seq_are_refused() {
+    let mut p = started(1, true);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    let before = p.clone();
+    for seq in [0, 2] {
+        let e = p
+            .handle_reply(TargetId(0), ok(seq, 1), Time(1))
+            .unwrap_err();
+        assert_eq!((e.code, e.seq), (ErrorCode::FRAME_INVALID, Some(Seq(seq))));
+    }
+    assert_eq!(p, before);
+}
+
+#[test]
+fn an_unregister_whose_target_timed_out_without_fencing_fails() {
+    let mut p = Parent::new(ParentConfig {
+        targets: 2,
+        control_timeout: 1_000,
+        fence_on_timeout: false,
+        owner: OWNER,
+        slot_capacity: 64,
+    });
+    let h = p
+        .register_before_start(digest(1), Namespace::LocalPython)
+        .unwrap();
+    p.start().unwrap();
+    assert_eq!(p.unregister(&h, Time(0)), Ok(OpId(1)));
+    drain(&mut p);
+    assert!(p.awaits_reply(TargetId(0), Seq(1)));
+    p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+    assert_eq!(p.poll_timeout(), Some(Time(1_000)));
+    p.handle_timeout(Time(1_000));
+    assert!(!p.awaits_reply(TargetId(1), Seq(1)));
+    let [Effect::Completed {
+        op,
+        result: Err(e),
+        outcomes,
+    }] = <[Effect; 1]>::try_from(drain(&mut p)).unwrap()
+    else {
+        panic!("no failed completion")
+    };
+    assert_eq!(op, OpId(1));
+    assert_eq!(e.code, ErrorCode::UNREGISTER_PARTIAL_FAILURE);
+    assert_eq!(
+        outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Ok),
+            (TargetId(1), TargetOutcome::TimedOut)
+        ]
+    );
+    assert!(p.is_uncertain(digest(1)));
+    // Its late answer changes nothing more.
+    let after = p.clone();
+    p.handle_reply(TargetId(1), ok(1, 1), Time(1_001)).unwrap();
+    assert_eq!(p, after);
+}
+
+#[test]
+fn awaits_reply_follows_each_target_through_the_register_and_its_cleanup() {
+    let mut p = started(2, true);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    assert!(p.awaits_reply(TargetId(0), Seq(1)));
+    assert!(p.awaits_reply(TargetId(1), Seq(1)));
+    assert!(!p.awaits_reply(TargetId(0), Seq(2)), "no seq 2 yet");
+    p.handle_reply(TargetId(0), ok(1, 1), Time(10)).unwrap();
+    assert!(!p.awaits_reply(TargetId(0), Seq(1)), "answered");
+    assert!(p.awaits_reply(TargetId(1), Seq(1)));
+    // Target 1 refuses: the cleanup (seq 2) goes to target 0 only, with a
+    // deadline of its own, counted from when it began.
+    p.handle_reply(
+        TargetId(1),
+        err(1, 1, ErrorCode::DESERIALIZE_FAILED),
+        Time(500),
+    )
+    .unwrap();
+    assert!(!p.awaits_reply(TargetId(1), Seq(1)));
+    assert!(p.awaits_reply(TargetId(0), Seq(2)), "the cleanup");
+    assert!(!p.awaits_reply(TargetId(1), Seq(2)), "not cleaned");
+    assert!(!p.awaits_reply(TargetId(0), Seq(1)));
+    assert_eq!(p.poll_timeout(), Some(Time(1_500)));
+    // At the register's own deadline nothing expires.
+    p.handle_timeout(Time(1_000));
+    assert!(p.awaits_reply(TargetId(0), Seq(2)));
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(2, 1), Time(1_100)).unwrap();
+    assert!(!p.awaits_reply(TargetId(0), Seq(2)));
+    assert_eq!(p.poll_timeout(), None);
+    assert!(p.in_flight().is_empty());
+}

@@ -10,6 +10,7 @@
 //! ([`callreg::protocol::invariants`]).
 //!
 //! * [`script`] — client scripts (built-in and JSON);
+//! * [`configs`] — the named configuration set and what each must witness;
 //! * [`model`] — the state, the actions and the [`stateright::Model`];
 //! * [`properties`] — what is checked;
 //! * [`symmetry`] — the reduction over interchangeable targets;
@@ -17,6 +18,7 @@
 
 #![warn(missing_docs)]
 
+pub mod configs;
 pub mod model;
 pub mod properties;
 pub mod run;
@@ -24,5 +26,5 @@ pub mod script;
 pub mod symmetry;
 
 pub use model::{Action, ModelConfig, RegistrationModel, State};
-pub use run::{check, Outcome, SearchOptions};
+pub use run::{check, check_named, Outcome, SearchOptions};
 pub use script::Script;

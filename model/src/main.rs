@@ -2,37 +2,84 @@
 //! (`check`) or serves stateright's Explorer over it (`explore`). See
 //! `specs/model.md`.
 //!
-//! Exit status of `check`: 0 when the run is complete and no property
-//! failed; 1 when a property failed; 2 when the run is incomplete (depth
-//! bound); 64 for a bad command line, script or configuration.
+//! Exit status (the scheme of `callreg`: 0 success, 1 a negative verdict,
+//! 2 a usage error; then 3 for an incomplete run): 0 when every run is
+//! complete, no property failed and every expected witness was found; 1
+//! when a property failed or an expected witness is missing; 2 for a bad
+//! command line, script or configuration, or an address `explore` cannot
+//! listen on; 3 when a run is incomplete (`--first` stopped it early, or
+//! `--max-depth` was reached).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
+use callreg_model::configs::{self, Named};
 use callreg_model::model::{ModelConfig, RegistrationModel};
-use callreg_model::run::{check, Outcome, SearchOptions};
+use callreg_model::run::{check, check_named, Outcome, SearchOptions};
 use callreg_model::script::Script;
 use clap::{Args, Parser, Subcommand};
 use stateright::Model;
+
+/// Every run complete, no property failed, every expected witness found.
+const EXIT_OK: u8 = 0;
+/// A property failed, or an expected witness is missing.
+const EXIT_VIOLATION: u8 = 1;
+/// A bad command line, script or configuration, or an unusable address.
+const EXIT_USAGE: u8 = 2;
+/// A run is incomplete (`--first`, `--max-depth`).
+const EXIT_INCOMPLETE: u8 = 3;
+
+const EXIT_CODES: &str = "Exit status:
+  0  every run complete, no property failed, every expected witness found
+  1  a property failed, or a witness the configuration must produce is missing
+  2  bad command line, script or configuration; explore: cannot listen on the address
+  3  a run is incomplete (--first stopped it, or --max-depth was reached)";
 
 #[derive(Parser, Debug)]
 #[command(
     name = "callreg-model",
     version,
     args_override_self = true,
-    about = "Model-check the callreg registration protocol (the library's own state machines) with faults"
+    about = "Model-check the callreg registration protocol (the library's own state machines) with faults",
+    after_help = EXIT_CODES
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
+/// The configuration flags a named configuration (`--config`, `--all`)
+/// replaces; `--mutant` combines with both.
+const CONFIG_FLAGS: [&str; 14] = [
+    "targets",
+    "script",
+    "crashes",
+    "deserialize_failures",
+    "stage_failures",
+    "corruptions",
+    "deadlines",
+    "tasks",
+    "no_fence",
+    "slots",
+    "interleave_start",
+    "closes",
+    "forged",
+    "wrong_digests",
+];
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Explore every reachable state and check every property.
+    #[command(after_help = EXIT_CODES)]
     Check {
         #[command(flatten)]
         config: ConfigArgs,
+        /// Check this named configuration (see `list`) instead of the flags.
+        #[arg(long = "config", value_name = "NAME", conflicts_with_all = CONFIG_FLAGS)]
+        config_name: Option<String>,
+        /// Check every named configuration (see `list`), one after another.
+        #[arg(long, conflicts_with_all = CONFIG_FLAGS, conflicts_with = "config_name")]
+        all: bool,
         /// Merge states that differ only by renumbering targets (runs depth first).
         #[arg(long)]
         symmetry: bool,
@@ -42,28 +89,32 @@ enum Command {
         /// Checker threads, at least 1 (default: available cores).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         threads: Option<u64>,
-        /// Stop below this depth (the run is then reported incomplete).
-        #[arg(long)]
-        max_depth: Option<usize>,
+        /// Stop below this depth, at least 1 (the run is then reported incomplete).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        max_depth: Option<u64>,
         /// Stop at the first violation (faster; the run is then incomplete).
         #[arg(long)]
         first: bool,
-        /// Seconds between progress lines on stderr.
+        /// Seconds between progress lines on stderr (0: none).
         #[arg(long, default_value_t = 5)]
         progress_secs: u64,
-        /// Print the result as one JSON line at the end of stdout.
+        /// Print the result as one JSON document on stdout (everything else goes to stderr).
         #[arg(long)]
         json: bool,
     },
     /// Serve stateright's Explorer (a web UI over the state space).
+    #[command(after_help = EXIT_CODES)]
     Explore {
         #[command(flatten)]
         config: ConfigArgs,
+        /// Serve this named configuration (see `list`) instead of the flags.
+        #[arg(long = "config", value_name = "NAME", conflicts_with_all = CONFIG_FLAGS)]
+        config_name: Option<String>,
         /// Address to listen on.
         #[arg(long, default_value = "127.0.0.1:3000")]
         addr: String,
     },
-    /// List the built-in scripts and mutants.
+    /// List the built-in scripts, named configurations and mutants.
     List,
 }
 
@@ -103,6 +154,18 @@ struct ConfigArgs {
     /// digest fails to install.
     #[arg(long, value_delimiter = ',', value_name = "TARGETS")]
     snapshot_failures: Vec<u16>,
+    /// Make the script's pre-start steps and start actions (steps after start must be refused).
+    #[arg(long)]
+    interleave_start: bool,
+    /// Closes of the Worker allowed (0 or 1), with operations possibly in flight.
+    #[arg(long, default_value_t = 0)]
+    closes: u8,
+    /// Offer forged and out-of-range inputs in every state (each must be refused).
+    #[arg(long)]
+    forged: bool,
+    /// Replies that may name a wrong digest (a misbehaving target).
+    #[arg(long, default_value_t = 0)]
+    wrong_digests: u8,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -117,36 +180,9 @@ fn load_script(name: &str) -> Result<Script, String> {
     Script::from_json(&text).map_err(|e| format!("{name}: {e}"))
 }
 
-fn model_of(args: &ConfigArgs) -> Result<RegistrationModel, String> {
-    #[cfg(feature = "mutants")]
-    let mut fence_on_timeout = !args.no_fence;
-    #[cfg(not(feature = "mutants"))]
-    let fence_on_timeout = !args.no_fence;
-    #[cfg(feature = "mutants")]
-    if let Some(mutant) = args
-        .mutant
-        .as_deref()
-        .and_then(callreg_model::model::mutant_named)
-    {
-        // A mutant whose code path fencing never reaches would pass
-        // silently: switch fencing off, and say so.
-        if callreg_model::model::mutant_needs_no_fence(mutant) {
-            if fence_on_timeout {
-                eprintln!(
-                    "callreg-model: notice: --mutant {} implies --no-fence (a fenced target never leaves a digest uncertain)",
-                    callreg_model::model::mutant_name(mutant)
-                );
-                fence_on_timeout = false;
-            }
-            if args.deadlines == 0 {
-                eprintln!(
-                    "callreg-model: warning: --mutant {} cannot be reached with --deadlines 0 (only a passed deadline leaves a digest uncertain)",
-                    callreg_model::model::mutant_name(mutant)
-                );
-            }
-        }
-    }
-    let config = ModelConfig {
+/// The configuration the flags describe (without the mutant).
+fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
+    Ok(ModelConfig {
         targets: args.targets,
         script: load_script(&args.script)?,
         crashes: args.crashes,
@@ -155,43 +191,86 @@ fn model_of(args: &ConfigArgs) -> Result<RegistrationModel, String> {
         corruptions: args.corruptions,
         deadlines: args.deadlines,
         tasks: args.tasks,
-        fence_on_timeout,
+        fence_on_timeout: !args.no_fence,
         slot_capacity: args.slots,
         snapshot_failures: args.snapshot_failures.clone(),
+        interleave_start: args.interleave_start,
+        closes: args.closes,
+        forged: args.forged,
+        wrong_digests: args.wrong_digests,
         #[cfg(feature = "mutants")]
-        mutant: match &args.mutant {
-            None => None,
-            Some(name) => Some(callreg_model::model::mutant_named(name).ok_or_else(|| {
-                format!("unknown mutant {name:?}; `callreg-model list` shows them")
-            })?),
-        },
-    };
-    #[cfg(not(feature = "mutants"))]
-    if args.mutant.is_some() {
-        return Err("--mutant needs callreg-model built with the `mutants` feature".into());
-    }
-    RegistrationModel::new(config).map_err(|e| e.to_string())
+        mutant: None,
+    })
 }
 
-fn print_human(outcome: &Outcome) {
+/// Switches `mutant` (a `--mutant` name) on in `config`; a mutant whose
+/// code path fencing never reaches switches fencing off, with a notice.
+#[cfg_attr(not(feature = "mutants"), allow(unused_mut))]
+fn with_mutant(mut config: ModelConfig, mutant: Option<&str>) -> Result<ModelConfig, String> {
+    let Some(name) = mutant else {
+        return Ok(config);
+    };
+    #[cfg(not(feature = "mutants"))]
+    {
+        let _ = name;
+        Err("--mutant needs callreg-model built with the `mutants` feature".into())
+    }
+    #[cfg(feature = "mutants")]
+    {
+        use callreg_model::model::{mutant_name, mutant_named, mutant_needs_no_fence};
+        let mutant = mutant_named(name)
+            .ok_or_else(|| format!("unknown mutant {name:?}; `callreg-model list` shows them"))?;
+        if mutant_needs_no_fence(mutant) {
+            if config.fence_on_timeout {
+                eprintln!(
+                    "callreg-model: notice: --mutant {} implies --no-fence (a fenced target never leaves a digest uncertain)",
+                    mutant_name(mutant)
+                );
+                config.fence_on_timeout = false;
+            }
+            if config.deadlines == 0 {
+                eprintln!(
+                    "callreg-model: warning: --mutant {} cannot be reached with --deadlines 0 (only a passed deadline leaves a digest uncertain)",
+                    mutant_name(mutant)
+                );
+            }
+        }
+        config.mutant = Some(mutant);
+        Ok(config)
+    }
+}
+
+fn named_config(name: &str) -> Result<Named, String> {
+    configs::named(name)
+        .ok_or_else(|| format!("unknown configuration {name:?}; `callreg-model list` shows them"))
+}
+
+/// The human-readable report of one run, line by line.
+fn human(outcome: &Outcome) -> Vec<String> {
+    let mut lines = Vec::new();
     for violation in &outcome.violations {
-        println!("VIOLATION of {:?}:", violation.property);
+        lines.push(format!("VIOLATION of {:?}:", violation.property));
         for (i, line) in violation.trace.iter().enumerate() {
             if line.starts_with("=>") || line.starts_with("   ") {
-                println!("  {line}");
+                lines.push(format!("  {line}"));
             } else {
-                println!("  {:>3}. {line}", i + 1);
+                lines.push(format!("  {:>3}. {line}", i + 1));
             }
         }
     }
     for name in &outcome.witnessed {
-        println!("witnessed: {name}");
+        lines.push(format!("witnessed: {name}"));
     }
     for name in &outcome.not_witnessed {
-        println!("not witnessed in this configuration: {name}");
+        lines.push(format!("not witnessed in this configuration: {name}"));
     }
-    println!(
-        "{}: {} unique states, {} states, max depth {}, {:.2} s ({:.0} unique states/s); {} violation(s)",
+    for name in &outcome.missing_witnesses {
+        lines.push(format!(
+            "MISSING WITNESS (this configuration must reach it): {name}"
+        ));
+    }
+    lines.push(format!(
+        "{}: {} unique states, {} states, max depth {}, {:.2} s ({:.0} unique states/s); {} violation(s), {} missing witness(es)",
         if outcome.complete {
             "complete"
         } else {
@@ -202,13 +281,42 @@ fn print_human(outcome: &Outcome) {
         outcome.max_depth,
         outcome.secs,
         outcome.states_per_sec(),
-        outcome.violations.len()
-    );
+        outcome.violations.len(),
+        outcome.missing_witnesses.len()
+    ));
+    lines
+}
+
+fn exit_status(outcomes: &[&Outcome]) -> u8 {
+    if outcomes
+        .iter()
+        .any(|o| !o.violations.is_empty() || !o.missing_witnesses.is_empty())
+    {
+        EXIT_VIOLATION
+    } else if outcomes.iter().any(|o| !o.complete) {
+        EXIT_INCOMPLETE
+    } else {
+        EXIT_OK
+    }
+}
+
+/// Prints a report line: on stdout, or on stderr when stdout carries the
+/// JSON document.
+fn say(json: bool, line: &str) {
+    if json {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+}
+
+fn usage(message: &str) -> ExitCode {
+    eprintln!("callreg-model: {message}");
+    ExitCode::from(EXIT_USAGE)
 }
 
 fn main() -> ExitCode {
-    // Usage errors exit 64 (specs/model.md §8): 2 means "incomplete" here,
-    // so clap's own exit status for a bad command line cannot be used.
+    // Usage errors exit 2, as in `callreg` (and clap); help and version 0.
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -216,9 +324,9 @@ fn main() -> ExitCode {
             // Printing to a closed stdout/stderr is not worth a panic.
             let _ = e.print();
             return if usage_error {
-                ExitCode::from(64)
+                ExitCode::from(EXIT_USAGE)
             } else {
-                ExitCode::SUCCESS
+                ExitCode::from(EXIT_OK)
             };
         }
     };
@@ -226,6 +334,14 @@ fn main() -> ExitCode {
         Command::List => {
             for script in Script::builtin() {
                 println!("script {}: {}", script.name, script.description);
+            }
+            for named in configs::all() {
+                println!(
+                    "config {}: {}; must witness: {}",
+                    named.name,
+                    named.description,
+                    named.expectations().join(", ")
+                );
             }
             #[cfg(feature = "mutants")]
             for mutant in callreg::protocol::Mutant::ALL {
@@ -236,28 +352,37 @@ fn main() -> ExitCode {
                     println!("mutant {name} (reachable with fencing on or off)");
                 }
             }
-            ExitCode::SUCCESS
+            ExitCode::from(EXIT_OK)
         }
-        Command::Explore { config, addr } => {
-            let model = match model_of(&config) {
+        Command::Explore {
+            config,
+            config_name,
+            addr,
+        } => {
+            let built = match &config_name {
+                Some(name) => named_config(name).map(|n| n.config),
+                None => config_of(&config),
+            }
+            .and_then(|c| with_mutant(c, config.mutant.as_deref()))
+            .and_then(|c| RegistrationModel::new(c).map_err(|e| e.to_string()));
+            let model = match built {
                 Ok(m) => m,
-                Err(e) => {
-                    eprintln!("callreg-model: {e}");
-                    return ExitCode::from(64);
-                }
+                Err(e) => return usage(&e),
             };
             // Stateright's server panics on a bind failure: check first.
+            // (The probe listener is dropped before the server binds.)
             if let Err(e) = std::net::TcpListener::bind(addr.as_str()) {
-                eprintln!("callreg-model: cannot listen on {addr}: {e}");
-                return ExitCode::from(64);
+                return usage(&format!("cannot listen on {addr}: {e}"));
             }
             eprintln!("serving the Explorer on http://{addr}");
             let checker = model.checker().serve(addr.as_str());
             drop(checker);
-            ExitCode::SUCCESS
+            ExitCode::from(EXIT_OK)
         }
         Command::Check {
             config,
+            config_name,
+            all,
             symmetry,
             dfs,
             threads,
@@ -266,13 +391,6 @@ fn main() -> ExitCode {
             progress_secs,
             json,
         } => {
-            let model = match model_of(&config) {
-                Ok(m) => m,
-                Err(e) => {
-                    eprintln!("callreg-model: {e}");
-                    return ExitCode::from(64);
-                }
-            };
             let threads = threads.map_or_else(
                 || std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
                 |n| usize::try_from(n).unwrap_or(usize::MAX),
@@ -281,32 +399,95 @@ fn main() -> ExitCode {
                 symmetry,
                 dfs,
                 threads,
-                max_depth,
+                max_depth: max_depth.map(|d| usize::try_from(d).unwrap_or(usize::MAX)),
                 progress_every: (progress_secs > 0).then(|| Duration::from_secs(progress_secs)),
                 stop_at_first_violation: first,
             };
-            let outcome = check(model, &options);
-            print_human(&outcome);
-            if json {
-                let line = serde_json::json!({
-                    "complete": outcome.complete,
-                    "unique_states": outcome.unique_states,
-                    "states": outcome.states,
-                    "max_depth": outcome.max_depth,
-                    "secs": outcome.secs,
-                    "violations": outcome.violations,
-                    "witnessed": outcome.witnessed,
-                    "not_witnessed": outcome.not_witnessed,
-                });
-                println!("{line}");
-            }
-            if !outcome.violations.is_empty() {
-                ExitCode::from(1)
-            } else if !outcome.complete {
-                ExitCode::from(2)
+            let mutant = config.mutant.as_deref();
+            let named: Vec<Named> = if all {
+                configs::all()
+            } else if let Some(name) = &config_name {
+                match named_config(name) {
+                    Ok(n) => vec![n],
+                    Err(e) => return usage(&e),
+                }
             } else {
-                ExitCode::SUCCESS
+                Vec::new()
+            };
+            if named.is_empty() {
+                let model = match config_of(&config)
+                    .and_then(|c| with_mutant(c, mutant))
+                    .and_then(|c| RegistrationModel::new(c).map_err(|e| e.to_string()))
+                {
+                    Ok(m) => m,
+                    Err(e) => return usage(&e),
+                };
+                let outcome = check(model, &options);
+                for line in human(&outcome) {
+                    say(json, &line);
+                }
+                if json {
+                    println!("{}", outcome_json(&outcome));
+                }
+                return ExitCode::from(exit_status(&[&outcome]));
             }
+            let mut results = Vec::new();
+            for mut n in named {
+                n.config = match with_mutant(n.config, mutant) {
+                    Ok(c) => c,
+                    Err(e) => return usage(&e),
+                };
+                say(
+                    json,
+                    &format!("== configuration {}: {}", n.name, n.description),
+                );
+                let outcome = match check_named(&n, &options) {
+                    Ok(o) => o,
+                    Err(e) => return usage(&format!("configuration {}: {e}", n.name)),
+                };
+                for line in human(&outcome) {
+                    say(json, &line);
+                }
+                results.push((n.name, outcome));
+            }
+            let outcomes: Vec<&Outcome> = results.iter().map(|(_, o)| o).collect();
+            let status = exit_status(&outcomes);
+            if json {
+                let document = if all {
+                    serde_json::json!({
+                        "passed": status == EXIT_OK,
+                        "configurations": results
+                            .iter()
+                            .map(|(name, o)| {
+                                let mut v = outcome_json(o);
+                                v["name"] = serde_json::json!(name);
+                                v
+                            })
+                            .collect::<Vec<_>>(),
+                    })
+                } else {
+                    let (name, o) = &results[0];
+                    let mut v = outcome_json(o);
+                    v["name"] = serde_json::json!(name);
+                    v
+                };
+                println!("{document}");
+            }
+            ExitCode::from(status)
         }
     }
+}
+
+fn outcome_json(outcome: &Outcome) -> serde_json::Value {
+    serde_json::json!({
+        "complete": outcome.complete,
+        "unique_states": outcome.unique_states,
+        "states": outcome.states,
+        "max_depth": outcome.max_depth,
+        "secs": outcome.secs,
+        "violations": outcome.violations,
+        "witnessed": outcome.witnessed,
+        "not_witnessed": outcome.not_witnessed,
+        "missing_witnesses": outcome.missing_witnesses,
+    })
 }

@@ -17,9 +17,9 @@ use callreg::protocol::invariants::{self, View, Violation};
 #[cfg(feature = "mutants")]
 use callreg::protocol::Mutant;
 use callreg::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Namespace, OpId, OwnerToken, Parent,
-    ParentConfig, Reply, Seq, StagingId, Target, TargetConfig, TargetEffect, TargetId,
-    TargetOutcome, Time,
+    Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
+    Parent, ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig, TargetEffect,
+    TargetId, TargetOutcome, Time,
 };
 
 use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Script, CORRUPTED};
@@ -67,6 +67,21 @@ pub struct ModelConfig {
     /// (`Parent::snapshot_failed`) before anything else happens. Empty: no
     /// snapshot entry fails.
     pub snapshot_failures: Vec<u16>,
+    /// Whether the pre-start steps of the script and `Parent::start` are
+    /// actions (any pre-start step may then come after start and must be
+    /// refused), instead of running in order before the first state.
+    pub interleave_start: bool,
+    /// How many times the client may close the Worker (0 or 1): `Parent::close`
+    /// as an action, with operations possibly in flight.
+    pub closes: u8,
+    /// Whether forged and out-of-range inputs are offered as actions (target
+    /// ids one past the last, seqs never issued, staging ids with no waiting
+    /// register, unknown deserializations and runs, a second start or close):
+    /// each must be refused with its documented error and change nothing.
+    pub forged: bool,
+    /// How many replies may reach the parent naming another digest than the
+    /// frame they answer (a misbehaving target).
+    pub wrong_digests: u8,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -91,6 +106,10 @@ impl ModelConfig {
             fence_on_timeout: true,
             slot_capacity: 2,
             snapshot_failures: Vec::new(),
+            interleave_start: false,
+            closes: 0,
+            forged: false,
+            wrong_digests: 0,
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -130,7 +149,21 @@ pub enum StepStatus {
     /// Not issued yet.
     Waiting,
     /// Issued; the parent has not completed it.
-    InFlight(OpId),
+    InFlight {
+        /// The operation.
+        op: OpId,
+        /// Its scope as the driver saw it at issue: bit `t` set when a
+        /// frame of the operation was sent to target `t` (the targets its
+        /// completion must report on).
+        scope: u32,
+        /// The model time it was issued at: no target of it may time out
+        /// before `issued + CONTROL_TIMEOUT`.
+        issued: u64,
+        /// Bit `t` set when target `t`'s awaited reply to the operation's
+        /// own frame refused it (or named a wrong digest): its outcome must
+        /// be `Failed` (or, for a register, never `Ok`).
+        refused: u32,
+    },
     /// Finished.
     Done(StepResult),
 }
@@ -156,15 +189,30 @@ pub enum StepResult {
     Skipped,
 }
 
+/// Where the client stands with one pre-start step of its script.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum PreStatus {
+    /// Not called yet.
+    Waiting,
+    /// Called and accepted: the handle id a register got (`None` for an
+    /// unregister).
+    Done(Option<u64>),
+    /// Called and refused with this error (e.g. after start), or skipped
+    /// (an unregister of a refused register: `None`).
+    Refused(Option<ErrorCode>),
+}
+
 /// What the driver keeps about one target beside its machine: what it
 /// must still report to it (deserializations, runs) and, for the
 /// slot-reuse witness, which slots were freed after a tombstone.
 #[derive(Clone, PartialEq, Eq, Hash, Debug, Default)]
 pub struct TargetSide {
-    /// Register seqs whose deserialization is in progress, oldest first.
-    pub deserializing: Vec<Seq>,
-    /// Task seqs whose run is in progress, oldest first.
-    pub runs: Vec<Seq>,
+    /// Register seqs whose deserialization is in progress, oldest first,
+    /// with the slot the machine reserved for each.
+    pub deserializing: Vec<(Seq, Slot)>,
+    /// Task seqs whose run is in progress, oldest first, with the slot
+    /// `begin_task` returned and the digest the task named.
+    pub runs: Vec<(Seq, Slot, Digest)>,
     /// Bit `s` set: slot `s` was tombstoned and then freed.
     pub freed_tombstones: u64,
 }
@@ -180,6 +228,10 @@ pub struct Budgets {
     pub stage_failures: u8,
     /// Corruptions left.
     pub corruptions: u8,
+    /// Closes left.
+    pub closes: u8,
+    /// Replies naming a wrong digest left.
+    pub wrong_digests: u8,
     /// Deadline passings left.
     pub deadlines: u8,
     /// Tasks left.
@@ -192,16 +244,40 @@ pub mod seen {
     /// A machine refused an input that the driving rule produced (an
     /// `Err` from `handle_reply`, `target_lost`, `on_deserialized`,
     /// `end_task`, or a completion for no known operation).
-    pub const DRIVER_ERROR: u8 = 1;
+    pub const DRIVER_ERROR: u16 = 1;
     /// A task for a handle that was live at its arrival reached a live
     /// target lacking its digest (invariant 8 observed directly).
-    pub const DISPATCH_UNSAFE: u8 = 2;
+    pub const DISPATCH_UNSAFE: u16 = 2;
     /// A slot was reserved for a deserialization after it had been
     /// tombstoned and freed.
-    pub const SLOT_REUSED_AFTER_TOMBSTONE: u8 = 4;
+    pub const SLOT_REUSED_AFTER_TOMBSTONE: u16 = 4;
     /// A reply reached the parent after its operation stopped waiting for
     /// that target (a late reply).
-    pub const LATE_REPLY: u8 = 8;
+    pub const LATE_REPLY: u16 = 8;
+    /// A fault happened on this path: a crash, a corrupted payload, a
+    /// failed deserialization or staging, a passed deadline, a close or a
+    /// reply naming a wrong digest.
+    pub const FAULT: u16 = 16;
+    /// An operation failed, or was refused, on a path with no fault, other
+    /// than a register some target refused for want of a free slot.
+    pub const UNFORCED_FAILURE: u16 = 32;
+    /// A machine answered a call otherwise than its documentation says:
+    /// a forged or out-of-range input accepted or answered with another
+    /// error, a call after close or before start not refused, a completion
+    /// whose result disagrees with its outcomes or whose outcomes do not
+    /// cover its scope. [`crate::properties::explain`] names which.
+    pub const CONTRACT: u16 = 64;
+    /// A reply naming a wrong digest reached the parent (a misbehaving
+    /// target: with it even a fenced Worker has an uncertain digest).
+    pub const WRONG_DIGEST: u16 = 128;
+    /// The Worker closed with an operation in flight.
+    pub const CLOSED_IN_FLIGHT: u16 = 256;
+    /// Staging a register's payload failed.
+    pub const STAGE_FAILED: u16 = 512;
+    /// A pre-start step was refused because the Worker had started.
+    pub const PRE_START_AFTER_START: u16 = 1024;
+    /// A completed unregister failed (some target refused it or timed out).
+    pub const UNREGISTER_FAILED: u16 = 4096;
 }
 
 /// One state of the whole system.
@@ -223,6 +299,8 @@ pub struct State {
     pub sides: Vec<TargetSide>,
     /// Shared memory: each staged payload with the digest its bytes have.
     pub staged: BTreeMap<StagingId, Digest>,
+    /// The client's progress through the pre-start steps.
+    pub pre: Vec<PreStatus>,
     /// The client's progress, one entry per script operation.
     pub client: Vec<StepStatus>,
     /// Task frames in transit: task seq → handle id it was submitted for.
@@ -233,7 +311,14 @@ pub struct State {
     /// Fault budgets left.
     pub budgets: Budgets,
     /// Bits of [`seen`].
-    pub seen: u8,
+    pub seen: u16,
+    /// Why the first [`seen::CONTRACT`] bit was set (for the
+    /// counterexample), empty otherwise.
+    pub contract: &'static str,
+    /// Operations `1..=settling` are the unregisters the parent issued at
+    /// start to settle a failed startup-snapshot entry
+    /// (`Parent::snapshot_failed`): no client step waits for them.
+    pub settling: u64,
 }
 
 impl State {
@@ -323,6 +408,76 @@ pub enum Action {
     Crash(TargetId),
     /// The earliest pending deadline passes.
     DeadlinePasses,
+    /// The client calls pre-start step `i` (only with
+    /// [`ModelConfig::interleave_start`]; steps are called in order).
+    PreStart(usize),
+    /// The client starts the Worker: `Parent::start`, then every target is
+    /// created holding the startup snapshot (only with
+    /// [`ModelConfig::interleave_start`]).
+    Start,
+    /// The client closes the Worker (`Parent::close`).
+    Close,
+    /// As `Receive` for a reply, but the reply names another digest than
+    /// the frame it answers (a misbehaving target).
+    ReceiveWrongDigest(TargetId),
+    /// A forged or out-of-range input (only with [`ModelConfig::forged`]).
+    /// The machine must refuse it with its documented error and change
+    /// nothing: then the action has no next state; otherwise the next
+    /// state records the breach ([`seen::CONTRACT`]).
+    Forge(Forged),
+}
+
+/// The forged and out-of-range inputs of [`Action::Forge`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Forged {
+    /// `handle_reply` from the target id one past the last, answering the
+    /// newest seq issued: `FRAME_INVALID` once started.
+    ReplyFromNoTarget,
+    /// `handle_reply` from target 0 for seq 0 (never issued).
+    ReplySeqZero,
+    /// `handle_reply` from target 0 for the seq after the last issued.
+    ReplySeqUnissued,
+    /// `target_lost` of the target id one past the last.
+    LostNoTarget,
+    /// `stage_failed` for every register in flight (its frames were sent)
+    /// and for the staging id after the last seq: `FRAME_INVALID`.
+    StageFailedLate,
+    /// `submit` of each live handle to the target id one past the last
+    /// (`NO_LIVE_TARGET`), to each lost target (`TARGET_LOST`) and to each
+    /// live target that never confirmed it (`DIGEST_NOT_INSTALLED`).
+    SubmitOutOfScope,
+    /// `on_deserialized` and `end_task` of a seq with no deserialization or
+    /// run on each live target (`FRAME_INVALID`), and `on_register` of a
+    /// seq being deserialized (a `FRAME_INVALID` reply, nothing else).
+    TargetUnknownSeq,
+    /// `start` again once started or closed, `close` again once closed,
+    /// pre-start calls once started (`LIFECYCLE_INVALID`).
+    LifecycleAgain,
+    /// Registers in `LOCAL_CHIP`, which no target serves
+    /// (`CALLABLE_KIND_UNSUPPORTED`), and resolving each live handle for it
+    /// (`HANDLE_WRONG_NAMESPACE`).
+    WrongNamespace,
+    /// Before start: `register_before_start` of a digest not in the startup
+    /// snapshot (refused with `LOCAL_SLOT_EXHAUSTED` exactly when the
+    /// snapshot already holds as many digests as a target has slots) and
+    /// of each digest in it (accepted: it takes no new slot).
+    PreStartCapacity,
+}
+
+impl Forged {
+    /// Every forged input.
+    pub const ALL: [Forged; 10] = [
+        Forged::ReplyFromNoTarget,
+        Forged::ReplySeqZero,
+        Forged::ReplySeqUnissued,
+        Forged::LostNoTarget,
+        Forged::StageFailedLate,
+        Forged::SubmitOutOfScope,
+        Forged::TargetUnknownSeq,
+        Forged::LifecycleAgain,
+        Forged::WrongNamespace,
+        Forged::PreStartCapacity,
+    ];
 }
 
 /// The stateright model of the registration protocol.
@@ -331,11 +486,6 @@ pub struct RegistrationModel {
     /// What is checked.
     pub config: ModelConfig,
     init: State,
-    /// Handles issued before start, by `before_start` index.
-    before_start_handles: Vec<Option<Handle>>,
-    /// Operations `1..=snapshot_ops` are the unregisters the parent issued
-    /// to settle a failed snapshot entry: no client step waits for them.
-    snapshot_ops: u64,
 }
 
 fn insert_ordered<T>(queue: &mut Vec<(TargetId, T)>, target: TargetId, item: T) {
@@ -358,12 +508,17 @@ fn handle_for(digest: Digest, handle_id: u64) -> Handle {
 }
 
 impl RegistrationModel {
-    /// The model of `config`: runs the script's pre-start steps on a new
-    /// parent, starts it, and gives every target the startup snapshot.
+    /// The model of `config`. Unless [`ModelConfig::interleave_start`], the
+    /// script's pre-start steps run in order on a new parent, which then
+    /// starts and gives every target the startup snapshot, before the
+    /// first state; with it, the first state is the new parent and those
+    /// calls are actions.
     ///
     /// # Errors
-    /// A [`ConfigError`] when there are no targets, the script is invalid,
-    /// a pre-start step fails, or the snapshot does not fit the slots.
+    /// A [`ConfigError`] when there are no targets or more than 16, the
+    /// slots are not 1..=64, the script is invalid, or (without
+    /// `interleave_start`) a pre-start step is refused or the snapshot
+    /// does not fit the slots.
     pub fn new(config: ModelConfig) -> Result<RegistrationModel, ConfigError> {
         if config.targets == 0 || config.targets > 16 {
             return Err(ConfigError("targets must be 1..=16".into()));
@@ -371,10 +526,34 @@ impl RegistrationModel {
         if config.slot_capacity == 0 || config.slot_capacity > 64 {
             return Err(ConfigError("slots must be 1..=64".into()));
         }
+        if config.closes > 1 {
+            return Err(ConfigError("closes must be 0 or 1".into()));
+        }
+        if !config.snapshot_failures.is_empty()
+            && !config
+                .script
+                .before_start
+                .iter()
+                .any(|step| matches!(step, BeforeStart::Register(_)))
+        {
+            return Err(ConfigError(
+                "snapshot failures need a startup snapshot".into(),
+            ));
+        }
+        if let Some(bad) = config
+            .snapshot_failures
+            .iter()
+            .find(|t| **t >= config.targets)
+        {
+            return Err(ConfigError(format!(
+                "snapshot failure on target {bad}, which does not exist"
+            )));
+        }
         config
             .script
             .validate()
             .map_err(|e| ConfigError(e.to_string()))?;
+        #[cfg_attr(not(feature = "mutants"), allow(unused_mut))]
         let mut parent = Parent::new(ParentConfig {
             targets: config.targets,
             control_timeout: CONTROL_TIMEOUT,
@@ -386,58 +565,133 @@ impl RegistrationModel {
         if let Some(mutant) = config.mutant {
             parent = parent.with_mutant(mutant);
         }
-        let mut before_start_handles = Vec::new();
-        for (i, step) in config.script.before_start.iter().enumerate() {
-            let handle = match step {
-                BeforeStart::Register(c) => {
-                    let digest = digest_of(*c).ok_or_else(|| ConfigError(format!("{c:?}")))?;
-                    Some(
-                        parent
-                            .register_before_start(digest, Namespace::LocalPython)
-                            .map_err(|e| ConfigError(format!("before_start[{i}]: {e}")))?,
-                    )
+        let n = usize::from(config.targets);
+        let init = State {
+            parent,
+            targets: vec![None; n],
+            frames: Vec::new(),
+            replies: Vec::new(),
+            eof: vec![false; n],
+            sides: vec![TargetSide::default(); n],
+            staged: BTreeMap::new(),
+            pre: vec![PreStatus::Waiting; config.script.before_start.len()],
+            client: vec![StepStatus::Waiting; config.script.operations.len()],
+            tasks: Vec::new(),
+            now: 0,
+            budgets: Budgets {
+                crashes: config.crashes,
+                deserialize_failures: config.deserialize_failures,
+                stage_failures: config.stage_failures,
+                corruptions: config.corruptions,
+                closes: config.closes,
+                wrong_digests: config.wrong_digests,
+                deadlines: config.deadlines,
+                tasks: config.tasks,
+            },
+            seen: 0,
+            contract: "",
+            settling: 0,
+        };
+        let mut model = RegistrationModel { config, init };
+        if !model.config.interleave_start {
+            let mut state = model.init.clone();
+            for i in 0..state.pre.len() {
+                model.pre_start(&mut state, i);
+                if let PreStatus::Refused(code) = state.pre[i] {
+                    return Err(ConfigError(format!(
+                        "before_start[{i}] was refused ({})",
+                        code.map_or_else(
+                            || "its register was refused".to_owned(),
+                            |c| c.to_string()
+                        )
+                    )));
                 }
-                BeforeStart::Unregister(j) => {
-                    let handle = before_start_handles
-                        .get(*j)
-                        .copied()
-                        .flatten()
-                        .ok_or_else(|| ConfigError(format!("before_start[{i}]: no handle")))?;
-                    parent
-                        .unregister_before_start(&handle)
-                        .map_err(|e| ConfigError(format!("before_start[{i}]: {e}")))?;
-                    None
-                }
-            };
-            before_start_handles.push(handle);
+            }
+            model.start(&mut state);
+            if state.seen & seen::CONTRACT != 0 {
+                return Err(ConfigError(format!("start: {}", state.contract)));
+            }
+            model.init = state;
         }
-        let snapshot = parent.startup_snapshot();
-        parent
-            .start()
-            .map_err(|e| ConfigError(format!("start: {e}")))?;
-        // A snapshot entry that fails on some targets: they hold nothing
-        // of it, and the parent settles it from their reports.
-        let failing = match (config.snapshot_failures.is_empty(), snapshot.first()) {
-            (true, _) => None,
-            (false, Some((digest, _))) => Some(*digest),
-            (false, None) => {
-                return Err(ConfigError(
-                    "snapshot failures need a startup snapshot".into(),
-                ))
+        Ok(model)
+    }
+
+    /// Calls pre-start step `i`: `register_before_start` or
+    /// `unregister_before_start`, checking the answer against the
+    /// lifecycle (refused with `LIFECYCLE_INVALID` once started).
+    fn pre_start(&self, state: &mut State, i: usize) -> Option<()> {
+        let step = self.config.script.before_start.get(i)?;
+        let new = state.parent.lifecycle() == Lifecycle::New;
+        let before = state.parent.clone();
+        let result = match step {
+            BeforeStart::Register(c) => state
+                .parent
+                .register_before_start(digest_of(*c)?, Namespace::LocalPython)
+                .map(|h| Some(h.handle_id)),
+            BeforeStart::Unregister(j) => match state.pre.get(*j) {
+                Some(PreStatus::Done(Some(handle_id))) => {
+                    let BeforeStart::Register(c) = self.config.script.before_start[*j] else {
+                        return None;
+                    };
+                    let handle = handle_for(digest_of(c)?, *handle_id);
+                    state.parent.unregister_before_start(&handle).map(|()| None)
+                }
+                _ => {
+                    state.pre[i] = PreStatus::Refused(None);
+                    return Some(());
+                }
+            },
+        };
+        state.pre[i] = match result {
+            Ok(handle_id) => {
+                if !new {
+                    state.breach("a pre-start call was accepted after start");
+                }
+                PreStatus::Done(handle_id)
+            }
+            Err(error) => {
+                if !new {
+                    state.seen |= seen::PRE_START_AFTER_START;
+                    if error.code != ErrorCode::LIFECYCLE_INVALID || state.parent != before {
+                        state.breach("a pre-start call after start was not refused with LIFECYCLE_INVALID, or changed the parent");
+                    }
+                }
+                PreStatus::Refused(Some(error.code))
             }
         };
-        if let Some(bad) = config
-            .snapshot_failures
-            .iter()
-            .find(|t| **t >= config.targets)
-        {
-            return Err(ConfigError(format!(
-                "snapshot failure on target {bad}, which does not exist"
-            )));
+        Some(())
+    }
+
+    /// Starts the Worker: `Parent::start`, then every target is created
+    /// from the startup snapshot, which must count the live handles.
+    fn start(&self, state: &mut State) {
+        let snapshot = state.parent.startup_snapshot();
+        if state.parent.start().is_err() {
+            state.breach("start of a new parent was refused");
+            return;
         }
-        let mut snapshot_ops = 0;
+        let mut counts: BTreeMap<Digest, u32> = BTreeMap::new();
+        for handle in state.parent.live_handles() {
+            *counts.entry(handle.digest()).or_insert(0) += 1;
+        }
+        if snapshot != counts.into_iter().collect::<Vec<_>>() {
+            state.breach("the startup snapshot does not count the live handles");
+        }
+        // A snapshot entry (the first digest) that fails on some targets
+        // (`specs/model.md` §1 "Startup-snapshot failures"): they start
+        // without it and report it, and the parent settles it before
+        // anything else happens (`Parent::snapshot_failed`).
+        let failing = if self.config.snapshot_failures.is_empty() {
+            None
+        } else {
+            snapshot.first().map(|(digest, _)| *digest)
+        };
         if let Some(digest) = failing {
-            let failures: Vec<(TargetId, Digest, Failure)> = config
+            // A failed install is a fault: the progress properties then
+            // expect nothing of this path.
+            state.seen |= seen::FAULT;
+            let failures: Vec<(TargetId, Digest, Failure)> = self
+                .config
                 .snapshot_failures
                 .iter()
                 .map(|t| {
@@ -448,66 +702,41 @@ impl RegistrationModel {
                     )
                 })
                 .collect();
-            let failed = parent
-                .snapshot_failed(&failures, Time(0))
-                .map_err(|e| ConfigError(format!("snapshot_failed: {e}")))?;
-            snapshot_ops = u64::try_from(failed.len()).unwrap_or(u64::MAX);
+            // Settling is issuing operations: time advances as for any.
+            state.now += 1;
+            match state.parent.snapshot_failed(&failures, Time(state.now)) {
+                Ok(failed) => state.settling = u64::try_from(failed.len()).unwrap_or(u64::MAX),
+                Err(_) => state.breach("the parent refused the targets' snapshot failures"),
+            }
         }
-        let mut targets = Vec::new();
-        for i in 0..config.targets {
+        for i in 0..self.config.targets {
             let failed: Vec<Digest> = failing
-                .filter(|_| config.snapshot_failures.contains(&i))
+                .filter(|_| self.config.snapshot_failures.contains(&i))
                 .into_iter()
                 .collect();
-            let target = Target::with_snapshot_failures(
+            match Target::with_snapshot_failures(
                 TargetConfig {
                     id: TargetId(i),
-                    slot_capacity: config.slot_capacity,
+                    slot_capacity: self.config.slot_capacity,
                 },
                 &snapshot,
                 &failed,
-            )
-            .map_err(|e| ConfigError(format!("target {i}: {e}")))?;
-            #[cfg(feature = "mutants")]
-            let target = match config.mutant {
-                Some(mutant) => target.with_mutant(mutant),
-                None => target,
-            };
-            targets.push(Some(target));
+            ) {
+                Ok(target) => {
+                    #[cfg(feature = "mutants")]
+                    let target = match self.config.mutant {
+                        Some(mutant) => target.with_mutant(mutant),
+                        None => target,
+                    };
+                    state.targets[usize::from(i)] = Some(target);
+                }
+                Err(_) => state.breach("a target refused the startup snapshot the parent accepted"),
+            }
         }
-        let n = usize::from(config.targets);
-        let init = State {
-            parent,
-            targets,
-            frames: Vec::new(),
-            replies: Vec::new(),
-            eof: vec![false; n],
-            sides: vec![TargetSide::default(); n],
-            staged: BTreeMap::new(),
-            client: vec![StepStatus::Waiting; config.script.operations.len()],
-            tasks: Vec::new(),
-            now: 0,
-            budgets: Budgets {
-                crashes: config.crashes,
-                deserialize_failures: config.deserialize_failures,
-                stage_failures: config.stage_failures,
-                corruptions: config.corruptions,
-                deadlines: config.deadlines,
-                tasks: config.tasks,
-            },
-            seen: 0,
-        };
-        let mut model = RegistrationModel {
-            config,
-            init: init.clone(),
-            before_start_handles,
-            snapshot_ops,
-        };
-        // The settling unregisters are on their way before the first step.
-        let mut init = init;
-        model.drain_parent(&mut init);
-        model.init = init;
-        Ok(model)
+        if failing.is_some() {
+            // The settling unregisters are on their way before the next step.
+            self.drain_parent(state);
+        }
     }
 
     fn target_ids(&self) -> impl Iterator<Item = TargetId> {
@@ -516,7 +745,14 @@ impl RegistrationModel {
 
     /// Whether script operation `i` may be issued in `state`.
     fn issuable(&self, state: &State, i: usize) -> bool {
-        state.client.get(i) == Some(&StepStatus::Waiting)
+        let pre_done = match self.config.script.operations[i].operation {
+            Operation::Unregister(HandleRef::BeforeStart(j)) => {
+                state.pre.get(j).is_some_and(|p| *p != PreStatus::Waiting)
+            }
+            _ => true,
+        };
+        pre_done
+            && state.client.get(i) == Some(&StepStatus::Waiting)
             && self
                 .config
                 .script
@@ -527,14 +763,15 @@ impl RegistrationModel {
 
     /// Whether no action can change `state` (the checker's terminal states).
     ///
-    /// Every listed action but [`Action::Submit`] always has a next state
-    /// (`actions` lists only enabled ones); a submit may still be refused by
-    /// the parent, so only those are tried.
+    /// Every listed action but [`Action::Submit`] and [`Action::Forge`]
+    /// always has a next state (`actions` lists only enabled ones); a
+    /// submit may still be refused by the parent, and a forged input has a
+    /// next state only when a machine mishandles it, so those are tried.
     pub fn is_terminal(&self, state: &State) -> bool {
         let mut actions = Vec::new();
         stateright::Model::actions(self, state, &mut actions);
         actions.into_iter().all(|a| {
-            matches!(a, Action::Submit { .. })
+            matches!(a, Action::Submit { .. } | Action::Forge(_))
                 && stateright::Model::next_state(self, state, a).is_none()
         })
     }
@@ -542,7 +779,15 @@ impl RegistrationModel {
     /// The handle a script reference names in `state`, if it was published.
     fn handle_of(&self, state: &State, reference: HandleRef) -> Option<Handle> {
         match reference {
-            HandleRef::BeforeStart(i) => self.before_start_handles.get(i).copied().flatten(),
+            HandleRef::BeforeStart(i) => {
+                let PreStatus::Done(Some(handle_id)) = state.pre.get(i)? else {
+                    return None;
+                };
+                let BeforeStart::Register(c) = self.config.script.before_start.get(i)? else {
+                    return None;
+                };
+                Some(handle_for(digest_of(*c)?, *handle_id))
+            }
             HandleRef::Operation(j) => {
                 let StepStatus::Done(StepResult::Registered(handle_id)) = state.client.get(j)?
                 else {
@@ -564,6 +809,17 @@ impl RegistrationModel {
                     state.staged.insert(staging, digest);
                 }
                 Effect::Send { target, frame } => {
+                    // The operation's scope, as the driver sees it.
+                    if !matches!(frame, ControlFrame::Task { .. }) {
+                        let seq = frame.seq().0;
+                        for step in &mut state.client {
+                            if let StepStatus::InFlight { op, scope, .. } = step {
+                                if op.0 == seq && target.0 < 32 {
+                                    *scope |= 1u32 << target.0;
+                                }
+                            }
+                        }
+                    }
                     // Writing to a dead child's pipe fails; the parent learns
                     // of the death from end of file, not from the write.
                     if state.target(target).is_some() {
@@ -586,33 +842,173 @@ impl RegistrationModel {
                     op,
                     result,
                     outcomes,
-                } => {
-                    let rolled_back = outcomes
-                        .iter()
-                        .any(|(_, o)| matches!(o, TargetOutcome::RolledBack));
-                    let done = match result {
-                        Ok(Completion::Registered(handle)) => {
-                            StepResult::Registered(handle.handle_id)
-                        }
-                        Ok(Completion::Unregistered(_)) => StepResult::Unregistered,
-                        Err(error) => StepResult::Failed {
-                            code: error.code,
-                            rolled_back,
-                        },
-                    };
-                    match state
-                        .client
-                        .iter_mut()
-                        .find(|s| **s == StepStatus::InFlight(op))
-                    {
-                        Some(step) => *step = StepStatus::Done(done),
-                        // A snapshot entry's settling unregister: nobody waits.
-                        None if op.0 <= self.snapshot_ops => {}
-                        None => state.seen |= seen::DRIVER_ERROR,
-                    }
-                }
+                } => self.complete(state, op, result, &outcomes),
             }
         }
+    }
+
+    /// The client records a completion, after checking it against the
+    /// parent's documented rules: the outcomes name every target of the
+    /// scope once, in target order; a success has only `Ok` outcomes; a
+    /// failed unregister names a target that refused or timed out (and the
+    /// digest is then uncertain); a failed register kept no confirmed
+    /// install; `LIFECYCLE_INVALID` only from close. On a path with no
+    /// fault yet, an operation may fail only as a register some target
+    /// refused for want of a free slot ([`seen::UNFORCED_FAILURE`]).
+    fn complete(
+        &self,
+        state: &mut State,
+        op: OpId,
+        result: Result<Completion, callreg::error::Error>,
+        outcomes: &[(TargetId, TargetOutcome)],
+    ) {
+        let Some(index) = state
+            .client
+            .iter()
+            .position(|s| matches!(s, StepStatus::InFlight { op: o, .. } if *o == op))
+        else {
+            // A snapshot entry's settling unregister: nobody waits for it.
+            if op.0 > state.settling {
+                state.seen |= seen::DRIVER_ERROR;
+            }
+            return;
+        };
+        let StepStatus::InFlight {
+            scope,
+            issued,
+            refused,
+            ..
+        } = state.client[index]
+        else {
+            return;
+        };
+        let register = matches!(
+            self.config.script.operations[index].operation,
+            Operation::Register(_)
+        );
+        let mask = outcomes.iter().fold(0u32, |m, (t, _)| {
+            m | 1u32.checked_shl(u32::from(t.0)).unwrap_or(0)
+        });
+        let ordered = outcomes.windows(2).all(|w| w[0].0 < w[1].0);
+        if !ordered || mask != scope {
+            state.breach("a completion's outcomes do not name each target of its scope once, in target order");
+        }
+        let misreported = outcomes.iter().any(|(t, o)| {
+            let was_refused = t.0 < 32 && refused & (1u32 << t.0) != 0;
+            was_refused != matches!(o, TargetOutcome::Failed { .. })
+        });
+        if misreported {
+            state.breach("a completion's outcomes do not report as Failed exactly the targets that refused the operation");
+        }
+        let timed_out = outcomes.iter().any(|(_, o)| match o {
+            TargetOutcome::TimedOut => true,
+            TargetOutcome::CleanupUnconfirmed { failure } => {
+                failure.code == ErrorCode::DEADLINE_EXCEEDED
+            }
+            _ => false,
+        });
+        if timed_out && state.now < issued + CONTROL_TIMEOUT {
+            state.breach("a target of an operation timed out before the operation's deadline");
+        }
+        let all_ok = outcomes.iter().all(|(_, o)| *o == TargetOutcome::Ok);
+        let digest = match self.config.script.operations[index].operation {
+            Operation::Register(c) => digest_of(c),
+            Operation::Unregister(r) => self.handle_of(state, r).map(|h| h.digest()),
+        };
+        let closed = state.parent.lifecycle() == Lifecycle::Closed;
+        match &result {
+            Ok(Completion::Registered(handle)) => {
+                if !register || !all_ok || outcomes.is_empty() || Some(handle.digest()) != digest {
+                    state.breach("a register published a handle without an Ok outcome from every target of its scope");
+                }
+            }
+            Ok(Completion::Unregistered(handle)) => {
+                // A lost or fenced target holds nothing: its references are gone.
+                let dropped = outcomes.iter().all(|(_, o)| {
+                    matches!(
+                        o,
+                        TargetOutcome::Ok | TargetOutcome::Lost | TargetOutcome::Fenced
+                    )
+                });
+                if register || !dropped || Some(handle.digest()) != digest {
+                    state.breach("an unregister succeeded although a target of its scope refused it or timed out");
+                }
+            }
+            Err(error) if error.code == ErrorCode::LIFECYCLE_INVALID => {
+                if !closed {
+                    state.breach(
+                        "an operation failed with LIFECYCLE_INVALID while the Worker was open",
+                    );
+                }
+            }
+            Err(error) if register => {
+                let stage = error.operation == callreg::error::OperationKind::Stage;
+                let kept = outcomes.iter().any(|(_, o)| *o == TargetOutcome::Ok);
+                let unconfirmed = outcomes
+                    .iter()
+                    .any(|(_, o)| matches!(o, TargetOutcome::CleanupUnconfirmed { .. }));
+                let uncertain = digest.is_some_and(|d| state.parent.is_uncertain(d));
+                // REGISTER_CLEANUP_UNCERTAIN exactly when every target of
+                // the scope confirmed (and was then rolled back) but the
+                // digest became uncertain in flight.
+                let confirmed_everywhere = outcomes.iter().all(|(_, o)| {
+                    matches!(
+                        o,
+                        TargetOutcome::RolledBack | TargetOutcome::CleanupUnconfirmed { .. }
+                    )
+                });
+                let code_ok = if stage {
+                    outcomes.is_empty()
+                } else if confirmed_everywhere && uncertain {
+                    error.code == ErrorCode::REGISTER_CLEANUP_UNCERTAIN
+                } else {
+                    error.code == ErrorCode::REGISTER_PARTIAL_FAILURE
+                };
+                if kept || !code_ok || (unconfirmed && !uncertain) {
+                    state.breach("a failed register kept a confirmed install, has an undocumented error, or left an unconfirmed cleanup without marking the digest uncertain");
+                }
+            }
+            Err(error) => {
+                let refused = outcomes.iter().any(|(_, o)| {
+                    matches!(o, TargetOutcome::Failed { .. } | TargetOutcome::TimedOut)
+                });
+                let uncertain = digest.is_some_and(|d| state.parent.is_uncertain(d));
+                if error.code != ErrorCode::UNREGISTER_PARTIAL_FAILURE || !refused || !uncertain {
+                    state.breach("an unregister failed although no target refused it or timed out, or without marking the digest uncertain");
+                }
+                state.seen |= seen::UNREGISTER_FAILED;
+            }
+        }
+        if state.seen & seen::FAULT == 0 {
+            let forced = match &result {
+                Ok(_) => true,
+                Err(error) => {
+                    register
+                        && error.code == ErrorCode::REGISTER_PARTIAL_FAILURE
+                        && outcomes.iter().all(|(_, o)| match o {
+                            TargetOutcome::Failed { failure } => {
+                                failure.code == ErrorCode::LOCAL_SLOT_EXHAUSTED
+                            }
+                            TargetOutcome::RolledBack => true,
+                            _ => false,
+                        })
+                }
+            };
+            if !forced {
+                state.seen |= seen::UNFORCED_FAILURE;
+            }
+        }
+        let rolled_back = outcomes
+            .iter()
+            .any(|(_, o)| matches!(o, TargetOutcome::RolledBack));
+        state.client[index] = StepStatus::Done(match result {
+            Ok(Completion::Registered(handle)) => StepResult::Registered(handle.handle_id),
+            Ok(Completion::Unregistered(_)) => StepResult::Unregistered,
+            Err(error) => StepResult::Failed {
+                code: error.code,
+                rolled_back,
+            },
+        });
     }
 
     /// Carries out target `id`'s effects, in order.
@@ -626,7 +1022,7 @@ impl RegistrationModel {
                     if side.freed_tombstones & (1u64 << slot.0) != 0 {
                         state.seen |= seen::SLOT_REUSED_AFTER_TOMBSTONE;
                     }
-                    side.deserializing.push(seq);
+                    side.deserializing.push((seq, slot));
                 }
             }
         }
@@ -635,10 +1031,19 @@ impl RegistrationModel {
     /// Issues script operation `i`; with `stage_fails`, a register's
     /// [`Effect::Stage`] fails and the driver reports it with
     /// `Parent::stage_failed` before polling further (the driving rule).
+    /// Before start and after close the call must be refused with
+    /// `LIFECYCLE_INVALID` and change nothing.
     fn issue(&self, state: &mut State, i: usize, stage_fails: bool) -> Option<()> {
         let step = self.config.script.operations.get(i)?;
-        state.now += 1;
+        // Time advances by one per issued operation, but never onto a
+        // pending deadline: that is the deadline passing (its own action).
+        let next = state.now + 1;
+        if state.parent.poll_timeout().is_none_or(|d| next < d.0) {
+            state.now = next;
+        }
         let now = Time(state.now);
+        let open = state.parent.lifecycle() == Lifecycle::Started;
+        let before = state.parent.clone();
         let started = match step.operation {
             Operation::Register(c) => {
                 state
@@ -654,14 +1059,35 @@ impl RegistrationModel {
             },
         };
         state.client[i] = match started {
-            Ok(op) => StepStatus::InFlight(op),
-            Err(error) => StepStatus::Done(StepResult::Refused(error.code)),
+            Ok(op) => {
+                if !open {
+                    state.breach(
+                        "a register or unregister was accepted before start or after close",
+                    );
+                }
+                StepStatus::InFlight {
+                    op,
+                    scope: 0,
+                    issued: state.now,
+                    refused: 0,
+                }
+            }
+            Err(error) => {
+                if !open && (error.code != ErrorCode::LIFECYCLE_INVALID || state.parent != before) {
+                    state.breach("a register or unregister before start or after close was not refused with LIFECYCLE_INVALID, or changed the parent");
+                }
+                if open && state.seen & seen::FAULT == 0 {
+                    state.seen |= seen::UNFORCED_FAILURE;
+                }
+                StepStatus::Done(StepResult::Refused(error.code))
+            }
         };
         if stage_fails {
             // A refused register stages nothing: the fault does not apply.
-            if !matches!(state.client[i], StepStatus::InFlight(_)) {
+            if !matches!(state.client[i], StepStatus::InFlight { .. }) {
                 return None;
             }
+            state.seen |= seen::FAULT | seen::STAGE_FAILED;
             match state.parent.poll_effect() {
                 Some(Effect::Stage { staging, .. }) => {
                     let failure = Failure::new(
@@ -711,7 +1137,7 @@ impl RegistrationModel {
                     .position(|(s, _)| *s == seq)
                     .map(|at| state.tasks.remove(at).1);
                 match target.begin_task(seq, digest) {
-                    Ok(_) => state.sides[index].runs.push(seq),
+                    Ok(slot) => state.sides[index].runs.push((seq, slot, digest)),
                     Err(error) => {
                         let live = handle_id.is_some_and(|h| {
                             state.parent.live_handles().iter().any(|l| l.handle_id == h)
@@ -726,11 +1152,356 @@ impl RegistrationModel {
         self.drain_target(state, id);
         Some(())
     }
+
+    /// The parent reads target `id`'s pipe: the head reply (its digest
+    /// replaced by [`CORRUPTED`] when `wrong_digest`) or end of file. After
+    /// close the parent must ignore both.
+    fn receive(&self, state: &mut State, id: TargetId, wrong_digest: bool) -> Option<()> {
+        let now = Time(state.now);
+        let index = usize::from(id.0);
+        let before = state.parent.clone();
+        let closed = before.lifecycle() == Lifecycle::Closed;
+        if let Some(mut reply) = take_head(&mut state.replies, id) {
+            if wrong_digest {
+                reply.digest = CORRUPTED;
+            }
+            let awaited = state.parent.awaits_reply(id, reply.seq);
+            if state.parent.is_target_live(id) && !awaited {
+                state.seen |= seen::LATE_REPLY;
+            }
+            let refusal = reply.result.is_err() || wrong_digest;
+            if awaited && refusal && id.0 < 32 {
+                for step in &mut state.client {
+                    if let StepStatus::InFlight { op, refused, .. } = step {
+                        if op.0 == reply.seq.0 {
+                            *refused |= 1u32 << id.0;
+                        }
+                    }
+                }
+            }
+            if state.parent.handle_reply(id, reply, now).is_err() {
+                state.seen |= seen::DRIVER_ERROR;
+            }
+        } else if state.eof[index] && !wrong_digest {
+            state.eof[index] = false;
+            if state.parent.target_lost(id, now).is_err() {
+                state.seen |= seen::DRIVER_ERROR;
+            }
+        } else {
+            return None;
+        }
+        if closed && state.parent != before {
+            state.breach("a reply or end of file after close changed the parent");
+        }
+        self.drain_parent(state);
+        Some(())
+    }
+
+    /// The client closes the Worker: every operation in flight completes
+    /// with `LIFECYCLE_INVALID`, every staged payload is released, nothing
+    /// is left to wait for. The targets keep running until the driver
+    /// stops them: frames in transit are still applied and their replies
+    /// read (and ignored).
+    fn close(&self, state: &mut State) -> Option<()> {
+        state.budgets.closes = state.budgets.closes.checked_sub(1)?;
+        if state.parent.lifecycle() != Lifecycle::Started {
+            return None;
+        }
+        state.seen |= seen::FAULT;
+        let in_flight = state.parent.in_flight();
+        if !in_flight.is_empty() {
+            state.seen |= seen::CLOSED_IN_FLIGHT;
+        }
+        if state.parent.close().is_err() {
+            state.breach("close of a started Worker was refused");
+        }
+        self.drain_parent(state);
+        let all_failed = in_flight.iter().all(|op| {
+            state.client.iter().any(|s| {
+                matches!(s, StepStatus::Done(StepResult::Failed { code, .. }) if *code == ErrorCode::LIFECYCLE_INVALID)
+            }) && !state
+                .client
+                .iter()
+                .any(|s| matches!(s, StepStatus::InFlight { op: o, .. } if o == op))
+        });
+        if state.parent.lifecycle() != Lifecycle::Closed
+            || !state.parent.in_flight().is_empty()
+            || !state.parent.staged().is_empty()
+            || !state.staged.is_empty()
+            || state.parent.poll_timeout().is_some()
+            || !all_failed
+        {
+            state.breach("close left an operation, a staged payload or a deadline behind");
+        }
+        Some(())
+    }
+
+    /// Applies a forged or out-of-range input to copies of the machines;
+    /// `None` when every answer is the documented one and nothing changed,
+    /// otherwise `state` with the breach recorded.
+    fn forge(&self, state: &State, forged: Forged) -> Option<State> {
+        use ErrorCode as E;
+        let lifecycle = state.parent.lifecycle();
+        let now = Time(state.now);
+        let nobody = TargetId(self.config.targets);
+        let a = digest_of('A')?;
+        // What a parent input that checks its target answers: refused
+        // before start, ignored after close, `code` while started.
+        let expect = |result: Result<(), callreg::error::Error>, code: ErrorCode| match lifecycle {
+            Lifecycle::New => matches!(result, Err(e) if e.code == E::LIFECYCLE_INVALID),
+            Lifecycle::Closed => result.is_ok(),
+            Lifecycle::Started => matches!(result, Err(e) if e.code == code),
+        };
+        let refused = |result: Result<(), callreg::error::Error>, code: ErrorCode| matches!(result, Err(e) if e.code == code);
+        // The seq the parent issues next, from a register on a copy.
+        let next_seq = {
+            let mut probe = state.parent.clone();
+            probe
+                .register(digest_of('Z')?, Namespace::LocalPython, now)
+                .ok()
+                .map(|op| op.0)
+        };
+        let reply = |seq: u64| Reply {
+            seq: Seq(seq),
+            digest: a,
+            result: Ok(()),
+        };
+        let mut ok = true;
+        let mut parent = state.parent.clone();
+        let why: &'static str = match forged {
+            Forged::ReplyFromNoTarget => {
+                let seq = state.parent.in_flight().first().map_or(1, |op| op.0);
+                ok &= expect(
+                    parent.handle_reply(nobody, reply(seq), now),
+                    E::FRAME_INVALID,
+                );
+                ok &= expect(parent.target_lost(nobody, now), E::FRAME_INVALID);
+                "a reply from the target id one past the last was not refused with FRAME_INVALID, or changed the parent"
+            }
+            Forged::ReplySeqZero | Forged::ReplySeqUnissued => {
+                let seq = match forged {
+                    Forged::ReplySeqZero => Some(0),
+                    _ => next_seq,
+                };
+                for id in self.target_ids() {
+                    let Some(seq) = seq else { break };
+                    let result = parent.handle_reply(id, reply(seq), now);
+                    ok &= match (lifecycle, state.parent.is_target_live(id)) {
+                        (Lifecycle::Started, true) => refused(result, E::FRAME_INVALID),
+                        // Replies from a lost target are ignored.
+                        (Lifecycle::Started, false) => result.is_ok(),
+                        _ => expect(result, E::FRAME_INVALID),
+                    };
+                }
+                "a reply for a seq never issued was not refused with FRAME_INVALID, or changed the parent"
+            }
+            Forged::LostNoTarget => {
+                ok &= expect(parent.target_lost(nobody, now), E::FRAME_INVALID);
+                ok &= !parent.is_target_live(nobody);
+                "target_lost of the target id one past the last was not refused with FRAME_INVALID, or changed the parent"
+            }
+            Forged::StageFailedLate => {
+                let failure = Failure::new(E::IO_FAILED, "forged");
+                let mut ids: Vec<u64> = state.parent.in_flight().iter().map(|op| op.0).collect();
+                ids.push(0);
+                ids.extend(next_seq);
+                for id in ids {
+                    ok &= refused(
+                        parent.stage_failed(StagingId(id), failure.clone()),
+                        E::FRAME_INVALID,
+                    );
+                }
+                "stage_failed for a register whose frames were sent, or for no register, was not refused with FRAME_INVALID, or changed the parent"
+            }
+            Forged::SubmitOutOfScope => {
+                for handle in state.parent.live_handles() {
+                    let uncertain = state.parent.is_uncertain(handle.digest());
+                    let mut targets = vec![nobody];
+                    targets.extend(
+                        self.target_ids()
+                            .filter(|t| !state.parent.is_target_live(*t)),
+                    );
+                    for target in targets {
+                        let code = if lifecycle != Lifecycle::Started {
+                            E::LIFECYCLE_INVALID
+                        } else if uncertain {
+                            E::REGISTER_CLEANUP_UNCERTAIN
+                        } else if target == nobody {
+                            E::NO_LIVE_TARGET
+                        } else {
+                            E::TARGET_LOST
+                        };
+                        ok &= refused(parent.submit(&handle, target).map(|_| ()), code);
+                    }
+                }
+                "a task for the target id one past the last, or for a lost target, was not refused with its documented error, or changed the parent"
+            }
+            Forged::TargetUnknownSeq => {
+                for (index, target) in state.targets.iter().enumerate() {
+                    let Some(target) = target else { continue };
+                    let side = &state.sides[index];
+                    let mut copy = target.clone();
+                    let mut unknown = vec![Seq(0)];
+                    unknown.extend(side.runs.iter().map(|(s, _, _)| *s));
+                    for seq in &unknown {
+                        ok &= refused(copy.on_deserialized(*seq, Ok(())), E::FRAME_INVALID);
+                    }
+                    let mut not_running = vec![Seq(0)];
+                    not_running.extend(side.deserializing.iter().map(|(s, _)| *s));
+                    for seq in &not_running {
+                        ok &= refused(copy.end_task(*seq), E::FRAME_INVALID);
+                    }
+                    ok &= copy.poll_effect().is_none() && copy == *target;
+                    // Unregisters of digests not installed: refused, with
+                    // UNREGISTER_TOMBSTONE_ACTIVE when a run still holds a
+                    // tombstoned slot of it; tasks for them and second runs
+                    // of a seq in progress are refused.
+                    let tombstoned = target.tombstoned_slots();
+                    for c in ['A', 'B', 'C', 'D'] {
+                        let d = digest_of(c)?;
+                        if target.refcount(d) > 0 {
+                            continue;
+                        }
+                        let expected = if side
+                            .runs
+                            .iter()
+                            .any(|(_, slot, run)| *run == d && tombstoned.contains(slot))
+                        {
+                            E::UNREGISTER_TOMBSTONE_ACTIVE
+                        } else {
+                            E::DIGEST_NOT_INSTALLED
+                        };
+                        copy.on_unregister(Seq(0), d);
+                        ok &= matches!(
+                            copy.poll_effect(),
+                            Some(TargetEffect::Reply(Reply { seq: Seq(0), digest, result: Err(f) }))
+                                if digest == d && f.code == expected
+                        );
+                        ok &= refused(
+                            copy.begin_task(Seq(0), d).map(|_| ()),
+                            E::DIGEST_NOT_INSTALLED,
+                        );
+                        ok &= copy.poll_effect().is_none() && copy == *target;
+                    }
+                    for (seq, _, d) in &side.runs {
+                        ok &= refused(copy.begin_task(*seq, *d).map(|_| ()), E::FRAME_INVALID);
+                    }
+                    ok &= copy == *target;
+                    for (seq, _) in &side.deserializing {
+                        copy.on_register(*seq, a, Ok(a));
+                        ok &= matches!(
+                            copy.poll_effect(),
+                            Some(TargetEffect::Reply(Reply { seq: s, digest, result: Err(f) }))
+                                if s == *seq && digest == a && f.code == E::FRAME_INVALID
+                        );
+                        ok &= copy.poll_effect().is_none() && copy == *target;
+                    }
+                }
+                "a target accepted a deserialization or run end it never started, or a second register of a seq being deserialized"
+            }
+            Forged::LifecycleAgain => {
+                let lifecycle_error =
+                    |r: Result<(), callreg::error::Error>| refused(r, E::LIFECYCLE_INVALID);
+                if lifecycle != Lifecycle::New {
+                    ok &= lifecycle_error(parent.start());
+                    ok &= lifecycle_error(
+                        parent
+                            .register_before_start(a, Namespace::LocalPython)
+                            .map(|_| ()),
+                    );
+                    for handle in state.parent.live_handles() {
+                        ok &= lifecycle_error(parent.unregister_before_start(&handle));
+                    }
+                }
+                if lifecycle != Lifecycle::Started {
+                    ok &= lifecycle_error(
+                        parent.register(a, Namespace::LocalPython, now).map(|_| ()),
+                    );
+                    let forged = handle_for(a, 1);
+                    ok &= lifecycle_error(parent.unregister(&forged, now).map(|_| ()));
+                    ok &= lifecycle_error(parent.submit(&forged, TargetId(0)).map(|_| ()));
+                    parent.handle_timeout(Time(u64::MAX));
+                }
+                if lifecycle == Lifecycle::Closed {
+                    ok &= lifecycle_error(parent.close());
+                    for handle in state.parent.live_handles() {
+                        ok &= lifecycle_error(
+                            parent.resolve(&handle, Namespace::LocalPython).map(|_| ()),
+                        );
+                    }
+                }
+                "a call out of lifecycle order was not refused with LIFECYCLE_INVALID, or changed the parent"
+            }
+            Forged::WrongNamespace => {
+                let chip = Namespace::LocalChip;
+                match lifecycle {
+                    Lifecycle::New => {
+                        ok &= refused(
+                            parent.register_before_start(a, chip).map(|_| ()),
+                            E::CALLABLE_KIND_UNSUPPORTED,
+                        )
+                    }
+                    Lifecycle::Started => {
+                        ok &= refused(
+                            parent.register(a, chip, now).map(|_| ()),
+                            E::CALLABLE_KIND_UNSUPPORTED,
+                        )
+                    }
+                    Lifecycle::Closed => {}
+                }
+                if lifecycle != Lifecycle::Closed {
+                    for handle in state.parent.live_handles() {
+                        ok &= refused(
+                            parent.resolve(&handle, chip).map(|_| ()),
+                            E::HANDLE_WRONG_NAMESPACE,
+                        );
+                    }
+                }
+                "a register in a namespace no target serves, or a resolve for another namespace, was not refused with its documented error, or changed the parent"
+            }
+            Forged::PreStartCapacity => {
+                if lifecycle == Lifecycle::New {
+                    let snapshot = state.parent.startup_snapshot();
+                    let full = snapshot.len() >= usize::from(self.config.slot_capacity);
+                    let mut copy = state.parent.clone();
+                    let fresh = copy.register_before_start(digest_of('Y')?, Namespace::LocalPython);
+                    ok &= if full {
+                        refused(fresh.map(|_| ()), E::LOCAL_SLOT_EXHAUSTED)
+                    } else {
+                        fresh.is_ok()
+                    };
+                    for (digest, _) in &snapshot {
+                        let mut copy = state.parent.clone();
+                        ok &= copy
+                            .register_before_start(*digest, Namespace::LocalPython)
+                            .is_ok();
+                    }
+                }
+                "register_before_start refused a digest with room in the startup snapshot, or accepted one beyond the slots"
+            }
+        };
+        ok &= parent == state.parent;
+        if ok {
+            return None;
+        }
+        let mut next = state.clone();
+        next.breach(why);
+        Some(next)
+    }
 }
 
 impl State {
     fn target(&self, id: TargetId) -> Option<&Target> {
         self.targets.get(usize::from(id.0))?.as_ref()
+    }
+
+    /// Records that a machine broke its documented contract (`why` is kept
+    /// for the counterexample: the first one on the path).
+    fn breach(&mut self, why: &'static str) {
+        if self.seen & seen::CONTRACT == 0 {
+            self.contract = why;
+        }
+        self.seen |= seen::CONTRACT;
     }
 
     /// Target `id` dies: its machine, the frames to it, its deserializations
@@ -762,6 +1533,15 @@ impl stateright::Model for RegistrationModel {
     }
 
     fn actions(&self, state: &State, actions: &mut Vec<Action>) {
+        let lifecycle = state.parent.lifecycle();
+        if self.config.interleave_start {
+            if let Some(i) = state.pre.iter().position(|p| *p == PreStatus::Waiting) {
+                actions.push(Action::PreStart(i));
+            }
+            if lifecycle == Lifecycle::New {
+                actions.push(Action::Start);
+            }
+        }
         for i in 0..state.client.len() {
             if self.issuable(state, i) {
                 actions.push(Action::Issue(i));
@@ -769,7 +1549,7 @@ impl stateright::Model for RegistrationModel {
                     self.config.script.operations[i].operation,
                     Operation::Register(_)
                 );
-                if register && state.budgets.stage_failures > 0 {
+                if register && state.budgets.stage_failures > 0 && lifecycle == Lifecycle::Started {
                     actions.push(Action::IssueStageFails(i));
                 }
             }
@@ -808,7 +1588,7 @@ impl stateright::Model for RegistrationModel {
                     });
                 }
             }
-            for seq in &side.runs {
+            for (seq, _, _) in &side.runs {
                 actions.push(Action::EndRun {
                     target: id,
                     seq: *seq,
@@ -817,12 +1597,21 @@ impl stateright::Model for RegistrationModel {
             if state.head_reply(id).is_some() || state.eof[index] {
                 actions.push(Action::Receive(id));
             }
+            if state.budgets.wrong_digests > 0 && state.head_reply(id).is_some() {
+                actions.push(Action::ReceiveWrongDigest(id));
+            }
             if state.budgets.crashes > 0 && active && state.target(id).is_some() {
                 actions.push(Action::Crash(id));
             }
         }
         if state.budgets.deadlines > 0 && state.parent.poll_timeout().is_some() {
             actions.push(Action::DeadlinePasses);
+        }
+        if state.budgets.closes > 0 && lifecycle == Lifecycle::Started {
+            actions.push(Action::Close);
+        }
+        if self.config.forged {
+            actions.extend(Forged::ALL.iter().map(|f| Action::Forge(*f)));
         }
     }
 
@@ -852,6 +1641,7 @@ impl stateright::Model for RegistrationModel {
             Action::Deliver(id) => self.deliver(&mut state, id, false)?,
             Action::DeliverCorrupted(id) => {
                 state.budgets.corruptions = state.budgets.corruptions.checked_sub(1)?;
+                state.seen |= seen::FAULT;
                 self.deliver(&mut state, id, true)?;
             }
             Action::Deserialized { target: id, ok } => {
@@ -859,12 +1649,13 @@ impl stateright::Model for RegistrationModel {
                 if !ok {
                     state.budgets.deserialize_failures =
                         state.budgets.deserialize_failures.checked_sub(1)?;
+                    state.seen |= seen::FAULT;
                 }
                 let side = state.sides.get_mut(index)?;
                 if side.deserializing.is_empty() {
                     return None;
                 }
-                let seq = side.deserializing.remove(0);
+                let (seq, _) = side.deserializing.remove(0);
                 let result = if ok {
                     Ok(())
                 } else {
@@ -882,7 +1673,7 @@ impl stateright::Model for RegistrationModel {
             Action::EndRun { target: id, seq } => {
                 let index = usize::from(id.0);
                 let side = state.sides.get_mut(index)?;
-                let at = side.runs.iter().position(|s| *s == seq)?;
+                let at = side.runs.iter().position(|(s, _, _)| *s == seq)?;
                 side.runs.remove(at);
                 let target = state.targets.get_mut(index)?.as_mut()?;
                 let before = target.tombstoned_slots();
@@ -890,44 +1681,46 @@ impl stateright::Model for RegistrationModel {
                     state.seen |= seen::DRIVER_ERROR;
                 }
                 let after = target.tombstoned_slots();
+                let mut freed_but_used = false;
                 for slot in before.iter().filter(|s| !after.contains(s)) {
+                    freed_but_used |= target.is_slot_used(*slot);
                     state.sides[index].freed_tombstones |= 1u64 << slot.0;
                 }
-            }
-            Action::Receive(id) => {
-                let now = Time(state.now);
-                let index = usize::from(id.0);
-                if let Some(reply) = take_head(&mut state.replies, id) {
-                    if state.parent.is_target_live(id) && !state.parent.awaits_reply(id, reply.seq)
-                    {
-                        state.seen |= seen::LATE_REPLY;
-                    }
-                    if state.parent.handle_reply(id, reply, now).is_err() {
-                        state.seen |= seen::DRIVER_ERROR;
-                    }
-                } else if state.eof[index] {
-                    state.eof[index] = false;
-                    if state.parent.target_lost(id, now).is_err() {
-                        state.seen |= seen::DRIVER_ERROR;
-                    }
-                } else {
-                    return None;
+                if freed_but_used {
+                    // The IO layer drops a callable when its slot turns free.
+                    state.breach("a tombstoned slot left the tombstones at its last run's end but is still used");
                 }
-                self.drain_parent(&mut state);
+            }
+            Action::Receive(id) => self.receive(&mut state, id, false)?,
+            Action::ReceiveWrongDigest(id) => {
+                state.budgets.wrong_digests = state.budgets.wrong_digests.checked_sub(1)?;
+                state.seen |= seen::FAULT | seen::WRONG_DIGEST;
+                self.receive(&mut state, id, true)?;
             }
             Action::Crash(id) => {
                 state.budgets.crashes = state.budgets.crashes.checked_sub(1)?;
                 state.target(id)?;
+                state.seen |= seen::FAULT;
                 state.kill(id);
                 state.eof[usize::from(id.0)] = true;
             }
             Action::DeadlinePasses => {
                 state.budgets.deadlines = state.budgets.deadlines.checked_sub(1)?;
                 let deadline = state.parent.poll_timeout()?;
+                state.seen |= seen::FAULT;
                 state.now = state.now.max(deadline.0);
                 state.parent.handle_timeout(Time(state.now));
                 self.drain_parent(&mut state);
             }
+            Action::PreStart(i) => self.pre_start(&mut state, i)?,
+            Action::Start => {
+                if state.parent.lifecycle() != Lifecycle::New {
+                    return None;
+                }
+                self.start(&mut state);
+            }
+            Action::Close => self.close(&mut state)?,
+            Action::Forge(forged) => return self.forge(last, forged),
         }
         Some(state)
     }
@@ -1004,7 +1797,7 @@ impl RegistrationModel {
                     .and_then(|s| s.deserializing.first());
                 let how = if *ok { "succeeds" } else { "FAILS" };
                 match seq {
-                    Some(seq) => format!("{target}: deserialization for {seq} {how}"),
+                    Some((seq, _)) => format!("{target}: deserialization for {seq} {how}"),
                     None => format!("{target}: no deserialization"),
                 }
             }
@@ -1031,6 +1824,35 @@ impl RegistrationModel {
                 None => format!("parent reads end of file from {t}: target lost"),
             },
             Action::Crash(t) => format!("{t} CRASHES"),
+            Action::ReceiveWrongDigest(t) => match state.head_reply(*t) {
+                Some(r) => format!(
+                    "parent receives from {t}: reply to {} naming a WRONG digest (the frame named {})",
+                    r.seq,
+                    name_of(&r.digest)
+                ),
+                None => format!("parent reads nothing from {t}"),
+            },
+            Action::PreStart(i) => {
+                let what = match self.config.script.before_start.get(*i) {
+                    Some(BeforeStart::Register(c)) => format!("register {c}"),
+                    Some(BeforeStart::Unregister(j)) => {
+                        format!("unregister the handle of before_start[{j}]")
+                    }
+                    None => "nothing".to_owned(),
+                };
+                let when = if state.parent.lifecycle() == Lifecycle::New {
+                    ""
+                } else {
+                    " (after start)"
+                };
+                format!("client calls pre-start step {i}: {what}{when}")
+            }
+            Action::Start => "client starts the Worker".to_owned(),
+            Action::Close => format!(
+                "client CLOSES the Worker with {} operation(s) in flight",
+                state.parent.in_flight().len()
+            ),
+            Action::Forge(f) => format!("a forged input is given to the machines: {f:?}"),
             Action::DeadlinePasses => match state.parent.poll_timeout() {
                 Some(d) => format!("the deadline at time {} passes", d.0),
                 None => "no deadline is pending".to_owned(),
@@ -1043,6 +1865,10 @@ impl RegistrationModel {
     /// target's installed digests with refcounts.
     pub fn summarize(&self, state: &State) -> String {
         let mut out = Vec::new();
+        if !state.pre.is_empty() {
+            out.push(format!("pre-start: {:?}", state.pre));
+        }
+        out.push(format!("lifecycle: {:?}", state.parent.lifecycle()));
         out.push(format!("client: {:?}", state.client));
         let handles: Vec<String> = state
             .parent

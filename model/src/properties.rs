@@ -18,7 +18,15 @@ use callreg::protocol::invariants;
 use callreg::protocol::ControlFrame;
 use stateright::Property;
 
-use crate::model::{seen, RegistrationModel, State, StepResult, StepStatus};
+use std::collections::BTreeMap;
+
+use callreg::descriptor::Digest;
+use callreg::protocol::{Lifecycle, Namespace, OpId, RegistrySnapshot, Seq, Slot, TargetId, Time};
+
+use crate::model::{
+    seen, RegistrationModel, State, StepResult, StepStatus, CONTROL_TIMEOUT, OWNER,
+};
+use crate::script::{digest_of, name_of, CORRUPTED};
 
 /// Name of the `always` property for invariant 1.
 pub const INV1: &str = "1 publish after all";
@@ -63,6 +71,37 @@ pub const SOMETIMES_TARGET_LOST: &str = "sometimes: a target is lost";
 pub const SOMETIMES_SLOT_EXHAUSTED: &str = "sometimes: a target has no free slot for a register";
 /// Witness: a reply reaches the parent after its operation gave up.
 pub const SOMETIMES_LATE_REPLY: &str = "sometimes: a reply arrives after its operation gave up";
+/// Witness: one target has two deserializations in progress at once.
+pub const SOMETIMES_TWO_DESERIALIZING: &str =
+    "sometimes: a target has two deserializations in progress";
+/// Witness: the Worker closes with an operation in flight.
+pub const SOMETIMES_CLOSED_IN_FLIGHT: &str =
+    "sometimes: the Worker closes with an operation in flight";
+/// Witness: staging a register's payload fails.
+pub const SOMETIMES_STAGE_FAILED: &str = "sometimes: staging a payload fails";
+/// Witness: a pre-start step is called after start (and refused).
+pub const SOMETIMES_PRE_START_AFTER_START: &str = "sometimes: a pre-start step comes after start";
+/// Witness: an unregister fails (a target refused it or timed out).
+pub const SOMETIMES_UNREGISTER_FAILED: &str = "sometimes: an unregister fails";
+/// Witness: a reply names another digest than its frame.
+pub const SOMETIMES_WRONG_DIGEST: &str = "sometimes: a reply names a wrong digest";
+/// Witness: the Worker started (trivial unless start is an action).
+pub const SOMETIMES_STARTED: &str = "sometimes: the Worker has started";
+
+/// Name of the `always` property that on a path with no fault every
+/// register publishes (or fails only for want of a free slot at some
+/// target) and every unregister succeeds.
+pub const PROGRESS: &str = "progress without faults";
+/// Name of the `always` property that with fencing on (and no target
+/// naming a wrong digest) no digest becomes uncertain and no reply is late.
+pub const FENCED_CERTAIN: &str = "fencing: nothing uncertain, no late reply";
+/// Name of the `always` property that every machine answered every call as
+/// documented (completions agree with their outcomes, forged and
+/// out-of-lifecycle inputs are refused with their errors).
+pub const CONTRACT: &str = "machines answer as documented";
+/// Name of the `always` property that the machines' pure queries agree
+/// with their state and with each other.
+pub const QUERIES: &str = "queries agree with the machines";
 
 fn holds(predicate: invariants::Predicate, state: &State) -> bool {
     state.with_view(|view| predicate(view).is_ok())
@@ -158,6 +197,257 @@ fn late_reply(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::LATE_REPLY != 0
 }
 
+fn progress(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::UNFORCED_FAILURE == 0
+}
+fn fenced_certain(m: &RegistrationModel, s: &State) -> bool {
+    !m.config.fence_on_timeout
+        || s.seen & seen::WRONG_DIGEST != 0
+        || (s.parent.uncertain_digests().is_empty() && s.seen & seen::LATE_REPLY == 0)
+}
+fn contract(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::CONTRACT == 0
+}
+fn queries(m: &RegistrationModel, s: &State) -> bool {
+    queries_agree(m, s).is_ok()
+}
+fn two_deserializing(_: &RegistrationModel, s: &State) -> bool {
+    s.sides.iter().any(|side| side.deserializing.len() >= 2)
+}
+fn closed_in_flight(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::CLOSED_IN_FLIGHT != 0
+}
+fn stage_failed(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::STAGE_FAILED != 0
+}
+fn pre_start_after_start(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::PRE_START_AFTER_START != 0
+}
+fn unregister_failed(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::UNREGISTER_FAILED != 0
+}
+fn wrong_digest(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::WRONG_DIGEST != 0
+}
+fn started(_: &RegistrationModel, s: &State) -> bool {
+    s.parent.lifecycle() != Lifecycle::New
+}
+
+/// Whether the machines' pure queries agree with their state, with each
+/// other and with what the driver saw; otherwise the first disagreement.
+///
+/// Parent: the registry snapshot, the startup snapshot, `is_live`,
+/// `is_uncertain`, `is_target_live`, `in_flight` (the client's operations
+/// in flight), `is_idle`, `staged` (shared memory), `config`, and
+/// `awaits_reply` for every reply in transit against what `handle_reply`
+/// does with it (an awaited reply is consumed: handling it again is a
+/// duplicate; a reply not awaited changes nothing but the uncertain set,
+/// and handling it twice is like once). Targets: `tombstones`,
+/// `tombstoned_slots`, `is_slot_used`, `slots_in_use`, `is_deserializing`,
+/// `runs_in_progress`, `refcount`, `snapshot` and `config` against each
+/// other and the slots the driver was given for deserializations and runs.
+///
+/// # Errors
+/// The first query that disagrees, in words.
+pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
+    let p = &s.parent;
+    let fail = |what: &str| Err(what.to_owned());
+    let nobody = TargetId(m.config.targets);
+    let lifecycle = p.lifecycle();
+    let config = p.config();
+    if config.targets != m.config.targets
+        || config.slot_capacity != m.config.slot_capacity
+        || config.fence_on_timeout != m.config.fence_on_timeout
+        || config.owner != OWNER
+        || config.control_timeout != CONTROL_TIMEOUT
+    {
+        return fail("Parent::config differs from the configuration it was made with");
+    }
+    if p.is_target_live(nobody) || p.awaits_reply(nobody, Seq(1)) {
+        return fail("the target id one past the last counts as live or awaited");
+    }
+    let live: Vec<TargetId> = (0..m.config.targets)
+        .map(TargetId)
+        .filter(|t| p.is_target_live(*t))
+        .collect();
+    if lifecycle != Lifecycle::Started && !live.is_empty() {
+        return fail("a target is live although the Worker is not started");
+    }
+    if lifecycle == Lifecycle::New && s.targets.iter().any(Option::is_some) {
+        return fail("a target runs although the parent is new");
+    }
+    let handles = p.live_handles();
+    let snapshot = p.registry_snapshot();
+    if snapshot.lifecycle != lifecycle
+        || snapshot.live_targets != live
+        || snapshot.handles != handles
+        || snapshot.digests != RegistrySnapshot::count_digests(&handles)
+        || snapshot.uncertain
+            != p.uncertain_digests()
+                .iter()
+                .map(|d| d.hashid())
+                .collect::<Vec<_>>()
+    {
+        return fail("Parent::registry_snapshot disagrees with the other queries");
+    }
+    let mut counts: BTreeMap<Digest, u32> = BTreeMap::new();
+    for h in &handles {
+        *counts.entry(h.digest()).or_insert(0) += 1;
+    }
+    if p.startup_snapshot() != counts.iter().map(|(d, n)| (*d, *n)).collect::<Vec<_>>() {
+        return fail("Parent::startup_snapshot does not count the live handles");
+    }
+    let uncertain = p.uncertain_digests();
+    for c in 'A'..='Z' {
+        let Some(d) = digest_of(c) else { continue };
+        if p.is_live(d, Namespace::LocalPython) != counts.contains_key(&d)
+            || p.is_live(d, Namespace::LocalChip)
+        {
+            return fail("Parent::is_live disagrees with the live handles");
+        }
+        if p.is_uncertain(d) != uncertain.contains(&d) {
+            return fail("Parent::is_uncertain disagrees with Parent::uncertain_digests");
+        }
+    }
+    let mut in_flight: Vec<OpId> = s
+        .client
+        .iter()
+        .filter_map(|c| match c {
+            StepStatus::InFlight { op, .. } => Some(*op),
+            _ => None,
+        })
+        .collect();
+    in_flight.sort();
+    // A failed snapshot entry's settling unregisters (operations
+    // `1..=settling`) are in flight with no client step waiting.
+    let machine: Vec<OpId> = p
+        .in_flight()
+        .into_iter()
+        .filter(|op| op.0 > s.settling)
+        .collect();
+    if machine != in_flight || (p.is_idle() != p.in_flight().is_empty()) {
+        return fail(
+            "Parent::in_flight or is_idle disagrees with the operations the client has in flight",
+        );
+    }
+    if p.staged() != s.staged.keys().copied().collect::<Vec<_>>() {
+        return fail("Parent::staged disagrees with shared memory");
+    }
+    if let Some(deadline) = p.poll_timeout() {
+        if p.in_flight().is_empty() {
+            return fail("Parent::poll_timeout names a deadline with no operation in flight");
+        }
+        // Every deadline is set CONTROL_TIMEOUT after the time its phase
+        // began (time 1 at the earliest); once a deadline passed, every
+        // phase due by then stopped waiting.
+        if deadline.0 <= CONTROL_TIMEOUT
+            || deadline.0 > s.now + CONTROL_TIMEOUT
+            || deadline.0 <= s.now
+        {
+            return fail("Parent::poll_timeout is not a deadline still ahead, CONTROL_TIMEOUT after its phase began");
+        }
+    }
+    for (t, reply) in &s.replies {
+        let awaited = p.awaits_reply(*t, reply.seq);
+        if lifecycle != Lifecycle::Started {
+            if awaited {
+                return fail("Parent::awaits_reply is true after close");
+            }
+            continue;
+        }
+        let mut once = p.clone();
+        if once.handle_reply(*t, reply.clone(), Time(s.now)).is_err() {
+            continue; // the driving rule property reports it
+        }
+        let mut twice = once.clone();
+        let _ = twice.handle_reply(*t, reply.clone(), Time(s.now));
+        if awaited {
+            if once.awaits_reply(*t, reply.seq) || once == *p {
+                return fail("Parent::awaits_reply is true but handle_reply did not take the reply as awaited");
+            }
+        } else {
+            let mut expected = uncertain.clone();
+            if p.is_target_live(*t) && !expected.contains(&reply.digest) {
+                expected.push(reply.digest);
+                expected.sort();
+            }
+            if once != twice
+                || once.in_flight() != p.in_flight()
+                || once.live_handles() != handles
+                || once.uncertain_digests() != expected
+                || once.poll_effect().is_some()
+            {
+                return fail(
+                    "Parent::awaits_reply is false but handle_reply took the reply as awaited",
+                );
+            }
+        }
+    }
+    for (index, target) in s.targets.iter().enumerate() {
+        let Some(target) = target else { continue };
+        let side = &s.sides[index];
+        let id = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+        let capacity = m.config.slot_capacity;
+        if target.config().id != id || target.config().slot_capacity != capacity {
+            return fail("Target::config differs from the configuration it was made with");
+        }
+        let tombstoned = target.tombstoned_slots();
+        if target.tombstones() != tombstoned.len() {
+            return fail("Target::tombstones disagrees with Target::tombstoned_slots");
+        }
+        let used = (0..capacity)
+            .filter(|i| target.is_slot_used(Slot(*i)))
+            .count();
+        if used != target.slots_in_use() || target.is_slot_used(Slot(capacity)) {
+            return fail("Target::is_slot_used disagrees with Target::slots_in_use");
+        }
+        let installed = target.installed();
+        if target.slots_in_use() != installed.len() + tombstoned.len() + side.deserializing.len() {
+            return fail("a used slot is neither installed, tombstoned nor deserializing");
+        }
+        let run_slots: Vec<Slot> = side.runs.iter().map(|(_, slot, _)| *slot).collect();
+        if tombstoned
+            .iter()
+            .any(|t| !run_slots.contains(t) || !target.is_slot_used(*t))
+        {
+            return fail("a tombstoned slot is held by no run, or not used");
+        }
+        let deserializing: Vec<Slot> = side.deserializing.iter().map(|(_, slot)| *slot).collect();
+        if deserializing
+            .iter()
+            .chain(&run_slots)
+            .any(|slot| !target.is_slot_used(*slot))
+            || deserializing.iter().any(|slot| run_slots.contains(slot))
+        {
+            return fail("a slot given for a deserialization or a run is not used, or both");
+        }
+        if target.is_deserializing() == side.deserializing.is_empty()
+            || target.runs_in_progress() != side.runs.len()
+        {
+            return fail("Target::is_deserializing or runs_in_progress disagrees with the driver");
+        }
+        if installed
+            .iter()
+            .any(|(d, n)| *n == 0 || target.refcount(*d) != *n)
+            || target.refcount(CORRUPTED) != 0
+        {
+            return fail("Target::refcount disagrees with Target::installed");
+        }
+        let snapshot = target.snapshot();
+        if snapshot.target != id
+            || snapshot.installed.len() != installed.len()
+            || snapshot
+                .installed
+                .iter()
+                .zip(&installed)
+                .any(|(e, (d, n))| e.hashid != d.hashid() || e.refcount != *n)
+        {
+            return fail("Target::snapshot disagrees with Target::installed");
+        }
+    }
+    Ok(())
+}
+
 /// Every property, `always` ones first.
 pub fn all() -> Vec<Property<RegistrationModel>> {
     vec![
@@ -172,6 +462,10 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(INV9, inv9),
         Property::always(DRIVING_RULE, driving_rule),
         Property::always(INV10_TERMINAL, inv10_terminal),
+        Property::always(PROGRESS, progress),
+        Property::always(FENCED_CERTAIN, fenced_certain),
+        Property::always(CONTRACT, contract),
+        Property::always(QUERIES, queries),
         Property::eventually(INV10_EVENTUALLY, inv10_eventually),
         Property::sometimes(SOMETIMES_PUBLISH, publishes),
         Property::sometimes(SOMETIMES_ROLLBACK, rolls_back),
@@ -181,6 +475,13 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_LATE_REPLY, late_reply),
         Property::sometimes(SOMETIMES_TARGET_LOST, target_lost),
         Property::sometimes(SOMETIMES_SLOT_EXHAUSTED, slot_exhausted),
+        Property::sometimes(SOMETIMES_TWO_DESERIALIZING, two_deserializing),
+        Property::sometimes(SOMETIMES_CLOSED_IN_FLIGHT, closed_in_flight),
+        Property::sometimes(SOMETIMES_STAGE_FAILED, stage_failed),
+        Property::sometimes(SOMETIMES_PRE_START_AFTER_START, pre_start_after_start),
+        Property::sometimes(SOMETIMES_UNREGISTER_FAILED, unregister_failed),
+        Property::sometimes(SOMETIMES_WRONG_DIGEST, wrong_digest),
+        Property::sometimes(SOMETIMES_STARTED, started),
     ]
 }
 
@@ -211,6 +512,15 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
         _ if name == DRIVING_RULE && !driving_rule(model, state) => Some(
             "a machine refused an input the driving rule produced (see the last step)".to_owned(),
         ),
+        _ if name == PROGRESS && !progress(model, state) => Some(
+            "an operation failed or was refused on a path with no fault (not for want of a free slot)".to_owned(),
+        ),
+        _ if name == FENCED_CERTAIN && !fenced_certain(model, state) => Some(format!(
+            "with fencing on, uncertain digests {:?} / a late reply (see the trace)",
+            state.parent.uncertain_digests().iter().map(name_of).collect::<Vec<_>>()
+        )),
+        _ if name == CONTRACT && !contract(model, state) => Some(state.contract.to_owned()),
+        _ if name == QUERIES => queries_agree(model, state).err(),
         _ => None,
     }
 }

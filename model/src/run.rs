@@ -73,6 +73,11 @@ pub struct Outcome {
     pub witnessed: Vec<String>,
     /// `sometimes` properties never witnessed in this configuration.
     pub not_witnessed: Vec<String>,
+    /// `sometimes` properties this configuration must witness
+    /// ([`crate::configs`]) that it did not: the verdict fails, since a
+    /// check that never reaches a path cannot catch a bug on it. Empty for
+    /// an incomplete run (which is reported as such).
+    pub missing_witnesses: Vec<String>,
 }
 
 impl Outcome {
@@ -85,9 +90,10 @@ impl Outcome {
         }
     }
 
-    /// Whether the run is complete and no property failed.
+    /// Whether the run is complete, no property failed and every expected
+    /// witness was found.
     pub fn passed(&self) -> bool {
-        self.complete && self.violations.is_empty()
+        self.complete && self.violations.is_empty() && self.missing_witnesses.is_empty()
     }
 }
 
@@ -153,6 +159,7 @@ fn collect<C: Checker<RegistrationModel>>(
     checker: &C,
     started: Instant,
     options: &SearchOptions,
+    expected: &[&str],
 ) -> Outcome {
     let model = checker.model();
     let props = model.properties();
@@ -185,8 +192,19 @@ fn collect<C: Checker<RegistrationModel>>(
     let stopped_early = discoveries.len() == props.len()
         || (options.stop_at_first_violation && !violations.is_empty());
     let truncated = options.max_depth.is_some_and(|m| depth >= m);
+    let complete = !stopped_early && !truncated;
+    let missing_witnesses = if complete {
+        expected
+            .iter()
+            .filter(|name| !witnessed.iter().any(|w| w == *name))
+            .map(|name| (*name).to_owned())
+            .collect()
+    } else {
+        Vec::new()
+    };
     Outcome {
-        complete: !stopped_early && !truncated,
+        complete,
+        missing_witnesses,
         unique_states,
         states,
         max_depth: depth,
@@ -201,6 +219,7 @@ fn wait<C: Checker<RegistrationModel>>(
     mut checker: C,
     started: Instant,
     options: &SearchOptions,
+    expected: &[&str],
 ) -> Outcome {
     if let Some(every) = options.progress_every {
         let mut next = every;
@@ -222,11 +241,41 @@ fn wait<C: Checker<RegistrationModel>>(
         }
     }
     checker = checker.join();
-    collect(&checker, started, options)
+    collect(&checker, started, options, expected)
 }
 
-/// Checks every property of `model` exhaustively (or to `max_depth`).
+/// Checks every property of `model` exhaustively (or to `max_depth`); the
+/// `sometimes` properties its configuration must witness are those of
+/// [`crate::configs::derived_expectations`].
 pub fn check(model: RegistrationModel, options: &SearchOptions) -> Outcome {
+    let expected = crate::configs::derived_expectations(&model.config);
+    check_expecting(model, options, &expected)
+}
+
+/// Checks the named configuration `named` (its own search mode, threads
+/// from `options`) with its expected witnesses.
+///
+/// # Errors
+/// A [`crate::model::ConfigError`] if the configuration cannot be modelled.
+pub fn check_named(
+    named: &crate::configs::Named,
+    options: &SearchOptions,
+) -> Result<Outcome, crate::model::ConfigError> {
+    let model = RegistrationModel::new(named.config.clone())?;
+    let options = SearchOptions {
+        symmetry: named.symmetry || options.symmetry,
+        ..*options
+    };
+    Ok(check_expecting(model, &options, &named.expectations()))
+}
+
+/// As [`check`], with `expected` as the `sometimes` properties that must be
+/// witnessed.
+pub fn check_expecting(
+    model: RegistrationModel,
+    options: &SearchOptions,
+    expected: &[&str],
+) -> Outcome {
     let started = Instant::now();
     let mut builder = model.checker().threads(options.threads.max(1));
     if let Some(depth) = options.max_depth {
@@ -239,8 +288,8 @@ pub fn check(model: RegistrationModel, options: &SearchOptions) -> Outcome {
         builder = builder.finish_when(HasDiscoveries::AnyFailures);
     }
     if options.dfs || options.symmetry {
-        wait(builder.spawn_dfs(), started, options)
+        wait(builder.spawn_dfs(), started, options, expected)
     } else {
-        wait(builder.spawn_bfs(), started, options)
+        wait(builder.spawn_bfs(), started, options, expected)
     }
 }

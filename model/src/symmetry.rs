@@ -22,7 +22,7 @@ use std::hash::{Hash, Hasher};
 use callreg::protocol::TargetId;
 use stateright::Representative;
 
-use crate::model::State;
+use crate::model::{State, StepStatus};
 
 /// A small multiplicative hasher for the sort keys: their quality only
 /// affects how many symmetric states get merged, never soundness, and
@@ -109,6 +109,35 @@ impl State {
             .map(|(t, r)| (map(*t), r.clone()))
             .collect();
         replies.sort_by_key(|(t, _)| *t);
+        let client = self
+            .client
+            .iter()
+            .map(|step| match step {
+                StepStatus::InFlight {
+                    op,
+                    scope,
+                    issued,
+                    refused,
+                } => {
+                    let rename = |mask: u32| {
+                        let mut renamed = 0u32;
+                        for (old, new) in permutation.iter().enumerate().take(n) {
+                            if mask & (1u32 << old) != 0 {
+                                renamed |= 1u32 << new.0;
+                            }
+                        }
+                        renamed
+                    };
+                    StepStatus::InFlight {
+                        op: *op,
+                        scope: rename(*scope),
+                        issued: *issued,
+                        refused: rename(*refused),
+                    }
+                }
+                other => *other,
+            })
+            .collect();
         State {
             parent: self.parent.relabel_targets(permutation),
             targets,
@@ -117,11 +146,14 @@ impl State {
             eof,
             sides,
             staged: self.staged.clone(),
-            client: self.client.clone(),
+            pre: self.pre.clone(),
+            client,
             tasks: self.tasks.clone(),
             now: self.now,
             budgets: self.budgets,
             seen: self.seen,
+            contract: self.contract,
+            settling: self.settling,
         }
     }
 }

@@ -44,9 +44,9 @@ fn config(targets: u16, faults: bool, fence: bool, failing: &[u16]) -> ModelConf
 fn a_snapshot_entry_failing_on_some_targets_keeps_every_invariant() {
     let expected = [
         (2, false, true, &[1][..], 101),
-        (2, true, true, &[1][..], 11770),
+        (2, true, true, &[1][..], 11584),
         (2, true, true, &[0, 1][..], 6968),
-        (2, true, false, &[1][..], 48481),
+        (2, true, false, &[1][..], 45941),
     ];
     for (targets, faults, fence, failing, unique) in expected {
         let case =

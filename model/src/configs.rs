@@ -1,0 +1,233 @@
+//! The named configuration set (`callreg-model check --config NAME`,
+//! `check --all`; `specs/model.md` §7): configurations that together reach
+//! every code path of the machines, each with the `sometimes` witnesses it
+//! must produce. A new protocol rule gets its configuration here (a row of
+//! [`all`]) with its expected witnesses, and its pinned state count in
+//! `model/tests/configurations.rs`.
+
+use crate::model::ModelConfig;
+use crate::properties::*;
+use crate::script::Script;
+
+/// One named configuration of the set.
+#[derive(Clone, Debug)]
+pub struct Named {
+    /// Its name (`--config NAME`).
+    pub name: &'static str,
+    /// What it reaches that the others do not.
+    pub description: &'static str,
+    /// The configuration.
+    pub config: ModelConfig,
+    /// Whether it is checked with symmetry reduction (depth first).
+    pub symmetry: bool,
+    /// The `sometimes` properties it must witness beyond those
+    /// [`derived_expectations`] gives for any configuration.
+    pub expected: &'static [&'static str],
+}
+
+impl Named {
+    /// Every `sometimes` property this configuration must witness: the
+    /// derived ones and its own, without repeats, in property order.
+    pub fn expectations(&self) -> Vec<&'static str> {
+        let mut all = derived_expectations(&self.config);
+        all.extend(self.expected.iter().copied());
+        order(all)
+    }
+}
+
+fn order(mut names: Vec<&'static str>) -> Vec<&'static str> {
+    let rank = |name: &str| {
+        crate::properties::all()
+            .iter()
+            .position(|p| p.name == name)
+            .unwrap_or(usize::MAX)
+    };
+    names.sort_by_key(|n| rank(n));
+    names.dedup();
+    names
+}
+
+/// The `sometimes` properties any configuration must witness, from its
+/// fault budgets and options alone: the Worker starts and (with a register
+/// in the script) a register publishes; a crash loses a target; fencing
+/// off with a deadline makes a digest uncertain and a reply late; a
+/// staging failure, a close with a register in the script, a wrong-digest
+/// reply and, with `interleave_start`, a pre-start step after start are
+/// each witnessed when their budget allows them.
+pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
+    use crate::script::Operation;
+    let registers = config
+        .script
+        .operations
+        .iter()
+        .any(|s| matches!(s.operation, Operation::Register(_)));
+    let mut expected = vec![SOMETIMES_STARTED];
+    if registers {
+        expected.push(SOMETIMES_PUBLISH);
+    }
+    if config.crashes > 0 && registers {
+        expected.push(SOMETIMES_TARGET_LOST);
+    }
+    if !config.fence_on_timeout && config.deadlines > 0 && registers {
+        expected.push(SOMETIMES_UNCERTAIN);
+        expected.push(SOMETIMES_LATE_REPLY);
+    }
+    if config.stage_failures > 0 && registers {
+        expected.push(SOMETIMES_STAGE_FAILED);
+    }
+    if config.closes > 0 && registers {
+        expected.push(SOMETIMES_CLOSED_IN_FLIGHT);
+    }
+    if config.wrong_digests > 0 && registers {
+        expected.push(SOMETIMES_WRONG_DIGEST);
+    }
+    if config.interleave_start && !config.script.before_start.is_empty() {
+        expected.push(SOMETIMES_PRE_START_AFTER_START);
+    }
+    order(expected)
+}
+
+fn script(name: &str) -> Script {
+    Script::named(name).unwrap_or_else(|| Script::builtin().remove(0))
+}
+
+/// Every named configuration, in the order `check --all` runs them
+/// (cheapest first, so that a broken property is found soon).
+pub fn all() -> Vec<Named> {
+    let standard = ModelConfig::standard();
+    let two = |name: &str| ModelConfig {
+        targets: 2,
+        script: script(name),
+        ..ModelConfig::standard()
+    };
+    vec![
+        Named {
+            name: "forged",
+            description: "2 targets, single-register, fencing off: forged and out-of-range inputs in every state, a reply naming a wrong digest, a deadline, a close",
+            config: ModelConfig {
+                forged: true,
+                wrong_digests: 1,
+                closes: 1,
+                fence_on_timeout: false,
+                corruptions: 0,
+                ..two("single-register")
+            },
+            symmetry: false,
+            expected: &[SOMETIMES_ROLLBACK],
+        },
+        Named {
+            name: "refused-unregister",
+            description: "2 targets, register-unregister-same-digest, a reply naming a wrong digest and no other fault: a refused register and a refused unregister",
+            config: ModelConfig {
+                wrong_digests: 1,
+                crashes: 0,
+                deserialize_failures: 0,
+                corruptions: 0,
+                deadlines: 0,
+                tasks: 0,
+                ..two("register-unregister-same-digest")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_UNCERTAIN,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_UNREGISTER_FAILED,
+            ],
+        },
+        Named {
+            name: "staging",
+            description: "2 targets, duplicate-register, a staging failure, a crash, a failed deserialization, a deadline",
+            config: ModelConfig {
+                stage_failures: 1,
+                corruptions: 0,
+                tasks: 0,
+                ..two("duplicate-register")
+            },
+            symmetry: false,
+            expected: &[SOMETIMES_ROLLBACK, SOMETIMES_INTERLEAVE],
+        },
+        Named {
+            name: "close",
+            description: "2 targets, register-unregister-same-digest, close with operations in flight, a crash, a deadline, a task, forged inputs",
+            config: ModelConfig {
+                closes: 1,
+                forged: true,
+                corruptions: 0,
+                deserialize_failures: 0,
+                ..two("register-unregister-same-digest")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_SLOT_REUSE,
+                SOMETIMES_INTERLEAVE,
+            ],
+        },
+        Named {
+            name: "two-deserializations",
+            description: "2 targets, two-digests: two deserializations in flight on one target, every fault",
+            config: two("two-digests"),
+            symmetry: false,
+            expected: &[SOMETIMES_TWO_DESERIALIZING, SOMETIMES_ROLLBACK],
+        },
+        Named {
+            name: "pre-start",
+            description: "2 targets, snapshot-then-operations with pre-start steps and start as actions (steps after start are refused), a crash, a deadline, a task, forged inputs",
+            config: ModelConfig {
+                interleave_start: true,
+                forged: true,
+                corruptions: 0,
+                deserialize_failures: 0,
+                ..two("snapshot-then-operations")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_SLOT_REUSE,
+                SOMETIMES_SLOT_EXHAUSTED,
+            ],
+        },
+        Named {
+            name: "snapshot-failure",
+            description: "2 targets, snapshot-then-operations, the startup snapshot's first digest failing on target 1 (settled at start, specs/protocol.md §2.6), every fault",
+            config: ModelConfig {
+                snapshot_failures: vec![1],
+                ..two("snapshot-then-operations")
+            },
+            symmetry: false,
+            expected: &[SOMETIMES_ROLLBACK],
+        },
+        Named {
+            name: "standard",
+            description: "3 targets, register-unregister-same-digest, every fault, fencing on",
+            config: standard.clone(),
+            symmetry: true,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_SLOT_REUSE,
+                SOMETIMES_INTERLEAVE,
+            ],
+        },
+        Named {
+            name: "no-fence",
+            description: "the standard configuration with fencing off: timed-out targets, uncertain digests, late replies, failed unregisters",
+            config: ModelConfig {
+                fence_on_timeout: false,
+                ..standard.clone()
+            },
+            symmetry: true,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_SLOT_REUSE,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_UNREGISTER_FAILED,
+            ],
+        },
+    ]
+}
+
+/// The named configuration called `name`, if any.
+pub fn named(name: &str) -> Option<Named> {
+    all().into_iter().find(|n| n.name == name)
+}
