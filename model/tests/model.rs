@@ -175,7 +175,7 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
         Mutant::PublishBeforeAllReplies => vec![INV1, FENCED_CERTAIN, CONTRACT],
         Mutant::SkipCleanup => vec![INV2],
         Mutant::ForgetUncertain => vec![INV2, QUERIES],
-        Mutant::CleanupUnconfirmedTargets => vec![INV2, INV8, FENCED_CERTAIN],
+        Mutant::CleanupUnconfirmedTargets => vec![INV2, INV8, FENCED_CERTAIN, CONTRACT],
         Mutant::ReleaseStagedEarly => vec![INV7, PROGRESS],
         Mutant::SkipDigestVerification => vec![INV5],
         Mutant::FreeSlotHeldByRun => vec![INV4, QUERIES],
