@@ -169,6 +169,30 @@ pub fn loaded_libpython() -> Option<std::path::PathBuf> {
     }
 }
 
+/// Ignores SIGINT in this target before its Python runtime starts: the
+/// target stays out of the terminal's Ctrl-C, and Python never turns one
+/// into a `KeyboardInterrupt` inside a task (both modes).
+///
+/// # Errors
+/// `TARGET_LOST` with kind `SignalSetupFailed` when `signal` fails.
+fn ignore_sigint() -> Result<(), RuntimeError> {
+    // SAFETY: installing SIG_IGN sets no handler function, so no
+    // async-signal-safety requirement applies.
+    unsafe {
+        nix::sys::signal::signal(
+            nix::sys::signal::Signal::SIGINT,
+            nix::sys::signal::SigHandler::SigIgn,
+        )
+    }
+    .map(|_| ())
+    .map_err(|errno| RuntimeError {
+        code: ErrorCode::TARGET_LOST,
+        kind: "SignalSetupFailed".to_owned(),
+        message: format!("could not ignore SIGINT before starting Python: {errno}"),
+        exception: Vec::new(),
+    })
+}
+
 /// Refuses a libpython loaded from elsewhere than [`BUILD_LIBPYTHON_DIR`]:
 /// another copy of the same minor version has other site-packages (the
 /// symptom would be `ModuleNotFoundError: cloudpickle` on the first
@@ -612,19 +636,7 @@ impl PythonRuntime {
                 exception: Vec::new(),
             });
         }
-        // SAFETY: as in `start`: SIG_IGN installs no handler function.
-        unsafe {
-            nix::sys::signal::signal(
-                nix::sys::signal::Signal::SIGINT,
-                nix::sys::signal::SigHandler::SigIgn,
-            )
-        }
-        .map_err(|errno| RuntimeError {
-            code: ErrorCode::TARGET_LOST,
-            kind: "SignalSetupFailed".to_owned(),
-            message: format!("could not ignore SIGINT in the target: {errno}"),
-            exception: Vec::new(),
-        })?;
+        ignore_sigint()?;
         // SAFETY: this thread holds the GIL since `before_fork` (kept by
         // `after_fork_child`); saving its thread state releases the GIL, and
         // later attaches on this thread restore it (`PyGILState_Ensure`
@@ -726,20 +738,7 @@ impl Runtime for PythonRuntime {
                 exception: Vec::new(),
             });
         }
-        // SAFETY: installing SIG_IGN sets no handler function, so no
-        // async-signal-safety requirement applies.
-        unsafe {
-            nix::sys::signal::signal(
-                nix::sys::signal::Signal::SIGINT,
-                nix::sys::signal::SigHandler::SigIgn,
-            )
-        }
-        .map_err(|errno| RuntimeError {
-            code: ErrorCode::TARGET_LOST,
-            kind: "SignalSetupFailed".to_owned(),
-            message: format!("could not ignore SIGINT before starting Python: {errno}"),
-            exception: Vec::new(),
-        })?;
+        ignore_sigint()?;
         check_libpython()?;
         initialize_interpreter()?;
         self.import_functions()
