@@ -83,6 +83,11 @@ proptest! {
         let done = sim.completion(op).expect("the register completed");
         let error = done.result.as_ref().expect_err("the register failed");
         prop_assert_eq!(error.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+        // Every target of the scope has its outcome, once, in order.
+        prop_assert_eq!(
+            done.outcomes.iter().map(|(t, _)| t.0).collect::<Vec<_>>(),
+            (0..targets).collect::<Vec<_>>()
+        );
         for (target, outcome) in &done.outcomes {
             if is_next_level(target.0) {
                 prop_assert!(
@@ -97,6 +102,8 @@ proptest! {
             }
         }
         for t in 0..targets {
+            // Only the targets the scenario killed are gone.
+            prop_assert_eq!(sim.target(t).is_some(), !dead[usize::from(t)], "target {}", t);
             if let Some(target) = sim.target(t) {
                 prop_assert_eq!(target.installed(), vec![(digest(0), 1)], "target {}", t);
             }

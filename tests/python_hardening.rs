@@ -234,18 +234,10 @@ fn payloads() -> &'static BTreeMap<String, Vec<u8>> {
 }
 
 fn envelope(name: &str) -> &'static [u8] {
-    payloads()
-        .get(name)
-        .unwrap_or_else(|| panic!("no payload {name:?}"))
+    python_common::envelope_in(payloads(), name)
 }
 
-fn worker(targets: u16) -> Worker<PythonRuntime> {
-    Worker::builder(Arc::new(PythonRuntime::new()))
-        .targets(targets)
-        .control_timeout(Duration::from_secs(20))
-        .build()
-        .expect("a Worker")
-}
+use python_common::worker;
 
 fn call(
     worker: &Worker<PythonRuntime>,

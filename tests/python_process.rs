@@ -15,7 +15,7 @@ mod python_common;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use callreg::io::{staging, Worker};
@@ -287,18 +287,10 @@ fn payloads() -> &'static BTreeMap<String, Vec<u8>> {
 }
 
 fn envelope(name: &str) -> &'static [u8] {
-    payloads()
-        .get(name)
-        .unwrap_or_else(|| panic!("no payload {name:?}"))
+    python_common::envelope_in(payloads(), name)
 }
 
-fn worker(targets: u16) -> Worker<PythonRuntime> {
-    Worker::builder(Arc::new(PythonRuntime::new()))
-        .targets(targets)
-        .control_timeout(Duration::from_secs(20))
-        .build()
-        .expect("a Worker")
-}
+use python_common::worker;
 
 fn call(worker: &Worker<PythonRuntime>, handle: &Handle, target: u16) -> Value {
     let bytes = worker

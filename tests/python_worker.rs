@@ -147,18 +147,10 @@ fn marker_dir() -> PathBuf {
 }
 
 fn envelope(name: &str) -> &'static [u8] {
-    payloads()
-        .get(name)
-        .unwrap_or_else(|| panic!("no payload {name:?}"))
+    python_common::envelope_in(payloads(), name)
 }
 
-fn worker(targets: u16) -> Worker<PythonRuntime> {
-    Worker::builder(Arc::new(PythonRuntime::new()))
-        .targets(targets)
-        .control_timeout(Duration::from_secs(20))
-        .build()
-        .expect("a Worker")
-}
+use python_common::worker;
 
 fn input(args: Value, kwargs: Value) -> Vec<u8> {
     json!({"args": args, "kwargs": kwargs})

@@ -561,17 +561,15 @@ def _counts(targets, next_level, next_level_targets):
     targets, next-level targets)."""
     if next_level is not None and not isinstance(next_level, NextLevel):
         raise TypeError("next_level must be a callreg.NextLevel or None, not %s" % type(next_level).__name__)
+    if targets is None:
+        targets = os.cpu_count() or 1
     if next_level is None:
         if next_level_targets is not None:
             raise ValueError("next_level_targets needs next_level")
-        if targets is None:
-            targets = os.cpu_count() or 1
         return _positive_int("targets", targets, 0xFFFF), 0
     if next_level_targets is None:
         next_level_targets = 1
     _positive_int("next_level_targets", next_level_targets, 0xFFFF)
-    if targets is None:
-        targets = os.cpu_count() or 1
     if isinstance(targets, bool) or not isinstance(targets, int):
         raise TypeError("targets must be an int, not %s" % type(targets).__name__)
     if not 0 <= targets <= 0xFFFF - next_level_targets:
@@ -866,8 +864,7 @@ class Worker:
         future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
         dispatch = self._dispatch
-        if dispatch.thread is None:
-            dispatch.start()
+        dispatch.start()  # once: a no-op when its thread runs
         try:
             with dispatch.lock:
                 task, _ = self._raw.submit(raw, target, data)

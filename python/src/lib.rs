@@ -445,8 +445,9 @@ impl RawWorker {
     }
 
     /// Every live target's table as JSON (GIL released while waiting): a
-    /// list of `{"target", "installed": [{"hashid", "refcount"}],
-    /// "tombstones"}`, `null` for a target lost before it answered.
+    /// list of `{"target", "table": {"installed": [{"hashid", "refcount"}],
+    /// "tombstones"}}`, `"table": null` for a target lost before it
+    /// answered.
     fn tables_json(&self, py: Python<'_>) -> PyResult<String> {
         let tables = py
             .detach(|| self.worker.inspect())

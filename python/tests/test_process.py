@@ -67,6 +67,7 @@ def test_a_payload_failing_to_unpickle_is_rolled_back_and_the_worker_stays_usabl
         not_callable = callreg._callreg.encode_envelope(pickle.dumps(42))
         with pytest.raises(callreg.RegisterError) as info:
             w.register_envelope(not_callable)
+        assert sorted(info.value.outcomes) == [0, 1, 2]
         assert all("not callable" in o for o in info.value.outcomes.values())
         assert w.call_all(good, 9) == {0: 81, 1: 81, 2: 81}
         assert w.targets == [0, 1, 2]
@@ -94,6 +95,7 @@ def test_metadata_is_filled_in_and_merged():
         wrong = {"python": {"version": "2.7", "serializer": "cloudpickle", "serializer_version": "1"}}
         with pytest.raises(callreg.RegisterError) as info:
             w.register(square, metadata=wrong)
+        assert sorted(info.value.outcomes) == [0, 1]
         assert all("PYTHON_VERSION_MISMATCH" in o for o in info.value.outcomes.values())
         with pytest.raises(callreg.CallregError) as info:
             w.register(square, metadata={"no_such_key": 1})

@@ -148,7 +148,7 @@ impl Sidecar {
         let path = path.display();
         match std::fs::read_to_string(path.to_string()) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Sidecar::Absent,
-            Err(e) => Sidecar::Invalid(format!("cannot read {path}: {}", super::io_reason(&e))),
+            Err(e) => Sidecar::Invalid(format!("cannot read {path}: {}", super::input::reason(&e))),
             Ok(text) => match CallableMetadata::from_json(&text) {
                 Ok(metadata) => Sidecar::Valid(Box::new(metadata)),
                 Err(e) => Sidecar::Invalid(format!("{path}: {e}")),

@@ -66,7 +66,7 @@ pub struct CliError(pub String);
 impl CliError {
     /// A read failure of `arg` (the argument as given, never resolved).
     pub fn read(arg: &str, e: &io::Error) -> Self {
-        CliError::read_because(arg, &io_reason(e))
+        CliError::read_because(arg, &input::reason(e))
     }
 
     /// A read failure of `arg` for the reason `why` (e.g. `not a regular
@@ -77,16 +77,7 @@ impl CliError {
 
     /// A write failure of `arg` (the argument as given, never resolved).
     pub fn write(arg: &str, e: &io::Error) -> Self {
-        CliError(format!("cannot write {arg}: {}", io_reason(e)))
-    }
-}
-
-/// The OS reason without the " (os error N)" suffix.
-fn io_reason(e: &io::Error) -> String {
-    let text = e.to_string();
-    match text.find(" (os error") {
-        Some(i) => text[..i].to_owned(),
-        None => text,
+        CliError(format!("cannot write {arg}: {}", input::reason(e)))
     }
 }
 

@@ -162,7 +162,7 @@ fn detect_versions(args: &Args) -> Result<(String, String), CliError> {
             CliError(format!(
                 "cannot run {python} to detect the versions: {} (give --python-version and \
                  --cloudpickle-version)",
-                super::io_reason(&e)
+                super::input::reason(&e)
             ))
         })?;
     let stdout = String::from_utf8_lossy(&output.stdout);

@@ -506,6 +506,16 @@ struct Core {
     losses: BTreeMap<TargetId, String>,
 }
 
+impl Core {
+    /// Drops the startup snapshot's envelope bytes and metadata: at start
+    /// (every target inherited them through `fork`) and at a close before
+    /// start.
+    fn drop_snapshot_payloads(&mut self) {
+        self.envelopes = BTreeMap::new();
+        self.metadata = BTreeMap::new();
+    }
+}
+
 struct Shared {
     core: Mutex<Core>,
 }
@@ -1019,8 +1029,7 @@ impl<R: Runtime> Worker<R> {
         drop(setup);
         // Every target inherited the snapshot's bytes through `fork`; the
         // parent never sends them again (a later register stages its own).
-        core.envelopes = BTreeMap::new();
-        core.metadata = BTreeMap::new();
+        core.drop_snapshot_payloads();
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
         let (mut links, outcomes, snapshot_failures) =
@@ -1055,7 +1064,7 @@ impl<R: Runtime> Worker<R> {
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
         core.wake = Some(TrackedFd::new(wake_write));
         core.io_running = true;
-        let io = IoLoop {
+        let mut io = IoLoop {
             shared: self.shared.clone(),
             links,
             wake: TrackedFd::new(wake_read),
@@ -1070,7 +1079,6 @@ impl<R: Runtime> Worker<R> {
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
         };
-        let mut io = io;
         io.drain(&mut core, &mut Context::default());
         drop(core);
         let handle = std::thread::Builder::new()
@@ -1132,8 +1140,7 @@ impl<R: Runtime> Worker<R> {
             let mut core = self.shared.lock();
             if core.machine.lifecycle() == Lifecycle::New {
                 let _ = core.machine.close();
-                core.envelopes = BTreeMap::new();
-                core.metadata = BTreeMap::new();
+                core.drop_snapshot_payloads();
                 return;
             }
         }

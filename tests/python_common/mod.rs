@@ -176,9 +176,26 @@ pub fn dynamic_code_filename() -> String {
 
 /// The envelope packed for `name`.
 pub fn envelope(name: &str) -> &'static [u8] {
-    payloads()
+    envelope_in(payloads(), name)
+}
+
+/// The envelope of `name` in a test binary's own payload set.
+pub fn envelope_in<'a>(payloads: &'a BTreeMap<String, Vec<u8>>, name: &str) -> &'a [u8] {
+    payloads
         .get(name)
         .unwrap_or_else(|| panic!("no payload {name:?}"))
+}
+
+/// A Worker of `targets` embedded-mode Python targets with a 20 s control
+/// timeout (not started).
+pub fn worker(targets: u16) -> callreg::io::Worker<callreg::runtime::python::PythonRuntime> {
+    callreg::io::Worker::builder(std::sync::Arc::new(
+        callreg::runtime::python::PythonRuntime::new(),
+    ))
+    .targets(targets)
+    .control_timeout(std::time::Duration::from_secs(20))
+    .build()
+    .expect("a Worker")
 }
 
 /// The hashid of `name`'s envelope, as text (`sha256:…`).
