@@ -29,6 +29,9 @@ use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Scrip
 /// successive operations stay in issue order.
 pub const CONTROL_TIMEOUT: u64 = 1_000;
 
+/// How the driver says a target died (`Parent::target_died`).
+pub const LOSS_CAUSE: &str = "its reply pipe closed";
+
 /// The owner token of the modelled Worker.
 pub const OWNER: OwnerToken = OwnerToken(0x5eed);
 
@@ -82,6 +85,11 @@ pub struct ModelConfig {
     /// How many replies may reach the parent naming another digest than the
     /// frame they answer (a misbehaving target).
     pub wrong_digests: u8,
+    /// The parent's probe-first policy (`ParentConfig::probe_first`).
+    pub probe_first: bool,
+    /// How many deserializations may kill their target instead of ending
+    /// (a poison payload: the target dies while deserializing).
+    pub poison_kills: u8,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -110,6 +118,8 @@ impl ModelConfig {
             closes: 0,
             forged: false,
             wrong_digests: 0,
+            probe_first: true,
+            poison_kills: 0,
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -163,6 +173,12 @@ pub enum StepStatus {
         /// own frame refused it (or named a wrong digest): its outcome must
         /// be `Failed` (or, for a register, never `Ok`).
         refused: u32,
+        /// A register that must probe first (`specs/protocol.md` §2.7): with
+        /// probe-first on, its digest had not been confirmed by any target
+        /// when it was issued (by the driver's own record, [`State::proven`]).
+        probing: bool,
+        /// Some target's OK reply to its frame has reached the parent.
+        confirmed: bool,
     },
     /// Finished.
     Done(StepResult),
@@ -236,6 +252,8 @@ pub struct Budgets {
     pub deadlines: u8,
     /// Tasks left.
     pub tasks: u8,
+    /// Deserializations that may still kill their target.
+    pub poison_kills: u8,
 }
 
 /// Something the driver saw happen on this path (history the properties
@@ -278,6 +296,13 @@ pub mod seen {
     pub const PRE_START_AFTER_START: u16 = 1024;
     /// A completed unregister failed (some target refused it or timed out).
     pub const UNREGISTER_FAILED: u16 = 4096;
+    /// A register that must probe first sent its frame to a second target
+    /// before any target confirmed it.
+    pub const PROBE_BROADCAST_EARLY: u16 = 8192;
+    /// A register frame of a poisoned digest was sent.
+    pub const POISON_SENT: u16 = 16384;
+    /// A register was refused with `REGISTER_POISONED`.
+    pub const POISON_REFUSED: u16 = 2048;
 }
 
 /// One state of the whole system.
@@ -319,6 +344,10 @@ pub struct State {
     /// start to settle a failed startup-snapshot entry
     /// (`Parent::snapshot_failed`): no client step waits for them.
     pub settling: u64,
+    /// The digests the driver saw installed since start: the startup
+    /// snapshot's, and each one an OK reply to a register of it brought
+    /// to the parent (the driver's own record of what needs no probe).
+    pub proven: Vec<Digest>,
 }
 
 impl State {
@@ -406,6 +435,9 @@ pub enum Action {
     /// The target crashes: it holds nothing, frames to it are lost, and the
     /// parent will read end of file after its queued replies.
     Crash(TargetId),
+    /// The target's oldest deserialization kills it (a poison payload): it
+    /// dies as in `Crash`, while deserializing.
+    PoisonKills(TargetId),
     /// The earliest pending deadline passes.
     DeadlinePasses,
     /// The client calls pre-start step `i` (only with
@@ -560,6 +592,7 @@ impl RegistrationModel {
             fence_on_timeout: config.fence_on_timeout,
             owner: OWNER,
             slot_capacity: config.slot_capacity,
+            probe_first: config.probe_first,
         });
         #[cfg(feature = "mutants")]
         if let Some(mutant) = config.mutant {
@@ -587,10 +620,12 @@ impl RegistrationModel {
                 wrong_digests: config.wrong_digests,
                 deadlines: config.deadlines,
                 tasks: config.tasks,
+                poison_kills: config.poison_kills,
             },
             seen: 0,
             contract: "",
             settling: 0,
+            proven: Vec::new(),
         };
         let mut model = RegistrationModel { config, init };
         if !model.config.interleave_start {
@@ -677,6 +712,7 @@ impl RegistrationModel {
         if snapshot != counts.into_iter().collect::<Vec<_>>() {
             state.breach("the startup snapshot does not count the live handles");
         }
+        state.proven = snapshot.iter().map(|(d, _)| *d).collect();
         // A snapshot entry (the first digest) that fails on some targets
         // (`specs/model.md` §1 "Startup-snapshot failures"): they start
         // without it and report it, and the parent settles it before
@@ -812,12 +848,33 @@ impl RegistrationModel {
                     // The operation's scope, as the driver sees it.
                     if !matches!(frame, ControlFrame::Task { .. }) {
                         let seq = frame.seq().0;
+                        let mut early = false;
                         for step in &mut state.client {
-                            if let StepStatus::InFlight { op, scope, .. } = step {
+                            if let StepStatus::InFlight {
+                                op,
+                                scope,
+                                probing,
+                                confirmed,
+                                ..
+                            } = step
+                            {
                                 if op.0 == seq && target.0 < 32 {
+                                    // §2.7: one target first, the others only
+                                    // once some target confirmed.
+                                    early |= *probing
+                                        && !*confirmed
+                                        && *scope & !(1u32 << target.0) != 0;
                                     *scope |= 1u32 << target.0;
                                 }
                             }
+                        }
+                        if early {
+                            state.seen |= seen::PROBE_BROADCAST_EARLY;
+                        }
+                    }
+                    if let ControlFrame::Register { digest, .. } = frame {
+                        if state.parent.is_poisoned(digest) {
+                            state.seen |= seen::POISON_SENT;
                         }
                     }
                     // Writing to a dead child's pipe fails; the parent learns
@@ -957,8 +1014,15 @@ impl RegistrationModel {
                         TargetOutcome::RolledBack | TargetOutcome::CleanupUnconfirmed { .. }
                     )
                 });
+                let poisoned = digest.is_some_and(|d| state.parent.is_poisoned(d));
                 let code_ok = if stage {
                     outcomes.is_empty()
+                } else if poisoned {
+                    // The probe target was lost: no target kept it.
+                    error.code == ErrorCode::REGISTER_POISONED
+                        && outcomes
+                            .iter()
+                            .all(|(_, o)| matches!(o, TargetOutcome::Lost | TargetOutcome::Fenced))
                 } else if confirmed_everywhere && uncertain {
                     error.code == ErrorCode::REGISTER_CLEANUP_UNCERTAIN
                 } else {
@@ -1044,6 +1108,16 @@ impl RegistrationModel {
         let now = Time(state.now);
         let open = state.parent.lifecycle() == Lifecycle::Started;
         let before = state.parent.clone();
+        let probing = match step.operation {
+            Operation::Register(c) => {
+                self.config.probe_first && digest_of(c).is_some_and(|d| !state.proven.contains(&d))
+            }
+            Operation::Unregister(_) => false,
+        };
+        let poisoned = match step.operation {
+            Operation::Register(c) => digest_of(c).is_some_and(|d| before.is_poisoned(d)),
+            Operation::Unregister(_) => false,
+        };
         let started = match step.operation {
             Operation::Register(c) => {
                 state
@@ -1070,9 +1144,17 @@ impl RegistrationModel {
                     scope: 0,
                     issued: state.now,
                     refused: 0,
+                    probing,
+                    confirmed: false,
                 }
             }
             Err(error) => {
+                if error.code == ErrorCode::REGISTER_POISONED {
+                    state.seen |= seen::POISON_REFUSED;
+                }
+                if open && (error.code == ErrorCode::REGISTER_POISONED) != poisoned {
+                    state.breach("a register was refused with REGISTER_POISONED although its digest is not poisoned, or a poisoned one with another error");
+                }
                 if !open && (error.code != ErrorCode::LIFECYCLE_INVALID || state.parent != before) {
                     state.breach("a register or unregister before start or after close was not refused with LIFECYCLE_INVALID, or changed the parent");
                 }
@@ -1179,12 +1261,30 @@ impl RegistrationModel {
                     }
                 }
             }
+            if awaited && !refusal {
+                let mut register = false;
+                for (i, step) in state.client.iter_mut().enumerate() {
+                    if let StepStatus::InFlight { op, confirmed, .. } = step {
+                        if op.0 == reply.seq.0 {
+                            *confirmed = true;
+                            register = matches!(
+                                self.config.script.operations[i].operation,
+                                Operation::Register(_)
+                            );
+                        }
+                    }
+                }
+                if register && !state.proven.contains(&reply.digest) {
+                    state.proven.push(reply.digest);
+                    state.proven.sort();
+                }
+            }
             if state.parent.handle_reply(id, reply, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
         } else if state.eof[index] && !wrong_digest {
             state.eof[index] = false;
-            if state.parent.target_lost(id, now).is_err() {
+            if state.parent.target_died(id, LOSS_CAUSE, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
         } else {
@@ -1581,6 +1681,9 @@ impl stateright::Model for RegistrationModel {
                     target: id,
                     ok: true,
                 });
+                if state.budgets.poison_kills > 0 {
+                    actions.push(Action::PoisonKills(id));
+                }
                 if state.budgets.deserialize_failures > 0 {
                     actions.push(Action::Deserialized {
                         target: id,
@@ -1700,6 +1803,15 @@ impl stateright::Model for RegistrationModel {
             Action::Crash(id) => {
                 state.budgets.crashes = state.budgets.crashes.checked_sub(1)?;
                 state.target(id)?;
+                state.seen |= seen::FAULT;
+                state.kill(id);
+                state.eof[usize::from(id.0)] = true;
+            }
+            Action::PoisonKills(id) => {
+                state.budgets.poison_kills = state.budgets.poison_kills.checked_sub(1)?;
+                if state.sides.get(usize::from(id.0))?.deserializing.is_empty() {
+                    return None;
+                }
                 state.seen |= seen::FAULT;
                 state.kill(id);
                 state.eof[usize::from(id.0)] = true;
@@ -1824,6 +1936,14 @@ impl RegistrationModel {
                 None => format!("parent reads end of file from {t}: target lost"),
             },
             Action::Crash(t) => format!("{t} CRASHES"),
+            Action::PoisonKills(t) => match state
+                .sides
+                .get(usize::from(t.0))
+                .and_then(|s| s.deserializing.first())
+            {
+                Some((seq, _)) => format!("{t} DIES while deserializing for {seq} (a poison payload)"),
+                None => format!("{t}: no deserialization"),
+            },
             Action::ReceiveWrongDigest(t) => match state.head_reply(*t) {
                 Some(r) => format!(
                     "parent receives from {t}: reply to {} naming a WRONG digest (the frame named {})",

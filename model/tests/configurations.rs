@@ -55,15 +55,17 @@ fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.
     let expected = [
-        ("forged", 2_725, 14),
-        ("refused-unregister", 351, 23),
-        ("staging", 4_322, 18),
-        ("close", 13_090, 26),
-        ("two-deserializations", 19_961, 20),
-        ("pre-start", 85_110, 23),
-        ("snapshot-failure", 11_584, 16),
-        ("standard", 48_294, 36),
-        ("no-fence", 187_740, 39),
+        ("forged", 1_174, 14),
+        ("refused-unregister", 334, 23),
+        ("staging", 2_666, 18),
+        ("close", 12_741, 26),
+        ("two-deserializations", 7_650, 21),
+        ("pre-start", 56_288, 23),
+        ("snapshot-failure", 4_592, 17),
+        ("poison", 1_838, 33),
+        ("standard", 49_600, 36),
+        ("no-probe", 48_294, 36),
+        ("no-fence", 191_662, 39),
     ];
     let names: Vec<&str> = configs::all().iter().map(|n| n.name).collect();
     assert_eq!(
