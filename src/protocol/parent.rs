@@ -1719,7 +1719,7 @@ impl Parent {
         } else {
             String::new()
         };
-        let error = Error::new(
+        let mut error = Error::new(
             code,
             OperationKind::Register,
             format!("{lead}: {}{tail}", parts.join("; ")),
@@ -1727,6 +1727,9 @@ impl Parent {
         .with_namespace(op.namespace)
         .with_digest(op.digest)
         .with_seq(op.seq);
+        if let Some(poison) = self.poisoned.get(&op.digest) {
+            error = error.with_target(poison.target);
+        }
         self.effects.push_back(Effect::Completed {
             op: id,
             result: Err(error),
