@@ -198,9 +198,12 @@ impl RawWorker {
     /// `target_initializer`, when given, runs in each target at its start
     /// with the target's id ([`PythonRuntime::with_target_initializer`]:
     /// a result other than `None` is the context every callable there is
-    /// called with first).
+    /// called with first). `probe_first`: a callable no target installed
+    /// yet goes to one target first ([`WorkerBuilder::probe_first`]).
+    ///
+    /// [`WorkerBuilder::probe_first`]: callreg::io::WorkerBuilder::probe_first
     #[new]
-    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None))]
+    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, probe_first=true))]
     fn new(
         py: Python<'_>,
         targets: u16,
@@ -208,6 +211,7 @@ impl RawWorker {
         slot_capacity: u16,
         max_frame_bytes: usize,
         target_initializer: Option<Py<PyAny>>,
+        probe_first: bool,
     ) -> PyResult<RawWorker> {
         if !(control_timeout.is_finite() && control_timeout > 0.0) {
             return Err(PyValueError::new_err(format!(
@@ -223,6 +227,7 @@ impl RawWorker {
             .control_timeout(Duration::from_secs_f64(control_timeout))
             .slot_capacity(slot_capacity)
             .max_frame_bytes(max_frame_bytes)
+            .probe_first(probe_first)
             // A Python process usually runs other threads; os.fork forks
             // anyway (with its before/after-fork steps), and so does this.
             .accept_thread_risk()
