@@ -1039,8 +1039,9 @@ impl Parent {
         if let Some(progress) = op.scope.get_mut(&target) {
             *progress = match (is_cleanup, result) {
                 (false, Ok(())) => {
-                    // The target holds the digest now: it deserialized it.
-                    proven = !is_unregister && reply.digest == digest;
+                    // The target holds the digest now (an OK result here
+                    // names the operation's digest): it deserialized it.
+                    proven = !is_unregister;
                     Progress::Confirmed
                 }
                 (false, Err(failure)) => {
@@ -2198,6 +2199,93 @@ mod tests {
         assert_eq!(outcomes.len(), 1);
         assert!(!effects.iter().any(|e| matches!(e, Effect::Send { .. })));
         assert!(!p.is_poisoned(digest(1)) && !p.is_proven(digest(1)));
+    }
+
+    #[test]
+    fn a_loss_while_a_cleanup_is_older_than_the_probe_poisons_nothing() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 100,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+            slot_capacity: 64,
+            probe_first: true,
+        });
+        p.register_before_start(digest(2), Namespace::LocalPython)
+            .unwrap();
+        p.start().unwrap();
+        // A proven digest: to both at once; target 1 refuses, so target 0
+        // gets the cleanup (seq 2).
+        p.register(digest(2), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.handle_reply(TargetId(0), ok(1, 2), Time(1)).unwrap();
+        let refused = Reply {
+            seq: Seq(1),
+            digest: digest(2),
+            result: Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, "no")),
+        };
+        p.handle_reply(TargetId(1), refused, Time(1)).unwrap();
+        assert!(p.awaits_reply(TargetId(0), Seq(2)));
+        // Then a probe (seq 3) to target 0, behind the cleanup.
+        p.register(digest(1), Namespace::LocalPython, Time(2))
+            .unwrap();
+        drain(&mut p);
+        p.target_lost(TargetId(0), Time(3)).unwrap();
+        assert!(!p.is_poisoned(digest(1)));
+        assert!(p.poisoned_digests().is_empty());
+    }
+
+    #[test]
+    fn a_loss_during_a_second_probe_of_a_digest_proven_meanwhile_poisons_nothing() {
+        let mut p = probing(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        // Both probe on target 0; the first confirms (and broadcasts).
+        p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+        assert!(p.is_proven(digest(1)));
+        drain(&mut p);
+        p.target_lost(TargetId(0), Time(2)).unwrap();
+        assert!(!p.is_poisoned(digest(1)));
+    }
+
+    #[test]
+    fn a_probe_confirmed_for_a_digest_uncertain_meanwhile_goes_no_further() {
+        let mut p = probing(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.mark_uncertain(digest(1));
+        p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+        let effects = drain(&mut p);
+        assert!(
+            !effects.iter().any(|e| matches!(
+                e,
+                Effect::Send {
+                    frame: ControlFrame::Register { .. },
+                    ..
+                }
+            )),
+            "{effects:?}"
+        );
+        assert_eq!(
+            effects[..2],
+            [
+                Effect::ReleaseStaged {
+                    staging: StagingId(1)
+                },
+                Effect::Send {
+                    target: TargetId(0),
+                    frame: ControlFrame::Unregister {
+                        seq: Seq(2),
+                        digest: digest(1)
+                    }
+                }
+            ]
+        );
     }
 
     #[test]
