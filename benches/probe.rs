@@ -1,4 +1,4 @@
-//! The latency cost of probe-first (`specs/protocol.md` §2.7): a register
+//! The latency cost of probe-first (`specs/protocol.md` §2.8): a register
 //! of a callable no target has installed yet, sent to one target first and
 //! to the others once it confirmed, against the same register sent to
 //! every target at once (`WorkerBuilder::probe_first(false)`), in the same

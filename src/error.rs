@@ -111,7 +111,7 @@ error_codes! {
     METADATA_INVALID = 28,
     /// Installing this callable killed the target that tried it first (it
     /// was lost while deserializing it): the register is refused for the
-    /// rest of the Worker's life (`specs/protocol.md` §2.7).
+    /// rest of the Worker's life (`specs/protocol.md` §2.8).
     REGISTER_POISONED = 29,
 }
 

@@ -418,7 +418,7 @@ fn a_bad_startup_callable_fails_its_registration_not_the_worker() {
 
 /// A callable whose unpickling ends its process (`os._exit(5)` from
 /// `__reduce__`) registered after start: it is tried on one target first
-/// (specs/protocol.md §2.7), which dies; the register fails with
+/// (specs/protocol.md §2.8), which dies; the register fails with
 /// `REGISTER_POISONED` naming that target and its exit status, the other
 /// targets stay live and serve (old and new callables), and a second
 /// register of it is refused without reaching any target.

@@ -247,7 +247,7 @@ pub fn all() -> Vec<Named> {
         },
         Named {
             name: "poison",
-            description: "3 targets, two concurrent registers of A then a third, the first install of A killing its target (a poison payload, specs/protocol.md §2.7), a deadline",
+            description: "3 targets, two concurrent registers of A then a third, the first install of A killing its target (a poison payload, specs/protocol.md §2.8), a deadline",
             config: ModelConfig {
                 targets: 3,
                 script: poison_script(),

@@ -173,7 +173,7 @@ pub enum StepStatus {
         /// own frame refused it (or named a wrong digest): its outcome must
         /// be `Failed` (or, for a register, never `Ok`).
         refused: u32,
-        /// A register that must probe first (`specs/protocol.md` §2.7): with
+        /// A register that must probe first (`specs/protocol.md` §2.8): with
         /// probe-first on, its digest had not been confirmed by any target
         /// when it was issued (by the driver's own record, [`State::proven`]).
         probing: bool,
@@ -859,7 +859,7 @@ impl RegistrationModel {
                             } = step
                             {
                                 if op.0 == seq && target.0 < 32 {
-                                    // §2.7: one target first, the others only
+                                    // §2.8: one target first, the others only
                                     // once some target confirmed.
                                     early |= *probing
                                         && !*confirmed

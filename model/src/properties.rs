@@ -100,7 +100,7 @@ pub const FENCED_CERTAIN: &str = "fencing: nothing uncertain, no late reply";
 /// out-of-lifecycle inputs are refused with their errors).
 pub const CONTRACT: &str = "machines answer as documented";
 /// Name of the `always` property that a register that must probe first
-/// (`specs/protocol.md` §2.7) sends its frame to one target, and to any
+/// (`specs/protocol.md` §2.8) sends its frame to one target, and to any
 /// other only once some target confirmed it.
 pub const PROBE_FIRST: &str = "probe first: one target before any other";
 /// Name of the `always` property that a poisoned digest has no live

@@ -287,7 +287,7 @@ impl<R: Runtime> WorkerBuilder<R> {
 
     /// Whether a register of a callable no target has installed since
     /// start goes to one target first and to the others only once that
-    /// target confirmed it (the default; `specs/protocol.md` §2.7). Then a
+    /// target confirmed it (the default; `specs/protocol.md` §2.8). Then a
     /// payload whose deserialization kills its target (`os._exit`, a
     /// segfault) costs that one target, and the callable is refused from
     /// then on with `REGISTER_POISONED`. `false`: every register goes to

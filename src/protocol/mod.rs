@@ -334,7 +334,7 @@ pub enum Mutant {
     /// Parent: release the staged payload on the first answer instead of
     /// the last (caught by invariant 7).
     ReleaseStagedEarly,
-    /// Parent: send a probing register (`specs/protocol.md` §2.7) to every
+    /// Parent: send a probing register (`specs/protocol.md` §2.8) to every
     /// live target at once instead of to the probe target alone (caught by
     /// the model's `probe first` property).
     BroadcastBeforeProbe,

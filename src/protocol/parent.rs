@@ -47,7 +47,7 @@ pub struct ParentConfig {
     ///
     /// [`DEFAULT_SLOT_CAPACITY`]: super::DEFAULT_SLOT_CAPACITY
     pub slot_capacity: u16,
-    /// Probe first (`specs/protocol.md` §2.7; the usual value is `true`): a
+    /// Probe first (`specs/protocol.md` §2.8; the usual value is `true`): a
     /// register of a digest no target has installed since start goes to
     /// one target (the lowest live one) first, and to the others only once
     /// that target confirmed it, so a payload whose deserialization kills
@@ -279,7 +279,7 @@ impl Progress {
 pub(crate) enum OpKind {
     /// A post-start register: the unpublished entry.
     Register {
-        /// While the register is in its probe phase (§2.7): the one target
+        /// While the register is in its probe phase (§2.8): the one target
         /// it was sent to; the others get it once that target confirmed.
         probe: Option<TargetId>,
         /// The staged payload, until released.
@@ -360,7 +360,7 @@ pub struct Parent {
     pub(crate) staged: BTreeSet<StagingId>,
     /// Digests some target installed since start (a startup-snapshot
     /// digest, or one a target confirmed a register of): a register of any
-    /// other digest probes first (§2.7).
+    /// other digest probes first (§2.8).
     pub(crate) proven: BTreeSet<Digest>,
     /// Digests whose install killed the target that probed them, each with
     /// that target and how it died: refused for the Worker's life.
@@ -705,7 +705,7 @@ impl Parent {
             .all_targets()
             .filter(|t| !self.lost.contains(t))
             .collect();
-        // §2.7: a digest no target installed since start goes to one target
+        // §2.8: a digest no target installed since start goes to one target
         // first (under the mutant, to every target at once all the same).
         let probe = (self.config.probe_first && !self.proven.contains(&digest))
             .then(|| live.first().copied())
@@ -1081,7 +1081,7 @@ impl Parent {
 
     /// [`Parent::target_lost`], saying how the target died (`cause`, e.g.
     /// `its reply pipe closed; it was killed by signal 11`): if it was lost
-    /// while deserializing a digest it probed (§2.7), that digest is
+    /// while deserializing a digest it probed (§2.8), that digest is
     /// poisoned and `cause` is named in every `REGISTER_POISONED` about it.
     ///
     /// # Errors
@@ -1097,7 +1097,7 @@ impl Parent {
         Ok(())
     }
 
-    /// The digest `target` was deserializing for a probe, if any (§2.7):
+    /// The digest `target` was deserializing for a probe, if any (§2.8):
     /// the probe of a digest not yet proven is the oldest control still
     /// pending at that target (controls are applied in the order sent, and
     /// a probe is sent when issued, so no control pending there was sent
@@ -1331,7 +1331,7 @@ impl Parent {
         self.uncertain.contains_key(&digest)
     }
 
-    /// Whether `digest` is poisoned (§2.7; sticky for the Worker's life):
+    /// Whether `digest` is poisoned (§2.8; sticky for the Worker's life):
     /// installing it killed the target that probed it, and a register of
     /// it is refused with `REGISTER_POISONED`.
     pub fn is_poisoned(&self, digest: Digest) -> bool {
@@ -1549,7 +1549,7 @@ impl Parent {
         }
     }
 
-    /// The probe target confirmed (§2.7): the register goes to every other
+    /// The probe target confirmed (§2.8): the register goes to every other
     /// live target, with a fresh deadline, then moves on as any register.
     fn broadcast(&mut self, id: OpId, now: Time) {
         self.end_probe(id);
