@@ -1493,14 +1493,12 @@ impl Parent {
             ..
         } = kind
         {
-            let at_probe = op.scope.get(&probe).cloned();
-            match at_probe {
-                Some(Progress::Pending) => {}
-                Some(Progress::Confirmed) if !self.uncertain.contains_key(&digest) => {
-                    return self.broadcast(id, now);
-                }
-                // Refused, lost, fenced or timed out: the others never see it.
-                _ => self.end_probe(id),
+            // Confirmed: on to the others. Otherwise (refused, lost, fenced,
+            // timed out, or confirmed for a digest uncertain meanwhile) the
+            // register fails as it is: the others never see it.
+            let confirmed = op.scope.get(&probe) == Some(&Progress::Confirmed);
+            if confirmed && !self.uncertain.contains_key(&digest) {
+                return self.broadcast(id, now);
             }
         }
         let release_now = answered || (mutant!(self, ReleaseStagedEarly) && any_answered);
