@@ -222,10 +222,11 @@ pub fn all() -> Vec<Named> {
         },
         Named {
             name: "heartbeat",
-            description: "2 targets, duplicate-register (controls queued behind each other), a crash, a failed deserialization, 2 heartbeats and 2 deadlines, fencing on (specs/protocol.md §2.7): a target heard from is spared while silent ones are fenced, then meets its silence deadline or the bound",
+            description: "2 targets, duplicate-register (controls queued behind each other), a failed deserialization, 2 heartbeats and 2 deadlines, fencing on (specs/protocol.md §2.7): a target heard from is spared while silent ones are fenced, then meets its silence deadline or the bound",
             config: ModelConfig {
                 heartbeats: 2,
                 deadlines: 2,
+                crashes: 0,
                 corruptions: 0,
                 tasks: 0,
                 ..two("duplicate-register")
@@ -234,6 +235,7 @@ pub fn all() -> Vec<Named> {
             expected: &[
                 SOMETIMES_ROLLBACK,
                 SOMETIMES_INTERLEAVE,
+                SOMETIMES_TARGET_LOST,
                 SOMETIMES_BOUND,
                 SOMETIMES_SPARED,
                 SOMETIMES_SILENT_AFTER_HEARD,

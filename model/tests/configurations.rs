@@ -63,7 +63,7 @@ fn pinned_state_counts() {
         ("pre-start", 85_110, 23),
         ("snapshot-failure", 11_584, 16),
         ("heartbeat-no-fence", 14_581, 16),
-        ("heartbeat", 118_602, 21),
+        ("heartbeat", 37_547, 19),
         ("standard", 48_846, 36),
         ("no-fence", 190_089, 39),
     ];
