@@ -55,7 +55,7 @@ fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.
     let expected = [
-        ("forged", 1_174, 14),
+        ("forged", 3_648, 15),
         ("refused-unregister", 334, 23),
         ("staging", 2_666, 18),
         ("close", 12_741, 26),
@@ -63,9 +63,11 @@ fn pinned_state_counts() {
         ("pre-start", 56_288, 23),
         ("snapshot-failure", 4_592, 17),
         ("poison", 1_838, 33),
-        ("standard", 49_600, 36),
-        ("no-probe", 48_294, 36),
-        ("no-fence", 191_662, 39),
+        ("heartbeat-no-fence", 14_697, 16),
+        ("heartbeat", 16_071, 19),
+        ("standard", 50_212, 36),
+        ("no-probe", 48_846, 36),
+        ("no-fence", 194_215, 39),
     ];
     let names: Vec<&str> = configs::all().iter().map(|n| n.name).collect();
     assert_eq!(
