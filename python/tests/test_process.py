@@ -63,8 +63,22 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
         h = w.register_envelope(slow)
         assert w.call_all(h, 3) == {0: 9, 1: 9}
         assert w.targets == [0, 1]
-    # The operation timeout bounds it all the same.
+    # The operation timeout bounds it all the same. Tried on one target
+    # first (probe_first), it costs that target and is refused from then on.
     with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9) as w:
+        w.start()
+        started = time.monotonic()
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register_envelope(slow)
+        elapsed = time.monotonic() - started
+        assert 0.9 <= elapsed < 1.4, elapsed
+        assert info.value.code == "REGISTER_POISONED"
+        assert info.value.target == 0
+        assert "fenced" in str(info.value)
+        assert info.value.outcomes == {0: "fenced"}
+        assert w.targets == [1]
+    # Sent to every target at once, it is fenced on each.
+    with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9, probe_first=False) as w:
         w.start()
         started = time.monotonic()
         with pytest.raises(callreg.RegisterError) as info:
