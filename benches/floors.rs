@@ -12,7 +12,8 @@
 //! | `round_trip` | one task (16-byte input, echo) on 1 target, submit to result | 16 bytes to an echo child and back |
 //! | `register_small/N` | one post-start register of a 64-byte payload into N targets | stage (memfd create, write + SHA-256 in one pass, seal), a 16-byte message to each of N echo children, each hashes the payload again and replies |
 //! | `register_1mib/N` | the same with a 1 MiB payload | the same with 1 MiB |
-//! | `unregister_small/N`, `unregister_1mib/N` | one unregister of such a handle | a 16-byte message to each of N echo children and their replies |
+//! | `unregister_small/N`, `unregister_1mib/N` | one unregister of such a handle (the batch's, after all its registers) | a 16-byte message to each of N echo children and their replies |
+//! | `unregister_after_register_small/1`, `…_1mib/1` | one unregister right behind its own register (wall time only) | as above |
 //! | `in_flight/K/N` | K tasks submitted at once over N targets (round robin), then all waited for | K 16-byte messages over N echo children, written at once, all replies read |
 //!
 //! Registers are timed in batches of distinct payloads (each is a fresh
@@ -367,7 +368,9 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 fn shown(ns: f64) -> String {
-    if ns >= 1e6 {
+    if ns.is_nan() {
+        "—".to_owned()
+    } else if ns >= 1e6 {
         format!("{:.2} ms", ns / 1e6)
     } else {
         format!("{:.1} µs", ns / 1e3)
@@ -494,6 +497,35 @@ impl<R: Runtime> Bench<'_, R> {
                 });
                 self.record(register, "", op_register, floor_register);
                 self.record(unregister, "", op_unregister, floor_unregister);
+                if targets != 1 {
+                    continue;
+                }
+                // Each unregister right behind its own register, as a
+                // caller that registers and unregisters at once sees it
+                // (anything the register left to do delays it). Wall time
+                // only: the register's CPU cannot be told apart.
+                let worker = &self.workers[w].1;
+                let mut wall = Duration::ZERO;
+                for envelope in envelopes {
+                    let handle = worker.register(envelope).expect("register");
+                    let started = Instant::now();
+                    worker.unregister(&handle).expect("unregister");
+                    wall += started.elapsed();
+                }
+                let op = Sample {
+                    wall_ns: wall.as_nanos() as f64 / envelopes.len() as f64,
+                    cpu_ns: f64::NAN,
+                };
+                let floor = Sample {
+                    cpu_ns: f64::NAN,
+                    ..floor_unregister
+                };
+                self.record(
+                    format!("unregister_after_register_{label}/1"),
+                    "",
+                    op,
+                    floor,
+                );
             }
         }
         for in_flight in [100usize, 1000] {
@@ -558,15 +590,20 @@ impl<R: Runtime> Bench<'_, R> {
                     format!("{:.2}", wall / floor_wall),
                 )
             };
+            let cpu_ratio = if cpu.is_nan() {
+                "—".to_owned()
+            } else {
+                format!("{:.2}", cpu / floor_cpu)
+            };
             out.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {} | {:.2} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} |\n",
                 row.name,
                 wall_text,
                 floor_text,
                 ratio,
                 shown(cpu),
                 shown(floor_cpu),
-                cpu / floor_cpu,
+                cpu_ratio,
             ));
         }
         out
