@@ -252,6 +252,49 @@ fn measure(pids: &[i32], ops: usize, batch: impl FnOnce()) -> Sample {
     }
 }
 
+/// Per-thread counters of the processes in a round trip.
+struct ThreadStats;
+
+impl ThreadStats {
+    /// Every thread of `pid`: (path of its `/proc` task directory, a label
+    /// "`process` thread N (name)"), with its counters now.
+    fn of(pid: i32, process: &str) -> Vec<((String, String), (u64, u64))> {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return Vec::new();
+        };
+        let mut tasks: Vec<_> = tasks.flatten().map(|t| t.path()).collect();
+        tasks.sort();
+        tasks
+            .into_iter()
+            .enumerate()
+            .map(|(j, task)| {
+                let path = task.to_string_lossy().into_owned();
+                let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+                let label = format!("{process} thread {j} ({})", comm.trim());
+                let now = ThreadStats::read(&path);
+                ((path, label), now)
+            })
+            .collect()
+    }
+
+    /// (nanoseconds on CPU, voluntary context switches) of a thread.
+    fn read(task: &str) -> (u64, u64) {
+        let cpu = std::fs::read_to_string(format!("{task}/schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0);
+        let switches = std::fs::read_to_string(format!("{task}/status"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                    .and_then(|v| v.trim().parse().ok())
+            })
+            .unwrap_or(0);
+        (cpu, switches)
+    }
+}
+
 // ---------------------------------------------------------------------
 // Payloads
 
@@ -384,6 +427,9 @@ struct Bench<'a, R: Runtime> {
     workers: Vec<(u16, Worker<R>)>,
     filter: Option<String>,
     rows: Vec<Row>,
+    /// Round trip, per thread: label, CPU ns per round trip, voluntary
+    /// context switches per round trip (one per round).
+    threads: Vec<(String, Vec<f64>, Vec<f64>)>,
 }
 
 impl<R: Runtime> Bench<'_, R> {
@@ -440,6 +486,35 @@ impl<R: Runtime> Bench<'_, R> {
                     assert_eq!(&result, expected);
                 }
             });
+            // The same again, per thread: where a round trip's CPU time and
+            // sleeps (voluntary context switches: each is one wake-up) go.
+            let mut threads = ThreadStats::of(std::process::id() as i32, "parent");
+            for pid in &pids {
+                threads.extend(ThreadStats::of(*pid, "target"));
+            }
+            for _ in 0..ROUND_TRIPS {
+                worker
+                    .submit(&handle, TargetId(0), TaskEncoding::Json, input)
+                    .expect("task");
+            }
+            for (thread, before) in threads.iter_mut() {
+                let after = ThreadStats::read(&thread.0);
+                let entry = self
+                    .threads
+                    .iter_mut()
+                    .find(|(name, _, _)| *name == thread.1);
+                let cpu = (after.0.saturating_sub(before.0)) as f64 / ROUND_TRIPS as f64;
+                let switches = (after.1.saturating_sub(before.1)) as f64 / ROUND_TRIPS as f64;
+                match entry {
+                    Some((_, cpus, sleeps)) => {
+                        cpus.push(cpu);
+                        sleeps.push(switches);
+                    }
+                    None => self
+                        .threads
+                        .push((thread.1.clone(), vec![cpu], vec![switches])),
+                }
+            }
             worker.unregister(&handle).expect("unregister");
             let pool = &mut self.pool;
             let floor = measure(&pool.pids(1), ROUND_TRIPS as usize, || {
@@ -516,9 +591,22 @@ impl<R: Runtime> Bench<'_, R> {
                     wall_ns: wall.as_nanos() as f64 / envelopes.len() as f64,
                     cpu_ns: f64::NAN,
                 };
+                // Its floor likewise: each fan-out right behind a floor
+                // register of the same payload (caches are as cold).
+                let pool = &mut self.pool;
+                let mut floor_wall = Duration::ZERO;
+                for envelope in envelopes {
+                    let (staged, _hash) =
+                        StagedPayload::create(envelope, HEADER_LEN..envelope.len()).expect("stage");
+                    pool.fan_out(1, envelope.len() - HEADER_LEN);
+                    drop(staged);
+                    let started = Instant::now();
+                    pool.fan_out(1, 0);
+                    floor_wall += started.elapsed();
+                }
                 let floor = Sample {
+                    wall_ns: floor_wall.as_nanos() as f64 / envelopes.len() as f64,
                     cpu_ns: f64::NAN,
-                    ..floor_unregister
                 };
                 self.record(
                     format!("unregister_after_register_{label}/1"),
@@ -638,10 +726,12 @@ fn run<R: Runtime>(
         workers: Vec::new(),
         filter,
         rows: Vec::new(),
+        threads: Vec::new(),
     };
     // A warm-up round (starts the Workers), not recorded.
     bench.round();
     bench.rows.clear();
+    bench.threads.clear();
     for round in 0..rounds {
         let started = Instant::now();
         bench.round();
@@ -653,6 +743,20 @@ fn run<R: Runtime>(
         );
     }
     print!("{}", bench.table());
+    if !bench.threads.is_empty() {
+        println!("\nround trip, per thread (medians over the rounds; threads that did nothing omitted):\n");
+        println!(
+            "| thread | CPU per round trip | sleeps (voluntary context switches) per round trip |"
+        );
+        println!("|---|---:|---:|");
+        for (label, cpus, sleeps) in &bench.threads {
+            let (cpu, sleeps) = (median(cpus.clone()), median(sleeps.clone()));
+            if cpu < 50.0 && sleeps < 0.01 {
+                continue;
+            }
+            println!("| {label} | {} | {sleeps:.2} |", shown(cpu));
+        }
+    }
     // The targets hold copies of the echo children's pipes: Workers first.
     bench.workers.clear();
     let _ = std::io::stdout().flush();
