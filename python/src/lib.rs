@@ -209,6 +209,8 @@ impl RawWorker {
     /// [`WorkerBuilder::probe_first`]: callreg::io::WorkerBuilder::probe_first
     #[new]
     #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true))]
+    // One argument per keyword of the Python constructor.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         targets: u16,
