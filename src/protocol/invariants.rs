@@ -790,6 +790,25 @@ mod tests {
     }
 
     #[test]
+    fn check_all_reports_the_first_violation_in_invariant_order() {
+        let (mut parent, mut targets) = system();
+        parent.staged.insert(StagingId(5));
+        let targets_view: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let v = check_all(&view_of(&parent, &targets_view, &[], &[])).unwrap_err();
+        assert_eq!((v.number, v.name), (7, "no staging leak"));
+        targets[0]
+            .as_mut()
+            .unwrap()
+            .installed
+            .get_mut(&digest(1))
+            .unwrap()
+            .refcount = 2;
+        let targets_view: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let v = check_all(&view_of(&parent, &targets_view, &[], &[])).unwrap_err();
+        assert_eq!((v.number, v.name), (2, "no orphan installs"));
+    }
+
+    #[test]
     fn a_violation_displays_its_number_name_and_description() {
         let (mut parent, targets) = system();
         parent.staged.insert(StagingId(5));
