@@ -130,6 +130,7 @@ fn main() {
     let config = ParentConfig {
         targets: 2,
         control_timeout: 1_000_000,
+        operation_timeout: 10_000_000,
         fence_on_timeout: true,
         owner: OwnerToken(0x5eed),
         slot_capacity: DEFAULT_SLOT_CAPACITY,

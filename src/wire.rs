@@ -4,7 +4,7 @@
 //!
 //! | offset | size | field | rule |
 //! |---|---|---|---|
-//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (3) |
+//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (4) |
 //! | 1 | 1 | kind (u8) | a [`FrameKind`] value |
 //! | 2 | 2 | flags (u16) | 0, or [`FLAG_TASK_EXCEPTION`] on a failed task result |
 //! | 4 | 4 | body length (u32, bytes) | `8 + body length <= maximum frame size` |
@@ -28,12 +28,12 @@
 use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 
-/// The only wire version this implementation reads and writes. Version 3
-/// replaced the register control's staged shm name by a sealed descriptor
+/// The only wire version this implementation reads and writes. Version 4
+/// added the target's [`Frame::Alive`] report; version 3 replaced the register control's staged shm name by a sealed descriptor
 /// passed beside the frame (`specs/staging.md`); version 2 added the
-/// register control's metadata field. Frames of versions 1 and 2 are
+/// register control's metadata field. Frames of versions 1 to 3 are
 /// refused.
-pub const WIRE_VERSION: u8 = 3;
+pub const WIRE_VERSION: u8 = 4;
 
 /// Header flag of a [`Frame::TaskResult`] with an error status whose
 /// failure carries a serialized exception ([`TaskFailure::exception`]):
@@ -99,6 +99,8 @@ pub enum FrameKind {
     Ready = 18,
     /// Target → parent: [`Frame::Table`].
     Table = 19,
+    /// Target → parent: [`Frame::Alive`].
+    Alive = 20,
 }
 
 impl FrameKind {
@@ -113,6 +115,7 @@ impl FrameKind {
             17 => FrameKind::TaskResult,
             18 => FrameKind::Ready,
             19 => FrameKind::Table,
+            20 => FrameKind::Alive,
             _ => return None,
         })
     }
@@ -240,6 +243,14 @@ pub enum Frame {
         tombstones: u32,
         /// Installed digests with their refcounts, in digest order.
         entries: Vec<TableEntry>,
+    },
+    /// The target is alive and holds the register or unregister control
+    /// `seq` (cleanups are unregisters) unanswered: it sends one on
+    /// receipt and then periodically while the control is queued or
+    /// running (`specs/protocol.md`, "Deadlines"). Body: `u64 seq`.
+    Alive {
+        /// The control's sequence number.
+        seq: u64,
     },
 }
 
@@ -459,6 +470,7 @@ fn decode_body(kind: FrameKind, flags: u16, body: &[u8]) -> Result<Frame, WireEr
                 entries,
             }
         }
+        FrameKind::Alive => Frame::Alive { seq: r.u64("seq")? },
     };
     if !r.rest.is_empty() {
         return Err(WireError::Trailing(r.rest.len()));
@@ -558,6 +570,7 @@ impl Frame {
             Frame::TaskResult { .. } => FrameKind::TaskResult,
             Frame::Ready { .. } => FrameKind::Ready,
             Frame::Table { .. } => FrameKind::Table,
+            Frame::Alive { .. } => FrameKind::Alive,
         }
     }
 
@@ -631,7 +644,9 @@ impl Frame {
                 out.push(*encoding as u8);
                 put_bytes(out, input)?;
             }
-            Frame::Inspect { seq } => out.extend_from_slice(&seq.to_le_bytes()),
+            Frame::Inspect { seq } | Frame::Alive { seq } => {
+                out.extend_from_slice(&seq.to_le_bytes())
+            }
             Frame::Reply {
                 seq,
                 digest,
@@ -889,6 +904,7 @@ mod tests {
                     tombstones,
                     entries
                 }),
+            any::<u64>().prop_map(|seq| Frame::Alive { seq }),
         ]
     }
 
@@ -1173,7 +1189,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![3, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![4, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xcd; 32]);
         expected.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0]);
         expected.extend_from_slice(&[12, 0, 0, 0]);
@@ -1189,7 +1205,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![3, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![4, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xab; 32]);
         assert_eq!(bytes, expected);
     }

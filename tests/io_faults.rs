@@ -587,6 +587,8 @@ fn parent_crash_before_publish_takes_its_targets_along() {
     assert_all_gone(&pids);
 }
 
+/// A reply delayed past the operation timeout is fenced at that bound,
+/// though its target kept reporting alive meanwhile.
 fn a_delayed_reply_past_the_deadline_is_fenced() {
     let _env = EnvGuard::set(
         target_env_var(usize::from(FAULTY.0)),
@@ -594,6 +596,7 @@ fn a_delayed_reply_past_the_deadline_is_fenced() {
     );
     let worker = builder(TARGETS)
         .control_timeout(Duration::from_millis(300))
+        .operation_timeout(Duration::from_millis(900))
         .build()
         .unwrap();
     worker.start().unwrap();

@@ -404,16 +404,20 @@ fn a_target_exiting_in_a_task_is_reaped_and_lost() {
     check_invariants(&worker, 2);
 }
 
+/// Targets stuck in a 5 s deserialization keep reporting alive, so the
+/// operation timeout (600 ms), not the control timeout, fences them.
 fn hung_targets_are_fenced_at_the_deadline() {
     let worker = builder(2)
         .control_timeout(Duration::from_millis(300))
+        .operation_timeout(Duration::from_millis(600))
         .build()
         .unwrap();
     worker.start().unwrap();
     let started = Instant::now();
     let err = worker.register(&envelope("slow 5000")).unwrap_err();
     assert!(
-        started.elapsed() < Duration::from_secs(3),
+        started.elapsed() >= Duration::from_millis(600)
+            && started.elapsed() < Duration::from_secs(3),
         "{:?}",
         started.elapsed()
     );

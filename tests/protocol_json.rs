@@ -76,6 +76,7 @@ fn driven_parent() -> (Parent, OpId, Effect) {
     let mut parent = Parent::new(ParentConfig {
         targets: 3,
         control_timeout: 1_000,
+        operation_timeout: 10_000,
         fence_on_timeout: false,
         owner: OwnerToken(7),
         slot_capacity: 64,
@@ -330,6 +331,7 @@ fn registry_snapshot_of_a_driven_parent() {
     let fresh = Parent::new(ParentConfig {
         targets: 2,
         control_timeout: 1,
+        operation_timeout: 10,
         fence_on_timeout: true,
         owner: OwnerToken(1),
         slot_capacity: 64,

@@ -151,3 +151,36 @@ fn freeing_a_slot_held_by_a_run_breaks_invariant_4() {
     );
     assert_eq!(v.number, 4, "{v}");
 }
+
+/// Not an invariant of §4.4 but the deadline rule (`specs/protocol.md`
+/// §2.7): a parent ignoring alive reports fences a target heard from
+/// within the control timeout.
+#[test]
+fn ignoring_alive_reports_fences_a_target_that_was_heard_from() {
+    use callreg::protocol::{
+        Effect, Namespace, OwnerToken, Parent, ParentConfig, Seq, TargetId, Time,
+    };
+    let fenced = |mutant: Option<Mutant>| {
+        let mut parent = Parent::new(ParentConfig {
+            targets: 1,
+            control_timeout: 100,
+            operation_timeout: 1_000,
+            fence_on_timeout: true,
+            owner: OwnerToken(1),
+            slot_capacity: 4,
+        });
+        if let Some(mutant) = mutant {
+            parent = parent.with_mutant(mutant);
+        }
+        parent.start().unwrap();
+        parent
+            .register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        while parent.poll_effect().is_some() {}
+        parent.handle_alive(TargetId(0), Seq(1), Time(90)).unwrap();
+        parent.handle_timeout(Time(150));
+        std::iter::from_fn(|| parent.poll_effect()).any(|e| matches!(e, Effect::Fence { .. }))
+    };
+    assert!(!fenced(None));
+    assert!(fenced(Some(Mutant::IgnoreAlive)));
+}

@@ -19,6 +19,7 @@ fn started(targets: u16, fence_on_timeout: bool) -> Parent {
     let mut p = Parent::new(ParentConfig {
         targets,
         control_timeout: 1_000,
+        operation_timeout: 10_000,
         fence_on_timeout,
         owner: OWNER,
         slot_capacity: 64,
@@ -165,6 +166,7 @@ fn pre_start_registrations_appear_in_the_snapshot_with_counts() {
     let mut p = Parent::new(ParentConfig {
         targets: 2,
         control_timeout: 1_000,
+        operation_timeout: 10_000,
         fence_on_timeout: true,
         owner: OWNER,
         slot_capacity: 64,
@@ -420,6 +422,7 @@ fn unregister_of_an_unknown_digest_is_reported() {
     let mut p = Parent::new(ParentConfig {
         targets: 1,
         control_timeout: 1_000,
+        operation_timeout: 10_000,
         fence_on_timeout: true,
         owner: OWNER,
         slot_capacity: 64,
@@ -718,6 +721,7 @@ fn an_unregister_whose_target_timed_out_without_fencing_fails() {
     let mut p = Parent::new(ParentConfig {
         targets: 2,
         control_timeout: 1_000,
+        operation_timeout: 10_000,
         fence_on_timeout: false,
         owner: OWNER,
         slot_capacity: 64,

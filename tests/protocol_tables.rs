@@ -16,6 +16,7 @@ fn config(fence_on_timeout: bool) -> ParentConfig {
     ParentConfig {
         targets: 2,
         control_timeout: 1_000,
+        operation_timeout: 10_000,
         fence_on_timeout,
         owner: OwnerToken(1),
         slot_capacity: 64,

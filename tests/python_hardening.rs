@@ -38,6 +38,11 @@ use serde_json::{json, Value};
 /// * `del_raises`, `del_exits`, `del_sleeps`: callable objects whose
 ///   `__del__` appends a line to `$CALLREG_TEST_FINALIZED`, then raises
 ///   `ValueError`, calls `os._exit(7)`, or sleeps 3 s.
+/// * `slow_a`, `slow_b`: callables (returning `"a"`, `"b"`) whose
+///   unpickling sleeps 2 s.
+/// * `hold_gil(seconds, marker)`: creates the file `marker`, then calls
+///   C `sleep(seconds)` through `ctypes.PyDLL` (C code that keeps the GIL
+///   throughout), and returns the seconds it took.
 const PAYLOADS: &str = r#"
 import os, sys
 sys.path.insert(0, sys.argv[2])
@@ -100,7 +105,31 @@ class FirstTargetOnly:
     def __reduce__(self):
         return (first_only, ())
 
+def slow_install(tag):
+    import time
+    time.sleep(2.0)
+    return lambda: tag
+
+class SlowInstall:
+    def __init__(self, tag):
+        self.tag = tag
+    def __call__(self):
+        return self.tag
+    def __reduce__(self):
+        return (slow_install, (self.tag,))
+
+def hold_gil(seconds, marker):
+    import ctypes, time
+    open(marker, "w").close()
+    start = time.perf_counter()
+    # A PyDLL call keeps the GIL for the whole C call.
+    ctypes.PyDLL(None).sleep(seconds)
+    return time.perf_counter() - start
+
 for name, value in [
+    ("slow_a", SlowInstall("a")),
+    ("slow_b", SlowInstall("b")),
+    ("hold_gil", hold_gil),
     ("first_target_only", FirstTargetOnly()),
     ("open_fds", open_fds),
     ("fstat_fd", fstat_fd),
@@ -133,6 +162,18 @@ fn main() {
         (
             "a_bad_startup_callable_fails_its_registration_not_the_worker",
             a_bad_startup_callable_fails_its_registration_not_the_worker,
+        ),
+        (
+            "registers_queued_behind_a_slow_unpickle_are_not_fenced",
+            registers_queued_behind_a_slow_unpickle_are_not_fenced,
+        ),
+        (
+            "a_task_holding_the_gil_does_not_fence_its_target",
+            a_task_holding_the_gil_does_not_fence_its_target,
+        ),
+        (
+            "a_stopped_target_is_fenced_at_the_control_timeout",
+            a_stopped_target_is_fenced_at_the_control_timeout,
         ),
     ]);
 }
@@ -200,14 +241,17 @@ fn a_finalizer_that_exits_loses_the_target_in_its_unregister() {
     let _ = std::fs::remove_file(&file);
 }
 
-/// A `__del__` slower than the control timeout delays the answer of the
+/// A `__del__` slower than the operation timeout delays the answer of the
 /// unregister that freed it, which fences the target at that unregister's
-/// deadline (not at a later operation's).
+/// bound (not at a later operation's), though it kept reporting alive.
 fn a_slow_finalizer_is_fenced_in_its_unregister() {
     let file = finalized_file("sleeps");
     let worker = Worker::builder(Arc::new(PythonRuntime::new()))
         .targets(2)
+        // Not shorter: the control timeout also bounds the start, which a
+        // loaded machine can slow past half a second.
         .control_timeout(Duration::from_secs(1))
+        .operation_timeout(Duration::from_secs(2))
         .build()
         .unwrap();
     let slow = worker.register(envelope("del_sleeps")).unwrap();
@@ -385,5 +429,105 @@ fn a_bad_startup_callable_fails_its_registration_not_the_worker() {
     }
     assert!(worker.parent_state().is_idle());
     assert!(worker.parent_state().uncertain_digests().is_empty());
+    worker.close();
+}
+
+/// Two registers whose unpickling takes 2 s each, under a 3 s control
+/// timeout: each target serves them one after the other (the second
+/// answers at about 4 s), reporting alive meanwhile, so both succeed and
+/// no target is fenced.
+fn registers_queued_behind_a_slow_unpickle_are_not_fenced() {
+    let worker = Worker::builder(Arc::new(PythonRuntime::new()))
+        .targets(2)
+        .control_timeout(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    worker.start().unwrap();
+    let started = std::time::Instant::now();
+    let a = worker.register_async(envelope("slow_a")).unwrap();
+    let b = worker.register_async(envelope("slow_b")).unwrap();
+    let a = a.wait().unwrap();
+    let b = b.wait().unwrap();
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(3900),
+        "the second register answered before the first unpickle ended: {elapsed:?}"
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    for target in 0..2 {
+        assert_eq!(call(&worker, &a, target, json!([])), json!("a"));
+        assert_eq!(call(&worker, &b, target, json!([])), json!("b"));
+    }
+    worker.close();
+}
+
+/// A task holding the GIL in C code for 3 s, with a 1 s control timeout:
+/// a register sent meanwhile waits for the GIL to unpickle, its target
+/// reports alive without it, and both the task and the register succeed.
+fn a_task_holding_the_gil_does_not_fence_its_target() {
+    let marker = std::env::temp_dir().join(format!("callreg-gil-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let worker = Worker::builder(Arc::new(PythonRuntime::new()))
+        .targets(1)
+        .control_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let hold = worker.register(envelope("hold_gil")).unwrap();
+    worker.start().unwrap();
+    let held = std::thread::scope(|scope| {
+        let task = scope.spawn(|| call(&worker, &hold, 0, json!([3, marker.to_str().unwrap()])));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !marker.exists() {
+            assert!(std::time::Instant::now() < deadline, "the task never ran");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let registered = worker.register(envelope("slow_a"));
+        let held = task.join().unwrap();
+        let handle = registered.unwrap_or_else(|e| panic!("the register failed: {e}"));
+        assert_eq!(call(&worker, &handle, 0, json!([])), json!("a"));
+        held
+    });
+    let held = held.as_f64().unwrap();
+    // The test means something only if the GIL was held past the timeout.
+    assert!(held > 2.9, "the task held the GIL only {held} s");
+    assert_eq!(worker.live_targets(), vec![TargetId(0)]);
+    worker.close();
+    let _ = std::fs::remove_file(&marker);
+}
+
+/// A target that goes truly silent (SIGSTOP: no thread runs, no alive
+/// report) is fenced at the control timeout, long before the operation
+/// timeout; the other target's install is rolled back.
+fn a_stopped_target_is_fenced_at_the_control_timeout() {
+    let worker = Worker::builder(Arc::new(PythonRuntime::new()))
+        .targets(2)
+        // Not shorter: the control timeout also bounds the start.
+        .control_timeout(Duration::from_secs(2))
+        .operation_timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    worker.start().unwrap();
+    let pid = worker.target_pid(TargetId(1)).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let error = worker.register(envelope("open_fds")).unwrap_err();
+    let elapsed = started.elapsed();
+    assert_eq!(error.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(
+        error.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::RolledBack),
+            (TargetId(1), TargetOutcome::Fenced),
+        ]
+    );
+    assert!(
+        elapsed >= Duration::from_secs(2) && elapsed < Duration::from_secs(10),
+        "fenced after {elapsed:?}"
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(0)]);
     worker.close();
 }

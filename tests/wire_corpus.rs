@@ -34,6 +34,7 @@ fn named_seeds_decode_to_their_kind() {
         ("unregister", FrameKind::Unregister),
         ("task", FrameKind::Task),
         ("inspect", FrameKind::Inspect),
+        ("alive", FrameKind::Alive),
         ("reply_ok", FrameKind::Reply),
         ("reply_err", FrameKind::Reply),
         ("task_result_ok", FrameKind::TaskResult),

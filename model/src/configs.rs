@@ -103,9 +103,10 @@ pub fn all() -> Vec<Named> {
     vec![
         Named {
             name: "forged",
-            description: "2 targets, single-register, fencing off: forged and out-of-range inputs in every state, a reply naming a wrong digest, a deadline, a close",
+            description: "2 targets, single-register, fencing off: forged and out-of-range inputs in every state (alive reports too), a reply naming a wrong digest, a deadline, a heartbeat, a close",
             config: ModelConfig {
                 forged: true,
+                heartbeats: 1,
                 wrong_digests: 1,
                 closes: 1,
                 fence_on_timeout: false,
@@ -113,7 +114,11 @@ pub fn all() -> Vec<Named> {
                 ..two("single-register")
             },
             symmetry: false,
-            expected: &[SOMETIMES_ROLLBACK],
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_SPARED,
+                SOMETIMES_SILENT_AFTER_HEARD,
+            ],
         },
         Named {
             name: "refused-unregister",
@@ -197,6 +202,44 @@ pub fn all() -> Vec<Named> {
             },
             symmetry: false,
             expected: &[SOMETIMES_ROLLBACK],
+        },
+        Named {
+            name: "heartbeat-no-fence",
+            description: "2 targets, single-register, every fault, fencing off, 2 heartbeats and 2 deadlines (specs/protocol.md §2.7): a target heard from outlives the others' timeouts, then meets its silence deadline or the bound",
+            config: ModelConfig {
+                heartbeats: 2,
+                deadlines: 2,
+                fence_on_timeout: false,
+                ..two("single-register")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_BOUND,
+                SOMETIMES_SPARED,
+                SOMETIMES_SILENT_AFTER_HEARD,
+            ],
+        },
+        Named {
+            name: "heartbeat",
+            description: "2 targets, duplicate-register (controls queued behind each other), a failed deserialization, 2 heartbeats and 2 deadlines, fencing on (specs/protocol.md §2.7): a target heard from is spared while silent ones are fenced, then meets its silence deadline or the bound",
+            config: ModelConfig {
+                heartbeats: 2,
+                deadlines: 2,
+                crashes: 0,
+                corruptions: 0,
+                tasks: 0,
+                ..two("duplicate-register")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_TARGET_LOST,
+                SOMETIMES_BOUND,
+                SOMETIMES_SPARED,
+                SOMETIMES_SILENT_AFTER_HEARD,
+            ],
         },
         Named {
             name: "standard",

@@ -50,7 +50,7 @@ struct Cli {
 
 /// The configuration flags a named configuration (`--config`, `--all`)
 /// replaces; `--mutant` combines with both.
-const CONFIG_FLAGS: [&str; 14] = [
+const CONFIG_FLAGS: [&str; 15] = [
     "targets",
     "script",
     "crashes",
@@ -59,6 +59,7 @@ const CONFIG_FLAGS: [&str; 14] = [
     "corruptions",
     "deadlines",
     "tasks",
+    "heartbeats",
     "no_fence",
     "slots",
     "interleave_start",
@@ -144,6 +145,10 @@ struct ConfigArgs {
     /// Tasks the client may dispatch.
     #[arg(long, default_value_t = 1)]
     tasks: u8,
+    /// Heartbeats targets may send (each reports alive every control the
+    /// parent awaits from its target, just before the earliest deadline).
+    #[arg(long, default_value_t = 0)]
+    heartbeats: u8,
     /// At a passed deadline, do not fence the silent target (the digest becomes uncertain).
     #[arg(long)]
     no_fence: bool,
@@ -191,6 +196,7 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         corruptions: args.corruptions,
         deadlines: args.deadlines,
         tasks: args.tasks,
+        heartbeats: args.heartbeats,
         fence_on_timeout: !args.no_fence,
         slot_capacity: args.slots,
         snapshot_failures: args.snapshot_failures.clone(),

@@ -29,6 +29,13 @@ use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Scrip
 /// successive operations stay in issue order.
 pub const CONTROL_TIMEOUT: u64 = 1_000;
 
+/// The parent's operation timeout in the model (model time units): a
+/// heartbeat just before a silence deadline moves it to almost twice the
+/// control timeout after the send, still before the bound (so a target
+/// heard once and then silent is fenced at its new silence deadline); a
+/// second one moves it past the bound (so the bound ends the wait).
+pub const OPERATION_TIMEOUT: u64 = 2 * CONTROL_TIMEOUT + CONTROL_TIMEOUT / 2;
+
 /// The owner token of the modelled Worker.
 pub const OWNER: OwnerToken = OwnerToken(0x5eed);
 
@@ -56,6 +63,13 @@ pub struct ModelConfig {
     /// How many tasks the client may dispatch (for live handles, to
     /// targets that confirmed them).
     pub tasks: u8,
+    /// How many heartbeats targets may send, each an alive report for every
+    /// control the parent awaits from the target, just before the earliest
+    /// pending deadline (`specs/protocol.md` §2.7). Not a fault: every real
+    /// target sends them; 0 in [`ModelConfig::standard`], where they would
+    /// multiply the space without reaching a new path of the other rules,
+    /// and set in the configurations that check the deadline rule.
+    pub heartbeats: u8,
     /// The parent's policy at a passed deadline: fence (kill) the silent
     /// target, or leave it running and mark the digest uncertain.
     pub fence_on_timeout: bool,
@@ -103,6 +117,7 @@ impl ModelConfig {
             corruptions: 1,
             deadlines: 1,
             tasks: 1,
+            heartbeats: 0,
             fence_on_timeout: true,
             slot_capacity: 2,
             snapshot_failures: Vec::new(),
@@ -126,6 +141,7 @@ impl ModelConfig {
             corruptions: 0,
             deadlines: 0,
             tasks: 0,
+            heartbeats: 0,
             ..ModelConfig::standard()
         }
     }
@@ -215,6 +231,9 @@ pub struct TargetSide {
     pub runs: Vec<(Seq, Slot, Digest)>,
     /// Bit `s` set: slot `s` was tombstoned and then freed.
     pub freed_tombstones: u64,
+    /// The alive reports this target sent: control seq and model time of
+    /// the latest report for it.
+    pub alive: Vec<(Seq, u64)>,
 }
 
 /// Fault budgets left.
@@ -236,6 +255,8 @@ pub struct Budgets {
     pub deadlines: u8,
     /// Tasks left.
     pub tasks: u8,
+    /// Alive reports left.
+    pub heartbeats: u8,
 }
 
 /// Something the driver saw happen on this path (history the properties
@@ -278,6 +299,21 @@ pub mod seen {
     pub const PRE_START_AFTER_START: u16 = 1024;
     /// A completed unregister failed (some target refused it or timed out).
     pub const UNREGISTER_FAILED: u16 = 4096;
+    /// A passed deadline ended the wait for a target that had reported
+    /// alive for every control it owed within the control timeout, before
+    /// any of those controls' operation bound.
+    pub const FENCED_WHILE_HEARD: u16 = 2048;
+    /// A passed operation bound ended the wait for a target that had
+    /// reported alive within the control timeout.
+    pub const BOUND_ENDED_HEARD: u16 = 8192;
+    /// A passed deadline ended the wait for some target while a target
+    /// heard from within the control timeout about every control it owed
+    /// stayed awaited.
+    pub const SPARED_HEARD: u16 = 16384;
+    /// A silence deadline (before any bound) ended the wait for a target
+    /// that had reported alive for a control it owed, but not within the
+    /// control timeout: a target that stops reporting is still fenced.
+    pub const SILENT_AFTER_HEARD: u16 = 32768;
 }
 
 /// One state of the whole system.
@@ -406,7 +442,8 @@ pub enum Action {
     /// The target crashes: it holds nothing, frames to it are lost, and the
     /// parent will read end of file after its queued replies.
     Crash(TargetId),
-    /// The earliest pending deadline passes.
+    /// The earliest pending deadline (a target's silence deadline or an
+    /// operation's bound) passes.
     DeadlinePasses,
     /// The client calls pre-start step `i` (only with
     /// [`ModelConfig::interleave_start`]; steps are called in order).
@@ -425,6 +462,11 @@ pub enum Action {
     /// nothing: then the action has no next state; otherwise the next
     /// state records the breach ([`seen::CONTRACT`]).
     Forge(Forged),
+    /// `target` reports alive for every control the parent awaits from it
+    /// (one heartbeat of its reader thread, which reads every control on
+    /// arrival), just before the earliest pending deadline (model time
+    /// moves there).
+    Heartbeat(TargetId),
 }
 
 /// The forged and out-of-range inputs of [`Action::Forge`].
@@ -462,11 +504,17 @@ pub enum Forged {
     /// snapshot already holds as many digests as a target has slots) and
     /// of each digest in it (accepted: it takes no new slot).
     PreStartCapacity,
+    /// `handle_alive` from the target id one past the last, and from each
+    /// target for seq 0 and for the seq after the last issued
+    /// (`FRAME_INVALID` once started, ignored from a lost target), and for
+    /// every issued seq the parent does not await from it (accepted,
+    /// nothing changes: `specs/protocol.md` §2.7).
+    AliveNotAwaited,
 }
 
 impl Forged {
     /// Every forged input.
-    pub const ALL: [Forged; 10] = [
+    pub const ALL: [Forged; 11] = [
         Forged::ReplyFromNoTarget,
         Forged::ReplySeqZero,
         Forged::ReplySeqUnissued,
@@ -477,6 +525,7 @@ impl Forged {
         Forged::LifecycleAgain,
         Forged::WrongNamespace,
         Forged::PreStartCapacity,
+        Forged::AliveNotAwaited,
     ];
 }
 
@@ -486,6 +535,23 @@ pub struct RegistrationModel {
     /// What is checked.
     pub config: ModelConfig,
     init: State,
+}
+
+/// The controls (register, unregister, cleanup seqs) the parent awaits
+/// from live target `id`, in seq order: what one heartbeat of its reader
+/// thread reports alive (every control it received and has not answered;
+/// one whose answer is still in transit may be reported too, since the
+/// report then precedes the answer in the pipe). Empty for a dead target.
+fn heartbeat_seqs(state: &State, id: TargetId) -> Vec<Seq> {
+    if state.target(id).is_none() || !state.parent.is_target_live(id) {
+        return Vec::new();
+    }
+    state
+        .parent
+        .awaited_controls(id)
+        .into_iter()
+        .map(|(seq, _)| seq)
+        .collect()
 }
 
 fn insert_ordered<T>(queue: &mut Vec<(TargetId, T)>, target: TargetId, item: T) {
@@ -557,6 +623,7 @@ impl RegistrationModel {
         let mut parent = Parent::new(ParentConfig {
             targets: config.targets,
             control_timeout: CONTROL_TIMEOUT,
+            operation_timeout: OPERATION_TIMEOUT,
             fence_on_timeout: config.fence_on_timeout,
             owner: OWNER,
             slot_capacity: config.slot_capacity,
@@ -587,6 +654,7 @@ impl RegistrationModel {
                 wrong_digests: config.wrong_digests,
                 deadlines: config.deadlines,
                 tasks: config.tasks,
+                heartbeats: config.heartbeats,
             },
             seen: 0,
             contract: "",
@@ -1479,6 +1547,30 @@ impl RegistrationModel {
                 }
                 "register_before_start refused a digest with room in the startup snapshot, or accepted one beyond the slots"
             }
+            Forged::AliveNotAwaited => {
+                let newest = next_seq.map_or(1, |n| n.saturating_sub(1).max(1));
+                ok &= expect(
+                    parent.handle_alive(nobody, Seq(newest), now),
+                    E::FRAME_INVALID,
+                );
+                for id in self.target_ids() {
+                    for seq in [Some(0), next_seq].into_iter().flatten() {
+                        let result = parent.handle_alive(id, Seq(seq), now);
+                        ok &= match (lifecycle, state.parent.is_target_live(id)) {
+                            (Lifecycle::Started, true) => refused(result, E::FRAME_INVALID),
+                            // Reports from a lost target are ignored.
+                            (Lifecycle::Started, false) => result.is_ok(),
+                            _ => expect(result, E::FRAME_INVALID),
+                        };
+                    }
+                    for seq in (1..next_seq.unwrap_or(1)).map(Seq) {
+                        if !state.parent.awaits_reply(id, seq) {
+                            ok &= parent.handle_alive(id, seq, now).is_ok();
+                        }
+                    }
+                }
+                "an alive report from no target or for a seq never issued was not refused with FRAME_INVALID, or one for a control not awaited changed the parent"
+            }
         };
         ok &= parent == state.parent;
         if ok {
@@ -1613,6 +1705,16 @@ impl stateright::Model for RegistrationModel {
         if self.config.forged {
             actions.extend(Forged::ALL.iter().map(|f| Action::Forge(*f)));
         }
+        // A heartbeat only moves deadlines: with no deadline left to pass it
+        // cannot change what happens (only model time and the parent's
+        // record of when it heard from the target), so it is not offered.
+        if state.budgets.heartbeats > 0 && state.budgets.deadlines > 0 {
+            for id in self.target_ids() {
+                if state.target(id).is_some() && !heartbeat_seqs(state, id).is_empty() {
+                    actions.push(Action::Heartbeat(id));
+                }
+            }
+        }
     }
 
     fn next_state(&self, last: &State, action: Action) -> Option<State> {
@@ -1709,7 +1811,73 @@ impl stateright::Model for RegistrationModel {
                 let deadline = state.parent.poll_timeout()?;
                 state.seen |= seen::FAULT;
                 state.now = state.now.max(deadline.0);
-                state.parent.handle_timeout(Time(state.now));
+                let now = state.now;
+                // Targets heard from within the control timeout about every
+                // control they owe, with whether one of those controls'
+                // bounds has passed (`specs/protocol.md` §2.7): only a bound
+                // may end the wait for them.
+                let heard: Vec<(TargetId, Vec<Seq>, bool)> = self
+                    .target_ids()
+                    .filter_map(|id| {
+                        let awaited = state.parent.awaited_controls(id);
+                        let alive = &state.sides[usize::from(id.0)].alive;
+                        let all_heard = !awaited.is_empty()
+                            && awaited.iter().all(|(seq, _)| {
+                                alive
+                                    .iter()
+                                    .any(|(s, at)| s == seq && at + CONTROL_TIMEOUT > now)
+                            });
+                        let bounded = awaited.iter().any(|(_, bound)| bound.0 <= now);
+                        all_heard.then(|| (id, awaited.iter().map(|(s, _)| *s).collect(), bounded))
+                    })
+                    .collect();
+                // Targets that reported alive for a control they owe, but
+                // not within the control timeout, before any bound.
+                let lapsed: Vec<(TargetId, Vec<Seq>)> = self
+                    .target_ids()
+                    .filter_map(|id| {
+                        let awaited = state.parent.awaited_controls(id);
+                        let alive = &state.sides[usize::from(id.0)].alive;
+                        let reported = awaited
+                            .iter()
+                            .any(|(seq, _)| alive.iter().any(|(s, _)| s == seq));
+                        let bounded = awaited.iter().any(|(_, bound)| bound.0 <= now);
+                        let heard = heard.iter().any(|(t, _, _)| *t == id);
+                        (reported && !bounded && !heard)
+                            .then(|| (id, awaited.iter().map(|(s, _)| *s).collect()))
+                    })
+                    .collect();
+                let awaited_before: Vec<(TargetId, Seq)> = self
+                    .target_ids()
+                    .flat_map(|id| {
+                        state
+                            .parent
+                            .awaited_controls(id)
+                            .into_iter()
+                            .map(move |(seq, _)| (id, seq))
+                    })
+                    .collect();
+                state.parent.handle_timeout(Time(now));
+                let some_ended = awaited_before
+                    .iter()
+                    .any(|(id, seq)| !state.parent.awaits_reply(*id, *seq));
+                for (id, seqs, bounded) in heard {
+                    let ended = seqs.iter().any(|s| !state.parent.awaits_reply(id, *s));
+                    if ended && !bounded {
+                        state.seen |= seen::FENCED_WHILE_HEARD;
+                    }
+                    if ended && bounded {
+                        state.seen |= seen::BOUND_ENDED_HEARD;
+                    }
+                    if !ended && some_ended {
+                        state.seen |= seen::SPARED_HEARD;
+                    }
+                }
+                for (id, seqs) in lapsed {
+                    if seqs.iter().any(|s| !state.parent.awaits_reply(id, *s)) {
+                        state.seen |= seen::SILENT_AFTER_HEARD;
+                    }
+                }
                 self.drain_parent(&mut state);
             }
             Action::PreStart(i) => self.pre_start(&mut state, i)?,
@@ -1721,6 +1889,27 @@ impl stateright::Model for RegistrationModel {
             }
             Action::Close => self.close(&mut state)?,
             Action::Forge(forged) => return self.forge(last, forged),
+            Action::Heartbeat(id) => {
+                state.budgets.heartbeats = state.budgets.heartbeats.checked_sub(1)?;
+                let seqs = heartbeat_seqs(&state, id);
+                if seqs.is_empty() {
+                    return None;
+                }
+                let deadline = state.parent.poll_timeout()?;
+                state.now = state.now.max(deadline.0.saturating_sub(1));
+                let now = state.now;
+                let side = &mut state.sides[usize::from(id.0)];
+                for seq in &seqs {
+                    side.alive.retain(|(s, _)| s != seq);
+                    side.alive.push((*seq, now));
+                }
+                side.alive.sort();
+                for seq in seqs {
+                    if state.parent.handle_alive(id, seq, Time(now)).is_err() {
+                        state.seen |= seen::DRIVER_ERROR;
+                    }
+                }
+            }
         }
         Some(state)
     }
@@ -1854,9 +2043,25 @@ impl RegistrationModel {
             ),
             Action::Forge(f) => format!("a forged input is given to the machines: {f:?}"),
             Action::DeadlinePasses => match state.parent.poll_timeout() {
-                Some(d) => format!("the deadline at time {} passes", d.0),
+                Some(d) if state.parent.poll_bound() == Some(d) => {
+                    format!("the operation bound at time {} passes", d.0)
+                }
+                Some(d) => format!("the silence deadline at time {} passes", d.0),
                 None => "no deadline is pending".to_owned(),
             },
+            Action::Heartbeat(t) => {
+                let seqs = heartbeat_seqs(state, *t);
+                let at = state
+                    .parent
+                    .poll_timeout()
+                    .map_or(state.now, |d| state.now.max(d.0.saturating_sub(1)));
+                if seqs.is_empty() {
+                    format!("{t} has nothing to report alive")
+                } else {
+                    let names: Vec<String> = seqs.iter().map(ToString::to_string).collect();
+                    format!("{t} reports alive for {} at time {at}", names.join(", "))
+                }
+            }
         }
     }
 

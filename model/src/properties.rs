@@ -24,7 +24,8 @@ use callreg::descriptor::Digest;
 use callreg::protocol::{DigestCount, Lifecycle, Namespace, OpId, Seq, Slot, TargetId, Time};
 
 use crate::model::{
-    seen, RegistrationModel, State, StepResult, StepStatus, CONTROL_TIMEOUT, OWNER,
+    seen, RegistrationModel, State, StepResult, StepStatus, CONTROL_TIMEOUT, OPERATION_TIMEOUT,
+    OWNER,
 };
 use crate::script::{digest_of, name_of, CORRUPTED};
 
@@ -53,6 +54,11 @@ pub const INV10_EVENTUALLY: &str = "10 liveness (eventually)";
 /// Name of the `always` property that the machines accept every input the
 /// driver gives them.
 pub const DRIVING_RULE: &str = "driving rule";
+/// Name of the `always` property that a target heard from within the
+/// control timeout about every control it owes is never fenced (nor timed
+/// out) before one of those controls' operation bound
+/// (`specs/protocol.md`, "Deadlines").
+pub const HEARD_NOT_FENCED: &str = "heard targets wait for the bound";
 /// Witness: some register publishes its handle.
 pub const SOMETIMES_PUBLISH: &str = "sometimes: a register publishes";
 /// Witness: some register fails and a confirmed target is rolled back.
@@ -69,6 +75,17 @@ pub const SOMETIMES_INTERLEAVE: &str =
 pub const SOMETIMES_TARGET_LOST: &str = "sometimes: a target is lost";
 /// Witness: a target refuses a register for want of a free slot.
 pub const SOMETIMES_SLOT_EXHAUSTED: &str = "sometimes: a target has no free slot for a register";
+/// Witness: an operation bound ends the wait for a target that reported
+/// alive within the control timeout.
+pub const SOMETIMES_BOUND: &str = "sometimes: the bound ends the wait for a target heard from";
+/// Witness: a passed deadline ended the wait for some target but not for
+/// one heard from within the control timeout (what "heard targets wait
+/// for the bound" needs to mean anything).
+pub const SOMETIMES_SPARED: &str = "sometimes: a passed deadline spares a target heard from";
+/// Witness: a target that reported alive and then fell silent is fenced
+/// (or times out) at its later silence deadline, before the bound.
+pub const SOMETIMES_SILENT_AFTER_HEARD: &str =
+    "sometimes: a target heard from and then silent meets its silence deadline";
 /// Witness: a reply reaches the parent after its operation gave up.
 pub const SOMETIMES_LATE_REPLY: &str = "sometimes: a reply arrives after its operation gave up";
 /// Witness: one target has two deserializations in progress at once.
@@ -193,6 +210,18 @@ fn slot_exhausted(_: &RegistrationModel, s: &State) -> bool {
         matches!(&r.result, Err(f) if f.code == callreg::error::ErrorCode::LOCAL_SLOT_EXHAUSTED)
     })
 }
+fn heard_not_fenced(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::FENCED_WHILE_HEARD == 0
+}
+fn bound_ends_heard(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::BOUND_ENDED_HEARD != 0
+}
+fn spared_heard(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::SPARED_HEARD != 0
+}
+fn silent_after_heard(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::SILENT_AFTER_HEARD != 0
+}
 fn late_reply(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::LATE_REPLY != 0
 }
@@ -260,6 +289,7 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         || config.fence_on_timeout != m.config.fence_on_timeout
         || config.owner != OWNER
         || config.control_timeout != CONTROL_TIMEOUT
+        || config.operation_timeout != OPERATION_TIMEOUT
     {
         return fail("Parent::config differs from the configuration it was made with");
     }
@@ -356,6 +386,42 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         {
             return fail("Parent::poll_timeout is not a deadline still ahead, CONTROL_TIMEOUT after its phase began");
         }
+    }
+    // The controls awaited from each target, with their bounds, agree
+    // with `awaits_reply`, and the earliest bound is `poll_bound`: never
+    // before `poll_timeout` (a target's deadline is the earlier of its
+    // silence deadline and its bound), and OPERATION_TIMEOUT after its
+    // phase began.
+    let mut bounds = Vec::new();
+    for id in (0..=m.config.targets).map(TargetId) {
+        let awaited = p.awaited_controls(id);
+        if awaited.windows(2).any(|w| w[0].0 >= w[1].0)
+            || awaited.iter().any(|(seq, _)| !p.awaits_reply(id, *seq))
+            || (id == nobody && !awaited.is_empty())
+        {
+            return fail("Parent::awaited_controls is not in seq order, or names a control awaits_reply denies");
+        }
+        bounds.extend(awaited.iter().map(|(_, bound)| *bound));
+    }
+    for (t, reply) in &s.replies {
+        if p.awaits_reply(*t, reply.seq)
+            && !p
+                .awaited_controls(*t)
+                .iter()
+                .any(|(seq, _)| *seq == reply.seq)
+        {
+            return fail("Parent::awaited_controls misses a control awaits_reply names");
+        }
+    }
+    let bound = p.poll_bound();
+    if bound != bounds.iter().min().copied()
+        || bound.is_some() != p.poll_timeout().is_some()
+        || bound.zip(p.poll_timeout()).is_some_and(|(b, d)| b < d)
+        || bounds
+            .iter()
+            .any(|b| b.0 <= OPERATION_TIMEOUT || b.0 > s.now + OPERATION_TIMEOUT)
+    {
+        return fail("Parent::poll_bound is not the earliest bound of an awaited control, is before poll_timeout, or is not OPERATION_TIMEOUT after its phase began");
     }
     for (t, reply) in &s.replies {
         let awaited = p.awaits_reply(*t, reply.seq);
@@ -471,6 +537,7 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(INV8, inv8),
         Property::always(INV9, inv9),
         Property::always(DRIVING_RULE, driving_rule),
+        Property::always(HEARD_NOT_FENCED, heard_not_fenced),
         Property::always(INV10_TERMINAL, inv10_terminal),
         Property::always(PROGRESS, progress),
         Property::always(FENCED_CERTAIN, fenced_certain),
@@ -492,6 +559,9 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_UNREGISTER_FAILED, unregister_failed),
         Property::sometimes(SOMETIMES_WRONG_DIGEST, wrong_digest),
         Property::sometimes(SOMETIMES_STARTED, started),
+        Property::sometimes(SOMETIMES_BOUND, bound_ends_heard),
+        Property::sometimes(SOMETIMES_SPARED, spared_heard),
+        Property::sometimes(SOMETIMES_SILENT_AFTER_HEARD, silent_after_heard),
     ]
 }
 
@@ -519,6 +589,9 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
                 state.parent.in_flight()
             )
         }),
+        _ if name == HEARD_NOT_FENCED && !heard_not_fenced(model, state) => Some(
+            "invariant \"heard targets wait for the bound\" (specs/protocol.md §2.7) violated: a passed deadline ended the wait for a target heard from within the control timeout, before any operation bound (see the last step)".to_owned(),
+        ),
         _ if name == DRIVING_RULE && !driving_rule(model, state) => Some(
             "a machine refused an input the driving rule produced (see the last step)".to_owned(),
         ),

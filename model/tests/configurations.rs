@@ -55,15 +55,17 @@ fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.
     let expected = [
-        ("forged", 2_725, 14),
+        ("forged", 11_021, 15),
         ("refused-unregister", 351, 23),
         ("staging", 4_322, 18),
         ("close", 13_090, 26),
         ("two-deserializations", 19_961, 20),
         ("pre-start", 85_110, 23),
         ("snapshot-failure", 11_584, 16),
-        ("standard", 48_294, 36),
-        ("no-fence", 187_740, 39),
+        ("heartbeat-no-fence", 14_581, 16),
+        ("heartbeat", 37_547, 19),
+        ("standard", 48_846, 36),
+        ("no-fence", 190_089, 39),
     ];
     let names: Vec<&str> = configs::all().iter().map(|n| n.name).collect();
     assert_eq!(

@@ -135,6 +135,28 @@ fn every_sometimes_property_is_witnessed() {
     assert!(witnessed(&snapshot, SOMETIMES_SLOT_REUSE));
     assert!(witnessed(&fenced, SOMETIMES_TARGET_LOST));
     assert!(witnessed(&snapshot, SOMETIMES_SLOT_EXHAUSTED));
+    // Heartbeats (2, with 2 deadlines): a target heard from is spared,
+    // then meets the bound or, silent again, its silence deadline; with
+    // none, nothing of the deadline rule is witnessed.
+    for fence in [true, false] {
+        let beating = run(
+            ModelConfig {
+                heartbeats: 2,
+                deadlines: 2,
+                ..faulty("single-register", fence)
+            },
+            false,
+        );
+        assert_passes(&beating);
+        for name in [
+            SOMETIMES_BOUND,
+            SOMETIMES_SPARED,
+            SOMETIMES_SILENT_AFTER_HEARD,
+        ] {
+            assert!(witnessed(&beating, name), "{name}, fence {fence}");
+            assert!(!witnessed(&fenced, name), "{name} without heartbeats");
+        }
+    }
     // Fault-free runs lose no target and, with a slot per digest, never
     // run out of slots.
     let calm = run(quiet(2, "two-digests"), false);
@@ -169,6 +191,11 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
             tasks: 1,
             ..quiet(1, "register-unregister-same-digest")
         },
+        Mutant::IgnoreAlive => ModelConfig {
+            deadlines: 1,
+            heartbeats: 1,
+            ..quiet(1, "single-register")
+        },
     };
     // In name order, as `violated` lists them.
     let broken = match mutant {
@@ -179,6 +206,7 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
         Mutant::ReleaseStagedEarly => vec![INV7, PROGRESS],
         Mutant::SkipDigestVerification => vec![INV5],
         Mutant::FreeSlotHeldByRun => vec![INV4, QUERIES],
+        Mutant::IgnoreAlive => vec![HEARD_NOT_FENCED],
     };
     config.mutant = Some(mutant);
     (config, broken)
@@ -221,11 +249,12 @@ fn every_mutant_is_caught_with_a_counterexample_and_the_real_code_is_not() {
 #[test]
 fn mutants_are_also_caught_by_one_shared_fault_rich_configuration() {
     // Not only by the configuration chosen for each: 2 targets, the
-    // standard script and every fault (fencing off for the mutant that
-    // only matters without it). Stops at the first violation.
+    // standard script, every fault and a heartbeat (fencing off for the
+    // mutant that only matters without it). Stops at the first violation.
     for mutant in Mutant::ALL {
         let config = ModelConfig {
             mutant: Some(*mutant),
+            heartbeats: 1,
             ..faulty(
                 "register-unregister-same-digest",
                 *mutant != Mutant::ForgetUncertain,
@@ -297,7 +326,7 @@ fn symmetry_gives_the_same_verdicts_as_the_full_state_space() {
     }
     let full = run(configs[0].1.clone(), false);
     let reduced = run(configs[0].1.clone(), true);
-    assert_eq!((full.unique_states, reduced.unique_states), (3150, 635));
+    assert_eq!((full.unique_states, reduced.unique_states), (3186, 641));
     for (what, config) in configs {
         let full = run(config.clone(), false);
         let reduced = run(config.clone(), true);
@@ -353,6 +382,8 @@ fn check_command_prints_a_json_line_and_exits_by_verdict() {
         "--deadlines",
         "0",
         "--tasks",
+        "0",
+        "--heartbeats",
         "0",
         "--threads",
         "1",
@@ -598,7 +629,7 @@ fn check_a_named_configuration_as_one_json_document() {
     let stdout = String::from_utf8(out.stdout).unwrap();
     let document: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(document["name"], "forged");
-    assert_eq!(document["unique_states"], 2725);
+    assert_eq!(document["unique_states"], 11021);
     assert_eq!(document["complete"], true);
     assert_eq!(document["missing_witnesses"], serde_json::json!([]));
     let stderr = String::from_utf8(out.stderr).unwrap();

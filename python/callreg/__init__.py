@@ -420,8 +420,9 @@ class NextLevel:
     runs in the next-level child before the inner Worker starts (what it
     registers joins the inner startup snapshot) and returns a dict of
     handles (``None`` for none), given to orchestration callables as
-    ``ctx.handles``. ``control_timeout``, ``slot_capacity`` and
-    ``max_frame_bytes`` are the inner Worker's, as in :class:`Worker`.
+    ``ctx.handles``. ``control_timeout``, ``operation_timeout``,
+    ``slot_capacity`` and ``max_frame_bytes`` are the inner Worker's, as in
+    :class:`Worker`.
 
     The objects are inherited by ``fork``, not pickled: ``setup`` may be any
     callable, a lambda or a closure included."""
@@ -432,6 +433,7 @@ class NextLevel:
         "next_level",
         "next_level_targets",
         "control_timeout",
+        "operation_timeout",
         "slot_capacity",
         "max_frame_bytes",
     )
@@ -446,16 +448,18 @@ class NextLevel:
         control_timeout=30.0,
         slot_capacity=64,
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
+        operation_timeout=None,
     ):
         if setup is not None and not callable(setup):
             raise TypeError("setup must be a callable or None, not %s" % type(setup).__name__)
         _counts(targets, next_level, next_level_targets)
-        _check_options(control_timeout, slot_capacity, max_frame_bytes)
+        _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
         self.targets = targets
         self.setup = setup
         self.next_level = next_level
         self.next_level_targets = next_level_targets
         self.control_timeout = control_timeout
+        self.operation_timeout = operation_timeout
         self.slot_capacity = slot_capacity
         self.max_frame_bytes = max_frame_bytes
 
@@ -532,6 +536,7 @@ def _start_target(sub_targets, level, target):
             next_level=level.next_level,
             next_level_targets=level.next_level_targets,
             control_timeout=level.control_timeout,
+            operation_timeout=level.operation_timeout,
             slot_capacity=level.slot_capacity,
             max_frame_bytes=level.max_frame_bytes,
         )
@@ -580,13 +585,19 @@ def _counts(targets, next_level, next_level_targets):
     return targets, next_level_targets
 
 
-def _check_options(control_timeout, slot_capacity, max_frame_bytes):
+def _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout=None):
     _positive_int("slot_capacity", slot_capacity, 0xFFFF)
     _positive_int("max_frame_bytes", max_frame_bytes, 0xFFFFFFFF)
-    if isinstance(control_timeout, bool) or not isinstance(control_timeout, (int, float)):
-        raise TypeError("control_timeout must be a number of seconds, not %s" % type(control_timeout).__name__)
-    if not control_timeout > 0:
-        raise ValueError("control_timeout must be positive, got %r" % (control_timeout,))
+    _seconds("control_timeout", control_timeout)
+    if operation_timeout is not None:
+        _seconds("operation_timeout", operation_timeout)
+
+
+def _seconds(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("%s must be a number of seconds, not %s" % (name, type(value).__name__))
+    if not 0 < value < float("inf"):
+        raise ValueError("%s must be positive, got %r" % (name, value))
 
 
 # --------------------------------------------------------------------------
@@ -669,8 +680,14 @@ class Worker:
     """A parent with ``targets`` forked child processes (``None``: one per
     CPU, ``os.cpu_count()``), not started until :meth:`start`.
 
-    ``control_timeout`` (seconds): how long a target has to answer a
-    register or unregister, and to be ready at start. ``slot_capacity``:
+    ``control_timeout`` (seconds): how long a target may stay silent about
+    a register or unregister it has not answered yet (a live target reports
+    each alive on receipt and every quarter of this while it is queued or
+    running, even while a task holds the GIL), and how long it has to be
+    ready at start. ``operation_timeout`` (seconds; ``None``: 10 times
+    ``control_timeout``): how long a register or unregister may take in
+    all, even from a target that keeps reporting alive (an unpickle that
+    never ends); past either the target is killed and lost. ``slot_capacity``:
     callables a target holds at once. ``max_frame_bytes``: bound on one
     task's pickled arguments and on its pickled result
     (:data:`DEFAULT_MAX_FRAME_BYTES`).
@@ -706,13 +723,19 @@ class Worker:
         control_timeout=30.0,
         slot_capacity=64,
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
+        operation_timeout=None,
     ):
         sub, upper = _counts(targets, next_level, next_level_targets)
-        _check_options(control_timeout, slot_capacity, max_frame_bytes)
+        _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
         initializer = None if next_level is None else functools.partial(_start_target, sub, next_level)
         try:
             self._raw = _callreg.RawWorker(
-                sub + upper, float(control_timeout), slot_capacity, max_frame_bytes, initializer
+                sub + upper,
+                float(control_timeout),
+                slot_capacity,
+                max_frame_bytes,
+                initializer,
+                None if operation_timeout is None else float(operation_timeout),
             )
         except _callreg.RawError as raw:
             _raise(raw)

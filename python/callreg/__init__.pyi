@@ -71,6 +71,7 @@ class NextLevel:
     next_level: NextLevel | None
     next_level_targets: int | None
     control_timeout: float
+    operation_timeout: float | None
     slot_capacity: int
     max_frame_bytes: int
     def __init__(
@@ -83,6 +84,7 @@ class NextLevel:
         control_timeout: float = ...,
         slot_capacity: int = ...,
         max_frame_bytes: int = ...,
+        operation_timeout: float | None = ...,
     ) -> None: ...
 
 class Context:
@@ -104,6 +106,7 @@ class Worker:
         control_timeout: float = ...,
         slot_capacity: int = ...,
         max_frame_bytes: int = ...,
+        operation_timeout: float | None = ...,
     ) -> None: ...
     def __enter__(self) -> Worker: ...
     def __exit__(self, *exc: object) -> bool: ...

@@ -193,14 +193,19 @@ impl RawWorker {
 
 #[pymethods]
 impl RawWorker {
-    /// A Worker, not started. `control_timeout` in seconds (positive),
-    /// `max_frame_bytes` bounds one task's pickled input and result.
+    /// A Worker, not started. `control_timeout` in seconds (positive): how
+    /// long a target may stay silent about a control (it reports alive
+    /// meanwhile); `operation_timeout` in seconds (positive; `None`: 10x
+    /// the control timeout): how long a control may take in all
+    /// ([`callreg::io::WorkerBuilder::operation_timeout`],
+    /// `specs/protocol.md` §2.7). `max_frame_bytes` bounds one task's
+    /// pickled input and result.
     /// `target_initializer`, when given, runs in each target at its start
     /// with the target's id ([`PythonRuntime::with_target_initializer`]:
     /// a result other than `None` is the context every callable there is
     /// called with first).
     #[new]
-    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None))]
+    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None))]
     fn new(
         py: Python<'_>,
         targets: u16,
@@ -208,19 +213,31 @@ impl RawWorker {
         slot_capacity: u16,
         max_frame_bytes: usize,
         target_initializer: Option<Py<PyAny>>,
+        operation_timeout: Option<f64>,
     ) -> PyResult<RawWorker> {
-        if !(control_timeout.is_finite() && control_timeout > 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "control_timeout must be a positive number of seconds, got {control_timeout}"
-            )));
+        for (name, seconds) in [
+            ("control_timeout", Some(control_timeout)),
+            ("operation_timeout", operation_timeout),
+        ] {
+            if let Some(seconds) = seconds {
+                if !(seconds.is_finite() && seconds > 0.0) {
+                    return Err(PyValueError::new_err(format!(
+                        "{name} must be a positive number of seconds, got {seconds}"
+                    )));
+                }
+            }
         }
         let mut runtime = PythonRuntime::inherited();
         if let Some(initializer) = target_initializer {
             runtime = runtime.with_target_initializer(initializer);
         }
-        let worker = Worker::builder(Arc::new(runtime))
+        let mut builder = Worker::builder(Arc::new(runtime))
             .targets(targets)
-            .control_timeout(Duration::from_secs_f64(control_timeout))
+            .control_timeout(Duration::from_secs_f64(control_timeout));
+        if let Some(seconds) = operation_timeout {
+            builder = builder.operation_timeout(Duration::from_secs_f64(seconds));
+        }
+        let worker = builder
             .slot_capacity(slot_capacity)
             .max_frame_bytes(max_frame_bytes)
             // A Python process usually runs other threads; os.fork forks

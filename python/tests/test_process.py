@@ -40,6 +40,55 @@ class Bomb:
         return (_explode, ("this payload refuses to load",))
 
 
+def _square_after(seconds):
+    time.sleep(seconds)
+    return square
+
+
+class SlowToLoad:
+    """Unpickles into :func:`square` after sleeping ``seconds``."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return (_square_after, (self.seconds,))
+
+
+def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_timeout():
+    slow = callreg._callreg.encode_envelope(pickle.dumps(SlowToLoad(1.5)))
+    # Busy, not silent: the targets report the register alive meanwhile.
+    with callreg.Worker(2, control_timeout=0.5) as w:
+        w.start()
+        h = w.register_envelope(slow)
+        assert w.call_all(h, 3) == {0: 9, 1: 9}
+        assert w.targets == [0, 1]
+    # The operation timeout bounds it all the same.
+    with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9) as w:
+        w.start()
+        started = time.monotonic()
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register_envelope(slow)
+        elapsed = time.monotonic() - started
+        assert 0.9 <= elapsed < 1.4, elapsed
+        assert info.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert info.value.outcomes == {0: "fenced", 1: "fenced"}
+        assert w.targets == []
+
+
+def test_operation_timeout_is_checked():
+    with pytest.raises(ValueError, match="operation_timeout must be positive"):
+        callreg.Worker(1, operation_timeout=0)
+    with pytest.raises(ValueError, match="operation_timeout must be positive"):
+        callreg.Worker(1, operation_timeout=float("inf"))
+    with pytest.raises(TypeError, match="operation_timeout must be a number of seconds"):
+        callreg.Worker(1, operation_timeout="10")
+    with pytest.raises(ValueError, match="operation_timeout must be positive"):
+        callreg.NextLevel(1, operation_timeout=-1)
+    assert callreg.NextLevel(1, operation_timeout=2.5).operation_timeout == 2.5
+    assert callreg.NextLevel(1).operation_timeout is None
+
+
 def sleep_then(seconds, value):
     time.sleep(seconds)
     return value

@@ -1,8 +1,16 @@
 //! The target process: installs its startup snapshot, then serves control
 //! frames on one thread and runs tasks on another (specs/design.md §4.2, §5).
 //!
-//! The control thread reads frames from the control socket in order and
-//! drives the protocol's [`Target`] machine (through the [`SlotTable`]);
+//! A reader thread, which never touches the runtime (no GIL), reads
+//! frames from the control socket in order, reports every register and
+//! unregister control [`Frame::Alive`] on receipt, and queues the frames
+//! for the control thread; a heartbeat thread (no GIL either) reports
+//! every control received and not yet answered alive again every
+//! [`TargetSetup::heartbeat`], so a target that is busy (a slow unpickle,
+//! controls queued behind it, a task holding the GIL) is never taken for
+//! a silent one (`specs/protocol.md`, "Deadlines"). The control thread
+//! takes the frames in order and drives the protocol's [`Target`] machine
+//! (through the [`SlotTable`]);
 //! it carries out the machine's effects: it checks the seals of each
 //! staged payload received with a register, maps it read-only, verifies
 //! its digest, installs it from that same mapping through the runtime (checks, then
@@ -32,13 +40,13 @@
 //! or writes any reply.
 
 use std::cell::Cell;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use super::failpoints::{self, ABRUPT_EXIT_CODE};
 use super::process::{exit_unless_target, receive_control, TargetEnds};
@@ -84,6 +92,10 @@ pub struct TargetSetup<R: Runtime> {
     pub slot_capacity: u16,
     /// Maximum frame size in bytes, both directions.
     pub max_frame_bytes: usize,
+    /// How often the heartbeat thread reports each control received and
+    /// not yet answered alive ([`Frame::Alive`]); the parent uses a
+    /// quarter of its control timeout.
+    pub heartbeat: std::time::Duration,
 }
 
 /// Ends the target at once: a fault injected after a decision was made
@@ -101,6 +113,21 @@ struct ReplyWriter {
 }
 
 impl ReplyWriter {
+    /// Sends [`Frame::Alive`] for control `seq` (never delayed by the reply
+    /// failpoint: it is not a reply). Ends the target if the pipe is gone.
+    fn send_alive(&self, seq: u64) {
+        exit_unless_target();
+        let Ok(bytes) = (Frame::Alive { seq }).encode(self.max_frame_bytes) else {
+            // SAFETY: see `abrupt_exit`; an 16-byte frame always fits.
+            unsafe { libc::_exit(REPLY_EXIT_CODE) }
+        };
+        let mut pipe = self.pipe.lock().unwrap_or_else(|p| p.into_inner());
+        if pipe.write_all(&bytes).is_err() {
+            // SAFETY: see `abrupt_exit`; the parent is gone, nobody listens.
+            unsafe { libc::_exit(REPLY_EXIT_CODE) }
+        }
+    }
+
     /// Sends `frame`, shortened to fit the maximum frame size if needed (a
     /// message is cut at a character boundary, an oversized task result is
     /// replaced by an error saying so). Ends the target if the pipe is gone.
@@ -385,15 +412,12 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         id: config.id,
         runtime: &*setup.runtime,
         table,
-        writer,
+        writer: writer.clone(),
         runs,
         hooks: std::cell::RefCell::new(hooks),
         next_hook_seq: Cell::new(u64::MAX),
     };
-    // Never closed before the process ends: a parent that sees the channel
-    // close then always finds an exit status, not a target still exiting.
-    let control = std::mem::ManuallyDrop::new(control);
-    let status = serve(&control, setup.max_frame_bytes, &control_thread);
+    let status = serve(control, setup, &writer, &control_thread);
     setup.runtime.stop();
     status
 }
@@ -474,7 +498,59 @@ fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::
     Ok(callable)
 }
 
-fn serve<R: Runtime>(control: &OwnedFd, max_frame_bytes: usize, this: &Control<'_, R>) -> i32 {
+/// Register and unregister controls received and not yet answered, by
+/// seq: the reader adds one on receipt, the control thread removes it once
+/// it answered, and the heartbeat thread reports each alive meanwhile.
+#[derive(Default)]
+struct Outstanding {
+    seqs: Mutex<BTreeSet<u64>>,
+    changed: Condvar,
+}
+
+impl Outstanding {
+    fn insert(&self, seq: u64) {
+        self.seqs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(seq);
+        self.changed.notify_all();
+    }
+
+    fn remove(&self, seq: u64) {
+        self.seqs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&seq);
+    }
+}
+
+/// What the reader hands the control thread, in arrival order.
+enum Incoming {
+    /// A frame, with the staged payload received with it (registers).
+    Frame(Frame, Option<OwnedFd>),
+    /// The reader stopped: the target ends with this status once every
+    /// frame before it was handled.
+    End(i32),
+}
+
+/// The seq of a frame that owes a [`Frame::Reply`] (a register or an
+/// unregister control).
+fn control_seq(frame: &Frame) -> Option<u64> {
+    match frame {
+        Frame::Register { seq, .. } | Frame::Unregister { seq, .. } => Some(*seq),
+        _ => None,
+    }
+}
+
+/// The reader thread: reads frames from the control socket, reports each
+/// control alive on receipt and queues it; never touches the runtime.
+fn read_controls(
+    control: &OwnedFd,
+    max_frame_bytes: usize,
+    writer: &ReplyWriter,
+    outstanding: &Outstanding,
+    frames: &mpsc::Sender<Incoming>,
+) -> i32 {
     let Ok(mut buffer) = FrameBuffer::new(max_frame_bytes) else {
         return FRAME_EXIT_CODE;
     };
@@ -498,8 +574,16 @@ fn serve<R: Runtime>(control: &OwnedFd, max_frame_bytes: usize, this: &Control<'
         loop {
             match buffer.next_frame() {
                 Ok(Some(frame)) => {
-                    if !this.handle(frame, &mut payloads) {
-                        return FRAME_EXIT_CODE;
+                    let payload = match frame {
+                        Frame::Register { .. } => payloads.pop_front(),
+                        _ => None,
+                    };
+                    if let Some(seq) = control_seq(&frame) {
+                        outstanding.insert(seq);
+                        writer.send_alive(seq);
+                    }
+                    if frames.send(Incoming::Frame(frame, payload)).is_err() {
+                        return 0;
                     }
                 }
                 Ok(None) => break,
@@ -509,11 +593,79 @@ fn serve<R: Runtime>(control: &OwnedFd, max_frame_bytes: usize, this: &Control<'
     }
 }
 
+/// The heartbeat thread: every `every`, reports each outstanding control
+/// alive; sleeps while none is outstanding. Never touches the runtime.
+fn beat(writer: &ReplyWriter, outstanding: &Outstanding, every: std::time::Duration) {
+    let mut seqs = outstanding.seqs.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        seqs = if seqs.is_empty() {
+            outstanding
+                .changed
+                .wait(seqs)
+                .unwrap_or_else(|p| p.into_inner())
+        } else {
+            let (guard, _) = outstanding
+                .changed
+                .wait_timeout(seqs, every)
+                .unwrap_or_else(|p| p.into_inner());
+            let due: Vec<u64> = guard.iter().copied().collect();
+            drop(guard);
+            for seq in due {
+                writer.send_alive(seq);
+            }
+            outstanding.seqs.lock().unwrap_or_else(|p| p.into_inner())
+        };
+    }
+}
+
+fn serve<R: Runtime>(
+    control: OwnedFd,
+    setup: &TargetSetup<R>,
+    writer: &Arc<ReplyWriter>,
+    this: &Control<'_, R>,
+) -> i32 {
+    let outstanding = Arc::new(Outstanding::default());
+    let (frames, incoming) = mpsc::channel::<Incoming>();
+    {
+        let writer = writer.clone();
+        let outstanding = outstanding.clone();
+        let max_frame_bytes = setup.max_frame_bytes;
+        std::thread::spawn(move || {
+            // Never closed before the process ends: a parent that sees the
+            // channel close then always finds an exit status, not a target
+            // still exiting.
+            let control = std::mem::ManuallyDrop::new(control);
+            let end = read_controls(&control, max_frame_bytes, &writer, &outstanding, &frames);
+            let _ = frames.send(Incoming::End(end));
+        });
+    }
+    {
+        let writer = writer.clone();
+        let outstanding = outstanding.clone();
+        let every = setup.heartbeat.max(std::time::Duration::from_millis(1));
+        std::thread::spawn(move || beat(&writer, &outstanding, every));
+    }
+    loop {
+        match incoming.recv() {
+            Ok(Incoming::Frame(frame, payload)) => {
+                let seq = control_seq(&frame);
+                if !this.handle(frame, payload) {
+                    return FRAME_EXIT_CODE;
+                }
+                if let Some(seq) = seq {
+                    outstanding.remove(seq);
+                }
+            }
+            Ok(Incoming::End(code)) => return code,
+            Err(mpsc::RecvError) => return 0,
+        }
+    }
+}
+
 impl<R: Runtime> Control<'_, R> {
-    /// Handles one frame (a register takes the next received staged
-    /// payload from `payloads`); `false` for a frame a target never
-    /// receives.
-    fn handle(&self, frame: Frame, payloads: &mut VecDeque<OwnedFd>) -> bool {
+    /// Handles one frame (a register with the staged payload received
+    /// with it); `false` for a frame a target never receives.
+    fn handle(&self, frame: Frame, payload: Option<OwnedFd>) -> bool {
         match frame {
             Frame::Register {
                 seq,
@@ -522,7 +674,7 @@ impl<R: Runtime> Control<'_, R> {
                 metadata,
             } => {
                 let metadata = parse_metadata(&metadata);
-                let opened = open_and_verify(payloads.pop_front(), staged_size);
+                let opened = open_and_verify(payload, staged_size);
                 let failpoint = failpoints::hit(failpoints::TARGET_BEFORE_INSTALL);
                 let verified = match (&opened, failpoint, &metadata) {
                     (_, Err(message), _) => Err(Failure::new(ErrorCode::IO_FAILED, message)),
@@ -613,7 +765,8 @@ impl<R: Runtime> Control<'_, R> {
             Frame::Reply { .. }
             | Frame::TaskResult { .. }
             | Frame::Ready { .. }
-            | Frame::Table { .. } => {
+            | Frame::Table { .. }
+            | Frame::Alive { .. } => {
                 return false;
             }
         }

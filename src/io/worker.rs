@@ -82,6 +82,10 @@ use crate::wire::{Frame, FrameBuffer, DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, MIN
 /// The default control timeout: 30 seconds.
 pub const DEFAULT_CONTROL_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The default operation timeout, as a multiple of the control timeout
+/// ([`WorkerBuilder::operation_timeout`]).
+pub const OPERATION_TIMEOUT_FACTOR: u32 = 10;
+
 /// How long [`Worker::close`] lets targets exit on their own (after their
 /// control pipe closes) before killing them.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
@@ -222,6 +226,7 @@ pub struct WorkerBuilder<R: Runtime> {
     runtime: Arc<R>,
     targets: u16,
     control_timeout: Duration,
+    operation_timeout: Option<Duration>,
     slot_capacity: u16,
     max_frame_bytes: usize,
     fence_on_timeout: bool,
@@ -237,6 +242,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             runtime,
             targets: 1,
             control_timeout: DEFAULT_CONTROL_TIMEOUT,
+            operation_timeout: None,
             slot_capacity: DEFAULT_SLOT_CAPACITY,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             fence_on_timeout: true,
@@ -250,8 +256,11 @@ impl<R: Runtime> WorkerBuilder<R> {
         self
     }
 
-    /// How long a target has to answer a register, an unregister, a
-    /// cleanup or an inspection, and how long [`Worker::start`] waits for
+    /// How long a target may stay silent about a register, an unregister
+    /// or a cleanup it owes an answer (a target reports alive on receipt
+    /// and every quarter of this while the control is queued or running,
+    /// `specs/protocol.md`, "Deadlines"), how long it has to answer an
+    /// inspection, and how long [`Worker::start`] waits for
     /// every target to be ready, counted from before its first fork (one
     /// deadline for the whole start, not one per target: a target's
     /// runtime start — about 50 ms of CPU for Python — competes with the
@@ -259,6 +268,16 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// cores`, with a margin).
     pub fn control_timeout(mut self, timeout: Duration) -> Self {
         self.control_timeout = timeout;
+        self
+    }
+
+    /// How long a register, an unregister or a cleanup may take in all,
+    /// counted from its send, even from a target that keeps reporting
+    /// alive (`specs/protocol.md`, "Deadlines"); past it the target is
+    /// fenced like a silent one. Default: [`OPERATION_TIMEOUT_FACTOR`]
+    /// times the control timeout.
+    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = Some(timeout);
         self
     }
 
@@ -321,6 +340,15 @@ impl<R: Runtime> WorkerBuilder<R> {
         let machine = Parent::new(ParentConfig {
             targets: self.targets,
             control_timeout: u64::try_from(self.control_timeout.as_micros()).unwrap_or(u64::MAX),
+            operation_timeout: u64::try_from(
+                self.operation_timeout
+                    .unwrap_or(
+                        self.control_timeout
+                            .saturating_mul(OPERATION_TIMEOUT_FACTOR),
+                    )
+                    .as_micros(),
+            )
+            .unwrap_or(u64::MAX),
             fence_on_timeout: self.fence_on_timeout,
             owner,
             slot_capacity: self.slot_capacity,
@@ -1010,6 +1038,7 @@ impl<R: Runtime> Worker<R> {
             metadata: core.metadata.clone(),
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
+            heartbeat: self.control_timeout / 4,
         };
         let processes = process::spawn_targets(
             usize::from(self.targets),
@@ -2042,6 +2071,10 @@ impl IoLoop {
                     waiter.done.complete(tables);
                 }
                 Ok(())
+            }
+            Frame::Alive { seq } => {
+                let handled = core.machine.handle_alive(target, Seq(seq), self.now());
+                handled.map_err(|e| format!("it sent an alive report out of protocol: {e}"))
             }
             other => Err(format!(
                 "it sent a {:?} frame, which only a parent sends",

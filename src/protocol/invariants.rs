@@ -586,6 +586,7 @@ mod tests {
         let mut parent = Parent::new(ParentConfig {
             targets: 2,
             control_timeout: 10,
+            operation_timeout: 100,
             fence_on_timeout: true,
             owner: OwnerToken(3),
             slot_capacity: 64,

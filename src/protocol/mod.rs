@@ -42,6 +42,7 @@
 //! let mut parent = Parent::new(ParentConfig {
 //!     targets: 1,
 //!     control_timeout: 1_000_000,
+//!     operation_timeout: 10_000_000,
 //!     fence_on_timeout: true,
 //!     owner: OwnerToken(7),
 //!     slot_capacity: DEFAULT_SLOT_CAPACITY,
@@ -338,6 +339,9 @@ pub enum Mutant {
     /// Target: free a slot at its last unregister even while a run holds it
     /// (caught by invariant 4).
     FreeSlotHeldByRun,
+    /// Parent: ignore alive reports, so a deadline counts from the send
+    /// (caught by the model's "heard targets wait for the bound").
+    IgnoreAlive,
 }
 
 #[cfg(feature = "mutants")]
@@ -351,5 +355,6 @@ impl Mutant {
         Mutant::ReleaseStagedEarly,
         Mutant::SkipDigestVerification,
         Mutant::FreeSlotHeldByRun,
+        Mutant::IgnoreAlive,
     ];
 }

@@ -31,9 +31,18 @@ pub struct ParentConfig {
     /// Number of targets; they are `TargetId(0)..TargetId(targets)`, all
     /// serving [`Namespace::LocalPython`], all started by [`Parent::start`].
     pub targets: u16,
-    /// How long (microseconds) a target has to answer a register, an
-    /// unregister or a cleanup before its deadline passes.
+    /// How long (microseconds) a target may stay silent about a register,
+    /// an unregister or a cleanup it owes an answer: its silence deadline
+    /// is the last time it was heard from about that control (the send,
+    /// or its latest [`Parent::handle_alive`]) plus this
+    /// (`specs/protocol.md`, "Deadlines").
     pub control_timeout: u64,
+    /// How long (microseconds) an operation phase (the controls, or the
+    /// cleanup) may take in all, counted from its send, however often the
+    /// target says it is alive: the bound on a control that never finishes
+    /// (`specs/protocol.md`, "Deadlines"). At least `control_timeout` to
+    /// mean anything; a smaller value makes the bound the earlier deadline.
+    pub operation_timeout: u64,
     /// At a passed deadline: `true` fences the silent target (the IO layer
     /// kills and reaps it; it becomes lost and nothing turns uncertain);
     /// `false` leaves it running and marks the digest uncertain
@@ -263,7 +272,8 @@ pub(crate) enum OpKind {
     Register {
         /// The staged payload, until released.
         staging: Option<StagingId>,
-        /// Once rolling back: the cleanup's seq and deadline.
+        /// Once rolling back: the cleanup's seq and its bound (send time
+        /// plus the operation timeout).
         cleanup: Option<(Seq, Time)>,
     },
     /// A post-start unregister of `handle` (already out of the registry).
@@ -277,14 +287,19 @@ pub(crate) struct Op {
     pub(crate) digest: Digest,
     pub(crate) namespace: Namespace,
     pub(crate) seq: Seq,
+    /// The bound of the controls phase: send time plus the operation
+    /// timeout.
     pub(crate) deadline: Time,
+    /// When each target in scope was last heard from about the control it
+    /// owes (the phase's send time, then its latest alive report).
+    pub(crate) heard: BTreeMap<TargetId, Time>,
     /// The scope (live targets at the start) and where each stands.
     pub(crate) scope: BTreeMap<TargetId, Progress>,
 }
 
 impl Op {
-    /// The deadline of the phase the operation is in.
-    fn phase_deadline(&self) -> Time {
+    /// The bound of the phase the operation is in.
+    fn phase_bound(&self) -> Time {
         match self.kind {
             OpKind::Register {
                 cleanup: Some((_, deadline)),
@@ -292,6 +307,29 @@ impl Op {
             } => deadline,
             _ => self.deadline,
         }
+    }
+
+    /// The deadline of `target` if the operation waits for it: the earlier
+    /// of its silence deadline (last heard plus `control_timeout`) and the
+    /// phase's bound.
+    fn target_deadline(&self, target: TargetId, control_timeout: u64) -> Option<Time> {
+        match self.scope.get(&target) {
+            Some(Progress::Pending | Progress::CleanupPending) => {}
+            _ => return None,
+        }
+        let heard = self.heard.get(&target).copied().unwrap_or(Time(0));
+        Some(
+            heard
+                .saturating_add_micros(control_timeout)
+                .min(self.phase_bound()),
+        )
+    }
+
+    /// The targets this operation waits for, each with its deadline.
+    fn deadlines(&self, control_timeout: u64) -> impl Iterator<Item = (TargetId, Time)> + '_ {
+        self.scope
+            .keys()
+            .filter_map(move |t| Some((*t, self.target_deadline(*t, control_timeout)?)))
     }
 
     fn waiting(&self) -> bool {
@@ -615,6 +653,7 @@ impl Parent {
     /// let config = ParentConfig {
     ///     targets: 2,
     ///     control_timeout: 1_000_000,
+    ///     operation_timeout: 10_000_000,
     ///     fence_on_timeout: true,
     ///     owner: OwnerToken(1),
     ///     slot_capacity: 64,
@@ -639,8 +678,15 @@ impl Parent {
     ///     })
     ///     .collect();
     /// assert_eq!(receivers, [TargetId(0), TargetId(1)]);
-    /// // Its deadline is the control timeout after `now`.
+    /// // Its deadline is the control timeout after `now` (the targets'
+    /// // silence deadline), its bound the operation timeout after it.
     /// assert_eq!(parent.poll_timeout(), Some(Time(1_000_000)));
+    /// assert_eq!(parent.poll_bound(), Some(Time(10_000_000)));
+    /// // Target 0 reports alive at 0.9 s: only target 1 is still due at 1 s.
+    /// parent.handle_alive(TargetId(0), callreg::protocol::Seq(1), Time(900_000)).unwrap();
+    /// parent.handle_timeout(Time(1_000_000));
+    /// assert_eq!(parent.poll_effect(), Some(Effect::Fence { target: TargetId(1) }));
+    /// assert_eq!(parent.poll_timeout(), Some(Time(1_900_000)));
     /// ```
     pub fn register(
         &mut self,
@@ -697,7 +743,8 @@ impl Parent {
             digest,
             namespace,
             seq,
-            deadline: now.saturating_add_micros(self.config.control_timeout),
+            deadline: now.saturating_add_micros(self.config.operation_timeout),
+            heard: scope.keys().map(|t| (*t, now)).collect(),
             scope,
         };
         let id = OpId(seq.0);
@@ -752,7 +799,8 @@ impl Parent {
                 digest,
                 namespace: record.namespace,
                 seq,
-                deadline: now.saturating_add_micros(self.config.control_timeout),
+                deadline: now.saturating_add_micros(self.config.operation_timeout),
+                heard: scope.keys().map(|t| (*t, now)).collect(),
                 scope,
             },
         );
@@ -1094,47 +1142,45 @@ impl Parent {
         Ok(())
     }
 
-    /// Applies every deadline at or before `now`. A target still silent for
-    /// an operation past its deadline is, with `fence_on_timeout`, fenced
-    /// ([`Effect::Fence`], then lost everywhere); without, it is timed out
-    /// and the operation's digest becomes uncertain (its effect on the
-    /// target is unknown). Does nothing before start or after close.
+    /// Applies every deadline at or before `now` (`specs/protocol.md`,
+    /// "Deadlines"). A target's deadline for an operation waiting for it
+    /// is the earlier of its silence deadline (when it was last heard from
+    /// about the control, plus `control_timeout`) and the phase's bound
+    /// (send plus `operation_timeout`). A target whose deadline passed is,
+    /// with `fence_on_timeout`, fenced ([`Effect::Fence`], then lost
+    /// everywhere); without, it is timed out for that operation and the
+    /// operation's digest becomes uncertain (its effect on the target is
+    /// unknown). Does nothing before start or after close.
     pub fn handle_timeout(&mut self, now: Time) {
         if self.lifecycle != Lifecycle::Started {
             return;
         }
-        let expired: Vec<OpId> = self
+        let control_timeout = self.config.control_timeout;
+        let expired: Vec<(OpId, TargetId)> = self
             .ops
             .iter()
-            .filter(|(_, op)| op.waiting() && op.phase_deadline() <= now)
-            .map(|(id, _)| *id)
+            .flat_map(|(id, op)| {
+                op.deadlines(control_timeout)
+                    .filter(|(_, deadline)| *deadline <= now)
+                    .map(|(t, _)| (*id, t))
+                    .collect::<Vec<_>>()
+            })
             .collect();
         if self.config.fence_on_timeout {
-            let mut silent = BTreeSet::new();
-            for id in &expired {
-                if let Some(op) = self.ops.get(id) {
-                    silent.extend(
-                        op.scope
-                            .iter()
-                            .filter(|(_, p)| {
-                                matches!(p, Progress::Pending | Progress::CleanupPending)
-                            })
-                            .map(|(t, _)| *t),
-                    );
-                }
-            }
+            let silent: BTreeSet<TargetId> = expired.iter().map(|(_, t)| *t).collect();
             for target in silent {
                 self.effects.push_back(Effect::Fence { target });
                 self.lose(target, Progress::Fenced, now);
             }
             return;
         }
-        for id in expired {
+        let mut touched = BTreeSet::new();
+        for (id, target) in expired {
             let Some(op) = self.ops.get_mut(&id) else {
                 continue;
             };
             let digest = op.digest;
-            for progress in op.scope.values_mut() {
+            if let Some(progress) = op.scope.get_mut(&target) {
                 match progress {
                     Progress::Pending => *progress = Progress::TimedOut,
                     Progress::CleanupPending => {
@@ -1147,8 +1193,62 @@ impl Parent {
                 }
             }
             self.mark_uncertain(digest);
+            touched.insert(id);
+        }
+        for id in touched {
             self.advance(id, now);
         }
+    }
+
+    /// `target` says it is alive and still busy with control `seq` (it
+    /// received it, and it is queued or running there): the silence
+    /// deadline of the operation waiting for that answer moves to `now`
+    /// plus `control_timeout`; the operation's bound does not move
+    /// (`specs/protocol.md`, "Deadlines"). An alive report for a control
+    /// no operation awaits from `target` (it raced the reply, or came after
+    /// the target's deadline passed) changes nothing: it says nothing about
+    /// what the target holds. Ignored from a lost target and after close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id
+    /// out of range or a seq this parent never issued (nothing changes).
+    pub fn handle_alive(&mut self, target: TargetId, seq: Seq, now: Time) -> Result<(), Error> {
+        match self.lifecycle {
+            Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Reply, "started")),
+            Lifecycle::Closed => return Ok(()),
+            Lifecycle::Started => {}
+        }
+        self.check_target(target, OperationKind::Reply)?;
+        if self.lost.contains(&target) {
+            return Ok(());
+        }
+        if seq.0 == 0 || seq.0 >= self.next_seq {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Reply,
+                format!("alive report for {seq} which this Worker never issued"),
+            )
+            .with_target(target)
+            .with_seq(seq));
+        }
+        if mutant!(self, IgnoreAlive) {
+            return Ok(());
+        }
+        for op in self.ops.values_mut() {
+            let awaited = match op.scope.get(&target) {
+                Some(Progress::Pending) => op.seq == seq,
+                Some(Progress::CleanupPending) => matches!(
+                    op.kind,
+                    OpKind::Register { cleanup: Some((cleanup, _)), .. } if cleanup == seq
+                ),
+                _ => false,
+            };
+            if awaited {
+                let heard = op.heard.entry(target).or_insert(now);
+                *heard = (*heard).max(now);
+            }
+        }
+        Ok(())
     }
 
     /// Closes the Worker: every operation in flight completes with
@@ -1194,13 +1294,26 @@ impl Parent {
         self.effects.pop_front()
     }
 
-    /// The earliest deadline among operations still waiting for a target,
-    /// if any: call [`Parent::handle_timeout`] once it has passed.
+    /// The earliest deadline of a target some operation still waits for
+    /// (the earlier of its silence deadline and the phase's bound, see
+    /// [`Parent::handle_timeout`]), if any: call
+    /// [`Parent::handle_timeout`] once it has passed.
     pub fn poll_timeout(&self) -> Option<Time> {
         self.ops
             .values()
+            .flat_map(|op| op.deadlines(self.config.control_timeout))
+            .map(|(_, deadline)| deadline)
+            .min()
+    }
+
+    /// The earliest operation bound among targets some operation still
+    /// waits for (send time plus `operation_timeout`), if any: the latest a
+    /// target that keeps reporting alive can go unanswered.
+    pub fn poll_bound(&self) -> Option<Time> {
+        self.ops
+            .values()
             .filter(|op| op.waiting())
-            .map(Op::phase_deadline)
+            .map(Op::phase_bound)
             .min()
     }
 
@@ -1276,6 +1389,30 @@ impl Parent {
         })
     }
 
+    /// Every control an operation awaits from `target` (a register,
+    /// unregister or cleanup seq) with its phase's bound (send time plus
+    /// `operation_timeout`), in seq order. The model checker uses it to
+    /// check that a target heard from is fenced only at a bound.
+    pub fn awaited_controls(&self, target: TargetId) -> Vec<(Seq, Time)> {
+        let mut awaited: Vec<(Seq, Time)> = self
+            .ops
+            .values()
+            .filter_map(|op| match (op.scope.get(&target), &op.kind) {
+                (Some(Progress::Pending), _) => Some((op.seq, op.phase_bound())),
+                (
+                    Some(Progress::CleanupPending),
+                    OpKind::Register {
+                        cleanup: Some((seq, bound)),
+                        ..
+                    },
+                ) => Some((*seq, *bound)),
+                _ => None,
+            })
+            .collect();
+        awaited.sort();
+        awaited
+    }
+
     /// A copy of this parent with every target id `t` renamed
     /// `permutation[t]` (in the lost set, the scopes and confirmations of
     /// handles and operations, and undrained effects); ids without an entry
@@ -1298,6 +1435,10 @@ impl Parent {
             op.scope = std::mem::take(&mut op.scope)
                 .into_iter()
                 .map(|(t, p)| (map(&t), p))
+                .collect();
+            op.heard = std::mem::take(&mut op.heard)
+                .into_iter()
+                .map(|(t, h)| (map(&t), h))
                 .collect();
         }
         for effect in copy.effects.iter_mut() {
@@ -1426,7 +1567,7 @@ impl Parent {
         let seq = self.fresh_seq();
         let skip = mutant!(self, SkipCleanup);
         let unconfirmed_too = mutant!(self, CleanupUnconfirmedTargets);
-        let deadline = now.saturating_add_micros(self.config.control_timeout);
+        let deadline = now.saturating_add_micros(self.config.operation_timeout);
         let lost = self.lost.clone();
         let Some(op) = self.ops.get_mut(&id) else {
             return;
@@ -1448,6 +1589,7 @@ impl Parent {
             };
             if clean {
                 *progress = Progress::CleanupPending;
+                op.heard.insert(*target, now);
                 frames.push(Effect::Send {
                     target: *target,
                     frame: ControlFrame::Unregister { seq, digest },
@@ -1572,6 +1714,7 @@ mod tests {
         let mut p = Parent::new(ParentConfig {
             targets,
             control_timeout: 100,
+            operation_timeout: 1_000,
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
@@ -1596,6 +1739,7 @@ mod tests {
         Parent::new(ParentConfig {
             targets,
             control_timeout: 100,
+            operation_timeout: 1_000,
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
@@ -1711,6 +1855,7 @@ mod tests {
         let mut p = Parent::new(ParentConfig {
             targets: 1,
             control_timeout: 100,
+            operation_timeout: 1_000,
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 2,
@@ -1768,6 +1913,140 @@ mod tests {
         assert_eq!(e.code, ErrorCode::NO_LIVE_TARGET);
         assert_eq!(drain(&mut p), vec![]);
         assert_eq!(p.next_seq, 1, "no seq consumed");
+    }
+
+    fn fences(effects: &[Effect]) -> Vec<TargetId> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Fence { target } => Some(*target),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_alive_report_moves_the_silence_deadline_but_never_the_bound() {
+        let mut p = started(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        assert_eq!(p.poll_timeout(), Some(Time(100)));
+        assert_eq!(p.poll_bound(), Some(Time(1_000)));
+        p.handle_alive(TargetId(0), Seq(1), Time(80)).unwrap();
+        // Target 1 is still only heard from at the send.
+        assert_eq!(p.poll_timeout(), Some(Time(100)));
+        p.handle_alive(TargetId(1), Seq(1), Time(90)).unwrap();
+        assert_eq!(p.poll_timeout(), Some(Time(180)));
+        // Both keep reporting: nothing expires before the bound.
+        for now in (90..=990).step_by(90) {
+            p.handle_alive(TargetId(0), Seq(1), Time(now)).unwrap();
+            p.handle_alive(TargetId(1), Seq(1), Time(now)).unwrap();
+            p.handle_timeout(Time(now));
+            assert_eq!(fences(&drain(&mut p)), Vec::<TargetId>::new(), "at {now}");
+        }
+        assert_eq!(p.poll_timeout(), Some(Time(1_000)));
+        p.handle_timeout(Time(999));
+        assert_eq!(fences(&drain(&mut p)), Vec::<TargetId>::new());
+        p.handle_timeout(Time(1_000));
+        assert_eq!(fences(&drain(&mut p)), vec![TargetId(0), TargetId(1)]);
+        assert_eq!(p.poll_timeout(), None);
+    }
+
+    #[test]
+    fn only_the_silent_target_is_fenced_at_its_silence_deadline() {
+        let mut p = started(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.handle_alive(TargetId(0), Seq(1), Time(60)).unwrap();
+        p.handle_timeout(Time(100));
+        assert_eq!(fences(&drain(&mut p)), vec![TargetId(1)]);
+        assert!(p.is_target_live(TargetId(0)));
+        assert!(!p.is_target_live(TargetId(1)));
+        assert_eq!(p.poll_timeout(), Some(Time(160)));
+        // The heard target answers; the register fails (one target was
+        // fenced) and rolls it back under a fresh deadline.
+        p.handle_reply(TargetId(0), ok(1, 1), Time(120)).unwrap();
+        let effects = drain(&mut p);
+        assert!(effects.contains(&Effect::Send {
+            target: TargetId(0),
+            frame: ControlFrame::Unregister {
+                seq: Seq(2),
+                digest: digest(1)
+            }
+        }));
+        assert_eq!(p.poll_timeout(), Some(Time(220)));
+        assert_eq!(p.poll_bound(), Some(Time(1_120)));
+        // The cleanup is kept alive the same way.
+        p.handle_alive(TargetId(0), Seq(2), Time(200)).unwrap();
+        assert_eq!(p.poll_timeout(), Some(Time(300)));
+        assert!(p.uncertain_digests().is_empty());
+    }
+
+    #[test]
+    fn without_fencing_a_silent_target_times_out_alone() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 100,
+            operation_timeout: 1_000,
+            fence_on_timeout: false,
+            owner: OwnerToken(7),
+            slot_capacity: 4,
+        });
+        p.start().unwrap();
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.handle_alive(TargetId(0), Seq(1), Time(50)).unwrap();
+        p.handle_timeout(Time(100));
+        assert_eq!(fences(&drain(&mut p)), Vec::<TargetId>::new());
+        assert!(p.is_uncertain(digest(1)));
+        // Target 0 is still awaited, under its own deadline.
+        assert!(p.awaits_reply(TargetId(0), Seq(1)));
+        assert!(!p.awaits_reply(TargetId(1), Seq(1)));
+        assert_eq!(p.poll_timeout(), Some(Time(150)));
+    }
+
+    #[test]
+    fn an_alive_report_for_a_control_not_awaited_changes_nothing() {
+        let mut p = started(2);
+        assert_eq!(
+            p.handle_alive(TargetId(0), Seq(1), Time(0))
+                .unwrap_err()
+                .code,
+            ErrorCode::FRAME_INVALID
+        );
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.handle_reply(TargetId(0), ok(1, 1), Time(10)).unwrap();
+        let before = p.clone();
+        // It raced the reply: no deadline moves, nothing turns uncertain.
+        p.handle_alive(TargetId(0), Seq(1), Time(90)).unwrap();
+        assert_eq!(p, before);
+        assert_eq!(p.poll_timeout(), Some(Time(100)));
+        assert!(p.uncertain_digests().is_empty());
+        assert_eq!(
+            p.handle_alive(TargetId(1), Seq(2), Time(20))
+                .unwrap_err()
+                .code,
+            ErrorCode::FRAME_INVALID
+        );
+        assert_eq!(
+            p.handle_alive(TargetId(2), Seq(1), Time(20))
+                .unwrap_err()
+                .code,
+            ErrorCode::FRAME_INVALID
+        );
+        let mut unstarted = new_parent(1);
+        assert_eq!(
+            unstarted
+                .handle_alive(TargetId(0), Seq(1), Time(0))
+                .unwrap_err()
+                .code,
+            ErrorCode::LIFECYCLE_INVALID
+        );
     }
 
     #[test]
@@ -1937,6 +2216,7 @@ mod tests {
         let mut p = Parent::new(ParentConfig {
             targets: 1,
             control_timeout: 100,
+            operation_timeout: 1_000,
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
@@ -1962,6 +2242,7 @@ mod tests {
         let mut p = Parent::new(ParentConfig {
             targets: 2,
             control_timeout: 100,
+            operation_timeout: 1_000,
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
@@ -1998,6 +2279,7 @@ mod tests {
         let mut p = Parent::new(ParentConfig {
             targets: 1,
             control_timeout: 100,
+            operation_timeout: 1_000,
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,

@@ -81,6 +81,7 @@ impl Sim {
         let config = ParentConfig {
             targets,
             control_timeout: 1_000,
+            operation_timeout: 10_000,
             fence_on_timeout,
             owner: OwnerToken(0x5eed),
             slot_capacity,
