@@ -865,6 +865,7 @@ mod tests {
         let mut parent = Parent::new(ParentConfig {
             targets: 2,
             control_timeout: 10,
+            operation_timeout: 100,
             fence_on_timeout: true,
             owner: OwnerToken(3),
             slot_capacity: 64,
@@ -1031,6 +1032,7 @@ mod tests {
             let mut parent = Parent::new(ParentConfig {
                 targets: 2,
                 control_timeout: 10,
+                operation_timeout: 100,
                 fence_on_timeout: true,
                 owner: OwnerToken(owner),
                 slot_capacity: 64,
@@ -1090,6 +1092,7 @@ mod tests {
         let mut parent = Parent::new(ParentConfig {
             targets: 1,
             control_timeout: 1_000,
+            operation_timeout: 10_000,
             fence_on_timeout: false,
             owner: OwnerToken(3),
             slot_capacity: 64,
