@@ -134,6 +134,7 @@ fn main() {
         fence_on_timeout: true,
         owner: OwnerToken(0x5eed),
         slot_capacity: DEFAULT_SLOT_CAPACITY,
+        probe_first: false,
     };
     let mut world = World {
         parent: Parent::new(config),

@@ -109,6 +109,10 @@ error_codes! {
     /// honour, or names a hook hashid with no live registration in the
     /// namespace (refused by the parent before a register is broadcast).
     METADATA_INVALID = 28,
+    /// Installing this callable killed the target that tried it first (it
+    /// was lost while deserializing it): the register is refused for the
+    /// rest of the Worker's life (`specs/protocol.md` §2.8).
+    REGISTER_POISONED = 29,
 }
 
 impl std::fmt::Display for ErrorCode {

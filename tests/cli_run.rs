@@ -129,7 +129,8 @@ fn the_example_plan_meets_every_expectation() {
     };
     assert_eq!(hashid("add"), hashid("add_again"));
     // Metadata: side-cars by default, inline where the plan gives it; the
-    // refused registers name each target's code.
+    // refused registers name the code of the target that tried them first
+    // (the others never receive a register no target has installed yet).
     let register = |name: &str| {
         lines
             .iter()
@@ -146,9 +147,9 @@ fn the_example_plan_meets_every_expectation() {
         let line = register(name);
         let error = line["error"].as_str().unwrap();
         assert!(error.starts_with("REGISTER_PARTIAL_FAILURE: "), "{line}");
-        assert_eq!(error.matches(&format!(": {code}: ")).count(), 3, "{line}");
+        assert_eq!(error.matches(&format!(": {code}: ")).count(), 1, "{line}");
         let targets = line["targets"].as_array().unwrap();
-        assert_eq!(targets.len(), 3, "{line}");
+        assert_eq!(targets.len(), 1, "{line}");
         for (index, target) in targets.iter().enumerate() {
             assert_eq!(target["target"], index, "{line}");
             assert_eq!(target["outcome"], "failed", "{line}");

@@ -514,7 +514,8 @@ fn a_killed_parent_leaves_no_staged_payload() {
                 format!("{}=sleep(10000)", failpoints::TARGET_BEFORE_INSTALL),
             );
         }
-        let worker = builder(2).build().unwrap();
+        // Probe-first off: both targets get the register at once.
+        let worker = builder(2).probe_first(false).build().unwrap();
         worker.start().unwrap();
         let pids = [
             worker.target_pid(TargetId(0)).unwrap(),

@@ -82,7 +82,7 @@ fn inspect_gives_up_a_stopped_target_at_the_control_timeout() {
 /// A register whose targets die says, per target, why it was lost and how
 /// it ended (as a task's `TARGET_LOST` does).
 fn a_register_failure_says_why_each_target_was_lost() {
-    let worker = builder(2).build().unwrap();
+    let worker = builder(2).probe_first(false).build().unwrap();
     worker.start().unwrap();
     let error = worker.register(&envelope("crash")).unwrap_err();
     assert_eq!(

@@ -217,7 +217,8 @@ fn duplicate_register_counts_references() {
 }
 
 fn deserialize_failure_rolls_back_everywhere() {
-    let worker = builder(3).build().unwrap();
+    // Every target deserializes it at once (probe-first off).
+    let worker = builder(3).probe_first(false).build().unwrap();
     worker.start().unwrap();
     let err = worker.register(&envelope("bad no luck")).unwrap_err();
     assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
@@ -343,7 +344,8 @@ fn a_long_task_does_not_delay_a_register() {
 }
 
 fn kill_9_mid_operation_loses_only_that_target() {
-    let worker = builder(3).build().unwrap();
+    // Every target deserializes it at once (probe-first off).
+    let worker = builder(3).probe_first(false).build().unwrap();
     worker.start().unwrap();
     let pending = worker.register_async(&envelope("slow 2000")).unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -408,6 +410,7 @@ fn a_target_exiting_in_a_task_is_reaped_and_lost() {
 /// operation timeout (600 ms), not the control timeout, fences them.
 fn hung_targets_are_fenced_at_the_deadline() {
     let worker = builder(2)
+        .probe_first(false)
         .control_timeout(Duration::from_millis(300))
         .operation_timeout(Duration::from_millis(600))
         .build()

@@ -152,8 +152,10 @@ fn json_results(
 
 fn a_whole_plan_never_deserializes_in_the_parent() {
     assert_no_python_in_parent("before the plan");
+    // Probe-first off: every target reports each failing register.
     let worker = Worker::builder(Arc::new(Guarded::new()))
         .targets(TARGETS)
+        .probe_first(false)
         .control_timeout(Duration::from_secs(20))
         .build()
         .expect("a Worker");

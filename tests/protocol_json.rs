@@ -80,6 +80,7 @@ fn driven_parent() -> (Parent, OpId, Effect) {
         fence_on_timeout: false,
         owner: OwnerToken(7),
         slot_capacity: 64,
+        probe_first: false,
     });
     parent
         .register_before_start(digest(SERIALIZED), Namespace::LocalPython)
@@ -335,6 +336,7 @@ fn registry_snapshot_of_a_driven_parent() {
         fence_on_timeout: true,
         owner: OwnerToken(1),
         slot_capacity: 64,
+        probe_first: false,
     });
     assert_eq!(
         fresh.registry_snapshot().to_json(),

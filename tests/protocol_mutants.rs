@@ -168,6 +168,7 @@ fn ignoring_alive_reports_fences_a_target_that_was_heard_from() {
             fence_on_timeout: true,
             owner: OwnerToken(1),
             slot_capacity: 4,
+            probe_first: false,
         });
         if let Some(mutant) = mutant {
             parent = parent.with_mutant(mutant);

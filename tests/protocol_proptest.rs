@@ -56,7 +56,7 @@ fn step(targets: u16) -> impl Strategy<Value = Step> {
     ]
 }
 
-fn scenario() -> impl Strategy<Value = (u16, bool, u16, Vec<u8>, Vec<Step>)> {
+fn scenario() -> impl Strategy<Value = (u16, bool, u16, Vec<u8>, Vec<Step>, bool)> {
     (1u16..=4).prop_flat_map(|targets| {
         (
             Just(targets),
@@ -64,6 +64,7 @@ fn scenario() -> impl Strategy<Value = (u16, bool, u16, Vec<u8>, Vec<Step>)> {
             1u16..=3,
             prop::collection::vec(0u8..3, 0..3),
             prop::collection::vec(step(targets), 1..80),
+            any::<bool>(),
         )
     })
 }
@@ -77,7 +78,9 @@ fn apply(sim: &mut Sim, step: &Step) {
                 Err(e) => assert!(
                     matches!(
                         e.code,
-                        ErrorCode::REGISTER_CLEANUP_UNCERTAIN | ErrorCode::NO_LIVE_TARGET
+                        ErrorCode::REGISTER_CLEANUP_UNCERTAIN
+                            | ErrorCode::NO_LIVE_TARGET
+                            | ErrorCode::REGISTER_POISONED
                     ),
                     "unexpected register error {e}"
                 ),
@@ -137,9 +140,10 @@ proptest! {
 
     #[test]
     fn invariants_hold_and_every_operation_completes(
-        (targets, fence, capacity, before, steps) in scenario()
+        (targets, fence, capacity, before, steps, probe) in scenario()
     ) {
-        let mut sim = Sim::new(targets, fence, capacity.max(before.len() as u16), &before);
+        let capacity = capacity.max(before.len() as u16);
+        let mut sim = Sim::with_probe(targets, fence, capacity, &before, probe);
         sim.check().map_err(|v| TestCaseError::fail(v.to_string()))?;
         for s in &steps {
             apply(&mut sim, s);
@@ -156,10 +160,16 @@ proptest! {
         if fence {
             for c in &sim.completed {
                 if let Err(e) = &c.result {
-                    prop_assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE, "{}", e);
+                    // A probe lost while deserializing poisons its digest.
+                    let poisoned = probe && e.code == ErrorCode::REGISTER_POISONED;
+                    prop_assert!(poisoned || e.code == ErrorCode::REGISTER_PARTIAL_FAILURE, "{}", e);
                 }
             }
             prop_assert!(sim.ever_uncertain.is_empty(), "uncertain with fencing: {:?}", sim.ever_uncertain);
+        }
+        // A poisoned digest was never published, and only probing poisons.
+        for (digest, _) in sim.parent.poisoned_digests() {
+            prop_assert!(probe && !sim.parent.is_live(digest, callreg::protocol::Namespace::LocalPython));
         }
         // Every published handle is distinct.
         let mut ids: Vec<u64> = sim

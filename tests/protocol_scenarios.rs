@@ -23,6 +23,7 @@ fn started(targets: u16, fence_on_timeout: bool) -> Parent {
         fence_on_timeout,
         owner: OWNER,
         slot_capacity: 64,
+        probe_first: false,
     });
     p.start().unwrap();
     p
@@ -170,6 +171,7 @@ fn pre_start_registrations_appear_in_the_snapshot_with_counts() {
         fence_on_timeout: true,
         owner: OWNER,
         slot_capacity: 64,
+        probe_first: false,
     });
     let a = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -426,6 +428,7 @@ fn unregister_of_an_unknown_digest_is_reported() {
         fence_on_timeout: true,
         owner: OWNER,
         slot_capacity: 64,
+        probe_first: false,
     });
     let h = p
         .register_before_start(digest(7), Namespace::LocalPython)
@@ -725,6 +728,7 @@ fn an_unregister_whose_target_timed_out_without_fencing_fails() {
         fence_on_timeout: false,
         owner: OWNER,
         slot_capacity: 64,
+        probe_first: false,
     });
     let h = p
         .register_before_start(digest(1), Namespace::LocalPython)

@@ -20,6 +20,7 @@ fn config(fence_on_timeout: bool) -> ParentConfig {
         fence_on_timeout,
         owner: OwnerToken(1),
         slot_capacity: 64,
+        probe_first: false,
     }
 }
 

@@ -19,6 +19,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use callreg::error::ErrorCode;
+use callreg::io::process::Exit;
 use callreg::io::Worker;
 use callreg::protocol::{TargetId, TargetOutcome};
 use callreg::runtime::python::PythonRuntime;
@@ -38,6 +39,8 @@ use serde_json::{json, Value};
 /// * `del_raises`, `del_exits`, `del_sleeps`: callable objects whose
 ///   `__del__` appends a line to `$CALLREG_TEST_FINALIZED`, then raises
 ///   `ValueError`, calls `os._exit(7)`, or sleeps 3 s.
+/// * `exits_at_unpickle`, `segfaults_at_unpickle`: unpickling them ends
+///   the process (`os._exit(5)`; a read of address 0).
 /// * `slow_a`, `slow_b`: callables (returning `"a"`, `"b"`) whose
 ///   unpickling sleeps 2 s.
 /// * `hold_gil(seconds, marker)`: creates the file `marker`, then calls
@@ -99,6 +102,24 @@ def first_only():
     os.close(fd)
     return lambda: "first"
 
+class ExitsAtUnpickle:
+    """Unpickling it ends the process: `os._exit(5)`."""
+    def __call__(self):
+        return None
+    def __reduce__(self):
+        return (os._exit, (5,))
+
+def crash():
+    import ctypes
+    ctypes.string_at(0)
+
+class SegfaultsAtUnpickle:
+    """Unpickling it reads address 0 (SIGSEGV)."""
+    def __call__(self):
+        return None
+    def __reduce__(self):
+        return (crash, ())
+
 class FirstTargetOnly:
     def __call__(self):
         return None
@@ -131,6 +152,8 @@ for name, value in [
     ("slow_b", SlowInstall("b")),
     ("hold_gil", hold_gil),
     ("first_target_only", FirstTargetOnly()),
+    ("exits_at_unpickle", ExitsAtUnpickle()),
+    ("segfaults_at_unpickle", SegfaultsAtUnpickle()),
     ("open_fds", open_fds),
     ("fstat_fd", fstat_fd),
     ("del_raises", Finalized("raise")),
@@ -162,6 +185,14 @@ fn main() {
         (
             "a_bad_startup_callable_fails_its_registration_not_the_worker",
             a_bad_startup_callable_fails_its_registration_not_the_worker,
+        ),
+        (
+            "a_payload_that_exits_at_unpickle_costs_one_target",
+            a_payload_that_exits_at_unpickle_costs_one_target,
+        ),
+        (
+            "a_payload_that_segfaults_at_unpickle_costs_one_target",
+            a_payload_that_segfaults_at_unpickle_costs_one_target,
         ),
         (
             "registers_queued_behind_a_slow_unpickle_are_not_fenced",
@@ -233,10 +264,7 @@ fn a_finalizer_that_exits_loses_the_target_in_its_unregister() {
     worker.unregister(&handle).unwrap();
     assert_eq!(finalized_lines(&file), 1);
     assert_eq!(worker.live_targets(), vec![]);
-    assert_eq!(
-        worker.target_exit(TargetId(0)),
-        Some(callreg::io::process::Exit::Code(7))
-    );
+    assert_eq!(worker.target_exit(TargetId(0)), Some(Exit::Code(7)));
     worker.close();
     let _ = std::fs::remove_file(&file);
 }
@@ -429,6 +457,80 @@ fn a_bad_startup_callable_fails_its_registration_not_the_worker() {
     }
     assert!(worker.parent_state().is_idle());
     assert!(worker.parent_state().uncertain_digests().is_empty());
+    worker.close();
+}
+
+/// A callable whose unpickling ends its process (`os._exit(5)` from
+/// `__reduce__`) registered after start: it is tried on one target first
+/// (specs/protocol.md §2.8), which dies; the register fails with
+/// `REGISTER_POISONED` naming that target and its exit status, the other
+/// targets stay live and serve (old and new callables), and a second
+/// register of it is refused without reaching any target.
+fn a_payload_that_exits_at_unpickle_costs_one_target() {
+    poison_costs_one_target("exits_at_unpickle", Exit::Code(5));
+}
+
+/// As above with a segmentation fault at unpickle.
+fn a_payload_that_segfaults_at_unpickle_costs_one_target() {
+    poison_costs_one_target("segfaults_at_unpickle", Exit::Signal(11));
+}
+
+fn poison_costs_one_target(payload: &str, exit: Exit) {
+    let death = exit.to_string();
+    let death = death.as_str();
+    let worker = worker(3);
+    let fstat = worker.register(envelope("fstat_fd")).unwrap();
+    worker.start().unwrap();
+    let pids: Vec<Option<i32>> = (0..3).map(|t| worker.target_pid(TargetId(t))).collect();
+    let error = worker.register(envelope(payload)).unwrap_err();
+    assert_eq!(error.code(), ErrorCode::REGISTER_POISONED, "{error}");
+    assert_eq!(error.error.target, Some(TargetId(0)));
+    let parsed = callreg::envelope::Envelope::parse(envelope(payload)).unwrap();
+    let digest = callreg::descriptor::python_serialized_digest(&parsed);
+    assert_eq!(error.error.hashid, Some(digest.hashid()));
+    assert!(error.error.message.contains(death), "{error}");
+    assert_eq!(error.outcomes, vec![(TargetId(0), TargetOutcome::Lost)]);
+    assert_eq!(worker.live_targets(), vec![TargetId(1), TargetId(2)]);
+    assert_eq!(worker.target_exit(TargetId(0)), Some(exit));
+    // Refused at once: no target is touched.
+    let again = worker.register(envelope(payload)).unwrap_err();
+    assert_eq!(again.code(), ErrorCode::REGISTER_POISONED, "{again}");
+    assert!(again.error.message.contains(death), "{again}");
+    assert_eq!(again.outcomes, vec![]);
+    assert_eq!(worker.live_targets(), vec![TargetId(1), TargetId(2)]);
+    for target in 1..3 {
+        assert_eq!(
+            worker.target_pid(TargetId(target)),
+            pids[usize::from(target)]
+        );
+    }
+    // The survivors serve what they held and what comes next.
+    let list = worker.register(envelope("open_fds")).unwrap();
+    for target in 1..3 {
+        assert_eq!(call(&worker, &fstat, target, json!([0])), json!("open"));
+        assert_eq!(
+            call(&worker, &list, target, json!([]))
+                .as_array()
+                .map(Vec::len),
+            Some(5)
+        );
+    }
+    let tables = worker.inspect().unwrap();
+    let inspected: Vec<TargetId> = tables.iter().map(|(t, _)| *t).collect();
+    assert_eq!(inspected, vec![TargetId(1), TargetId(2)]);
+    for (target, table) in &tables {
+        let mut installed: Vec<String> = table
+            .as_ref()
+            .expect("a survivor's table")
+            .installed
+            .iter()
+            .map(|(d, n)| format!("{}x{n}", d.hashid()))
+            .collect();
+        installed.sort();
+        let mut expected = vec![format!("{}x1", fstat.hashid), format!("{}x1", list.hashid)];
+        expected.sort();
+        assert_eq!(installed, expected, "{target}");
+    }
     worker.close();
 }
 

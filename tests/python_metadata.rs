@@ -78,9 +78,12 @@ fn main() {
     ]);
 }
 
+/// Every register goes to every target at once (probe-first off): these
+/// tests check each target's own refusal.
 fn worker() -> Worker<PythonRuntime> {
     Worker::builder(Arc::new(PythonRuntime::new()))
         .targets(TARGETS)
+        .probe_first(false)
         .control_timeout(Duration::from_secs(20))
         .build()
         .expect("a Worker")

@@ -412,7 +412,7 @@ fn assert_usable(worker: &Worker<PythonRuntime>) {
 }
 
 fn unpickle_failure_rolls_back_every_target() {
-    let worker = worker(TARGETS);
+    let worker = python_common::broadcasting(TARGETS);
     worker.start().unwrap();
     let square = worker.register(envelope("square")).unwrap();
     let err = worker.register(envelope("fails_to_unpickle")).unwrap_err();
@@ -473,7 +473,7 @@ fn a_failure_on_some_targets_rolls_back_the_others() {
 }
 
 fn a_non_callable_payload() {
-    let worker = worker(TARGETS);
+    let worker = python_common::broadcasting(TARGETS);
     worker.start().unwrap();
     let err = worker.register(envelope("settings")).unwrap_err();
     assert_eq!(err.code(), ErrorCode::REGISTER_PARTIAL_FAILURE);
@@ -490,7 +490,7 @@ fn a_non_callable_payload() {
 }
 
 fn sys_exit_while_unpickling_keeps_targets_alive() {
-    let worker = worker(TARGETS);
+    let worker = python_common::broadcasting(TARGETS);
     worker.start().unwrap();
     let pids: Vec<Option<i32>> = (0..TARGETS)
         .map(|t| worker.target_pid(TargetId(t)))

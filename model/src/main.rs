@@ -50,7 +50,7 @@ struct Cli {
 
 /// The configuration flags a named configuration (`--config`, `--all`)
 /// replaces; `--mutant` combines with both.
-const CONFIG_FLAGS: [&str; 15] = [
+const CONFIG_FLAGS: [&str; 17] = [
     "targets",
     "script",
     "crashes",
@@ -58,6 +58,8 @@ const CONFIG_FLAGS: [&str; 15] = [
     "stage_failures",
     "corruptions",
     "deadlines",
+    "poison_kills",
+    "no_probe",
     "tasks",
     "heartbeats",
     "no_fence",
@@ -171,6 +173,12 @@ struct ConfigArgs {
     /// Replies that may name a wrong digest (a misbehaving target).
     #[arg(long, default_value_t = 0)]
     wrong_digests: u8,
+    /// Deserializations that may kill their target (a poison payload).
+    #[arg(long, default_value_t = 0)]
+    poison_kills: u8,
+    /// Send every register to every live target at once (probe-first off).
+    #[arg(long)]
+    no_probe: bool,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -204,6 +212,8 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         closes: args.closes,
         forged: args.forged,
         wrong_digests: args.wrong_digests,
+        probe_first: !args.no_probe,
+        poison_kills: args.poison_kills,
         #[cfg(feature = "mutants")]
         mutant: None,
     })

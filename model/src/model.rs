@@ -29,6 +29,8 @@ use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Scrip
 /// successive operations stay in issue order.
 pub const CONTROL_TIMEOUT: u64 = 1_000;
 
+/// How the driver says a target died (`Parent::target_died`).
+pub const LOSS_CAUSE: &str = "its reply pipe closed";
 /// The parent's operation timeout in the model (model time units): a
 /// heartbeat just before a silence deadline moves it to almost twice the
 /// control timeout after the send, still before the bound (so a target
@@ -96,6 +98,11 @@ pub struct ModelConfig {
     /// How many replies may reach the parent naming another digest than the
     /// frame they answer (a misbehaving target).
     pub wrong_digests: u8,
+    /// The parent's probe-first policy (`ParentConfig::probe_first`).
+    pub probe_first: bool,
+    /// How many deserializations may kill their target instead of ending
+    /// (a poison payload: the target dies while deserializing).
+    pub poison_kills: u8,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -125,6 +132,8 @@ impl ModelConfig {
             closes: 0,
             forged: false,
             wrong_digests: 0,
+            probe_first: true,
+            poison_kills: 0,
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -179,6 +188,12 @@ pub enum StepStatus {
         /// own frame refused it (or named a wrong digest): its outcome must
         /// be `Failed` (or, for a register, never `Ok`).
         refused: u32,
+        /// A register that must probe first (`specs/protocol.md` §2.8): with
+        /// probe-first on, its digest had not been confirmed by any target
+        /// when it was issued (by the driver's own record, [`State::proven`]).
+        probing: bool,
+        /// Some target's OK reply to its frame has reached the parent.
+        confirmed: bool,
     },
     /// Finished.
     Done(StepResult),
@@ -255,6 +270,8 @@ pub struct Budgets {
     pub deadlines: u8,
     /// Tasks left.
     pub tasks: u8,
+    /// Deserializations that may still kill their target.
+    pub poison_kills: u8,
     /// Alive reports left.
     pub heartbeats: u8,
 }
@@ -265,55 +282,62 @@ pub mod seen {
     /// A machine refused an input that the driving rule produced (an
     /// `Err` from `handle_reply`, `target_lost`, `on_deserialized`,
     /// `end_task`, or a completion for no known operation).
-    pub const DRIVER_ERROR: u16 = 1;
+    pub const DRIVER_ERROR: u32 = 1;
     /// A task for a handle that was live at its arrival reached a live
     /// target lacking its digest (invariant 8 observed directly).
-    pub const DISPATCH_UNSAFE: u16 = 2;
+    pub const DISPATCH_UNSAFE: u32 = 2;
     /// A slot was reserved for a deserialization after it had been
     /// tombstoned and freed.
-    pub const SLOT_REUSED_AFTER_TOMBSTONE: u16 = 4;
+    pub const SLOT_REUSED_AFTER_TOMBSTONE: u32 = 4;
     /// A reply reached the parent after its operation stopped waiting for
     /// that target (a late reply).
-    pub const LATE_REPLY: u16 = 8;
+    pub const LATE_REPLY: u32 = 8;
     /// A fault happened on this path: a crash, a corrupted payload, a
     /// failed deserialization or staging, a passed deadline, a close or a
     /// reply naming a wrong digest.
-    pub const FAULT: u16 = 16;
+    pub const FAULT: u32 = 16;
     /// An operation failed, or was refused, on a path with no fault, other
     /// than a register some target refused for want of a free slot.
-    pub const UNFORCED_FAILURE: u16 = 32;
+    pub const UNFORCED_FAILURE: u32 = 32;
     /// A machine answered a call otherwise than its documentation says:
     /// a forged or out-of-range input accepted or answered with another
     /// error, a call after close or before start not refused, a completion
     /// whose result disagrees with its outcomes or whose outcomes do not
     /// cover its scope. [`crate::properties::explain`] names which.
-    pub const CONTRACT: u16 = 64;
+    pub const CONTRACT: u32 = 64;
     /// A reply naming a wrong digest reached the parent (a misbehaving
     /// target: with it even a fenced Worker has an uncertain digest).
-    pub const WRONG_DIGEST: u16 = 128;
+    pub const WRONG_DIGEST: u32 = 128;
     /// The Worker closed with an operation in flight.
-    pub const CLOSED_IN_FLIGHT: u16 = 256;
+    pub const CLOSED_IN_FLIGHT: u32 = 256;
     /// Staging a register's payload failed.
-    pub const STAGE_FAILED: u16 = 512;
+    pub const STAGE_FAILED: u32 = 512;
     /// A pre-start step was refused because the Worker had started.
-    pub const PRE_START_AFTER_START: u16 = 1024;
+    pub const PRE_START_AFTER_START: u32 = 1024;
     /// A completed unregister failed (some target refused it or timed out).
-    pub const UNREGISTER_FAILED: u16 = 4096;
+    pub const UNREGISTER_FAILED: u32 = 4096;
     /// A passed deadline ended the wait for a target that had reported
     /// alive for every control it owed within the control timeout, before
     /// any of those controls' operation bound.
-    pub const FENCED_WHILE_HEARD: u16 = 2048;
+    pub const FENCED_WHILE_HEARD: u32 = 2048;
     /// A passed operation bound ended the wait for a target that had
     /// reported alive within the control timeout.
-    pub const BOUND_ENDED_HEARD: u16 = 8192;
+    pub const BOUND_ENDED_HEARD: u32 = 8192;
     /// A passed deadline ended the wait for some target while a target
     /// heard from within the control timeout about every control it owed
     /// stayed awaited.
-    pub const SPARED_HEARD: u16 = 16384;
+    pub const SPARED_HEARD: u32 = 16384;
     /// A silence deadline (before any bound) ended the wait for a target
     /// that had reported alive for a control it owed, but not within the
     /// control timeout: a target that stops reporting is still fenced.
-    pub const SILENT_AFTER_HEARD: u16 = 32768;
+    pub const SILENT_AFTER_HEARD: u32 = 32768;
+    /// A register that must probe first sent its frame to a second target
+    /// before any target confirmed it.
+    pub const PROBE_BROADCAST_EARLY: u32 = 1 << 16;
+    /// A register frame of a poisoned digest was sent.
+    pub const POISON_SENT: u32 = 1 << 17;
+    /// A register was refused with `REGISTER_POISONED`.
+    pub const POISON_REFUSED: u32 = 1 << 18;
 }
 
 /// One state of the whole system.
@@ -347,7 +371,7 @@ pub struct State {
     /// Fault budgets left.
     pub budgets: Budgets,
     /// Bits of [`seen`].
-    pub seen: u16,
+    pub seen: u32,
     /// Why the first [`seen::CONTRACT`] bit was set (for the
     /// counterexample), empty otherwise.
     pub contract: &'static str,
@@ -355,6 +379,10 @@ pub struct State {
     /// start to settle a failed startup-snapshot entry
     /// (`Parent::snapshot_failed`): no client step waits for them.
     pub settling: u64,
+    /// The digests the driver saw installed since start: the startup
+    /// snapshot's, and each one an OK reply to a register of it brought
+    /// to the parent (the driver's own record of what needs no probe).
+    pub proven: Vec<Digest>,
 }
 
 impl State {
@@ -442,6 +470,9 @@ pub enum Action {
     /// The target crashes: it holds nothing, frames to it are lost, and the
     /// parent will read end of file after its queued replies.
     Crash(TargetId),
+    /// The target's oldest deserialization kills it (a poison payload): it
+    /// dies as in `Crash`, while deserializing.
+    PoisonKills(TargetId),
     /// The earliest pending deadline (a target's silence deadline or an
     /// operation's bound) passes.
     DeadlinePasses,
@@ -627,6 +658,7 @@ impl RegistrationModel {
             fence_on_timeout: config.fence_on_timeout,
             owner: OWNER,
             slot_capacity: config.slot_capacity,
+            probe_first: config.probe_first,
         });
         #[cfg(feature = "mutants")]
         if let Some(mutant) = config.mutant {
@@ -654,11 +686,13 @@ impl RegistrationModel {
                 wrong_digests: config.wrong_digests,
                 deadlines: config.deadlines,
                 tasks: config.tasks,
+                poison_kills: config.poison_kills,
                 heartbeats: config.heartbeats,
             },
             seen: 0,
             contract: "",
             settling: 0,
+            proven: Vec::new(),
         };
         let mut model = RegistrationModel { config, init };
         if !model.config.interleave_start {
@@ -745,6 +779,7 @@ impl RegistrationModel {
         if snapshot != counts.into_iter().collect::<Vec<_>>() {
             state.breach("the startup snapshot does not count the live handles");
         }
+        state.proven = snapshot.iter().map(|(d, _)| *d).collect();
         // A snapshot entry (the first digest) that fails on some targets
         // (`specs/model.md` §1 "Startup-snapshot failures"): they start
         // without it and report it, and the parent settles it before
@@ -880,12 +915,33 @@ impl RegistrationModel {
                     // The operation's scope, as the driver sees it.
                     if !matches!(frame, ControlFrame::Task { .. }) {
                         let seq = frame.seq().0;
+                        let mut early = false;
                         for step in &mut state.client {
-                            if let StepStatus::InFlight { op, scope, .. } = step {
+                            if let StepStatus::InFlight {
+                                op,
+                                scope,
+                                probing,
+                                confirmed,
+                                ..
+                            } = step
+                            {
                                 if op.0 == seq && target.0 < 32 {
+                                    // §2.8: one target first, the others only
+                                    // once some target confirmed.
+                                    early |= *probing
+                                        && !*confirmed
+                                        && *scope & !(1u32 << target.0) != 0;
                                     *scope |= 1u32 << target.0;
                                 }
                             }
+                        }
+                        if early {
+                            state.seen |= seen::PROBE_BROADCAST_EARLY;
+                        }
+                    }
+                    if let ControlFrame::Register { digest, .. } = frame {
+                        if state.parent.is_poisoned(digest) {
+                            state.seen |= seen::POISON_SENT;
                         }
                     }
                     // Writing to a dead child's pipe fails; the parent learns
@@ -1025,8 +1081,15 @@ impl RegistrationModel {
                         TargetOutcome::RolledBack | TargetOutcome::CleanupUnconfirmed { .. }
                     )
                 });
+                let poisoned = digest.is_some_and(|d| state.parent.is_poisoned(d));
                 let code_ok = if stage {
                     outcomes.is_empty()
+                } else if poisoned {
+                    // The probe target was lost: no target kept it.
+                    error.code == ErrorCode::REGISTER_POISONED
+                        && outcomes
+                            .iter()
+                            .all(|(_, o)| matches!(o, TargetOutcome::Lost | TargetOutcome::Fenced))
                 } else if confirmed_everywhere && uncertain {
                     error.code == ErrorCode::REGISTER_CLEANUP_UNCERTAIN
                 } else {
@@ -1112,6 +1175,16 @@ impl RegistrationModel {
         let now = Time(state.now);
         let open = state.parent.lifecycle() == Lifecycle::Started;
         let before = state.parent.clone();
+        let probing = match step.operation {
+            Operation::Register(c) => {
+                self.config.probe_first && digest_of(c).is_some_and(|d| !state.proven.contains(&d))
+            }
+            Operation::Unregister(_) => false,
+        };
+        let poisoned = match step.operation {
+            Operation::Register(c) => digest_of(c).is_some_and(|d| before.is_poisoned(d)),
+            Operation::Unregister(_) => false,
+        };
         let started = match step.operation {
             Operation::Register(c) => {
                 state
@@ -1138,9 +1211,17 @@ impl RegistrationModel {
                     scope: 0,
                     issued: state.now,
                     refused: 0,
+                    probing,
+                    confirmed: false,
                 }
             }
             Err(error) => {
+                if error.code == ErrorCode::REGISTER_POISONED {
+                    state.seen |= seen::POISON_REFUSED;
+                }
+                if open && (error.code == ErrorCode::REGISTER_POISONED) != poisoned {
+                    state.breach("a register was refused with REGISTER_POISONED although its digest is not poisoned, or a poisoned one with another error");
+                }
                 if !open && (error.code != ErrorCode::LIFECYCLE_INVALID || state.parent != before) {
                     state.breach("a register or unregister before start or after close was not refused with LIFECYCLE_INVALID, or changed the parent");
                 }
@@ -1247,12 +1328,30 @@ impl RegistrationModel {
                     }
                 }
             }
+            if awaited && !refusal {
+                let mut register = false;
+                for (i, step) in state.client.iter_mut().enumerate() {
+                    if let StepStatus::InFlight { op, confirmed, .. } = step {
+                        if op.0 == reply.seq.0 {
+                            *confirmed = true;
+                            register = matches!(
+                                self.config.script.operations[i].operation,
+                                Operation::Register(_)
+                            );
+                        }
+                    }
+                }
+                if register && !state.proven.contains(&reply.digest) {
+                    state.proven.push(reply.digest);
+                    state.proven.sort();
+                }
+            }
             if state.parent.handle_reply(id, reply, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
         } else if state.eof[index] && !wrong_digest {
             state.eof[index] = false;
-            if state.parent.target_lost(id, now).is_err() {
+            if state.parent.target_died(id, LOSS_CAUSE, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
         } else {
@@ -1673,6 +1772,9 @@ impl stateright::Model for RegistrationModel {
                     target: id,
                     ok: true,
                 });
+                if state.budgets.poison_kills > 0 {
+                    actions.push(Action::PoisonKills(id));
+                }
                 if state.budgets.deserialize_failures > 0 {
                     actions.push(Action::Deserialized {
                         target: id,
@@ -1802,6 +1904,15 @@ impl stateright::Model for RegistrationModel {
             Action::Crash(id) => {
                 state.budgets.crashes = state.budgets.crashes.checked_sub(1)?;
                 state.target(id)?;
+                state.seen |= seen::FAULT;
+                state.kill(id);
+                state.eof[usize::from(id.0)] = true;
+            }
+            Action::PoisonKills(id) => {
+                state.budgets.poison_kills = state.budgets.poison_kills.checked_sub(1)?;
+                if state.sides.get(usize::from(id.0))?.deserializing.is_empty() {
+                    return None;
+                }
                 state.seen |= seen::FAULT;
                 state.kill(id);
                 state.eof[usize::from(id.0)] = true;
@@ -2013,6 +2124,14 @@ impl RegistrationModel {
                 None => format!("parent reads end of file from {t}: target lost"),
             },
             Action::Crash(t) => format!("{t} CRASHES"),
+            Action::PoisonKills(t) => match state
+                .sides
+                .get(usize::from(t.0))
+                .and_then(|s| s.deserializing.first())
+            {
+                Some((seq, _)) => format!("{t} DIES while deserializing for {seq} (a poison payload)"),
+                None => format!("{t}: no deserialization"),
+            },
             Action::ReceiveWrongDigest(t) => match state.head_reply(*t) {
                 Some(r) => format!(
                     "parent receives from {t}: reply to {} naming a WRONG digest (the frame named {})",

@@ -116,6 +116,25 @@ pub const FENCED_CERTAIN: &str = "fencing: nothing uncertain, no late reply";
 /// documented (completions agree with their outcomes, forged and
 /// out-of-lifecycle inputs are refused with their errors).
 pub const CONTRACT: &str = "machines answer as documented";
+/// Name of the `always` property that a register that must probe first
+/// (`specs/protocol.md` §2.8) sends its frame to one target, and to any
+/// other only once some target confirmed it.
+pub const PROBE_FIRST: &str = "probe first: one target before any other";
+/// Name of the `always` property that a poisoned digest has no live
+/// handle.
+pub const POISON_NOT_PUBLISHED: &str = "a poisoned digest is never published";
+/// Name of the `always` property that no register frame of a poisoned
+/// digest is sent once it is poisoned.
+pub const POISON_NOT_SENT: &str = "a poisoned digest is never sent again";
+/// Witness: a digest is poisoned (its probe target died deserializing it).
+pub const SOMETIMES_POISONED: &str = "sometimes: a digest is poisoned";
+/// Witness: a register is refused with `REGISTER_POISONED`.
+pub const SOMETIMES_POISON_REFUSED: &str = "sometimes: a register of a poisoned digest is refused";
+/// Witness: a probed register is published with another target still
+/// live (the probe confirmed, then the broadcast confirmed).
+pub const SOMETIMES_PROBED_THEN_BROADCAST: &str =
+    "sometimes: a probed register reaches every target";
+
 /// Name of the `always` property that the machines' pure queries agree
 /// with their state and with each other.
 pub const QUERIES: &str = "queries agree with the machines";
@@ -258,6 +277,29 @@ fn unregister_failed(_: &RegistrationModel, s: &State) -> bool {
 fn wrong_digest(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::WRONG_DIGEST != 0
 }
+fn probe_first(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::PROBE_BROADCAST_EARLY == 0
+}
+fn poison_not_published(_: &RegistrationModel, s: &State) -> bool {
+    s.parent
+        .live_handles()
+        .iter()
+        .all(|h| !s.parent.is_poisoned(h.digest()))
+}
+fn poison_not_sent(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::POISON_SENT == 0
+}
+fn poisoned(_: &RegistrationModel, s: &State) -> bool {
+    !s.parent.poisoned_digests().is_empty()
+}
+fn poison_refused(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::POISON_REFUSED != 0
+}
+fn probed_then_broadcast(_: &RegistrationModel, s: &State) -> bool {
+    s.client.iter().any(|c| {
+        matches!(c, StepStatus::InFlight { probing: true, scope, .. } if scope.count_ones() >= 2)
+    })
+}
 fn started(_: &RegistrationModel, s: &State) -> bool {
     s.parent.lifecycle() != Lifecycle::New
 }
@@ -287,6 +329,7 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
     if config.targets != m.config.targets
         || config.slot_capacity != m.config.slot_capacity
         || config.fence_on_timeout != m.config.fence_on_timeout
+        || config.probe_first != m.config.probe_first
         || config.owner != OWNER
         || config.control_timeout != CONTROL_TIMEOUT
         || config.operation_timeout != OPERATION_TIMEOUT
@@ -347,6 +390,13 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         }
         if p.is_uncertain(d) != uncertain.contains(&d) {
             return fail("Parent::is_uncertain disagrees with Parent::uncertain_digests");
+        }
+        let poisoned = p.poisoned_digests();
+        if p.is_poisoned(d) != poisoned.iter().any(|(x, _)| *x == d)
+            || (p.is_poisoned(d) && p.is_proven(d))
+            || p.is_proven(d) != s.proven.contains(&d)
+        {
+            return fail("Parent::is_poisoned or is_proven disagrees with the poisoned digests or the digests the driver saw installed, or a digest is both");
         }
     }
     let mut in_flight: Vec<OpId> = s
@@ -543,6 +593,9 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(FENCED_CERTAIN, fenced_certain),
         Property::always(CONTRACT, contract),
         Property::always(QUERIES, queries),
+        Property::always(PROBE_FIRST, probe_first),
+        Property::always(POISON_NOT_PUBLISHED, poison_not_published),
+        Property::always(POISON_NOT_SENT, poison_not_sent),
         Property::eventually(INV10_EVENTUALLY, inv10_eventually),
         Property::sometimes(SOMETIMES_PUBLISH, publishes),
         Property::sometimes(SOMETIMES_ROLLBACK, rolls_back),
@@ -559,6 +612,9 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_UNREGISTER_FAILED, unregister_failed),
         Property::sometimes(SOMETIMES_WRONG_DIGEST, wrong_digest),
         Property::sometimes(SOMETIMES_STARTED, started),
+        Property::sometimes(SOMETIMES_POISONED, poisoned),
+        Property::sometimes(SOMETIMES_POISON_REFUSED, poison_refused),
+        Property::sometimes(SOMETIMES_PROBED_THEN_BROADCAST, probed_then_broadcast),
         Property::sometimes(SOMETIMES_BOUND, bound_ends_heard),
         Property::sometimes(SOMETIMES_SPARED, spared_heard),
         Property::sometimes(SOMETIMES_SILENT_AFTER_HEARD, silent_after_heard),
@@ -604,6 +660,15 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
         )),
         _ if name == CONTRACT && !contract(model, state) => Some(state.contract.to_owned()),
         _ if name == QUERIES => queries_agree(model, state).err(),
+        _ if name == PROBE_FIRST && !probe_first(model, state) => Some(
+            "a register that had to probe first sent its frame to a second target before any target confirmed it".to_owned(),
+        ),
+        _ if name == POISON_NOT_PUBLISHED && !poison_not_published(model, state) => Some(
+            "a poisoned digest has a live handle".to_owned(),
+        ),
+        _ if name == POISON_NOT_SENT && !poison_not_sent(model, state) => Some(
+            "a register frame of a poisoned digest was sent".to_owned(),
+        ),
         _ => None,
     }
 }

@@ -118,6 +118,8 @@ impl State {
                     scope,
                     issued,
                     refused,
+                    probing,
+                    confirmed,
                 } => {
                     let rename = |mask: u32| {
                         let mut renamed = 0u32;
@@ -133,6 +135,8 @@ impl State {
                         scope: rename(*scope),
                         issued: *issued,
                         refused: rename(*refused),
+                        probing: *probing,
+                        confirmed: *confirmed,
                     }
                 }
                 other => *other,
@@ -154,6 +158,7 @@ impl State {
             seen: self.seen,
             contract: self.contract,
             settling: self.settling,
+            proven: self.proven.clone(),
         }
     }
 }

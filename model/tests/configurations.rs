@@ -55,17 +55,19 @@ fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.
     let expected = [
-        ("forged", 11_021, 15),
-        ("refused-unregister", 351, 23),
-        ("staging", 4_322, 18),
-        ("close", 13_090, 26),
-        ("two-deserializations", 19_961, 20),
-        ("pre-start", 85_110, 23),
-        ("snapshot-failure", 11_584, 16),
-        ("heartbeat-no-fence", 14_581, 16),
-        ("heartbeat", 37_547, 19),
-        ("standard", 48_846, 36),
-        ("no-fence", 190_089, 39),
+        ("forged", 3_648, 15),
+        ("refused-unregister", 334, 23),
+        ("staging", 2_666, 18),
+        ("close", 12_741, 26),
+        ("two-deserializations", 7_650, 21),
+        ("pre-start", 56_288, 23),
+        ("snapshot-failure", 4_592, 17),
+        ("poison", 1_838, 33),
+        ("heartbeat-no-fence", 14_697, 16),
+        ("heartbeat", 16_071, 19),
+        ("standard", 50_212, 36),
+        ("no-probe", 48_846, 36),
+        ("no-fence", 194_215, 39),
     ];
     let names: Vec<&str> = configs::all().iter().map(|n| n.name).collect();
     assert_eq!(

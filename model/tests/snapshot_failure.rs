@@ -43,10 +43,10 @@ fn config(targets: u16, faults: bool, fence: bool, failing: &[u16]) -> ModelConf
 #[test]
 fn a_snapshot_entry_failing_on_some_targets_keeps_every_invariant() {
     let expected = [
-        (2, false, true, &[1][..], 101),
-        (2, true, true, &[1][..], 11584),
-        (2, true, true, &[0, 1][..], 6968),
-        (2, true, false, &[1][..], 45941),
+        (2, false, true, &[1][..], 41),
+        (2, true, true, &[1][..], 4592),
+        (2, true, true, &[0, 1][..], 3384),
+        (2, true, false, &[1][..], 16007),
     ];
     for (targets, faults, fence, failing, unique) in expected {
         let case =

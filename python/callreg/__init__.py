@@ -139,7 +139,10 @@ class RegisterError(CallregError):
     """A register (or unregister) failed; ``outcomes`` maps every target id
     in its scope to what it did (``"ok"``, ``"failed (CODE: message)"``,
     ``"rolled back"``, ``"lost"``, ...). After a partial failure the register
-    was rolled back everywhere: the Worker stays usable."""
+    was rolled back everywhere: the Worker stays usable. Code
+    ``"REGISTER_POISONED"``: installing the callable killed the target that
+    tried it first (``target``; the message says how it died); it is
+    refused from then on without reaching any target."""
 
     def __init__(self, message, *, outcomes=None, **fields):
         super().__init__(message, **fields)
@@ -205,6 +208,7 @@ _BY_CODE = {
     "TASK_FAILED": TaskError,
     "REGISTER_PARTIAL_FAILURE": RegisterError,
     "REGISTER_CLEANUP_UNCERTAIN": RegisterError,
+    "REGISTER_POISONED": RegisterError,
     "REGISTER_TOMBSTONE_ACTIVE": RegisterError,
     "UNREGISTER_PARTIAL_FAILURE": RegisterError,
     "UNREGISTER_TOMBSTONE_ACTIVE": RegisterError,
@@ -690,7 +694,14 @@ class Worker:
     never ends); past either the target is killed and lost. ``slot_capacity``:
     callables a target holds at once. ``max_frame_bytes``: bound on one
     task's pickled arguments and on its pickled result
-    (:data:`DEFAULT_MAX_FRAME_BYTES`).
+    (:data:`DEFAULT_MAX_FRAME_BYTES`). ``probe_first`` (default ``True``):
+    a callable no target has installed yet goes to one target first and to
+    the others once that target installed it, so a callable whose
+    unpickling kills its process (``os._exit``, a segfault) costs one
+    target; it is then refused for the Worker's life with a
+    :class:`RegisterError` of code ``"REGISTER_POISONED"`` naming the target
+    and how it died. ``False``: every register goes to every target at once
+    (one round trip less for a new callable).
 
     Next-level targets: with ``next_level`` (a :class:`NextLevel`), the
     Worker also has ``next_level_targets`` (default 1) next-level targets:
@@ -724,8 +735,11 @@ class Worker:
         slot_capacity=64,
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
         operation_timeout=None,
+        probe_first=True,
     ):
         sub, upper = _counts(targets, next_level, next_level_targets)
+        if not isinstance(probe_first, bool):
+            raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
         _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
         initializer = None if next_level is None else functools.partial(_start_target, sub, next_level)
         try:
@@ -736,6 +750,7 @@ class Worker:
                 max_frame_bytes,
                 initializer,
                 None if operation_timeout is None else float(operation_timeout),
+                probe_first,
             )
         except _callreg.RawError as raw:
             _raise(raw)

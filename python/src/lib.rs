@@ -203,9 +203,12 @@ impl RawWorker {
     /// `target_initializer`, when given, runs in each target at its start
     /// with the target's id ([`PythonRuntime::with_target_initializer`]:
     /// a result other than `None` is the context every callable there is
-    /// called with first).
+    /// called with first). `probe_first`: a callable no target installed
+    /// yet goes to one target first ([`WorkerBuilder::probe_first`]).
+    ///
+    /// [`WorkerBuilder::probe_first`]: callreg::io::WorkerBuilder::probe_first
     #[new]
-    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None))]
+    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true))]
     fn new(
         py: Python<'_>,
         targets: u16,
@@ -214,6 +217,7 @@ impl RawWorker {
         max_frame_bytes: usize,
         target_initializer: Option<Py<PyAny>>,
         operation_timeout: Option<f64>,
+        probe_first: bool,
     ) -> PyResult<RawWorker> {
         for (name, seconds) in [
             ("control_timeout", Some(control_timeout)),
@@ -240,6 +244,7 @@ impl RawWorker {
         let worker = builder
             .slot_capacity(slot_capacity)
             .max_frame_bytes(max_frame_bytes)
+            .probe_first(probe_first)
             // A Python process usually runs other threads; os.fork forks
             // anyway (with its before/after-fork steps), and so does this.
             .accept_thread_risk()

@@ -63,8 +63,22 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
         h = w.register_envelope(slow)
         assert w.call_all(h, 3) == {0: 9, 1: 9}
         assert w.targets == [0, 1]
-    # The operation timeout bounds it all the same.
+    # The operation timeout bounds it all the same. Tried on one target
+    # first (probe_first), it costs that target and is refused from then on.
     with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9) as w:
+        w.start()
+        started = time.monotonic()
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register_envelope(slow)
+        elapsed = time.monotonic() - started
+        assert 0.9 <= elapsed < 1.4, elapsed
+        assert info.value.code == "REGISTER_POISONED"
+        assert info.value.target == 0
+        assert "fenced" in str(info.value)
+        assert info.value.outcomes == {0: "fenced"}
+        assert w.targets == [1]
+    # Sent to every target at once, it is fenced on each.
+    with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9, probe_first=False) as w:
         w.start()
         started = time.monotonic()
         with pytest.raises(callreg.RegisterError) as info:
@@ -99,7 +113,8 @@ def square(x):
 
 
 def test_a_payload_failing_to_unpickle_is_rolled_back_and_the_worker_stays_usable():
-    with callreg.Worker(3) as w:
+    # Every target gets each register at once (probe_first off).
+    with callreg.Worker(3, probe_first=False) as w:
         w.start()
         good = w.register(square)
         envelope = callreg._callreg.encode_envelope(pickle.dumps(Bomb()))
@@ -124,6 +139,55 @@ def test_a_payload_failing_to_unpickle_is_rolled_back_and_the_worker_stays_usabl
         assert [h["hashid"] for h in registry["handles"]] == [good.hashid]
 
 
+class ExitsAtUnpickle:
+    """Unpickling it ends the process (``os._exit(5)``)."""
+
+    def __reduce__(self):
+        return (os._exit, (5,))
+
+
+def test_a_callable_that_kills_its_target_at_unpickle_costs_one_target():
+    envelope = callreg._callreg.encode_envelope(pickle.dumps(ExitsAtUnpickle()))
+    with callreg.Worker(3) as w:
+        good = w.register(square)
+        w.start()
+        pids = [w.target_pid(t) for t in (1, 2)]
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register_envelope(envelope)
+        error = info.value
+        assert error.code == "REGISTER_POISONED"
+        assert error.operation == "register"
+        assert error.target == 0
+        assert error.hashid == callreg.hashid(envelope)
+        assert "exited with status 5" in str(error)
+        assert list(error.outcomes) == [0]
+        assert error.outcomes[0].startswith("lost")
+        assert w.targets == [1, 2]
+        # Refused from now on, without reaching a target.
+        with pytest.raises(callreg.RegisterError) as again:
+            w.register_envelope(envelope)
+        assert again.value.code == "REGISTER_POISONED"
+        assert again.value.target == 0
+        assert "exited with status 5" in str(again.value)
+        assert again.value.outcomes == {}
+        assert [w.target_pid(t) for t in (1, 2)] == pids
+        # The survivors serve the callables they held and new ones.
+        assert w.call_all(good, 3) == {1: 9, 2: 9}
+        late = w.register(lambda x: x + 1)
+        assert w.call_all(late, 1) == {1: 2, 2: 2}
+    # Without probing, the same callable reaches every target at once and
+    # kills each.
+    with callreg.Worker(2, probe_first=False) as w:
+        w.start()
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register_envelope(envelope)
+        assert info.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert sorted(info.value.outcomes) == [0, 1]
+        assert w.targets == []
+    with pytest.raises(TypeError, match="probe_first must be True or False"):
+        callreg.Worker(1, probe_first=1)
+
+
 def test_metadata_is_filled_in_and_merged():
     with callreg.Worker(2) as w:
         w.start()
@@ -139,12 +203,13 @@ def test_metadata_is_filled_in_and_merged():
         missing = {"deps": {"pip": {"packages": ["callreg-no-such-distribution>=1"]}}}
         with pytest.raises(callreg.RegisterError) as info:
             w.register(square, metadata=missing)
-        assert sorted(info.value.outcomes) == [0, 1]
+        # Refused by the target that tried it first; the other never saw it.
+        assert sorted(info.value.outcomes) == [0]
         assert all(o.startswith("failed (DEPS_UNSATISFIED") for o in info.value.outcomes.values())
         wrong = {"python": {"version": "2.7", "serializer": "cloudpickle", "serializer_version": "1"}}
         with pytest.raises(callreg.RegisterError) as info:
             w.register(square, metadata=wrong)
-        assert sorted(info.value.outcomes) == [0, 1]
+        assert sorted(info.value.outcomes) == [0]
         assert all("PYTHON_VERSION_MISMATCH" in o for o in info.value.outcomes.values())
         with pytest.raises(callreg.CallregError) as info:
             w.register(square, metadata={"no_such_key": 1})

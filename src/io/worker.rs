@@ -230,6 +230,7 @@ pub struct WorkerBuilder<R: Runtime> {
     slot_capacity: u16,
     max_frame_bytes: usize,
     fence_on_timeout: bool,
+    probe_first: bool,
     thread_policy: ThreadPolicy,
 }
 
@@ -246,6 +247,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             slot_capacity: DEFAULT_SLOT_CAPACITY,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             fence_on_timeout: true,
+            probe_first: true,
             thread_policy: ThreadPolicy::RefuseIfThreaded,
         }
     }
@@ -302,6 +304,19 @@ impl<R: Runtime> WorkerBuilder<R> {
         self
     }
 
+    /// Whether a register of a callable no target has installed since
+    /// start goes to one target first and to the others only once that
+    /// target confirmed it (the default; `specs/protocol.md` §2.8). Then a
+    /// payload whose deserialization kills its target (`os._exit`, a
+    /// segfault) costs that one target, and the callable is refused from
+    /// then on with `REGISTER_POISONED`. `false`: every register goes to
+    /// every live target at once (one round trip less for a new callable;
+    /// `BENCHMARKS.md` measures the difference).
+    pub fn probe_first(mut self, probe: bool) -> Self {
+        self.probe_first = probe;
+        self
+    }
+
     /// Forks even if the process already runs other threads (a thread that
     /// holds a lock at fork time leaves it held forever in the targets).
     pub fn accept_thread_risk(mut self) -> Self {
@@ -352,6 +367,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             fence_on_timeout: self.fence_on_timeout,
             owner,
             slot_capacity: self.slot_capacity,
+            probe_first: self.probe_first,
         });
         Ok(Worker {
             runtime: self.runtime,
@@ -617,7 +633,10 @@ impl<R: Runtime> Worker<R> {
     /// `IO_FAILED` when staging fails; `LIFECYCLE_INVALID` once closed;
     /// `REGISTER_CLEANUP_UNCERTAIN` for an uncertain digest;
     /// `NO_LIVE_TARGET`; `REGISTER_PARTIAL_FAILURE` with every target's
-    /// outcome when a target failed (rolled back).
+    /// outcome when a target failed (rolled back); `REGISTER_POISONED`
+    /// when installing the callable killed the target that tried it first
+    /// (`WorkerBuilder::probe_first`), naming that target and how it died,
+    /// and for every later register of it (nothing is sent then).
     pub fn register(&self, envelope: &[u8]) -> Result<Handle, OperationError> {
         self.register_async(envelope)?.wait()
     }
@@ -2206,7 +2225,12 @@ impl IoLoop {
             return;
         }
         self.bury(core, target, LOST_GRACE, why);
-        let _ = core.machine.target_lost(target, self.now());
+        let cause = core
+            .losses
+            .get(&target)
+            .cloned()
+            .unwrap_or_else(|| why.to_owned());
+        let _ = core.machine.target_died(target, &cause, self.now());
         self.drain(core, &mut Context::default());
     }
 

@@ -590,6 +590,7 @@ mod tests {
             fence_on_timeout: true,
             owner: OwnerToken(3),
             slot_capacity: 64,
+            probe_first: false,
         });
         parent
             .register_before_start(digest(1), Namespace::LocalPython)

@@ -46,6 +46,7 @@
 //!     fence_on_timeout: true,
 //!     owner: OwnerToken(7),
 //!     slot_capacity: DEFAULT_SLOT_CAPACITY,
+//!     probe_first: true,
 //! });
 //! parent.start()?;
 //! let mut target = Target::new(TargetConfig::new(TargetId(0)), &parent.startup_snapshot())?;
@@ -115,7 +116,8 @@ pub use forms::{
     DigestCount, InstalledDigest, RegistrySnapshot, TargetOutcomeEntry, TargetSnapshot,
 };
 pub use parent::{
-    Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, TargetOutcome,
+    Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, Poison,
+    TargetOutcome,
 };
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
 
@@ -333,6 +335,13 @@ pub enum Mutant {
     /// Parent: release the staged payload on the first answer instead of
     /// the last (caught by invariant 7).
     ReleaseStagedEarly,
+    /// Parent: send a probing register (`specs/protocol.md` §2.8) to every
+    /// live target at once instead of to the probe target alone (caught by
+    /// the model's `probe first` property).
+    BroadcastBeforeProbe,
+    /// Parent: accept a register of a poisoned digest (caught by the
+    /// model's `poisoned never sent again` property).
+    RetryPoisoned,
     /// Target: install or add a reference without comparing the recomputed
     /// digest with the requested one (caught by invariant 5).
     SkipDigestVerification,
@@ -353,6 +362,8 @@ impl Mutant {
         Mutant::CleanupUnconfirmedTargets,
         Mutant::ForgetUncertain,
         Mutant::ReleaseStagedEarly,
+        Mutant::BroadcastBeforeProbe,
+        Mutant::RetryPoisoned,
         Mutant::SkipDigestVerification,
         Mutant::FreeSlotHeldByRun,
         Mutant::IgnoreAlive,

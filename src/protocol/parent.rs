@@ -56,6 +56,14 @@ pub struct ParentConfig {
     ///
     /// [`DEFAULT_SLOT_CAPACITY`]: super::DEFAULT_SLOT_CAPACITY
     pub slot_capacity: u16,
+    /// Probe first (`specs/protocol.md` §2.8; the usual value is `true`): a
+    /// register of a digest no target has installed since start goes to
+    /// one target (the lowest live one) first, and to the others only once
+    /// that target confirmed it, so a payload whose deserialization kills
+    /// its target costs one target; such a digest is then refused
+    /// (`REGISTER_POISONED`). `false`: every register goes to every live
+    /// target at once.
+    pub probe_first: bool,
 }
 
 /// The parent's lifecycle (specs/design.md §4.1).
@@ -212,6 +220,16 @@ pub struct FailedRegistration {
     pub failures: Vec<(TargetId, Failure)>,
 }
 
+/// Why a digest is poisoned: the target its probe killed, and how that
+/// target died (as the IO layer told [`Parent::target_died`]).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize)]
+pub struct Poison {
+    /// The target that was lost while it deserialized the digest.
+    pub target: TargetId,
+    /// How it died, e.g. `its reply pipe closed; it exited with status 3`.
+    pub cause: String,
+}
+
 /// A live handle's record in the registry.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct HandleRecord {
@@ -270,6 +288,9 @@ impl Progress {
 pub(crate) enum OpKind {
     /// A post-start register: the unpublished entry.
     Register {
+        /// While the register is in its probe phase (§2.8): the one target
+        /// it was sent to; the others get it once that target confirmed.
+        probe: Option<TargetId>,
         /// The staged payload, until released.
         staging: Option<StagingId>,
         /// Once rolling back: the cleanup's seq and its bound (send time
@@ -375,6 +396,13 @@ pub struct Parent {
     pub(crate) uncertain: BTreeMap<Digest, BTreeSet<u64>>,
     /// Staged payloads not yet released.
     pub(crate) staged: BTreeSet<StagingId>,
+    /// Digests some target installed since start (a startup-snapshot
+    /// digest, or one a target confirmed a register of): a register of any
+    /// other digest probes first (§2.8).
+    pub(crate) proven: BTreeSet<Digest>,
+    /// Digests whose install killed the target that probed them, each with
+    /// that target and how it died: refused for the Worker's life.
+    pub(crate) poisoned: BTreeMap<Digest, Poison>,
     effects: VecDeque<Effect>,
     #[cfg(feature = "mutants")]
     mutant: Option<Mutant>,
@@ -393,6 +421,8 @@ impl Parent {
             ops: BTreeMap::new(),
             uncertain: BTreeMap::new(),
             staged: BTreeSet::new(),
+            proven: BTreeSet::new(),
+            poisoned: BTreeMap::new(),
             effects: VecDeque::new(),
             #[cfg(feature = "mutants")]
             mutant: None,
@@ -543,6 +573,8 @@ impl Parent {
         for record in self.handles.values_mut() {
             record.scope = all.clone();
             record.confirmed = all.clone();
+            // Every target installed the snapshot before it served.
+            self.proven.insert(record.digest);
         }
         Ok(())
     }
@@ -657,6 +689,7 @@ impl Parent {
     ///     fence_on_timeout: true,
     ///     owner: OwnerToken(1),
     ///     slot_capacity: 64,
+    ///     probe_first: false,
     /// };
     /// let mut parent = Parent::new(config);
     /// let digest = Digest::sha256(b"descriptor");
@@ -698,6 +731,13 @@ impl Parent {
             return Err(self.lifecycle_error(OperationKind::Register, "started"));
         }
         Self::check_namespace(namespace, digest)?;
+        if let Some(poison) = self.poisoned.get(&digest) {
+            if !mutant!(self, RetryPoisoned) {
+                return Err(poisoned_error(digest, poison)
+                    .with_namespace(namespace)
+                    .with_digest(digest));
+            }
+        }
         if self.uncertain.contains_key(&digest) {
             return Err(Error::new(
                 ErrorCode::REGISTER_CLEANUP_UNCERTAIN,
@@ -707,10 +747,19 @@ impl Parent {
             .with_namespace(namespace)
             .with_digest(digest));
         }
-        let scope: BTreeMap<TargetId, Progress> = self
+        let live: Vec<TargetId> = self
             .all_targets()
             .filter(|t| !self.lost.contains(t))
-            .map(|t| (t, Progress::Pending))
+            .collect();
+        // §2.8: a digest no target installed since start goes to one target
+        // first (under the mutant, to every target at once all the same).
+        let probe = (self.config.probe_first && !self.proven.contains(&digest))
+            .then(|| live.first().copied())
+            .flatten();
+        let scope: BTreeMap<TargetId, Progress> = live
+            .iter()
+            .filter(|t| probe.is_none_or(|p| p == **t) || mutant!(self, BroadcastBeforeProbe))
+            .map(|t| (*t, Progress::Pending))
             .collect();
         if scope.is_empty() {
             return Err(Error::new(
@@ -737,6 +786,7 @@ impl Parent {
         }
         let op = Op {
             kind: OpKind::Register {
+                probe,
                 staging: Some(staging),
                 cleanup: None,
             },
@@ -1021,6 +1071,7 @@ impl Parent {
         };
         let digest = op.digest;
         let is_unregister = matches!(op.kind, OpKind::Unregister { .. });
+        let mut proven = false;
         let result = if reply.digest == digest {
             reply.result
         } else {
@@ -1035,7 +1086,12 @@ impl Parent {
         let mut uncertain = reply.digest != digest;
         if let Some(progress) = op.scope.get_mut(&target) {
             *progress = match (is_cleanup, result) {
-                (false, Ok(())) => Progress::Confirmed,
+                (false, Ok(())) => {
+                    // The target holds the digest now (an OK result here
+                    // names the operation's digest): it deserialized it.
+                    proven = !is_unregister;
+                    Progress::Confirmed
+                }
                 (false, Err(failure)) => {
                     // An unregister the target refused means parent and
                     // target disagree on its refcount.
@@ -1052,6 +1108,9 @@ impl Parent {
         if uncertain {
             self.mark_uncertain(digest);
         }
+        if proven {
+            self.proven.insert(digest);
+        }
         self.advance(id, now);
         Ok(())
     }
@@ -1065,20 +1124,71 @@ impl Parent {
     /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id out
     /// of range.
     pub fn target_lost(&mut self, target: TargetId, now: Time) -> Result<(), Error> {
+        self.target_died(target, "it was lost", now)
+    }
+
+    /// [`Parent::target_lost`], saying how the target died (`cause`, e.g.
+    /// `its reply pipe closed; it was killed by signal 11`): if it was lost
+    /// while deserializing a digest it probed (§2.8), that digest is
+    /// poisoned and `cause` is named in every `REGISTER_POISONED` about it.
+    ///
+    /// # Errors
+    /// As [`Parent::target_lost`].
+    pub fn target_died(&mut self, target: TargetId, cause: &str, now: Time) -> Result<(), Error> {
         match self.lifecycle {
             Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Reply, "started")),
             Lifecycle::Closed => return Ok(()),
             Lifecycle::Started => {}
         }
         self.check_target(target, OperationKind::Reply)?;
-        self.lose(target, Progress::Lost, now);
+        self.lose(target, Progress::Lost, cause, now);
         Ok(())
     }
 
-    fn lose(&mut self, target: TargetId, as_progress: Progress, now: Time) {
-        if !self.lost.insert(target) {
+    /// The digest `target` was deserializing for a probe, if any (§2.8):
+    /// the probe of a digest not yet proven is the oldest control still
+    /// pending at that target (controls are applied in the order sent, and
+    /// a probe is sent when issued, so no control pending there was sent
+    /// before it).
+    fn probing_at(&self, target: TargetId) -> Option<Digest> {
+        let pending = |op: &Op| match (op.scope.get(&target), &op.kind) {
+            (Some(Progress::Pending), _) => Some(op.seq),
+            (
+                Some(Progress::CleanupPending),
+                OpKind::Register {
+                    cleanup: Some((seq, _)),
+                    ..
+                },
+            ) => Some(*seq),
+            _ => None,
+        };
+        let oldest = self
+            .ops
+            .values()
+            .filter_map(|op| pending(op).map(|seq| (seq, op)))
+            .min_by_key(|(seq, _)| *seq)?
+            .1;
+        match oldest.kind {
+            OpKind::Register {
+                probe: Some(probe),
+                cleanup: None,
+                ..
+            } if probe == target && !self.proven.contains(&oldest.digest) => Some(oldest.digest),
+            _ => None,
+        }
+    }
+
+    fn lose(&mut self, target: TargetId, as_progress: Progress, cause: &str, now: Time) {
+        if self.lost.contains(&target) {
             return;
         }
+        if let Some(digest) = self.probing_at(target) {
+            self.poisoned.entry(digest).or_insert_with(|| Poison {
+                target,
+                cause: cause.to_owned(),
+            });
+        }
+        self.lost.insert(target);
         let mut touched = Vec::new();
         for (id, op) in self.ops.iter_mut() {
             if let Some(progress) = op.scope.get_mut(&target) {
@@ -1111,7 +1221,7 @@ impl Parent {
                 .iter()
                 .filter(|e| matches!(e, Effect::Send { frame: ControlFrame::Register { seq, .. }, .. } if *seq == op.seq))
                 .count();
-            matches!(op.kind, OpKind::Register { staging: Some(s), cleanup: None } if s == staging)
+            matches!(op.kind, OpKind::Register { staging: Some(s), cleanup: None, .. } if s == staging)
                 && queued == op.scope.len()
         });
         if !withdrawable {
@@ -1170,7 +1280,12 @@ impl Parent {
             let silent: BTreeSet<TargetId> = expired.iter().map(|(_, t)| *t).collect();
             for target in silent {
                 self.effects.push_back(Effect::Fence { target });
-                self.lose(target, Progress::Fenced, now);
+                self.lose(
+                    target,
+                    Progress::Fenced,
+                    "it did not answer before its deadline and was fenced",
+                    now,
+                );
             }
             return;
         }
@@ -1329,6 +1444,26 @@ impl Parent {
         self.uncertain.contains_key(&digest)
     }
 
+    /// Whether `digest` is poisoned (§2.8; sticky for the Worker's life):
+    /// installing it killed the target that probed it, and a register of
+    /// it is refused with `REGISTER_POISONED`.
+    pub fn is_poisoned(&self, digest: Digest) -> bool {
+        self.poisoned.contains_key(&digest)
+    }
+
+    /// Every poisoned digest with the target its install killed and how,
+    /// in digest order.
+    pub fn poisoned_digests(&self) -> Vec<(Digest, Poison)> {
+        self.poisoned.iter().map(|(d, p)| (*d, p.clone())).collect()
+    }
+
+    /// Whether some target installed `digest` since start (a snapshot
+    /// digest, or one a target confirmed a register of): a register of a
+    /// digest that is not probes first when [`ParentConfig::probe_first`].
+    pub fn is_proven(&self, digest: Digest) -> bool {
+        self.proven.contains(&digest)
+    }
+
     /// Every uncertain digest, in digest order.
     pub fn uncertain_digests(&self) -> Vec<Digest> {
         self.uncertain.keys().copied().collect()
@@ -1431,7 +1566,16 @@ impl Parent {
             record.scope = record.scope.iter().map(map).collect();
             record.confirmed = record.confirmed.iter().map(map).collect();
         }
+        for poison in copy.poisoned.values_mut() {
+            poison.target = map(&poison.target);
+        }
         for op in copy.ops.values_mut() {
+            if let OpKind::Register {
+                probe: Some(probe), ..
+            } = &mut op.kind
+            {
+                *probe = map(probe);
+            }
             op.scope = std::mem::take(&mut op.scope)
                 .into_iter()
                 .map(|(t, p)| (map(&t), p))
@@ -1482,11 +1626,27 @@ impl Parent {
             .scope
             .values()
             .any(|p| !matches!(p, Progress::Pending | Progress::Confirmed));
-        let release_now = answered || (mutant!(self, ReleaseStagedEarly) && any_answered);
         let kind = op.kind.clone();
         let digest = op.digest;
+        if let OpKind::Register {
+            probe: Some(probe),
+            cleanup: None,
+            ..
+        } = kind
+        {
+            // Confirmed: on to the others. Otherwise (refused, lost, fenced,
+            // timed out, or confirmed for a digest uncertain meanwhile) the
+            // register fails as it is: the others never see it.
+            let confirmed = op.scope.get(&probe) == Some(&Progress::Confirmed);
+            if confirmed && !self.uncertain.contains_key(&digest) {
+                return self.broadcast(id, now);
+            }
+        }
+        let release_now = answered || (mutant!(self, ReleaseStagedEarly) && any_answered);
         match kind {
-            OpKind::Register { staging, cleanup } => {
+            OpKind::Register {
+                staging, cleanup, ..
+            } => {
                 if let (Some(staging), true) = (staging, release_now) {
                     self.release(id, staging);
                 }
@@ -1516,6 +1676,56 @@ impl Parent {
                 }
             }
         }
+    }
+
+    fn end_probe(&mut self, id: OpId) {
+        if let Some(Op {
+            kind: OpKind::Register { probe, .. },
+            ..
+        }) = self.ops.get_mut(&id)
+        {
+            *probe = None;
+        }
+    }
+
+    /// The probe target confirmed (§2.8): the register goes to every other
+    /// live target, with a fresh bound (each heard from now), then moves on
+    /// as any register.
+    fn broadcast(&mut self, id: OpId, now: Time) {
+        self.end_probe(id);
+        let live: Vec<TargetId> = self
+            .all_targets()
+            .filter(|t| !self.lost.contains(t))
+            .collect();
+        // A fresh phase: a fresh bound, every new target heard from now.
+        let bound = now.saturating_add_micros(self.config.operation_timeout);
+        let Some(op) = self.ops.get_mut(&id) else {
+            return;
+        };
+        let OpKind::Register {
+            staging: Some(staging),
+            ..
+        } = op.kind
+        else {
+            return;
+        };
+        op.deadline = bound;
+        for target in live {
+            if op.scope.contains_key(&target) {
+                continue;
+            }
+            op.scope.insert(target, Progress::Pending);
+            op.heard.insert(target, now);
+            self.effects.push_back(Effect::Send {
+                target,
+                frame: ControlFrame::Register {
+                    seq: op.seq,
+                    digest: op.digest,
+                    staging,
+                },
+            });
+        }
+        self.advance(id, now);
     }
 
     fn release(&mut self, id: OpId, staging: StagingId) {
@@ -1628,7 +1838,15 @@ impl Parent {
             };
             parts.push(text);
         }
-        let (code, lead) = if confirmed_everywhere && uncertain {
+        let (code, lead) = if let Some(poison) = self.poisoned.get(&op.digest) {
+            (
+                ErrorCode::REGISTER_POISONED,
+                format!(
+                    "installing it killed {} ({}), the target that tried it first; it is refused for the rest of this Worker's life",
+                    poison.target, poison.cause
+                ),
+            )
+        } else if confirmed_everywhere && uncertain {
             (
                 ErrorCode::REGISTER_CLEANUP_UNCERTAIN,
                 // The hashid is in the error's context; not repeated here.
@@ -1645,7 +1863,7 @@ impl Parent {
         } else {
             String::new()
         };
-        let error = Error::new(
+        let mut error = Error::new(
             code,
             OperationKind::Register,
             format!("{lead}: {}{tail}", parts.join("; ")),
@@ -1653,6 +1871,9 @@ impl Parent {
         .with_namespace(op.namespace)
         .with_digest(op.digest)
         .with_seq(op.seq);
+        if let Some(poison) = self.poisoned.get(&op.digest) {
+            error = error.with_target(poison.target);
+        }
         self.effects.push_back(Effect::Completed {
             op: id,
             result: Err(error),
@@ -1698,6 +1919,18 @@ impl Parent {
     }
 }
 
+fn poisoned_error(digest: Digest, poison: &Poison) -> Error {
+    Error::new(
+        ErrorCode::REGISTER_POISONED,
+        OperationKind::Register,
+        format!(
+            "{digest} is poisoned: installing it killed {} ({}), the target that tried it first; it is refused for the rest of this Worker's life",
+            poison.target, poison.cause
+        ),
+    )
+    .with_target(poison.target)
+}
+
 fn op_waiting(op: Option<&Op>) -> bool {
     op.is_some_and(Op::waiting)
 }
@@ -1718,6 +1951,7 @@ mod tests {
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
+            probe_first: false,
         });
         p.start().unwrap();
         p
@@ -1743,6 +1977,7 @@ mod tests {
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
+            probe_first: false,
         })
     }
 
@@ -1859,6 +2094,7 @@ mod tests {
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 2,
+            probe_first: false,
         });
         p.register_before_start(digest(1), Namespace::LocalPython)
             .unwrap();
@@ -1901,6 +2137,323 @@ mod tests {
         assert_eq!(e.code, ErrorCode::CALLABLE_KIND_UNSUPPORTED);
         assert_eq!(e.namespace, Some(Namespace::LocalChip));
         assert_eq!(drain(&mut p), vec![]);
+    }
+
+    fn probing(targets: u16) -> Parent {
+        let mut p = Parent::new(ParentConfig {
+            targets,
+            control_timeout: 100,
+            operation_timeout: 1_000,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+            slot_capacity: 64,
+            probe_first: true,
+        });
+        p.start().unwrap();
+        p
+    }
+
+    fn register_frame(target: u16, seq: u64, n: u8) -> Effect {
+        Effect::Send {
+            target: TargetId(target),
+            frame: ControlFrame::Register {
+                seq: Seq(seq),
+                digest: digest(n),
+                staging: StagingId(seq),
+            },
+        }
+    }
+
+    #[test]
+    fn a_new_digest_goes_to_one_target_then_to_the_others_once_it_confirmed() {
+        let mut p = probing(3);
+        let op = p
+            .register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                Effect::Stage {
+                    staging: StagingId(1),
+                    digest: digest(1)
+                },
+                register_frame(0, 1, 1)
+            ]
+        );
+        assert_eq!(p.poll_timeout(), Some(Time(100)));
+        p.handle_reply(TargetId(0), ok(1, 1), Time(40)).unwrap();
+        assert!(p.is_proven(digest(1)));
+        // The broadcast has its own deadline; the payload stays staged.
+        assert_eq!(
+            drain(&mut p),
+            vec![register_frame(1, 1, 1), register_frame(2, 1, 1)]
+        );
+        assert_eq!(p.poll_timeout(), Some(Time(140)));
+        assert_eq!(p.staged(), vec![StagingId(1)]);
+        p.handle_reply(TargetId(1), ok(1, 1), Time(41)).unwrap();
+        p.handle_reply(TargetId(2), ok(1, 1), Time(42)).unwrap();
+        let effects = drain(&mut p);
+        assert_eq!(
+            effects[0],
+            Effect::ReleaseStaged {
+                staging: StagingId(1)
+            }
+        );
+        let Effect::Completed {
+            op: done,
+            result: Ok(Completion::Registered(handle)),
+            outcomes,
+        } = &effects[1]
+        else {
+            panic!("{effects:?}")
+        };
+        assert_eq!(*done, op);
+        assert_eq!(outcomes.len(), 3);
+        // A proven digest goes to every target at once.
+        p.register(digest(1), Namespace::LocalPython, Time(50))
+            .unwrap();
+        assert_eq!(drain(&mut p).len(), 4, "stage and three frames");
+        assert_eq!(p.live_handles(), vec![*handle]);
+    }
+
+    #[test]
+    fn a_probe_that_kills_its_target_poisons_the_digest_and_costs_one_target() {
+        let mut p = probing(3);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.target_died(TargetId(0), "it exited with status 3", Time(5))
+            .unwrap();
+        let effects = drain(&mut p);
+        assert_eq!(
+            effects[0],
+            Effect::ReleaseStaged {
+                staging: StagingId(1)
+            }
+        );
+        let Effect::Completed {
+            result: Err(e),
+            outcomes,
+            ..
+        } = &effects[1]
+        else {
+            panic!("{effects:?}")
+        };
+        assert_eq!(e.code, ErrorCode::REGISTER_POISONED);
+        assert!(
+            e.message
+                .contains("killed target 0 (it exited with status 3)"),
+            "{}",
+            e.message
+        );
+        assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Lost)]);
+        assert!(p.is_poisoned(digest(1)));
+        assert!(p.is_target_live(TargetId(1)) && p.is_target_live(TargetId(2)));
+        // Refused from now on without any effect.
+        let again = p
+            .register(digest(1), Namespace::LocalPython, Time(6))
+            .unwrap_err();
+        assert_eq!(
+            (again.code, again.target),
+            (ErrorCode::REGISTER_POISONED, Some(TargetId(0)))
+        );
+        assert!(again.message.contains("it exited with status 3"));
+        assert!(drain(&mut p).is_empty());
+        // Another digest probes on the next live target.
+        p.register(digest(2), Namespace::LocalPython, Time(7))
+            .unwrap();
+        // (Seq 2 went to the failed register's empty cleanup.)
+        assert_eq!(drain(&mut p)[1], register_frame(1, 3, 2));
+    }
+
+    #[test]
+    fn a_probe_fenced_at_its_deadline_poisons_the_digest() {
+        let mut p = probing(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.handle_timeout(Time(100));
+        let effects = drain(&mut p);
+        assert_eq!(
+            effects[0],
+            Effect::Fence {
+                target: TargetId(0)
+            }
+        );
+        assert!(p.is_poisoned(digest(1)));
+        let poison = &p.poisoned_digests()[0].1;
+        assert_eq!(poison.target, TargetId(0));
+        assert!(poison.cause.contains("fenced"));
+    }
+
+    #[test]
+    fn a_loss_while_an_older_control_is_pending_poisons_nothing() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 100,
+            operation_timeout: 1_000,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+            slot_capacity: 64,
+            probe_first: true,
+        });
+        let h = p
+            .register_before_start(digest(7), Namespace::LocalPython)
+            .unwrap();
+        p.start().unwrap();
+        // The unregister is sent first: the target may have died on it.
+        p.unregister(&h, Time(0)).unwrap();
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.target_lost(TargetId(0), Time(1)).unwrap();
+        assert!(!p.is_poisoned(digest(1)));
+        let completed: Vec<ErrorCode> = drain(&mut p)
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Completed { result: Err(e), .. } => Some(e.code),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(completed, vec![ErrorCode::REGISTER_PARTIAL_FAILURE]);
+        // Not poisoned: a retry probes again, on the next target.
+        p.register(digest(1), Namespace::LocalPython, Time(2))
+            .unwrap();
+        assert_eq!(drain(&mut p)[1], register_frame(1, 4, 1));
+    }
+
+    #[test]
+    fn a_refused_probe_fails_the_register_without_reaching_the_others() {
+        let mut p = probing(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        let refused = Reply {
+            seq: Seq(1),
+            digest: digest(1),
+            result: Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, "ValueError: x")),
+        };
+        p.handle_reply(TargetId(0), refused, Time(1)).unwrap();
+        let effects = drain(&mut p);
+        let Some(Effect::Completed {
+            result: Err(e),
+            outcomes,
+            ..
+        }) = effects.last()
+        else {
+            panic!("{effects:?}")
+        };
+        assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+        assert_eq!(outcomes.len(), 1);
+        assert!(!effects.iter().any(|e| matches!(e, Effect::Send { .. })));
+        assert!(!p.is_poisoned(digest(1)) && !p.is_proven(digest(1)));
+    }
+
+    #[test]
+    fn a_loss_while_a_cleanup_is_older_than_the_probe_poisons_nothing() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 100,
+            operation_timeout: 1_000,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+            slot_capacity: 64,
+            probe_first: true,
+        });
+        p.register_before_start(digest(2), Namespace::LocalPython)
+            .unwrap();
+        p.start().unwrap();
+        // A proven digest: to both at once; target 1 refuses, so target 0
+        // gets the cleanup (seq 2).
+        p.register(digest(2), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.handle_reply(TargetId(0), ok(1, 2), Time(1)).unwrap();
+        let refused = Reply {
+            seq: Seq(1),
+            digest: digest(2),
+            result: Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, "no")),
+        };
+        p.handle_reply(TargetId(1), refused, Time(1)).unwrap();
+        assert!(p.awaits_reply(TargetId(0), Seq(2)));
+        // Then a probe (seq 3) to target 0, behind the cleanup.
+        p.register(digest(1), Namespace::LocalPython, Time(2))
+            .unwrap();
+        drain(&mut p);
+        p.target_lost(TargetId(0), Time(3)).unwrap();
+        assert!(!p.is_poisoned(digest(1)));
+        assert!(p.poisoned_digests().is_empty());
+    }
+
+    #[test]
+    fn a_loss_during_a_second_probe_of_a_digest_proven_meanwhile_poisons_nothing() {
+        let mut p = probing(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        // Both probe on target 0; the first confirms (and broadcasts).
+        p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+        assert!(p.is_proven(digest(1)));
+        drain(&mut p);
+        p.target_lost(TargetId(0), Time(2)).unwrap();
+        assert!(!p.is_poisoned(digest(1)));
+    }
+
+    #[test]
+    fn a_probe_confirmed_for_a_digest_uncertain_meanwhile_goes_no_further() {
+        let mut p = probing(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.mark_uncertain(digest(1));
+        p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+        let effects = drain(&mut p);
+        assert!(
+            !effects.iter().any(|e| matches!(
+                e,
+                Effect::Send {
+                    frame: ControlFrame::Register { .. },
+                    ..
+                }
+            )),
+            "{effects:?}"
+        );
+        assert_eq!(
+            effects[..2],
+            [
+                Effect::ReleaseStaged {
+                    staging: StagingId(1)
+                },
+                Effect::Send {
+                    target: TargetId(0),
+                    frame: ControlFrame::Unregister {
+                        seq: Seq(2),
+                        digest: digest(1)
+                    }
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn snapshot_digests_need_no_probe() {
+        let mut p = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 100,
+            operation_timeout: 1_000,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+            slot_capacity: 64,
+            probe_first: true,
+        });
+        p.register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        p.start().unwrap();
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        assert_eq!(drain(&mut p).len(), 3, "stage and two frames");
     }
 
     #[test]
@@ -1993,6 +2546,7 @@ mod tests {
             fence_on_timeout: false,
             owner: OwnerToken(7),
             slot_capacity: 4,
+            probe_first: false,
         });
         p.start().unwrap();
         p.register(digest(1), Namespace::LocalPython, Time(0))
@@ -2220,6 +2774,7 @@ mod tests {
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
+            probe_first: false,
         });
         let h = p
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -2246,6 +2801,7 @@ mod tests {
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
+            probe_first: false,
         });
         let h = p
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -2283,6 +2839,7 @@ mod tests {
             fence_on_timeout: true,
             owner: OwnerToken(9),
             slot_capacity: 64,
+            probe_first: false,
         });
         assert_eq!(
             p.handle_reply(TargetId(0), ok(1, 1), Time(0))

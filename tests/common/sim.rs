@@ -78,6 +78,23 @@ impl Sim {
         slot_capacity: u16,
         before_start: &[u8],
     ) -> Sim {
+        Sim::with_probe(
+            targets,
+            fence_on_timeout,
+            slot_capacity,
+            before_start,
+            false,
+        )
+    }
+
+    /// [`Sim::new`] with the parent's probe-first policy chosen.
+    pub fn with_probe(
+        targets: u16,
+        fence_on_timeout: bool,
+        slot_capacity: u16,
+        before_start: &[u8],
+        probe_first: bool,
+    ) -> Sim {
         let config = ParentConfig {
             targets,
             control_timeout: 1_000,
@@ -85,6 +102,7 @@ impl Sim {
             fence_on_timeout,
             owner: OwnerToken(0x5eed),
             slot_capacity,
+            probe_first,
         };
         let mut parent = Parent::new(config);
         for n in before_start {

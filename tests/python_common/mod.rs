@@ -189,13 +189,25 @@ pub fn envelope_in<'a>(payloads: &'a BTreeMap<String, Vec<u8>>, name: &str) -> &
 /// A Worker of `targets` embedded-mode Python targets with a 20 s control
 /// timeout (not started).
 pub fn worker(targets: u16) -> callreg::io::Worker<callreg::runtime::python::PythonRuntime> {
+    builder(targets).build().expect("a Worker")
+}
+
+/// As [`worker`], with every register sent to every target at once
+/// (probe-first off): for tests of what each target does with one.
+#[allow(dead_code)]
+pub fn broadcasting(targets: u16) -> callreg::io::Worker<callreg::runtime::python::PythonRuntime> {
+    builder(targets)
+        .probe_first(false)
+        .build()
+        .expect("a Worker")
+}
+
+fn builder(targets: u16) -> callreg::io::WorkerBuilder<callreg::runtime::python::PythonRuntime> {
     callreg::io::Worker::builder(std::sync::Arc::new(
         callreg::runtime::python::PythonRuntime::new(),
     ))
     .targets(targets)
     .control_timeout(std::time::Duration::from_secs(20))
-    .build()
-    .expect("a Worker")
 }
 
 /// The hashid of `name`'s envelope, as text (`sha256:…`).
