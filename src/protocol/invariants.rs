@@ -870,6 +870,7 @@ mod tests {
             fence_on_timeout: true,
             owner: OwnerToken(3),
             slot_capacity: 64,
+            probe_first: false,
         });
         for n in [1, 2] {
             parent
@@ -1037,6 +1038,7 @@ mod tests {
                 fence_on_timeout: true,
                 owner: OwnerToken(owner),
                 slot_capacity: 64,
+                probe_first: false,
             });
             parent
                 .register_before_start(digest(1), Namespace::LocalPython)
@@ -1097,6 +1099,7 @@ mod tests {
             fence_on_timeout: false,
             owner: OwnerToken(3),
             slot_capacity: 64,
+            probe_first: false,
         });
         parent.start().unwrap();
         let targets = vec![Some(
