@@ -521,7 +521,10 @@ fn a_killed_parent_leaves_no_staged_payload() {
             worker.target_pid(TargetId(0)).unwrap(),
             worker.target_pid(TargetId(1)).unwrap(),
         ];
-        let _pending = worker.register_async(&envelope("echo")).unwrap();
+        // Over `COPY_MAX_BYTES`: the targets map it rather than copy it.
+        let mut instruction = "echo #".to_owned();
+        instruction.extend(std::iter::repeat_n('x', staging::COPY_MAX_BYTES as usize));
+        let _pending = worker.register_async(&envelope(&instruction)).unwrap();
         let fds = staging::open_payloads().unwrap();
         if fds.len() != 1 {
             // SAFETY: the child never returns into the test runner.

@@ -42,6 +42,10 @@ fn main() {
             post_start_register_task_and_unregister,
         ),
         (
+            "a_returned_register_leaves_its_payload_nowhere",
+            a_returned_register_leaves_its_payload_nowhere,
+        ),
+        (
             "duplicate_register_counts_references",
             duplicate_register_counts_references,
         ),
@@ -183,6 +187,54 @@ fn post_start_register_task_and_unregister() {
             .unwrap(),
         b"42"
     );
+}
+
+/// Where a staged payload is still held in process `pid`: its
+/// descriptors and the lines of its memory map that map one.
+fn payload_held_by(pid: &str) -> Vec<String> {
+    let mut held: Vec<String> = callreg::io::staging::payloads_of(pid)
+        .unwrap()
+        .into_iter()
+        .map(|fd| format!("{pid}: fd {fd}"))
+        .collect();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    held.extend(
+        maps.lines()
+            .filter(|line| line.contains(callreg::io::staging::MEMFD_NAME))
+            .map(|line| format!("{pid}: maps {line}")),
+    );
+    held
+}
+
+/// When a register returns, neither the parent nor any target holds any
+/// of its staged payload (no descriptor, no mapping): every cost of the
+/// payload's size was paid inside the register, and an unregister (or
+/// anything else queued behind it) waits for none of it
+/// (`specs/staging.md`, steps 3 and 4).
+fn a_returned_register_leaves_its_payload_nowhere() {
+    let worker = builder(3).slot_capacity(64).build().unwrap();
+    worker.start().unwrap();
+    let pids: Vec<String> = (0..3)
+        .map(|t| worker.target_pid(TargetId(t)).unwrap().to_string())
+        .collect();
+    let mut handles = Vec::new();
+    for i in 0..40 {
+        // 256 KiB each: unmapping one takes long enough to be seen.
+        let mut instruction = format!("echo #{i}#");
+        instruction.extend(std::iter::repeat_n('x', 256 * 1024));
+        handles.push(worker.register(&envelope(&instruction)).unwrap());
+        let mut held = payload_held_by("self");
+        for pid in &pids {
+            held.extend(payload_held_by(pid));
+        }
+        assert_eq!(held, Vec::<String>::new(), "after register {i}");
+    }
+    for handle in &handles {
+        worker.unregister(handle).unwrap();
+    }
+    for (_, table) in worker.inspect().unwrap() {
+        assert_eq!(table.unwrap().installed, vec![]);
+    }
 }
 
 fn duplicate_register_counts_references() {

@@ -9,9 +9,10 @@
 //! write, grow, shrink or unseal it, whatever descriptor it holds. The
 //! descriptor travels to each target with its Register control
 //! (`SCM_RIGHTS`, `specs/wire.md`). A target checks the seals and the size
-//! before it maps the file read-only ([`StagedView`]), verifies the digest
-//! over that mapping and deserializes from the same mapping: the bytes it
-//! verified are the bytes it deserializes.
+//! before it maps the file read-only ([`StagedView`]; a payload of at most
+//! [`COPY_MAX_BYTES`] is read into the target's own memory instead),
+//! verifies the digest over those bytes and deserializes from the same
+//! bytes: the bytes it verified are the bytes it deserializes.
 //!
 //! The kernel frees the memory when the last descriptor and mapping are
 //! gone: the parent's ([`StagedPayload`], dropped when every target in
@@ -59,7 +60,7 @@ pub enum StagingError {
     #[error("{operation} of a staged payload failed: {errno}")]
     Os {
         /// What was attempted (`"memfd_create"`, `"write"`, `"F_ADD_SEALS"`,
-        /// `"F_GET_SEALS"`, `"fstat"`, `"mmap"`).
+        /// `"F_GET_SEALS"`, `"pread"`, `"fstat"`, `"mmap"`).
         operation: &'static str,
         /// The OS error.
         errno: Errno,
@@ -187,23 +188,37 @@ impl StagedPayload {
     }
 }
 
-/// A target's read-only mapping of a staged payload, taken only after the
-/// seals were checked.
+/// Payloads of at most this many bytes are read into the target's own
+/// memory rather than mapped: one `pread` costs less than `fstat`, `mmap`
+/// (populating the pages) and `munmap`, and the copy is small.
+pub const COPY_MAX_BYTES: u64 = 64 * 1024;
+
+/// A target's view of a staged payload, taken only after the seals were
+/// checked: a read-only mapping, or for at most [`COPY_MAX_BYTES`] a copy
+/// read from the sealed file.
 #[derive(Debug)]
 pub struct StagedView {
-    map: Option<Mmap>,
+    bytes: ViewBytes,
+}
+
+#[derive(Debug)]
+enum ViewBytes {
+    Empty,
+    Copied(Vec<u8>),
+    Mapped(Mmap),
 }
 
 impl StagedView {
     /// Checks that `fd` carries every seal of [`REQUIRED_SEALS`] and holds
-    /// exactly `expected_size` bytes, then maps it read-only. The
-    /// descriptor is closed on return: the mapping keeps the memory.
+    /// exactly `expected_size` bytes, then maps it read-only (or, for at
+    /// most [`COPY_MAX_BYTES`], reads it). The descriptor is closed on
+    /// return: the mapping keeps the memory.
     ///
     /// # Errors
     /// [`StagingError::Unsealed`] when a seal is missing or `fd` is not a
     /// sealable file; [`StagingError::SizeMismatch`] when its size differs
-    /// from `expected_size`; [`StagingError::Os`] when `fstat` or `mmap`
-    /// fails.
+    /// from `expected_size`; [`StagingError::Os`] when `pread`, `fstat` or
+    /// `mmap` fails.
     pub fn open(fd: OwnedFd, expected_size: u64) -> Result<StagedView, StagingError> {
         let seals = match fcntl(&fd, FcntlArg::F_GET_SEALS) {
             Ok(seals) => seals,
@@ -214,6 +229,9 @@ impl StagedView {
             return Err(StagingError::Unsealed { seals });
         }
         let file = File::from(fd);
+        if expected_size <= COPY_MAX_BYTES {
+            return Self::read_small(&file, expected_size);
+        }
         let actual = file
             .metadata()
             .map_err(|e| os_error("fstat")(io_errno(&e)))?
@@ -226,7 +244,9 @@ impl StagedView {
         }
         if actual == 0 {
             // mmap of zero bytes is EINVAL; an empty view is the same bytes.
-            return Ok(StagedView { map: None });
+            return Ok(StagedView {
+                bytes: ViewBytes::Empty,
+            });
         }
         let len = usize::try_from(actual).map_err(|_| os_error("mmap")(Errno::EFBIG))?;
         // SAFETY: the file is sealed against writes, growing and shrinking
@@ -236,12 +256,60 @@ impl StagedView {
         // target reads every byte (digest, then the runtime).
         let map = unsafe { memmap2::MmapOptions::new().len(len).populate().map(&file) }
             .map_err(|e| os_error("mmap")(io_errno(&e)))?;
-        Ok(StagedView { map: Some(map) })
+        Ok(StagedView {
+            bytes: ViewBytes::Mapped(map),
+        })
     }
 
-    /// The mapped bytes (exactly the staged size).
+    /// Reads a sealed file expected to hold `expected_size` bytes (at most
+    /// [`COPY_MAX_BYTES`]): one byte more is asked for, so a longer file
+    /// shows as one; a file that ends early shows by its short total.
+    fn read_small(file: &File, expected_size: u64) -> Result<StagedView, StagingError> {
+        use std::os::unix::fs::FileExt;
+        let expected = usize::try_from(expected_size).unwrap_or(usize::MAX);
+        let mut bytes = vec![0u8; expected + 1];
+        let mut got = 0;
+        while got < bytes.len() {
+            match file.read_at(&mut bytes[got..], got as u64) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(os_error("pread")(io_errno(&e))),
+            }
+        }
+        if got != expected {
+            let actual = match file.metadata() {
+                Ok(meta) => meta.len(),
+                Err(_) => got as u64,
+            };
+            return Err(StagingError::SizeMismatch {
+                expected: expected_size,
+                actual,
+            });
+        }
+        bytes.truncate(expected);
+        Ok(StagedView {
+            bytes: if expected == 0 {
+                ViewBytes::Empty
+            } else {
+                ViewBytes::Copied(bytes)
+            },
+        })
+    }
+
+    /// The staged bytes (exactly the staged size).
     pub fn bytes(&self) -> &[u8] {
-        self.map.as_deref().unwrap_or(&[])
+        match &self.bytes {
+            ViewBytes::Empty => &[],
+            ViewBytes::Copied(bytes) => bytes,
+            ViewBytes::Mapped(map) => map,
+        }
+    }
+
+    /// Whether the bytes are a mapping of the staged file (payloads over
+    /// [`COPY_MAX_BYTES`]) rather than a copy.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.bytes, ViewBytes::Mapped(_))
     }
 }
 
@@ -302,6 +370,7 @@ mod tests {
         assert_eq!(seals, REQUIRED_SEALS.bits());
         let view = StagedView::open(dup(&staged), 200_000).unwrap();
         assert_eq!(view.bytes(), &bytes[..]);
+        assert!(view.is_mapped());
         assert!(open_payloads().unwrap().contains(&staged.fd().as_raw_fd()));
         drop(staged);
         // The view outlives every descriptor: the mapping stays valid.
@@ -372,6 +441,30 @@ mod tests {
             }
         ));
         assert_eq!(err.code(), ErrorCode::ENVELOPE_INVALID);
+        // A file longer than announced, read (small) or mapped (large).
+        assert!(matches!(
+            StagedView::open(dup(&staged), 9).unwrap_err(),
+            StagingError::SizeMismatch {
+                expected: 9,
+                actual: 10,
+            }
+        ));
+        let big = vec![3u8; COPY_MAX_BYTES as usize + 1];
+        let (large, _) = StagedPayload::create(&big, 0..big.len()).unwrap();
+        let announced = COPY_MAX_BYTES;
+        assert!(matches!(
+            StagedView::open(dup(&large), announced).unwrap_err(),
+            StagingError::SizeMismatch { expected, actual }
+                if expected == announced && actual == announced + 1
+        ));
+        // At the limit the bytes are copied; one byte more, mapped.
+        let (limit, _) = StagedPayload::create(&big[1..], 0..big.len() - 1).unwrap();
+        let view = StagedView::open(dup(&limit), COPY_MAX_BYTES).unwrap();
+        assert!(!view.is_mapped());
+        assert_eq!(view.bytes(), &big[1..]);
+        let view = StagedView::open(dup(&large), COPY_MAX_BYTES + 1).unwrap();
+        assert!(view.is_mapped());
+        assert_eq!(view.bytes(), &big[..]);
         // An unsealed memfd and a plain file are refused before mapping.
         let open = memfd_create("x", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING).unwrap();
         let err = StagedView::open(open, 0).unwrap_err();

@@ -56,7 +56,7 @@ use crate::descriptor::{python_serialized_digest, Digest};
 use crate::envelope::Envelope;
 use crate::error::ErrorCode;
 use crate::metadata::{merge_retval_keyword, CallableMetadata, HookCall};
-use crate::protocol::{Failure, Seq, Slot, Target, TargetConfig, TargetEffect, TargetId};
+use crate::protocol::{Failure, Reply, Seq, Slot, Target, TargetConfig, TargetEffect, TargetId};
 use crate::runtime::{Runtime, RuntimeError, TaskEncoding};
 use crate::wire::{Frame, FrameBuffer, ReplyError, TaskFailure, HEADER_BYTES};
 use nix::errno::Errno;
@@ -685,7 +685,16 @@ impl<R: Runtime> Control<'_, R> {
                 let effects = self.table.on_register(Seq(seq), digest, verified);
                 let view = opened.ok().map(|(view, _)| view);
                 let metadata = metadata.ok().flatten();
-                self.carry_out(effects, view.as_ref(), metadata.as_ref());
+                let mut replies = Vec::new();
+                self.carry_out(effects, view.as_ref(), metadata.as_ref(), &mut replies);
+                // The mapping goes before the answer (`specs/staging.md`):
+                // once the parent has every answer, no target holds any of
+                // the payload, so nothing that comes later (an unregister
+                // behind it in this socket) waits for its unmapping, and the
+                // cost of a payload's size stays in its register.
+                let staged = view.is_some();
+                drop(view);
+                self.send_replies(replies, staged);
             }
             Frame::Unregister { seq, digest } => {
                 if let Err(message) = failpoints::hit(failpoints::TARGET_BEFORE_UNREGISTER) {
@@ -708,7 +717,9 @@ impl<R: Runtime> Control<'_, R> {
                         self.id,
                         &format!("the unregister (seq {seq}) of {}", digest.hashid()),
                     );
-                    self.carry_out(effects, None, None);
+                    let mut replies = Vec::new();
+                    self.carry_out(effects, None, None, &mut replies);
+                    self.send_replies(replies, false);
                 }
             }
             Frame::Task {
@@ -853,36 +864,44 @@ impl<R: Runtime> Control<'_, R> {
         });
     }
 
-    /// Carries out the machine's effects in order: replies are written
-    /// (a register's OK passes `target.after_install` first); a
-    /// deserialization runs from the staged view and its result goes back
-    /// to the machine, whose new effects are carried out in turn.
+    /// Carries out the machine's effects in order: replies are collected
+    /// into `replies` (sent by [`Control::send_replies`] once the staged
+    /// view is gone); a deserialization runs from the staged view and its
+    /// result goes back to the machine, whose new effects are carried out
+    /// in turn.
     fn carry_out(
         &self,
         effects: Effects,
         view: Option<&StagedView>,
         metadata: Option<&CallableMetadata>,
+        replies: &mut Vec<Reply>,
     ) {
         for effect in effects {
             match effect {
-                TargetEffect::Reply(reply) => {
-                    if reply.result.is_ok()
-                        && view.is_some()
-                        && failpoints::hit(failpoints::TARGET_AFTER_INSTALL).is_err()
-                    {
-                        abrupt_exit();
-                    }
-                    self.writer.send(Frame::Reply {
-                        seq: reply.seq.0,
-                        digest: reply.digest,
-                        result: reply.result.map_err(reply_error),
-                    });
-                }
+                TargetEffect::Reply(reply) => replies.push(reply),
                 TargetEffect::Deserialize { seq, digest, slot } => {
                     let more = self.deserialize_into(seq, digest, slot, view, metadata);
-                    self.carry_out(more, view, metadata);
+                    self.carry_out(more, view, metadata, replies);
                 }
             }
+        }
+    }
+
+    /// Writes the replies in order; an OK reply to a register whose staged
+    /// payload was opened (`staged`) passes `target.after_install` first.
+    fn send_replies(&self, replies: Vec<Reply>, staged: bool) {
+        for reply in replies {
+            if reply.result.is_ok()
+                && staged
+                && failpoints::hit(failpoints::TARGET_AFTER_INSTALL).is_err()
+            {
+                abrupt_exit();
+            }
+            self.writer.send(Frame::Reply {
+                seq: reply.seq.0,
+                digest: reply.digest,
+                result: reply.result.map_err(reply_error),
+            });
         }
     }
 

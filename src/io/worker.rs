@@ -43,9 +43,10 @@
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
 //! with `stage_failed`); `Send` encodes a wire frame into the target's
-//! outbox (a register's carries its metadata as JSON, and a duplicate of
-//! its staged payload's descriptor waits beside it); `ReleaseStaged`
-//! closes the parent's descriptor of the payload; `Fence` kills and reaps the target; `Completed`
+//! outbox (a register's carries its metadata as JSON, and its staged
+//! payload, one for every target, waits beside it until the frame's first
+//! byte is sent with its descriptor); `ReleaseStaged` closes the parent's
+//! descriptor of the payload; `Fence` kills and reaps the target; `Completed`
 //! hands the result to the waiting caller (a published handle passes
 //! `parent.before_publish` first).
 
@@ -1291,9 +1292,13 @@ struct Link {
     input: FrameBuffer,
     /// Encoded control bytes not yet written (the socket was full).
     outbox: Vec<u8>,
-    /// Staged payload descriptors waiting to go with the outbox byte at
-    /// their offset (a register frame's first byte), in offset order.
-    outbox_fds: VecDeque<(usize, TrackedFd)>,
+    /// Staged payloads whose descriptor goes with the outbox byte at
+    /// their offset (a register frame's first byte), in offset order. One
+    /// staged payload is shared by every target's frame (no descriptor is
+    /// duplicated per target); each share is dropped once its frame's
+    /// first byte is sent, which is before that target can answer, so the
+    /// payload is still released when every target answered.
+    outbox_fds: VecDeque<(usize, Arc<StagedPayload>)>,
 }
 
 /// The snapshot entries targets reported they could not install.
@@ -1497,7 +1502,7 @@ struct InspectWaiter {
 /// A register's staged payload with the metadata JSON its control carries
 /// (empty for none); dropping it unlinks the payload.
 struct Staged {
-    payload: StagedPayload,
+    payload: Arc<StagedPayload>,
     metadata: String,
 }
 
@@ -1744,7 +1749,7 @@ impl IoLoop {
                         context.staged = Some((
                             digest,
                             Staged {
-                                payload: staged,
+                                payload: Arc::new(staged),
                                 metadata,
                             },
                         ));
@@ -1875,7 +1880,7 @@ impl IoLoop {
         frame: ControlFrame,
         context: &mut Context,
     ) {
-        let mut attached: Option<TrackedFd> = None;
+        let mut attached: Option<Arc<StagedPayload>> = None;
         let wire = match frame {
             ControlFrame::Register {
                 seq,
@@ -1883,14 +1888,7 @@ impl IoLoop {
                 staging,
             } => match self.staged.get(&staging) {
                 Some(staged) => {
-                    let Ok(fd) = staged.payload.fd().try_clone_to_owned() else {
-                        return self.lose(
-                            core,
-                            target,
-                            "its register's staged payload could not be duplicated",
-                        );
-                    };
-                    attached = Some(TrackedFd::new(fd));
+                    attached = Some(staged.payload.clone());
                     Frame::Register {
                         seq: seq.0,
                         digest,
@@ -1953,7 +1951,7 @@ impl IoLoop {
         };
         while !link.outbox.is_empty() {
             let (fd, end) = match (link.outbox_fds.front(), link.outbox_fds.get(1)) {
-                (Some((0, fd)), next) => (Some(fd.as_fd()), next.map(|(at, _)| *at)),
+                (Some((0, payload)), next) => (Some(payload.fd()), next.map(|(at, _)| *at)),
                 (Some((at, _)), _) => (None, Some(*at)),
                 (None, _) => (None, None),
             };
