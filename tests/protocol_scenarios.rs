@@ -1,4 +1,4 @@
-//! The scenarios of the protocol's specification (issue 3, item 6), each
+//! The scenarios of the protocol's specification, each
 //! asserting the exact effects, replies and errors. Parent-side scenarios
 //! drive a bare [`Parent`] and check every effect; whole-system scenarios
 //! use the in-memory driver (`common::sim`) and check every invariant.
@@ -798,4 +798,57 @@ fn awaits_reply_follows_each_target_through_the_register_and_its_cleanup() {
     assert!(!p.awaits_reply(TargetId(0), Seq(2)));
     assert_eq!(p.poll_timeout(), None);
     assert!(p.in_flight().is_empty());
+}
+
+#[test]
+fn every_frame_names_its_seq_and_digest() {
+    let frames = [
+        ControlFrame::Register {
+            seq: Seq(3),
+            digest: digest(4),
+            staging: StagingId(5),
+        },
+        ControlFrame::Unregister {
+            seq: Seq(6),
+            digest: digest(7),
+        },
+        ControlFrame::Task {
+            seq: Seq(8),
+            digest: digest(9),
+        },
+    ];
+    let named: Vec<(Seq, callreg::descriptor::Digest)> =
+        frames.iter().map(|f| (f.seq(), f.digest())).collect();
+    assert_eq!(
+        named,
+        vec![
+            (Seq(3), digest(4)),
+            (Seq(6), digest(7)),
+            (Seq(8), digest(9))
+        ]
+    );
+}
+
+#[test]
+fn ids_namespaces_and_failures_display_as_documented() {
+    assert_eq!(TargetId(3).to_string(), "target 3");
+    assert_eq!(Seq(12).to_string(), "seq 12");
+    assert_eq!(Namespace::LocalPython.to_string(), "LOCAL_PYTHON");
+    assert_eq!(Namespace::LocalChip.to_string(), "LOCAL_CHIP");
+    assert_eq!(Namespace::LocalChip.as_str(), "LOCAL_CHIP");
+    assert_eq!(
+        Failure::new(ErrorCode::DESERIALIZE_FAILED, "bad pickle: line 1").to_string(),
+        "DESERIALIZE_FAILED: bad pickle: line 1"
+    );
+    let error = callreg::error::Error::new(
+        ErrorCode::IO_FAILED,
+        callreg::error::OperationKind::Register,
+        "pipe closed",
+    );
+    assert_eq!(
+        Failure::from(error),
+        Failure::new(ErrorCode::IO_FAILED, "pipe closed")
+    );
+    assert_eq!(Time(u64::MAX - 1).saturating_add_micros(5), Time(u64::MAX));
+    assert_eq!(Time(7).saturating_add_micros(5), Time(12));
 }

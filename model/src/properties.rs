@@ -21,7 +21,7 @@ use stateright::Property;
 use std::collections::BTreeMap;
 
 use callreg::descriptor::Digest;
-use callreg::protocol::{Lifecycle, Namespace, OpId, RegistrySnapshot, Seq, Slot, TargetId, Time};
+use callreg::protocol::{DigestCount, Lifecycle, Namespace, OpId, Seq, Slot, TargetId, Time};
 
 use crate::model::{
     seen, RegistrationModel, State, StepResult, StepStatus, CONTROL_TIMEOUT, OPERATION_TIMEOUT,
@@ -350,11 +350,25 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         return fail("a target runs although the parent is new");
     }
     let handles = p.live_handles();
+    // Counted here, not with the library's `RegistrySnapshot::count_digests`
+    // (which the snapshot itself uses: comparing the two would check nothing).
+    let mut counts: BTreeMap<Digest, u32> = BTreeMap::new();
+    for h in &handles {
+        *counts.entry(h.digest()).or_insert(0) += 1;
+    }
+    let mut digests: Vec<DigestCount> = counts
+        .iter()
+        .map(|(d, n)| DigestCount {
+            hashid: d.hashid(),
+            live_handles: *n,
+        })
+        .collect();
+    digests.sort();
     let snapshot = p.registry_snapshot();
     if snapshot.lifecycle != lifecycle
         || snapshot.live_targets != live
         || snapshot.handles != handles
-        || snapshot.digests != RegistrySnapshot::count_digests(&handles)
+        || snapshot.digests != digests
         || snapshot.uncertain
             != p.uncertain_digests()
                 .iter()
@@ -362,10 +376,6 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
                 .collect::<Vec<_>>()
     {
         return fail("Parent::registry_snapshot disagrees with the other queries");
-    }
-    let mut counts: BTreeMap<Digest, u32> = BTreeMap::new();
-    for h in &handles {
-        *counts.entry(h.digest()).or_insert(0) += 1;
     }
     if p.startup_snapshot() != counts.iter().map(|(d, n)| (*d, *n)).collect::<Vec<_>>() {
         return fail("Parent::startup_snapshot does not count the live handles");

@@ -536,15 +536,6 @@ pub fn inv8_dispatch_safety(view: &View<'_>) -> Result<(), Violation> {
 /// # Errors
 /// A [`Violation`] naming the frame.
 pub fn inv9_slots_stay_private(view: &View<'_>) -> Result<(), Violation> {
-    fn has_slot(value: &serde_json::Value) -> bool {
-        match value {
-            serde_json::Value::Object(map) => {
-                map.iter().any(|(k, v)| k.contains("slot") || has_slot(v))
-            }
-            serde_json::Value::Array(items) => items.iter().any(has_slot),
-            _ => false,
-        }
-    }
     let frames = view
         .frames
         .iter()
@@ -568,10 +559,22 @@ pub fn inv9_slots_stay_private(view: &View<'_>) -> Result<(), Violation> {
     Ok(())
 }
 
+/// Whether a key anywhere in `value` (in nested objects and arrays too)
+/// names a slot.
+fn has_slot(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::Object(map) => {
+            map.iter().any(|(k, v)| k.contains("slot") || has_slot(v))
+        }
+        serde_json::Value::Array(items) => items.iter().any(has_slot),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{OwnerToken, ParentConfig, Reply, Seq, StagingId, TargetConfig};
+    use crate::protocol::{OwnerToken, ParentConfig, Reply, Seq, Slot, StagingId, TargetConfig};
 
     fn digest(n: u8) -> Digest {
         Digest([n; 32])
@@ -761,6 +764,401 @@ mod tests {
         let v = check(8, &parent, &targets, &frames).unwrap_err();
         assert_eq!(v.number, 8);
         assert!(v.description.starts_with("target 1 holds"), "{v}");
+    }
+
+    /// The frames of every `Send` among the parent's undrained effects, in
+    /// order (drains them).
+    fn sent(parent: &mut Parent) -> Vec<(TargetId, ControlFrame)> {
+        std::iter::from_fn(|| parent.poll_effect())
+            .filter_map(|e| match e {
+                crate::protocol::Effect::Send { target, frame } => Some((target, frame)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn view_of<'a>(
+        parent: &'a Parent,
+        targets: &'a [Option<&'a Target>],
+        frames: &'a [(TargetId, &'a ControlFrame)],
+        replies: &'a [(TargetId, &'a Reply)],
+    ) -> View<'a> {
+        View {
+            parent,
+            targets,
+            frames,
+            replies,
+        }
+    }
+
+    #[test]
+    fn check_all_reports_the_first_violation_in_invariant_order() {
+        let (mut parent, mut targets) = system();
+        parent.staged.insert(StagingId(5));
+        let targets_view: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let v = check_all(&view_of(&parent, &targets_view, &[], &[])).unwrap_err();
+        assert_eq!((v.number, v.name), (7, "no staging leak"));
+        targets[0]
+            .as_mut()
+            .unwrap()
+            .installed
+            .get_mut(&digest(1))
+            .unwrap()
+            .refcount = 2;
+        let targets_view: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        let v = check_all(&view_of(&parent, &targets_view, &[], &[])).unwrap_err();
+        assert_eq!((v.number, v.name), (2, "no orphan installs"));
+    }
+
+    #[test]
+    fn a_violation_displays_its_number_name_and_description() {
+        let (mut parent, targets) = system();
+        parent.staged.insert(StagingId(5));
+        let v = check(7, &parent, &targets, &[]).unwrap_err();
+        assert_eq!(
+            v.to_string(),
+            "invariant 7 (no staging leak) violated: staged payloads [StagingId(5)] remain while quiescent"
+        );
+    }
+
+    #[test]
+    fn quiescence_needs_an_idle_parent_and_nothing_in_transit() {
+        let (parent, targets) = system();
+        let alive: Vec<Option<&Target>> = targets.iter().map(Option::as_ref).collect();
+        // A register whose effects are not drained yet: nothing in transit,
+        // but the parent is not idle.
+        let mut busy = parent.clone();
+        busy.register(digest(2), Namespace::LocalPython, crate::protocol::Time(0))
+            .unwrap();
+        assert!(!view_of(&busy, &alive, &[], &[]).is_quiescent());
+        // An idle parent with a reply in transit.
+        let reply = Reply {
+            seq: Seq(9),
+            digest: digest(1),
+            result: Ok(()),
+        };
+        assert!(!view_of(&parent, &alive, &[], &[(TargetId(0), &reply)]).is_quiescent());
+        // An idle parent with a control frame in transit; a task frame is
+        // allowed.
+        let unregister = ControlFrame::Unregister {
+            seq: Seq(9),
+            digest: digest(1),
+        };
+        let task = ControlFrame::Task {
+            seq: Seq(9),
+            digest: digest(1),
+        };
+        assert!(!view_of(&parent, &alive, &[(TargetId(0), &unregister)], &[]).is_quiescent());
+        assert!(view_of(&parent, &alive, &[(TargetId(0), &task)], &[]).is_quiescent());
+        // A target deserializing.
+        let mut deserializing = targets.clone();
+        deserializing[1]
+            .as_mut()
+            .unwrap()
+            .on_register(Seq(9), digest(2), Ok(digest(2)));
+        let alive: Vec<Option<&Target>> = deserializing.iter().map(Option::as_ref).collect();
+        assert!(!view_of(&parent, &alive, &[], &[]).is_quiescent());
+    }
+
+    #[test]
+    fn inv2_counts_the_handles_of_each_digest_apart() {
+        // Two digests, one handle each, held once by both targets.
+        let mut parent = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 10,
+            operation_timeout: 100,
+            fence_on_timeout: true,
+            owner: OwnerToken(3),
+            slot_capacity: 64,
+            probe_first: false,
+        });
+        for n in [1, 2] {
+            parent
+                .register_before_start(digest(n), Namespace::LocalPython)
+                .unwrap();
+        }
+        let snapshot = parent.startup_snapshot();
+        parent.start().unwrap();
+        let mut targets: Vec<Option<Target>> = (0..2)
+            .map(|i| Some(Target::new(TargetConfig::new(TargetId(i)), &snapshot).unwrap()))
+            .collect();
+        for number in [2, 8] {
+            assert_eq!(check(number, &parent, &targets, &[]), Ok(()), "{number}");
+        }
+        // Target 0 confirmed the handle of digest 2 only.
+        parent
+            .handles
+            .get_mut(&1)
+            .unwrap()
+            .confirmed
+            .remove(&TargetId(0));
+        let v = check(2, &parent, &targets, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            format!(
+                "target 0 holds {} with refcount 1 but 0 live handles name it",
+                digest(1)
+            )
+        );
+        // Target 1 dropped digest 1.
+        let mut dropped = parent.clone();
+        dropped
+            .handles
+            .get_mut(&1)
+            .unwrap()
+            .confirmed
+            .insert(TargetId(0));
+        targets[1].as_mut().unwrap().installed.remove(&digest(1));
+        targets[1]
+            .as_mut()
+            .unwrap()
+            .slots
+            .retain(|_, u| u.content != digest(1));
+        let v = check(2, &dropped, &targets, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            format!(
+                "target 1 holds {} with refcount 0 but 1 live handles name it",
+                digest(1)
+            )
+        );
+    }
+
+    #[test]
+    fn inv3_looks_only_at_handles_of_the_uncertain_digest_published_after() {
+        let (mut parent, targets) = system();
+        // Another digest is uncertain: handle 1 (digest 1) is not concerned.
+        parent.uncertain.insert(digest(2), BTreeSet::new());
+        assert_eq!(check(3, &parent, &targets, &[]), Ok(()));
+        // Digest 1 became uncertain while handle 1 was live.
+        parent.uncertain.insert(digest(1), [1].into());
+        assert_eq!(check(3, &parent, &targets, &[]), Ok(()));
+        // ... and not while it was live.
+        parent.uncertain.insert(digest(1), [2].into());
+        let v = check(3, &parent, &targets, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            format!(
+                "handle 1 of {} was published after {} became uncertain",
+                digest(1),
+                digest(1)
+            )
+        );
+    }
+
+    #[test]
+    fn inv4_accepts_each_slot_state_with_its_owner_only() {
+        let (parent, targets) = system();
+        // Deserializing: a slot reserved for one deserialization.
+        let mut deserializing = targets.clone();
+        let target = deserializing[0].as_mut().unwrap();
+        target.on_register(Seq(5), digest(2), Ok(digest(2)));
+        assert_eq!(check(4, &parent, &deserializing, &[]), Ok(()));
+        let mut twice = deserializing.clone();
+        let target = twice[0].as_mut().unwrap();
+        let pending = target.pending[&Seq(5)].clone();
+        target.pending.insert(Seq(6), pending);
+        let v = check(4, &parent, &twice, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            "target 0 slot 1 is Deserializing without its owner"
+        );
+        let mut orphan = deserializing.clone();
+        let target = orphan[0].as_mut().unwrap();
+        target.slots.get_mut(&Slot(1)).unwrap().state = SlotState::Live;
+        let v = check(4, &parent, &orphan, &[]).unwrap_err();
+        assert_eq!(v.description, "target 0 slot 1 is Live without its owner");
+        // Tombstoned: unregistered while a run holds it.
+        let mut tombstoned = targets.clone();
+        let slot = tombstoned[1]
+            .as_mut()
+            .unwrap()
+            .begin_task(Seq(4), digest(1))
+            .unwrap();
+        assert_eq!(
+            check(4, &parent, &tombstoned, &[]),
+            Ok(()),
+            "a run on a live slot"
+        );
+        let target = tombstoned[1].as_mut().unwrap();
+        target.on_unregister(Seq(5), digest(1));
+        assert_eq!(target.slots[&slot].state, SlotState::Tombstoned);
+        assert_eq!(check(4, &parent, &tombstoned, &[]), Ok(()));
+        let mut unheld = tombstoned.clone();
+        unheld[1].as_mut().unwrap().runs.clear();
+        let v = check(4, &parent, &unheld, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            "target 1 slot 0 is Tombstoned without its owner"
+        );
+        // An installed digest in a slot that is not live.
+        let mut unresolvable = tombstoned.clone();
+        let target = unresolvable[1].as_mut().unwrap();
+        target.installed.insert(
+            digest(1),
+            super::super::target::Installed { slot, refcount: 1 },
+        );
+        let v = check(4, &parent, &unresolvable, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            format!(
+                "target 1 resolves {} to slot 0 in state Some(SlotUse {{ content: {:?}, state: Tombstoned }})",
+                digest(1),
+                digest(1)
+            )
+        );
+        // A run holding a slot that is deserializing again.
+        let mut reused = tombstoned.clone();
+        let target = reused[1].as_mut().unwrap();
+        target.slots.get_mut(&slot).unwrap().state = SlotState::Deserializing;
+        target.pending.insert(
+            Seq(6),
+            super::super::target::PendingInstall {
+                digest: digest(1),
+                slot,
+                waiters: Vec::new(),
+            },
+        );
+        let v = check(4, &parent, &reused, &[]).unwrap_err();
+        assert!(
+            v.description
+                .starts_with("target 1 run seq 4 holds slot 0 which is Some("),
+            "{v}"
+        );
+    }
+
+    #[test]
+    fn inv6_probes_with_a_foreign_token_for_every_owner() {
+        let (_, targets) = system();
+        for owner in [0, 1, 2, u64::MAX] {
+            let mut parent = Parent::new(ParentConfig {
+                targets: 2,
+                control_timeout: 10,
+                operation_timeout: 100,
+                fence_on_timeout: true,
+                owner: OwnerToken(owner),
+                slot_capacity: 64,
+                probe_first: false,
+            });
+            parent
+                .register_before_start(digest(1), Namespace::LocalPython)
+                .unwrap();
+            parent.start().unwrap();
+            assert_eq!(check(6, &parent, &targets, &[]), Ok(()), "owner {owner}");
+        }
+    }
+
+    #[test]
+    fn inv6_accepts_a_stale_handle_id() {
+        let (mut parent, targets) = system();
+        let handle = parent.live_handles()[0];
+        parent
+            .unregister(&handle, crate::protocol::Time(0))
+            .unwrap();
+        let frames = sent(&mut parent);
+        assert_eq!(frames.len(), 2);
+        assert_eq!(check(6, &parent, &targets, &frames), Ok(()));
+        assert_eq!(
+            parent
+                .resolve(&handle, Namespace::LocalPython)
+                .map_err(|e| e.code),
+            Err(ErrorCode::HANDLE_STALE)
+        );
+    }
+
+    #[test]
+    fn inv7_catches_a_payload_released_under_a_register_in_transit() {
+        let (mut parent, targets) = system();
+        parent
+            .register(digest(2), Namespace::LocalPython, crate::protocol::Time(0))
+            .unwrap();
+        let frames = sent(&mut parent);
+        assert_eq!(frames.len(), 2);
+        assert_eq!(check(7, &parent, &targets, &frames), Ok(()));
+        let staging = parent.staged()[0];
+        parent.staged.remove(&staging);
+        let v = check(7, &parent, &targets, &frames).unwrap_err();
+        assert_eq!(
+            v.description,
+            format!(
+                "staged payload {} released while its register seq 1 is in transit to target 0",
+                staging.0
+            )
+        );
+    }
+
+    #[test]
+    fn inv7_ignores_a_register_in_transit_that_no_operation_waits_for() {
+        // Without fencing, a register times out while its frame is still in
+        // transit: its payload is released; a later register of another
+        // digest waits for the same target.
+        let mut parent = Parent::new(ParentConfig {
+            targets: 1,
+            control_timeout: 1_000,
+            operation_timeout: 10_000,
+            fence_on_timeout: false,
+            owner: OwnerToken(3),
+            slot_capacity: 64,
+            probe_first: false,
+        });
+        parent.start().unwrap();
+        let targets = vec![Some(
+            Target::new(TargetConfig::new(TargetId(0)), &parent.startup_snapshot()).unwrap(),
+        )];
+        parent
+            .register(digest(1), Namespace::LocalPython, crate::protocol::Time(0))
+            .unwrap();
+        let mut frames = sent(&mut parent);
+        parent
+            .register(
+                digest(2),
+                Namespace::LocalPython,
+                crate::protocol::Time(500),
+            )
+            .unwrap();
+        frames.extend(sent(&mut parent));
+        parent.handle_timeout(crate::protocol::Time(1_000));
+        std::iter::from_fn(|| parent.poll_effect()).for_each(drop);
+        assert_eq!(parent.in_flight().len(), 1);
+        assert_eq!(parent.staged().len(), 1);
+        assert_eq!(frames.len(), 2);
+        assert_eq!(check(7, &parent, &targets, &frames), Ok(()));
+    }
+
+    #[test]
+    fn inv8_does_not_count_a_task_in_transit_as_leaving() {
+        let (parent, targets) = system();
+        let frames = [(
+            TargetId(0),
+            ControlFrame::Task {
+                seq: Seq(9),
+                digest: digest(1),
+            },
+        )];
+        assert_eq!(check(8, &parent, &targets, &frames), Ok(()));
+    }
+
+    #[test]
+    fn inv9_finds_a_slot_key_at_any_depth() {
+        use serde_json::json;
+        for carrier in [
+            json!({"slot": 0}),
+            json!({"frame": "register", "free_slots": [1]}),
+            json!({"result": {"Err": {"code": "X", "slot": 2}}}),
+            json!({"frame": "task", "items": [1, {"slot": 3}]}),
+            json!([{"seq": 1}, {"slot_id": 4}]),
+        ] {
+            assert!(has_slot(&carrier), "{carrier}");
+        }
+        for clean in [
+            json!({"frame": "task", "seq": 1, "digest": "slot"}),
+            json!({"result": {"Err": {"code": "X", "message": "no free slot"}}}),
+            json!({"items": [1, "slot", {"seq": 2}]}),
+            json!("slot"),
+            json!(null),
+        ] {
+            assert!(!has_slot(&clean), "{clean}");
+        }
     }
 
     #[test]
