@@ -159,7 +159,7 @@ fn missing_file_gets_a_row_and_exit_one() {
         text(&out.stdout),
         "FILE          VALID       PAYLOAD        STAGED  HASHID / ERROR\n\
          no_such.spyc  no                -             -  ReadError: cannot read no_such.spyc: No such file or directory\n\
-         .             no                -             -  ReadError: cannot read .: Is a directory\n"
+         .             no                -             -  ReadError: cannot read .: not a regular file (a directory)\n"
     );
     // A missing and a malformed envelope: the same status.
     assert_eq!(run(&["inspect", "bad_magic.spyc"]).status.code(), Some(1));
@@ -675,7 +675,10 @@ fn inspect_names_what_is_wrong_with_a_side_car() {
     std::fs::create_dir(&sidecar).unwrap();
     assert_eq!(
         error(),
-        format!("cannot read {}: Is a directory", sidecar.display())
+        format!(
+            "cannot read {}: not a regular file (a directory)",
+            sidecar.display()
+        )
     );
     std::fs::remove_dir(&sidecar).unwrap();
 
@@ -698,12 +701,21 @@ fn inspect_names_what_is_wrong_with_a_side_car() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `inspect` reads no more than the header declares: `/dev/zero` (an
-/// endless stream) is reported as a bad magic, a stream stops after the
-/// declared payload, and a regular file's staged size is its length.
+/// `inspect` reads no more than the header declares: a device such as
+/// `/dev/zero` is refused unread, a stream with a bad header is a bad
+/// magic, a stream stops after the declared payload, and a regular file's
+/// staged size is its length.
 #[test]
 fn inspect_reads_at_most_what_the_header_declares() {
     let out = run(&["inspect", "--json", "/dev/zero"]);
+    assert_eq!(out.status.code(), Some(1));
+    let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
+    assert_eq!(report["error"], "ReadError");
+    assert_eq!(
+        report["message"],
+        "cannot read /dev/zero: not a regular file (a character device)"
+    );
+    let out = run_stdin(&["inspect", "--json", "-"], &[0; 4096]);
     assert_eq!(out.status.code(), Some(1));
     let report: Value = serde_json::from_str(text(&out.stdout).trim()).unwrap();
     assert_eq!(report["error"], "BadMagic");

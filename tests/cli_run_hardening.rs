@@ -290,6 +290,54 @@ fn hashid_reads_only_regular_files_and_an_open_stdin() {
     );
 }
 
+/// `inspect` reads its inputs as every command does: a FIFO with no writer,
+/// a device or a directory is refused before anything is read (a row with
+/// `ReadError` and a line on stderr, exit 1), and so is a side-car that is
+/// not a regular file.
+#[test]
+fn inspect_reads_only_regular_files() {
+    let dir = TempDir::new("inspect-inputs");
+    let fifo = dir.0.join("fifo");
+    mkfifo(&fifo);
+    let subdir = dir.0.join("subdir");
+    std::fs::create_dir(&subdir).unwrap();
+    for (file, kind) in [
+        (fifo.as_os_str(), "a FIFO"),
+        ("/dev/null".as_ref(), "a character device"),
+        ("/dev/zero".as_ref(), "a character device"),
+        (subdir.as_os_str(), "a directory"),
+    ] {
+        let shown = std::path::Path::new(file).display().to_string();
+        let (code, stdout, stderr) =
+            callreg_output("", &["inspect".as_ref(), "--json".as_ref(), file]);
+        let why = format!("cannot read {shown}: not a regular file ({kind})");
+        assert_eq!((code, stderr), (Some(1), format!("callreg: {why}\n")));
+        let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(row["error"], "ReadError", "{stdout}");
+        assert_eq!(row["message"], why.as_str(), "{stdout}");
+    }
+    // A valid envelope whose side-car is a FIFO: the side-car is refused.
+    let envelope = dir.0.join("ok.spyc");
+    std::fs::write(&envelope, callreg::envelope::encode(b"payload")).unwrap();
+    let sidecar = callreg::metadata::sidecar_path(&envelope);
+    mkfifo(&sidecar);
+    let (code, stdout, _) = callreg_output(
+        "",
+        &["inspect".as_ref(), "--json".as_ref(), envelope.as_os_str()],
+    );
+    assert_eq!(code, Some(1), "{stdout}");
+    let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        row["metadata_error"],
+        format!(
+            "cannot read {}: not a regular file (a FIFO)",
+            sidecar.display()
+        )
+        .as_str(),
+        "{stdout}"
+    );
+}
+
 /// `hashid` of a 100 MB file with a bad header reads its 16 header bytes
 /// only: the command's peak resident size stays far below the file's.
 #[test]

@@ -188,8 +188,15 @@ fn load_script(name: &str) -> Result<Script, String> {
     if let Some(script) = Script::named(name) {
         return Ok(script);
     }
-    let text = std::fs::read_to_string(name)
-        .map_err(|e| format!("{name:?} is neither a built-in script nor a readable file: {e}"))?;
+    let unreadable =
+        |why: String| format!("{name:?} is neither a built-in script nor a readable file: {why}");
+    // A FIFO or a device is refused before anything is read (a FIFO with
+    // no writer would block for ever, /dev/zero would grow without bound).
+    let metadata = std::fs::metadata(name).map_err(|e| unreadable(e.to_string()))?;
+    if !metadata.is_file() {
+        return Err(unreadable("not a regular file".to_owned()));
+    }
+    let text = std::fs::read_to_string(name).map_err(|e| unreadable(e.to_string()))?;
     Script::from_json(&text).map_err(|e| format!("{name}: {e}"))
 }
 

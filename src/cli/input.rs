@@ -97,7 +97,21 @@ pub fn reason(e: &io::Error) -> String {
 /// As [`open`]; a read failure's reason; `no input (stdin is closed or
 /// empty)` when stdin gave no byte.
 pub fn read_envelope(arg: impl AsRef<Path>) -> Result<Vec<u8>, String> {
+    read_envelope_sized(arg).map(|(staged, _)| staged)
+}
+
+/// As [`read_envelope`], with the input's length in bytes when it is a
+/// regular file (its real staged size, trailing bytes included; `None` for
+/// stdin).
+///
+/// # Errors
+/// As [`read_envelope`].
+pub fn read_envelope_sized(arg: impl AsRef<Path>) -> Result<(Vec<u8>, Option<u64>), String> {
     let mut input = open(arg)?;
+    let file_len = match &input {
+        Input::File(_, len) => Some(*len),
+        Input::Stdin(_) => None,
+    };
     let mut staged = Vec::with_capacity(HEADER_LEN);
     (&mut input)
         .take(HEADER_LEN as u64)
@@ -118,7 +132,7 @@ pub fn read_envelope(arg: impl AsRef<Path>) -> Result<Vec<u8>, String> {
             .read_to_end(&mut staged)
             .map_err(|e| reason(&e))?;
     }
-    Ok(staged)
+    Ok((staged, file_len))
 }
 
 /// Reads a whole input of any size (stdin or a regular file).

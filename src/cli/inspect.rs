@@ -146,9 +146,12 @@ impl Sidecar {
         }
         let path = callreg::metadata::sidecar_path(std::path::Path::new(file));
         let path = path.display();
-        match std::fs::read_to_string(path.to_string()) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Sidecar::Absent,
-            Err(e) => Sidecar::Invalid(format!("cannot read {path}: {}", super::input::reason(&e))),
+        let path_text = path.to_string();
+        if !std::path::Path::new(&path_text).exists() {
+            return Sidecar::Absent;
+        }
+        match super::input::read_text(&path_text) {
+            Err(why) => Sidecar::Invalid(format!("cannot read {path}: {why}")),
             Ok(text) => match CallableMetadata::from_json(&text) {
                 Ok(metadata) => Sidecar::Valid(Box::new(metadata)),
                 Err(e) => Sidecar::Invalid(format!("{path}: {e}")),
@@ -261,39 +264,19 @@ fn table(rows: &[(&str, Row, Sidecar)]) -> String {
     out
 }
 
-/// Reads an envelope from `file` (`-` = stdin) without reading past what
-/// it declares: the 16-byte SPYC header (specs/design.md §3.1), then, if the
-/// header is valid, at most its `payload_size` bytes. So a stream such as
-/// `/dev/zero` or a pipe costs at most `16 + payload_size` bytes of memory,
-/// and a bad header costs 16. Returns the bytes read and, for a regular
-/// file, its length in bytes (the real staged size, trailing slack
-/// included); a stream's staged size is what was read.
+/// Reads an envelope from `file` (`-` = stdin) as every command does
+/// ([`super::input::read_envelope_sized`]): a named file must be a regular
+/// file (a FIFO, a device or a directory is refused before anything is
+/// read), then the 16-byte SPYC header (specs/design.md §3.1) and, if it is
+/// valid, at most its `payload_size` bytes. Returns the bytes read and, for
+/// a regular file, its length in bytes (the real staged size, trailing
+/// slack included).
 ///
 /// # Errors
-/// [`CliError`] naming `file` when it cannot be opened or read.
+/// [`CliError`] naming `file` when it cannot be opened or read, or is not
+/// a regular file.
 fn read_envelope(file: &str) -> Result<(Vec<u8>, Option<u64>), CliError> {
-    use std::io::Read;
-    let read_error = |e: std::io::Error| CliError::read(file, &e);
-    let (mut reader, file_len): (Box<dyn Read>, Option<u64>) = if file == "-" {
-        (Box::new(std::io::stdin().lock()), None)
-    } else {
-        let opened = std::fs::File::open(file).map_err(read_error)?;
-        let metadata = opened.metadata().map_err(read_error)?;
-        let len = metadata.file_type().is_file().then_some(metadata.len());
-        (Box::new(opened), len)
-    };
-    let mut staged = Vec::with_capacity(HEADER_LEN);
-    (&mut reader)
-        .take(HEADER_LEN as u64)
-        .read_to_end(&mut staged)
-        .map_err(read_error)?;
-    if let Err(EnvelopeError::PayloadTruncated { payload_size, .. }) = Envelope::parse(&staged) {
-        reader
-            .take(payload_size)
-            .read_to_end(&mut staged)
-            .map_err(read_error)?;
-    }
-    Ok((staged, file_len))
+    super::input::read_envelope_sized(file).map_err(|why| CliError::read_because(file, &why))
 }
 
 /// Inspects every file in order, with its side-car `FILE.json` when one

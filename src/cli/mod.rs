@@ -64,11 +64,6 @@ enum Command {
 pub struct CliError(pub String);
 
 impl CliError {
-    /// A read failure of `arg` (the argument as given, never resolved).
-    pub fn read(arg: &str, e: &io::Error) -> Self {
-        CliError::read_because(arg, &input::reason(e))
-    }
-
     /// A read failure of `arg` for the reason `why` (e.g. `not a regular
     /// file (a FIFO)`).
     pub fn read_because(arg: &str, why: &str) -> Self {
