@@ -889,6 +889,24 @@ class Worker:
             raise ValueError("target must be between 0 and 65535, got %d" % target)
         return target
 
+    def _some_target(self, target):
+        """``target`` checked; when ``None`` on a started, open Worker with
+        no live target, raises :class:`TargetLostError` ``NO_LIVE_TARGET``
+        (as a register does) rather than naming one lost target."""
+        target = self._target(target)
+        if (
+            target is None
+            and self._prestart is None
+            and not self._closed
+            and not self._raw.live_targets()
+        ):
+            raise TargetLostError(
+                "NO_LIVE_TARGET: task: every target is lost",
+                code="NO_LIVE_TARGET",
+                operation="task",
+            )
+        return target
+
     def submit(self, handle, /, *args, target=None, **kwargs):
         """Runs ``handle(*args, **kwargs)`` on ``target`` (any live target
         when ``None``, in turn) and returns a
@@ -897,7 +915,7 @@ class Worker:
         :class:`TargetLostError`, :class:`HandleError` or
         :class:`LifecycleError`."""
         raw = _raw_handle(handle)
-        target = self._target(target)
+        target = self._some_target(target)
         data = self._input(args, kwargs)
         future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
@@ -916,7 +934,7 @@ class Worker:
         without the dispatcher thread. Ctrl-C while it waits raises
         :class:`KeyboardInterrupt` here; the Worker stays usable."""
         raw = _raw_handle(handle)
-        target = self._target(target)
+        target = self._some_target(target)
         data = self._input(args, kwargs)
         try:
             output = self._raw.call(raw, target, data)
@@ -927,8 +945,14 @@ class Worker:
     def call_all(self, handle, /, *args, **kwargs):
         """Runs the task on every live target; returns ``{target id:
         result}`` in target order. Raises the first failure (in target
-        order) once every target answered."""
-        futures = {t: self.submit(handle, *args, target=t, **kwargs) for t in self.targets}
+        order) once every target answered; :class:`TargetLostError`
+        (``NO_LIVE_TARGET``) when no target is live."""
+        targets = self.targets
+        if not targets:
+            # Raises what a call raises then: NO_LIVE_TARGET once started,
+            # LIFECYCLE_INVALID before start or after close.
+            self.call(handle, *args, **kwargs)
+        futures = {t: self.submit(handle, *args, target=t, **kwargs) for t in targets}
         results = {}
         first = None
         for target, future in futures.items():

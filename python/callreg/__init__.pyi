@@ -1,8 +1,24 @@
 import concurrent.futures
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
-__all__: list[str]
+__all__ = [
+    "Worker",
+    "NextLevel",
+    "Context",
+    "context",
+    "Handle",
+    "pack",
+    "hashid",
+    "CallregError",
+    "RegisterError",
+    "HandleError",
+    "TargetLostError",
+    "LifecycleError",
+    "EnvelopeError",
+    "TaskError",
+    "DEFAULT_MAX_FRAME_BYTES",
+]
 
 DEFAULT_MAX_FRAME_BYTES: Final[int]
 KIND: Final[str]
@@ -51,6 +67,7 @@ class TaskError(CallregError):
     ) -> None: ...
 
 class Handle:
+    def __init__(self, *args: Any, **kwargs: Any) -> NoReturn: ...
     @property
     def hashid(self) -> str: ...
     @property

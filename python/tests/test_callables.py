@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import functools
 import math
+import os
 import pickle
 
 import pytest
@@ -359,3 +360,30 @@ def test_map_and_call_all():
         slow = w.register(lambda s: __import__("time").sleep(s))
         with pytest.raises(concurrent.futures.TimeoutError):
             list(w.map(slow, [2], timeout=0.2))
+
+
+def test_the_type_stubs_export_what_the_package_exports():
+    import ast
+    import inspect
+
+    stub_path = os.path.join(os.path.dirname(callreg.__file__), "__init__.pyi")
+    with open(stub_path) as f:
+        stub = ast.parse(f.read())
+    exported = [
+        ast.literal_eval(node.value)
+        for node in stub.body
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]
+    ]
+    assert exported == [callreg.__all__]
+    # Every public class and function of the package has a stub.
+    stubbed = {
+        node.name
+        for node in stub.body
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+    }
+    public = {
+        name
+        for name in callreg.__all__
+        if inspect.isclass(getattr(callreg, name)) or inspect.isfunction(getattr(callreg, name))
+    }
+    assert public - stubbed == set()

@@ -266,6 +266,31 @@ def test_a_killed_target_fails_its_tasks_and_the_rest_keep_working():
         assert w.call_all(h, 3) == {0: 9, 2: 9}
 
 
+def test_with_every_target_lost_tasks_fail_no_live_target():
+    with callreg.Worker(2) as w:
+        w.start()
+        h = w.register(square)
+        for target in (0, 1):
+            os.kill(w.target_pid(target), signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while w.targets and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.targets == []
+        for attempt in (
+            lambda: w.call_all(h, 2),
+            lambda: w.call(h, 2),
+            lambda: w.submit(h, 2),
+            lambda: list(w.map(h, [1, 2])),
+        ):
+            with pytest.raises(callreg.TargetLostError) as caught:
+                attempt()
+            assert caught.value.code == "NO_LIVE_TARGET"
+            assert str(caught.value) == "NO_LIVE_TARGET: task: every target is lost"
+    # After close: a lifecycle error, not an empty result.
+    with pytest.raises(callreg.LifecycleError):
+        w.call_all(h, 2)
+
+
 def test_eight_threads_submitting_at_once():
     with callreg.Worker(4) as w:
         w.start()
