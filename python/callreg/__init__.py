@@ -915,10 +915,15 @@ class Worker:
         :class:`TargetLostError`, :class:`HandleError` or
         :class:`LifecycleError`."""
         raw = _raw_handle(handle)
-        target = self._some_target(target)
+        target = self._target(target)
         data = self._input(args, kwargs)
         future = concurrent.futures.Future()
         future.set_running_or_notify_cancel()
+        try:
+            target = self._some_target(target)
+        except TargetLostError as error:
+            future.set_exception(error)
+            return future
         dispatch = self._dispatch
         dispatch.start()  # once: a no-op when its thread runs
         try:

@@ -279,7 +279,7 @@ def test_with_every_target_lost_tasks_fail_no_live_target():
         for attempt in (
             lambda: w.call_all(h, 2),
             lambda: w.call(h, 2),
-            lambda: w.submit(h, 2),
+            lambda: w.submit(h, 2).result(),
             lambda: list(w.map(h, [1, 2])),
         ):
             with pytest.raises(callreg.TargetLostError) as caught:
