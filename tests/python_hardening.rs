@@ -488,7 +488,8 @@ fn poison_costs_one_target(payload: &str, exit: Exit) {
     let parsed = callreg::envelope::Envelope::parse(envelope(payload)).unwrap();
     let digest = callreg::descriptor::python_serialized_digest(&parsed);
     assert_eq!(error.error.hashid, Some(digest.hashid()));
-    assert!(error.error.message.contains(death), "{error}");
+    // Named once (the poisoning says how its target died).
+    assert_eq!(error.error.message.matches(death).count(), 1, "{error}");
     assert_eq!(error.outcomes, vec![(TargetId(0), TargetOutcome::Lost)]);
     assert_eq!(worker.live_targets(), vec![TargetId(1), TargetId(2)]);
     assert_eq!(worker.target_exit(TargetId(0)), Some(exit));

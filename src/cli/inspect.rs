@@ -4,7 +4,7 @@
 //! envelope (`specs/metadata.md`).
 
 use callreg::descriptor::{Digest, PythonSerialized};
-use callreg::envelope::{Envelope, EnvelopeError, HEADER_LEN};
+use callreg::envelope::Envelope;
 use callreg::metadata::CallableMetadata;
 use serde::Serialize;
 

@@ -2314,6 +2314,10 @@ fn operation_error(
         let Some(reason) = losses.get(target) else {
             continue;
         };
+        // A poisoning names its target's death itself.
+        if error.code == ErrorCode::REGISTER_POISONED && error.target == Some(*target) {
+            continue;
+        }
         let ends = |at: usize| {
             let rest = &error.message[at + needle.len()..];
             rest.is_empty() || rest.starts_with(';') || rest.starts_with(',')
