@@ -135,6 +135,8 @@ fn main() {
         owner: OwnerToken(0x5eed),
         slot_capacity: DEFAULT_SLOT_CAPACITY,
         probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
     };
     let mut world = World {
         parent: Parent::new(config),

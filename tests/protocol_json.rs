@@ -81,6 +81,8 @@ fn driven_parent() -> (Parent, OpId, Effect) {
         owner: OwnerToken(7),
         slot_capacity: 64,
         probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
     });
     parent
         .register_before_start(digest(SERIALIZED), Namespace::LocalPython)
@@ -337,6 +339,8 @@ fn registry_snapshot_of_a_driven_parent() {
         owner: OwnerToken(1),
         slot_capacity: 64,
         probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
     });
     assert_eq!(
         fresh.registry_snapshot().to_json(),

@@ -169,6 +169,8 @@ fn ignoring_alive_reports_fences_a_target_that_was_heard_from() {
             owner: OwnerToken(1),
             slot_capacity: 4,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         if let Some(mutant) = mutant {
             parent = parent.with_mutant(mutant);

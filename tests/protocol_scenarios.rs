@@ -24,6 +24,8 @@ fn started(targets: u16, fence_on_timeout: bool) -> Parent {
         owner: OWNER,
         slot_capacity: 64,
         probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
     });
     p.start().unwrap();
     p
@@ -172,6 +174,8 @@ fn pre_start_registrations_appear_in_the_snapshot_with_counts() {
         owner: OWNER,
         slot_capacity: 64,
         probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
     });
     let a = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -429,6 +433,8 @@ fn unregister_of_an_unknown_digest_is_reported() {
         owner: OWNER,
         slot_capacity: 64,
         probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
     });
     let h = p
         .register_before_start(digest(7), Namespace::LocalPython)
@@ -729,6 +735,8 @@ fn an_unregister_whose_target_timed_out_without_fencing_fails() {
         owner: OWNER,
         slot_capacity: 64,
         probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
     });
     let h = p
         .register_before_start(digest(1), Namespace::LocalPython)

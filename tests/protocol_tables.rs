@@ -21,6 +21,8 @@ fn config(fence_on_timeout: bool) -> ParentConfig {
         owner: OwnerToken(1),
         slot_capacity: 64,
         probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
     }
 }
 
@@ -34,6 +36,17 @@ fn effect(e: &Effect) -> String {
         },
         Effect::ReleaseStaged { staging } => format!("release {}", staging.0),
         Effect::Fence { target } => format!("fence {}", target.0),
+        Effect::Restage { staging, .. } => format!("restage {}", staging.0),
+        Effect::Spawn {
+            target,
+            incarnation,
+        } => format!("spawn {} incarnation {incarnation}", target.0),
+        Effect::Joined {
+            target,
+            incarnation,
+        } => format!("joined {} incarnation {incarnation}", target.0),
+        Effect::JoinFailed { target, .. } => format!("join failed {}", target.0),
+        Effect::Abandoned { target, .. } => format!("abandoned {}", target.0),
         Effect::Completed {
             result, outcomes, ..
         } => {

@@ -659,6 +659,8 @@ impl RegistrationModel {
             owner: OWNER,
             slot_capacity: config.slot_capacity,
             probe_first: config.probe_first,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         #[cfg(feature = "mutants")]
         if let Some(mutant) = config.mutant {
@@ -911,6 +913,13 @@ impl RegistrationModel {
                 Effect::Stage { staging, digest } => {
                     state.staged.insert(staging, digest);
                 }
+                // Every configuration runs with replacements off
+                // (`respawn_limit` 0): the parent emits none of these.
+                Effect::Restage { .. }
+                | Effect::Spawn { .. }
+                | Effect::Joined { .. }
+                | Effect::JoinFailed { .. }
+                | Effect::Abandoned { .. } => {}
                 Effect::Send { target, frame } => {
                     // The operation's scope, as the driver sees it.
                     if !matches!(frame, ControlFrame::Task { .. }) {

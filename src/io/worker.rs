@@ -369,6 +369,8 @@ impl<R: Runtime> WorkerBuilder<R> {
             owner,
             slot_capacity: self.slot_capacity,
             probe_first: self.probe_first,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         Ok(Worker {
             runtime: self.runtime,
@@ -1835,6 +1837,13 @@ impl IoLoop {
     fn drain(&mut self, core: &mut Core, context: &mut Context) {
         while let Some(effect) = core.machine.poll_effect() {
             match effect {
+                // Replacement targets are off in this IO layer
+                // (`respawn_limit` 0): the machine emits none of these.
+                Effect::Restage { .. }
+                | Effect::Spawn { .. }
+                | Effect::Joined { .. }
+                | Effect::JoinFailed { .. }
+                | Effect::Abandoned { .. } => {}
                 Effect::Stage { staging, digest } => {
                     let staged = match context.staged.take() {
                         Some((staged_digest, staged)) if staged_digest == digest => staged,

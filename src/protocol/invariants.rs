@@ -77,7 +77,7 @@ impl<'a> View<'a> {
 /// was seen.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct Violation {
-    /// The invariant's number (1–9).
+    /// The invariant's number (1–9, 11 or 12).
     pub number: u8,
     /// The invariant's name, e.g. `"publish after all"`.
     pub name: &'static str,
@@ -108,8 +108,9 @@ fn violation(number: u8, name: &'static str, description: String) -> Result<(), 
 /// A named invariant predicate.
 pub type Predicate = fn(&View<'_>) -> Result<(), Violation>;
 
-/// Invariants 1–9 with their numbers and names, in order.
-pub const ALL: [(u8, &str, Predicate); 9] = [
+/// Invariants 1–9, 11 and 12 with their numbers and names, in order
+/// (10, liveness, is a property of runs).
+pub const ALL: [(u8, &str, Predicate); 11] = [
     (1, "publish after all", inv1_publish_after_all),
     (2, "no orphan installs", inv2_no_orphan_installs),
     (3, "uncertain is sticky", inv3_uncertain_is_sticky),
@@ -119,9 +120,15 @@ pub const ALL: [(u8, &str, Predicate); 9] = [
     (7, "no staging leak", inv7_no_staging_leak),
     (8, "dispatch safety", inv8_dispatch_safety),
     (9, "slots stay private", inv9_slots_stay_private),
+    (
+        11,
+        "joined targets hold the registry",
+        inv11_joined_hold_registry,
+    ),
+    (12, "no task before join", inv12_no_task_before_join),
 ];
 
-/// Every invariant 1–9, stopping at the first violation.
+/// Every invariant of [`ALL`], stopping at the first violation.
 ///
 /// # Errors
 /// The first [`Violation`] found, in invariant order.
@@ -530,6 +537,60 @@ pub fn inv8_dispatch_safety(view: &View<'_>) -> Result<(), Violation> {
     Ok(())
 }
 
+/// Invariant 11, joined targets hold the registry (`specs/protocol.md`
+/// §2.9): every live target that serves (the original, or a replacement
+/// that joined) confirmed every live handle whose digest is not uncertain.
+/// With invariant 2 (in a quiescent state a target's refcounts are the
+/// live handles it confirmed), a joined target's table is the registry.
+///
+/// # Errors
+/// A [`Violation`] naming the target and the handle it did not confirm.
+pub fn inv11_joined_hold_registry(view: &View<'_>) -> Result<(), Violation> {
+    for (id, _) in view.live_targets() {
+        if !view.parent.is_target_joined(id) {
+            continue;
+        }
+        for (handle_id, record) in &view.parent.handles {
+            if view.parent.is_uncertain(record.digest) || record.confirmed.contains(&id) {
+                continue;
+            }
+            return violation(
+                11,
+                "joined targets hold the registry",
+                format!(
+                    "{id} (incarnation {}) serves but never confirmed live handle {handle_id} of {}",
+                    view.parent.incarnation(id),
+                    record.digest
+                ),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 12, no task before join (`specs/protocol.md` §2.9): no task
+/// frame is in transit to a live target that has not joined.
+///
+/// # Errors
+/// A [`Violation`] naming the target and the task's seq.
+pub fn inv12_no_task_before_join(view: &View<'_>) -> Result<(), Violation> {
+    for (id, frame) in view.frames {
+        if let ControlFrame::Task { seq, .. } = frame {
+            if view.parent.is_target_live(*id) && !view.parent.is_target_joined(*id) {
+                return violation(
+                    12,
+                    "no task before join",
+                    format!(
+                        "task {seq} is in transit to {id}, a replacement (incarnation {}) that has not joined",
+                        view.parent.incarnation(*id)
+                    ),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Invariant 9, slots stay private: no frame or reply in transit carries a
 /// slot (checked on their serialized form: no field is named like one).
 ///
@@ -591,6 +652,8 @@ mod tests {
             owner: OwnerToken(3),
             slot_capacity: 64,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         parent
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -617,7 +680,11 @@ mod tests {
             frames: &frames,
             replies: &[],
         };
-        let (_, _, predicate) = ALL[usize::from(number - 1)];
+        let predicate = ALL
+            .iter()
+            .find(|(n, _, _)| *n == number)
+            .map(|(_, _, p)| *p)
+            .unwrap_or_else(|| panic!("no invariant {number}"));
         predicate(&view)
     }
 
@@ -871,6 +938,8 @@ mod tests {
             owner: OwnerToken(3),
             slot_capacity: 64,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         for n in [1, 2] {
             parent
@@ -1039,6 +1108,8 @@ mod tests {
                 owner: OwnerToken(owner),
                 slot_capacity: 64,
                 probe_first: false,
+                respawn_limit: 0,
+                respawn_backoff: 0,
             });
             parent
                 .register_before_start(digest(1), Namespace::LocalPython)
@@ -1100,6 +1171,8 @@ mod tests {
             owner: OwnerToken(3),
             slot_capacity: 64,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         parent.start().unwrap();
         let targets = vec![Some(

@@ -47,6 +47,8 @@
 //!     owner: OwnerToken(7),
 //!     slot_capacity: DEFAULT_SLOT_CAPACITY,
 //!     probe_first: true,
+//!     respawn_limit: 0,
+//!     respawn_backoff: 0,
 //! });
 //! parent.start()?;
 //! let mut target = Target::new(TargetConfig::new(TargetId(0)), &parent.startup_snapshot())?;
@@ -117,9 +119,17 @@ pub use forms::{
 };
 pub use parent::{
     Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, Poison,
-    TargetOutcome,
+    SlotPhase, TargetOutcome,
 };
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
+
+/// The usual [`ParentConfig::respawn_limit`]: up to 3 replacements of one
+/// slot in a row may be lost before they join.
+pub const DEFAULT_RESPAWN_LIMIT: u16 = 3;
+
+/// The usual [`ParentConfig::respawn_backoff`]: 100 ms before the second
+/// replacement in a row (then 200 ms, 400 ms, …).
+pub const DEFAULT_RESPAWN_BACKOFF: u64 = 100_000;
 
 /// A point in time: opaque microseconds on a monotonic clock chosen by the
 /// caller (the machines only compare and add them).
@@ -351,6 +361,12 @@ pub enum Mutant {
     /// Parent: ignore alive reports, so a deadline counts from the send
     /// (caught by the model's "heard targets wait for the bound").
     IgnoreAlive,
+    /// Parent: a replacement joins as soon as it is spawned, before its
+    /// replayed registrations are confirmed (caught by invariant 11).
+    JoinBeforeReplay,
+    /// Parent: a registration published while a replacement joins is not
+    /// replayed to it (caught by invariant 11).
+    SkipReplayOfPublished,
 }
 
 #[cfg(feature = "mutants")]
@@ -367,5 +383,7 @@ impl Mutant {
         Mutant::SkipDigestVerification,
         Mutant::FreeSlotHeldByRun,
         Mutant::IgnoreAlive,
+        Mutant::JoinBeforeReplay,
+        Mutant::SkipReplayOfPublished,
     ];
 }

@@ -64,6 +64,21 @@ pub struct ParentConfig {
     /// (`REGISTER_POISONED`). `false`: every register goes to every live
     /// target at once.
     pub probe_first: bool,
+    /// Replacement targets (`specs/protocol.md` §2.9; 0 switches them off,
+    /// the usual value is [`DEFAULT_RESPAWN_LIMIT`]): a lost target's slot
+    /// is given a new process ([`Effect::Spawn`]), which joins the scope
+    /// once it has confirmed every live registration. This many replacements
+    /// of one slot in a row may be lost before they join; after that the
+    /// slot stays lost ([`Effect::Abandoned`]).
+    ///
+    /// [`DEFAULT_RESPAWN_LIMIT`]: super::DEFAULT_RESPAWN_LIMIT
+    #[serde(default)]
+    pub respawn_limit: u16,
+    /// The back-off (microseconds) before the second replacement in a row
+    /// of one slot; it doubles for each further one. The first replacement
+    /// after a joined target is lost is asked for at once.
+    #[serde(default)]
+    pub respawn_backoff: u64,
 }
 
 /// The parent's lifecycle (specs/design.md §4.1).
@@ -193,6 +208,54 @@ pub enum Effect {
         /// The target to kill.
         target: TargetId,
     },
+    /// Put the kept envelope of `digest` (a live registration being
+    /// replayed to a joining replacement, §2.9) in shared memory as
+    /// `staging`, before sending the frame that follows. If that fails,
+    /// call [`Parent::stage_failed`] before polling again.
+    Restage {
+        /// The staged payload's id.
+        staging: StagingId,
+        /// The envelope's digest.
+        digest: Digest,
+    },
+    /// Start a new process for `target`'s slot (§2.9): it holds nothing,
+    /// and is incarnation `incarnation` of the slot (the original is 0).
+    /// Then call [`Parent::target_spawned`], or [`Parent::target_died`] if
+    /// it could not be started.
+    Spawn {
+        /// The slot.
+        target: TargetId,
+        /// The new process's incarnation.
+        incarnation: u32,
+    },
+    /// The replacement in `target`'s slot confirmed every live
+    /// registration: it serves tasks from now on (§2.9).
+    Joined {
+        /// The slot.
+        target: TargetId,
+        /// The replacement's incarnation.
+        incarnation: u32,
+    },
+    /// The replacement in `target`'s slot refused a replayed registration
+    /// (or did not answer it in time): it is fenced next, and replaced
+    /// under the rate limit (§2.9).
+    JoinFailed {
+        /// The slot.
+        target: TargetId,
+        /// The replacement's incarnation.
+        incarnation: u32,
+        /// Its answer, or the passed deadline.
+        failure: Failure,
+    },
+    /// `target`'s slot stays lost for the Worker's life: `failed_joins`
+    /// replacements in a row were lost before they joined (the rate limit,
+    /// [`ParentConfig::respawn_limit`]).
+    Abandoned {
+        /// The slot.
+        target: TargetId,
+        /// Replacements in a row lost before they joined.
+        failed_joins: u16,
+    },
     /// An operation finished: every target in its scope answered, was lost
     /// or timed out, and any cleanup it needed has settled.
     Completed {
@@ -228,6 +291,35 @@ pub struct Poison {
     pub target: TargetId,
     /// How it died, e.g. `its reply pipe closed; it exited with status 3`.
     pub cause: String,
+}
+
+/// Where a slot stands once replacement targets are on (§2.9); see
+/// [`Parent::slot_phase`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize)]
+#[serde(rename_all = "snake_case", tag = "phase", content = "until")]
+pub enum SlotPhase {
+    /// Its process serves: the original, or a replacement that joined.
+    Joined,
+    /// Waiting until this time before asking for the next replacement.
+    BackingOff(Time),
+    /// [`Effect::Spawn`] was emitted; waiting for [`Parent::target_spawned`].
+    Spawning,
+    /// Spawned, replaying the live registrations: in the scope of nothing
+    /// but its replays and the unregisters of what they installed, and
+    /// refused for tasks.
+    Joining,
+    /// Lost for good (no replacement, or the rate limit stopped them).
+    Lost,
+}
+
+/// A slot's replacement state.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct SlotRecord {
+    /// The incarnation of its current (or next) process; the original is 0.
+    pub(crate) incarnation: u32,
+    /// Replacements in a row lost before they joined.
+    pub(crate) failed_joins: u16,
+    pub(crate) phase: SlotPhase,
 }
 
 /// A live handle's record in the registry.
@@ -299,6 +391,14 @@ pub(crate) enum OpKind {
     },
     /// A post-start unregister of `handle` (already out of the registry).
     Unregister { handle: Handle },
+    /// The replay of live handle `handle_id` to a joining replacement
+    /// (§2.9): its scope is that target alone; no caller waits for it.
+    Replay {
+        /// The replayed handle.
+        handle_id: u64,
+        /// The staged payload, until released.
+        staging: Option<StagingId>,
+    },
 }
 
 /// One operation in flight.
@@ -361,7 +461,7 @@ impl Op {
 
     fn operation_kind(&self) -> OperationKind {
         match self.kind {
-            OpKind::Register { .. } => OperationKind::Register,
+            OpKind::Register { .. } | OpKind::Replay { .. } => OperationKind::Register,
             OpKind::Unregister { .. } => OperationKind::Unregister,
         }
     }
@@ -403,6 +503,10 @@ pub struct Parent {
     /// Digests whose install killed the target that probed them, each with
     /// that target and how it died: refused for the Worker's life.
     pub(crate) poisoned: BTreeMap<Digest, Poison>,
+    /// The replacement state of every slot that was lost once while
+    /// replacements are on (§2.9); a slot without a record is its original
+    /// process, joined unless lost.
+    pub(crate) slots: BTreeMap<TargetId, SlotRecord>,
     effects: VecDeque<Effect>,
     #[cfg(feature = "mutants")]
     mutant: Option<Mutant>,
@@ -423,6 +527,7 @@ impl Parent {
             staged: BTreeSet::new(),
             proven: BTreeSet::new(),
             poisoned: BTreeMap::new(),
+            slots: BTreeMap::new(),
             effects: VecDeque::new(),
             #[cfg(feature = "mutants")]
             mutant: None,
@@ -690,6 +795,8 @@ impl Parent {
     ///     owner: OwnerToken(1),
     ///     slot_capacity: 64,
     ///     probe_first: false,
+    ///     respawn_limit: 0,
+    ///     respawn_backoff: 0,
     /// };
     /// let mut parent = Parent::new(config);
     /// let digest = Digest::sha256(b"descriptor");
@@ -747,10 +854,7 @@ impl Parent {
             .with_namespace(namespace)
             .with_digest(digest));
         }
-        let live: Vec<TargetId> = self
-            .all_targets()
-            .filter(|t| !self.lost.contains(t))
-            .collect();
+        let live: Vec<TargetId> = self.all_targets().filter(|t| self.serves(*t)).collect();
         // §2.8: a digest no target installed since start goes to one target
         // first (under the mutant, to every target at once all the same).
         let probe = (self.config.probe_first && !self.proven.contains(&digest))
@@ -762,13 +866,16 @@ impl Parent {
             .map(|t| (*t, Progress::Pending))
             .collect();
         if scope.is_empty() {
-            return Err(Error::new(
-                ErrorCode::NO_LIVE_TARGET,
-                OperationKind::Register,
-                "every target is lost",
-            )
-            .with_namespace(namespace)
-            .with_digest(digest));
+            let message = if self.all_targets().any(|t| self.is_joining(t)) {
+                "every target is lost or a replacement that has not joined yet"
+            } else {
+                "every target is lost"
+            };
+            return Err(
+                Error::new(ErrorCode::NO_LIVE_TARGET, OperationKind::Register, message)
+                    .with_namespace(namespace)
+                    .with_digest(digest),
+            );
         }
         let seq = self.fresh_seq();
         let staging = StagingId(seq.0);
@@ -829,11 +936,21 @@ impl Parent {
     fn begin_unregister(&mut self, handle: Handle, record: &HandleRecord, now: Time) -> OpId {
         let digest = record.digest;
         let seq = self.fresh_seq();
+        // The live targets that confirmed it, and every joining replacement
+        // its replay was sent to (it applies the replay first: FIFO).
+        let replaying = self.ops.values().filter_map(|op| match op.kind {
+            OpKind::Replay { handle_id, .. } if handle_id == handle.handle_id => {
+                op.scope.keys().next().copied()
+            }
+            _ => None,
+        });
         let scope: BTreeMap<TargetId, Progress> = record
             .confirmed
             .iter()
+            .copied()
+            .chain(replaying)
             .filter(|t| !self.lost.contains(t))
-            .map(|t| (*t, Progress::Pending))
+            .map(|t| (t, Progress::Pending))
             .collect();
         for target in scope.keys() {
             self.effects.push_back(Effect::Send {
@@ -956,7 +1073,8 @@ impl Parent {
     /// # Errors
     /// `LIFECYCLE_INVALID` unless started; the resolution errors of
     /// [`Parent::resolve`] (for `LOCAL_PYTHON`); `NO_LIVE_TARGET` for a
-    /// target id out of range; `TARGET_LOST` for a lost target;
+    /// target id out of range; `TARGET_LOST` for a lost target or a
+    /// replacement that has not joined yet (§2.9);
     /// `DIGEST_NOT_INSTALLED` if the target never confirmed the handle.
     pub fn submit(&mut self, handle: &Handle, target: TargetId) -> Result<Seq, Error> {
         if self.lifecycle != Lifecycle::Started {
@@ -980,6 +1098,15 @@ impl Parent {
         }
         if self.lost.contains(&target) {
             return Err(error(ErrorCode::TARGET_LOST, format!("{target} is lost")));
+        }
+        if self.is_joining(target) {
+            return Err(error(
+                ErrorCode::TARGET_LOST,
+                format!(
+                    "{target} is a replacement (incarnation {}) that has not joined yet",
+                    self.incarnation(target)
+                ),
+            ));
         }
         let confirmed = self
             .handles
@@ -1180,6 +1307,11 @@ impl Parent {
 
     fn lose(&mut self, target: TargetId, as_progress: Progress, cause: &str, now: Time) {
         if self.lost.contains(&target) {
+            // A replacement that could not be started is one lost before
+            // it joined.
+            if self.slot_phase(target) == SlotPhase::Spawning {
+                self.after_loss(target, now);
+            }
             return;
         }
         if let Some(digest) = self.probing_at(target) {
@@ -1203,6 +1335,209 @@ impl Parent {
         for id in touched {
             self.advance(id, now);
         }
+        self.after_loss(target, now);
+    }
+
+    /// After `target`'s process was lost (§2.9): with replacements on, ask
+    /// for the next one at once (the lost process had joined), after the
+    /// back-off (it had not), or give the slot up (the rate limit).
+    fn after_loss(&mut self, target: TargetId, now: Time) {
+        let limit = self.config.respawn_limit;
+        if limit == 0 || self.lifecycle != Lifecycle::Started {
+            return;
+        }
+        let record = self.slots.entry(target).or_insert(SlotRecord {
+            incarnation: 0,
+            failed_joins: 0,
+            phase: SlotPhase::Joined,
+        });
+        record.failed_joins = match record.phase {
+            SlotPhase::Joined => 0,
+            _ => record.failed_joins.saturating_add(1),
+        };
+        let failed_joins = record.failed_joins;
+        if failed_joins >= limit {
+            record.phase = SlotPhase::Lost;
+            self.effects.push_back(Effect::Abandoned {
+                target,
+                failed_joins,
+            });
+            return;
+        }
+        let delay = match failed_joins {
+            0 => 0,
+            n => self
+                .config
+                .respawn_backoff
+                .saturating_mul(1u64 << u32::from(n - 1).min(32)),
+        };
+        if delay == 0 {
+            self.spawn(target);
+        } else {
+            record.phase = SlotPhase::BackingOff(now.saturating_add_micros(delay));
+        }
+    }
+
+    fn spawn(&mut self, target: TargetId) {
+        let Some(record) = self.slots.get_mut(&target) else {
+            return;
+        };
+        record.incarnation = record.incarnation.saturating_add(1);
+        record.phase = SlotPhase::Spawning;
+        self.effects.push_back(Effect::Spawn {
+            target,
+            incarnation: record.incarnation,
+        });
+    }
+
+    /// The process asked for by [`Effect::Spawn`] for `target`'s slot runs
+    /// and holds nothing (§2.9): it is `incarnation` of the slot, and it
+    /// joins. Every live handle whose digest is not uncertain is replayed
+    /// to it, in handle order ([`Effect::Restage`], then a
+    /// [`ControlFrame::Register`] to it alone), and so is every handle
+    /// published while it joins. It serves tasks ([`Effect::Joined`]) once
+    /// every replay sent to it is confirmed and no register is in flight
+    /// (a register in flight does not include it, and is replayed to it if
+    /// published). Until then it is in the scope of nothing else but the
+    /// unregisters of handles replayed to it, and refused for tasks. A
+    /// replay it refuses or does not answer in time fences it
+    /// ([`Effect::JoinFailed`], [`Effect::Fence`]), with or without
+    /// [`ParentConfig::fence_on_timeout`]: a joining process serves nobody.
+    /// Ignored after close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target out
+    /// of range, or a slot that is not waiting for incarnation
+    /// `incarnation` (nothing changes).
+    pub fn target_spawned(
+        &mut self,
+        target: TargetId,
+        incarnation: u32,
+        now: Time,
+    ) -> Result<(), Error> {
+        match self.lifecycle {
+            Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Start, "started")),
+            Lifecycle::Closed => return Ok(()),
+            Lifecycle::Started => {}
+        }
+        self.check_target(target, OperationKind::Start)?;
+        let waiting = self
+            .slots
+            .get(&target)
+            .is_some_and(|r| r.phase == SlotPhase::Spawning && r.incarnation == incarnation);
+        if !waiting {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Start,
+                format!("{target} is not waiting for incarnation {incarnation}"),
+            )
+            .with_target(target));
+        }
+        self.lost.remove(&target);
+        if let Some(record) = self.slots.get_mut(&target) {
+            record.phase = SlotPhase::Joining;
+        }
+        // What the slot's earlier processes confirmed died with them.
+        for record in self.handles.values_mut() {
+            record.scope.remove(&target);
+            record.confirmed.remove(&target);
+        }
+        let replayed: Vec<u64> = self
+            .handles
+            .iter()
+            .filter(|(_, r)| !self.uncertain.contains_key(&r.digest))
+            .map(|(id, _)| *id)
+            .collect();
+        for handle_id in replayed {
+            self.begin_replay(target, handle_id, now);
+        }
+        self.settle_joins();
+        Ok(())
+    }
+
+    /// Sends the replay of live handle `handle_id` to joining `target`.
+    fn begin_replay(&mut self, target: TargetId, handle_id: u64, now: Time) {
+        let Some(record) = self.handles.get(&handle_id) else {
+            return;
+        };
+        let (digest, namespace) = (record.digest, record.namespace);
+        let seq = self.fresh_seq();
+        let staging = StagingId(seq.0);
+        self.staged.insert(staging);
+        self.effects.push_back(Effect::Restage { staging, digest });
+        self.effects.push_back(Effect::Send {
+            target,
+            frame: ControlFrame::Register {
+                seq,
+                digest,
+                staging,
+            },
+        });
+        self.ops.insert(
+            OpId(seq.0),
+            Op {
+                kind: OpKind::Replay {
+                    handle_id,
+                    staging: Some(staging),
+                },
+                digest,
+                namespace,
+                seq,
+                deadline: now.saturating_add_micros(self.config.operation_timeout),
+                heard: BTreeMap::from([(target, now)]),
+                scope: BTreeMap::from([(target, Progress::Pending)]),
+            },
+        );
+    }
+
+    /// Every joining replacement whose replays are all confirmed, while no
+    /// register is in flight, joins (§2.9).
+    fn settle_joins(&mut self) {
+        let early = mutant!(self, JoinBeforeReplay);
+        let registering = self
+            .ops
+            .values()
+            .any(|op| matches!(op.kind, OpKind::Register { cleanup: None, .. }));
+        let joining: Vec<TargetId> = self
+            .slots
+            .iter()
+            // A joining target being lost is still marked joining until
+            // `lose` has settled its operations.
+            .filter(|(t, r)| r.phase == SlotPhase::Joining && !self.lost.contains(t))
+            .map(|(t, _)| *t)
+            .collect();
+        for target in joining {
+            let replaying = self.ops.values().any(|op| {
+                matches!(op.kind, OpKind::Replay { .. }) && op.scope.contains_key(&target)
+            });
+            if (replaying || registering) && !early {
+                continue;
+            }
+            if let Some(record) = self.slots.get_mut(&target) {
+                record.phase = SlotPhase::Joined;
+                record.failed_joins = 0;
+                self.effects.push_back(Effect::Joined {
+                    target,
+                    incarnation: record.incarnation,
+                });
+            }
+        }
+    }
+
+    /// A joining replacement refused a replay or did not answer it in
+    /// time: it is reported and fenced (then replaced under the limit).
+    fn fail_join(&mut self, target: TargetId, failure: Failure, now: Time) {
+        if self.lost.contains(&target) {
+            return;
+        }
+        let cause = format!("it failed a replayed registration ({failure})");
+        self.effects.push_back(Effect::JoinFailed {
+            target,
+            incarnation: self.incarnation(target),
+            failure,
+        });
+        self.effects.push_back(Effect::Fence { target });
+        self.lose(target, Progress::Fenced, &cause, now);
     }
 
     /// The IO layer could not stage the payload of [`Effect::Stage`]
@@ -1215,6 +1550,11 @@ impl Parent {
     /// frames were already polled (nothing changes).
     pub fn stage_failed(&mut self, staging: StagingId, failure: Failure) -> Result<(), Error> {
         let id = OpId(staging.0);
+        if let Some(op) = self.ops.get(&id) {
+            if matches!(op.kind, OpKind::Replay { staging: Some(s), .. } if s == staging) {
+                return self.replay_stage_failed(id, failure);
+            }
+        }
         let withdrawable = self.ops.get(&id).is_some_and(|op| {
             let queued = self
                 .effects
@@ -1252,6 +1592,47 @@ impl Parent {
         Ok(())
     }
 
+    fn fence_joining(&mut self, target: TargetId, now: Time) {
+        self.fail_join(
+            target,
+            Failure::new(
+                ErrorCode::DEADLINE_EXCEEDED,
+                "no answer before its deadline while it joined",
+            ),
+            now,
+        );
+    }
+
+    /// [`Parent::stage_failed`] for a replay's [`Effect::Restage`]: the
+    /// replay's frame is withdrawn and the join fails (§2.9).
+    fn replay_stage_failed(&mut self, id: OpId, failure: Failure) -> Result<(), Error> {
+        let queued = |effects: &VecDeque<Effect>, seq: Seq| {
+            effects.iter().any(|e| matches!(e, Effect::Send { frame: ControlFrame::Register { seq: s, .. }, .. } if *s == seq))
+        };
+        let Some(op) = self.ops.get(&id) else {
+            return Ok(());
+        };
+        if !queued(&self.effects, op.seq) {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Stage,
+                format!("the replay staged as {} was already sent", id.0),
+            ));
+        }
+        let seq = op.seq;
+        let Some((target, sent)) = op.heard.iter().next().map(|(t, h)| (*t, *h)) else {
+            return Ok(());
+        };
+        self.ops.remove(&id);
+        self.staged.remove(&StagingId(id.0));
+        self.effects.retain(|e| !matches!(e, Effect::Send { frame: ControlFrame::Register { seq: s, .. }, .. } if *s == seq));
+        // Staging is carried out while the input that sent the replay is
+        // drained, so its send time is the time now.
+        self.fail_join(target, failure, sent);
+        self.settle_joins();
+        Ok(())
+    }
+
     /// Applies every deadline at or before `now` (`specs/protocol.md`,
     /// "Deadlines"). A target's deadline for an operation waiting for it
     /// is the earlier of its silence deadline (when it was last heard from
@@ -1264,6 +1645,15 @@ impl Parent {
     pub fn handle_timeout(&mut self, now: Time) {
         if self.lifecycle != Lifecycle::Started {
             return;
+        }
+        let due: Vec<TargetId> = self
+            .slots
+            .iter()
+            .filter(|(_, r)| matches!(r.phase, SlotPhase::BackingOff(until) if until <= now))
+            .map(|(t, _)| *t)
+            .collect();
+        for target in due {
+            self.spawn(target);
         }
         let control_timeout = self.config.control_timeout;
         let expired: Vec<(OpId, TargetId)> = self
@@ -1279,6 +1669,10 @@ impl Parent {
         if self.config.fence_on_timeout {
             let silent: BTreeSet<TargetId> = expired.iter().map(|(_, t)| *t).collect();
             for target in silent {
+                if self.is_joining(target) {
+                    self.fence_joining(target, now);
+                    continue;
+                }
                 self.effects.push_back(Effect::Fence { target });
                 self.lose(
                     target,
@@ -1289,8 +1683,20 @@ impl Parent {
             }
             return;
         }
+        // A joining replacement serves nobody: fenced whatever the setting.
+        let joining: BTreeSet<TargetId> = expired
+            .iter()
+            .map(|(_, t)| *t)
+            .filter(|t| self.is_joining(*t))
+            .collect();
+        for target in &joining {
+            self.fence_joining(*target, now);
+        }
         let mut touched = BTreeSet::new();
         for (id, target) in expired {
+            if joining.contains(&target) {
+                continue;
+            }
             let Some(op) = self.ops.get_mut(&id) else {
                 continue;
             };
@@ -1382,10 +1788,18 @@ impl Parent {
             if let OpKind::Register {
                 staging: Some(staging),
                 ..
+            }
+            | OpKind::Replay {
+                staging: Some(staging),
+                ..
             } = op.kind
             {
                 self.staged.remove(&staging);
                 self.effects.push_back(Effect::ReleaseStaged { staging });
+            }
+            if matches!(op.kind, OpKind::Replay { .. }) {
+                // No caller waits for a replay.
+                continue;
             }
             let error = Error::new(
                 ErrorCode::LIFECYCLE_INVALID,
@@ -1411,13 +1825,19 @@ impl Parent {
 
     /// The earliest deadline of a target some operation still waits for
     /// (the earlier of its silence deadline and the phase's bound, see
-    /// [`Parent::handle_timeout`]), if any: call
+    /// [`Parent::handle_timeout`]) or of a replacement's back-off, if any:
+    /// call
     /// [`Parent::handle_timeout`] once it has passed.
     pub fn poll_timeout(&self) -> Option<Time> {
+        let respawns = self.slots.values().filter_map(|r| match r.phase {
+            SlotPhase::BackingOff(until) if self.lifecycle == Lifecycle::Started => Some(until),
+            _ => None,
+        });
         self.ops
             .values()
             .flat_map(|op| op.deadlines(self.config.control_timeout))
             .map(|(_, deadline)| deadline)
+            .chain(respawns)
             .min()
     }
 
@@ -1432,11 +1852,49 @@ impl Parent {
             .min()
     }
 
-    /// Whether `target` is live (started and not lost).
+    /// Whether `target`'s process is live (started and not lost): one that
+    /// serves, or a replacement still joining (§2.9).
     pub fn is_target_live(&self, target: TargetId) -> bool {
         self.lifecycle == Lifecycle::Started
             && target.0 < self.config.targets
             && !self.lost.contains(&target)
+    }
+
+    /// Whether `target` serves: live and joined, so in the scope of new
+    /// operations and open to tasks (§2.9).
+    pub fn is_target_joined(&self, target: TargetId) -> bool {
+        self.is_target_live(target) && !self.is_joining(target)
+    }
+
+    fn is_joining(&self, target: TargetId) -> bool {
+        self.slot_phase(target) == SlotPhase::Joining
+    }
+
+    fn serves(&self, target: TargetId) -> bool {
+        !self.lost.contains(&target) && !self.is_joining(target)
+    }
+
+    /// Where `target`'s slot stands (§2.9): [`SlotPhase::Joined`] or
+    /// [`SlotPhase::Lost`] for a slot never replaced (whatever the
+    /// lifecycle), else its replacement's phase.
+    pub fn slot_phase(&self, target: TargetId) -> SlotPhase {
+        match self.slots.get(&target) {
+            Some(record) => record.phase,
+            None if self.lost.contains(&target) => SlotPhase::Lost,
+            None => SlotPhase::Joined,
+        }
+    }
+
+    /// The incarnation of `target`'s current (or next) process: 0 for the
+    /// original, one more for each replacement asked for (§2.9).
+    pub fn incarnation(&self, target: TargetId) -> u32 {
+        self.slots.get(&target).map_or(0, |r| r.incarnation)
+    }
+
+    /// Replacements of `target`'s slot in a row that were lost before they
+    /// joined (§2.9; reset when one joins).
+    pub fn failed_joins(&self, target: TargetId) -> u16 {
+        self.slots.get(&target).map_or(0, |r| r.failed_joins)
     }
 
     /// Whether `digest` is uncertain (sticky for the Worker's life).
@@ -1503,9 +1961,15 @@ impl Parent {
         self.staged.iter().copied().collect()
     }
 
-    /// Whether no operation is in flight and no effect waits to be polled.
+    /// Whether no operation is in flight, no effect waits to be polled and
+    /// no replacement is being asked for (backing off or spawning).
     pub fn is_idle(&self) -> bool {
-        self.ops.is_empty() && self.effects.is_empty()
+        self.ops.is_empty()
+            && self.effects.is_empty()
+            && !self.slots.values().any(|r| {
+                self.lifecycle == Lifecycle::Started
+                    && matches!(r.phase, SlotPhase::BackingOff(_) | SlotPhase::Spawning)
+            })
     }
 
     /// Whether an operation in flight still waits for `target`'s answer to
@@ -1569,6 +2033,10 @@ impl Parent {
         for poison in copy.poisoned.values_mut() {
             poison.target = map(&poison.target);
         }
+        copy.slots = std::mem::take(&mut copy.slots)
+            .into_iter()
+            .map(|(t, r)| (map(&t), r))
+            .collect();
         for op in copy.ops.values_mut() {
             if let OpKind::Register {
                 probe: Some(probe), ..
@@ -1587,14 +2055,19 @@ impl Parent {
         }
         for effect in copy.effects.iter_mut() {
             match effect {
-                Effect::Send { target, .. } | Effect::Fence { target } => *target = map(target),
+                Effect::Send { target, .. }
+                | Effect::Fence { target }
+                | Effect::Spawn { target, .. }
+                | Effect::Joined { target, .. }
+                | Effect::JoinFailed { target, .. }
+                | Effect::Abandoned { target, .. } => *target = map(target),
                 Effect::Completed { outcomes, .. } => {
                     for (target, _) in outcomes.iter_mut() {
                         *target = map(target);
                     }
                     outcomes.sort();
                 }
-                Effect::Stage { .. } | Effect::ReleaseStaged { .. } => {}
+                Effect::Stage { .. } | Effect::Restage { .. } | Effect::ReleaseStaged { .. } => {}
             }
         }
         copy
@@ -1617,7 +2090,15 @@ impl Parent {
     /// payload once every target in scope answered, then publishes, starts
     /// the cleanup, or completes.
     fn advance(&mut self, id: OpId, now: Time) {
+        self.advance_op(id, now);
+        self.settle_joins();
+    }
+
+    fn advance_op(&mut self, id: OpId, now: Time) {
         let Some(op) = self.ops.get(&id) else { return };
+        if let OpKind::Replay { handle_id, staging } = op.kind {
+            return self.advance_replay(id, handle_id, staging, now);
+        }
         let answered = !op.scope.values().any(|p| *p == Progress::Pending);
         let any_answered = op.scope.values().any(|p| *p != Progress::Pending);
         let any_confirmed = op.scope.values().any(|p| *p == Progress::Confirmed);
@@ -1658,7 +2139,7 @@ impl Parent {
                             return;
                         }
                         if (all_confirmed || early) && !self.uncertain.contains_key(&digest) {
-                            self.publish(id);
+                            self.publish(id, now);
                         } else {
                             self.start_cleanup(id, now);
                         }
@@ -1674,7 +2155,38 @@ impl Parent {
                 if answered {
                     self.complete_unregister(id, handle);
                 }
+            } // Settled by `advance_replay`.
+            OpKind::Replay { .. } => {}
+        }
+    }
+
+    /// A replay (§2.9) settles at its one target's answer or loss.
+    fn advance_replay(&mut self, id: OpId, handle_id: u64, staging: Option<StagingId>, now: Time) {
+        let Some((target, progress)) = self
+            .ops
+            .get(&id)
+            .and_then(|op| op.scope.iter().next())
+            .map(|(t, p)| (*t, p.clone()))
+        else {
+            return;
+        };
+        if progress == Progress::Pending {
+            return;
+        }
+        self.ops.remove(&id);
+        if let Some(staging) = staging {
+            self.staged.remove(&staging);
+            self.effects.push_back(Effect::ReleaseStaged { staging });
+        }
+        match progress {
+            Progress::Confirmed => {
+                if let Some(record) = self.handles.get_mut(&handle_id) {
+                    record.confirmed.insert(target);
+                }
             }
+            Progress::Failed(failure) => self.fail_join(target, failure, now),
+            // Lost or fenced: already out; nothing else applies to a replay.
+            _ => {}
         }
     }
 
@@ -1693,10 +2205,7 @@ impl Parent {
     /// as any register.
     fn broadcast(&mut self, id: OpId, now: Time) {
         self.end_probe(id);
-        let live: Vec<TargetId> = self
-            .all_targets()
-            .filter(|t| !self.lost.contains(t))
-            .collect();
+        let live: Vec<TargetId> = self.all_targets().filter(|t| self.serves(*t)).collect();
         // A fresh phase: a fresh bound, every new target heard from now.
         let bound = now.saturating_add_micros(self.config.operation_timeout);
         let Some(op) = self.ops.get_mut(&id) else {
@@ -1740,7 +2249,7 @@ impl Parent {
         self.effects.push_back(Effect::ReleaseStaged { staging });
     }
 
-    fn publish(&mut self, id: OpId) {
+    fn publish(&mut self, id: OpId, now: Time) {
         let Some(op) = self.ops.remove(&id) else {
             return;
         };
@@ -1771,6 +2280,19 @@ impl Parent {
             result: Ok(Completion::Registered(handle)),
             outcomes: op.outcomes(),
         });
+        // §2.9: a replacement joining now was not in the scope; it gets the
+        // new registration as a replay.
+        if !mutant!(self, SkipReplayOfPublished) {
+            let joining: Vec<TargetId> = self
+                .slots
+                .iter()
+                .filter(|(_, r)| r.phase == SlotPhase::Joining)
+                .map(|(t, _)| *t)
+                .collect();
+            for target in joining {
+                self.begin_replay(target, handle.handle_id, now);
+            }
+        }
     }
 
     fn start_cleanup(&mut self, id: OpId, now: Time) {
@@ -1952,6 +2474,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         p.start().unwrap();
         p
@@ -1978,6 +2502,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         })
     }
 
@@ -2095,6 +2621,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 2,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         p.register_before_start(digest(1), Namespace::LocalPython)
             .unwrap();
@@ -2148,6 +2676,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: true,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         p.start().unwrap();
         p
@@ -2296,6 +2826,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: true,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         let h = p
             .register_before_start(digest(7), Namespace::LocalPython)
@@ -2359,6 +2891,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: true,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         p.register_before_start(digest(2), Namespace::LocalPython)
             .unwrap();
@@ -2447,6 +2981,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: true,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         p.register_before_start(digest(1), Namespace::LocalPython)
             .unwrap();
@@ -2547,6 +3083,8 @@ mod tests {
             owner: OwnerToken(7),
             slot_capacity: 4,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         p.start().unwrap();
         p.register(digest(1), Namespace::LocalPython, Time(0))
@@ -2775,6 +3313,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         let h = p
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -2802,6 +3342,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         let h = p
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -2840,6 +3382,8 @@ mod tests {
             owner: OwnerToken(9),
             slot_capacity: 64,
             probe_first: false,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         });
         assert_eq!(
             p.handle_reply(TargetId(0), ok(1, 1), Time(0))

@@ -65,6 +65,11 @@ pub struct Sim {
     pub scopes: BTreeMap<OpId, BTreeSet<TargetId>>,
     /// Digests that were uncertain after some step (to check stickiness).
     pub ever_uncertain: BTreeSet<Digest>,
+    /// Replacements the parent asked for and not yet started: slot ->
+    /// incarnation.
+    pub spawning: BTreeMap<TargetId, u32>,
+    /// Every join report (`Joined`, `JoinFailed`, `Abandoned`), in order.
+    pub joins: Vec<Effect>,
     pub now: Time,
 }
 
@@ -103,7 +108,16 @@ impl Sim {
             owner: OwnerToken(0x5eed),
             slot_capacity,
             probe_first,
+            respawn_limit: 0,
+            respawn_backoff: 0,
         };
+        Sim::with_config(config, before_start)
+    }
+
+    /// A system whose parent has `config`, with `before_start` registered
+    /// before start (the targets hold that startup snapshot).
+    pub fn with_config(config: ParentConfig, before_start: &[u8]) -> Sim {
+        let (targets, slot_capacity) = (config.targets, config.slot_capacity);
         let mut parent = Parent::new(config);
         for n in before_start {
             parent
@@ -138,6 +152,8 @@ impl Sim {
             tasks: BTreeMap::new(),
             scopes: BTreeMap::new(),
             ever_uncertain: BTreeSet::new(),
+            spawning: BTreeMap::new(),
+            joins: Vec::new(),
             now: Time(0),
         }
     }
@@ -308,6 +324,28 @@ impl Sim {
         true
     }
 
+    /// Starts the replacement the parent asked for in slot `t`: a fresh
+    /// target holding nothing, with empty queues. Returns `false` if none
+    /// was asked for.
+    pub fn spawn(&mut self, t: u16) -> bool {
+        let Some(incarnation) = self.spawning.remove(&TargetId(t)) else {
+            return false;
+        };
+        let i = usize::from(t);
+        self.targets[i] =
+            Some(Target::new(TargetConfig::new(TargetId(t)), &[]).expect("an empty target"));
+        self.frames[i].clear();
+        self.replies[i].clear();
+        self.deserializing[i].clear();
+        self.running[i].clear();
+        self.fenced.remove(&TargetId(t));
+        self.parent
+            .target_spawned(TargetId(t), incarnation, self.now)
+            .expect("target_spawned");
+        self.settle();
+        true
+    }
+
     /// Time moves on by `micros`; passed deadlines are applied.
     pub fn advance(&mut self, micros: u64) {
         self.now = Time(self.now.0 + micros);
@@ -348,7 +386,7 @@ impl Sim {
 
     fn apply_parent_effect(&mut self, effect: Effect) {
         match effect {
-            Effect::Stage { staging, digest } => {
+            Effect::Stage { staging, digest } | Effect::Restage { staging, digest } => {
                 assert!(
                     self.staged.insert(staging, digest).is_none(),
                     "staged twice"
@@ -383,6 +421,18 @@ impl Sim {
                 self.replies[i].clear();
                 self.deserializing[i].clear();
                 self.running[i].clear();
+            }
+            Effect::Spawn {
+                target,
+                incarnation,
+            } => {
+                assert!(
+                    self.spawning.insert(target, incarnation).is_none(),
+                    "spawned twice"
+                );
+            }
+            Effect::Joined { .. } | Effect::JoinFailed { .. } | Effect::Abandoned { .. } => {
+                self.joins.push(effect);
             }
             Effect::Completed {
                 op,

@@ -1,0 +1,666 @@
+//! Replacement targets (`specs/protocol.md` §2.9) on a bare [`Parent`]:
+//! the spawn, the replay of every live registration, the join, what
+//! operations in flight do meanwhile, and the rate limit. Every effect is
+//! asserted exactly.
+
+mod common;
+
+use callreg::error::ErrorCode;
+use callreg::protocol::{
+    Completion, ControlFrame, Effect, Failure, Handle, Namespace, OwnerToken, Parent, ParentConfig,
+    Reply, Seq, SlotPhase, StagingId, TargetId, TargetOutcome, Time,
+};
+use common::sim::digest;
+
+const OWNER: OwnerToken = OwnerToken(0x10e);
+const BACKOFF: u64 = 500;
+
+fn started(targets: u16, fence_on_timeout: bool, respawn_limit: u16) -> Parent {
+    let mut p = Parent::new(ParentConfig {
+        targets,
+        control_timeout: 1_000,
+        operation_timeout: 10_000,
+        fence_on_timeout,
+        owner: OWNER,
+        slot_capacity: 64,
+        probe_first: false,
+        respawn_limit,
+        respawn_backoff: BACKOFF,
+    });
+    p.start().unwrap();
+    p
+}
+
+fn drain(p: &mut Parent) -> Vec<Effect> {
+    std::iter::from_fn(|| p.poll_effect()).collect()
+}
+
+fn ok(seq: u64, n: u8) -> Reply {
+    Reply {
+        seq: Seq(seq),
+        digest: digest(n),
+        result: Ok(()),
+    }
+}
+
+fn send(t: u16, frame: ControlFrame) -> Effect {
+    Effect::Send {
+        target: TargetId(t),
+        frame,
+    }
+}
+
+fn register_frame(seq: u64, n: u8) -> ControlFrame {
+    ControlFrame::Register {
+        seq: Seq(seq),
+        digest: digest(n),
+        staging: StagingId(seq),
+    }
+}
+
+/// Registers digest `n` and confirms it at every target in `targets`;
+/// returns the handle.
+fn registered(p: &mut Parent, n: u8, targets: &[u16], now: u64) -> Handle {
+    let op = p
+        .register(digest(n), Namespace::LocalPython, Time(now))
+        .unwrap();
+    drain(p);
+    for t in targets {
+        p.handle_reply(TargetId(*t), ok(op.0, n), Time(now))
+            .unwrap();
+    }
+    let effects = drain(p);
+    match effects.last() {
+        Some(Effect::Completed {
+            result: Ok(Completion::Registered(handle)),
+            ..
+        }) => *handle,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_lost_target_is_replaced_replayed_and_joins() {
+    let mut p = started(2, true, 3);
+    let h = registered(&mut p, 1, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(10)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Spawn {
+            target: TargetId(1),
+            incarnation: 1
+        }]
+    );
+    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Spawning);
+    assert!(!p.is_target_live(TargetId(1)));
+    assert!(!p.is_idle(), "a replacement is being asked for");
+
+    p.target_spawned(TargetId(1), 1, Time(20)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::Restage {
+                staging: StagingId(2),
+                digest: digest(1)
+            },
+            send(1, register_frame(2, 1)),
+        ]
+    );
+    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Joining);
+    assert!(p.is_target_live(TargetId(1)) && !p.is_target_joined(TargetId(1)));
+    let refused = p.submit(&h, TargetId(1)).unwrap_err();
+    assert_eq!(refused.code, ErrorCode::TARGET_LOST);
+    assert_eq!(
+        refused.message,
+        "target 1 is a replacement (incarnation 1) that has not joined yet"
+    );
+
+    p.handle_reply(TargetId(1), ok(2, 1), Time(30)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::ReleaseStaged {
+                staging: StagingId(2)
+            },
+            Effect::Joined {
+                target: TargetId(1),
+                incarnation: 1
+            },
+        ]
+    );
+    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Joined);
+    assert_eq!(
+        (p.incarnation(TargetId(1)), p.failed_joins(TargetId(1))),
+        (1, 0)
+    );
+    assert_eq!(p.submit(&h, TargetId(1)), Ok(Seq(3)));
+    assert_eq!(
+        drain(&mut p),
+        [send(
+            1,
+            ControlFrame::Task {
+                seq: Seq(3),
+                digest: digest(1)
+            }
+        )]
+    );
+    assert!(p.is_idle());
+}
+
+#[test]
+fn a_replacement_with_nothing_to_replay_joins_at_once() {
+    let mut p = started(1, true, 3);
+    p.target_lost(TargetId(0), Time(0)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(0), 1, Time(1)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Joined {
+            target: TargetId(0),
+            incarnation: 1
+        }]
+    );
+}
+
+#[test]
+fn a_register_in_flight_skips_the_joining_target_and_is_replayed_to_it_when_published() {
+    let mut p = started(2, true, 3);
+    p.target_lost(TargetId(1), Time(0)).unwrap();
+    drain(&mut p);
+    // In flight before the spawn: its scope is target 0 alone.
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(1))
+        .unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::Stage {
+                staging: StagingId(1),
+                digest: digest(1)
+            },
+            send(0, register_frame(1, 1)),
+        ]
+    );
+    p.target_spawned(TargetId(1), 1, Time(2)).unwrap();
+    // Nothing live to replay, but a register is in flight: no join yet.
+    assert_eq!(drain(&mut p), []);
+    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Joining);
+    // A register issued while it joins does not include it either.
+    let op2 = p
+        .register(digest(2), Namespace::LocalPython, Time(3))
+        .unwrap();
+    assert_eq!(drain(&mut p)[1..], [send(0, register_frame(2, 2))]);
+
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(4)).unwrap();
+    let effects = drain(&mut p);
+    let Effect::Completed {
+        result: Ok(Completion::Registered(h1)),
+        outcomes,
+        ..
+    } = &effects[1]
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(outcomes, &[(TargetId(0), TargetOutcome::Ok)]);
+    assert_eq!(
+        effects[2..],
+        [
+            Effect::Restage {
+                staging: StagingId(3),
+                digest: digest(1)
+            },
+            send(1, register_frame(3, 1)),
+        ]
+    );
+    p.handle_reply(TargetId(1), ok(3, 1), Time(5)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::ReleaseStaged {
+            staging: StagingId(3)
+        }],
+        "the second register is still in flight"
+    );
+
+    p.handle_reply(TargetId(0), ok(op2.0, 2), Time(6)).unwrap();
+    let effects = drain(&mut p);
+    assert!(matches!(
+        effects[1],
+        Effect::Completed {
+            op,
+            result: Ok(Completion::Registered(_)),
+            ..
+        } if op == op2
+    ));
+    assert_eq!(
+        effects[2..],
+        [
+            Effect::Restage {
+                staging: StagingId(4),
+                digest: digest(2)
+            },
+            send(1, register_frame(4, 2)),
+        ]
+    );
+    p.handle_reply(TargetId(1), ok(4, 2), Time(7)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::ReleaseStaged {
+                staging: StagingId(4)
+            },
+            Effect::Joined {
+                target: TargetId(1),
+                incarnation: 1
+            },
+        ]
+    );
+    assert_eq!(p.submit(h1, TargetId(1)), Ok(Seq(5)));
+}
+
+#[test]
+fn an_unregister_reaches_a_replacement_whose_replay_of_it_is_pending() {
+    let mut p = started(2, true, 3);
+    let h = registered(&mut p, 1, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(1)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(1), 1, Time(2)).unwrap();
+    drain(&mut p);
+    let op = p.unregister(&h, Time(3)).unwrap();
+    let frame = ControlFrame::Unregister {
+        seq: Seq(3),
+        digest: digest(1),
+    };
+    assert_eq!(drain(&mut p), [send(0, frame.clone()), send(1, frame)]);
+    // The target applies the replay, then the unregister (FIFO).
+    p.handle_reply(TargetId(1), ok(2, 1), Time(4)).unwrap();
+    p.handle_reply(TargetId(1), ok(3, 1), Time(4)).unwrap();
+    p.handle_reply(TargetId(0), ok(3, 1), Time(4)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::ReleaseStaged {
+                staging: StagingId(2)
+            },
+            Effect::Joined {
+                target: TargetId(1),
+                incarnation: 1
+            },
+            Effect::Completed {
+                op,
+                result: Ok(Completion::Unregistered(h)),
+                outcomes: vec![
+                    (TargetId(0), TargetOutcome::Ok),
+                    (TargetId(1), TargetOutcome::Ok)
+                ],
+            },
+        ]
+    );
+    assert!(p.live_handles().is_empty() && p.is_idle());
+}
+
+#[test]
+fn a_refused_replay_fences_the_replacement_and_the_rate_limit_gives_the_slot_up() {
+    let mut p = started(2, true, 2);
+    let h = registered(&mut p, 1, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(100)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(1), 1, Time(100)).unwrap();
+    drain(&mut p);
+    let refusal = Failure::new(ErrorCode::DESERIALIZE_FAILED, "ModuleNotFoundError: x");
+    p.handle_reply(
+        TargetId(1),
+        Reply {
+            seq: Seq(2),
+            digest: digest(1),
+            result: Err(refusal.clone()),
+        },
+        Time(110),
+    )
+    .unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::ReleaseStaged {
+                staging: StagingId(2)
+            },
+            Effect::JoinFailed {
+                target: TargetId(1),
+                incarnation: 1,
+                failure: refusal,
+            },
+            Effect::Fence {
+                target: TargetId(1)
+            },
+        ]
+    );
+    // Lost before it joined: the next one waits for the back-off.
+    assert_eq!(p.failed_joins(TargetId(1)), 1);
+    assert_eq!(
+        p.slot_phase(TargetId(1)),
+        SlotPhase::BackingOff(Time(110 + BACKOFF))
+    );
+    assert_eq!(p.poll_timeout(), Some(Time(110 + BACKOFF)));
+    p.handle_timeout(Time(109 + BACKOFF));
+    assert_eq!(drain(&mut p), []);
+    p.handle_timeout(Time(110 + BACKOFF));
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Spawn {
+            target: TargetId(1),
+            incarnation: 2
+        }]
+    );
+    // It cannot be started: the second in a row, which is the limit.
+    p.target_died(TargetId(1), "fork failed", Time(700))
+        .unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Abandoned {
+            target: TargetId(1),
+            failed_joins: 2
+        }]
+    );
+    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Lost);
+    assert_eq!(p.poll_timeout(), None);
+    assert!(p.is_idle());
+    // The other target serves on.
+    assert_eq!(p.submit(&h, TargetId(0)), Ok(Seq(3)));
+}
+
+#[test]
+fn the_back_off_doubles_for_each_replacement_lost_before_it_joined() {
+    let mut p = started(1, true, 4);
+    registered(&mut p, 1, &[0], 0);
+    p.target_lost(TargetId(0), Time(0)).unwrap();
+    let mut now = 0;
+    for (incarnation, backoff) in [(1, BACKOFF), (2, 2 * BACKOFF), (3, 4 * BACKOFF)] {
+        assert_eq!(
+            drain(&mut p),
+            [Effect::Spawn {
+                target: TargetId(0),
+                incarnation
+            }]
+        );
+        p.target_spawned(TargetId(0), incarnation, Time(now))
+            .unwrap();
+        drain(&mut p);
+        p.target_lost(TargetId(0), Time(now)).unwrap();
+        // Its replay is released; the next one waits.
+        assert_eq!(
+            drain(&mut p),
+            [Effect::ReleaseStaged {
+                staging: StagingId(u64::from(incarnation) + 1)
+            }]
+        );
+        assert_eq!(
+            p.slot_phase(TargetId(0)),
+            SlotPhase::BackingOff(Time(now + backoff))
+        );
+        now += backoff;
+        p.handle_timeout(Time(now));
+    }
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Spawn {
+            target: TargetId(0),
+            incarnation: 4
+        }]
+    );
+    p.target_spawned(TargetId(0), 4, Time(now)).unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(5, 1), Time(now)).unwrap();
+    assert!(drain(&mut p).contains(&Effect::Joined {
+        target: TargetId(0),
+        incarnation: 4
+    }));
+    // Joined: the row ends, and the next loss is replaced at once.
+    assert_eq!(p.failed_joins(TargetId(0)), 0);
+    p.target_lost(TargetId(0), Time(now)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Spawn {
+            target: TargetId(0),
+            incarnation: 5
+        }]
+    );
+}
+
+#[test]
+fn a_silent_replacement_is_fenced_even_without_fencing() {
+    let mut p = started(2, false, 3);
+    registered(&mut p, 1, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(0)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(1), 1, Time(0)).unwrap();
+    drain(&mut p);
+    assert_eq!(p.poll_timeout(), Some(Time(1_000)));
+    p.handle_timeout(Time(1_000));
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::JoinFailed {
+                target: TargetId(1),
+                incarnation: 1,
+                failure: Failure::new(
+                    ErrorCode::DEADLINE_EXCEEDED,
+                    "no answer before its deadline while it joined"
+                ),
+            },
+            Effect::Fence {
+                target: TargetId(1)
+            },
+            Effect::ReleaseStaged {
+                staging: StagingId(2)
+            },
+        ]
+    );
+    assert!(p.uncertain_digests().is_empty(), "nothing became uncertain");
+    assert_eq!(
+        p.slot_phase(TargetId(1)),
+        SlotPhase::BackingOff(Time(1_000 + BACKOFF))
+    );
+}
+
+#[test]
+fn uncertain_registrations_are_not_replayed() {
+    let mut p = started(2, false, 3);
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(0)).unwrap();
+    p.handle_reply(TargetId(1), ok(op.0, 1), Time(0)).unwrap();
+    drain(&mut p);
+    // A duplicate reply makes the digest uncertain.
+    p.handle_reply(TargetId(1), ok(op.0, 1), Time(0)).unwrap();
+    assert_eq!(p.uncertain_digests(), [digest(1)]);
+    registered(&mut p, 2, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(1)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(1), 1, Time(1)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::Restage {
+                staging: StagingId(3),
+                digest: digest(2)
+            },
+            send(1, register_frame(3, 2)),
+        ]
+    );
+}
+
+#[test]
+fn a_spawn_report_for_no_replacement_is_refused() {
+    let mut p = started(2, true, 3);
+    let error = p.target_spawned(TargetId(1), 1, Time(0)).unwrap_err();
+    assert_eq!(
+        (error.code, error.message.as_str()),
+        (
+            ErrorCode::FRAME_INVALID,
+            "target 1 is not waiting for incarnation 1"
+        )
+    );
+    p.target_lost(TargetId(1), Time(0)).unwrap();
+    drain(&mut p);
+    let error = p.target_spawned(TargetId(1), 2, Time(0)).unwrap_err();
+    assert_eq!(error.code, ErrorCode::FRAME_INVALID);
+    let error = p.target_spawned(TargetId(2), 1, Time(0)).unwrap_err();
+    assert_eq!(error.code, ErrorCode::FRAME_INVALID);
+    assert_eq!(drain(&mut p), []);
+    let mut new = Parent::new(*p.config());
+    let error = new.target_spawned(TargetId(0), 1, Time(0)).unwrap_err();
+    assert_eq!(error.code, ErrorCode::LIFECYCLE_INVALID);
+}
+
+#[test]
+fn closing_while_a_replacement_joins_releases_its_replays_and_completes_nothing_for_them() {
+    let mut p = started(2, true, 3);
+    registered(&mut p, 1, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(0)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(1), 1, Time(0)).unwrap();
+    drain(&mut p);
+    p.close().unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::ReleaseStaged {
+            staging: StagingId(2)
+        }]
+    );
+    assert!(p.staged().is_empty() && p.in_flight().is_empty());
+    // A loss after close asks for nothing.
+    p.target_lost(TargetId(0), Time(1)).unwrap();
+    assert_eq!(drain(&mut p), []);
+}
+
+#[test]
+fn without_replacements_a_lost_target_stays_lost() {
+    let mut p = started(2, true, 0);
+    p.target_lost(TargetId(1), Time(0)).unwrap();
+    assert_eq!(drain(&mut p), []);
+    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Lost);
+    assert_eq!(p.incarnation(TargetId(1)), 0);
+}
+
+#[test]
+fn a_failed_replay_staging_fails_the_join() {
+    let mut p = started(2, true, 3);
+    registered(&mut p, 1, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(0)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(1), 1, Time(5)).unwrap();
+    assert_eq!(
+        p.poll_effect(),
+        Some(Effect::Restage {
+            staging: StagingId(2),
+            digest: digest(1)
+        })
+    );
+    let failure = Failure::new(ErrorCode::IO_FAILED, "memfd_create: ENOMEM");
+    p.stage_failed(StagingId(2), failure.clone()).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::JoinFailed {
+                target: TargetId(1),
+                incarnation: 1,
+                failure
+            },
+            Effect::Fence {
+                target: TargetId(1)
+            },
+        ]
+    );
+    assert_eq!(
+        p.slot_phase(TargetId(1)),
+        SlotPhase::BackingOff(Time(5 + BACKOFF))
+    );
+    assert!(p.staged().is_empty());
+}
+
+/// A whole system (`common::sim`, every invariant checked at every step)
+/// with replacements on.
+fn system(targets: u16, before_start: &[u8]) -> common::sim::Sim {
+    common::sim::Sim::with_config(
+        ParentConfig {
+            targets,
+            control_timeout: 1_000,
+            operation_timeout: 10_000,
+            fence_on_timeout: true,
+            owner: OWNER,
+            slot_capacity: 64,
+            probe_first: true,
+            respawn_limit: 3,
+            respawn_backoff: BACKOFF,
+        },
+        before_start,
+    )
+}
+
+/// A crash of target 1 while a register is in flight; the replacement
+/// joins holding exactly the registry, and serves.
+fn crash_and_join(
+    sim: &mut common::sim::Sim,
+) -> Result<(), callreg::protocol::invariants::Violation> {
+    let op = sim.register(2).unwrap();
+    sim.crash(1);
+    sim.notice(1);
+    sim.check()?;
+    assert!(sim.spawn(1), "a replacement was asked for");
+    sim.check()?;
+    sim.run_to_quiet()?;
+    sim.check()?;
+    assert!(matches!(
+        sim.completion(op).map(|c| &c.result),
+        Some(Ok(Completion::Registered(_)))
+    ));
+    Ok(())
+}
+
+#[test]
+fn a_replacement_joins_holding_exactly_the_registry() {
+    let mut sim = system(2, &[1, 1]);
+    crash_and_join(&mut sim).unwrap();
+    assert_eq!(
+        sim.joins,
+        [Effect::Joined {
+            target: TargetId(1),
+            incarnation: 1
+        }]
+    );
+    let table = sim.target(1).unwrap().installed();
+    assert_eq!(table, [(digest(1), 2), (digest(2), 1)]);
+    assert_eq!(table, sim.target(0).unwrap().installed());
+    for handle in sim.live_handles() {
+        sim.submit(&handle, 1).unwrap();
+    }
+    sim.run_to_quiet().unwrap();
+    sim.check().unwrap();
+}
+
+#[cfg(feature = "mutants")]
+mod mutants {
+    use super::*;
+    use callreg::protocol::Mutant;
+
+    /// Runs the crash-and-join scenario under `mutant`; returns the
+    /// invariant it breaks.
+    fn broken_by(mutant: Mutant) -> u8 {
+        let mut sim = system(2, &[1, 1]).with_mutant(mutant);
+        match crash_and_join(&mut sim) {
+            Err(violation) => violation.number,
+            Ok(()) => panic!("{mutant:?} broke nothing"),
+        }
+    }
+
+    #[test]
+    fn joining_before_the_replays_are_confirmed_is_caught() {
+        assert_eq!(broken_by(Mutant::JoinBeforeReplay), 11);
+    }
+
+    #[test]
+    fn skipping_the_replay_of_a_registration_published_during_the_join_is_caught() {
+        assert_eq!(broken_by(Mutant::SkipReplayOfPublished), 11);
+    }
+}
