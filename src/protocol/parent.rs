@@ -1938,6 +1938,22 @@ impl Parent {
             .any(|r| r.digest == digest && r.namespace == namespace)
     }
 
+    /// Whether the IO layer must keep the envelope of `digest` to replay
+    /// it to replacements (§2.9): replacements are on and a live handle,
+    /// or a register or replay in flight, names it. Pure query.
+    pub fn keeps_envelope(&self, digest: Digest) -> bool {
+        self.config.respawn_limit > 0
+            && self.lifecycle != Lifecycle::Closed
+            && (self.handles.values().any(|r| r.digest == digest)
+                || self.ops.values().any(|op| {
+                    op.digest == digest
+                        && matches!(
+                            op.kind,
+                            OpKind::Register { cleanup: None, .. } | OpKind::Replay { .. }
+                        )
+                }))
+    }
+
     /// Every live (published) handle, in handle id order.
     pub fn live_handles(&self) -> Vec<Handle> {
         self.handles
