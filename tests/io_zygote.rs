@@ -8,18 +8,22 @@
 
 mod io_common;
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use callreg::io::process::{
     send_control, spawn_targets, thread_count, Exit, ProcessError, TargetEnds, TargetProcess,
     ThreadPolicy,
 };
+use callreg::io::target::{self, TargetSetup};
 use callreg::io::zygote::{Zygote, DEFAULT_SPAWN_TIMEOUT};
 use callreg::runtime::testing::{TestCallable, TestRuntime};
 use callreg::runtime::{Runtime, RuntimeError, TaskEncoding};
+use callreg::wire::{Frame, FrameBuffer, DEFAULT_MAX_FRAME_BYTES};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, Signal};
@@ -50,6 +54,18 @@ fn main() {
         (
             "a_dropped_replacement_is_killed_and_reaped",
             a_dropped_replacement_is_killed_and_reaped,
+        ),
+        (
+            "a_stopped_template_times_a_spawn_out",
+            a_stopped_template_times_a_spawn_out,
+        ),
+        (
+            "a_replacement_runs_the_target_loop_with_an_empty_snapshot",
+            a_replacement_runs_the_target_loop_with_an_empty_snapshot,
+        ),
+        (
+            "a_zygote_inside_a_target_gives_working_channels",
+            a_zygote_inside_a_target_gives_working_channels,
         ),
         ("spawn_latency", spawn_latency),
     ]);
@@ -360,6 +376,142 @@ fn a_dropped_replacement_is_killed_and_reaped() {
     );
     drop(zygote);
     assert_eq!(stat(template), None);
+}
+
+fn a_stopped_template_times_a_spawn_out() {
+    let mut zygote = zygote();
+    let template = zygote.pid();
+    zygote.set_spawn_timeout(Duration::from_millis(100));
+    kill(template, Signal::SIGSTOP).expect("stop the template");
+    let start = Instant::now();
+    let late = zygote.spawn(0);
+    let waited = start.elapsed();
+    assert!(
+        matches!(
+            late,
+            Err(ProcessError::ZygoteTimeout {
+                what: "a spawn request",
+                waited
+            }) if waited == Duration::from_millis(100)
+        ),
+        "{late:?}"
+    );
+    assert!(waited >= Duration::from_millis(100) && waited < Duration::from_secs(2));
+    kill(template, Signal::SIGCONT).expect("continue the template");
+    // The late reply is read by the next spawn: its target is killed (the
+    // template reaps it), and the new spawn gets its own target.
+    zygote.set_spawn_timeout(DEFAULT_SPAWN_TIMEOUT);
+    let mut target = zygote.spawn(1).expect("a replacement");
+    send(&target, "after");
+    assert_eq!(receive(&target), "2/1:after");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while children_of(template).len() > 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(children_of(template), vec![target.pid().as_raw()]);
+    send(&target, "exit 4");
+    assert_eq!(
+        target.reap(Duration::from_secs(5)).expect("reap"),
+        Exit::Code(4)
+    );
+    assert_eq!(zygote.close().expect("close"), Exit::Code(0));
+}
+
+/// The body a Worker gives its replacements: the target loop
+/// (`target::run`) over a setup with an empty startup snapshot (the
+/// protocol replays what the replacement must hold).
+fn a_replacement_runs_the_target_loop_with_an_empty_snapshot() {
+    let setup = TargetSetup {
+        runtime: Arc::new(TestRuntime),
+        snapshot: Vec::new(),
+        envelopes: BTreeMap::new(),
+        metadata: BTreeMap::new(),
+        slot_capacity: 8,
+        max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+        heartbeat: Duration::from_secs(1),
+    };
+    let mut zygote = Zygote::fork(
+        ThreadPolicy::RefuseIfThreaded,
+        &TestRuntime,
+        |_| {},
+        |ends| target::run(ends, &setup),
+    )
+    .expect("the template forks");
+    let mut replacement = zygote.spawn(2).expect("a replacement");
+    let mut frames = FrameBuffer::new(DEFAULT_MAX_FRAME_BYTES).expect("a frame buffer");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let frame = loop {
+        if let Some(frame) = frames.next_frame().expect("a well-formed frame") {
+            break frame;
+        }
+        assert!(Instant::now() < deadline, "no Ready frame within 5 s");
+        let mut fds = [PollFd::new(replacement.reply(), PollFlags::POLLIN)];
+        nix::poll::poll(&mut fds, PollTimeout::from(100u16)).expect("poll");
+        let mut buffer = [0u8; 4096];
+        match nix::unistd::read(replacement.reply(), &mut buffer) {
+            Ok(len) => frames.extend(&buffer[..len]),
+            Err(Errno::EAGAIN) => {}
+            Err(e) => panic!("read: {e}"),
+        }
+    };
+    let pid = u32::try_from(replacement.pid().as_raw()).expect("a pid");
+    assert_eq!(
+        frame,
+        Frame::Ready {
+            pid,
+            snapshot: Vec::new()
+        }
+    );
+    replacement.close_control();
+    assert_eq!(
+        replacement.reap(Duration::from_secs(5)).expect("reap"),
+        Exit::Code(0)
+    );
+    assert_eq!(zygote.close().expect("close"), Exit::Code(0));
+}
+
+/// Inside a target (which guards its channels in every process it forks,
+/// `process` module docs), a zygote's replacements still get working
+/// channels: the template is no target, so the guard leaves the numbers
+/// it reuses alone. The target reports through its exit status: 0 when
+/// its replacement echoed, 1 when the reply was wrong.
+fn a_zygote_inside_a_target_gives_working_channels() {
+    let mut targets = spawn_targets(
+        1,
+        ThreadPolicy::RefuseIfThreaded,
+        &TestRuntime,
+        |_| {},
+        |_ends| {
+            // Hold the target's ends open while the template forks, so the
+            // template reuses their numbers after closing them.
+            let mut zygote = zygote();
+            let status = match zygote.spawn(0) {
+                Ok(mut replacement) => {
+                    send(&replacement, "nested");
+                    let echoed = receive(&replacement) == "1/0:nested";
+                    replacement.close_control();
+                    let exited = replacement.reap(Duration::from_secs(5)).ok();
+                    if echoed && exited == Some(Exit::Code(0)) {
+                        0
+                    } else {
+                        1
+                    }
+                }
+                Err(_) => 2,
+            };
+            let closed = zygote.close().ok();
+            if closed == Some(Exit::Code(0)) {
+                status
+            } else {
+                3
+            }
+        },
+    )
+    .expect("a target");
+    assert_eq!(
+        targets[0].reap(Duration::from_secs(10)).expect("reap"),
+        Exit::Code(0)
+    );
 }
 
 /// Spawns 50 replacements one after the other, each ending at once;
