@@ -38,6 +38,11 @@
 //! ends, pidfds and staged payloads, tracked in a process-wide set,
 //! [`TrackedFd`]), not the interpreter's open files.
 //!
+//! After start the parent runs threads and never forks again: a target
+//! forked later comes from a zygote's template process
+//! ([`super::zygote`]), which forks it with the same per-fork code as
+//! [`spawn_targets`] and reaps it; [`TargetProcess`] hides the difference.
+//!
 //! A target: ignores SIGINT (Ctrl-C in a terminal reaches the parent only);
 //! asks the kernel for SIGKILL when the thread that forked it ends
 //! (`PR_SET_PDEATHSIG`) and checks `getppid` right after, closing the race

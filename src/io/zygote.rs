@@ -266,6 +266,11 @@ impl Zygote {
         let keep = [template_end.as_raw_fd()];
         let pid = fork_child(runtime, &keep, move || {
             forget_target();
+            // Reaping needs the default disposition: an inherited SIG_IGN
+            // would have the kernel reap the replacements unseen.
+            // SAFETY: installing SIG_DFL has no handler code to be unsafe
+            // about.
+            let _ = unsafe { signal::signal(Signal::SIGCHLD, signal::SigHandler::SigDfl) };
             Template {
                 socket: template_end,
                 runtime,
@@ -308,7 +313,10 @@ impl Zygote {
     /// (at most the spawn timeout) for its channels; returns the parent's
     /// view of it, with a pidfd, as [`super::process::spawn_targets`]
     /// returns its targets. Safe to call from any thread of a threaded
-    /// process (the parent does not fork); calls are serialized.
+    /// process (the parent does not fork). Calls are serialized, with each
+    /// other and with the replacements' `try_reap`/`reap`, which wait for
+    /// a spawn in progress (one takes well under a millisecond on an idle
+    /// machine, at most the spawn timeout).
     ///
     /// # Errors
     /// [`ProcessError::ZygoteGone`] after [`Zygote::close`] or when the
@@ -634,26 +642,22 @@ impl LinkState {
                     let _ = pidfd_send_signal(fds[2].as_fd(), Signal::SIGKILL);
                 }
             }
-            b'E' => {
-                if self.awaiting.remove(&serial) {
-                    let operation = OPERATIONS
-                        .get(usize::from(message.b))
-                        .copied()
-                        .unwrap_or("template");
-                    let errno = Errno::from_raw(message.a);
-                    self.replies
-                        .insert(serial, Err(ProcessError::Os { operation, errno }));
-                }
+            b'E' if self.awaiting.remove(&serial) => {
+                let operation = OPERATIONS
+                    .get(usize::from(message.b))
+                    .copied()
+                    .unwrap_or("template");
+                let errno = Errno::from_raw(message.a);
+                self.replies
+                    .insert(serial, Err(ProcessError::Os { operation, errno }));
             }
-            b'X' => {
-                if self.live.contains(&serial) {
-                    let exit = if message.b == 0 {
-                        Exit::Code(message.c)
-                    } else {
-                        Exit::Signal(message.c)
-                    };
-                    self.exits.insert(serial, exit);
-                }
+            b'X' if self.live.contains(&serial) => {
+                let exit = if message.b == 0 {
+                    Exit::Code(message.c)
+                } else {
+                    Exit::Signal(message.c)
+                };
+                self.exits.insert(serial, exit);
             }
             _ => {}
         }
