@@ -26,7 +26,7 @@ use callreg::runtime::{Runtime, RuntimeError, TaskEncoding};
 use callreg::wire::{Frame, FrameBuffer, DEFAULT_MAX_FRAME_BYTES};
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
-use nix::sys::signal::{kill, Signal};
+use nix::sys::signal::{kill, signal, SigHandler, Signal};
 use nix::unistd::Pid;
 
 fn main() {
@@ -66,6 +66,10 @@ fn main() {
         (
             "a_zygote_inside_a_target_gives_working_channels",
             a_zygote_inside_a_target_gives_working_channels,
+        ),
+        (
+            "an_inherited_ignored_sigchld_hides_no_exit",
+            an_inherited_ignored_sigchld_hides_no_exit,
         ),
         ("spawn_latency", spawn_latency),
     ]);
@@ -514,6 +518,29 @@ fn a_zygote_inside_a_target_gives_working_channels() {
     );
 }
 
+/// A parent that ignores SIGCHLD when it forks the zygote (inherited by
+/// the template) still gets its replacements' exit statuses.
+fn an_inherited_ignored_sigchld_hides_no_exit() {
+    // SAFETY: SIG_IGN and SIG_DFL have no handler code.
+    unsafe { signal(Signal::SIGCHLD, SigHandler::SigIgn) }.expect("ignore SIGCHLD");
+    let forked = Zygote::fork(
+        ThreadPolicy::RefuseIfThreaded,
+        &TestRuntime,
+        before_body,
+        echo_body,
+    );
+    // SAFETY: as above.
+    unsafe { signal(Signal::SIGCHLD, SigHandler::SigDfl) }.expect("restore SIGCHLD");
+    let mut zygote = forked.expect("the template forks");
+    let mut target = zygote.spawn(0).expect("a replacement");
+    send(&target, "exit 6");
+    assert_eq!(
+        target.reap(Duration::from_secs(5)).expect("reap"),
+        Exit::Code(6)
+    );
+    assert_eq!(zygote.close().expect("close"), Exit::Code(0));
+}
+
 /// Spawns 50 replacements one after the other, each ending at once;
 /// prints the mean and the slowest spawn (request to pidfd in hand).
 fn spawn_latency() {
@@ -536,5 +563,12 @@ fn spawn_latency() {
         times.len(),
         total / u32::try_from(times.len()).unwrap_or(1)
     );
+    let status = std::fs::read_to_string(format!("/proc/{}/status", zygote.pid()))
+        .expect("the template's status");
+    let rss = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .unwrap_or("VmRSS: ?");
+    println!("template {rss}");
     assert_eq!(zygote.close().expect("close"), Exit::Code(0));
 }

@@ -253,7 +253,8 @@ pub enum ProcessError {
     },
     /// A zygote's replacement has ended but its exit status is lost: the
     /// template died before it could report it (the replacement itself was
-    /// killed by `PR_SET_PDEATHSIG` if it outlived the template).
+    /// killed by `PR_SET_PDEATHSIG` if it outlived the template), or its
+    /// `waitpid` failed. [`TargetProcess::exit`] stays `None`.
     #[error("target process {pid} ended, but its exit status was lost with the zygote's template")]
     ExitLost {
         /// The replacement's pid.

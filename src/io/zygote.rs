@@ -46,7 +46,7 @@
 //! |---|---|---|---|---|---|
 //! | `b'R'` | forked | pid | 0 | 0 | control socket end, reply pipe read end, pidfd |
 //! | `b'E'` | the fork failed | errno | operation ([`OPERATIONS`] index) | 0 | none |
-//! | `b'X'` | the target ended | pid | 0: exited, 1: killed | status or signal | none |
+//! | `b'X'` | the target ended | pid | 0: exited, 1: killed, 2: unknown (`waitpid` failed) | status or signal | none |
 //!
 //! Every `b'R'` or `b'E'` answers one request, in request order; the
 //! `b'X'` of a serial always follows its `b'R'`. The template opens the
@@ -175,10 +175,13 @@ impl Message {
         })
     }
 
-    fn exit(serial: u64, pid: Pid, exit: Exit) -> Message {
+    /// The exit report of `pid`; `None` when the template could not learn
+    /// how it ended (`waitpid` failed).
+    fn exit(serial: u64, pid: Pid, exit: Option<Exit>) -> Message {
         let (b, c) = match exit {
-            Exit::Code(code) => (0, code),
-            Exit::Signal(signal) => (1, signal),
+            Some(Exit::Code(code)) => (0, code),
+            Some(Exit::Signal(signal)) => (1, signal),
+            None => (2, 0),
         };
         Message {
             tag: b'X',
@@ -444,8 +447,9 @@ struct LinkState {
     replies: BTreeMap<u64, Result<Reply, ProcessError>>,
     /// Serials of replacements whose exit report is wanted.
     live: BTreeSet<u64>,
-    /// Exit reports read for live serials, not yet taken.
-    exits: BTreeMap<u64, Exit>,
+    /// Exit reports read for live serials, not yet taken (`None`: the
+    /// template could not learn how it ended).
+    exits: BTreeMap<u64, Option<Exit>>,
 }
 
 impl ZygoteLink {
@@ -469,7 +473,9 @@ impl ZygoteLink {
             state.drain()?;
             if let Some(exit) = state.exits.remove(&serial) {
                 state.live.remove(&serial);
-                return Ok(Some(exit));
+                return exit
+                    .map(Some)
+                    .ok_or(ProcessError::ExitLost { pid: pid.as_raw() });
             }
             // No report can come any more: it ended (or will, by its
             // parent-death signal) unreported.
@@ -652,10 +658,10 @@ impl LinkState {
                     .insert(serial, Err(ProcessError::Os { operation, errno }));
             }
             b'X' if self.live.contains(&serial) => {
-                let exit = if message.b == 0 {
-                    Exit::Code(message.c)
-                } else {
-                    Exit::Signal(message.c)
+                let exit = match message.b {
+                    0 => Some(Exit::Code(message.c)),
+                    1 => Some(Exit::Signal(message.c)),
+                    _ => None,
                 };
                 self.exits.insert(serial, exit);
             }
@@ -873,15 +879,17 @@ where
 }
 
 /// Reaps `pid` (a child of this process) if it has ended; blocking
-/// without `flags`. `None` while it runs or when `waitpid` fails.
-fn reap(pid: Pid, flags: Option<WaitPidFlag>) -> Option<Exit> {
+/// without `flags`. `None` while it runs; `Some(None)` when `waitpid`
+/// fails (the child is not waitable: how it ended is unknown).
+fn reap(pid: Pid, flags: Option<WaitPidFlag>) -> Option<Option<Exit>> {
     loop {
         match waitpid(pid, flags) {
-            Ok(WaitStatus::Exited(_, code)) => return Some(Exit::Code(code)),
-            Ok(WaitStatus::Signaled(_, sig, _)) => return Some(Exit::Signal(sig as i32)),
+            Ok(WaitStatus::Exited(_, code)) => return Some(Some(Exit::Code(code))),
+            Ok(WaitStatus::Signaled(_, sig, _)) => return Some(Some(Exit::Signal(sig as i32))),
             Err(Errno::EINTR) => {}
+            Err(_) => return Some(None),
             Ok(_) if flags.is_none() => {}
-            _ => return None,
+            Ok(_) => return None,
         }
     }
 }
@@ -892,7 +900,11 @@ mod tests {
 
     #[test]
     fn messages_round_trip() {
-        let message = Message::exit(7, Pid::from_raw(1234), Exit::Signal(9));
+        let message = Message::exit(7, Pid::from_raw(1234), Some(Exit::Signal(9)));
+        assert_eq!((message.b, message.c), (1, 9));
+        let unknown = Message::exit(8, Pid::from_raw(1), None);
+        assert_eq!(Message::decode(&unknown.encode()), Some(unknown));
+        assert_eq!((unknown.b, unknown.c), (2, 0));
         assert_eq!(Message::decode(&message.encode()), Some(message));
         assert_eq!(message.encode()[0], b'X');
         assert_eq!(Message::decode(&message.encode()[..17]), None);
