@@ -9,6 +9,8 @@
 //! * [`slots`] — a target's slot table shared by its two threads;
 //! * [`target`] — the target process: snapshot, control and task threads;
 //! * [`worker`] — the [`Worker`]: builder, operations, the IO thread;
+//! * [`zygote`] — a thread-free template process that forks replacement
+//!   targets after start;
 //! * [`failpoints`] — fault injection points (cargo feature `failpoints`).
 //!
 //! The IO layer moves bytes and time into the protocol's state machines and
@@ -65,6 +67,7 @@ pub mod slots;
 pub mod staging;
 pub mod target;
 pub mod worker;
+pub mod zygote;
 
 pub use worker::{
     OperationError, PendingOperation, PendingTask, StartReport, TargetTable, TaskError, Worker,

@@ -38,6 +38,11 @@
 //! ends, pidfds and staged payloads, tracked in a process-wide set,
 //! [`TrackedFd`]), not the interpreter's open files.
 //!
+//! After start the parent runs threads and never forks again: a target
+//! forked later comes from a zygote's template process
+//! ([`super::zygote`]), which forks it with the same per-fork code as
+//! [`spawn_targets`] and reaps it; [`TargetProcess`] hides the difference.
+//!
 //! A target: ignores SIGINT (Ctrl-C in a terminal reaches the parent only);
 //! asks the kernel for SIGKILL when the thread that forked it ends
 //! (`PR_SET_PDEATHSIG`) and checks `getppid` right after, closing the race
@@ -162,6 +167,17 @@ extern "C" fn after_fork_in_child() {
     }
 }
 
+/// Runs in a zygote's template right after fork: it is no target, so
+/// the at-fork handler of a target it was forked from (a Worker built
+/// inside a target) must leave alone the descriptors it forks with, which
+/// may reuse the numbers of that target's (closed) channels.
+pub(crate) fn forget_target() {
+    TARGET_PID.store(0, Ordering::Relaxed);
+    for fd in &CHANNEL_FDS {
+        fd.store(-1, Ordering::Relaxed);
+    }
+}
+
 /// Runs in the target right after fork: records its pid and channel
 /// descriptors and registers [`after_fork_in_child`].
 fn guard_channels(control: RawFd, reply: RawFd) {
@@ -176,7 +192,7 @@ fn guard_channels(control: RawFd, reply: RawFd) {
 /// A pidfd for `pid` (`pidfd_open`, close-on-exec), or `None` where the
 /// kernel has none (before Linux 5.3): death is then seen through the
 /// channels only.
-fn pidfd_open(pid: Pid) -> Option<OwnedFd> {
+pub(crate) fn pidfd_open(pid: Pid) -> Option<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new
     // descriptor, which nothing else owns.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
@@ -210,13 +226,39 @@ pub enum ProcessError {
         /// Threads counted in `/proc/self/task`.
         threads: usize,
     },
-    /// An OS call failed.
+    /// An OS call failed (for a zygote, in the parent or in its template:
+    /// the template reports its own failures, e.g. `fork`, `pipe2`).
     #[error("{operation} failed: {errno}")]
     Os {
         /// What was attempted (`"pipe2"`, `"fork"`, `"/proc/self/task"`, …).
         operation: &'static str,
         /// The OS error.
         errno: Errno,
+    },
+    /// A zygote's template process is gone: [`super::zygote::Zygote::close`]
+    /// ended it, or it died (killed, or its parent thread ended). It forks
+    /// no more targets.
+    #[error("the zygote's template process is gone: no more targets can be forked from it")]
+    ZygoteGone,
+    /// A zygote's template did not answer in time: no reply to a spawn
+    /// request within the zygote's spawn timeout, or no exit report of a
+    /// killed replacement within [`super::zygote::REPORT_TIMEOUT`] (the
+    /// template is stopped or overloaded).
+    #[error("the zygote's template did not answer {what} within {waited:?}")]
+    ZygoteTimeout {
+        /// What was awaited (`"a spawn request"`, `"an exit report"`).
+        what: &'static str,
+        /// How long it was awaited.
+        waited: Duration,
+    },
+    /// A zygote's replacement has ended but its exit status is lost: the
+    /// template died before it could report it (the replacement itself was
+    /// killed by `PR_SET_PDEATHSIG` if it outlived the template), or its
+    /// `waitpid` failed. [`TargetProcess::exit`] stays `None`.
+    #[error("target process {pid} ended, but its exit status was lost with the zygote's template")]
+    ExitLost {
+        /// The replacement's pid.
+        pid: i32,
     },
 }
 
@@ -267,6 +309,12 @@ impl std::fmt::Display for Exit {
 /// The parent's view of one target process: its pid and the parent's
 /// channel ends. Dropping it without [`TargetProcess::reap`] kills the target with
 /// SIGKILL and reaps it, so no zombie is left.
+///
+/// A target is either the parent's own child ([`spawn_targets`]) or a
+/// zygote's replacement ([`super::zygote::Zygote::spawn`]), a child of
+/// the zygote's template process: the methods mean the same for both (for
+/// a replacement, the template reaps it and reports how it ended, see
+/// [`super::zygote`]).
 #[derive(Debug)]
 pub struct TargetProcess {
     index: usize,
@@ -275,9 +323,43 @@ pub struct TargetProcess {
     reply: TrackedFd,
     pidfd: Option<TrackedFd>,
     exit: Option<Exit>,
+    origin: Origin,
+}
+
+/// Who forked a target, hence who reaps it.
+#[derive(Debug)]
+pub(crate) enum Origin {
+    /// This process: it reaps the target with `waitpid`.
+    Direct,
+    /// A zygote's template: the template reaps it and reports its exit
+    /// over the zygote's request socket, under this spawn serial.
+    Zygote {
+        /// The parent's side of the zygote.
+        link: std::sync::Arc<super::zygote::ZygoteLink>,
+        /// The spawn request's serial, which the exit report names.
+        serial: u64,
+    },
 }
 
 impl TargetProcess {
+    /// The parent's view of the target `forked`, forked by `origin`.
+    pub(crate) fn new(
+        index: usize,
+        forked: Forked,
+        pidfd: Option<TrackedFd>,
+        origin: Origin,
+    ) -> TargetProcess {
+        TargetProcess {
+            index,
+            pid: forked.pid,
+            control: Some(forked.control),
+            reply: forked.reply,
+            pidfd,
+            exit: None,
+            origin,
+        }
+    }
+
     /// The target's index (0-based).
     pub fn index(&self) -> usize {
         self.index
@@ -300,7 +382,8 @@ impl TargetProcess {
     }
 
     /// A pidfd of the target process, readable once it has ended (whoever
-    /// else holds its channels), or `None` where the kernel has none.
+    /// else holds its channels), or `None` where the kernel has none
+    /// (always `Some` for a zygote's replacement).
     pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
         self.pidfd.as_ref().map(|fd| fd.as_fd())
     }
@@ -316,28 +399,40 @@ impl TargetProcess {
     }
 
     /// Sends SIGKILL (fencing: a killed target is certain to hold nothing).
-    /// A target already reaped is left alone (its pid may be reused).
+    /// A target already reaped is left alone (its pid may be reused); a
+    /// zygote's replacement is signalled through its pidfd
+    /// (`pidfd_send_signal`), which never reaches another process.
     ///
     /// # Errors
-    /// [`ProcessError::Os`] when `kill` fails other than with `ESRCH`.
+    /// [`ProcessError::Os`] when `kill` (or `pidfd_send_signal`) fails
+    /// other than with `ESRCH` (the process has ended).
     pub fn kill(&self) -> Result<(), ProcessError> {
         if self.exit.is_some() {
             return Ok(());
         }
-        match signal::kill(self.pid, Signal::SIGKILL) {
+        let (operation, sent) = match (&self.origin, &self.pidfd) {
+            (Origin::Zygote { .. }, Some(pidfd)) => (
+                "pidfd_send_signal",
+                pidfd_send_signal(pidfd.as_fd(), Signal::SIGKILL),
+            ),
+            _ => ("kill", signal::kill(self.pid, Signal::SIGKILL)),
+        };
+        match sent {
             Ok(()) | Err(Errno::ESRCH) => Ok(()),
-            Err(errno) => Err(ProcessError::Os {
-                operation: "kill",
-                errno,
-            }),
+            Err(errno) => Err(ProcessError::Os { operation, errno }),
         }
     }
 
     /// Reaps the target if it has ended, without blocking; returns how it
-    /// ended, or `None` while it runs.
+    /// ended, or `None` while it runs (for a zygote's replacement: until
+    /// the template's report of its exit has arrived, a moment after its
+    /// pidfd turned readable).
     ///
     /// # Errors
-    /// [`ProcessError::Os`] when `waitpid` fails.
+    /// [`ProcessError::Os`] when `waitpid` fails (a replacement: when
+    /// reading the zygote's socket fails); for a replacement,
+    /// [`ProcessError::ExitLost`] when the template died before reporting
+    /// the ended target's exit.
     pub fn try_reap(&mut self) -> Result<Option<Exit>, ProcessError> {
         self.wait(Some(WaitPidFlag::WNOHANG))
     }
@@ -346,7 +441,11 @@ impl TargetProcess {
     /// with SIGKILL if it is still running, and reaps it.
     ///
     /// # Errors
-    /// [`ProcessError::Os`] when `waitpid` or `kill` fails.
+    /// [`ProcessError::Os`] when `waitpid` or `kill` fails; for a zygote's
+    /// replacement also [`ProcessError::ExitLost`] (as
+    /// [`TargetProcess::try_reap`]) and [`ProcessError::ZygoteTimeout`]
+    /// when the template has not reported the killed target's exit within
+    /// [`super::zygote::REPORT_TIMEOUT`].
     pub fn reap(&mut self, timeout: Duration) -> Result<Exit, ProcessError> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -370,20 +469,30 @@ impl TargetProcess {
         if let Some(exit) = self.exit {
             return Ok(Some(exit));
         }
-        let status = match waitpid(self.pid, flags) {
-            Ok(status) => status,
-            Err(Errno::EINTR) => return Ok(None),
-            Err(errno) => {
-                return Err(ProcessError::Os {
-                    operation: "waitpid",
-                    errno,
-                })
+        let exit = match &self.origin {
+            Origin::Direct => match waitpid(self.pid, flags) {
+                Ok(WaitStatus::Exited(_, code)) => Exit::Code(code),
+                Ok(WaitStatus::Signaled(_, sig, _)) => Exit::Signal(sig as i32),
+                Ok(_) | Err(Errno::EINTR) => return Ok(None),
+                Err(errno) => {
+                    return Err(ProcessError::Os {
+                        operation: "waitpid",
+                        errno,
+                    })
+                }
+            },
+            Origin::Zygote { link, serial } => {
+                let Some(pidfd) = &self.pidfd else {
+                    return Err(ProcessError::ExitLost {
+                        pid: self.pid.as_raw(),
+                    });
+                };
+                let blocking = flags.is_none();
+                match link.wait_exit(*serial, self.pid, pidfd.as_fd(), blocking)? {
+                    Some(exit) => exit,
+                    None => return Ok(None),
+                }
             }
-        };
-        let exit = match status {
-            WaitStatus::Exited(_, code) => Exit::Code(code),
-            WaitStatus::Signaled(_, sig, _) => Exit::Signal(sig as i32),
-            _ => return Ok(None),
         };
         self.exit = Some(exit);
         Ok(Some(exit))
@@ -399,6 +508,30 @@ impl Drop for TargetProcess {
             let _ = self.kill();
             let _ = self.wait(None);
         }
+        if let Origin::Zygote { link, serial } = &self.origin {
+            link.forget(*serial);
+        }
+    }
+}
+
+/// `pidfd_send_signal(pidfd, signal)`: signals the process `pidfd` refers
+/// to, never another one that reused its pid.
+pub(crate) fn pidfd_send_signal(pidfd: BorrowedFd<'_>, signal: Signal) -> Result<(), Errno> {
+    // SAFETY: pidfd_send_signal takes a descriptor, a signal number, a null
+    // siginfo (the kernel fills in a kill-like one) and flags 0.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal as libc::c_int,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(Errno::last())
     }
 }
 
@@ -435,102 +568,169 @@ where
     F: Fn(TargetEnds) -> i32,
     B: Fn(usize),
 {
+    check_threads(policy)?;
+    flush_std();
+    let mut targets = Vec::with_capacity(count);
+    for index in 0..count {
+        let forked = fork_target(index, runtime, &before_body, &body)?;
+        let pidfd = pidfd_open(forked.pid).map(TrackedFd::new);
+        targets.push(TargetProcess::new(index, forked, pidfd, Origin::Direct));
+    }
+    Ok(targets)
+}
+
+/// Refuses with [`ProcessError::Threaded`] when `policy` does and this
+/// process runs other threads.
+pub(crate) fn check_threads(policy: ThreadPolicy) -> Result<(), ProcessError> {
     if policy == ThreadPolicy::RefuseIfThreaded {
         let threads = thread_count()?;
         if threads > 1 {
             return Err(ProcessError::Threaded { threads });
         }
     }
+    Ok(())
+}
+
+/// Flushes standard output and error, so that no buffered bytes are
+/// written twice (once by the parent, once by a child).
+pub(crate) fn flush_std() {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
-    let parent = nix::unistd::getpid();
-    let mut targets = Vec::with_capacity(count);
-    for index in 0..count {
-        let os = |operation| move |errno| ProcessError::Os { operation, errno };
-        let (control_write, control_read) = socketpair(
-            AddressFamily::Unix,
-            SockType::Stream,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )
-        .map_err(os("socketpair"))?;
-        let (reply_read, reply_write) =
-            nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(os("pipe2"))?;
-        set_nonblocking(control_write.as_fd()).map_err(os("fcntl"))?;
-        set_nonblocking(reply_read.as_fd()).map_err(os("fcntl"))?;
-        let (control_write, reply_read) =
-            (TrackedFd::new(control_write), TrackedFd::new(reply_read));
-        runtime.before_fork();
-        // Held across the fork: no other thread holds it then, and the
-        // child reads the set through this guard (its only thread).
-        let mut owned = Some(tracked());
-        // SAFETY: the process is single-threaded here (checked above, or the
-        // caller accepted the risk, as `os.fork` does); the child only calls
-        // async-signal-safe functions and the runtime's after-fork hook
-        // until it has closed the inherited descriptors, and it never
-        // returns from this function: it ends with `_exit`.
-        let forked = unsafe { nix::unistd::fork() };
-        if !matches!(forked, Ok(ForkResult::Child)) {
-            drop(owned.take());
-            runtime.after_fork_parent();
-        }
-        match forked.map_err(os("fork"))? {
-            ForkResult::Parent { child } => {
-                drop(control_read);
-                drop(reply_write);
-                targets.push(TargetProcess {
-                    index,
-                    pid: child,
-                    control: Some(control_write),
-                    reply: reply_read,
-                    pidfd: pidfd_open(child).map(TrackedFd::new),
-                    exit: None,
-                });
-            }
-            ForkResult::Child => {
-                let keep = [control_read.as_raw_fd(), reply_write.as_raw_fd()];
-                // The parent's descriptors leave the set (closed below) and
-                // this target's own ends join it, so that a Worker this
-                // target builds closes them in its own targets; the lock is
-                // released before the body, which may build such a Worker.
-                let owned: Vec<RawFd> = match owned.take() {
-                    Some(mut set) => {
-                        let parents = set.iter().copied().collect();
-                        set.clear();
-                        set.extend(keep);
-                        parents
-                    }
-                    None => Vec::new(),
-                };
-                runtime.after_fork_child();
-                let keeps_inherited = runtime.keeps_inherited_descriptors();
-                let code = catch_unwind(AssertUnwindSafe(|| {
-                    prepare_child(parent);
-                    if keeps_inherited {
-                        close_tracked(&owned, &keep);
-                    } else {
-                        close_inherited(&keep);
-                    }
-                    guard_channels(keep[0], keep[1]);
-                    before_body(index);
-                    body(TargetEnds {
-                        index,
-                        control: control_read,
-                        reply: reply_write,
-                    })
-                }))
-                .unwrap_or(PANIC_EXIT_CODE);
-                // SAFETY: ends the target without running the parent's
-                // destructors (the inherited `targets`, staged payloads).
-                unsafe { libc::_exit(code) }
-            }
-        }
-    }
-    Ok(targets)
 }
 
-fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<(), Errno> {
+/// The forking process's view of one target it just forked: the pid and
+/// its ends of the target's two channels (non-blocking, close-on-exec).
+#[derive(Debug)]
+pub(crate) struct Forked {
+    pub(crate) pid: Pid,
+    pub(crate) control: TrackedFd,
+    pub(crate) reply: TrackedFd,
+}
+
+/// Forks one target with index `index`: makes its control socket and
+/// reply pipe, forks ([`fork_child`]), and in the child records its
+/// channels ([`guard_channels`]), runs `before_body(index)` then
+/// `body(ends)`. Used by [`spawn_targets`] and by a zygote's template
+/// (`super::zygote`), so a target is the same whoever forked it.
+pub(crate) fn fork_target<R, F, B>(
+    index: usize,
+    runtime: &R,
+    before_body: &B,
+    body: &F,
+) -> Result<Forked, ProcessError>
+where
+    R: Runtime + ?Sized,
+    F: Fn(TargetEnds) -> i32,
+    B: Fn(usize),
+{
+    let os = |operation| move |errno| ProcessError::Os { operation, errno };
+    let (control_write, control_read) = socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(os("socketpair"))?;
+    let (reply_read, reply_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(os("pipe2"))?;
+    set_nonblocking(control_write.as_fd()).map_err(os("fcntl"))?;
+    set_nonblocking(reply_read.as_fd()).map_err(os("fcntl"))?;
+    let (control, reply) = (TrackedFd::new(control_write), TrackedFd::new(reply_read));
+    let keep = [control_read.as_raw_fd(), reply_write.as_raw_fd()];
+    let pid = fork_child(runtime, &keep, move || {
+        guard_channels(keep[0], keep[1]);
+        before_body(index);
+        body(TargetEnds {
+            index,
+            control: control_read,
+            reply: reply_write,
+        })
+    })?;
+    Ok(Forked {
+        pid,
+        control,
+        reply,
+    })
+}
+
+/// Forks a child of this process that keeps, of its descriptors above 2,
+/// only `keep`, runs `child` and ends with `_exit` of the status it
+/// returns (or [`PANIC_EXIT_CODE`] if it panics). Returns the child's pid
+/// in the forking process, where `child` is dropped unrun.
+///
+/// Around the fork: [`Runtime::before_fork`], then
+/// [`Runtime::after_fork_parent`] in the forking process (also when the
+/// fork failed); [`Runtime::after_fork_child`] first in the child, then
+/// [`prepare_child`] (SIGINT ignored, `PR_SET_PDEATHSIG` relative to the
+/// forking thread, an orphan check), then the inherited descriptors are
+/// closed ([`close_tracked`] when the runtime keeps inherited descriptors,
+/// else [`close_inherited`]); `keep` becomes the child's tracked set.
+///
+/// The caller makes sure the process is single-threaded (or accepted the
+/// risk): see [`ThreadPolicy`].
+///
+/// # Errors
+/// [`ProcessError::Os`] when `fork` fails.
+pub(crate) fn fork_child<R, C>(runtime: &R, keep: &[RawFd], child: C) -> Result<Pid, ProcessError>
+where
+    R: Runtime + ?Sized,
+    C: FnOnce() -> i32,
+{
+    let parent = nix::unistd::getpid();
+    runtime.before_fork();
+    // Held across the fork: no other thread holds it then, and the
+    // child reads the set through this guard (its only thread).
+    let mut owned = Some(tracked());
+    // SAFETY: the process is single-threaded here (checked by the caller,
+    // or the caller accepted the risk, as `os.fork` does); the child only
+    // calls async-signal-safe functions and the runtime's after-fork hook
+    // until it has closed the inherited descriptors, and it never returns
+    // from this function: it ends with `_exit`.
+    let forked = unsafe { nix::unistd::fork() };
+    if !matches!(forked, Ok(ForkResult::Child)) {
+        drop(owned.take());
+        runtime.after_fork_parent();
+    }
+    match forked.map_err(|errno| ProcessError::Os {
+        operation: "fork",
+        errno,
+    })? {
+        ForkResult::Parent { child } => Ok(child),
+        ForkResult::Child => {
+            // The parent's descriptors leave the set (closed below) and
+            // this child's own ones join it, so that a process this child
+            // forks closes them in turn; the lock is released before
+            // `child`, which may fork (a Worker of its own, a zygote's
+            // targets).
+            let owned: Vec<RawFd> = match owned.take() {
+                Some(mut set) => {
+                    let parents = set.iter().copied().collect();
+                    set.clear();
+                    set.extend(keep.iter().copied());
+                    parents
+                }
+                None => Vec::new(),
+            };
+            runtime.after_fork_child();
+            let keeps_inherited = runtime.keeps_inherited_descriptors();
+            let code = catch_unwind(AssertUnwindSafe(|| {
+                prepare_child(parent);
+                if keeps_inherited {
+                    close_tracked(&owned, keep);
+                } else {
+                    close_inherited(keep);
+                }
+                child()
+            }))
+            .unwrap_or(PANIC_EXIT_CODE);
+            // SAFETY: ends the child without running the parent's
+            // destructors (inherited targets, staged payloads).
+            unsafe { libc::_exit(code) }
+        }
+    }
+}
+
+pub(crate) fn set_nonblocking(fd: BorrowedFd<'_>) -> Result<(), Errno> {
     use nix::fcntl::{fcntl, FcntlArg};
     let flags = OFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFL)?);
     fcntl(fd, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK))?;

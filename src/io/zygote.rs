@@ -1,0 +1,919 @@
+//! A zygote: a thread-free template process that forks replacement
+//! targets for a parent that now runs threads.
+//!
+//! Why: `fork` is only safe in a single-threaded process (a thread that
+//! held a lock at fork time, the allocator's say, leaves it held forever
+//! in the child; specs/design.md §5). [`super::process::spawn_targets`]
+//! forks the targets at start, before the parent starts its IO thread;
+//! after that the parent must never fork again. A target lost later is
+//! replaced by a [`Zygote`]: at start, while still single-threaded, the
+//! parent forks one template process ([`Zygote::fork`]), which stays
+//! single-threaded for its whole life and forks each replacement on
+//! request ([`Zygote::spawn`]). A replacement is forked exactly as a
+//! target of `spawn_targets` is (the same function: channels, the
+//! runtime's fork hooks, parent-death signal, descriptor hygiene, the
+//! at-fork guard of its channels, `before_body(index)` then `body(ends)`,
+//! `_exit` with its status), only from the template.
+//!
+//! What a replacement inherits: the template's memory, which is the
+//! parent's memory at the time of [`Zygote::fork`] (whatever `body`
+//! captured then, e.g. a startup snapshot), and none of the parent's
+//! descriptors but its own two channel ends and 0, 1, 2. The template
+//! closes every descriptor it inherits but its request socket, the way a
+//! target does ([`super::process`]: all above 2, or only callreg's tracked
+//! ones for a runtime that keeps inherited descriptors).
+//!
+//! # The request socket
+//!
+//! One `SOCK_SEQPACKET` socket pair links the parent and the template (one
+//! `sendmsg` is one message; a read returns one whole message, or 0 at
+//! EOF). Integers are little-endian. The parent's end is non-blocking and
+//! close-on-exec; the template's is blocking.
+//!
+//! Parent to template, 17 bytes:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0 | `b'S'`: fork a target |
+//! | 1..9 | serial (u64), unique per request of this zygote |
+//! | 9..17 | the target's index (u64), passed to `before_body` and in [`TargetEnds`] |
+//!
+//! Template to parent, 18 bytes each: a tag, the request's serial (u64,
+//! bytes 1..9), then three fields `a` (i32, 9..13), `b` (u8, 13), `c`
+//! (i32, 14..18):
+//!
+//! | tag | meaning | a | b | c | descriptors (`SCM_RIGHTS`) |
+//! |---|---|---|---|---|---|
+//! | `b'R'` | forked | pid | 0 | 0 | control socket end, reply pipe read end, pidfd |
+//! | `b'E'` | the fork failed | errno | operation ([`OPERATIONS`] index) | 0 | none |
+//! | `b'X'` | the target ended | pid | 0: exited, 1: killed, 2: unknown (`waitpid` failed) | status or signal | none |
+//!
+//! Every `b'R'` or `b'E'` answers one request, in request order; the
+//! `b'X'` of a serial always follows its `b'R'`. The template opens the
+//! replacement's pidfd itself, right after the fork: it alone reaps the
+//! replacement, so the pid cannot be reused before the pidfd exists (the
+//! parent opening it after the reply arrived could race with the reap).
+//! Replacements therefore need pidfds (Linux 5.3); without them a spawn
+//! fails with [`ProcessError::Os`] `pidfd_open`.
+//!
+//! # Reaping and exit reports
+//!
+//! A replacement is the template's child, so only the template can
+//! `waitpid` it. The template polls its request socket and the pidfd of
+//! every live child; when a pidfd turns readable it reaps that child
+//! (`waitpid`, so no zombie stays) and sends its `b'X'` report. The parent
+//! reads the socket whenever a [`Zygote::spawn`] waits for its reply or a
+//! replacement's [`TargetProcess::try_reap`]/`reap` looks for its report,
+//! keeping the reports of the replacements still held (by serial) until
+//! each is asked for. So for a replacement `try_reap` answers `None` until
+//! the report has arrived, a moment after its pidfd turned readable;
+//! `kill` signals through the pidfd (`pidfd_send_signal`), never a reused
+//! pid.
+//!
+//! # Lifetime
+//!
+//! * The template gets `PR_SET_PDEATHSIG` (SIGKILL) relative to the thread
+//!   that called [`Zygote::fork`] (checked against a parent that died
+//!   first), and ends when its request socket reports EOF.
+//! * Replacements get `PR_SET_PDEATHSIG` (SIGKILL) relative to the
+//!   template: a replacement lives no longer than its template.
+//!   [`Zygote::close`] (or dropping the [`Zygote`]) ends the template,
+//!   which first kills every replacement still running (SIGKILL), reaps
+//!   them and reports each (`Exit::Signal(9)` for those it killed), then
+//!   exits; the parent reaps the template (its own child). Keep the zygote
+//!   for as long as its replacements should serve.
+//! * A template that dies abruptly (killed) reports nothing more: its
+//!   replacements are killed by their parent-death signal, and a held
+//!   replacement whose report never came answers `try_reap` with
+//!   [`ProcessError::ExitLost`] once its pidfd shows it ended.
+//! * A spawn waits at most the zygote's spawn timeout
+//!   ([`Zygote::set_spawn_timeout`], [`DEFAULT_SPAWN_TIMEOUT`]); a reply
+//!   that arrives after its spawn gave up is discarded, its target killed
+//!   through the pidfd that came with it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{self, Signal};
+use nix::sys::socket::{
+    recvmsg, sendmsg, shutdown, socketpair, AddressFamily, ControlMessage, ControlMessageOwned,
+    MsgFlags, Shutdown, SockFlag, SockType, UnixAddr,
+};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+use super::process::{
+    check_threads, flush_std, forget_target, fork_child, fork_target, pidfd_open,
+    pidfd_send_signal, set_nonblocking, Exit, Forked, Origin, ProcessError, TargetEnds,
+    TargetProcess, ThreadPolicy, TrackedFd,
+};
+use crate::runtime::Runtime;
+
+/// How long [`Zygote::spawn`] waits for the template's reply unless set
+/// otherwise ([`Zygote::set_spawn_timeout`]).
+pub const DEFAULT_SPAWN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a blocking wait for a replacement's exit report (the end of
+/// [`TargetProcess::reap`], dropping a [`TargetProcess`]) and
+/// [`Zygote::close`]'s wait for the template to exit last at most.
+pub const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The operations a template reports a failure of (`b'E'`, field `b`),
+/// by index; an operation not listed is reported as the last, `"template"`.
+pub const OPERATIONS: [&str; 6] = [
+    "socketpair",
+    "pipe2",
+    "fcntl",
+    "fork",
+    "pidfd_open",
+    "template",
+];
+
+/// Length of a request (parent to template).
+const REQUEST_LEN: usize = 17;
+
+/// Length of a message from the template.
+const MESSAGE_LEN: usize = 18;
+
+/// Exit status of a template whose request socket failed other than by EOF.
+const TEMPLATE_ERROR_EXIT_CODE: i32 = 1;
+
+/// A message from the template (see the module documentation).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Message {
+    tag: u8,
+    serial: u64,
+    a: i32,
+    b: u8,
+    c: i32,
+}
+
+impl Message {
+    fn encode(&self) -> [u8; MESSAGE_LEN] {
+        let mut bytes = [0u8; MESSAGE_LEN];
+        bytes[0] = self.tag;
+        bytes[1..9].copy_from_slice(&self.serial.to_le_bytes());
+        bytes[9..13].copy_from_slice(&self.a.to_le_bytes());
+        bytes[13] = self.b;
+        bytes[14..18].copy_from_slice(&self.c.to_le_bytes());
+        bytes
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Message> {
+        let bytes: &[u8; MESSAGE_LEN] = bytes.try_into().ok()?;
+        Some(Message {
+            tag: bytes[0],
+            serial: u64::from_le_bytes(bytes[1..9].try_into().ok()?),
+            a: i32::from_le_bytes(bytes[9..13].try_into().ok()?),
+            b: bytes[13],
+            c: i32::from_le_bytes(bytes[14..18].try_into().ok()?),
+        })
+    }
+
+    /// The exit report of `pid`; `None` when the template could not learn
+    /// how it ended (`waitpid` failed).
+    fn exit(serial: u64, pid: Pid, exit: Option<Exit>) -> Message {
+        let (b, c) = match exit {
+            Some(Exit::Code(code)) => (0, code),
+            Some(Exit::Signal(signal)) => (1, signal),
+            None => (2, 0),
+        };
+        Message {
+            tag: b'X',
+            serial,
+            a: pid.as_raw(),
+            b,
+            c,
+        }
+    }
+}
+
+fn encode_request(serial: u64, index: usize) -> [u8; REQUEST_LEN] {
+    let mut bytes = [0u8; REQUEST_LEN];
+    bytes[0] = b'S';
+    bytes[1..9].copy_from_slice(&serial.to_le_bytes());
+    bytes[9..17].copy_from_slice(&(index as u64).to_le_bytes());
+    bytes
+}
+
+fn decode_request(bytes: &[u8]) -> Option<(u64, usize)> {
+    let bytes: &[u8; REQUEST_LEN] = bytes.try_into().ok()?;
+    if bytes[0] != b'S' {
+        return None;
+    }
+    let serial = u64::from_le_bytes(bytes[1..9].try_into().ok()?);
+    let index = usize::try_from(u64::from_le_bytes(bytes[9..17].try_into().ok()?)).ok()?;
+    Some((serial, index))
+}
+
+/// A forked template process that forks replacement targets on request
+/// (see the module documentation). Dropping it is [`Zygote::close`].
+#[derive(Debug)]
+pub struct Zygote {
+    pid: Pid,
+    link: Arc<ZygoteLink>,
+    spawn_timeout: Duration,
+    exit: Option<Exit>,
+}
+
+impl Zygote {
+    /// Forks the template process; call it while the process is
+    /// single-threaded (at start, as [`super::process::spawn_targets`]).
+    ///
+    /// Each later [`Zygote::spawn`]`(index)` forks, from the template, a
+    /// target that runs `before_body(index)` then `body(ends)` and exits
+    /// with the status `body` returns ([`super::process::PANIC_EXIT_CODE`]
+    /// if either panics). Both closures, and whatever they capture, are
+    /// the template's copy, made now: state the parent changes later is
+    /// not seen by replacements.
+    ///
+    /// `runtime`'s fork hooks run around this fork (as for a target:
+    /// [`Runtime::after_fork_child`] first in the template) and, in the
+    /// template, around each replacement's fork. Standard output and error
+    /// are flushed first. The template receives SIGKILL when the calling
+    /// thread ends (`PR_SET_PDEATHSIG`): call it from a thread that lives
+    /// as long as the zygote should.
+    ///
+    /// # Errors
+    /// [`ProcessError::Threaded`] when the process runs other threads and
+    /// `policy` refuses; [`ProcessError::Os`] when counting threads,
+    /// `socketpair`, `fcntl` or `fork` fails.
+    pub fn fork<R, F, B>(
+        policy: ThreadPolicy,
+        runtime: &R,
+        before_body: B,
+        body: F,
+    ) -> Result<Zygote, ProcessError>
+    where
+        R: Runtime + ?Sized,
+        F: Fn(TargetEnds) -> i32,
+        B: Fn(usize),
+    {
+        check_threads(policy)?;
+        flush_std();
+        let os = |operation| move |errno| ProcessError::Os { operation, errno };
+        let (parent_end, template_end) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(os("socketpair"))?;
+        set_nonblocking(parent_end.as_fd()).map_err(os("fcntl"))?;
+        let parent_end = TrackedFd::new(parent_end);
+        let keep = [template_end.as_raw_fd()];
+        let pid = fork_child(runtime, &keep, move || {
+            forget_target();
+            // Reaping needs the default disposition: an inherited SIG_IGN
+            // would have the kernel reap the replacements unseen.
+            // SAFETY: installing SIG_DFL has no handler code to be unsafe
+            // about.
+            let _ = unsafe { signal::signal(Signal::SIGCHLD, signal::SigHandler::SigDfl) };
+            Template {
+                socket: template_end,
+                runtime,
+                before_body: &before_body,
+                body: &body,
+                children: Vec::new(),
+            }
+            .run()
+        })?;
+        Ok(Zygote {
+            pid,
+            link: Arc::new(ZygoteLink {
+                state: Mutex::new(LinkState {
+                    socket: parent_end,
+                    eof: false,
+                    closed: false,
+                    next_serial: 0,
+                    awaiting: BTreeSet::new(),
+                    replies: BTreeMap::new(),
+                    live: BTreeSet::new(),
+                    exits: BTreeMap::new(),
+                }),
+            }),
+            spawn_timeout: DEFAULT_SPAWN_TIMEOUT,
+            exit: None,
+        })
+    }
+
+    /// The template's process id.
+    pub fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    /// Sets how long each [`Zygote::spawn`] waits for the template's reply.
+    pub fn set_spawn_timeout(&mut self, timeout: Duration) {
+        self.spawn_timeout = timeout;
+    }
+
+    /// Asks the template to fork a target with index `index` and waits
+    /// (at most the spawn timeout) for its channels; returns the parent's
+    /// view of it, with a pidfd, as [`super::process::spawn_targets`]
+    /// returns its targets. Safe to call from any thread of a threaded
+    /// process (the parent does not fork). Calls are serialized, with each
+    /// other and with the replacements' `try_reap`/`reap`, which wait for
+    /// a spawn in progress (one takes well under a millisecond on an idle
+    /// machine, at most the spawn timeout).
+    ///
+    /// # Errors
+    /// [`ProcessError::ZygoteGone`] after [`Zygote::close`] or when the
+    /// template has died; [`ProcessError::Os`] when the template's
+    /// `socketpair`, `pipe2`, `fcntl`, `fork` or `pidfd_open` failed (the
+    /// operation it names), or the parent's `sendmsg`/`recvmsg`/`poll` on
+    /// the request socket failed; [`ProcessError::ZygoteTimeout`] when no
+    /// reply came within the spawn timeout.
+    pub fn spawn(&self, index: usize) -> Result<TargetProcess, ProcessError> {
+        let mut state = self.link.lock();
+        if state.closed || state.eof {
+            return Err(ProcessError::ZygoteGone);
+        }
+        let serial = state.next_serial;
+        state.next_serial += 1;
+        state.awaiting.insert(serial);
+        let deadline = Instant::now() + self.spawn_timeout;
+        let outcome = state.request(serial, index, deadline, self.spawn_timeout);
+        state.awaiting.remove(&serial);
+        let (pid, [control, reply, pidfd]) = outcome?;
+        let forked = Forked {
+            pid,
+            control: TrackedFd::new(control),
+            reply: TrackedFd::new(reply),
+        };
+        let origin = Origin::Zygote {
+            link: self.link.clone(),
+            serial,
+        };
+        Ok(TargetProcess::new(
+            index,
+            forked,
+            Some(TrackedFd::new(pidfd)),
+            origin,
+        ))
+    }
+
+    /// Ends the template: shuts the parent's sending side of the request
+    /// socket (the template reads EOF), which kills, reaps and reports
+    /// every replacement still running, then exits; waits (at most
+    /// [`REPORT_TIMEOUT`], reading the reports meanwhile) and reaps it,
+    /// killing it first if it is still running then. Returns how the
+    /// template ended (`Exit::Code(0)` normally); a second call returns the
+    /// same. Reports of replacements stay readable by their
+    /// [`TargetProcess`]es.
+    ///
+    /// # Errors
+    /// [`ProcessError::Os`] when `waitpid` or `kill` of the template fails.
+    pub fn close(&mut self) -> Result<Exit, ProcessError> {
+        if let Some(exit) = self.exit {
+            return Ok(exit);
+        }
+        {
+            let mut state = self.link.lock();
+            state.closed = true;
+            let _ = shutdown(state.socket.as_fd().as_raw_fd(), Shutdown::Write);
+        }
+        let deadline = Instant::now() + REPORT_TIMEOUT;
+        let mut killed = false;
+        loop {
+            // Reading the reports keeps a template with many of them to
+            // send from blocking on a full socket.
+            let _ = self.link.lock().drain();
+            let flags = (!killed).then_some(WaitPidFlag::WNOHANG);
+            match waitpid(self.pid, flags) {
+                Ok(WaitStatus::Exited(_, code)) => return Ok(*self.exit.insert(Exit::Code(code))),
+                Ok(WaitStatus::Signaled(_, sig, _)) => {
+                    return Ok(*self.exit.insert(Exit::Signal(sig as i32)))
+                }
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(errno) => {
+                    return Err(ProcessError::Os {
+                        operation: "waitpid",
+                        errno,
+                    })
+                }
+            }
+            if !killed && Instant::now() >= deadline {
+                // The template is our unreaped child: its pid is its own.
+                match signal::kill(self.pid, Signal::SIGKILL) {
+                    Ok(()) | Err(Errno::ESRCH) => killed = true,
+                    Err(errno) => {
+                        return Err(ProcessError::Os {
+                            operation: "kill",
+                            errno,
+                        })
+                    }
+                }
+            } else if !killed {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+impl Drop for Zygote {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
+/// The parent's side of a zygote, shared by the [`Zygote`] and the
+/// replacements it forked (which read their exit reports through it).
+#[derive(Debug)]
+pub(crate) struct ZygoteLink {
+    state: Mutex<LinkState>,
+}
+
+/// What one spawn reply carries: the pid and the control, reply and
+/// pidfd descriptors.
+type Reply = (Pid, [OwnedFd; 3]);
+
+#[derive(Debug)]
+struct LinkState {
+    /// The parent's end of the request socket (non-blocking).
+    socket: TrackedFd,
+    /// The template's end is closed: it has exited or died.
+    eof: bool,
+    /// [`Zygote::close`] was called: no more spawns.
+    closed: bool,
+    next_serial: u64,
+    /// Serials of spawns still waiting for their reply.
+    awaiting: BTreeSet<u64>,
+    /// Replies read for awaited serials, not yet taken.
+    replies: BTreeMap<u64, Result<Reply, ProcessError>>,
+    /// Serials of replacements whose exit report is wanted.
+    live: BTreeSet<u64>,
+    /// Exit reports read for live serials, not yet taken (`None`: the
+    /// template could not learn how it ended).
+    exits: BTreeMap<u64, Option<Exit>>,
+}
+
+impl ZygoteLink {
+    fn lock(&self) -> MutexGuard<'_, LinkState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The exit of the replacement `serial` (`pid`, `pidfd`) once its
+    /// report has arrived; with `blocking`, waits for it at most
+    /// [`REPORT_TIMEOUT`].
+    pub(crate) fn wait_exit(
+        &self,
+        serial: u64,
+        pid: Pid,
+        pidfd: BorrowedFd<'_>,
+        blocking: bool,
+    ) -> Result<Option<Exit>, ProcessError> {
+        let mut state = self.lock();
+        let deadline = blocking.then(|| Instant::now() + REPORT_TIMEOUT);
+        loop {
+            state.drain()?;
+            if let Some(exit) = state.exits.remove(&serial) {
+                state.live.remove(&serial);
+                return exit
+                    .map(Some)
+                    .ok_or(ProcessError::ExitLost { pid: pid.as_raw() });
+            }
+            // No report can come any more: it ended (or will, by its
+            // parent-death signal) unreported.
+            let ended = state.eof && readable(pidfd, PollTimeout::ZERO)?;
+            if ended {
+                state.live.remove(&serial);
+                return Err(ProcessError::ExitLost { pid: pid.as_raw() });
+            }
+            let Some(deadline) = deadline else {
+                return Ok(None);
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ProcessError::ZygoteTimeout {
+                    what: "an exit report",
+                    waited: REPORT_TIMEOUT,
+                });
+            }
+            let timeout = poll_timeout(deadline - now);
+            if state.eof {
+                readable(pidfd, timeout)?;
+            } else {
+                readable(state.socket.as_fd(), timeout)?;
+            }
+        }
+    }
+
+    /// Drops what is kept for the replacement `serial` (it is dropped).
+    pub(crate) fn forget(&self, serial: u64) {
+        let mut state = self.lock();
+        state.live.remove(&serial);
+        state.exits.remove(&serial);
+    }
+}
+
+impl LinkState {
+    /// Sends the request `serial` and waits for its reply until `deadline`.
+    fn request(
+        &mut self,
+        serial: u64,
+        index: usize,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Reply, ProcessError> {
+        let request = encode_request(serial, index);
+        let timed_out = || ProcessError::ZygoteTimeout {
+            what: "a spawn request",
+            waited: timeout,
+        };
+        loop {
+            let sent = sendmsg::<UnixAddr>(
+                self.socket.as_fd().as_raw_fd(),
+                &[IoSlice::new(&request)],
+                &[],
+                MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+                None,
+            );
+            match sent {
+                Ok(_) => break,
+                Err(Errno::EINTR) => {}
+                Err(Errno::EAGAIN) => {
+                    // The template is busy sending reports: read them.
+                    self.drain()?;
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(timed_out());
+                    }
+                    let mut fds = [PollFd::new(
+                        self.socket.as_fd(),
+                        PollFlags::POLLOUT | PollFlags::POLLIN,
+                    )];
+                    poll_retrying(&mut fds, poll_timeout(deadline - now))?;
+                }
+                Err(Errno::EPIPE | Errno::ECONNRESET) => return Err(ProcessError::ZygoteGone),
+                Err(errno) => {
+                    return Err(ProcessError::Os {
+                        operation: "sendmsg",
+                        errno,
+                    })
+                }
+            }
+        }
+        loop {
+            self.drain()?;
+            if let Some(reply) = self.replies.remove(&serial) {
+                return reply;
+            }
+            if self.eof {
+                return Err(ProcessError::ZygoteGone);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(timed_out());
+            }
+            readable(self.socket.as_fd(), poll_timeout(deadline - now))?;
+        }
+    }
+
+    /// Reads every message the socket holds, without blocking: keeps the
+    /// replies of awaited spawns and the exit reports of live
+    /// replacements; kills the target of a reply no spawn awaits.
+    fn drain(&mut self) -> Result<(), ProcessError> {
+        while !self.eof {
+            let mut bytes = [0u8; MESSAGE_LEN + 1];
+            let mut space = nix::cmsg_space!([RawFd; 3]);
+            let (len, fds) = {
+                let mut iov = [IoSliceMut::new(&mut bytes)];
+                let received = recvmsg::<UnixAddr>(
+                    self.socket.as_fd().as_raw_fd(),
+                    &mut iov,
+                    Some(&mut space),
+                    MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC,
+                );
+                let message = match received {
+                    Ok(message) => message,
+                    Err(Errno::EAGAIN) => return Ok(()),
+                    Err(Errno::EINTR) => continue,
+                    Err(Errno::ECONNRESET) => {
+                        self.eof = true;
+                        return Ok(());
+                    }
+                    Err(errno) => {
+                        return Err(ProcessError::Os {
+                            operation: "recvmsg",
+                            errno,
+                        })
+                    }
+                };
+                let mut fds = Vec::new();
+                if let Ok(cmsgs) = message.cmsgs() {
+                    for cmsg in cmsgs {
+                        if let ControlMessageOwned::ScmRights(received) = cmsg {
+                            for raw in received {
+                                // SAFETY: the kernel just installed `raw`
+                                // in this process for this message;
+                                // nothing else owns it.
+                                fds.push(unsafe { OwnedFd::from_raw_fd(raw) });
+                            }
+                        }
+                    }
+                }
+                (message.bytes, fds)
+            };
+            if len == 0 {
+                self.eof = true;
+                return Ok(());
+            }
+            if let Some(message) = Message::decode(&bytes[..len]) {
+                self.accept(message, fds);
+            }
+        }
+        Ok(())
+    }
+
+    fn accept(&mut self, message: Message, fds: Vec<OwnedFd>) {
+        let serial = message.serial;
+        match message.tag {
+            b'R' => {
+                let Ok(fds) = <[OwnedFd; 3]>::try_from(fds) else {
+                    return;
+                };
+                if self.awaiting.remove(&serial) {
+                    // Live from now: its exit report may follow in this
+                    // same read.
+                    self.live.insert(serial);
+                    self.replies
+                        .insert(serial, Ok((Pid::from_raw(message.a), fds)));
+                } else {
+                    // Its spawn gave up: the target is not wanted.
+                    let _ = pidfd_send_signal(fds[2].as_fd(), Signal::SIGKILL);
+                }
+            }
+            b'E' if self.awaiting.remove(&serial) => {
+                let operation = OPERATIONS
+                    .get(usize::from(message.b))
+                    .copied()
+                    .unwrap_or("template");
+                let errno = Errno::from_raw(message.a);
+                self.replies
+                    .insert(serial, Err(ProcessError::Os { operation, errno }));
+            }
+            b'X' if self.live.contains(&serial) => {
+                let exit = match message.b {
+                    0 => Some(Exit::Code(message.c)),
+                    1 => Some(Exit::Signal(message.c)),
+                    _ => None,
+                };
+                self.exits.insert(serial, exit);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A poll timeout of `left`, rounded up to whole milliseconds.
+fn poll_timeout(left: Duration) -> PollTimeout {
+    let millis = left.as_micros().div_ceil(1000);
+    PollTimeout::try_from(millis).unwrap_or(PollTimeout::MAX)
+}
+
+/// Polls `fds`, retrying on `EINTR`.
+fn poll_retrying(fds: &mut [PollFd<'_>], timeout: PollTimeout) -> Result<(), ProcessError> {
+    loop {
+        match nix::poll::poll(fds, timeout) {
+            Ok(_) => return Ok(()),
+            Err(Errno::EINTR) => {}
+            Err(errno) => {
+                return Err(ProcessError::Os {
+                    operation: "poll",
+                    errno,
+                })
+            }
+        }
+    }
+}
+
+/// Whether `fd` is readable (or hung up) within `timeout`.
+fn readable(fd: BorrowedFd<'_>, timeout: PollTimeout) -> Result<bool, ProcessError> {
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    poll_retrying(&mut fds, timeout)?;
+    Ok(fds[0].revents().is_some_and(|r| !r.is_empty()))
+}
+
+/// A replacement the template forked and has not reaped yet.
+struct Child {
+    serial: u64,
+    pid: Pid,
+    pidfd: TrackedFd,
+}
+
+/// The template process's state (it runs only in the template).
+struct Template<'a, R: ?Sized, B, F> {
+    socket: OwnedFd,
+    runtime: &'a R,
+    before_body: &'a B,
+    body: &'a F,
+    children: Vec<Child>,
+}
+
+impl<R, B, F> Template<'_, R, B, F>
+where
+    R: Runtime + ?Sized,
+    F: Fn(TargetEnds) -> i32,
+    B: Fn(usize),
+{
+    /// Serves requests until EOF of the request socket (or a failure of
+    /// it), reaping and reporting children as they end; then kills, reaps
+    /// and reports the rest. Returns the template's exit status.
+    fn run(mut self) -> i32 {
+        let status = self.serve();
+        for child in std::mem::take(&mut self.children) {
+            // An unreaped child of this process: its pid is its own.
+            let _ = signal::kill(child.pid, Signal::SIGKILL);
+            if let Some(exit) = reap(child.pid, None) {
+                let _ = self.send(&Message::exit(child.serial, child.pid, exit), &[]);
+            }
+        }
+        status
+    }
+
+    fn serve(&mut self) -> i32 {
+        loop {
+            let mut fds = Vec::with_capacity(self.children.len() + 1);
+            fds.push(PollFd::new(self.socket.as_fd(), PollFlags::POLLIN));
+            fds.extend(
+                self.children
+                    .iter()
+                    .map(|c| PollFd::new(c.pidfd.as_fd(), PollFlags::POLLIN)),
+            );
+            match nix::poll::poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(_) => return TEMPLATE_ERROR_EXIT_CODE,
+            }
+            let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+            let request = ready(&fds[0]);
+            let ended: Vec<usize> = (1..fds.len()).filter(|i| ready(&fds[*i])).collect();
+            drop(fds);
+            for i in ended.into_iter().rev() {
+                let child = &self.children[i - 1];
+                if let Some(exit) = reap(child.pid, Some(WaitPidFlag::WNOHANG)) {
+                    let child = self.children.remove(i - 1);
+                    if self
+                        .send(&Message::exit(child.serial, child.pid, exit), &[])
+                        .is_err()
+                    {
+                        return TEMPLATE_ERROR_EXIT_CODE;
+                    }
+                }
+            }
+            if request {
+                let mut bytes = [0u8; REQUEST_LEN + 1];
+                let len = match nix::sys::socket::recv(
+                    self.socket.as_raw_fd(),
+                    &mut bytes,
+                    MsgFlags::empty(),
+                ) {
+                    Ok(0) => return 0,
+                    Ok(len) => len,
+                    Err(Errno::EINTR | Errno::EAGAIN) => continue,
+                    Err(_) => return TEMPLATE_ERROR_EXIT_CODE,
+                };
+                let Some((serial, index)) = decode_request(&bytes[..len]) else {
+                    return TEMPLATE_ERROR_EXIT_CODE;
+                };
+                if self.spawn(serial, index).is_err() {
+                    return TEMPLATE_ERROR_EXIT_CODE;
+                }
+            }
+        }
+    }
+
+    /// Forks the target `index` and answers the request `serial`; fails
+    /// only when the answer cannot be sent.
+    fn spawn(&mut self, serial: u64, index: usize) -> Result<(), Errno> {
+        match self.fork(index) {
+            Ok((forked, pidfd)) => {
+                let reply = Message {
+                    tag: b'R',
+                    serial,
+                    a: forked.pid.as_raw(),
+                    b: 0,
+                    c: 0,
+                };
+                let fds = [
+                    forked.control.as_fd().as_raw_fd(),
+                    forked.reply.as_fd().as_raw_fd(),
+                    pidfd.as_fd().as_raw_fd(),
+                ];
+                let sent = self.send(&reply, &fds);
+                // The template's copies of the channel ends close here;
+                // it keeps the pidfd to see the child end.
+                drop(forked);
+                self.children.push(Child {
+                    serial,
+                    pid: Pid::from_raw(reply.a),
+                    pidfd,
+                });
+                sent
+            }
+            Err(error) => {
+                let (operation, errno) = match error {
+                    ProcessError::Os { operation, errno } => (operation, errno),
+                    _ => ("template", Errno::EINVAL),
+                };
+                let b = OPERATIONS
+                    .iter()
+                    .position(|o| *o == operation)
+                    .unwrap_or(OPERATIONS.len() - 1);
+                let message = Message {
+                    tag: b'E',
+                    serial,
+                    a: errno as i32,
+                    b: u8::try_from(b).unwrap_or(u8::MAX),
+                    c: 0,
+                };
+                self.send(&message, &[])
+            }
+        }
+    }
+
+    /// Forks one target and opens its pidfd (before anything can reap it).
+    fn fork(&mut self, index: usize) -> Result<(Forked, TrackedFd), ProcessError> {
+        let forked = fork_target(index, self.runtime, self.before_body, self.body)?;
+        match pidfd_open(forked.pid) {
+            Some(pidfd) => Ok((forked, TrackedFd::new(pidfd))),
+            None => {
+                let errno = Errno::last();
+                // Unreaped child of this process: its pid is its own.
+                let _ = signal::kill(forked.pid, Signal::SIGKILL);
+                let _ = reap(forked.pid, None);
+                Err(ProcessError::Os {
+                    operation: "pidfd_open",
+                    errno,
+                })
+            }
+        }
+    }
+
+    /// Sends `message` with `fds` (blocking; never raises SIGPIPE).
+    fn send(&self, message: &Message, fds: &[RawFd]) -> Result<(), Errno> {
+        let bytes = message.encode();
+        let cmsgs: Vec<ControlMessage<'_>> = if fds.is_empty() {
+            Vec::new()
+        } else {
+            vec![ControlMessage::ScmRights(fds)]
+        };
+        loop {
+            match sendmsg::<UnixAddr>(
+                self.socket.as_raw_fd(),
+                &[IoSlice::new(&bytes)],
+                &cmsgs,
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(Errno::EINTR) => {}
+                Err(errno) => return Err(errno),
+            }
+        }
+    }
+}
+
+/// Reaps `pid` (a child of this process) if it has ended; blocking
+/// without `flags`. `None` while it runs; `Some(None)` when `waitpid`
+/// fails (the child is not waitable: how it ended is unknown).
+fn reap(pid: Pid, flags: Option<WaitPidFlag>) -> Option<Option<Exit>> {
+    loop {
+        match waitpid(pid, flags) {
+            Ok(WaitStatus::Exited(_, code)) => return Some(Some(Exit::Code(code))),
+            Ok(WaitStatus::Signaled(_, sig, _)) => return Some(Some(Exit::Signal(sig as i32))),
+            Err(Errno::EINTR) => {}
+            Err(_) => return Some(None),
+            Ok(_) if flags.is_none() => {}
+            Ok(_) => return None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip() {
+        let message = Message::exit(7, Pid::from_raw(1234), Some(Exit::Signal(9)));
+        assert_eq!((message.b, message.c), (1, 9));
+        let unknown = Message::exit(8, Pid::from_raw(1), None);
+        assert_eq!(Message::decode(&unknown.encode()), Some(unknown));
+        assert_eq!((unknown.b, unknown.c), (2, 0));
+        assert_eq!(Message::decode(&message.encode()), Some(message));
+        assert_eq!(message.encode()[0], b'X');
+        assert_eq!(Message::decode(&message.encode()[..17]), None);
+        assert_eq!(
+            decode_request(&encode_request(u64::MAX, 3)),
+            Some((u64::MAX, 3))
+        );
+        let mut wrong = encode_request(1, 2);
+        wrong[0] = b'Q';
+        assert_eq!(decode_request(&wrong), None);
+    }
+}
