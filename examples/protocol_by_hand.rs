@@ -40,6 +40,13 @@ impl World {
                     self.frames[usize::from(target.0)].push_back(frame)
                 }
                 Effect::Stage { .. } | Effect::ReleaseStaged { .. } => {}
+                // This example's parent runs without replacement targets
+                // (`respawn_limit: 0`), which alone emit these.
+                Effect::Restage { .. }
+                | Effect::Spawn { .. }
+                | Effect::Joined { .. }
+                | Effect::JoinFailed { .. }
+                | Effect::Abandoned { .. } => {}
                 Effect::Fence { target } => self.targets[usize::from(target.0)] = None,
                 completed @ Effect::Completed { .. } => self.completed.push(completed),
             }

@@ -68,14 +68,15 @@ use super::handoff::{self, Completer, Pending};
 use super::process::{self, Exit, TargetProcess, ThreadPolicy, TrackedFd};
 use super::staging::StagedPayload;
 use super::target::{self, TargetSetup};
+use super::zygote::Zygote;
 use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
 use crate::envelope::{Envelope, HEADER_LEN};
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{
     Completion, ControlFrame, Effect, FailedRegistration, Failure, Handle, Lifecycle, Namespace,
-    OpId, OwnerToken, Parent, ParentConfig, Reply, Seq, StagingId, TargetId, TargetOutcome, Time,
-    DEFAULT_SLOT_CAPACITY,
+    OpId, OwnerToken, Parent, ParentConfig, Reply, Seq, SlotPhase, StagingId, TargetId,
+    TargetOutcome, Time, DEFAULT_RESPAWN_BACKOFF, DEFAULT_RESPAWN_LIMIT, DEFAULT_SLOT_CAPACITY,
 };
 use crate::runtime::{Runtime, TaskEncoding};
 use crate::wire::{Frame, FrameBuffer, DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, MIN_MAX_FRAME_BYTES};
@@ -232,6 +233,8 @@ pub struct WorkerBuilder<R: Runtime> {
     max_frame_bytes: usize,
     fence_on_timeout: bool,
     probe_first: bool,
+    respawn_limit: u16,
+    respawn_backoff: Duration,
     thread_policy: ThreadPolicy,
 }
 
@@ -249,6 +252,8 @@ impl<R: Runtime> WorkerBuilder<R> {
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             fence_on_timeout: true,
             probe_first: true,
+            respawn_limit: DEFAULT_RESPAWN_LIMIT,
+            respawn_backoff: Duration::from_micros(DEFAULT_RESPAWN_BACKOFF),
             thread_policy: ThreadPolicy::RefuseIfThreaded,
         }
     }
@@ -302,6 +307,29 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// uncertain.
     pub fn fence_on_timeout(mut self, fence: bool) -> Self {
         self.fence_on_timeout = fence;
+        self
+    }
+
+    /// Replacement targets (`specs/protocol.md` §2.9): a lost target (it
+    /// crashed, was killed or fenced) is replaced by a new process, forked
+    /// from a template process made at start, with the same target id and
+    /// the next incarnation; it is given every live registration and
+    /// serves tasks once it confirmed them all. `limit` replacements of
+    /// one slot in a row may be lost before they join (a callable that
+    /// kills every new process); then the slot stays lost, and
+    /// [`Worker::target_loss`] says so. Default 3; 0 switches replacements
+    /// off (and no template process is made).
+    pub fn respawn_limit(mut self, limit: u16) -> Self {
+        self.respawn_limit = limit;
+        self
+    }
+
+    /// The back-off before the second replacement in a row of one slot,
+    /// doubling for each further one (default 100 ms; `specs/protocol.md`
+    /// §2.9). The first replacement after a target that had joined is
+    /// lost is started at once.
+    pub fn respawn_backoff(mut self, backoff: Duration) -> Self {
+        self.respawn_backoff = backoff;
         self
     }
 
@@ -369,8 +397,8 @@ impl<R: Runtime> WorkerBuilder<R> {
             owner,
             slot_capacity: self.slot_capacity,
             probe_first: self.probe_first,
-            respawn_limit: 0,
-            respawn_backoff: 0,
+            respawn_limit: self.respawn_limit,
+            respawn_backoff: u64::try_from(self.respawn_backoff.as_micros()).unwrap_or(u64::MAX),
         });
         Ok(Worker {
             runtime: self.runtime,
@@ -379,6 +407,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
             thread_policy: self.thread_policy,
+            respawn: self.respawn_limit > 0,
             clock: Instant::now(),
             shared: Arc::new(Shared {
                 core: Mutex::new(Core {
@@ -389,6 +418,8 @@ impl<R: Runtime> WorkerBuilder<R> {
                     io_running: false,
                     wake: None,
                     pids: Vec::new(),
+                    kept: BTreeMap::new(),
+                    events: Vec::new(),
                     exits: BTreeMap::new(),
                     losses: BTreeMap::new(),
                 }),
@@ -547,6 +578,13 @@ struct Core {
     /// Write end of the IO thread's wake pipe.
     wake: Option<TrackedFd>,
     pids: Vec<i32>,
+    /// With replacements on, after start: the envelope of every digest a
+    /// live registration (or one in flight) names, with the metadata JSON
+    /// its control carries, kept to replay it to replacements
+    /// (`specs/protocol.md` §2.9).
+    kept: BTreeMap<Digest, Kept>,
+    /// What happened to replaced slots, oldest first.
+    events: Vec<SlotEvent>,
     /// How lost targets ended.
     exits: BTreeMap<TargetId, Exit>,
     /// Why lost targets were given up, with how they ended.
@@ -560,6 +598,109 @@ impl Core {
     fn drop_snapshot_payloads(&mut self) {
         self.envelopes = BTreeMap::new();
         self.metadata = BTreeMap::new();
+    }
+}
+
+/// An envelope kept for replays: a startup-snapshot envelope's bytes until
+/// a replay first needs it staged, then (like a post-start register's) its
+/// sealed staged payload, sent again to each replacement.
+struct Kept {
+    bytes: Option<Arc<Vec<u8>>>,
+    payload: Option<Arc<StagedPayload>>,
+    metadata: String,
+}
+
+impl Kept {
+    fn len(&self) -> usize {
+        match (&self.payload, &self.bytes) {
+            (Some(payload), _) => usize::try_from(payload.size()).unwrap_or(usize::MAX),
+            (None, Some(bytes)) => bytes.len(),
+            (None, None) => 0,
+        }
+    }
+}
+
+/// What happened to a replaced target slot (`specs/protocol.md` §2.9), as
+/// [`Worker::slot_events`] lists it.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum SlotEvent {
+    /// A replacement process was started for `target`.
+    Spawned {
+        /// The slot.
+        target: TargetId,
+        /// The new process's incarnation (the original is 0).
+        incarnation: u32,
+        /// Its process id.
+        pid: i32,
+    },
+    /// A replacement could not be started (the template process failed
+    /// or is gone); it counts as one lost before it joined.
+    SpawnFailed {
+        /// The slot.
+        target: TargetId,
+        /// The incarnation that was asked for.
+        incarnation: u32,
+        /// Why.
+        reason: String,
+    },
+    /// The replacement confirmed every live registration and serves.
+    Joined {
+        /// The slot.
+        target: TargetId,
+        /// Its incarnation.
+        incarnation: u32,
+    },
+    /// The replacement refused a replayed registration, or missed a
+    /// deadline while joining, and was fenced.
+    JoinFailed {
+        /// The slot.
+        target: TargetId,
+        /// Its incarnation.
+        incarnation: u32,
+        /// Its answer or the passed deadline.
+        failure: Failure,
+    },
+    /// The slot stays lost: `failed_joins` replacements in a row were lost
+    /// before they joined.
+    Abandoned {
+        /// The slot.
+        target: TargetId,
+        /// Replacements in a row lost before they joined.
+        failed_joins: u16,
+    },
+}
+
+impl std::fmt::Display for SlotEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SlotEvent::Spawned {
+                target,
+                incarnation,
+                pid,
+            } => write!(f, "{target}: incarnation {incarnation} started (pid {pid})"),
+            SlotEvent::SpawnFailed {
+                target,
+                incarnation,
+                reason,
+            } => write!(f, "{target}: incarnation {incarnation} could not be started: {reason}"),
+            SlotEvent::Joined {
+                target,
+                incarnation,
+            } => write!(f, "{target}: incarnation {incarnation} joined"),
+            SlotEvent::JoinFailed {
+                target,
+                incarnation,
+                failure,
+            } => write!(f, "{target}: incarnation {incarnation} failed to join ({failure})"),
+            SlotEvent::Abandoned {
+                target,
+                failed_joins,
+            } => write!(
+                f,
+                "{target}: given up after {failed_joins} replacements in a row were lost before they joined"
+            ),
+        }
     }
 }
 
@@ -586,6 +727,7 @@ pub struct Worker<R: Runtime> {
     slot_capacity: u16,
     max_frame_bytes: usize,
     thread_policy: ThreadPolicy,
+    respawn: bool,
     clock: Instant,
     shared: Arc<Shared>,
     io_thread: Mutex<Option<JoinHandle<()>>>,
@@ -905,14 +1047,34 @@ impl<R: Runtime> Worker<R> {
         pending.into_iter().map(|(t, p)| (t, p.wait())).collect()
     }
 
-    /// The targets that are live (started and not lost), in order; empty
-    /// before start and after close.
+    /// The targets that serve (started, not lost, and, for a replacement,
+    /// joined: `specs/protocol.md` §2.9), in order; empty before start and
+    /// after close.
     pub fn live_targets(&self) -> Vec<TargetId> {
         let core = self.shared.lock();
         (0..self.targets)
             .map(TargetId)
-            .filter(|t| core.machine.is_target_live(*t))
+            .filter(|t| core.machine.is_target_joined(*t))
             .collect()
+    }
+
+    /// The incarnation of `target`'s current (or next) process: 0 for the
+    /// one forked at start, one more for each replacement
+    /// (`specs/protocol.md` §2.9).
+    pub fn target_incarnation(&self, target: TargetId) -> u32 {
+        self.shared.lock().machine.incarnation(target)
+    }
+
+    /// Where `target`'s slot stands: serving (`Joined`), being replaced
+    /// (`BackingOff`, `Spawning`, `Joining`) or `Lost` for good.
+    pub fn slot_phase(&self, target: TargetId) -> SlotPhase {
+        self.shared.lock().machine.slot_phase(target)
+    }
+
+    /// Everything that happened to replaced slots since start, oldest
+    /// first: replacements started, joined, failed, slots given up.
+    pub fn slot_events(&self) -> Vec<SlotEvent> {
+        self.shared.lock().events.clone()
     }
 
     /// The process id of `target` (for supervision and tests), if started.
@@ -932,14 +1094,17 @@ impl<R: Runtime> Worker<R> {
         self.shared.lock().losses.get(&target).cloned()
     }
 
-    /// Bytes of envelopes this parent keeps for the startup snapshot (the
-    /// distinct pre-start envelopes with a live handle, until start): what
-    /// the targets will inherit through `fork`. Zero after start and after
-    /// close: the parent holds only what live registrations need, and a
-    /// registration after start keeps only its staged payload, until every
-    /// target answered.
+    /// Bytes of envelopes this parent keeps: before start, the distinct
+    /// pre-start envelopes with a live handle (what the targets inherit
+    /// through `fork`); after start, with replacements on, the distinct
+    /// envelopes that live registrations (or registers in flight) name,
+    /// to replay them to replacements (a post-start one as its sealed
+    /// staged payload); without replacements, none. Zero after close: the
+    /// parent holds only what live registrations need.
     pub fn retained_envelope_bytes(&self) -> usize {
-        self.shared.lock().envelopes.values().map(|e| e.len()).sum()
+        let core = self.shared.lock();
+        let before_start: usize = core.envelopes.values().map(|e| e.len()).sum();
+        before_start + core.kept.values().map(Kept::len).sum::<usize>()
     }
 
     /// A copy of the parent machine's state (diagnostics and tests: the
@@ -1062,24 +1227,74 @@ impl<R: Runtime> Worker<R> {
             max_frame_bytes: self.max_frame_bytes,
             heartbeat: self.control_timeout / 4,
         };
+        let before_body = |index| {
+            if cfg!(feature = "failpoints")
+                && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
+            {
+                // SAFETY: ends the freshly forked target before it runs.
+                unsafe { libc::_exit(target::START_EXIT_CODE) }
+            }
+        };
         let processes = process::spawn_targets(
             usize::from(self.targets),
             self.thread_policy,
             &*self.runtime,
-            |index| {
-                if cfg!(feature = "failpoints")
-                    && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
-                {
-                    // SAFETY: ends the freshly forked target before it runs.
-                    unsafe { libc::_exit(target::START_EXIT_CODE) }
-                }
-            },
+            before_body,
             |ends| target::run(ends, &setup),
         )
         .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
+        // Replacements (§2.9) come from a template forked now, while this
+        // process still has no other thread; each starts holding nothing
+        // and is given every live registration by replay.
+        let zygote = if self.respawn {
+            let empty = TargetSetup {
+                runtime: self.runtime.clone(),
+                snapshot: Vec::new(),
+                envelopes: BTreeMap::new(),
+                metadata: BTreeMap::new(),
+                slot_capacity: self.slot_capacity,
+                max_frame_bytes: self.max_frame_bytes,
+                heartbeat: self.control_timeout / 4,
+            };
+            match Zygote::fork(self.thread_policy, &*self.runtime, before_body, |ends| {
+                target::run(ends, &empty)
+            }) {
+                Ok(zygote) => Some(zygote),
+                Err(e) => {
+                    for mut process in processes {
+                        let _ = process.kill();
+                        let _ = process.reap(LOST_GRACE);
+                    }
+                    return Err(start_error(
+                        ErrorCode::IO_FAILED,
+                        format!("forking the template of replacement targets: {e}"),
+                    ));
+                }
+            }
+        } else {
+            None
+        };
         drop(setup);
         // Every target inherited the snapshot's bytes through `fork`; the
-        // parent never sends them again (a later register stages its own).
+        // parent sends them again only to replacements.
+        if self.respawn {
+            let envelopes = std::mem::take(&mut core.envelopes);
+            for (digest, bytes) in envelopes {
+                let metadata = core
+                    .metadata
+                    .get(&digest)
+                    .map(CallableMetadata::to_json)
+                    .unwrap_or_default();
+                core.kept.insert(
+                    digest,
+                    Kept {
+                        bytes: Some(bytes),
+                        payload: None,
+                        metadata,
+                    },
+                );
+            }
+        }
         core.drop_snapshot_payloads();
         core.machine.start().map_err(OperationError::new)?;
         core.pids = processes.iter().map(|p| p.pid().as_raw()).collect();
@@ -1103,7 +1318,8 @@ impl<R: Runtime> Worker<R> {
                 let _ = core.machine.target_lost(*target, now);
             }
         }
-        while core.machine.poll_effect().is_some() {}
+        // What the losses emitted (replacements, §2.9) is carried out by
+        // the IO loop's first drain, below.
         // A snapshot entry some target could not install fails its
         // registration; the machine unregisters it where it was installed
         // (its frames are carried out below, by the IO loop's drain).
@@ -1129,6 +1345,10 @@ impl<R: Runtime> Worker<R> {
             clock: self.clock,
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
+            zygote,
+            starting: BTreeMap::new(),
+            fence_reasons: BTreeMap::new(),
+            graveyard: Vec::new(),
         };
         io.drain(&mut core, &mut Context::default());
         drop(core);
@@ -1575,6 +1795,19 @@ struct IoLoop {
     /// once it is released: a caller woken while the IO thread still held
     /// the lock would block on it at once (one more sleep and wake-up).
     handovers: Vec<Box<dyn FnOnce() + Send>>,
+    /// The template process replacements are forked from (`None` with
+    /// replacements off).
+    zygote: Option<Zygote>,
+    /// Replacements started and not yet ready, by index: the incarnation
+    /// and the time by which its ready report must come.
+    starting: BTreeMap<usize, (u32, Instant)>,
+    /// Why the machine will fence a target next (a failed join), if not
+    /// for a deadline.
+    fence_reasons: BTreeMap<TargetId, String>,
+    /// Kept envelopes no registration needs any more, dropped after the
+    /// completions are handed over (freeing a large one takes time no
+    /// caller should wait for).
+    graveyard: Vec<Kept>,
 }
 
 impl Drop for IoLoop {
@@ -1583,11 +1816,14 @@ impl Drop for IoLoop {
     }
 }
 
+/// What a polled descriptor belongs to: the wake pipe, or a link by index
+/// and process id (a link replaced earlier in the same turn is not the one
+/// that was polled: its events are dropped).
 enum Ready {
     Wake,
-    Reply(usize),
-    Control(usize),
-    Ended(usize),
+    Reply(usize, i32),
+    Control(usize, i32),
+    Ended(usize, i32),
 }
 
 impl IoLoop {
@@ -1636,8 +1872,10 @@ impl IoLoop {
                 self.drain(&mut core, &mut Context::default());
             }
             self.expire_inspects();
+            self.expire_starting(&mut core);
             // Step 3: poll set and timeout (the machine's next deadline, or
-            // an inspection's, whichever comes first).
+            // an inspection's or a starting replacement's, whichever comes
+            // first).
             let machine_micros = core
                 .machine
                 .poll_timeout()
@@ -1645,7 +1883,9 @@ impl IoLoop {
             let inspect_micros = self
                 .inspects
                 .iter()
-                .map(|w| w.deadline.saturating_duration_since(Instant::now()))
+                .map(|w| w.deadline)
+                .chain(self.starting.values().map(|(_, deadline)| *deadline))
+                .map(|deadline| deadline.saturating_duration_since(Instant::now()))
                 .min()
                 .map(|left| u64::try_from(left.as_micros()).unwrap_or(u64::MAX));
             let timeout = match machine_micros.into_iter().chain(inspect_micros).min() {
@@ -1658,21 +1898,23 @@ impl IoLoop {
             let mut fds = vec![PollFd::new(self.wake.as_fd(), PollFlags::POLLIN)];
             for (index, link) in self.links.iter().enumerate() {
                 let Some(link) = link else { continue };
+                let pid = link.process.pid().as_raw();
                 fds.push(PollFd::new(link.process.reply(), PollFlags::POLLIN));
-                watched.push(Ready::Reply(index));
+                watched.push(Ready::Reply(index, pid));
                 if let Some(pidfd) = link.process.pidfd() {
                     fds.push(PollFd::new(pidfd, PollFlags::POLLIN));
-                    watched.push(Ready::Ended(index));
+                    watched.push(Ready::Ended(index, pid));
                 }
                 if let (false, Some(control)) = (link.outbox.is_empty(), link.process.control()) {
                     fds.push(PollFd::new(control, PollFlags::POLLOUT));
-                    watched.push(Ready::Control(index));
+                    watched.push(Ready::Control(index, pid));
                 }
             }
             // Step 4: wait without the lock.
             let handovers = std::mem::take(&mut self.handovers);
             drop(core);
             handovers.into_iter().for_each(|handover| handover());
+            self.graveyard.clear();
             let polled = nix::poll::poll(&mut fds, timeout);
             let events: Vec<PollFlags> = fds
                 .iter()
@@ -1694,6 +1936,24 @@ impl IoLoop {
                 if event.is_empty() {
                     continue;
                 }
+                let polled_link = match what {
+                    Ready::Wake => None,
+                    Ready::Reply(index, pid)
+                    | Ready::Control(index, pid)
+                    | Ready::Ended(index, pid) => Some((index, pid)),
+                };
+                if let Some((index, pid)) = polled_link {
+                    // The target was lost, and maybe replaced (§2.9), by an
+                    // event handled before this one.
+                    let current = self
+                        .links
+                        .get(index)
+                        .and_then(Option::as_ref)
+                        .map(|l| l.process.pid().as_raw());
+                    if current != Some(pid) {
+                        continue;
+                    }
+                }
                 match what {
                     Ready::Wake => {
                         // Until a short read: the pipe is then empty.
@@ -1702,15 +1962,15 @@ impl IoLoop {
                         {
                         }
                     }
-                    Ready::Reply(index) => {
+                    Ready::Reply(index, _) => {
                         // A hung-up pipe is read to its end in this turn: a
                         // completion decided now must not be handed over
                         // while the target that died is still counted live.
                         let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
                         self.read_replies(&mut core, index, &mut chunk, hung_up)
                     }
-                    Ready::Control(index) => self.flush(&mut core, index),
-                    Ready::Ended(index) => {
+                    Ready::Control(index, _) => self.flush(&mut core, index),
+                    Ready::Ended(index, _) => {
                         // Its last replies first (a reply pipe that also
                         // closed was handled just before, as `Reply`).
                         self.read_replies(&mut core, index, &mut chunk, true);
@@ -1837,13 +2097,50 @@ impl IoLoop {
     fn drain(&mut self, core: &mut Core, context: &mut Context) {
         while let Some(effect) = core.machine.poll_effect() {
             match effect {
-                // Replacement targets are off in this IO layer
-                // (`respawn_limit` 0): the machine emits none of these.
-                Effect::Restage { .. }
-                | Effect::Spawn { .. }
-                | Effect::Joined { .. }
-                | Effect::JoinFailed { .. }
-                | Effect::Abandoned { .. } => {}
+                Effect::Restage { staging, digest } => self.restage(core, staging, digest),
+                Effect::Spawn {
+                    target,
+                    incarnation,
+                } => self.spawn(core, target, incarnation),
+                Effect::Joined {
+                    target,
+                    incarnation,
+                } => core.events.push(SlotEvent::Joined {
+                    target,
+                    incarnation,
+                }),
+                Effect::JoinFailed {
+                    target,
+                    incarnation,
+                    failure,
+                } => {
+                    self.fence_reasons.insert(
+                        target,
+                        format!("incarnation {incarnation} failed to join ({failure})"),
+                    );
+                    core.events.push(SlotEvent::JoinFailed {
+                        target,
+                        incarnation,
+                        failure,
+                    });
+                }
+                Effect::Abandoned {
+                    target,
+                    failed_joins,
+                } => {
+                    let event = SlotEvent::Abandoned {
+                        target,
+                        failed_joins,
+                    };
+                    let loss = core.losses.entry(target).or_default();
+                    if !loss.is_empty() {
+                        loss.push_str("; ");
+                    }
+                    loss.push_str(&format!(
+                        "given up after {failed_joins} replacements in a row were lost before they joined"
+                    ));
+                    core.events.push(event);
+                }
                 Effect::Stage { staging, digest } => {
                     let staged = match context.staged.take() {
                         Some((staged_digest, staged)) if staged_digest == digest => staged,
@@ -1856,6 +2153,13 @@ impl IoLoop {
                             continue;
                         }
                     };
+                    if core.machine.keeps_envelope(digest) {
+                        core.kept.entry(digest).or_insert_with(|| Kept {
+                            bytes: None,
+                            payload: Some(staged.payload.clone()),
+                            metadata: staged.metadata.clone(),
+                        });
+                    }
                     self.staged.insert(staging, staged);
                     if let Err(message) = failpoints::hit(failpoints::PARENT_AFTER_STAGE) {
                         self.staged.remove(&staging);
@@ -1866,19 +2170,145 @@ impl IoLoop {
                 Effect::Send { target, frame } => self.send(core, target, frame, context),
                 Effect::ReleaseStaged { staging } => {
                     self.staged.remove(&staging);
+                    self.prune_kept(core);
                 }
-                Effect::Fence { target } => self.bury(
-                    core,
-                    target,
-                    Duration::ZERO,
-                    "it missed a deadline and was fenced",
-                ),
+                Effect::Fence { target } => {
+                    let why = self
+                        .fence_reasons
+                        .remove(&target)
+                        .unwrap_or_else(|| "it missed a deadline and was fenced".to_owned());
+                    self.bury(core, target, Duration::ZERO, &why)
+                }
                 Effect::Completed {
                     op,
                     result,
                     outcomes,
-                } => self.complete(op, result, outcomes, &core.losses),
+                } => {
+                    self.complete(op, result, outcomes, &core.losses);
+                    self.prune_kept(core);
+                }
             }
+        }
+    }
+
+    /// Drops the kept envelopes no live registration (or one in flight)
+    /// needs any more (`Parent::keeps_envelope`), after the handover.
+    fn prune_kept(&mut self, core: &mut Core) {
+        if core.kept.is_empty() {
+            return;
+        }
+        let unneeded: Vec<Digest> = core
+            .kept
+            .keys()
+            .filter(|d| !core.machine.keeps_envelope(**d))
+            .copied()
+            .collect();
+        for digest in unneeded {
+            if let Some(kept) = core.kept.remove(&digest) {
+                self.graveyard.push(kept);
+            }
+        }
+    }
+
+    /// Stages the kept envelope of `digest` for a replay (§2.9): the sealed
+    /// payload a register staged is sent again; a startup-snapshot
+    /// envelope is staged from its bytes the first time.
+    fn restage(&mut self, core: &mut Core, staging: StagingId, digest: Digest) {
+        let staged = match core.kept.get_mut(&digest) {
+            Some(kept) => match (&kept.payload, &kept.bytes) {
+                (Some(payload), _) => Ok(payload.clone()),
+                (None, Some(bytes)) => StagedPayload::create(bytes, HEADER_LEN..bytes.len())
+                    .map(|(payload, _)| {
+                        let payload = Arc::new(payload);
+                        kept.payload = Some(payload.clone());
+                        kept.bytes = None;
+                        payload
+                    })
+                    .map_err(|e| Failure::new(e.code(), e.to_string())),
+                (None, None) => Err(Failure::new(
+                    ErrorCode::IO_FAILED,
+                    format!("the envelope of {digest} was not kept"),
+                )),
+            }
+            .map(|payload| Staged {
+                payload,
+                metadata: kept.metadata.clone(),
+            }),
+            None => Err(Failure::new(
+                ErrorCode::IO_FAILED,
+                format!("the envelope of {digest} was not kept"),
+            )),
+        };
+        match staged {
+            Ok(staged) => {
+                self.staged.insert(staging, staged);
+            }
+            Err(failure) => {
+                let _ = core.machine.stage_failed(staging, failure);
+            }
+        }
+    }
+
+    /// Starts incarnation `incarnation` of `target` from the template
+    /// (§2.9); it joins once it reported ready and confirmed its replays.
+    fn spawn(&mut self, core: &mut Core, target: TargetId, incarnation: u32) {
+        let index = usize::from(target.0);
+        let spawned = match &self.zygote {
+            Some(zygote) => zygote.spawn(index).map_err(|e| e.to_string()),
+            None => Err("this Worker has no template process".to_owned()),
+        };
+        let linked = spawned.and_then(|process| {
+            FrameBuffer::new(self.max_frame_bytes)
+                .map(|input| (process, input))
+                .map_err(|e| e.to_string())
+        });
+        match linked {
+            Ok((process, input)) => {
+                let pid = process.pid().as_raw();
+                if let Some(slot) = core.pids.get_mut(index) {
+                    *slot = pid;
+                }
+                if let Some(slot) = self.links.get_mut(index) {
+                    *slot = Some(Link {
+                        process,
+                        input,
+                        outbox: Vec::new(),
+                        outbox_fds: VecDeque::new(),
+                    });
+                }
+                self.starting
+                    .insert(index, (incarnation, Instant::now() + self.control_timeout));
+                core.events.push(SlotEvent::Spawned {
+                    target,
+                    incarnation,
+                    pid,
+                });
+            }
+            Err(reason) => {
+                core.events.push(SlotEvent::SpawnFailed {
+                    target,
+                    incarnation,
+                    reason: reason.clone(),
+                });
+                let cause = format!("its replacement could not be started: {reason}");
+                let _ = core.machine.target_died(target, &cause, self.now());
+            }
+        }
+    }
+
+    /// Gives up every replacement that did not report ready in time.
+    fn expire_starting(&mut self, core: &mut Core) {
+        let now = Instant::now();
+        let late: Vec<usize> = self
+            .starting
+            .iter()
+            .filter(|(_, (_, deadline))| *deadline <= now)
+            .map(|(index, _)| *index)
+            .collect();
+        for index in late {
+            self.starting.remove(&index);
+            let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+            self.lose(core, target, "its replacement was not ready in time");
         }
     }
 
@@ -2102,6 +2532,21 @@ impl IoLoop {
                 let handled = core.machine.handle_alive(target, Seq(seq), self.now());
                 handled.map_err(|e| format!("it sent an alive report out of protocol: {e}"))
             }
+            Frame::Ready { snapshot, .. } => {
+                let index = usize::from(target.0);
+                let Some((incarnation, _)) = self.starting.remove(&index) else {
+                    return Err("it sent a second ready report".to_owned());
+                };
+                if !snapshot.is_empty() {
+                    return Err(format!(
+                        "its ready report names {} snapshot entries; a replacement starts with none",
+                        snapshot.len()
+                    ));
+                }
+                let spawned = core.machine.target_spawned(target, incarnation, self.now());
+                self.drain(core, &mut Context::default());
+                spawned.map_err(|e| format!("it reported ready out of protocol: {e}"))
+            }
             other => Err(format!(
                 "it sent a {:?} frame, which only a parent sends",
                 other.kind()
@@ -2172,6 +2617,7 @@ impl IoLoop {
         let Some(mut link) = self.links.get_mut(index).and_then(Option::take) else {
             return;
         };
+        self.starting.remove(&index);
         if let Ok(exit) = link.process.reap(grace) {
             core.exits.insert(target, exit);
         }
@@ -2231,6 +2677,7 @@ impl IoLoop {
         {
             return;
         }
+
         self.bury(core, target, LOST_GRACE, why);
         let cause = core
             .losses
@@ -2257,6 +2704,12 @@ impl IoLoop {
                 }
             }
         }
+        // Every replacement is reaped: the template goes last.
+        if let Some(mut zygote) = self.zygote.take() {
+            let _ = zygote.close();
+        }
+        self.starting.clear();
+        core.kept.clear();
         for (seq, waiter) in std::mem::take(&mut self.tasks) {
             waiter.done.complete(Err(TaskError {
                 error: lifecycle_error(
