@@ -26,7 +26,16 @@ use callreg::protocol::{Handle, TargetId, TargetOutcome};
 use callreg::runtime::testing::TestRuntime;
 use callreg::runtime::TaskEncoding;
 use callreg::wire::{Frame, DEFAULT_MAX_FRAME_BYTES};
-use io_common::{builder, check_invariants, envelope};
+use io_common::{check_invariants, envelope};
+
+/// The test Worker builder with replacement targets off: these cases
+/// check how a faulty target is lost (its replacement would inherit the
+/// same fail points; replacements are tested in `io_respawn`).
+fn builder(
+    targets: u16,
+) -> callreg::io::worker::WorkerBuilder<callreg::runtime::testing::TestRuntime> {
+    io_common::builder(targets).respawn_limit(0)
+}
 
 const ADD_INPUT: &[u8] = br#"{"args": [40, 2], "kwargs": {}}"#;
 const TARGETS: u16 = 3;

@@ -104,8 +104,8 @@ fn a_register_failure_says_why_each_target_was_lost() {
     worker.close();
 }
 
-/// The parent keeps a pre-start envelope's bytes only while a live handle
-/// needs them for the startup snapshot.
+/// The parent keeps an envelope's bytes only while a live handle needs
+/// them: for the startup snapshot, then for replacements.
 fn pre_start_envelopes_are_released_at_unregister_start_and_close() {
     let big = envelope(&format!("echo #{}", "x".repeat(1 << 20)));
     let small = envelope("add");
@@ -120,11 +120,29 @@ fn pre_start_envelopes_are_released_at_unregister_start_and_close() {
     worker.unregister(&second).unwrap();
     assert_eq!(worker.retained_envelope_bytes(), small.len());
     worker.start().unwrap();
-    // The targets inherited the snapshot; the parent keeps none of it.
-    assert_eq!(worker.retained_envelope_bytes(), 0);
+    // The targets inherited the snapshot; the parent keeps what a
+    // replacement would be given (specs/protocol.md §2.9): the live ones.
+    assert_eq!(worker.retained_envelope_bytes(), small.len());
+    let echo = worker.register(&envelope("echo")).unwrap();
+    assert_eq!(
+        worker.retained_envelope_bytes(),
+        small.len() + envelope("echo").len()
+    );
     worker.unregister(&add).unwrap();
+    assert_eq!(worker.retained_envelope_bytes(), envelope("echo").len());
+    worker.unregister(&echo).unwrap();
+    assert_eq!(worker.retained_envelope_bytes(), 0);
     worker.close();
     assert_eq!(worker.retained_envelope_bytes(), 0);
+
+    // Without replacements the targets' inheritance is all there is.
+    let unreplaced = builder(1).respawn_limit(0).build().unwrap();
+    unreplaced.register(&small).unwrap();
+    unreplaced.start().unwrap();
+    assert_eq!(unreplaced.retained_envelope_bytes(), 0);
+    unreplaced.register(&envelope("echo")).unwrap();
+    assert_eq!(unreplaced.retained_envelope_bytes(), 0);
+    unreplaced.close();
 
     let unstarted = builder(1).build().unwrap();
     unstarted.register(&big).unwrap();
@@ -144,8 +162,11 @@ fn a_target_never_ready_is_fenced_at_the_start_deadline() {
             callreg::io::failpoints::TARGET_BEFORE_INSTALL
         ),
     );
+    // Replacements off: the fenced target's would inherit the same fail
+    // point (this checks the start deadline alone).
     let worker = builder(3)
         .control_timeout(Duration::from_millis(500))
+        .respawn_limit(0)
         .build()
         .unwrap();
     let handle = worker.register(&envelope("echo")).unwrap();

@@ -7,13 +7,13 @@
 
 mod io_common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use callreg::io::worker::{SlotEvent, Worker};
 use callreg::protocol::{SlotPhase, TargetId};
 use callreg::runtime::testing::TestRuntime;
 use callreg::runtime::TaskEncoding;
-use io_common::{builder, check_invariants, envelope};
+use io_common::{builder, check_invariants, envelope, wait_for_slot};
 
 const ADD_INPUT: &[u8] = br#"{"args": [40, 2], "kwargs": {}}"#;
 
@@ -34,33 +34,13 @@ fn kill(worker: &Worker<TestRuntime>, target: u16) -> i32 {
     pid
 }
 
-/// Waits (at most 10 s) until `target`'s slot is `phase` at incarnation
-/// `incarnation`.
-fn wait_for(worker: &Worker<TestRuntime>, target: u16, phase: SlotPhase, incarnation: u32) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while (
-        worker.slot_phase(TargetId(target)),
-        worker.target_incarnation(TargetId(target)),
-    ) != (phase, incarnation)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "{target} is {:?} at incarnation {}; events {:?}",
-            worker.slot_phase(TargetId(target)),
-            worker.target_incarnation(TargetId(target)),
-            worker.slot_events()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 fn a_killed_target_is_replaced_and_serves_the_registry() {
     let worker = builder(2).build().unwrap();
     let pre = worker.register(&envelope("add")).unwrap();
     worker.start().unwrap();
     let post = worker.register(&envelope("echo")).unwrap();
     let old = kill(&worker, 0);
-    wait_for(&worker, 0, SlotPhase::Joined, 1);
+    wait_for_slot(&worker, 0, SlotPhase::Joined, 1);
     let new = worker.target_pid(TargetId(0)).unwrap();
     assert_ne!(new, old);
     let events = worker.slot_events();

@@ -212,7 +212,11 @@ fn payload_held_by(pid: &str) -> Vec<String> {
 /// anything else queued behind it) waits for none of it
 /// (`specs/staging.md`, steps 3 and 4).
 fn a_returned_register_leaves_its_payload_nowhere() {
-    let worker = builder(3).slot_capacity(64).build().unwrap();
+    let worker = builder(3)
+        .slot_capacity(64)
+        .respawn_limit(0)
+        .build()
+        .unwrap();
     worker.start().unwrap();
     let pids: Vec<String> = (0..3)
         .map(|t| worker.target_pid(TargetId(t)).unwrap().to_string())
@@ -397,7 +401,11 @@ fn a_long_task_does_not_delay_a_register() {
 
 fn kill_9_mid_operation_loses_only_that_target() {
     // Every target deserializes it at once (probe-first off).
-    let worker = builder(3).probe_first(false).build().unwrap();
+    let worker = builder(3)
+        .probe_first(false)
+        .respawn_limit(0)
+        .build()
+        .unwrap();
     worker.start().unwrap();
     let pending = worker.register_async(&envelope("slow 2000")).unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -437,7 +445,7 @@ fn kill_9_mid_operation_loses_only_that_target() {
 }
 
 fn a_target_exiting_in_a_task_is_reaped_and_lost() {
-    let worker = builder(2).build().unwrap();
+    let worker = builder(2).respawn_limit(0).build().unwrap();
     worker.start().unwrap();
     let exit = worker.register(&envelope("exit 9")).unwrap();
     let err = worker
@@ -465,6 +473,7 @@ fn hung_targets_are_fenced_at_the_deadline() {
         .probe_first(false)
         .control_timeout(Duration::from_millis(300))
         .operation_timeout(Duration::from_millis(600))
+        .respawn_limit(0)
         .build()
         .unwrap();
     worker.start().unwrap();

@@ -21,7 +21,7 @@ use std::time::Duration;
 use callreg::error::ErrorCode;
 use callreg::io::process::Exit;
 use callreg::io::Worker;
-use callreg::protocol::{TargetId, TargetOutcome};
+use callreg::protocol::{SlotPhase, TargetId, TargetOutcome};
 use callreg::runtime::python::PythonRuntime;
 use callreg::runtime::TaskEncoding;
 use serde_json::{json, Value};
@@ -464,8 +464,9 @@ fn a_bad_startup_callable_fails_its_registration_not_the_worker() {
 /// `__reduce__`) registered after start: it is tried on one target first
 /// (specs/protocol.md §2.8), which dies; the register fails with
 /// `REGISTER_POISONED` naming that target and its exit status, the other
-/// targets stay live and serve (old and new callables), and a second
-/// register of it is refused without reaching any target.
+/// targets keep their processes, the lost one is replaced (§2.9) and
+/// every target serves old and new callables, and a second register of it
+/// is refused without reaching any target.
 fn a_payload_that_exits_at_unpickle_costs_one_target() {
     poison_costs_one_target("exits_at_unpickle", Exit::Code(5));
 }
@@ -491,23 +492,30 @@ fn poison_costs_one_target(payload: &str, exit: Exit) {
     // Named once (the poisoning says how its target died).
     assert_eq!(error.error.message.matches(death).count(), 1, "{error}");
     assert_eq!(error.outcomes, vec![(TargetId(0), TargetOutcome::Lost)]);
-    assert_eq!(worker.live_targets(), vec![TargetId(1), TargetId(2)]);
     assert_eq!(worker.target_exit(TargetId(0)), Some(exit));
     // Refused at once: no target is touched.
     let again = worker.register(envelope(payload)).unwrap_err();
     assert_eq!(again.code(), ErrorCode::REGISTER_POISONED, "{again}");
     assert!(again.error.message.contains(death), "{again}");
     assert_eq!(again.outcomes, vec![]);
-    assert_eq!(worker.live_targets(), vec![TargetId(1), TargetId(2)]);
+    // The lost target is replaced (specs/protocol.md §2.9): a new process
+    // in slot 0, given what is live (never the poisoned digest), and the
+    // Worker keeps all its targets.
+    io_common::wait_for_slot(&worker, 0, SlotPhase::Joined, 1);
+    assert_eq!(
+        worker.live_targets(),
+        vec![TargetId(0), TargetId(1), TargetId(2)]
+    );
+    assert_ne!(worker.target_pid(TargetId(0)), pids[0]);
     for target in 1..3 {
         assert_eq!(
             worker.target_pid(TargetId(target)),
             pids[usize::from(target)]
         );
     }
-    // The survivors serve what they held and what comes next.
+    // Every target serves what it held and what comes next.
     let list = worker.register(envelope("open_fds")).unwrap();
-    for target in 1..3 {
+    for target in 0..3 {
         assert_eq!(call(&worker, &fstat, target, json!([0])), json!("open"));
         assert_eq!(
             call(&worker, &list, target, json!([]))
@@ -518,11 +526,11 @@ fn poison_costs_one_target(payload: &str, exit: Exit) {
     }
     let tables = worker.inspect().unwrap();
     let inspected: Vec<TargetId> = tables.iter().map(|(t, _)| *t).collect();
-    assert_eq!(inspected, vec![TargetId(1), TargetId(2)]);
+    assert_eq!(inspected, vec![TargetId(0), TargetId(1), TargetId(2)]);
     for (target, table) in &tables {
         let mut installed: Vec<String> = table
             .as_ref()
-            .expect("a survivor's table")
+            .expect("a target's table")
             .installed
             .iter()
             .map(|(d, n)| format!("{}x{n}", d.hashid()))

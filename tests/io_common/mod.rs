@@ -181,6 +181,29 @@ pub fn payload_holders(identity: (u64, u64)) -> Vec<String> {
     holders
 }
 
+/// Waits (at most 20 s) until `target`'s slot is `phase` at incarnation
+/// `incarnation` (`specs/protocol.md` §2.9); panics with the slot's events
+/// otherwise.
+pub fn wait_for_slot<R: callreg::runtime::Runtime>(
+    worker: &Worker<R>,
+    target: u16,
+    phase: callreg::protocol::SlotPhase,
+    incarnation: u32,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let id = TargetId(target);
+    while (worker.slot_phase(id), worker.target_incarnation(id)) != (phase, incarnation) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{id} is {:?} at incarnation {}, not {phase:?} at {incarnation}; events {:?}",
+            worker.slot_phase(id),
+            worker.target_incarnation(id),
+            worker.slot_events()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// An envelope whose payload is a test-runtime instruction.
 pub fn envelope(instruction: &str) -> Vec<u8> {
     encode(instruction.as_bytes())
