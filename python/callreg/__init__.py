@@ -703,6 +703,18 @@ class Worker:
     and how it died. ``False``: every register goes to every target at once
     (one round trip less for a new callable).
 
+    Replacement targets: a target that is lost (it crashed, was killed, or
+    missed a deadline) is replaced by a new process with the same id and
+    the next incarnation (:meth:`target_incarnation`), forked from a
+    template process made at :meth:`start`; it is given every live
+    callable and serves (is in :attr:`targets` again) once it installed
+    them all. ``respawn_limit`` (default 3; 0: no replacements) is how many
+    replacements of one slot in a row may be lost before they join (a
+    callable that kills every new process); after that the slot stays lost
+    and :meth:`slot_events` says so. ``respawn_backoff`` (seconds, default
+    0.1) is the wait before the second replacement in a row, doubling for
+    each further one; the first comes at once.
+
     Next-level targets: with ``next_level`` (a :class:`NextLevel`), the
     Worker also has ``next_level_targets`` (default 1) next-level targets:
     ids ``0 .. targets-1`` are SUB targets (``targets`` may then be 0),
@@ -736,10 +748,22 @@ class Worker:
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
         operation_timeout=None,
         probe_first=True,
+        respawn_limit=3,
+        respawn_backoff=0.1,
     ):
         sub, upper = _counts(targets, next_level, next_level_targets)
         if not isinstance(probe_first, bool):
             raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
+        if isinstance(respawn_limit, bool) or not isinstance(respawn_limit, int):
+            raise TypeError("respawn_limit must be an int, not %s" % type(respawn_limit).__name__)
+        if not 0 <= respawn_limit <= 0xFFFF:
+            raise ValueError("respawn_limit must be between 0 and 65535, got %d" % respawn_limit)
+        if isinstance(respawn_backoff, bool) or not isinstance(respawn_backoff, (int, float)):
+            raise TypeError(
+                "respawn_backoff must be a number of seconds, not %s" % type(respawn_backoff).__name__
+            )
+        if not 0 <= respawn_backoff < float("inf"):
+            raise ValueError("respawn_backoff must be zero or positive, got %r" % (respawn_backoff,))
         _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
         initializer = None if next_level is None else functools.partial(_start_target, sub, next_level)
         try:
@@ -751,6 +775,8 @@ class Worker:
                 initializer,
                 None if operation_timeout is None else float(operation_timeout),
                 probe_first,
+                respawn_limit,
+                float(respawn_backoff),
             )
         except _callreg.RawError as raw:
             _raise(raw)
@@ -1016,10 +1042,32 @@ class Worker:
         """The process id of ``target`` (``None`` before start)."""
         return self._raw.target_pid(self._target(target))
 
+    def target_incarnation(self, target):
+        """The incarnation of ``target``'s current (or next) process: 0 for
+        the one forked at start, one more for each replacement."""
+        return self._raw.target_incarnation(self._target(target))
+
+    def slot_phase(self, target):
+        """Where ``target``'s slot stands: ``"joined"`` (it serves),
+        ``"backing_off"``, ``"spawning"`` or ``"joining"`` (a replacement
+        is on its way), or ``"lost"`` (for good)."""
+        return self._raw.slot_phase(self._target(target))
+
+    def slot_events(self):
+        """What happened to replaced target slots since start, oldest
+        first, as dicts: ``{"event": "spawned", "target", "incarnation",
+        "pid"}``, ``{"event": "spawn_failed", "target", "incarnation",
+        "reason"}``, ``{"event": "joined", "target", "incarnation"}``,
+        ``{"event": "join_failed", "target", "incarnation", "failure":
+        {"code", "message"}}``, ``{"event": "abandoned", "target",
+        "failed_joins"}``."""
+        return json.loads(self._raw.slot_events_json())
+
     def inspect(self):
         """The parent's registry and every live target's table, as dicts
-        (the JSON forms): ``{"registry": {...}, "targets": {id: {"installed":
-        [{"hashid", "refcount"}], "tombstones": n} or None}}``."""
+        (the JSON forms): ``{"registry": {...}, "targets": {id: {"incarnation":
+        n, "installed": [{"hashid", "refcount"}], "tombstones": n} or
+        None}}``."""
         registry = json.loads(self._raw.registry_json())
         tables = {}
         if registry.get("lifecycle") == "started":
