@@ -425,7 +425,8 @@ class NextLevel:
     registers joins the inner startup snapshot) and returns a dict of
     handles (``None`` for none), given to orchestration callables as
     ``ctx.handles``. ``control_timeout``, ``operation_timeout``,
-    ``slot_capacity`` and ``max_frame_bytes`` are the inner Worker's, as in
+    ``slot_capacity``, ``max_frame_bytes``, ``probe_first``,
+    ``respawn_limit`` and ``respawn_backoff`` are the inner Worker's, as in
     :class:`Worker`.
 
     The objects are inherited by ``fork``, not pickled: ``setup`` may be any
@@ -440,6 +441,9 @@ class NextLevel:
         "operation_timeout",
         "slot_capacity",
         "max_frame_bytes",
+        "probe_first",
+        "respawn_limit",
+        "respawn_backoff",
     )
 
     def __init__(
@@ -453,11 +457,18 @@ class NextLevel:
         slot_capacity=64,
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
         operation_timeout=None,
+        probe_first=True,
+        respawn_limit=3,
+        respawn_backoff=0.1,
     ):
         if setup is not None and not callable(setup):
             raise TypeError("setup must be a callable or None, not %s" % type(setup).__name__)
         _counts(targets, next_level, next_level_targets)
         _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
+        _check_respawn(probe_first, respawn_limit, respawn_backoff)
+        self.probe_first = probe_first
+        self.respawn_limit = respawn_limit
+        self.respawn_backoff = respawn_backoff
         self.targets = targets
         self.setup = setup
         self.next_level = next_level
@@ -543,6 +554,9 @@ def _start_target(sub_targets, level, target):
             operation_timeout=level.operation_timeout,
             slot_capacity=level.slot_capacity,
             max_frame_bytes=level.max_frame_bytes,
+            probe_first=level.probe_first,
+            respawn_limit=level.respawn_limit,
+            respawn_backoff=level.respawn_backoff,
         )
         handles = level.setup(inner) if level.setup is not None else None
         if handles is None:
@@ -595,6 +609,19 @@ def _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_ti
     _seconds("control_timeout", control_timeout)
     if operation_timeout is not None:
         _seconds("operation_timeout", operation_timeout)
+
+
+def _check_respawn(probe_first, respawn_limit, respawn_backoff):
+    if not isinstance(probe_first, bool):
+        raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
+    if isinstance(respawn_limit, bool) or not isinstance(respawn_limit, int):
+        raise TypeError("respawn_limit must be an int, not %s" % type(respawn_limit).__name__)
+    if not 0 <= respawn_limit <= 0xFFFF:
+        raise ValueError("respawn_limit must be between 0 and 65535, got %d" % respawn_limit)
+    if isinstance(respawn_backoff, bool) or not isinstance(respawn_backoff, (int, float)):
+        raise TypeError("respawn_backoff must be a number of seconds, not %s" % type(respawn_backoff).__name__)
+    if not 0 <= respawn_backoff < float("inf"):
+        raise ValueError("respawn_backoff must be zero or positive, got %r" % (respawn_backoff,))
 
 
 def _seconds(name, value):
@@ -752,18 +779,7 @@ class Worker:
         respawn_backoff=0.1,
     ):
         sub, upper = _counts(targets, next_level, next_level_targets)
-        if not isinstance(probe_first, bool):
-            raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
-        if isinstance(respawn_limit, bool) or not isinstance(respawn_limit, int):
-            raise TypeError("respawn_limit must be an int, not %s" % type(respawn_limit).__name__)
-        if not 0 <= respawn_limit <= 0xFFFF:
-            raise ValueError("respawn_limit must be between 0 and 65535, got %d" % respawn_limit)
-        if isinstance(respawn_backoff, bool) or not isinstance(respawn_backoff, (int, float)):
-            raise TypeError(
-                "respawn_backoff must be a number of seconds, not %s" % type(respawn_backoff).__name__
-            )
-        if not 0 <= respawn_backoff < float("inf"):
-            raise ValueError("respawn_backoff must be zero or positive, got %r" % (respawn_backoff,))
+        _check_respawn(probe_first, respawn_limit, respawn_backoff)
         _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
         initializer = None if next_level is None else functools.partial(_start_target, sub, next_level)
         try:

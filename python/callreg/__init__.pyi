@@ -91,6 +91,9 @@ class NextLevel:
     operation_timeout: float | None
     slot_capacity: int
     max_frame_bytes: int
+    probe_first: bool
+    respawn_limit: int
+    respawn_backoff: float
     def __init__(
         self,
         targets: int | None = ...,
@@ -102,6 +105,9 @@ class NextLevel:
         slot_capacity: int = ...,
         max_frame_bytes: int = ...,
         operation_timeout: float | None = ...,
+        probe_first: bool = ...,
+        respawn_limit: int = ...,
+        respawn_backoff: float = ...,
     ) -> None: ...
 
 class Context:

@@ -1212,7 +1212,7 @@ impl<R: Runtime> Worker<R> {
                 .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         }
         ignore_sigpipe();
-        check_descriptor_room(self.targets).map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
+        check_descriptor_room(self.targets, self.respawn).map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         // One deadline for the whole start, from before the first fork:
         // every target must be ready by then (forking under load, and every
         // target starting its runtime at once, all count against it).
@@ -1467,7 +1467,7 @@ fn refuse(request: Request, before_start: bool) {
 ///
 /// # Errors
 /// The message naming what is needed and what the limit allows.
-fn check_descriptor_room(targets: u16) -> Result<(), String> {
+fn check_descriptor_room(targets: u16, respawn: bool) -> Result<(), String> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -1479,14 +1479,19 @@ fn check_descriptor_room(targets: u16) -> Result<(), String> {
         return Ok(());
     }
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-    let needed = 3 * u64::from(targets) + 2;
+    let needed = 3 * u64::from(targets) + 2 + u64::from(respawn);
     // `rlim_t` is `u64` on Linux.
     let room = limit
         .rlim_cur
         .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
     if needed > room {
         return Err(format!(
-            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each{}), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            if respawn {
+                ", a wake pipe and the replacements' template process"
+            } else {
+                ", and a wake pipe"
+            },
             limit.rlim_cur
         ));
     }
