@@ -617,7 +617,10 @@ def test_a_callable_that_kills_every_new_process_stops_at_the_rate_limit():
     with callreg.Worker(1, respawn_limit=2, respawn_backoff=0.01) as w:
         w.register_envelope(envelope)
         # The target forked at start installs it, and dies.
-        w.start()
+        with pytest.raises(callreg.RegisterError) as info:
+            w.start()
+        assert info.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert info.value.outcomes == {0: "failed (TARGET_LOST: the target exited with status 5 before it was ready)"}
         _wait_for_slot(w, 0, "lost", 2)
         events = [(e["event"], e.get("incarnation", e.get("failed_joins"))) for e in w.slot_events()]
         assert events == [("spawned", 1), ("spawned", 2), ("abandoned", 2)]
