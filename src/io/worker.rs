@@ -11,6 +11,11 @@
 //!   their callable metadata, which only the targets act on).
 //! * One IO thread per started Worker: the only place the machine is
 //!   driven after start and the only place its effects are carried out.
+//! * With replacement targets on (the default, `specs/protocol.md` §2.9),
+//!   one template process ([`super::zygote`]), forked at start right after
+//!   the targets and before the IO thread: the parent never forks once it
+//!   runs threads, so every replacement is forked by the template, on the
+//!   IO thread's request.
 //!
 //! # The IO thread's run rule
 //!
@@ -42,7 +47,14 @@
 //!
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
-//! with `stage_failed`); `Send` encodes a wire frame into the target's
+//! with `stage_failed`), and, with replacements on, keeps it by digest for
+//! as long as `Parent::keeps_envelope` says (a startup-snapshot envelope is
+//! kept as bytes, staged at its first replay); `Restage` binds that kept
+//! payload again; `Spawn` asks the template for a new process and links it
+//! (`target_died` if it cannot), whose ready report becomes
+//! `target_spawned` (one that is not ready within the control timeout is
+//! lost); `Joined`, `JoinFailed` and `Abandoned` are recorded as
+//! [`SlotEvent`]s; `Send` encodes a wire frame into the target's
 //! outbox (a register's carries its metadata as JSON, and its staged
 //! payload, one for every target, waits beside it until the frame's first
 //! byte is sent with its descriptor); `ReleaseStaged` closes the parent's
