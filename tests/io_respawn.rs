@@ -382,10 +382,14 @@ fn a_hundred_kills_under_load_leave_every_slot_holding_the_registry() {
     let incarnations: u32 = (0..TARGETS)
         .map(|t| worker.target_incarnation(TargetId(t)))
         .sum();
-    assert!(
-        incarnations >= 100,
-        "{incarnations} replacements for 100 kills"
+    // Every process killed was serving: each loss was replaced once, at
+    // once (none counted against the rate limit).
+    assert_eq!(
+        usize::try_from(incarnations).unwrap(),
+        killed.len(),
+        "replacements for the processes killed"
     );
+    assert!(killed.len() >= 50, "only {} processes killed", killed.len());
     for target in 0..TARGETS {
         let incarnation = worker.target_incarnation(TargetId(target));
         wait_for_slot(&worker, target, SlotPhase::Joined, incarnation);
