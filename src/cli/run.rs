@@ -75,9 +75,11 @@ mod with_python {
     use callreg::descriptor::python_serialized_digest;
     use callreg::envelope::Envelope;
     use callreg::error::{Error, ErrorCode};
-    use callreg::io::worker::registration_failure_text;
+    use callreg::io::worker::{registration_failure_text, SlotEvent};
     use callreg::io::{OperationError, TaskError, Worker};
-    use callreg::protocol::{Failure, Handle, TargetId, TargetOutcome};
+    use callreg::protocol::{
+        Failure, Handle, SlotPhase, TargetId, TargetOutcome, DEFAULT_RESPAWN_BACKOFF,
+    };
     use callreg::runtime::python::PythonRuntime;
     use callreg::runtime::TaskEncoding;
     use serde::Serialize;
@@ -89,6 +91,10 @@ mod with_python {
 
     /// How often `kill_target` checks whether the Worker noticed the kill.
     const KILL_POLL: Duration = Duration::from_millis(1);
+
+    /// How often a step checks whether the replacements of lost targets
+    /// joined or were given up.
+    const SETTLE_POLL: Duration = Duration::from_millis(1);
 
     /// The error of every step after a failed start.
     const NOT_RUN: &str = "not run: the Worker did not start";
@@ -234,6 +240,9 @@ mod with_python {
         detail: Option<String>,
         /// The call's result on this target (`call_all`).
         result: Option<Value>,
+        /// What became of the slot of a target lost during the step:
+        /// `replaced by incarnation N`, or `not replaced: given up after …`.
+        replacement: Option<String>,
     }
 
     /// What a step did.
@@ -251,6 +260,9 @@ mod with_python {
         code: Option<ErrorCode>,
         /// The step's expectation, when it was not met.
         unmet: Option<String>,
+        /// What happened to replaced target slots during the step
+        /// (`Worker::slot_events`, `specs/protocol.md` §2.9).
+        slots: Vec<SlotEvent>,
         micros: u64,
     }
 
@@ -278,6 +290,8 @@ mod with_python {
             let worker = Worker::builder(Arc::new(PythonRuntime::new()))
                 .targets(plan.targets)
                 .control_timeout(plan.control_timeout)
+                .respawn_limit(plan.respawn_limit)
+                .probe_first(plan.probe_first)
                 .build()
                 .map_err(|e| CliError(one_line(&e.to_string())))?;
             Ok(Runner {
@@ -303,6 +317,7 @@ mod with_python {
                 return report;
             }
             let started = Instant::now();
+            let events_before = self.worker.slot_events().len();
             let mut report = match &step.op {
                 Op::Start => self.start(Some(index), step.expect_error.as_deref()),
                 Op::Register(register) => self.register(index, register),
@@ -311,6 +326,10 @@ mod with_python {
                 Op::CallAll(call) => self.call_all(index, call),
                 Op::KillTarget { target } => self.kill_target(index, *target),
             };
+            // The start settles and collects its slot events itself.
+            if step.op != Op::Start && self.started {
+                self.finish_slots(&mut report, events_before);
+            }
             report.micros = micros(started.elapsed());
             report.unmet = unmet(step, &report.outcome);
             report
@@ -320,12 +339,15 @@ mod with_python {
         /// each target live before it is `ok` if it still is, else `lost`
         /// with why (a target can die during a step and the operation
         /// still succeed on the others).
-        fn after(&self, before: &[TargetId]) -> Vec<TargetReport> {
+        /// `before`: the live targets with their incarnations, from
+        /// [`Runner::live`]; a target replaced during the operation was
+        /// lost, even if its replacement serves already.
+        fn after(&self, before: &[(TargetId, u32)]) -> Vec<TargetReport> {
             let live = self.worker.live_targets();
             before
                 .iter()
-                .map(|t| {
-                    if live.contains(t) {
+                .map(|(t, incarnation)| {
+                    if live.contains(t) && self.worker.target_incarnation(*t) == *incarnation {
                         ok_target(*t)
                     } else {
                         TargetReport {
@@ -333,10 +355,90 @@ mod with_python {
                             outcome: "lost",
                             detail: self.worker.target_loss(*t),
                             result: None,
+                            replacement: None,
                         }
                     }
                 })
                 .collect()
+        }
+
+        /// The live targets with the incarnation of their process.
+        fn live(&self) -> Vec<(TargetId, u32)> {
+            self.worker
+                .live_targets()
+                .into_iter()
+                .map(|t| (t, self.worker.target_incarnation(t)))
+                .collect()
+        }
+
+        /// Waits until no slot is being replaced: each target serves
+        /// (`Joined`) or is lost for good (`Lost`), so that the next step
+        /// sees the same targets on every run. Each replacement is bounded
+        /// by the Worker (its start and each replay by the control
+        /// timeout, `specs/protocol.md` §2.9); this waits for at most the
+        /// control timeout plus the back-off of the next replacement in a
+        /// row after the last slot event.
+        ///
+        /// # Errors
+        /// `DEADLINE_EXCEEDED: …` naming the first slot still being replaced.
+        fn settle(&self) -> Result<(), String> {
+            let events_at = |worker: &Worker<PythonRuntime>| worker.slot_events().len();
+            let mut seen = events_at(&self.worker);
+            let mut in_a_row: u32 = 0;
+            let bound = |in_a_row: u32| {
+                let backoff = Duration::from_micros(DEFAULT_RESPAWN_BACKOFF)
+                    .saturating_mul(1 << in_a_row.min(16));
+                self.plan.control_timeout.saturating_add(backoff)
+            };
+            let mut deadline = Instant::now() + bound(0);
+            loop {
+                let busy = (0..self.plan.targets).map(TargetId).find_map(|t| {
+                    match self.worker.slot_phase(t) {
+                        SlotPhase::Joined | SlotPhase::Lost => None,
+                        phase => Some((t, phase)),
+                    }
+                });
+                let Some((target, phase)) = busy else {
+                    return Ok(());
+                };
+                let now = events_at(&self.worker);
+                if now != seen {
+                    in_a_row = in_a_row.saturating_add(1);
+                    seen = now;
+                    deadline = Instant::now() + bound(in_a_row);
+                }
+                if Instant::now() >= deadline {
+                    let phase = match phase {
+                        SlotPhase::BackingOff(_) => "backing off",
+                        SlotPhase::Spawning => "being started",
+                        _ => "joining",
+                    };
+                    return Err(format!(
+                        "DEADLINE_EXCEEDED: the replacement of {target} is still {phase} after {:?}",
+                        bound(in_a_row)
+                    ));
+                }
+                std::thread::sleep(SETTLE_POLL);
+            }
+        }
+
+        /// Waits for the replacements to settle ([`Runner::settle`]), then
+        /// puts the slot events since `events_before` into the report and
+        /// says in each target's part what became of a lost slot.
+        fn finish_slots(&self, report: &mut StepReport, events_before: usize) {
+            if let Err(e) = self.settle() {
+                if report.outcome.is_ok() {
+                    report.outcome = Err(e);
+                    report.code = Some(ErrorCode::DEADLINE_EXCEEDED);
+                }
+            }
+            let events = self.worker.slot_events();
+            report.slots = events.get(events_before..).unwrap_or_default().to_vec();
+            for target in &mut report.targets {
+                if target.outcome != "ok" && target.replacement.is_none() {
+                    target.replacement = replacement(&report.slots, TargetId(target.target));
+                }
+            }
         }
 
         /// One target's report for an operation's outcome; a lost or
@@ -365,6 +467,7 @@ mod with_python {
                 outcome: Ok(None),
                 code: None,
                 unmet: None,
+                slots: Vec::new(),
                 micros: 0,
             }
         }
@@ -389,6 +492,7 @@ mod with_python {
                                     outcome: "failed",
                                     detail: Some(one_line(&failure.to_string())),
                                     result: None,
+                                    replacement: None,
                                 },
                                 // It installed the callable; the Worker
                                 // unregisters it there.
@@ -397,6 +501,7 @@ mod with_python {
                                     outcome: "rolled_back",
                                     detail: None,
                                     result: None,
+                                    replacement: None,
                                 },
                             })
                             .collect();
@@ -416,7 +521,15 @@ mod with_python {
                 }
             };
             report.targets = outcomes.iter().map(|o| self.target_report(o)).collect();
-            self.start_failed = report.outcome.is_err();
+            // A target lost at start is replaced (`specs/protocol.md`
+            // §2.9): the step waits until each slot serves or is given up.
+            // A failed start stops the plan unless every target serves now.
+            let serving = report.outcome.is_ok() || {
+                let _ = self.settle();
+                self.worker.live_targets().len() == usize::from(self.plan.targets)
+            };
+            self.finish_slots(&mut report, 0);
+            self.start_failed = report.outcome.is_err() && !serving;
             if step.is_none() {
                 report.micros = micros(started.elapsed());
                 report.unmet = unmet_error(expect_error, &report.outcome);
@@ -467,7 +580,7 @@ mod with_python {
             report.hashid = Envelope::parse(bytes)
                 .ok()
                 .map(|e| python_serialized_digest(&e).hashid().to_string());
-            let live = self.worker.live_targets();
+            let live = self.live();
             report.metadata = register.metadata_source.clone();
             match self
                 .worker
@@ -504,7 +617,7 @@ mod with_python {
                 }
             };
             report.hashid = Some(handle.hashid.to_string());
-            let live = self.worker.live_targets();
+            let live = self.live();
             match self.worker.unregister(&handle) {
                 Ok(()) => {
                     report.targets = self.after(&live);
@@ -646,6 +759,7 @@ mod with_python {
         fn kill_target(&mut self, index: usize, target: u16) -> StepReport {
             let mut report = self.report(Some(index), "kill_target");
             let id = TargetId(target);
+            let incarnation = self.worker.target_incarnation(id);
             let pid = match self.worker.target_pid(id) {
                 Some(pid) if self.worker.live_targets().contains(&id) => pid,
                 _ => {
@@ -654,6 +768,7 @@ mod with_python {
                         outcome: "lost",
                         detail: self.worker.target_exit(id).map(|exit| format!("it {exit}")),
                         result: None,
+                        replacement: None,
                     }];
                     report.outcome = Err(format!(
                         "NO_LIVE_TARGET: target {target} is not live, so it cannot be killed"
@@ -672,9 +787,13 @@ mod with_python {
                 return report;
             }
             // The IO thread notices the closed pipe and reaps the target;
-            // the step ends when the Worker no longer counts it live.
+            // the Worker noticed when the process it counts live is no
+            // longer this one (a replacement may even have joined already).
+            // Then the step waits for the replacement, in `finish_slots`.
             let deadline = Instant::now() + self.plan.control_timeout;
-            while self.worker.live_targets().contains(&id) {
+            while self.worker.target_incarnation(id) == incarnation
+                && self.worker.live_targets().contains(&id)
+            {
                 if Instant::now() >= deadline {
                     report.outcome = Err(format!(
                         "DEADLINE_EXCEEDED: target {target} was killed but the Worker still counts it live"
@@ -689,6 +808,7 @@ mod with_python {
                 outcome: "killed",
                 detail: self.worker.target_exit(id).map(|exit| format!("it {exit}")),
                 result: None,
+                replacement: None,
             }];
             report
         }
@@ -772,8 +892,27 @@ mod with_python {
             outcome: if outcome.is_ok() { "ok" } else { "failed" },
             detail: outcome.as_ref().err().cloned(),
             result: None,
+            replacement: None,
         };
         (report, outcome)
+    }
+
+    /// What became of `target`'s slot, from the slot events of a step: the
+    /// last join or abandonment of it, if any.
+    fn replacement(events: &[SlotEvent], target: TargetId) -> Option<String> {
+        events.iter().rev().find_map(|event| match event {
+            SlotEvent::Joined {
+                target: t,
+                incarnation,
+            } if *t == target => Some(format!("replaced by incarnation {incarnation}")),
+            SlotEvent::Abandoned {
+                target: t,
+                failed_joins,
+            } if *t == target => Some(format!(
+                "not replaced: given up after {failed_joins} replacements in a row were lost before they joined"
+            )),
+            _ => None,
+        })
     }
 
     fn ok_target(target: TargetId) -> TargetReport {
@@ -782,6 +921,7 @@ mod with_python {
             outcome: "ok",
             detail: None,
             result: None,
+            replacement: None,
         }
     }
 
@@ -802,6 +942,7 @@ mod with_python {
             outcome,
             detail,
             result: None,
+            replacement: None,
         }
     }
 
@@ -948,6 +1089,9 @@ mod with_python {
         #[serde(skip_serializing_if = "Option::is_none")]
         metadata: Option<&'r str>,
         targets: Vec<JsonTarget<'r>>,
+        /// The slot events of the step (`Worker::slot_events`), if any.
+        #[serde(skip_serializing_if = "<[_]>::is_empty")]
+        slots: &'r [SlotEvent],
         #[serde(skip_serializing_if = "Option::is_none")]
         result: Option<&'r Value>,
         /// The failed step's error code, e.g. `"HANDLE_STALE"`.
@@ -970,6 +1114,9 @@ mod with_python {
         detail: Option<&'r str>,
         #[serde(skip_serializing_if = "Option::is_none")]
         result: Option<&'r Value>,
+        /// What became of the slot of a target lost during the step.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        replacement: Option<&'r str>,
     }
 
     fn json_line(report: &StepReport, ok: bool) -> String {
@@ -988,8 +1135,10 @@ mod with_python {
                     outcome: t.outcome,
                     detail: t.detail.as_deref(),
                     result: t.result.as_ref(),
+                    replacement: t.replacement.as_deref(),
                 })
                 .collect(),
+            slots: &report.slots,
             // Only a step that produced a value has a result (a call's
             // `None` is the JSON `null` it returned); register, unregister,
             // start and kill_target have none.
@@ -1045,13 +1194,30 @@ mod with_python {
             // A failed call or register names each target's failure in its
             // error already.
             .filter(|t| t.outcome != "ok" && (t.outcome != "failed" || report.op == "start"))
-            .map(|t| match &t.detail {
-                Some(detail) => format!("target {} {} ({detail})", t.target, t.outcome),
-                None => format!("target {} {}", t.target, t.outcome),
+            .map(|t| {
+                let mut part = match &t.detail {
+                    Some(detail) => format!("target {} {} ({detail})", t.target, t.outcome),
+                    None => format!("target {} {}", t.target, t.outcome),
+                };
+                if let Some(replacement) = &t.replacement {
+                    part.push_str(&format!("; {replacement}"));
+                }
+                part
             })
             .collect();
         if !lost.is_empty() {
             line.push_str(&format!(" [{}]", lost.join(", ")));
+        }
+        // A replacement's start is left out: its pid differs on every run
+        // (the `--json` line has it); its join or failure says enough.
+        let slots: Vec<String> = report
+            .slots
+            .iter()
+            .filter(|event| !matches!(event, SlotEvent::Spawned { .. }))
+            .map(|event| one_line(&event.to_string()))
+            .collect();
+        if !slots.is_empty() {
+            line.push_str(&format!(" [{}]", slots.join("; ")));
         }
         if let Some(unmet) = &report.unmet {
             line.push_str(&format!(" -- {unmet}"));
