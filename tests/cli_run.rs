@@ -484,8 +484,8 @@ fn without_duration(line: &str) -> &str {
 }
 
 /// A start that fails (the startup snapshot holds a pickle whose loading
-/// ends the target: `os._exit(3)`) stops the plan: every later step fails
-/// as not run, exit 1.
+/// ends the target: `os._exit(3)`) and leaves no target serving stops the
+/// plan: every later step fails as not run, exit 1.
 #[test]
 fn steps_after_a_failed_start_are_not_run() {
     let dir = TempDir::new("failed-start");
@@ -511,6 +511,12 @@ fn steps_after_a_failed_start_are_not_run() {
     assert_eq!(lines.len(), 5, "{stdout}");
     assert!(
         lines[1].starts_with("step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON) [target 0 failed ("),
+        "{stdout}"
+    );
+    // Its replacements load the snapshot by replay and die too: after
+    // three in a row the slot is given up, and no target serves.
+    assert!(
+        without_duration(lines[1]).ends_with("; not replaced] [target 0: given up after 3 replacements in a row were lost before they joined] -- the step failed"),
         "{stdout}"
     );
     assert_eq!(
@@ -821,15 +827,60 @@ fn a_killed_target_is_replaced_before_the_next_step() {
     }
 }
 
-/// A pickle whose first load (in this test's directory) ends its process
-/// (`os._exit(3)`) and whose later loads give `abs`.
-fn kills_first_loader(marker: &Path) -> Vec<u8> {
+/// A pickle that gives `abs`, but whose first load (`first: true`) or
+/// whose every load but the first (`first: false`) ends its process
+/// (`os._exit(3)`); the file `marker` tells them apart.
+fn loader_killer(marker: &Path, first: bool) -> Vec<u8> {
     let marker = marker.display().to_string();
     assert!(!marker.contains(['"', '\'', '\\']), "{marker}");
+    let (first_load, later_loads) = if first {
+        ("os._exit(3)", "pass")
+    } else {
+        ("pass", "os._exit(3)")
+    };
     let pickle = format!(
-        "cbuiltins\nexec\n(S'import os\\nif not os.path.exists(\"{marker}\"):\\n open(\"{marker}\", \"w\").close()\\n os._exit(3)'\n(dtR0cbuiltins\nabs\n."
+        "cbuiltins\nexec\n(S'import os\\nif not os.path.exists(\"{marker}\"):\\n open(\"{marker}\", \"w\").close()\\n {first_load}\\nelse:\\n {later_loads}'\n(dtR0cbuiltins\nabs\n."
     );
     callreg::envelope::encode(pickle.as_bytes())
+}
+
+/// A slot whose replacements all die (they load, by replay, a callable
+/// that ends every process but the first to load it) is given up after
+/// `respawn_limit` of them in a row: the kill says so, and the target
+/// cannot be killed again.
+#[test]
+fn a_slot_whose_replacements_die_is_given_up() {
+    let dir = TempDir::new("given-up");
+    std::fs::write(
+        dir.0.join("later.spyc"),
+        loader_killer(&dir.0.join("loaded-once"), false),
+    )
+    .unwrap();
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"targets": 1, "respawn_limit": 2, "steps": [
+            {"op": "register", "name": "later", "envelope": "later.spyc"},
+            {"op": "start"},
+            {"op": "call", "name": "later", "args": [-2], "expect": 2},
+            {"op": "kill_target", "target": 0},
+            {"op": "kill_target", "target": 0, "expect_error": "NO_LIVE_TARGET"}]}"#,
+    )
+    .unwrap();
+    let output = callreg(&[plan.as_os_str()]);
+    let stdout = text(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().map(without_duration).collect();
+    assert_eq!(
+        lines[1..],
+        [
+            "step 1 start: ok",
+            "step 2 call later [target 0]: ok -> 2",
+            "step 3 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9); not replaced] [target 0: given up after 2 replacements in a row were lost before they joined]",
+            "step 4 kill_target [target 0]: ok, failed as expected: NO_LIVE_TARGET: target 0 is not live, so it cannot be killed [target 0 lost (it exited with status 3)]",
+            "summary: 5 steps, 5 as expected, 0 not",
+        ]
+    );
 }
 
 /// A target lost at start is replaced: the start fails (the Worker's
@@ -843,7 +894,7 @@ fn a_target_lost_at_start_is_replaced() {
         } else {
             "start-loss"
         });
-        let envelope = kills_first_loader(&dir.0.join("loaded-once"));
+        let envelope = loader_killer(&dir.0.join("loaded-once"), true);
         let hashid = hashid_of(&envelope);
         std::fs::write(dir.0.join("once.spyc"), &envelope).unwrap();
         let plan = dir.0.join("plan.json");

@@ -132,7 +132,8 @@ pub enum Op {
     Call(CallStep),
     /// Run one task on every live target.
     CallAll(CallStep),
-    /// Kill a target with SIGKILL and wait until the Worker lost it.
+    /// Kill a target with SIGKILL and wait until the Worker lost it, then
+    /// until its replacement joined or it was given up.
     KillTarget {
         /// The target's index.
         target: u16,

@@ -9,8 +9,10 @@
 //! Output: one line per step on stdout, then a summary. Text lines read
 //! `step 3 call add [target 0]: ok -> 5 (74 µs)`; with `--json`, each line
 //! is an object `{"step", "op", "name", "ok", "hashid", "targets":
-//! [{"target", "outcome"}], "result" | "error", "micros"}` (`"result"` only
-//! when the step produced a value, i.e. a call; `"error"` only on error) and
+//! [{"target", "outcome", "replacement"?}], "slots"?, "result" | "error",
+//! "micros"}` (`"result"` only when the step produced a value, i.e. a call;
+//! `"error"` only on error; `"slots"`: the Worker's slot events during the
+//! step, when there were any) and
 //! the summary is `{"summary": {"steps", "ok", "failed", "micros"}}`, counting
 //! the plan's steps only; a plan without a `start` step gets an implicit
 //! start first (`"step": null`), reported in the summary as
@@ -18,8 +20,18 @@
 //! every step met its expectation, 1 when a step failed unexpectedly or an
 //! expectation was not met, 2 for a usage or plan error (one line on
 //! stderr). Targets write what a callable prints to stderr, never among the
-//! step lines. After a start that fails, no later step runs: each fails
-//! with `not run: the Worker did not start`.
+//! step lines.
+//!
+//! Replaced targets (`specs/protocol.md` §2.9, `specs/plan.md` §1): each
+//! step from the start on ends only once no target slot is being replaced
+//! (each serves or was given up), so later steps see the same targets on
+//! every run; a text line shows what became of a lost target (`[target 0
+//! killed (it was killed by signal 9); replaced by incarnation 1]`) and the
+//! step's slot events (`[target 0: incarnation 1 joined]`; a replacement's
+//! start, whose pid differs on every run, only with `--json`). After a
+//! start that fails, no later step runs (each fails with `not run: the
+//! Worker did not start`) unless every target serves once its
+//! replacements settled.
 //!
 //! Without the `python` cargo feature the subcommand exists but only
 //! explains that the build lacks Python support (exit status 2).
@@ -36,7 +48,7 @@ in the callreg repository; examples/plan.json is a complete plan.
 Exit status:
   0  every step met its expectation
   1  a step failed unexpectedly or an expectation was not met (a missing or a
-     malformed envelope, a second unregister, a second kill of one target)
+     malformed envelope, a second unregister, a kill of a target given up)
   2  usage or plan error: the plan cannot be read, is not valid JSON, or a
      step has an unknown, missing or wrong field (with --json also a
      {\"plan_error\": ...} line on stdout)")]
@@ -241,7 +253,7 @@ mod with_python {
         /// The call's result on this target (`call_all`).
         result: Option<Value>,
         /// What became of the slot of a target lost during the step:
-        /// `replaced by incarnation N`, or `not replaced: given up after …`.
+        /// `replaced by incarnation N`, or `not replaced`.
         replacement: Option<String>,
     }
 
@@ -274,9 +286,10 @@ mod with_python {
         /// live targets).
         next_target: usize,
         json: bool,
-        /// A start failed: the Worker did not start as planned, so no later
-        /// step runs (a register would otherwise go silently into the
-        /// startup snapshot of a Worker that never started).
+        /// A start failed and left a target not serving (or the Worker not
+        /// started), so no later step runs (a register would otherwise go
+        /// silently into the startup snapshot of a Worker that never
+        /// started, or run on fewer targets than planned).
         start_failed: bool,
         /// A start ran (whatever its outcome).
         started: bool,
@@ -898,7 +911,8 @@ mod with_python {
     }
 
     /// What became of `target`'s slot, from the slot events of a step: the
-    /// last join or abandonment of it, if any.
+    /// last join (`replaced by incarnation N`) or abandonment (`not
+    /// replaced`; the `Abandoned` event says why) of it, if any.
     fn replacement(events: &[SlotEvent], target: TargetId) -> Option<String> {
         events.iter().rev().find_map(|event| match event {
             SlotEvent::Joined {
@@ -908,9 +922,7 @@ mod with_python {
             SlotEvent::Abandoned {
                 target: t,
                 failed_joins,
-            } if *t == target => Some(format!(
-                "not replaced: given up after {failed_joins} replacements in a row were lost before they joined"
-            )),
+            } if *t == target => Some("not replaced".to_owned()),
             _ => None,
         })
     }
