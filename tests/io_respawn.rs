@@ -7,6 +7,7 @@
 
 mod io_common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use callreg::io::worker::{SlotEvent, Worker};
@@ -18,10 +19,28 @@ use io_common::{builder, check_invariants, envelope, wait_for_slot};
 const ADD_INPUT: &[u8] = br#"{"args": [40, 2], "kwargs": {}}"#;
 
 fn main() {
-    io_common::run(&[(
-        "a_killed_target_is_replaced_and_serves_the_registry",
-        a_killed_target_is_replaced_and_serves_the_registry,
-    )]);
+    io_common::run(&[
+        (
+            "a_killed_target_is_replaced_and_serves_the_registry",
+            a_killed_target_is_replaced_and_serves_the_registry,
+        ),
+        (
+            "a_replacement_killed_while_it_joins_is_replaced_after_the_back_off",
+            a_replacement_killed_while_it_joins_is_replaced_after_the_back_off,
+        ),
+        (
+            "a_callable_that_kills_every_new_process_stops_at_the_rate_limit",
+            a_callable_that_kills_every_new_process_stops_at_the_rate_limit,
+        ),
+        (
+            "the_parent_keeps_one_sealed_payload_per_live_digest_for_replays",
+            the_parent_keeps_one_sealed_payload_per_live_digest_for_replays,
+        ),
+        (
+            "a_hundred_kills_under_load_leave_every_slot_holding_the_registry",
+            a_hundred_kills_under_load_leave_every_slot_holding_the_registry,
+        ),
+    ]);
 }
 
 fn kill(worker: &Worker<TestRuntime>, target: u16) -> i32 {
@@ -83,4 +102,311 @@ fn a_killed_target_is_replaced_and_serves_the_registry() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(worker.slot_events(), events, "nothing else happened");
     worker.close();
+}
+
+/// A replay slow enough to be killed in: the replacement is lost before it
+/// joined, so the next one waits for the back-off; it joins, and the row
+/// of failed joins ends.
+fn a_replacement_killed_while_it_joins_is_replaced_after_the_back_off() {
+    let worker = builder(2)
+        .respawn_backoff(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let slow = worker.register(&envelope("slow 400")).unwrap();
+    worker.start().unwrap();
+    kill(&worker, 1);
+    wait_for_slot(&worker, 1, SlotPhase::Joining, 1);
+    let first = kill(&worker, 1);
+    wait_for_slot(&worker, 1, SlotPhase::Joined, 2);
+    let second = worker.target_pid(TargetId(1)).unwrap();
+    let events = worker.slot_events();
+    assert_eq!(
+        events,
+        [
+            SlotEvent::Spawned {
+                target: TargetId(1),
+                incarnation: 1,
+                pid: first
+            },
+            SlotEvent::Spawned {
+                target: TargetId(1),
+                incarnation: 2,
+                pid: second
+            },
+            SlotEvent::Joined {
+                target: TargetId(1),
+                incarnation: 2
+            },
+        ]
+    );
+    assert_eq!(worker.parent_state().failed_joins(TargetId(1)), 0);
+    assert_eq!(
+        worker
+            .submit(&slow, TargetId(1), TaskEncoding::Json, b"1")
+            .unwrap(),
+        b"1"
+    );
+    check_invariants(&worker, 2);
+    worker.close();
+}
+
+/// A pre-start callable whose deserialization ends its process: every
+/// target dies at start, and every replacement dies replaying it, until
+/// `respawn_limit` of them in a row were lost; then each slot stays lost,
+/// and says why.
+fn a_callable_that_kills_every_new_process_stops_at_the_rate_limit() {
+    let worker = builder(2)
+        .respawn_limit(3)
+        .respawn_backoff(Duration::from_millis(10))
+        .build()
+        .unwrap();
+    worker.register(&envelope("crash")).unwrap();
+    let error = worker.start().unwrap_err();
+    assert_eq!(
+        error.code(),
+        callreg::error::ErrorCode::REGISTER_PARTIAL_FAILURE
+    );
+    for target in 0..2 {
+        wait_for_slot(&worker, target, SlotPhase::Lost, 3);
+    }
+    let events = worker.slot_events();
+    for target in [TargetId(0), TargetId(1)] {
+        let of_target: Vec<String> = events
+            .iter()
+            .filter(|e| match e {
+                SlotEvent::Spawned { target: t, .. } | SlotEvent::Abandoned { target: t, .. } => {
+                    *t == target
+                }
+                other => panic!("{other:?}"),
+            })
+            .map(|e| match e {
+                SlotEvent::Spawned { incarnation, .. } => format!("spawned {incarnation}"),
+                other => other.to_string(),
+            })
+            .collect();
+        assert_eq!(
+            of_target,
+            [
+                "spawned 1".to_owned(),
+                "spawned 2".to_owned(),
+                "spawned 3".to_owned(),
+                format!(
+                    "{target}: given up after 3 replacements in a row were lost before they joined"
+                ),
+            ]
+        );
+        let loss = worker.target_loss(target).unwrap();
+        let status = callreg::runtime::testing::CRASH_EXIT_CODE;
+        assert_eq!(
+            loss,
+            format!(
+                "its reply pipe closed; it exited with status {status}; given up after 3 replacements in a row were lost before they joined"
+            )
+        );
+    }
+    assert_eq!(worker.live_targets(), []);
+    let refused = worker.register(&envelope("echo")).unwrap_err();
+    assert_eq!(refused.code(), callreg::error::ErrorCode::NO_LIVE_TARGET);
+    worker.close();
+}
+
+/// With replacements on, the parent keeps the sealed staged payload of
+/// each live post-start registration (one descriptor per digest, never
+/// mapped), and none once unregistered; the targets keep none.
+fn the_parent_keeps_one_sealed_payload_per_live_digest_for_replays() {
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let big = envelope(&format!("echo #{}", "x".repeat(256 * 1024)));
+    let first = worker.register(&big).unwrap();
+    let second = worker.register(&big).unwrap();
+    let other = worker.register(&envelope("add")).unwrap();
+    let held = callreg::io::staging::open_payloads().unwrap();
+    assert_eq!(held.len(), 2, "{held:?}");
+    assert_eq!(
+        worker.retained_envelope_bytes(),
+        big.len() + envelope("add").len()
+    );
+    for target in 0..2 {
+        let pid = worker.target_pid(TargetId(target)).unwrap().to_string();
+        assert_eq!(
+            callreg::io::staging::payloads_of(&pid).unwrap(),
+            Vec::<i32>::new(),
+            "target {target}"
+        );
+    }
+    worker.unregister(&first).unwrap();
+    assert_eq!(callreg::io::staging::open_payloads().unwrap().len(), 2);
+    worker.unregister(&second).unwrap();
+    worker.unregister(&other).unwrap();
+    assert_eq!(
+        callreg::io::staging::open_payloads().unwrap(),
+        Vec::<i32>::new()
+    );
+    assert_eq!(worker.retained_envelope_bytes(), 0);
+    worker.close();
+}
+
+/// A small deterministic generator for the stress test's choices.
+struct Choices(u64);
+
+impl Choices {
+    fn below(&mut self, n: u64) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// 100 `kill -9`s of a random serving target (one already dying is not
+/// killed twice) while other threads register,
+/// unregister and call: every call on a live handle eventually succeeds
+/// (retried on another target when its target was lost under it), and
+/// once the kills stop every slot serves again holding exactly the
+/// registry, with every invariant.
+fn a_hundred_kills_under_load_leave_every_slot_holding_the_registry() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    const TARGETS: u16 = 3;
+    let worker = Arc::new(
+        builder(TARGETS)
+            .respawn_backoff(Duration::from_millis(5))
+            .build()
+            .unwrap(),
+    );
+    let add = worker.register(&envelope("add")).unwrap();
+    worker.start().unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let retries = Arc::new(AtomicUsize::new(0));
+    let caller = {
+        let (worker, done, calls, retries) =
+            (worker.clone(), done.clone(), calls.clone(), retries.clone());
+        std::thread::spawn(move || {
+            let mut choices = Choices(0x5eed_0001);
+            while !done.load(Ordering::SeqCst) {
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                loop {
+                    let live = worker.live_targets();
+                    if live.is_empty() {
+                        std::thread::sleep(Duration::from_millis(1));
+                        continue;
+                    }
+                    let target = live[choices.below(live.len() as u64) as usize];
+                    match worker.submit(&add, target, TaskEncoding::Json, ADD_INPUT) {
+                        Ok(result) => {
+                            assert_eq!(result, b"42");
+                            break;
+                        }
+                        Err(error) => {
+                            assert_eq!(
+                                error.error.code,
+                                callreg::error::ErrorCode::TARGET_LOST,
+                                "{error:?}"
+                            );
+                            retries.fetch_add(1, Ordering::SeqCst);
+                            assert!(
+                                std::time::Instant::now() < deadline,
+                                "a call never succeeded"
+                            );
+                        }
+                    }
+                }
+                calls.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    };
+    let registrar = {
+        let (worker, done) = (worker.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut kept = Vec::new();
+            let mut n = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                n += 1;
+                match worker.register(&envelope(&format!("echo #{n}"))) {
+                    Ok(handle) => kept.push(handle),
+                    // A target lost under the register fails it; killed
+                    // while it probed the digest, it poisons the digest
+                    // (specs/protocol.md §2.8: a death there is taken for
+                    // the payload's).
+                    Err(error) => assert!(
+                        matches!(
+                            error.code(),
+                            callreg::error::ErrorCode::REGISTER_PARTIAL_FAILURE
+                                | callreg::error::ErrorCode::REGISTER_POISONED
+                                | callreg::error::ErrorCode::NO_LIVE_TARGET
+                        ),
+                        "{error}"
+                    ),
+                }
+                if kept.len() > 4 {
+                    let handle = kept.remove(0);
+                    if let Err(error) = worker.unregister(&handle) {
+                        panic!("unregister: {error}");
+                    }
+                }
+            }
+            kept
+        })
+    };
+    let mut choices = Choices(0x5eed_0002);
+    let mut killed = std::collections::BTreeSet::new();
+    for _ in 0..100 {
+        // A serving target (a kill during its join would count against
+        // the slot's rate limit).
+        let live = loop {
+            let live = worker.live_targets();
+            if !live.is_empty() {
+                break live;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        let target = live[choices.below(live.len() as u64) as usize];
+        // It may have died under a kill the Worker has not noticed yet.
+        let pid = worker.target_pid(target).unwrap();
+        match nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        ) {
+            Ok(()) => {
+                killed.insert(pid);
+            }
+            Err(nix::errno::Errno::ESRCH) => {}
+            Err(errno) => panic!("kill {pid}: {errno}"),
+        }
+        std::thread::sleep(Duration::from_millis(choices.below(30)));
+    }
+    done.store(true, Ordering::SeqCst);
+    caller.join().unwrap();
+    let kept = registrar.join().unwrap();
+    let incarnations: u32 = (0..TARGETS)
+        .map(|t| worker.target_incarnation(TargetId(t)))
+        .sum();
+    assert!(
+        incarnations >= 100,
+        "{incarnations} replacements for 100 kills"
+    );
+    for target in 0..TARGETS {
+        let incarnation = worker.target_incarnation(TargetId(target));
+        wait_for_slot(&worker, target, SlotPhase::Joined, incarnation);
+    }
+    let mut registry: Vec<_> = kept.iter().map(|h| (h.digest(), 1)).collect();
+    registry.push((add.digest(), 1));
+    registry.sort();
+    for (target, table) in worker.inspect().unwrap() {
+        let mut installed = table.unwrap().installed;
+        installed.sort();
+        assert_eq!(installed, registry, "{target}");
+    }
+    check_invariants(&worker, TARGETS);
+    assert!(calls.load(Ordering::SeqCst) > 0);
+    eprintln!(
+        "{} calls, {} retried after a loss, {incarnations} replacements",
+        calls.load(Ordering::SeqCst),
+        retries.load(Ordering::SeqCst)
+    );
+    match Arc::try_unwrap(worker) {
+        Ok(worker) => worker.close(),
+        Err(_) => panic!("the Worker is still shared"),
+    }
 }

@@ -425,7 +425,8 @@ class NextLevel:
     registers joins the inner startup snapshot) and returns a dict of
     handles (``None`` for none), given to orchestration callables as
     ``ctx.handles``. ``control_timeout``, ``operation_timeout``,
-    ``slot_capacity`` and ``max_frame_bytes`` are the inner Worker's, as in
+    ``slot_capacity``, ``max_frame_bytes``, ``probe_first``,
+    ``respawn_limit`` and ``respawn_backoff`` are the inner Worker's, as in
     :class:`Worker`.
 
     The objects are inherited by ``fork``, not pickled: ``setup`` may be any
@@ -440,6 +441,9 @@ class NextLevel:
         "operation_timeout",
         "slot_capacity",
         "max_frame_bytes",
+        "probe_first",
+        "respawn_limit",
+        "respawn_backoff",
     )
 
     def __init__(
@@ -453,11 +457,18 @@ class NextLevel:
         slot_capacity=64,
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
         operation_timeout=None,
+        probe_first=True,
+        respawn_limit=3,
+        respawn_backoff=0.1,
     ):
         if setup is not None and not callable(setup):
             raise TypeError("setup must be a callable or None, not %s" % type(setup).__name__)
         _counts(targets, next_level, next_level_targets)
         _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
+        _check_respawn(probe_first, respawn_limit, respawn_backoff)
+        self.probe_first = probe_first
+        self.respawn_limit = respawn_limit
+        self.respawn_backoff = respawn_backoff
         self.targets = targets
         self.setup = setup
         self.next_level = next_level
@@ -543,6 +554,9 @@ def _start_target(sub_targets, level, target):
             operation_timeout=level.operation_timeout,
             slot_capacity=level.slot_capacity,
             max_frame_bytes=level.max_frame_bytes,
+            probe_first=level.probe_first,
+            respawn_limit=level.respawn_limit,
+            respawn_backoff=level.respawn_backoff,
         )
         handles = level.setup(inner) if level.setup is not None else None
         if handles is None:
@@ -595,6 +609,19 @@ def _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_ti
     _seconds("control_timeout", control_timeout)
     if operation_timeout is not None:
         _seconds("operation_timeout", operation_timeout)
+
+
+def _check_respawn(probe_first, respawn_limit, respawn_backoff):
+    if not isinstance(probe_first, bool):
+        raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
+    if isinstance(respawn_limit, bool) or not isinstance(respawn_limit, int):
+        raise TypeError("respawn_limit must be an int, not %s" % type(respawn_limit).__name__)
+    if not 0 <= respawn_limit <= 0xFFFF:
+        raise ValueError("respawn_limit must be between 0 and 65535, got %d" % respawn_limit)
+    if isinstance(respawn_backoff, bool) or not isinstance(respawn_backoff, (int, float)):
+        raise TypeError("respawn_backoff must be a number of seconds, not %s" % type(respawn_backoff).__name__)
+    if not 0 <= respawn_backoff < float("inf"):
+        raise ValueError("respawn_backoff must be zero or positive, got %r" % (respawn_backoff,))
 
 
 def _seconds(name, value):
@@ -703,6 +730,18 @@ class Worker:
     and how it died. ``False``: every register goes to every target at once
     (one round trip less for a new callable).
 
+    Replacement targets: a target that is lost (it crashed, was killed, or
+    missed a deadline) is replaced by a new process with the same id and
+    the next incarnation (:meth:`target_incarnation`), forked from a
+    template process made at :meth:`start`; it is given every live
+    callable and serves (is in :attr:`targets` again) once it installed
+    them all. ``respawn_limit`` (default 3; 0: no replacements) is how many
+    replacements of one slot in a row may be lost before they join (a
+    callable that kills every new process); after that the slot stays lost
+    and :meth:`slot_events` says so. ``respawn_backoff`` (seconds, default
+    0.1) is the wait before the second replacement in a row, doubling for
+    each further one; the first comes at once.
+
     Next-level targets: with ``next_level`` (a :class:`NextLevel`), the
     Worker also has ``next_level_targets`` (default 1) next-level targets:
     ids ``0 .. targets-1`` are SUB targets (``targets`` may then be 0),
@@ -736,10 +775,11 @@ class Worker:
         max_frame_bytes=DEFAULT_MAX_FRAME_BYTES,
         operation_timeout=None,
         probe_first=True,
+        respawn_limit=3,
+        respawn_backoff=0.1,
     ):
         sub, upper = _counts(targets, next_level, next_level_targets)
-        if not isinstance(probe_first, bool):
-            raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
+        _check_respawn(probe_first, respawn_limit, respawn_backoff)
         _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
         initializer = None if next_level is None else functools.partial(_start_target, sub, next_level)
         try:
@@ -751,6 +791,8 @@ class Worker:
                 initializer,
                 None if operation_timeout is None else float(operation_timeout),
                 probe_first,
+                respawn_limit,
+                float(respawn_backoff),
             )
         except _callreg.RawError as raw:
             _raise(raw)
@@ -1016,10 +1058,32 @@ class Worker:
         """The process id of ``target`` (``None`` before start)."""
         return self._raw.target_pid(self._target(target))
 
+    def target_incarnation(self, target):
+        """The incarnation of ``target``'s current (or next) process: 0 for
+        the one forked at start, one more for each replacement."""
+        return self._raw.target_incarnation(self._target(target))
+
+    def slot_phase(self, target):
+        """Where ``target``'s slot stands: ``"joined"`` (it serves),
+        ``"backing_off"``, ``"spawning"`` or ``"joining"`` (a replacement
+        is on its way), or ``"lost"`` (for good)."""
+        return self._raw.slot_phase(self._target(target))
+
+    def slot_events(self):
+        """What happened to replaced target slots since start, oldest
+        first, as dicts: ``{"event": "spawned", "target", "incarnation",
+        "pid"}``, ``{"event": "spawn_failed", "target", "incarnation",
+        "reason"}``, ``{"event": "joined", "target", "incarnation"}``,
+        ``{"event": "join_failed", "target", "incarnation", "failure":
+        {"code", "message"}}``, ``{"event": "abandoned", "target",
+        "failed_joins"}``."""
+        return json.loads(self._raw.slot_events_json())
+
     def inspect(self):
         """The parent's registry and every live target's table, as dicts
-        (the JSON forms): ``{"registry": {...}, "targets": {id: {"installed":
-        [{"hashid", "refcount"}], "tombstones": n} or None}}``."""
+        (the JSON forms): ``{"registry": {...}, "targets": {id: {"incarnation":
+        n, "installed": [{"hashid", "refcount"}], "tombstones": n} or
+        None}}``."""
         registry = json.loads(self._raw.registry_json())
         tables = {}
         if registry.get("lifecycle") == "started":

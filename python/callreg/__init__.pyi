@@ -91,6 +91,9 @@ class NextLevel:
     operation_timeout: float | None
     slot_capacity: int
     max_frame_bytes: int
+    probe_first: bool
+    respawn_limit: int
+    respawn_backoff: float
     def __init__(
         self,
         targets: int | None = ...,
@@ -102,6 +105,9 @@ class NextLevel:
         slot_capacity: int = ...,
         max_frame_bytes: int = ...,
         operation_timeout: float | None = ...,
+        probe_first: bool = ...,
+        respawn_limit: int = ...,
+        respawn_backoff: float = ...,
     ) -> None: ...
 
 class Context:
@@ -125,6 +131,8 @@ class Worker:
         max_frame_bytes: int = ...,
         operation_timeout: float | None = ...,
         probe_first: bool = ...,
+        respawn_limit: int = ...,
+        respawn_backoff: float = ...,
     ) -> None: ...
     def __enter__(self) -> Worker: ...
     def __exit__(self, *exc: object) -> bool: ...
@@ -146,4 +154,7 @@ class Worker:
     @property
     def next_level_targets(self) -> list[int]: ...
     def target_pid(self, target: int) -> int | None: ...
+    def target_incarnation(self, target: int) -> int: ...
+    def slot_phase(self, target: int) -> str: ...
+    def slot_events(self) -> list[dict[str, Any]]: ...
     def inspect(self) -> dict[str, Any]: ...

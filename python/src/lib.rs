@@ -205,10 +205,13 @@ impl RawWorker {
     /// a result other than `None` is the context every callable there is
     /// called with first). `probe_first`: a callable no target installed
     /// yet goes to one target first ([`WorkerBuilder::probe_first`]).
+    /// `respawn_limit` and `respawn_backoff` (seconds): replacement targets
+    /// ([`WorkerBuilder::respawn_limit`], `specs/protocol.md` §2.9).
     ///
     /// [`WorkerBuilder::probe_first`]: callreg::io::WorkerBuilder::probe_first
+    /// [`WorkerBuilder::respawn_limit`]: callreg::io::WorkerBuilder::respawn_limit
     #[new]
-    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true))]
+    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true, respawn_limit=callreg::protocol::DEFAULT_RESPAWN_LIMIT, respawn_backoff=0.1))]
     // One argument per keyword of the Python constructor.
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -220,7 +223,14 @@ impl RawWorker {
         target_initializer: Option<Py<PyAny>>,
         operation_timeout: Option<f64>,
         probe_first: bool,
+        respawn_limit: u16,
+        respawn_backoff: f64,
     ) -> PyResult<RawWorker> {
+        if !(respawn_backoff.is_finite() && respawn_backoff >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "respawn_backoff must be a non-negative number of seconds, got {respawn_backoff}"
+            )));
+        }
         for (name, seconds) in [
             ("control_timeout", Some(control_timeout)),
             ("operation_timeout", operation_timeout),
@@ -247,6 +257,8 @@ impl RawWorker {
             .slot_capacity(slot_capacity)
             .max_frame_bytes(max_frame_bytes)
             .probe_first(probe_first)
+            .respawn_limit(respawn_limit)
+            .respawn_backoff(Duration::from_secs_f64(respawn_backoff))
             // A Python process usually runs other threads; os.fork forks
             // anyway (with its before/after-fork steps), and so does this.
             .accept_thread_risk()
@@ -463,6 +475,30 @@ impl RawWorker {
         self.worker.target_loss(TargetId(target))
     }
 
+    /// The incarnation of a target slot's current (or next) process: 0
+    /// for the one forked at start, one more per replacement.
+    fn target_incarnation(&self, target: u16) -> u32 {
+        self.worker.target_incarnation(TargetId(target))
+    }
+
+    /// Where a target slot stands: `"joined"`, `"backing_off"`,
+    /// `"spawning"`, `"joining"` or `"lost"`.
+    fn slot_phase(&self, target: u16) -> &'static str {
+        match self.worker.slot_phase(TargetId(target)) {
+            callreg::protocol::SlotPhase::Joined => "joined",
+            callreg::protocol::SlotPhase::BackingOff(_) => "backing_off",
+            callreg::protocol::SlotPhase::Spawning => "spawning",
+            callreg::protocol::SlotPhase::Joining => "joining",
+            callreg::protocol::SlotPhase::Lost => "lost",
+        }
+    }
+
+    /// What happened to replaced slots, oldest first, as JSON (a list of
+    /// `{"event": …, "target": …, …}`).
+    fn slot_events_json(&self) -> String {
+        serde_json::to_string(&self.worker.slot_events()).unwrap_or_else(|_| "[]".to_owned())
+    }
+
     /// The parent's registry snapshot, JSON (`specs/metadata.md` §7).
     fn registry_json(&self) -> String {
         self.worker.parent_state().registry_snapshot().to_json()
@@ -483,6 +519,7 @@ impl RawWorker {
                 Some(table) => serde_json::json!({
                     "target": target.0,
                     "table": {
+                        "incarnation": self.worker.target_incarnation(target),
                         "installed": table.installed.iter().map(|(digest, refcount)| {
                             serde_json::json!({
                                 "hashid": callreg::descriptor::HashId(*digest).to_string(),

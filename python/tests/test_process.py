@@ -58,14 +58,15 @@ class SlowToLoad:
 def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_timeout():
     slow = callreg._callreg.encode_envelope(pickle.dumps(SlowToLoad(1.5)))
     # Busy, not silent: the targets report the register alive meanwhile.
-    with callreg.Worker(2, control_timeout=0.5) as w:
+    # (Replacements off: what is checked is which targets are fenced.)
+    with callreg.Worker(2, control_timeout=0.5, respawn_limit=0) as w:
         w.start()
         h = w.register_envelope(slow)
         assert w.call_all(h, 3) == {0: 9, 1: 9}
         assert w.targets == [0, 1]
     # The operation timeout bounds it all the same. Tried on one target
     # first (probe_first), it costs that target and is refused from then on.
-    with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9) as w:
+    with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9, respawn_limit=0) as w:
         w.start()
         started = time.monotonic()
         with pytest.raises(callreg.RegisterError) as info:
@@ -78,7 +79,7 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
         assert info.value.outcomes == {0: "fenced"}
         assert w.targets == [1]
     # Sent to every target at once, it is fenced on each.
-    with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9, probe_first=False) as w:
+    with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9, probe_first=False, respawn_limit=0) as w:
         w.start()
         started = time.monotonic()
         with pytest.raises(callreg.RegisterError) as info:
@@ -162,7 +163,6 @@ def test_a_callable_that_kills_its_target_at_unpickle_costs_one_target():
         assert "exited with status 5" in str(error)
         assert list(error.outcomes) == [0]
         assert error.outcomes[0].startswith("lost")
-        assert w.targets == [1, 2]
         # Refused from now on, without reaching a target.
         with pytest.raises(callreg.RegisterError) as again:
             w.register_envelope(envelope)
@@ -171,13 +171,16 @@ def test_a_callable_that_kills_its_target_at_unpickle_costs_one_target():
         assert "exited with status 5" in str(again.value)
         assert again.value.outcomes == {}
         assert [w.target_pid(t) for t in (1, 2)] == pids
-        # The survivors serve the callables they held and new ones.
-        assert w.call_all(good, 3) == {1: 9, 2: 9}
+        # The lost target is replaced (given what is live, never the
+        # poisoned callable): the Worker keeps all its targets.
+        _wait_for_slot(w, 0, "joined", 1)
+        assert w.targets == [0, 1, 2]
+        assert w.call_all(good, 3) == {0: 9, 1: 9, 2: 9}
         late = w.register(lambda x: x + 1)
-        assert w.call_all(late, 1) == {1: 2, 2: 2}
+        assert w.call_all(late, 1) == {0: 2, 1: 2, 2: 2}
     # Without probing, the same callable reaches every target at once and
-    # kills each.
-    with callreg.Worker(2, probe_first=False) as w:
+    # kills each (replacements off: none is left).
+    with callreg.Worker(2, probe_first=False, respawn_limit=0) as w:
         w.start()
         with pytest.raises(callreg.RegisterError) as info:
             w.register_envelope(envelope)
@@ -242,7 +245,8 @@ def scaled(x):
 
 
 def test_a_killed_target_fails_its_tasks_and_the_rest_keep_working():
-    with callreg.Worker(3) as w:
+    # Replacements off: the lost target stays out.
+    with callreg.Worker(3, respawn_limit=0) as w:
         w.start()
         slow = w.register(sleep_then)
         pid = w.target_pid(1)
@@ -267,7 +271,7 @@ def test_a_killed_target_fails_its_tasks_and_the_rest_keep_working():
 
 
 def test_with_every_target_lost_tasks_fail_no_live_target():
-    with callreg.Worker(2) as w:
+    with callreg.Worker(2, respawn_limit=0) as w:
         w.start()
         h = w.register(square)
         for target in (0, 1):
@@ -554,3 +558,85 @@ def test_default_targets_are_one_per_cpu_and_with_closes():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# --------------------------------------------------------------------------
+# Replacement targets
+
+
+def _wait_for_slot(w, target, phase, incarnation, timeout=20):
+    deadline = time.monotonic() + timeout
+    while (w.slot_phase(target), w.target_incarnation(target)) != (phase, incarnation):
+        assert time.monotonic() < deadline, (w.slot_phase(target), w.target_incarnation(target), w.slot_events())
+        time.sleep(0.005)
+
+
+def cube(x):
+    return x * x * x
+
+
+def test_a_killed_target_is_replaced_and_holds_every_callable():
+    with callreg.Worker(2) as w:
+        before = w.register(square)
+        w.start()
+        after = w.register(cube)
+        old = w.target_pid(1)
+        os.kill(old, signal.SIGKILL)
+        _wait_for_slot(w, 1, "joined", 1)
+        new = w.target_pid(1)
+        assert new != old
+        assert w.targets == [0, 1]
+        assert w.slot_events() == [
+            {"event": "spawned", "target": 1, "incarnation": 1, "pid": new},
+            {"event": "joined", "target": 1, "incarnation": 1},
+        ]
+        assert w.call(before, 3, target=1) == 9
+        assert w.call(after, 3, target=1) == 27
+        tables = w.inspect()["targets"]
+        assert [tables[t]["incarnation"] for t in (0, 1)] == [0, 1]
+        installed = {t: sorted((e["hashid"], e["refcount"]) for e in tables[t]["installed"]) for t in (0, 1)}
+        assert installed[0] == installed[1] == sorted([(before.hashid, 1), (after.hashid, 1)])
+        assert w.target_incarnation(0) == 0 and w.slot_phase(0) == "joined"
+
+
+def test_without_replacements_a_killed_target_stays_lost():
+    with callreg.Worker(2, respawn_limit=0) as w:
+        w.start()
+        os.kill(w.target_pid(1), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while w.slot_phase(1) != "lost":
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert w.targets == [0]
+        assert w.slot_events() == []
+        assert w.target_incarnation(1) == 0
+
+
+def test_a_callable_that_kills_every_new_process_stops_at_the_rate_limit():
+    envelope = callreg._callreg.encode_envelope(pickle.dumps(ExitsAtUnpickle()))
+    with callreg.Worker(1, respawn_limit=2, respawn_backoff=0.01) as w:
+        w.register_envelope(envelope)
+        # The target forked at start installs it, and dies.
+        with pytest.raises(callreg.RegisterError) as info:
+            w.start()
+        assert info.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert info.value.outcomes == {0: "failed (TARGET_LOST: the target exited with status 5 before it was ready)"}
+        _wait_for_slot(w, 0, "lost", 2)
+        events = [(e["event"], e.get("incarnation", e.get("failed_joins"))) for e in w.slot_events()]
+        assert events == [("spawned", 1), ("spawned", 2), ("abandoned", 2)]
+        assert w.targets == []
+
+
+def test_respawn_options_are_checked():
+    with pytest.raises(ValueError, match="respawn_limit must be between 0 and 65535, got -1"):
+        callreg.Worker(1, respawn_limit=-1)
+    with pytest.raises(TypeError, match="respawn_limit must be an int, not float"):
+        callreg.Worker(1, respawn_limit=1.5)
+    with pytest.raises(ValueError, match=r"respawn_backoff must be zero or positive, got -0.5"):
+        callreg.Worker(1, respawn_backoff=-0.5)
+    with pytest.raises(TypeError, match="respawn_backoff must be a number of seconds, not str"):
+        callreg.NextLevel(1, respawn_backoff="1")
+    with pytest.raises(TypeError, match="probe_first must be True or False, not int"):
+        callreg.NextLevel(1, probe_first=1)
+    level = callreg.NextLevel(1, respawn_limit=0, respawn_backoff=2, probe_first=False)
+    assert (level.respawn_limit, level.respawn_backoff, level.probe_first) == (0, 2, False)

@@ -91,8 +91,13 @@ def level_and_pid(*args):
     return "sub", os.getpid()
 
 
-def tree(sub=1, inner=3, upper=2, setup=setup_square):
-    return callreg.Worker(sub, next_level=callreg.NextLevel(inner, setup=setup), next_level_targets=upper)
+def tree(sub=1, inner=3, upper=2, setup=setup_square, respawn_limit=3):
+    return callreg.Worker(
+        sub,
+        next_level=callreg.NextLevel(inner, setup=setup, respawn_limit=respawn_limit),
+        next_level_targets=upper,
+        respawn_limit=respawn_limit,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -269,11 +274,12 @@ def test_inner_targets_do_not_hold_their_next_level_targets_channels():
         mine = channels_of(os.getpid(), "pipe")
         pipes = (mine & channels_of(pid, "pipe")) - channels_of(sibling, "pipe")
         assert len(pipes) == 1
-        # Its sockets (one inode per end): its control end and its inner
-        # Worker's two control ends, held by neither this process nor the
-        # sibling.
+        # Its sockets (one inode per end): its control end, its inner
+        # Worker's two control ends and its end of the inner Worker's
+        # template process (replacements), held by neither this process
+        # nor the sibling.
         sockets = channels_of(pid, "socket") - channels_of(sibling, "socket") - channels_of(os.getpid(), "socket")
-        assert len(sockets) == 3
+        assert len(sockets) == 4
         for inner_pid in inner.values():
             assert channels_of(inner_pid, "pipe") & pipes == set()
             assert channels_of(inner_pid, "socket") & sockets == set()
@@ -284,7 +290,8 @@ def test_inner_targets_do_not_hold_their_next_level_targets_channels():
 
 
 def test_killing_an_inner_target_then_a_next_level_child():
-    with tree(sub=1, inner=3, upper=2) as w:
+    # Replacements off at both levels: this is about what a loss does.
+    with tree(sub=1, inner=3, upper=2, respawn_limit=0) as w:
         w.start()
         pids = w.register(tree_pids)
         inner_call = w.register(call_inner)
@@ -415,7 +422,7 @@ def test_a_payload_failing_on_the_next_level_kind_only_is_rolled_back_everywhere
 
 
 def test_a_next_level_child_dying_mid_register_leaves_no_install():
-    with tree(sub=2, inner=1, upper=1) as w:
+    with tree(sub=2, inner=1, upper=1, respawn_limit=0) as w:
         w.start()
         pids = w.register(tree_pids)
         pid, inner = w.call(pids, target=2)

@@ -11,6 +11,11 @@
 //!   their callable metadata, which only the targets act on).
 //! * One IO thread per started Worker: the only place the machine is
 //!   driven after start and the only place its effects are carried out.
+//! * With replacement targets on (the default, `specs/protocol.md` §2.9),
+//!   one template process ([`super::zygote`]), forked at start right after
+//!   the targets and before the IO thread: the parent never forks once it
+//!   runs threads, so every replacement is forked by the template, on the
+//!   IO thread's request.
 //!
 //! # The IO thread's run rule
 //!
@@ -42,7 +47,14 @@
 //!
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
-//! with `stage_failed`); `Send` encodes a wire frame into the target's
+//! with `stage_failed`), and, with replacements on, keeps it by digest for
+//! as long as `Parent::keeps_envelope` says (a startup-snapshot envelope is
+//! kept as bytes, staged at its first replay); `Restage` binds that kept
+//! payload again; `Spawn` asks the template for a new process and links it
+//! (`target_died` if it cannot), whose ready report becomes
+//! `target_spawned` (one that is not ready within the control timeout is
+//! lost); `Joined`, `JoinFailed` and `Abandoned` are recorded as
+//! [`SlotEvent`]s; `Send` encodes a wire frame into the target's
 //! outbox (a register's carries its metadata as JSON, and its staged
 //! payload, one for every target, waits beside it until the frame's first
 //! byte is sent with its descriptor); `ReleaseStaged` closes the parent's
@@ -1212,7 +1224,7 @@ impl<R: Runtime> Worker<R> {
                 .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         }
         ignore_sigpipe();
-        check_descriptor_room(self.targets).map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
+        check_descriptor_room(self.targets, self.respawn).map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         // One deadline for the whole start, from before the first fork:
         // every target must be ready by then (forking under load, and every
         // target starting its runtime at once, all count against it).
@@ -1467,7 +1479,7 @@ fn refuse(request: Request, before_start: bool) {
 ///
 /// # Errors
 /// The message naming what is needed and what the limit allows.
-fn check_descriptor_room(targets: u16) -> Result<(), String> {
+fn check_descriptor_room(targets: u16, respawn: bool) -> Result<(), String> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -1479,14 +1491,19 @@ fn check_descriptor_room(targets: u16) -> Result<(), String> {
         return Ok(());
     }
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-    let needed = 3 * u64::from(targets) + 2;
+    let needed = 3 * u64::from(targets) + 2 + u64::from(respawn);
     // `rlim_t` is `u64` on Linux.
     let room = limit
         .rlim_cur
         .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
     if needed > room {
         return Err(format!(
-            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, and a wake pipe), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each{}), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            if respawn {
+                ", a wake pipe and the replacements' template process"
+            } else {
+                ", and a wake pipe"
+            },
             limit.rlim_cur
         ));
     }

@@ -21,7 +21,9 @@
 //! descriptors but its own two channel ends and 0, 1, 2. The template
 //! closes every descriptor it inherits but its request socket, the way a
 //! target does ([`super::process`]: all above 2, or only callreg's tracked
-//! ones for a runtime that keeps inherited descriptors).
+//! ones for a runtime that keeps inherited descriptors). The template sets
+//! SIGCHLD to its default disposition (it must reap), so replacements
+//! start with the default too, whatever the parent had.
 //!
 //! # The request socket
 //!
@@ -318,8 +320,8 @@ impl Zygote {
     /// returns its targets. Safe to call from any thread of a threaded
     /// process (the parent does not fork). Calls are serialized, with each
     /// other and with the replacements' `try_reap`/`reap`, which wait for
-    /// a spawn in progress (one takes well under a millisecond on an idle
-    /// machine, at most the spawn timeout).
+    /// a spawn in progress (one fork in the template; at most the spawn
+    /// timeout).
     ///
     /// # Errors
     /// [`ProcessError::ZygoteGone`] after [`Zygote::close`] or when the
