@@ -121,7 +121,12 @@ fn the_example_plan_meets_every_expectation() {
         "{kill}"
     );
     assert_eq!(
-        kill["slots"][1],
+        kill["slots"][0],
+        serde_json::json!({"event": "lost", "target": 3, "incarnation": 0,
+            "cause": "its reply pipe closed; it was killed by signal 9"})
+    );
+    assert_eq!(
+        kill["slots"][2],
         serde_json::json!({"event": "joined", "target": 3, "incarnation": 1})
     );
     let after_kill = lines
@@ -516,7 +521,12 @@ fn steps_after_a_failed_start_are_not_run() {
     // Its replacements load the snapshot by replay and die too: after
     // three in a row the slot is given up, and no target serves.
     assert!(
-        without_duration(lines[1]).ends_with("; not replaced] [target 0: given up after 3 replacements in a row were lost before they joined] -- the step failed"),
+        without_duration(lines[1]).ends_with(
+            "; not replaced] [target 0: incarnation 1 lost (its reply pipe closed; it exited with status 3); \
+             target 0: incarnation 2 lost (its reply pipe closed; it exited with status 3); \
+             target 0: incarnation 3 lost (its reply pipe closed; it exited with status 3); \
+             target 0: given up after 3 replacements in a row were lost before they joined] -- the step failed"
+        ),
         "{stdout}"
     );
     assert_eq!(
@@ -812,6 +822,8 @@ fn a_killed_target_is_replaced_before_the_next_step() {
             "targets": [{"target": 0, "outcome": "killed", "detail": "it was killed by signal 9",
                 "replacement": format!("replaced by incarnation {incarnation}")}],
             "slots": [
+                {"event": "lost", "target": 0, "incarnation": incarnation - 1,
+                    "cause": "its reply pipe closed; it was killed by signal 9"},
                 {"event": "spawned", "target": 0, "incarnation": incarnation, "pid": 0},
                 {"event": "joined", "target": 0, "incarnation": incarnation}],
             "micros": 0})
@@ -819,7 +831,7 @@ fn a_killed_target_is_replaced_before_the_next_step() {
     assert_eq!(stable(lines[2].clone()), killed(1));
     assert_eq!(stable(lines[4].clone()), killed(2));
     // The pid is the replacement's: a new process each time.
-    let pid = |line: &Value| line["slots"][0]["pid"].as_i64().expect("a pid");
+    let pid = |line: &Value| line["slots"][1]["pid"].as_i64().expect("a pid");
     assert_ne!(pid(&lines[2]), pid(&lines[4]));
     // No other step had slot events.
     for line in [&lines[0], &lines[1], &lines[3], &lines[5]] {
@@ -876,7 +888,7 @@ fn a_slot_whose_replacements_die_is_given_up() {
         [
             "step 1 start: ok",
             "step 2 call later [target 0]: ok -> 2",
-            "step 3 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9); not replaced] [target 0: given up after 2 replacements in a row were lost before they joined]",
+            "step 3 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9); not replaced] [target 0: incarnation 1 lost (its reply pipe closed; it exited with status 3); target 0: incarnation 2 lost (its reply pipe closed; it exited with status 3); target 0: given up after 2 replacements in a row were lost before they joined]",
             "step 4 kill_target [target 0]: ok, failed as expected: NO_LIVE_TARGET: target 0 is not live, so it cannot be killed [target 0 lost (it exited with status 3)]",
             "summary: 5 steps, 5 as expected, 0 not",
         ]
@@ -935,6 +947,8 @@ fn a_target_lost_at_start_is_replaced() {
                 "targets": [{"target": 0, "outcome": "failed", "detail": lost,
                     "replacement": "replaced by incarnation 1"}],
                 "slots": [
+                    {"event": "lost", "target": 0, "incarnation": 0,
+                        "cause": format!("at start: failed ({lost})")},
                     {"event": "spawned", "target": 0, "incarnation": 1, "pid": 0},
                     {"event": "joined", "target": 0, "incarnation": 1}],
                 "code": "REGISTER_PARTIAL_FAILURE", "error": error})

@@ -66,6 +66,11 @@ fn a_killed_target_is_replaced_and_serves_the_registry() {
     assert_eq!(
         events,
         [
+            SlotEvent::Lost {
+                target: TargetId(0),
+                incarnation: 0,
+                cause: "its reply pipe closed; it was killed by signal 9".to_owned()
+            },
             SlotEvent::Spawned {
                 target: TargetId(0),
                 incarnation: 1,
@@ -134,15 +139,22 @@ fn a_replacement_killed_while_it_joins_is_replaced_after_the_back_off() {
     let first = kill(&worker, 1);
     wait_for_slot(&worker, 1, SlotPhase::Joined, 2);
     let second = worker.target_pid(TargetId(1)).unwrap();
+    let killed = |incarnation| SlotEvent::Lost {
+        target: TargetId(1),
+        incarnation,
+        cause: "its reply pipe closed; it was killed by signal 9".to_owned(),
+    };
     let events = worker.slot_events();
     assert_eq!(
         events,
         [
+            killed(0),
             SlotEvent::Spawned {
                 target: TargetId(1),
                 incarnation: 1,
                 pid: first
             },
+            killed(1),
             SlotEvent::Spawned {
                 target: TargetId(1),
                 incarnation: 2,
@@ -189,9 +201,9 @@ fn a_callable_that_kills_every_new_process_stops_at_the_rate_limit() {
         let of_target: Vec<String> = events
             .iter()
             .filter(|e| match e {
-                SlotEvent::Spawned { target: t, .. } | SlotEvent::Abandoned { target: t, .. } => {
-                    *t == target
-                }
+                SlotEvent::Spawned { target: t, .. }
+                | SlotEvent::Lost { target: t, .. }
+                | SlotEvent::Abandoned { target: t, .. } => *t == target,
                 other => panic!("{other:?}"),
             })
             .map(|e| match e {
@@ -199,12 +211,20 @@ fn a_callable_that_kills_every_new_process_stops_at_the_rate_limit() {
                 other => other.to_string(),
             })
             .collect();
+        let status = callreg::runtime::testing::CRASH_EXIT_CODE;
+        let died = |incarnation| {
+            format!("{target}: incarnation {incarnation} lost (its reply pipe closed; it exited with status {status})")
+        };
         assert_eq!(
             of_target,
             [
+                format!("{target}: incarnation 0 lost (at start: failed (TARGET_LOST: the target exited with status {status} before it was ready))"),
                 "spawned 1".to_owned(),
+                died(1),
                 "spawned 2".to_owned(),
+                died(2),
                 "spawned 3".to_owned(),
+                died(3),
                 format!(
                     "{target}: given up after 3 replacements in a row were lost before they joined"
                 ),
@@ -253,11 +273,17 @@ fn the_parent_keeps_one_sealed_payload_per_live_digest_for_replays() {
     assert_eq!(callreg::io::staging::open_payloads().unwrap().len(), 2);
     worker.unregister(&second).unwrap();
     worker.unregister(&other).unwrap();
-    assert_eq!(
-        callreg::io::staging::open_payloads().unwrap(),
-        Vec::<i32>::new()
-    );
     assert_eq!(worker.retained_envelope_bytes(), 0);
+    // Closed right after the unregister was answered (its caller does
+    // not wait for a large payload's freeing).
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while !callreg::io::staging::open_payloads().unwrap().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a kept payload stayed open"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     worker.close();
 }
 

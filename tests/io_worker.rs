@@ -703,6 +703,23 @@ fn lifecycle_errors_and_idempotent_close() {
             .contains("the control timeout must be at least 1 microsecond"),
         "{err}"
     );
+    // Deadlines are instants from now: a time that would overflow one is
+    // refused, each by name.
+    let too_long = callreg::io::worker::MAX_TIMEOUT + Duration::from_secs(1);
+    for (what, builder) in [
+        ("control timeout", builder(1).control_timeout(too_long)),
+        ("operation timeout", builder(1).operation_timeout(too_long)),
+        ("respawn back-off", builder(1).respawn_backoff(too_long)),
+    ] {
+        let err = builder.build().err().expect("refused");
+        assert_eq!(
+            (err.code, err.message),
+            (
+                ErrorCode::LIFECYCLE_INVALID,
+                format!("the {what} must be at most 1000000000 seconds")
+            )
+        );
+    }
     let worker = builder(1).build().unwrap();
     let echo = worker.register(&envelope("echo")).unwrap();
     let err = worker

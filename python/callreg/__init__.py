@@ -611,6 +611,10 @@ def _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_ti
         _seconds("operation_timeout", operation_timeout)
 
 
+# The longest time a Worker's option may name (about 31 years).
+_MAX_SECONDS = 10**9
+
+
 def _check_respawn(probe_first, respawn_limit, respawn_backoff):
     if not isinstance(probe_first, bool):
         raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
@@ -622,6 +626,8 @@ def _check_respawn(probe_first, respawn_limit, respawn_backoff):
         raise TypeError("respawn_backoff must be a number of seconds, not %s" % type(respawn_backoff).__name__)
     if not 0 <= respawn_backoff < float("inf"):
         raise ValueError("respawn_backoff must be zero or positive, got %r" % (respawn_backoff,))
+    if respawn_backoff > _MAX_SECONDS:
+        raise ValueError("respawn_backoff must be at most %d seconds, got %r" % (_MAX_SECONDS, respawn_backoff))
 
 
 def _seconds(name, value):
@@ -629,6 +635,8 @@ def _seconds(name, value):
         raise TypeError("%s must be a number of seconds, not %s" % (name, type(value).__name__))
     if not 0 < value < float("inf"):
         raise ValueError("%s must be positive, got %r" % (name, value))
+    if value > _MAX_SECONDS:
+        raise ValueError("%s must be at most %d seconds, got %r" % (name, _MAX_SECONDS, value))
 
 
 # --------------------------------------------------------------------------

@@ -143,6 +143,28 @@ fn operation_err(py: Python<'_>, e: &OperationError) -> PyErr {
     }
 }
 
+/// `seconds` as a [`Duration`]: finite, positive (or zero when
+/// `zero_ok`), and no more than a `Duration` holds.
+///
+/// # Errors
+/// `ValueError` naming `name` otherwise.
+fn duration(name: &str, seconds: f64, zero_ok: bool) -> PyResult<Duration> {
+    let least = if zero_ok { "zero or positive" } else { "positive" };
+    if !(seconds.is_finite() && (seconds > 0.0 || (zero_ok && seconds == 0.0))) {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be {least}, got {seconds}"
+        )));
+    }
+    let max = callreg::io::worker::MAX_TIMEOUT;
+    match Duration::try_from_secs_f64(seconds) {
+        Ok(duration) if duration <= max => Ok(duration),
+        _ => Err(PyValueError::new_err(format!(
+            "{name} must be at most {} seconds, got {seconds}",
+            max.as_secs()
+        ))),
+    }
+}
+
 fn plain_err(py: Python<'_>, e: &Error) -> PyErr {
     match error_dict(py, e, e.to_string(), "", &[], &[]) {
         Ok(dict) => raw_error(dict),
@@ -226,39 +248,27 @@ impl RawWorker {
         respawn_limit: u16,
         respawn_backoff: f64,
     ) -> PyResult<RawWorker> {
-        if !(respawn_backoff.is_finite() && respawn_backoff >= 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "respawn_backoff must be a non-negative number of seconds, got {respawn_backoff}"
-            )));
-        }
-        for (name, seconds) in [
-            ("control_timeout", Some(control_timeout)),
-            ("operation_timeout", operation_timeout),
-        ] {
-            if let Some(seconds) = seconds {
-                if !(seconds.is_finite() && seconds > 0.0) {
-                    return Err(PyValueError::new_err(format!(
-                        "{name} must be a positive number of seconds, got {seconds}"
-                    )));
-                }
-            }
-        }
+        let respawn_backoff = duration("respawn_backoff", respawn_backoff, true)?;
+        let control_timeout = duration("control_timeout", control_timeout, false)?;
+        let operation_timeout = operation_timeout
+            .map(|seconds| duration("operation_timeout", seconds, false))
+            .transpose()?;
         let mut runtime = PythonRuntime::inherited();
         if let Some(initializer) = target_initializer {
             runtime = runtime.with_target_initializer(initializer);
         }
         let mut builder = Worker::builder(Arc::new(runtime))
             .targets(targets)
-            .control_timeout(Duration::from_secs_f64(control_timeout));
-        if let Some(seconds) = operation_timeout {
-            builder = builder.operation_timeout(Duration::from_secs_f64(seconds));
+            .control_timeout(control_timeout);
+        if let Some(timeout) = operation_timeout {
+            builder = builder.operation_timeout(timeout);
         }
         let worker = builder
             .slot_capacity(slot_capacity)
             .max_frame_bytes(max_frame_bytes)
             .probe_first(probe_first)
             .respawn_limit(respawn_limit)
-            .respawn_backoff(Duration::from_secs_f64(respawn_backoff))
+            .respawn_backoff(respawn_backoff)
             // A Python process usually runs other threads; os.fork forks
             // anyway (with its before/after-fork steps), and so does this.
             .accept_thread_risk()
@@ -426,7 +436,13 @@ impl RawWorker {
         py: Python<'py>,
         timeout: f64,
     ) -> PyResult<Option<Bound<'py, PyList>>> {
-        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        // Negative or NaN: do not wait; beyond what a Duration holds: wait
+        // as long as one can.
+        let timeout = if timeout.is_nan() || timeout <= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::try_from_secs_f64(timeout).unwrap_or(Duration::MAX)
+        };
         let received = py.detach(|| {
             let receiver = self.receiver.lock().unwrap_or_else(|p| p.into_inner());
             let mut batch = Vec::new();

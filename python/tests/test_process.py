@@ -638,5 +638,11 @@ def test_respawn_options_are_checked():
         callreg.NextLevel(1, respawn_backoff="1")
     with pytest.raises(TypeError, match="probe_first must be True or False, not int"):
         callreg.NextLevel(1, probe_first=1)
+    # Longer than a deadline can be: refused, never a panic.
+    for name in ("control_timeout", "operation_timeout", "respawn_backoff"):
+        with pytest.raises(ValueError, match="%s must be at most 1000000000 seconds, got 1e\\+300" % name):
+            callreg.Worker(1, **{name: 1e300})
+        with pytest.raises(ValueError, match="%s must be at most 1000000000 seconds" % name):
+            callreg.NextLevel(1, **{name: 1e300})
     level = callreg.NextLevel(1, respawn_limit=0, respawn_backoff=2, probe_first=False)
     assert (level.respawn_limit, level.respawn_backoff, level.probe_first) == (0, 2, False)

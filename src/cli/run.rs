@@ -1221,11 +1221,29 @@ mod with_python {
             line.push_str(&format!(" [{}]", lost.join(", ")));
         }
         // A replacement's start is left out: its pid differs on every run
-        // (the `--json` line has it); its join or failure says enough.
+        // (the `--json` line has it); its join or failure says enough. So
+        // is the first loss of each target the line already names lost or
+        // killed: the bracket above says why.
+        let mut named: Vec<u16> = report
+            .targets
+            .iter()
+            .filter(|t| t.outcome != "ok")
+            .map(|t| t.target)
+            .collect();
         let slots: Vec<String> = report
             .slots
             .iter()
-            .filter(|event| !matches!(event, SlotEvent::Spawned { .. }))
+            .filter(|event| match event {
+                SlotEvent::Spawned { .. } => false,
+                SlotEvent::Lost { target, .. } => match named.iter().position(|t| *t == target.0) {
+                    Some(at) => {
+                        named.remove(at);
+                        false
+                    }
+                    None => true,
+                },
+                _ => true,
+            })
             .map(|event| one_line(&event.to_string()))
             .collect();
         if !slots.is_empty() {

@@ -238,13 +238,13 @@ pub enum ProcessError {
     /// A zygote's template process is gone: [`super::zygote::Zygote::close`]
     /// ended it, or it died (killed, or its parent thread ended). It forks
     /// no more targets.
-    #[error("the zygote's template process is gone: no more targets can be forked from it")]
+    #[error("the template process of replacement targets is gone: no more targets can be forked from it")]
     ZygoteGone,
     /// A zygote's template did not answer in time: no reply to a spawn
     /// request within the zygote's spawn timeout, or no exit report of a
     /// killed replacement within [`super::zygote::REPORT_TIMEOUT`] (the
     /// template is stopped or overloaded).
-    #[error("the zygote's template did not answer {what} within {waited:?}")]
+    #[error("the template process of replacement targets did not answer {what} within {waited:?}")]
     ZygoteTimeout {
         /// What was awaited (`"a spawn request"`, `"an exit report"`).
         what: &'static str,
@@ -255,7 +255,7 @@ pub enum ProcessError {
     /// template died before it could report it (the replacement itself was
     /// killed by `PR_SET_PDEATHSIG` if it outlived the template), or its
     /// `waitpid` failed. [`TargetProcess::exit`] stays `None`.
-    #[error("target process {pid} ended, but its exit status was lost with the zygote's template")]
+    #[error("target process {pid} ended, but its exit status was lost with the template process that forked it")]
     ExitLost {
         /// The replacement's pid.
         pid: i32,

@@ -96,6 +96,10 @@ use crate::wire::{Frame, FrameBuffer, DEFAULT_MAX_FRAME_BYTES, HEADER_BYTES, MIN
 /// The default control timeout: 30 seconds.
 pub const DEFAULT_CONTROL_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The longest control timeout, operation timeout or respawn back-off a
+/// [`WorkerBuilder`] accepts: 10⁹ seconds (about 31 years).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
+
 /// The default operation timeout, as a multiple of the control timeout
 /// ([`WorkerBuilder::operation_timeout`]).
 pub const OPERATION_TIMEOUT_FACTOR: u32 = 10;
@@ -368,8 +372,10 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// The Worker, not started: registrations go into the startup snapshot.
     ///
     /// # Errors
-    /// `LIFECYCLE_INVALID` for 0 targets, 0 slots, a zero control timeout
-    /// or a maximum frame size below [`MIN_MAX_FRAME_BYTES`]; `IO_FAILED`
+    /// `LIFECYCLE_INVALID` for 0 targets, 0 slots, a zero control timeout,
+    /// a control timeout, operation timeout or respawn back-off above
+    /// [`MAX_TIMEOUT`], or a maximum frame size below
+    /// [`MIN_MAX_FRAME_BYTES`]; `IO_FAILED`
     /// when no random owner token can be drawn.
     pub fn build(self) -> Result<Worker<R>, Error> {
         let invalid = |message: String| {
@@ -386,6 +392,19 @@ impl<R: Runtime> WorkerBuilder<R> {
             return Err(invalid(
                 "the control timeout must be at least 1 microsecond".to_owned(),
             ));
+        }
+        // Deadlines are instants from now: a longer time would overflow.
+        for (what, time) in [
+            ("the control timeout", Some(self.control_timeout)),
+            ("the operation timeout", self.operation_timeout),
+            ("the respawn back-off", Some(self.respawn_backoff)),
+        ] {
+            if time.is_some_and(|t| t > MAX_TIMEOUT) {
+                return Err(invalid(format!(
+                    "{what} must be at most {} seconds",
+                    MAX_TIMEOUT.as_secs()
+                )));
+            }
         }
         if self.max_frame_bytes < MIN_MAX_FRAME_BYTES {
             return Err(invalid(format!(
@@ -431,7 +450,7 @@ impl<R: Runtime> WorkerBuilder<R> {
                     wake: None,
                     pids: Vec::new(),
                     kept: BTreeMap::new(),
-                    events: Vec::new(),
+                    events: VecDeque::new(),
                     exits: BTreeMap::new(),
                     losses: BTreeMap::new(),
                 }),
@@ -595,15 +614,34 @@ struct Core {
     /// its control carries, kept to replay it to replacements
     /// (`specs/protocol.md` §2.9).
     kept: BTreeMap<Digest, Kept>,
-    /// What happened to replaced slots, oldest first.
-    events: Vec<SlotEvent>,
+    /// What happened to replaced slots, oldest first (the last
+    /// [`SLOT_EVENTS_KEPT`]).
+    events: VecDeque<SlotEvent>,
     /// How lost targets ended.
     exits: BTreeMap<TargetId, Exit>,
     /// Why lost targets were given up, with how they ended.
     losses: BTreeMap<TargetId, String>,
 }
 
+/// A replacement the template forked for `target`'s slot, as incarnation
+/// `incarnation`, or why it could not.
+struct Spawned {
+    target: TargetId,
+    incarnation: u32,
+    result: Result<TargetProcess, String>,
+}
+
+/// How many slot events a Worker keeps ([`Worker::slot_events`]).
+pub const SLOT_EVENTS_KEPT: usize = 1024;
+
 impl Core {
+    fn record(&mut self, event: SlotEvent) {
+        if self.events.len() == SLOT_EVENTS_KEPT {
+            self.events.pop_front();
+        }
+        self.events.push_back(event);
+    }
+
     /// Drops the startup snapshot's envelope bytes and metadata: at start
     /// (every target inherited them through `fork`) and at a close before
     /// start.
@@ -645,6 +683,18 @@ pub enum SlotEvent {
         incarnation: u32,
         /// Its process id.
         pid: i32,
+    },
+    /// A target's process was lost (with replacements on: what starts a
+    /// replacement, or counts against the rate limit if it had not
+    /// joined).
+    Lost {
+        /// The slot.
+        target: TargetId,
+        /// The lost process's incarnation.
+        incarnation: u32,
+        /// Why it was given up and how it ended, as
+        /// [`Worker::target_loss`] says.
+        cause: String,
     },
     /// A replacement could not be started (the template process failed
     /// or is gone); it counts as one lost before it joined.
@@ -691,6 +741,11 @@ impl std::fmt::Display for SlotEvent {
                 incarnation,
                 pid,
             } => write!(f, "{target}: incarnation {incarnation} started (pid {pid})"),
+            SlotEvent::Lost {
+                target,
+                incarnation,
+                cause,
+            } => write!(f, "{target}: incarnation {incarnation} lost ({cause})"),
             SlotEvent::SpawnFailed {
                 target,
                 incarnation,
@@ -1078,18 +1133,26 @@ impl<R: Runtime> Worker<R> {
     }
 
     /// Where `target`'s slot stands: serving (`Joined`), being replaced
-    /// (`BackingOff`, `Spawning`, `Joining`) or `Lost` for good.
+    /// (`BackingOff`, `Spawning`, `Joining`) or `Lost` for good (every
+    /// slot, once closed).
     pub fn slot_phase(&self, target: TargetId) -> SlotPhase {
-        self.shared.lock().machine.slot_phase(target)
+        let core = self.shared.lock();
+        match core.machine.lifecycle() {
+            Lifecycle::Closed => SlotPhase::Lost,
+            _ => core.machine.slot_phase(target),
+        }
     }
 
-    /// Everything that happened to replaced slots since start, oldest
-    /// first: replacements started, joined, failed, slots given up.
+    /// What happened to target slots since start, oldest first (the last
+    /// [`SLOT_EVENTS_KEPT`]): with replacements on, every loss, and every
+    /// replacement started, joined or failed, and slots given up.
     pub fn slot_events(&self) -> Vec<SlotEvent> {
-        self.shared.lock().events.clone()
+        self.shared.lock().events.iter().cloned().collect()
     }
 
-    /// The process id of `target` (for supervision and tests), if started.
+    /// The process id of `target`'s latest process (for supervision and
+    /// tests), if started; it may have ended since (see
+    /// [`Worker::slot_phase`]).
     pub fn target_pid(&self, target: TargetId) -> Option<i32> {
         self.shared.lock().pids.get(usize::from(target.0)).copied()
     }
@@ -1328,6 +1391,13 @@ impl<R: Runtime> Worker<R> {
                         core.exits.insert(*target, exit);
                     }
                 }
+                if self.respawn {
+                    core.record(SlotEvent::Lost {
+                        target: *target,
+                        incarnation: 0,
+                        cause: format!("at start: {}", outcome_text(outcome)),
+                    });
+                }
                 let _ = core.machine.target_lost(*target, now);
             }
         }
@@ -1358,7 +1428,9 @@ impl<R: Runtime> Worker<R> {
             clock: self.clock,
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
-            zygote,
+            zygote: zygote.map(Arc::new),
+            spawners: Vec::new(),
+            spawned: Arc::new(Mutex::new(VecDeque::new())),
             starting: BTreeMap::new(),
             fence_reasons: BTreeMap::new(),
             graveyard: Vec::new(),
@@ -1818,7 +1890,14 @@ struct IoLoop {
     handovers: Vec<Box<dyn FnOnce() + Send>>,
     /// The template process replacements are forked from (`None` with
     /// replacements off).
-    zygote: Option<Zygote>,
+    zygote: Option<Arc<Zygote>>,
+    /// The threads asking the template for replacements (a spawn waits
+    /// for the template's answer; the IO thread never does).
+    spawners: Vec<JoinHandle<()>>,
+    /// Replacements the template forked (or failed to) on a spawning
+    /// thread, for the IO thread to link; spawning threads never take the
+    /// state lock (a close joins them while holding it).
+    spawned: Arc<Mutex<VecDeque<Spawned>>>,
     /// Replacements started and not yet ready, by index: the incarnation
     /// and the time by which its ready report must come.
     starting: BTreeMap<usize, (u32, Instant)>,
@@ -1869,7 +1948,12 @@ impl IoLoop {
         let mut chunk = vec![0u8; READ_CHUNK_BYTES];
         loop {
             let mut core = shared.lock();
-            // Step 1: requests.
+            // Step 1: requests, and replacements the template forked.
+            let spawned =
+                std::mem::take(&mut *self.spawned.lock().unwrap_or_else(|p| p.into_inner()));
+            for spawned in spawned {
+                self.link_spawned(&mut core, spawned);
+            }
             let mut closing = false;
             while let Some(request) = core.requests.pop_front() {
                 if matches!(request, Request::Close) {
@@ -2126,7 +2210,7 @@ impl IoLoop {
                 Effect::Joined {
                     target,
                     incarnation,
-                } => core.events.push(SlotEvent::Joined {
+                } => core.record(SlotEvent::Joined {
                     target,
                     incarnation,
                 }),
@@ -2139,7 +2223,7 @@ impl IoLoop {
                         target,
                         format!("incarnation {incarnation} failed to join ({failure})"),
                     );
-                    core.events.push(SlotEvent::JoinFailed {
+                    core.record(SlotEvent::JoinFailed {
                         target,
                         incarnation,
                         failure,
@@ -2160,7 +2244,7 @@ impl IoLoop {
                     loss.push_str(&format!(
                         "given up after {failed_joins} replacements in a row were lost before they joined"
                     ));
-                    core.events.push(event);
+                    core.record(event);
                 }
                 Effect::Stage { staging, digest } => {
                     let staged = match context.staged.take() {
@@ -2270,15 +2354,81 @@ impl IoLoop {
         }
     }
 
-    /// Starts incarnation `incarnation` of `target` from the template
-    /// (§2.9); it joins once it reported ready and confirmed its replays.
+    /// Asks the template for incarnation `incarnation` of `target`
+    /// (§2.9), on a thread of its own: the answer comes back through
+    /// `core.spawned` and the wake pipe ([`IoLoop::link_spawned`]).
     fn spawn(&mut self, core: &mut Core, target: TargetId, incarnation: u32) {
-        let index = usize::from(target.0);
-        let spawned = match &self.zygote {
-            Some(zygote) => zygote.spawn(index).map_err(|e| e.to_string()),
-            None => Err("this Worker has no template process".to_owned()),
+        self.spawners.retain(|spawner| !spawner.is_finished());
+        let Some(zygote) = self.zygote.clone() else {
+            return self.link_spawned(
+                core,
+                Spawned {
+                    target,
+                    incarnation,
+                    result: Err("this Worker has no template process".to_owned()),
+                },
+            );
         };
-        let linked = spawned.and_then(|process| {
+        let queue = self.spawned.clone();
+        // The spawning thread's own end of the wake pipe.
+        let wake = core.wake.as_ref().map(|wake| {
+            nix::fcntl::fcntl(wake, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(0))
+                // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor that
+                // nothing else owns.
+                .map(|fd| {
+                    TrackedFd::new(unsafe {
+                        <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
+                    })
+                })
+        });
+        let asked = std::thread::Builder::new()
+            .name("callreg-spawn".to_owned())
+            .spawn(move || {
+                let result = zygote
+                    .spawn(usize::from(target.0))
+                    .map_err(|e| e.to_string());
+                queue
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_back(Spawned {
+                        target,
+                        incarnation,
+                        result,
+                    });
+                if let Some(Ok(wake)) = &wake {
+                    let _ = nix::unistd::write(wake, &[1]);
+                }
+            });
+        match asked {
+            Ok(spawner) => self.spawners.push(spawner),
+            Err(e) => self.link_spawned(
+                core,
+                Spawned {
+                    target,
+                    incarnation,
+                    result: Err(format!("starting a spawning thread: {e}")),
+                },
+            ),
+        }
+    }
+
+    /// Links a replacement the template forked, or tells the machine it
+    /// could not be started; one the machine no longer waits for (closed)
+    /// is dropped, which kills and reaps it.
+    fn link_spawned(&mut self, core: &mut Core, spawned: Spawned) {
+        let Spawned {
+            target,
+            incarnation,
+            result,
+        } = spawned;
+        let index = usize::from(target.0);
+        let awaited = core.machine.lifecycle() == Lifecycle::Started
+            && core.machine.slot_phase(target) == SlotPhase::Spawning
+            && core.machine.incarnation(target) == incarnation;
+        if !awaited {
+            return;
+        }
+        let linked = result.and_then(|process| {
             FrameBuffer::new(self.max_frame_bytes)
                 .map(|input| (process, input))
                 .map_err(|e| e.to_string())
@@ -2300,14 +2450,14 @@ impl IoLoop {
                 }
                 self.starting
                     .insert(index, (incarnation, Instant::now() + self.control_timeout));
-                core.events.push(SlotEvent::Spawned {
+                core.record(SlotEvent::Spawned {
                     target,
                     incarnation,
                     pid,
                 });
             }
             Err(reason) => {
-                core.events.push(SlotEvent::SpawnFailed {
+                core.record(SlotEvent::SpawnFailed {
                     target,
                     incarnation,
                     reason: reason.clone(),
@@ -2316,6 +2466,7 @@ impl IoLoop {
                 let _ = core.machine.target_died(target, &cause, self.now());
             }
         }
+        self.drain(core, &mut Context::default());
     }
 
     /// Gives up every replacement that did not report ready in time.
@@ -2648,6 +2799,13 @@ impl IoLoop {
             .get(&target)
             .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
         let reason = format!("{why}; it {how}");
+        if self.zygote.is_some() {
+            core.record(SlotEvent::Lost {
+                target,
+                incarnation: link.incarnation,
+                cause: reason.clone(),
+            });
+        }
         let who = match link.incarnation {
             0 => target.to_string(),
             n => format!("{target} (incarnation {n})"),
@@ -2730,9 +2888,20 @@ impl IoLoop {
                 }
             }
         }
-        // Every replacement is reaped: the template goes last.
-        if let Some(mut zygote) = self.zygote.take() {
-            let _ = zygote.close();
+        // Every replacement is reaped: the template goes last, once no
+        // spawn waits for it (a replacement forked meanwhile is dropped:
+        // killed and reaped).
+        for spawner in std::mem::take(&mut self.spawners) {
+            let _ = spawner.join();
+        }
+        self.spawned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        if let Some(zygote) = self.zygote.take() {
+            if let Ok(mut zygote) = Arc::try_unwrap(zygote) {
+                let _ = zygote.close();
+            }
         }
         self.starting.clear();
         core.kept.clear();
