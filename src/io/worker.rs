@@ -1224,7 +1224,8 @@ impl<R: Runtime> Worker<R> {
                 .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         }
         ignore_sigpipe();
-        check_descriptor_room(self.targets, self.respawn).map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
+        check_descriptor_room(self.targets, self.respawn)
+            .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         // One deadline for the whole start, from before the first fork:
         // every target must be ready by then (forking under load, and every
         // target starting its runtime at once, all count against it).
