@@ -392,9 +392,13 @@ fn one_replacement(r: &Replaced, record: bool, into: &mut Series, extra: &mut Ex
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
     let mut seen_joining = None;
     let wall = loop {
+        // The incarnation first: a `Joined` read after it saw the new
+        // one is the new one's (read the other way round, it could be
+        // the old one's, before its loss was noticed).
+        let replaced = worker.target_incarnation(t) > incarnation;
         let phase = worker.slot_phase(t);
         let now = started.elapsed();
-        if worker.target_incarnation(t) > incarnation {
+        if replaced {
             if phase == SlotPhase::Joined {
                 break now;
             }
