@@ -1,7 +1,7 @@
 //! What replacement targets (`specs/protocol.md` §2.9,
 //! `WorkerBuilder::respawn_limit`) cost, measured in one run against
 //! same-run peers and floors (test runtime, so the figures are the IO
-//! layer's own):
+//! layer's own; `--python` adds `replace/K` with Python targets):
 //!
 //! | scenario | operation | peer / floor |
 //! |---|---|---|
@@ -22,7 +22,10 @@
 //! Run: `cargo bench --features io --bench respawn` (results in
 //! `BENCHMARKS.md`). Options after `--`: `--steady N` (rounds per
 //! steady-state row, default 400), `--starts N` (default 40),
-//! `--replacements N` (default 100).
+//! `--replacements N` (default 100); `--python` (cargo feature `python`
+//! too) runs `replace/K` only, for the test runtime and then with Python
+//! targets (live registrations: distinct cloudpickled closures made by
+//! `PYO3_PYTHON`; the floor a 1-target Python start).
 
 mod common;
 
@@ -34,6 +37,7 @@ use callreg::envelope::encode;
 use callreg::io::Worker;
 use callreg::protocol::{SlotPhase, TargetId};
 use callreg::runtime::testing::TestRuntime;
+use callreg::runtime::Runtime;
 
 const SMALL: usize = 64;
 const LARGE: usize = 1 << 20;
@@ -43,8 +47,12 @@ const LIVE_REGISTRATIONS: [usize; 3] = [0, 10, 100];
 const POLL: Duration = Duration::from_micros(50);
 const REPLACEMENT_DEADLINE: Duration = Duration::from_secs(20);
 
-fn builder(targets: u16, respawn: bool) -> callreg::io::WorkerBuilder<TestRuntime> {
-    Worker::builder(Arc::new(TestRuntime))
+fn builder<R: Runtime>(
+    runtime: &Arc<R>,
+    targets: u16,
+    respawn: bool,
+) -> callreg::io::WorkerBuilder<R> {
+    Worker::builder(runtime.clone())
         .targets(targets)
         .respawn_limit(if respawn { 3 } else { 0 })
         .slot_capacity(256)
@@ -59,6 +67,50 @@ fn fresh_envelope(size: usize, tag: &str, n: usize) -> Vec<u8> {
     let mut payload = format!("echo #{tag} {n}#").into_bytes();
     payload.resize(size, b'x');
     encode(&payload)
+}
+
+/// `count` distinct cloudpickled closures (`make_adder(i)`), made by the
+/// interpreter `PYO3_PYTHON` names (else `python3`).
+#[cfg(feature = "python")]
+fn python_envelopes(count: usize) -> Vec<Vec<u8>> {
+    const SCRIPT: &str = r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+import callreg_envelope
+
+def make_adder(n):
+    def add(x):
+        return x + n
+    return add
+
+for i in range(int(sys.argv[2])):
+    print(callreg_envelope.dumps(make_adder(i)).hex())
+"#;
+    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+    let output = std::process::Command::new(python)
+        .arg("-c")
+        .arg(SCRIPT)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
+        .arg(count.to_string())
+        .output()
+        .expect("python runs");
+    assert!(
+        output.status.success(),
+        "making payloads failed (is cloudpickle installed?): {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let envelopes: Vec<Vec<u8>> = String::from_utf8(output.stdout)
+        .expect("hex lines")
+        .lines()
+        .map(|line| {
+            (0..line.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&line[i..i + 2], 16).expect("hex"))
+                .collect()
+        })
+        .collect();
+    assert_eq!(envelopes.len(), count);
+    envelopes
 }
 
 /// CPU nanoseconds so far of `pids` (every thread).
@@ -163,14 +215,14 @@ fn measure<T>(children: &[i32], op: impl FnOnce() -> T) -> (T, Sample) {
 }
 
 /// A started Worker and its child processes (targets, template).
-struct Started {
-    worker: Worker<TestRuntime>,
+struct Started<R: Runtime> {
+    worker: Worker<R>,
     children: Vec<i32>,
 }
 
-fn started(targets: u16, respawn: bool) -> Started {
+fn started<R: Runtime>(runtime: &Arc<R>, targets: u16, respawn: bool) -> Started<R> {
     let before: BTreeSet<i32> = common::child_pids().into_iter().collect();
-    let worker = builder(targets, respawn).build().expect("build");
+    let worker = builder(runtime, targets, respawn).build().expect("build");
     worker.start().expect("start");
     let children: Vec<i32> = common::child_pids()
         .into_iter()
@@ -190,7 +242,7 @@ struct Pair {
     unregister: Series,
 }
 
-fn register_unregister(w: &Started, envelope: &[u8], into: &mut Pair) {
+fn register_unregister(w: &Started<TestRuntime>, envelope: &[u8], into: &mut Pair) {
     let (handle, register) = measure(&w.children, || w.worker.register(envelope));
     let handle = handle.expect("register");
     let (done, unregister) = measure(&w.children, || w.worker.unregister(&handle));
@@ -208,8 +260,9 @@ fn steady(rounds: usize) {
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut unregisters_on = Vec::new();
     for targets in STEADY_TARGETS {
-        let on = started(targets, true);
-        let off = started(targets, false);
+        let runtime = Arc::new(TestRuntime);
+        let on = started(&runtime, targets, true);
+        let off = started(&runtime, targets, false);
         for (size, name) in [(SMALL, "64B"), (LARGE, "1MiB")] {
             for round in 0..10 {
                 register_unregister(
@@ -277,7 +330,7 @@ fn steady(rounds: usize) {
 
 /// `start()` of a fresh Worker: wall, this process's CPU, and the whole
 /// CPU so far of its child processes (their lives began in it).
-fn one_start(targets: u16, respawn: bool, into: &mut Series) {
+fn one_start<R: Runtime>(runtime: &Arc<R>, targets: u16, respawn: bool, into: &mut Series) {
     // Finding the template means reading every process's `/proc` entry,
     // the replacement section's targets too: only with replacements on,
     // which that section's floor is not.
@@ -286,7 +339,7 @@ fn one_start(targets: u16, respawn: bool, into: &mut Series) {
     } else {
         BTreeSet::new()
     };
-    let worker = builder(targets, respawn).build().expect("build");
+    let worker = builder(runtime, targets, respawn).build().expect("build");
     let process_before = common::self_cpu_ns();
     let started = Instant::now();
     worker.start().expect("start");
@@ -323,17 +376,18 @@ fn starts(rounds: usize) {
     println!("Per `start()`, median / p90: wall | process CPU | children CPU (targets + template, their whole life so far).\n");
     println!("| scenario | on: wall | on: process CPU | on: children CPU | off: wall | off: process CPU | off: children CPU | on/off wall | on/off process CPU | on/off children CPU |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let runtime = Arc::new(TestRuntime);
     for targets in START_TARGETS {
         let (mut on, mut off) = (Series::default(), Series::default());
-        one_start(targets, true, &mut Series::default());
-        one_start(targets, false, &mut Series::default());
+        one_start(&runtime, targets, true, &mut Series::default());
+        one_start(&runtime, targets, false, &mut Series::default());
         for round in 0..rounds {
             if round % 2 == 0 {
-                one_start(targets, true, &mut on);
-                one_start(targets, false, &mut off);
+                one_start(&runtime, targets, true, &mut on);
+                one_start(&runtime, targets, false, &mut off);
             } else {
-                one_start(targets, false, &mut off);
-                one_start(targets, true, &mut on);
+                one_start(&runtime, targets, false, &mut off);
+                one_start(&runtime, targets, true, &mut on);
             }
         }
         println!(
@@ -350,22 +404,19 @@ fn starts(rounds: usize) {
 
 /// A started 1-target Worker with replacements on, holding `live`
 /// registrations.
-struct Replaced {
-    w: Started,
+struct Replaced<R: Runtime> {
+    w: Started<R>,
     template: i32,
     _handles: Vec<callreg::protocol::Handle>,
 }
 
-fn replaced(live: usize) -> Replaced {
-    let w = started(1, true);
+fn replaced<R: Runtime>(runtime: &Arc<R>, envelopes: &[Vec<u8>]) -> Replaced<R> {
+    let w = started(runtime, 1, true);
     let target = w.worker.target_pid(TargetId(0)).expect("started");
     let template = *w.children.iter().find(|p| **p != target).expect("template");
-    let handles = (0..live)
-        .map(|i| {
-            w.worker
-                .register(&fresh_envelope(SMALL, &format!("live {live}"), i))
-                .expect("register")
-        })
+    let handles = envelopes
+        .iter()
+        .map(|e| w.worker.register(e).expect("register"))
         .collect();
     Replaced {
         w,
@@ -379,7 +430,12 @@ fn replaced(live: usize) -> Replaced {
 /// makes its reap, in the next round, cost the template milliseconds of
 /// kernel time: `d_invalidate` of its `/proc` entries; so that next round
 /// is run with `record` off).
-fn one_replacement(r: &Replaced, record: bool, into: &mut Series, extra: &mut Extra) {
+fn one_replacement<R: Runtime>(
+    r: &Replaced<R>,
+    record: bool,
+    into: &mut Series,
+    extra: &mut Extra,
+) {
     let worker = &r.w.worker;
     let t = TargetId(0);
     let pid = worker.target_pid(t).expect("pid");
@@ -456,11 +512,22 @@ fn spread(values: &[u64]) -> String {
     )
 }
 
-fn replacements(rounds: usize) {
-    println!("\n### replacement latency: kill -9 to `Joined`, vs a 1-target start\n");
-    let workers: Vec<(usize, Replaced)> = LIVE_REGISTRATIONS
+/// `envelope(i)`: the `i`th of distinct callables, the live registrations.
+fn replacements<R: Runtime>(
+    runtime: &Arc<R>,
+    label: &str,
+    envelope: impl Fn(usize) -> Vec<u8>,
+    rounds: usize,
+) {
+    println!(
+        "\n### replacement latency ({label} targets): kill -9 to `Joined`, vs a 1-target start\n"
+    );
+    let workers: Vec<(usize, Replaced<R>)> = LIVE_REGISTRATIONS
         .iter()
-        .map(|live| (*live, replaced(*live)))
+        .map(|live| {
+            let envelopes: Vec<Vec<u8>> = (0..*live).map(&envelope).collect();
+            (*live, replaced(runtime, &envelopes))
+        })
         .collect();
     let mut series: Vec<(Series, Extra)> = workers
         .iter()
@@ -468,12 +535,12 @@ fn replacements(rounds: usize) {
         .collect();
     let mut floor = Series::default();
     // Warm-up.
-    one_start(1, false, &mut Series::default());
+    one_start(runtime, 1, false, &mut Series::default());
     for (_, r) in &workers {
         one_replacement(r, false, &mut Series::default(), &mut Extra::default());
     }
     for round in 0..rounds {
-        one_start(1, false, &mut floor);
+        one_start(runtime, 1, false, &mut floor);
         let n = workers.len();
         for i in 0..n {
             let k = (i + round) % n;
@@ -515,6 +582,7 @@ fn replacements(rounds: usize) {
 
 fn main() {
     let (mut steady_rounds, mut start_rounds, mut replacement_rounds) = (400, 40, 100);
+    let mut python = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut number = || {
@@ -526,6 +594,7 @@ fn main() {
             "--steady" => steady_rounds = number(),
             "--starts" => start_rounds = number(),
             "--replacements" => replacement_rounds = number(),
+            "--python" => python = true,
             // cargo bench passes `--bench`.
             _ => {}
         }
@@ -534,11 +603,32 @@ fn main() {
         "load average at start: {}; rounds: steady {steady_rounds}, starts {start_rounds}, replacements {replacement_rounds}",
         common::load()
     );
-    steady(steady_rounds);
-    eprintln!("steady done (load {})", common::load());
-    starts(start_rounds);
-    eprintln!("starts done (load {})", common::load());
-    replacements(replacement_rounds);
+    if !python {
+        steady(steady_rounds);
+        eprintln!("steady done (load {})", common::load());
+        starts(start_rounds);
+        eprintln!("starts done (load {})", common::load());
+    }
+    replacements(
+        &Arc::new(TestRuntime),
+        "test runtime",
+        |i| fresh_envelope(SMALL, "live", i),
+        replacement_rounds,
+    );
+    if python {
+        #[cfg(feature = "python")]
+        {
+            let envelopes = python_envelopes(*LIVE_REGISTRATIONS.iter().max().unwrap_or(&0));
+            replacements(
+                &Arc::new(callreg::runtime::python::PythonRuntime::new()),
+                "Python",
+                |i| envelopes[i].clone(),
+                replacement_rounds,
+            );
+        }
+        #[cfg(not(feature = "python"))]
+        panic!("--python needs cargo feature `python`");
+    }
     println!("\nload average at end: {}", common::load());
     assert!(common::child_pids().is_empty(), "every child reaped");
 }
