@@ -107,7 +107,23 @@ fn the_example_plan_meets_every_expectation() {
     }
     assert_eq!(lines[steps]["summary"]["failed"], 0, "{}", lines[steps]);
     assert_eq!(lines[steps]["summary"]["ok"], steps);
-    // A register after the kill reaches only the three live targets.
+    // The killed target is replaced before the next step: the
+    // replacement serves the callables registered before the kill, and a
+    // register after it reaches every target.
+    let kill = lines
+        .iter()
+        .find(|l| l["op"] == "kill_target")
+        .expect("the kill");
+    assert_eq!(
+        kill["targets"],
+        serde_json::json!([{"target": 3, "outcome": "killed",
+            "detail": "it was killed by signal 9", "replacement": "replaced by incarnation 1"}]),
+        "{kill}"
+    );
+    assert_eq!(
+        kill["slots"][1],
+        serde_json::json!({"event": "joined", "target": 3, "incarnation": 1})
+    );
     let after_kill = lines
         .iter()
         .find(|l| l["name"] == "add_after_kill" && l["op"] == "register")
@@ -117,7 +133,8 @@ fn the_example_plan_meets_every_expectation() {
         serde_json::json!([
             {"target": 0, "outcome": "ok"},
             {"target": 1, "outcome": "ok"},
-            {"target": 2, "outcome": "ok"}
+            {"target": 2, "outcome": "ok"},
+            {"target": 3, "outcome": "ok"}
         ])
     );
     // Same envelope under two names: two handles, one hashid.
@@ -258,6 +275,18 @@ fn a_malformed_plan_exits_2_with_one_line() {
             "{\"targets\": 2,",
             "the plan is not valid JSON: EOF while parsing a value at line 1 column 14",
         ),
+        (
+            r#"{"targets": 2, "respawn_limit": 65536, "steps": []}"#,
+            r#"field "respawn_limit": expected an integer from 0 to 65535, got 65536"#,
+        ),
+        (
+            r#"{"targets": 2, "respawn_limit": "3", "steps": []}"#,
+            r#"field "respawn_limit": expected an integer from 0 to 65535, got "3""#,
+        ),
+        (
+            r#"{"targets": 2, "probe_first": 1, "steps": []}"#,
+            r#"field "probe_first": expected true or false, got a number"#,
+        ),
     ];
     for (index, (plan_text, error)) in cases.iter().enumerate() {
         let plan = dir.0.join(format!("plan{index}.json"));
@@ -344,7 +373,7 @@ fn mistakes_of_one_kind_fail_their_step_alike() {
     let plan = dir.0.join("plan.json");
     std::fs::write(
         &plan,
-        r#"{"targets": 2, "steps": [
+        r#"{"targets": 2, "respawn_limit": 0, "steps": [
             {"op": "register", "name": "missing", "envelope": "absent.spyc"},
             {"op": "register", "name": "bad", "envelope": "bad.spyc"},
             {"op": "register", "name": "add", "envelope": "payloads/add.spyc"},
@@ -455,8 +484,8 @@ fn without_duration(line: &str) -> &str {
 }
 
 /// A start that fails (the startup snapshot holds a pickle whose loading
-/// ends the target: `os._exit(3)`) stops the plan: every later step fails
-/// as not run, exit 1.
+/// ends the target: `os._exit(3)`) and leaves no target serving stops the
+/// plan: every later step fails as not run, exit 1.
 #[test]
 fn steps_after_a_failed_start_are_not_run() {
     let dir = TempDir::new("failed-start");
@@ -482,6 +511,12 @@ fn steps_after_a_failed_start_are_not_run() {
     assert_eq!(lines.len(), 5, "{stdout}");
     assert!(
         lines[1].starts_with("step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON) [target 0 failed ("),
+        "{stdout}"
+    );
+    // Its replacements load the snapshot by replay and die too: after
+    // three in a row the slot is given up, and no target serves.
+    assert!(
+        without_duration(lines[1]).ends_with("; not replaced] [target 0: given up after 3 replacements in a row were lost before they joined] -- the step failed"),
         "{stdout}"
     );
     assert_eq!(
@@ -624,7 +659,7 @@ fn messages_agree_in_number_and_voice() {
     let (code, lines) = run_text(
         "killed",
         &[],
-        r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "kill_target", "target": 0},
+        r#"{"targets": 1, "respawn_limit": 0, "steps": [{"op": "start"}, {"op": "kill_target", "target": 0},
             {"op": "kill_target", "target": 0}]}"#,
     );
     assert_eq!(code, Some(1));
@@ -711,4 +746,260 @@ fn a_failed_register_names_its_hashid_once() {
         ]
     );
     assert_eq!(lines[0], "step - start (implicit): ok");
+}
+
+/// The hashid of the envelope of `payload`.
+fn hashid_of(envelope: &[u8]) -> String {
+    let envelope = callreg::envelope::Envelope::parse(envelope).expect("a valid envelope");
+    callreg::descriptor::python_serialized_digest(&envelope)
+        .hashid()
+        .to_string()
+}
+
+/// A pickle of the builtin `abs` (a callable that needs nothing).
+const ABS: &[u8] = b"cbuiltins\nabs\n.";
+
+/// `line` (a `--json` step line) with its duration and the pids of its
+/// slot events set to 0: the rest is the same on every run.
+fn stable(mut line: Value) -> Value {
+    if line.get("micros").is_some() {
+        line["micros"] = 0.into();
+    }
+    if let Some(Value::Array(events)) = line.get_mut("slots") {
+        for event in events {
+            if event.get("pid").is_some() {
+                event["pid"] = 0.into();
+            }
+        }
+    }
+    line
+}
+
+/// A killed target is replaced (same target id, the next incarnation)
+/// before the next step runs: the step waits until the replacement
+/// joined, says so, and the replacement serves what was registered before
+/// the kill. `--json` lists the slot events (with the replacement's pid).
+#[test]
+fn a_killed_target_is_replaced_before_the_next_step() {
+    let abs = callreg::envelope::encode(ABS);
+    let hashid = hashid_of(&abs);
+    let plan = r#"{"targets": 2, "steps": [
+        {"op": "start"},
+        {"op": "register", "name": "abs", "envelope": "abs.spyc"},
+        {"op": "kill_target", "target": 0},
+        {"op": "call", "name": "abs", "args": [-3], "target": 0, "expect": 3},
+        {"op": "kill_target", "target": 0},
+        {"op": "call_all", "name": "abs", "args": [-5], "expect": 5}]}"#;
+    let (code, lines) = run_text("replaced-text", &[("abs.spyc", abs.clone())], plan);
+    assert_eq!(code, Some(0), "{lines:?}");
+    assert_eq!(
+        lines,
+        [
+            "step 0 start: ok".to_owned(),
+            format!("step 1 register abs: ok {hashid}"),
+            "step 2 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9); replaced by incarnation 1] [target 0: incarnation 1 joined]".to_owned(),
+            "step 3 call abs [target 0]: ok -> 3".to_owned(),
+            "step 4 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9); replaced by incarnation 2] [target 0: incarnation 2 joined]".to_owned(),
+            "step 5 call_all abs: ok -> [5,5]".to_owned(),
+            "summary: 6 steps, 6 as expected, 0 not".to_owned(),
+        ]
+    );
+    let (code, lines) = run_json("replaced-json", &[("abs.spyc", abs)], plan);
+    assert_eq!(code, Some(0), "{lines:?}");
+    let killed = |incarnation: u32| {
+        serde_json::json!({"step": if incarnation == 1 { 2 } else { 4 }, "op": "kill_target",
+            "name": null, "ok": true, "hashid": null,
+            "targets": [{"target": 0, "outcome": "killed", "detail": "it was killed by signal 9",
+                "replacement": format!("replaced by incarnation {incarnation}")}],
+            "slots": [
+                {"event": "spawned", "target": 0, "incarnation": incarnation, "pid": 0},
+                {"event": "joined", "target": 0, "incarnation": incarnation}],
+            "micros": 0})
+    };
+    assert_eq!(stable(lines[2].clone()), killed(1));
+    assert_eq!(stable(lines[4].clone()), killed(2));
+    // The pid is the replacement's: a new process each time.
+    let pid = |line: &Value| line["slots"][0]["pid"].as_i64().expect("a pid");
+    assert_ne!(pid(&lines[2]), pid(&lines[4]));
+    // No other step had slot events.
+    for line in [&lines[0], &lines[1], &lines[3], &lines[5]] {
+        assert_eq!(line.get("slots"), None, "{line}");
+    }
+}
+
+/// A pickle that gives `abs`, but whose first load (`first: true`) or
+/// whose every load but the first (`first: false`) ends its process
+/// (`os._exit(3)`); the file `marker` tells them apart.
+fn loader_killer(marker: &Path, first: bool) -> Vec<u8> {
+    let marker = marker.display().to_string();
+    assert!(!marker.contains(['"', '\'', '\\']), "{marker}");
+    let (first_load, later_loads) = if first {
+        ("os._exit(3)", "pass")
+    } else {
+        ("pass", "os._exit(3)")
+    };
+    let pickle = format!(
+        "cbuiltins\nexec\n(S'import os\\nif not os.path.exists(\"{marker}\"):\\n open(\"{marker}\", \"w\").close()\\n {first_load}\\nelse:\\n {later_loads}'\n(dtR0cbuiltins\nabs\n."
+    );
+    callreg::envelope::encode(pickle.as_bytes())
+}
+
+/// A slot whose replacements all die (they load, by replay, a callable
+/// that ends every process but the first to load it) is given up after
+/// `respawn_limit` of them in a row: the kill says so, and the target
+/// cannot be killed again.
+#[test]
+fn a_slot_whose_replacements_die_is_given_up() {
+    let dir = TempDir::new("given-up");
+    std::fs::write(
+        dir.0.join("later.spyc"),
+        loader_killer(&dir.0.join("loaded-once"), false),
+    )
+    .unwrap();
+    let plan = dir.0.join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{"targets": 1, "respawn_limit": 2, "steps": [
+            {"op": "register", "name": "later", "envelope": "later.spyc"},
+            {"op": "start"},
+            {"op": "call", "name": "later", "args": [-2], "expect": 2},
+            {"op": "kill_target", "target": 0},
+            {"op": "kill_target", "target": 0, "expect_error": "NO_LIVE_TARGET"}]}"#,
+    )
+    .unwrap();
+    let output = callreg(&[plan.as_os_str()]);
+    let stdout = text(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().map(without_duration).collect();
+    assert_eq!(
+        lines[1..],
+        [
+            "step 1 start: ok",
+            "step 2 call later [target 0]: ok -> 2",
+            "step 3 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9); not replaced] [target 0: given up after 2 replacements in a row were lost before they joined]",
+            "step 4 kill_target [target 0]: ok, failed as expected: NO_LIVE_TARGET: target 0 is not live, so it cannot be killed [target 0 lost (it exited with status 3)]",
+            "summary: 5 steps, 5 as expected, 0 not",
+        ]
+    );
+}
+
+/// A target lost at start is replaced: the start fails (the Worker's
+/// error), the step waits for the replacement, which is given the startup
+/// snapshot by replay and joins; every target serves, so the plan goes on.
+#[test]
+fn a_target_lost_at_start_is_replaced() {
+    for json in [false, true] {
+        let dir = TempDir::new(if json {
+            "start-loss-json"
+        } else {
+            "start-loss"
+        });
+        let envelope = loader_killer(&dir.0.join("loaded-once"), true);
+        let hashid = hashid_of(&envelope);
+        std::fs::write(dir.0.join("once.spyc"), &envelope).unwrap();
+        let plan = dir.0.join("plan.json");
+        std::fs::write(
+            &plan,
+            r#"{"targets": 1, "steps": [
+                {"op": "register", "name": "once", "envelope": "once.spyc"},
+                {"op": "start", "expect_error": "could not install the startup snapshot"},
+                {"op": "call", "name": "once", "args": [-4], "expect": 4}]}"#,
+        )
+        .unwrap();
+        let mut args = vec![plan.as_os_str()];
+        if json {
+            args.push("--json".as_ref());
+        }
+        let output = callreg(&args);
+        let stdout = text(&output.stdout);
+        assert_eq!(output.status.code(), Some(0), "{stdout}");
+        let error = "REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON)";
+        let lost = "TARGET_LOST: the target exited with status 3 before it was ready";
+        if !json {
+            let lines: Vec<&str> = stdout.lines().map(without_duration).collect();
+            assert_eq!(
+                lines,
+                [
+                    format!("step 0 register once: ok {hashid}").as_str(),
+                    &format!("step 1 start: ok, failed as expected: {error} [target 0 failed ({lost}); replaced by incarnation 1] [target 0: incarnation 1 joined]"),
+                    "step 2 call once [target 0]: ok -> 4",
+                    "summary: 3 steps, 3 as expected, 0 not",
+                ]
+            );
+            continue;
+        }
+        let lines = json_steps(&stdout);
+        assert_eq!(
+            stable(lines[1].clone()),
+            serde_json::json!({"step": 1, "op": "start", "name": null, "ok": true, "hashid": null,
+                "targets": [{"target": 0, "outcome": "failed", "detail": lost,
+                    "replacement": "replaced by incarnation 1"}],
+                "slots": [
+                    {"event": "spawned", "target": 0, "incarnation": 1, "pid": 0},
+                    {"event": "joined", "target": 0, "incarnation": 1}],
+                "code": "REGISTER_PARTIAL_FAILURE", "error": error})
+        );
+        assert_eq!(lines[2]["result"], 4, "{}", lines[2]);
+    }
+}
+
+/// `probe_first` goes to the Worker: a register after start of a payload
+/// whose loading ends its process (`os._exit(3)`) costs one target with
+/// probing (the default; the callable is refused from then on) and every
+/// target without. Replacements are off here, so the losses stay.
+#[test]
+fn probe_first_decides_how_many_targets_a_deadly_register_costs() {
+    let deadly = callreg::envelope::encode(b"cos\n_exit\n(I3\ntR.");
+    let hashid = hashid_of(&deadly);
+    let files = [
+        ("deadly.spyc", deadly),
+        ("abs.spyc", callreg::envelope::encode(ABS)),
+    ];
+    let abs_hashid = hashid_of(&files[1].1);
+    let lost = "its reply pipe closed; it exited with status 3";
+    for (probe_first, later) in [
+        (
+            "true",
+            [
+                r#"{"op": "register", "name": "abs", "envelope": "abs.spyc"}"#,
+                r#"{"op": "call_all", "name": "abs", "args": [-1], "expect": 1}"#,
+            ],
+        ),
+        (
+            "false",
+            [
+                r#"{"op": "register", "name": "abs", "envelope": "abs.spyc", "expect_error": "NO_LIVE_TARGET"}"#,
+                r#"{"op": "call_all", "name": "abs", "args": [-1], "expect_error": "not registered"}"#,
+            ],
+        ),
+    ] {
+        let (code, lines) = run_text(
+            &format!("probe-{probe_first}"),
+            &files,
+            &format!(
+                r#"{{"targets": 2, "respawn_limit": 0, "probe_first": {probe_first}, "steps": [
+                    {{"op": "start"}},
+                    {{"op": "register", "name": "deadly", "envelope": "deadly.spyc", "expect_error": "lost"}},
+                    {}, {}]}}"#,
+                later[0], later[1]
+            ),
+        );
+        assert_eq!(code, Some(0), "{lines:?}");
+        let expected = if probe_first == "true" {
+            [
+                format!("step 1 register deadly: ok, failed as expected: REGISTER_POISONED: installing it killed target 0 ({lost}), the target that tried it first; it is refused for the rest of this Worker's life: target 0: lost (operation register, target 0, namespace LOCAL_PYTHON, hashid {hashid}, seq 1) [target 0 lost ({lost})]"),
+                format!("step 2 register abs: ok {abs_hashid}"),
+                "step 3 call_all abs: ok -> [1]".to_owned(),
+            ]
+        } else {
+            [
+                format!("step 1 register deadly: ok, failed as expected: REGISTER_PARTIAL_FAILURE: register failed: target 0: lost ({lost}); target 1: lost ({lost}) (operation register, namespace LOCAL_PYTHON, hashid {hashid}, seq 1) [target 0 lost ({lost}), target 1 lost ({lost})]"),
+                format!("step 2 register abs: ok, failed as expected: NO_LIVE_TARGET: every target is lost (operation register, namespace LOCAL_PYTHON, hashid {abs_hashid})"),
+                "step 3 call_all abs: ok, failed as expected: \"abs\" is not registered (its register failed: NO_LIVE_TARGET)".to_owned(),
+            ]
+        };
+        assert_eq!(lines[0], "step 0 start: ok");
+        assert_eq!(lines[1..4], expected, "probe_first {probe_first}");
+        assert_eq!(lines[4], "summary: 4 steps, 4 as expected, 0 not");
+    }
 }

@@ -436,7 +436,7 @@ fn run_refuses_envelope_paths_that_are_not_regular_files() {
 /// A target that dies during a step (here: the finalizer of the callable
 /// an unregister frees exits on one target) is reported lost, with how it
 /// ended, not `ok`, though the step succeeds: outcomes are sampled after
-/// the operation.
+/// the operation; the step ends once its replacement joined.
 #[test]
 fn run_reports_a_target_lost_during_a_step() {
     let dir = TempDir::new("lost-in-step");
@@ -475,10 +475,24 @@ fn run_reports_a_target_lost_during_a_step() {
         "{}",
         lines[2]
     );
-    // The next register reaches only the live target.
+    // The step waited for its replacement, which joined (it had nothing
+    // to replay: the unregister freed the only registration).
     assert_eq!(
-        lines[3]["targets"].as_array().unwrap().len(),
-        1,
+        lost[0]["replacement"], "replaced by incarnation 1",
+        "{}",
+        lines[2]
+    );
+    let target = &lost[0]["target"];
+    assert_eq!(
+        lines[2]["slots"][1],
+        json!({"event": "joined", "target": target, "incarnation": 1}),
+        "{}",
+        lines[2]
+    );
+    // The next register reaches both targets: the replacement serves.
+    assert_eq!(
+        lines[3]["targets"],
+        json!([{"target": 0, "outcome": "ok"}, {"target": 1, "outcome": "ok"}]),
         "{}",
         lines[3]
     );

@@ -18,6 +18,14 @@
 //! * `control_timeout_s` (optional, seconds from 0.001 to 86400, default
 //!   30): how long a target
 //!   has to answer a register or unregister, and to be ready at start.
+//! * `respawn_limit` (optional, an integer from 0 to 65535, default 3, the
+//!   Worker's): how many replacements of one target slot in a row may be
+//!   lost before they join before the slot is given up
+//!   (`WorkerBuilder::respawn_limit`, `specs/protocol.md` §2.9); 0: a lost
+//!   target is not replaced.
+//! * `probe_first` (optional, a boolean, default true): whether a register
+//!   of a callable no target has installed goes to one target first
+//!   (`WorkerBuilder::probe_first`, `specs/protocol.md` §2.8).
 //! * `steps` (required): run in order. Fields by `op`:
 //!
 //! | op | fields (`?` optional) |
@@ -66,6 +74,9 @@ pub const MAX_TARGETS: u16 = 1024;
 /// The control timeout of a plan without `control_timeout_s`: 30 seconds.
 pub const DEFAULT_CONTROL_TIMEOUT_S: f64 = 30.0;
 
+/// The replacement limit of a plan without `respawn_limit`: the Worker's.
+pub const DEFAULT_RESPAWN_LIMIT: u16 = callreg::protocol::DEFAULT_RESPAWN_LIMIT;
+
 /// The shortest control timeout a plan may set: 1 ms (a zero timeout
 /// would fail every operation; the Worker refuses it).
 const MIN_CONTROL_TIMEOUT: Duration = Duration::from_millis(1);
@@ -80,6 +91,11 @@ pub struct Plan {
     pub targets: u16,
     /// The Worker's control timeout.
     pub control_timeout: Duration,
+    /// Replacements of one slot in a row that may be lost before they
+    /// join (0: no replacements); passed to `WorkerBuilder::respawn_limit`.
+    pub respawn_limit: u16,
+    /// Passed to `WorkerBuilder::probe_first`.
+    pub probe_first: bool,
     /// The steps, in plan order.
     pub steps: Vec<Step>,
     /// The envelope files' bytes, by the path written in the plan.
@@ -116,7 +132,8 @@ pub enum Op {
     Call(CallStep),
     /// Run one task on every live target.
     CallAll(CallStep),
-    /// Kill a target with SIGKILL and wait until the Worker lost it.
+    /// Kill a target with SIGKILL and wait until the Worker lost it, then
+    /// until its replacement joined or it was given up.
     KillTarget {
         /// The target's index.
         target: u16,
@@ -200,7 +217,17 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
             value_type(&value)
         )));
     };
-    refuse_unknown(&top, &["targets", "control_timeout_s", "steps"], "the plan")?;
+    refuse_unknown(
+        &top,
+        &[
+            "targets",
+            "control_timeout_s",
+            "respawn_limit",
+            "probe_first",
+            "steps",
+        ],
+        "the plan",
+    )?;
     let top_field = |field: &str, why: String| PlanError {
         message: format!("field {field:?}: {why}"),
         step: None,
@@ -242,6 +269,28 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
                 )
             })?,
     };
+    let respawn_limit = match top.get("respawn_limit") {
+        None => DEFAULT_RESPAWN_LIMIT,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u16::try_from(n).ok())
+            .ok_or_else(|| {
+                top_field(
+                    "respawn_limit",
+                    format!("expected an integer from 0 to {}, got {v}", u16::MAX),
+                )
+            })?,
+    };
+    let probe_first = match top.get("probe_first") {
+        None => true,
+        Some(Value::Bool(probe)) => *probe,
+        Some(v) => {
+            return Err(top_field(
+                "probe_first",
+                format!("expected true or false, got {}", value_type(v)),
+            ))
+        }
+    };
     let steps = match top.remove("steps") {
         None => return Err(top_field("steps", "missing (a list of steps)".into())),
         Some(Value::Array(steps)) => steps,
@@ -273,6 +322,8 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
     Ok(Plan {
         targets,
         control_timeout,
+        respawn_limit,
+        probe_first,
         steps,
         envelopes: checker.envelopes,
         unreadable: checker.unreadable,
@@ -723,6 +774,7 @@ mod tests {
         .expect("valid plan");
         assert_eq!(plan.targets, 2);
         assert_eq!(plan.control_timeout, Duration::from_secs(30));
+        assert_eq!((plan.respawn_limit, plan.probe_first), (3, true));
         assert_eq!(
             plan.steps,
             vec![
@@ -946,8 +998,31 @@ mod tests {
         );
         assert_eq!(
             error(r#"{"targets": 1, "steps": [], "extra": 1}"#),
-            r#"the plan: unknown field "extra" (expected one of "targets", "control_timeout_s", "steps")"#
+            r#"the plan: unknown field "extra" (expected one of "targets", "control_timeout_s", "respawn_limit", "probe_first", "steps")"#
         );
+        assert_eq!(
+            error(r#"{"targets": 1, "respawn_limit": 65536, "steps": []}"#),
+            r#"field "respawn_limit": expected an integer from 0 to 65535, got 65536"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "respawn_limit": -1, "steps": []}"#),
+            r#"field "respawn_limit": expected an integer from 0 to 65535, got -1"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "respawn_limit": 1.5, "steps": []}"#),
+            r#"field "respawn_limit": expected an integer from 0 to 65535, got 1.5"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "probe_first": "no", "steps": []}"#),
+            r#"field "probe_first": expected true or false, got a string"#
+        );
+        let plan =
+            parse_text(r#"{"targets": 1, "respawn_limit": 0, "probe_first": false, "steps": []}"#)
+                .expect("a valid plan");
+        assert_eq!((plan.respawn_limit, plan.probe_first), (0, false));
+        let plan = parse_text(r#"{"targets": 1, "respawn_limit": 65535, "steps": []}"#)
+            .expect("a valid plan");
+        assert_eq!(plan.respawn_limit, 65535);
         // A missing envelope is no plan error: its step fails when it runs.
         let plan = parse(
             r#"{"targets": 1, "steps": [{"op": "register", "name": "f", "envelope": "missing.spyc"}]}"#,

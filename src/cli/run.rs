@@ -9,8 +9,10 @@
 //! Output: one line per step on stdout, then a summary. Text lines read
 //! `step 3 call add [target 0]: ok -> 5 (74 µs)`; with `--json`, each line
 //! is an object `{"step", "op", "name", "ok", "hashid", "targets":
-//! [{"target", "outcome"}], "result" | "error", "micros"}` (`"result"` only
-//! when the step produced a value, i.e. a call; `"error"` only on error) and
+//! [{"target", "outcome", "replacement"?}], "slots"?, "result" | "error",
+//! "micros"}` (`"result"` only when the step produced a value, i.e. a call;
+//! `"error"` only on error; `"slots"`: the Worker's slot events during the
+//! step, when there were any) and
 //! the summary is `{"summary": {"steps", "ok", "failed", "micros"}}`, counting
 //! the plan's steps only; a plan without a `start` step gets an implicit
 //! start first (`"step": null`), reported in the summary as
@@ -18,8 +20,18 @@
 //! every step met its expectation, 1 when a step failed unexpectedly or an
 //! expectation was not met, 2 for a usage or plan error (one line on
 //! stderr). Targets write what a callable prints to stderr, never among the
-//! step lines. After a start that fails, no later step runs: each fails
-//! with `not run: the Worker did not start`.
+//! step lines.
+//!
+//! Replaced targets (`specs/protocol.md` §2.9, `specs/plan.md` §1): each
+//! step from the start on ends only once no target slot is being replaced
+//! (each serves or was given up), so later steps see the same targets on
+//! every run; a text line shows what became of a lost target (`[target 0
+//! killed (it was killed by signal 9); replaced by incarnation 1]`) and the
+//! step's slot events (`[target 0: incarnation 1 joined]`; a replacement's
+//! start, whose pid differs on every run, only with `--json`). After a
+//! start that fails, no later step runs (each fails with `not run: the
+//! Worker did not start`) unless every target serves once its
+//! replacements settled.
 //!
 //! Without the `python` cargo feature the subcommand exists but only
 //! explains that the build lacks Python support (exit status 2).
@@ -36,7 +48,7 @@ in the callreg repository; examples/plan.json is a complete plan.
 Exit status:
   0  every step met its expectation
   1  a step failed unexpectedly or an expectation was not met (a missing or a
-     malformed envelope, a second unregister, a second kill of one target)
+     malformed envelope, a second unregister, a kill of a target given up)
   2  usage or plan error: the plan cannot be read, is not valid JSON, or a
      step has an unknown, missing or wrong field (with --json also a
      {\"plan_error\": ...} line on stdout)")]
@@ -75,9 +87,11 @@ mod with_python {
     use callreg::descriptor::python_serialized_digest;
     use callreg::envelope::Envelope;
     use callreg::error::{Error, ErrorCode};
-    use callreg::io::worker::registration_failure_text;
+    use callreg::io::worker::{registration_failure_text, SlotEvent};
     use callreg::io::{OperationError, TaskError, Worker};
-    use callreg::protocol::{Failure, Handle, TargetId, TargetOutcome};
+    use callreg::protocol::{
+        Failure, Handle, SlotPhase, TargetId, TargetOutcome, DEFAULT_RESPAWN_BACKOFF,
+    };
     use callreg::runtime::python::PythonRuntime;
     use callreg::runtime::TaskEncoding;
     use serde::Serialize;
@@ -89,6 +103,10 @@ mod with_python {
 
     /// How often `kill_target` checks whether the Worker noticed the kill.
     const KILL_POLL: Duration = Duration::from_millis(1);
+
+    /// How often a step checks whether the replacements of lost targets
+    /// joined or were given up.
+    const SETTLE_POLL: Duration = Duration::from_millis(1);
 
     /// The error of every step after a failed start.
     const NOT_RUN: &str = "not run: the Worker did not start";
@@ -234,6 +252,9 @@ mod with_python {
         detail: Option<String>,
         /// The call's result on this target (`call_all`).
         result: Option<Value>,
+        /// What became of the slot of a target lost during the step:
+        /// `replaced by incarnation N`, or `not replaced`.
+        replacement: Option<String>,
     }
 
     /// What a step did.
@@ -251,6 +272,9 @@ mod with_python {
         code: Option<ErrorCode>,
         /// The step's expectation, when it was not met.
         unmet: Option<String>,
+        /// What happened to replaced target slots during the step
+        /// (`Worker::slot_events`, `specs/protocol.md` §2.9).
+        slots: Vec<SlotEvent>,
         micros: u64,
     }
 
@@ -262,9 +286,10 @@ mod with_python {
         /// live targets).
         next_target: usize,
         json: bool,
-        /// A start failed: the Worker did not start as planned, so no later
-        /// step runs (a register would otherwise go silently into the
-        /// startup snapshot of a Worker that never started).
+        /// A start failed and left a target not serving (or the Worker not
+        /// started), so no later step runs (a register would otherwise go
+        /// silently into the startup snapshot of a Worker that never
+        /// started, or run on fewer targets than planned).
         start_failed: bool,
         /// A start ran (whatever its outcome).
         started: bool,
@@ -278,6 +303,8 @@ mod with_python {
             let worker = Worker::builder(Arc::new(PythonRuntime::new()))
                 .targets(plan.targets)
                 .control_timeout(plan.control_timeout)
+                .respawn_limit(plan.respawn_limit)
+                .probe_first(plan.probe_first)
                 .build()
                 .map_err(|e| CliError(one_line(&e.to_string())))?;
             Ok(Runner {
@@ -303,6 +330,7 @@ mod with_python {
                 return report;
             }
             let started = Instant::now();
+            let events_before = self.worker.slot_events().len();
             let mut report = match &step.op {
                 Op::Start => self.start(Some(index), step.expect_error.as_deref()),
                 Op::Register(register) => self.register(index, register),
@@ -311,6 +339,10 @@ mod with_python {
                 Op::CallAll(call) => self.call_all(index, call),
                 Op::KillTarget { target } => self.kill_target(index, *target),
             };
+            // The start settles and collects its slot events itself.
+            if step.op != Op::Start && self.started {
+                self.finish_slots(&mut report, events_before);
+            }
             report.micros = micros(started.elapsed());
             report.unmet = unmet(step, &report.outcome);
             report
@@ -320,12 +352,15 @@ mod with_python {
         /// each target live before it is `ok` if it still is, else `lost`
         /// with why (a target can die during a step and the operation
         /// still succeed on the others).
-        fn after(&self, before: &[TargetId]) -> Vec<TargetReport> {
+        /// `before`: the live targets with their incarnations, from
+        /// [`Runner::live`]; a target replaced during the operation was
+        /// lost, even if its replacement serves already.
+        fn after(&self, before: &[(TargetId, u32)]) -> Vec<TargetReport> {
             let live = self.worker.live_targets();
             before
                 .iter()
-                .map(|t| {
-                    if live.contains(t) {
+                .map(|(t, incarnation)| {
+                    if live.contains(t) && self.worker.target_incarnation(*t) == *incarnation {
                         ok_target(*t)
                     } else {
                         TargetReport {
@@ -333,10 +368,90 @@ mod with_python {
                             outcome: "lost",
                             detail: self.worker.target_loss(*t),
                             result: None,
+                            replacement: None,
                         }
                     }
                 })
                 .collect()
+        }
+
+        /// The live targets with the incarnation of their process.
+        fn live(&self) -> Vec<(TargetId, u32)> {
+            self.worker
+                .live_targets()
+                .into_iter()
+                .map(|t| (t, self.worker.target_incarnation(t)))
+                .collect()
+        }
+
+        /// Waits until no slot is being replaced: each target serves
+        /// (`Joined`) or is lost for good (`Lost`), so that the next step
+        /// sees the same targets on every run. Each replacement is bounded
+        /// by the Worker (its start and each replay by the control
+        /// timeout, `specs/protocol.md` §2.9); this waits for at most the
+        /// control timeout plus the back-off of the next replacement in a
+        /// row after the last slot event.
+        ///
+        /// # Errors
+        /// `DEADLINE_EXCEEDED: …` naming the first slot still being replaced.
+        fn settle(&self) -> Result<(), String> {
+            let events_at = |worker: &Worker<PythonRuntime>| worker.slot_events().len();
+            let mut seen = events_at(&self.worker);
+            let mut in_a_row: u32 = 0;
+            let bound = |in_a_row: u32| {
+                let backoff = Duration::from_micros(DEFAULT_RESPAWN_BACKOFF)
+                    .saturating_mul(1 << in_a_row.min(16));
+                self.plan.control_timeout.saturating_add(backoff)
+            };
+            let mut deadline = Instant::now() + bound(0);
+            loop {
+                let busy = (0..self.plan.targets).map(TargetId).find_map(|t| {
+                    match self.worker.slot_phase(t) {
+                        SlotPhase::Joined | SlotPhase::Lost => None,
+                        phase => Some((t, phase)),
+                    }
+                });
+                let Some((target, phase)) = busy else {
+                    return Ok(());
+                };
+                let now = events_at(&self.worker);
+                if now != seen {
+                    in_a_row = in_a_row.saturating_add(1);
+                    seen = now;
+                    deadline = Instant::now() + bound(in_a_row);
+                }
+                if Instant::now() >= deadline {
+                    let phase = match phase {
+                        SlotPhase::BackingOff(_) => "backing off",
+                        SlotPhase::Spawning => "being started",
+                        _ => "joining",
+                    };
+                    return Err(format!(
+                        "DEADLINE_EXCEEDED: the replacement of {target} is still {phase} after {:?}",
+                        bound(in_a_row)
+                    ));
+                }
+                std::thread::sleep(SETTLE_POLL);
+            }
+        }
+
+        /// Waits for the replacements to settle ([`Runner::settle`]), then
+        /// puts the slot events since `events_before` into the report and
+        /// says in each target's part what became of a lost slot.
+        fn finish_slots(&self, report: &mut StepReport, events_before: usize) {
+            if let Err(e) = self.settle() {
+                if report.outcome.is_ok() {
+                    report.outcome = Err(e);
+                    report.code = Some(ErrorCode::DEADLINE_EXCEEDED);
+                }
+            }
+            let events = self.worker.slot_events();
+            report.slots = events.get(events_before..).unwrap_or_default().to_vec();
+            for target in &mut report.targets {
+                if target.outcome != "ok" && target.replacement.is_none() {
+                    target.replacement = replacement(&report.slots, TargetId(target.target));
+                }
+            }
         }
 
         /// One target's report for an operation's outcome; a lost or
@@ -365,6 +480,7 @@ mod with_python {
                 outcome: Ok(None),
                 code: None,
                 unmet: None,
+                slots: Vec::new(),
                 micros: 0,
             }
         }
@@ -389,6 +505,7 @@ mod with_python {
                                     outcome: "failed",
                                     detail: Some(one_line(&failure.to_string())),
                                     result: None,
+                                    replacement: None,
                                 },
                                 // It installed the callable; the Worker
                                 // unregisters it there.
@@ -397,6 +514,7 @@ mod with_python {
                                     outcome: "rolled_back",
                                     detail: None,
                                     result: None,
+                                    replacement: None,
                                 },
                             })
                             .collect();
@@ -416,7 +534,15 @@ mod with_python {
                 }
             };
             report.targets = outcomes.iter().map(|o| self.target_report(o)).collect();
-            self.start_failed = report.outcome.is_err();
+            // A target lost at start is replaced (`specs/protocol.md`
+            // §2.9): the step waits until each slot serves or is given up.
+            // A failed start stops the plan unless every target serves now.
+            let serving = report.outcome.is_ok() || {
+                let _ = self.settle();
+                self.worker.live_targets().len() == usize::from(self.plan.targets)
+            };
+            self.finish_slots(&mut report, 0);
+            self.start_failed = report.outcome.is_err() && !serving;
             if step.is_none() {
                 report.micros = micros(started.elapsed());
                 report.unmet = unmet_error(expect_error, &report.outcome);
@@ -467,7 +593,7 @@ mod with_python {
             report.hashid = Envelope::parse(bytes)
                 .ok()
                 .map(|e| python_serialized_digest(&e).hashid().to_string());
-            let live = self.worker.live_targets();
+            let live = self.live();
             report.metadata = register.metadata_source.clone();
             match self
                 .worker
@@ -504,7 +630,7 @@ mod with_python {
                 }
             };
             report.hashid = Some(handle.hashid.to_string());
-            let live = self.worker.live_targets();
+            let live = self.live();
             match self.worker.unregister(&handle) {
                 Ok(()) => {
                     report.targets = self.after(&live);
@@ -646,6 +772,7 @@ mod with_python {
         fn kill_target(&mut self, index: usize, target: u16) -> StepReport {
             let mut report = self.report(Some(index), "kill_target");
             let id = TargetId(target);
+            let incarnation = self.worker.target_incarnation(id);
             let pid = match self.worker.target_pid(id) {
                 Some(pid) if self.worker.live_targets().contains(&id) => pid,
                 _ => {
@@ -654,6 +781,7 @@ mod with_python {
                         outcome: "lost",
                         detail: self.worker.target_exit(id).map(|exit| format!("it {exit}")),
                         result: None,
+                        replacement: None,
                     }];
                     report.outcome = Err(format!(
                         "NO_LIVE_TARGET: target {target} is not live, so it cannot be killed"
@@ -672,9 +800,13 @@ mod with_python {
                 return report;
             }
             // The IO thread notices the closed pipe and reaps the target;
-            // the step ends when the Worker no longer counts it live.
+            // the Worker noticed when the process it counts live is no
+            // longer this one (a replacement may even have joined already).
+            // Then the step waits for the replacement, in `finish_slots`.
             let deadline = Instant::now() + self.plan.control_timeout;
-            while self.worker.live_targets().contains(&id) {
+            while self.worker.target_incarnation(id) == incarnation
+                && self.worker.live_targets().contains(&id)
+            {
                 if Instant::now() >= deadline {
                     report.outcome = Err(format!(
                         "DEADLINE_EXCEEDED: target {target} was killed but the Worker still counts it live"
@@ -689,6 +821,7 @@ mod with_python {
                 outcome: "killed",
                 detail: self.worker.target_exit(id).map(|exit| format!("it {exit}")),
                 result: None,
+                replacement: None,
             }];
             report
         }
@@ -772,8 +905,26 @@ mod with_python {
             outcome: if outcome.is_ok() { "ok" } else { "failed" },
             detail: outcome.as_ref().err().cloned(),
             result: None,
+            replacement: None,
         };
         (report, outcome)
+    }
+
+    /// What became of `target`'s slot, from the slot events of a step: the
+    /// last join (`replaced by incarnation N`) or abandonment (`not
+    /// replaced`; the `Abandoned` event says why) of it, if any.
+    fn replacement(events: &[SlotEvent], target: TargetId) -> Option<String> {
+        events.iter().rev().find_map(|event| match event {
+            SlotEvent::Joined {
+                target: t,
+                incarnation,
+            } if *t == target => Some(format!("replaced by incarnation {incarnation}")),
+            SlotEvent::Abandoned {
+                target: t,
+                failed_joins,
+            } if *t == target => Some("not replaced".to_owned()),
+            _ => None,
+        })
     }
 
     fn ok_target(target: TargetId) -> TargetReport {
@@ -782,6 +933,7 @@ mod with_python {
             outcome: "ok",
             detail: None,
             result: None,
+            replacement: None,
         }
     }
 
@@ -802,6 +954,7 @@ mod with_python {
             outcome,
             detail,
             result: None,
+            replacement: None,
         }
     }
 
@@ -948,6 +1101,9 @@ mod with_python {
         #[serde(skip_serializing_if = "Option::is_none")]
         metadata: Option<&'r str>,
         targets: Vec<JsonTarget<'r>>,
+        /// The slot events of the step (`Worker::slot_events`), if any.
+        #[serde(skip_serializing_if = "<[_]>::is_empty")]
+        slots: &'r [SlotEvent],
         #[serde(skip_serializing_if = "Option::is_none")]
         result: Option<&'r Value>,
         /// The failed step's error code, e.g. `"HANDLE_STALE"`.
@@ -970,6 +1126,9 @@ mod with_python {
         detail: Option<&'r str>,
         #[serde(skip_serializing_if = "Option::is_none")]
         result: Option<&'r Value>,
+        /// What became of the slot of a target lost during the step.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        replacement: Option<&'r str>,
     }
 
     fn json_line(report: &StepReport, ok: bool) -> String {
@@ -988,8 +1147,10 @@ mod with_python {
                     outcome: t.outcome,
                     detail: t.detail.as_deref(),
                     result: t.result.as_ref(),
+                    replacement: t.replacement.as_deref(),
                 })
                 .collect(),
+            slots: &report.slots,
             // Only a step that produced a value has a result (a call's
             // `None` is the JSON `null` it returned); register, unregister,
             // start and kill_target have none.
@@ -1045,13 +1206,30 @@ mod with_python {
             // A failed call or register names each target's failure in its
             // error already.
             .filter(|t| t.outcome != "ok" && (t.outcome != "failed" || report.op == "start"))
-            .map(|t| match &t.detail {
-                Some(detail) => format!("target {} {} ({detail})", t.target, t.outcome),
-                None => format!("target {} {}", t.target, t.outcome),
+            .map(|t| {
+                let mut part = match &t.detail {
+                    Some(detail) => format!("target {} {} ({detail})", t.target, t.outcome),
+                    None => format!("target {} {}", t.target, t.outcome),
+                };
+                if let Some(replacement) = &t.replacement {
+                    part.push_str(&format!("; {replacement}"));
+                }
+                part
             })
             .collect();
         if !lost.is_empty() {
             line.push_str(&format!(" [{}]", lost.join(", ")));
+        }
+        // A replacement's start is left out: its pid differs on every run
+        // (the `--json` line has it); its join or failure says enough.
+        let slots: Vec<String> = report
+            .slots
+            .iter()
+            .filter(|event| !matches!(event, SlotEvent::Spawned { .. }))
+            .map(|event| one_line(&event.to_string()))
+            .collect();
+        if !slots.is_empty() {
+            line.push_str(&format!(" [{}]", slots.join("; ")));
         }
         if let Some(unmet) = &report.unmet {
             line.push_str(&format!(" -- {unmet}"));

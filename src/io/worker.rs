@@ -1539,6 +1539,8 @@ struct Link {
     /// first byte is sent, which is before that target can answer, so the
     /// payload is still released when every target answered.
     outbox_fds: VecDeque<(usize, Arc<StagedPayload>)>,
+    /// The slot's incarnation this process is (0: forked at start).
+    incarnation: u32,
 }
 
 /// The snapshot entries targets reported they could not install.
@@ -1566,6 +1568,7 @@ fn wait_ready(
                 input,
                 outbox: Vec::new(),
                 outbox_fds: VecDeque::new(),
+                incarnation: 0,
             })),
             Err(_) => links.push(None),
         }
@@ -2292,6 +2295,7 @@ impl IoLoop {
                         input,
                         outbox: Vec::new(),
                         outbox_fds: VecDeque::new(),
+                        incarnation,
                     });
                 }
                 self.starting
@@ -2644,6 +2648,10 @@ impl IoLoop {
             .get(&target)
             .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
         let reason = format!("{why}; it {how}");
+        let who = match link.incarnation {
+            0 => target.to_string(),
+            n => format!("{target} (incarnation {n})"),
+        };
         core.losses.insert(target, reason.clone());
         self.late_tables.retain(|(_, t)| *t != target);
         let lost: Vec<u64> = self
@@ -2658,7 +2666,7 @@ impl IoLoop {
                     error: Error::new(
                         ErrorCode::TARGET_LOST,
                         OperationKind::Task,
-                        format!("{target} was lost ({reason}) before the task's result arrived"),
+                        format!("{who} was lost ({reason}) before the task's result arrived"),
                     )
                     .with_target(target)
                     .with_namespace(Namespace::LocalPython)
