@@ -33,6 +33,8 @@
 //! Options after `--`: `--rounds N` (default 7), a word to run only the
 //! scenarios whose name contains it. Results in `BENCHMARKS.md`.
 
+mod common;
+
 use std::io::Write as _;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
@@ -203,32 +205,8 @@ impl Pool {
 // ---------------------------------------------------------------------
 // CPU time
 
-/// Nanoseconds on CPU of every thread of `pid` so far.
-fn process_cpu_ns(pid: i32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0;
-    };
-    tasks
-        .flatten()
-        .filter_map(|task| std::fs::read_to_string(task.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
-}
-
-/// Nanoseconds on CPU of this process (every thread, ended ones too).
-fn self_cpu_ns() -> u64 {
-    // SAFETY: getrusage writes one `rusage` into the valid pointer given.
-    let usage = unsafe {
-        let mut usage: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
-        usage
-    };
-    let micros = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
-    (micros(usage.ru_utime) + micros(usage.ru_stime)) * 1000
-}
-
 fn cpu_ns(pids: &[i32]) -> u64 {
-    self_cpu_ns() + pids.iter().map(|p| process_cpu_ns(*p)).sum::<u64>()
+    common::self_cpu_ns() + pids.iter().map(|p| common::process_cpu_ns(*p)).sum::<u64>()
 }
 
 /// Wall and CPU time per operation of one timed batch.
@@ -706,12 +684,6 @@ fn target_pids<R: Runtime>(worker: &Worker<R>) -> Vec<i32> {
         .collect()
 }
 
-fn load() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
 fn run<R: Runtime>(
     runtime: Arc<R>,
     payloads: &Payloads,
@@ -739,7 +711,7 @@ fn run<R: Runtime>(
             "round {} of {rounds} done in {:.1} s (load {})",
             round + 1,
             started.elapsed().as_secs_f64(),
-            load()
+            common::load()
         );
     }
     print!("{}", bench.table());
@@ -793,7 +765,7 @@ fn main() {
     };
     println!(
         "load average at start: {}; {} rounds; runtime: {}",
-        load(),
+        common::load(),
         rounds,
         if python { "python" } else { "test" }
     );
@@ -821,5 +793,5 @@ fn main() {
             filter,
         );
     }
-    println!("load average at end: {}", load());
+    println!("load average at end: {}", common::load());
 }

@@ -17,6 +17,8 @@
 //! Run: `cargo bench --features io --bench probe` (results in
 //! `BENCHMARKS.md`).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,16 +51,7 @@ fn fresh_envelope(round: usize, policy: &str) -> Vec<u8> {
 
 /// User + system CPU of this process (every thread), from getrusage.
 fn own_cpu() -> Duration {
-    // SAFETY: getrusage fills the zeroed struct it is given.
-    let usage = unsafe {
-        let mut usage: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
-        usage
-    };
-    let micros = |t: libc::timeval| {
-        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
-    };
-    micros(usage.ru_utime) + micros(usage.ru_stime)
+    Duration::from_nanos(common::self_cpu_ns())
 }
 
 /// User + system CPU used so far by the live targets of `worker`.
