@@ -39,13 +39,13 @@
 //! code: before it reads a control, reports an install or a task result,
 //! or writes any reply.
 
-use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::failpoints::{self, ABRUPT_EXIT_CODE};
@@ -347,17 +347,29 @@ struct Run<C> {
     after: Vec<PinnedHook<C>>,
 }
 
+/// What pins a task's slot and hands the run to the task thread: used by
+/// the control thread, and by the reader thread for a task that finds no
+/// control queued or running ([`Idle`]). Pinning never takes the GIL:
+/// it only clones callables' references and updates the machine.
+struct Pinning<C> {
+    table: Arc<SlotTable<C>>,
+    runs: mpsc::Sender<Run<C>>,
+    /// Hooks by installed digest, from the metadata of the registration
+    /// that installed it (written by the control thread only).
+    hooks: Mutex<BTreeMap<Digest, Arc<Hooks>>>,
+    /// The next target-local run seq for a hook's pin (counts down).
+    next_hook_seq: AtomicU64,
+}
+
 struct Control<'a, R: Runtime> {
     id: TargetId,
     runtime: &'a R,
     table: Arc<SlotTable<R::Callable>>,
     writer: Arc<ReplyWriter>,
-    runs: mpsc::Sender<Run<R::Callable>>,
-    /// Hooks by installed digest, from the metadata of the registration
-    /// that installed it.
-    hooks: std::cell::RefCell<BTreeMap<Digest, Arc<Hooks>>>,
-    /// The next target-local run seq for a hook's pin (counts down).
-    next_hook_seq: Cell<u64>,
+    pinning: Arc<Pinning<R::Callable>>,
+    /// Frames handed to this thread and not yet handled (the reader's
+    /// count, this thread's [`Idle::leave`]).
+    idle: Arc<Idle>,
 }
 
 /// Runs a target until its control socket closes; returns its exit status.
@@ -408,14 +420,19 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         .iter()
         .filter_map(|(digest, metadata)| Hooks::of(Some(metadata)).map(|h| (*digest, h)))
         .collect();
+    let pinning = Arc::new(Pinning {
+        table: table.clone(),
+        runs,
+        hooks: Mutex::new(hooks),
+        next_hook_seq: AtomicU64::new(u64::MAX),
+    });
     let control_thread = Control {
         id: config.id,
         runtime: &*setup.runtime,
         table,
         writer: writer.clone(),
-        runs,
-        hooks: std::cell::RefCell::new(hooks),
-        next_hook_seq: Cell::new(u64::MAX),
+        pinning,
+        idle: Arc::new(Idle::default()),
     };
     let status = serve(control, setup, &writer, &control_thread);
     setup.runtime.stop();
@@ -524,6 +541,35 @@ impl Outstanding {
     }
 }
 
+/// Frames the reader handed to the control thread and the control thread
+/// has not finished handling. Only the reader hands frames, so when it
+/// reads zero no control is queued or running, and none starts before
+/// the reader hands the next one: a task it pins meanwhile is pinned in
+/// frame order.
+#[derive(Default)]
+struct Idle {
+    handed: AtomicUsize,
+}
+
+impl Idle {
+    /// The reader hands a frame to the control thread.
+    fn enter(&self) {
+        self.handed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The control thread handled a frame (every effect on the table and
+    /// every reply done).
+    fn leave(&self) {
+        self.handed.fetch_sub(1, Ordering::Release);
+    }
+
+    /// Whether the control thread has handled every frame handed to it
+    /// (the reader's view; its table changes are visible after `true`).
+    fn is_idle(&self) -> bool {
+        self.handed.load(Ordering::Acquire) == 0
+    }
+}
+
 /// What the reader hands the control thread, in arrival order.
 enum Incoming {
     /// A frame, with the staged payload received with it (registers).
@@ -543,14 +589,20 @@ fn control_seq(frame: &Frame) -> Option<u64> {
 }
 
 /// The reader thread: reads frames from the control socket, reports each
-/// control alive on receipt and queues it; never touches the runtime.
-fn read_controls(
+/// control alive on receipt and queues it for the control thread; never
+/// touches the runtime. A task that finds no frame queued for the control
+/// thread or being handled there is pinned here and handed to the task
+/// thread directly (one thread fewer to wake); a task that cannot start
+/// goes to the control thread like any frame, which fails it.
+fn read_controls<C>(
     control: &OwnedFd,
     max_frame_bytes: usize,
     writer: &ReplyWriter,
     outstanding: &Outstanding,
+    direct: (&Pinning<C>, &Idle),
     frames: &mpsc::Sender<Incoming>,
 ) -> i32 {
+    let (pinning, idle) = direct;
     let Ok(mut buffer) = FrameBuffer::new(max_frame_bytes) else {
         return FRAME_EXIT_CODE;
     };
@@ -574,6 +626,25 @@ fn read_controls(
         loop {
             match buffer.next_frame() {
                 Ok(Some(frame)) => {
+                    let frame = match frame {
+                        Frame::Task {
+                            seq,
+                            digest,
+                            encoding,
+                            input,
+                        } if idle.is_idle() => {
+                            match pinning.begin(seq, digest, encoding, input) {
+                                Ok(()) => continue,
+                                Err(unstarted) => Frame::Task {
+                                    seq,
+                                    digest,
+                                    encoding,
+                                    input: unstarted.input,
+                                },
+                            }
+                        }
+                        other => other,
+                    };
                     let payload = match frame {
                         Frame::Register { .. } => payloads.pop_front(),
                         _ => None,
@@ -582,6 +653,7 @@ fn read_controls(
                         outstanding.insert(seq);
                         writer.send_alive(seq);
                     }
+                    idle.enter();
                     if frames.send(Incoming::Frame(frame, payload)).is_err() {
                         return 0;
                     }
@@ -629,13 +701,22 @@ fn serve<R: Runtime>(
     {
         let writer = writer.clone();
         let outstanding = outstanding.clone();
+        let pinning = this.pinning.clone();
+        let idle = this.idle.clone();
         let max_frame_bytes = setup.max_frame_bytes;
         std::thread::spawn(move || {
             // Never closed before the process ends: a parent that sees the
             // channel close then always finds an exit status, not a target
             // still exiting.
             let control = std::mem::ManuallyDrop::new(control);
-            let end = read_controls(&control, max_frame_bytes, &writer, &outstanding, &frames);
+            let end = read_controls(
+                &control,
+                max_frame_bytes,
+                &writer,
+                &outstanding,
+                (&pinning, &idle),
+                &frames,
+            );
             let _ = frames.send(Incoming::End(end));
         });
     }
@@ -655,11 +736,157 @@ fn serve<R: Runtime>(
                 if let Some(seq) = seq {
                     outstanding.remove(seq);
                 }
+                this.idle.leave();
             }
             Ok(Incoming::End(code)) => return code,
             Err(mpsc::RecvError) => return 0,
         }
     }
+}
+
+/// Why a task did not start: its failure, and its input back (the
+/// reader then hands the frame to the control thread, which fails it in
+/// order). Nothing stays pinned.
+struct Unstarted {
+    code: ErrorCode,
+    message: String,
+    input: Vec<u8>,
+}
+
+impl<C> Pinning<C> {
+    /// Pins task `seq`'s slot and its hooks' slots, in frame order (the
+    /// caller is the control thread, or the reader while no control is
+    /// queued or running), and hands the run to the task thread.
+    ///
+    /// # Errors
+    /// The machine's error when `digest` does not resolve; a hook's
+    /// ([`Pinning::pin_hooks`]); `TASK_FAILED` when the task thread ended.
+    /// Nothing stays pinned, and no slot is freed on the way out: every
+    /// pin undone here was made just now on a resolved slot, so undoing
+    /// it never releases a callable (no finalizer, no GIL).
+    fn begin(
+        &self,
+        seq: u64,
+        digest: Digest,
+        encoding: TaskEncoding,
+        input: Vec<u8>,
+    ) -> Result<(), Unstarted> {
+        let callable = match self.table.begin_task(Seq(seq), digest) {
+            Ok(callable) => callable,
+            Err(error) => {
+                return Err(Unstarted {
+                    code: error.code,
+                    message: error.message,
+                    input,
+                })
+            }
+        };
+        let (before, after) = match self.pin_hooks(digest, encoding) {
+            Ok(pinned) => pinned,
+            Err((code, message)) => {
+                drop(callable);
+                let _ = self.table.end_task(Seq(seq));
+                return Err(Unstarted {
+                    code,
+                    message,
+                    input,
+                });
+            }
+        };
+        let run = Run {
+            seq,
+            digest,
+            encoding,
+            input,
+            callable,
+            before,
+            after,
+        };
+        self.runs.send(run).map_err(|mpsc::SendError(mut run)| {
+            // The task thread is gone (it cannot panic: calls are
+            // caught); unpin and report.
+            let input = std::mem::take(&mut run.input);
+            end_run(&self.table, run);
+            Unstarted {
+                code: ErrorCode::TASK_FAILED,
+                message: "the task thread ended".to_owned(),
+                input,
+            }
+        })
+    }
+
+    /// Resolves and pins the hooks of `digest` for one run, in the
+    /// target's own table.
+    ///
+    /// # Errors
+    /// `TASK_FAILED` naming the hook's hashid when a `call_before` hook
+    /// has a `retval_keyword` and the task is pickle-encoded (its kwargs
+    /// are opaque to the target), or `DIGEST_NOT_INSTALLED` naming the
+    /// hook's hashid when a hook does not resolve; nothing stays pinned.
+    #[allow(clippy::type_complexity)]
+    fn pin_hooks(
+        &self,
+        digest: Digest,
+        encoding: TaskEncoding,
+    ) -> Result<(Vec<PinnedHook<C>>, Vec<PinnedHook<C>>), (ErrorCode, String)>
+    {
+        let hooks = self
+            .hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&digest)
+            .cloned();
+        let Some(hooks) = hooks else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        if encoding == TaskEncoding::Pickle {
+            if let Some(hook) = hooks.before.iter().find(|h| h.retval_keyword.is_some()) {
+                return Err((
+                    ErrorCode::TASK_FAILED,
+                    format!(
+                        "call_before hook {} passes its result as keyword argument {:?}, which needs a JSON-encoded task; this task is pickle-encoded",
+                        hook.hashid,
+                        hook.retval_keyword.as_deref().unwrap_or_default()
+                    ),
+                ));
+            }
+        }
+        let mut pinned: Vec<PinnedHook<C>> = Vec::new();
+        let mut before_count = 0;
+        for (list, call) in hooks
+            .before
+            .iter()
+            .map(|h| ("call_before", h))
+            .chain(hooks.after.iter().map(|h| ("call_after", h)))
+        {
+            let seq = Seq(self.next_hook_seq.fetch_sub(1, Ordering::Relaxed));
+            match self.table.begin_task(seq, call.hashid.0) {
+                Ok(callable) => {
+                    pinned.push(PinnedHook {
+                        call: call.clone(),
+                        seq,
+                        callable,
+                    });
+                    if list == "call_before" {
+                        before_count += 1;
+                    }
+                }
+                Err(error) => {
+                    for hook in pinned {
+                        drop(hook.callable);
+                        let _ = self.table.end_task(hook.seq);
+                    }
+                    return Err((
+                        error.code,
+                        format!("{list} hook {} cannot run: {}", call.hashid, error.message),
+                    ));
+                }
+            }
+        }
+        let after = pinned.split_off(before_count);
+        Ok((pinned, after))
+    }
+
 }
 
 impl<R: Runtime> Control<'_, R> {
@@ -727,39 +954,11 @@ impl<R: Runtime> Control<'_, R> {
                 digest,
                 encoding,
                 input,
-            } => match self.table.begin_task(Seq(seq), digest) {
-                Ok(callable) => {
-                    let (before, after) = match self.pin_hooks(digest, encoding) {
-                        Ok(pinned) => pinned,
-                        Err((code, message)) => {
-                            let _ = self.table.end_task(Seq(seq));
-                            self.task_failed(seq, digest, code, &message);
-                            return true;
-                        }
-                    };
-                    let run = Run {
-                        seq,
-                        digest,
-                        encoding,
-                        input,
-                        callable,
-                        before,
-                        after,
-                    };
-                    if let Err(mpsc::SendError(run)) = self.runs.send(run) {
-                        // The task thread is gone (it cannot panic: calls are
-                        // caught); unpin and report.
-                        end_run(&self.table, run);
-                        self.task_failed(
-                            seq,
-                            digest,
-                            ErrorCode::TASK_FAILED,
-                            "the task thread ended",
-                        );
-                    }
+            } => {
+                if let Err(unstarted) = self.pinning.begin(seq, digest, encoding, input) {
+                    self.task_failed(seq, digest, unstarted.code, &unstarted.message);
                 }
-                Err(error) => self.task_failed(seq, digest, error.code, &error.message),
-            },
+            }
             Frame::Inspect { seq } => {
                 let (installed, tombstones) = self.table.table();
                 let entries = installed
@@ -782,73 +981,6 @@ impl<R: Runtime> Control<'_, R> {
             }
         }
         true
-    }
-
-    /// Resolves and pins the hooks of `digest` for one run, in the
-    /// target's own table.
-    ///
-    /// # Errors
-    /// `TASK_FAILED` naming the hook's hashid when a `call_before` hook
-    /// has a `retval_keyword` and the task is pickle-encoded (its kwargs
-    /// are opaque to the target), or `DIGEST_NOT_INSTALLED` naming the
-    /// hook's hashid when a hook does not resolve; nothing stays pinned.
-    #[allow(clippy::type_complexity)]
-    fn pin_hooks(
-        &self,
-        digest: Digest,
-        encoding: TaskEncoding,
-    ) -> Result<(Vec<PinnedHook<R::Callable>>, Vec<PinnedHook<R::Callable>>), (ErrorCode, String)>
-    {
-        let Some(hooks) = self.hooks.borrow().get(&digest).cloned() else {
-            return Ok((Vec::new(), Vec::new()));
-        };
-        if encoding == TaskEncoding::Pickle {
-            if let Some(hook) = hooks.before.iter().find(|h| h.retval_keyword.is_some()) {
-                return Err((
-                    ErrorCode::TASK_FAILED,
-                    format!(
-                        "call_before hook {} passes its result as keyword argument {:?}, which needs a JSON-encoded task; this task is pickle-encoded",
-                        hook.hashid,
-                        hook.retval_keyword.as_deref().unwrap_or_default()
-                    ),
-                ));
-            }
-        }
-        let mut pinned: Vec<PinnedHook<R::Callable>> = Vec::new();
-        let mut before_count = 0;
-        for (list, call) in hooks
-            .before
-            .iter()
-            .map(|h| ("call_before", h))
-            .chain(hooks.after.iter().map(|h| ("call_after", h)))
-        {
-            let seq = Seq(self.next_hook_seq.get());
-            self.next_hook_seq.set(seq.0.wrapping_sub(1));
-            match self.table.begin_task(seq, call.hashid.0) {
-                Ok(callable) => {
-                    pinned.push(PinnedHook {
-                        call: call.clone(),
-                        seq,
-                        callable,
-                    });
-                    if list == "call_before" {
-                        before_count += 1;
-                    }
-                }
-                Err(error) => {
-                    for hook in pinned {
-                        drop(hook.callable);
-                        let _ = self.table.end_task(hook.seq);
-                    }
-                    return Err((
-                        error.code,
-                        format!("{list} hook {} cannot run: {}", call.hashid, error.message),
-                    ));
-                }
-            }
-        }
-        let after = pinned.split_off(before_count);
-        Ok((pinned, after))
     }
 
     fn task_failed(&self, seq: u64, digest: Digest, code: ErrorCode, message: &str) {
@@ -925,7 +1057,11 @@ impl<R: Runtime> Control<'_, R> {
         // The hooks of the registration that installed the digest apply to
         // its tasks from now on (a reference added later keeps them).
         if result.is_ok() {
-            let mut hooks = self.hooks.borrow_mut();
+            let mut hooks = self
+                .pinning
+                .hooks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             match Hooks::of(metadata) {
                 Some(found) => hooks.insert(digest, found),
                 None => hooks.remove(&digest),
