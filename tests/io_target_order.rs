@@ -95,7 +95,11 @@ impl RawTarget {
             }
             let reply = self.process.reply();
             let mut fds = [PollFd::new(reply, PollFlags::POLLIN)];
-            assert_eq!(poll(&mut fds, PollTimeout::from(5000u16)).unwrap(), 1, "no reply in 5 s");
+            assert_eq!(
+                poll(&mut fds, PollTimeout::from(5000u16)).unwrap(),
+                1,
+                "no reply in 5 s"
+            );
             let mut chunk = [0u8; 4096];
             match nix::unistd::read(reply.as_fd(), &mut chunk) {
                 Ok(0) => panic!("the target closed its reply pipe"),
@@ -174,7 +178,10 @@ fn a_task_before_the_last_unregister_of_its_digest_runs() {
     // The task finds the target idle (pinned by the reader); the
     // unregister behind it is answered while it runs, and the run keeps
     // its callable.
-    target.send(&[task(1, digest, b"ran"), Frame::Unregister { seq: 2, digest }]);
+    target.send(&[
+        task(1, digest, b"ran"),
+        Frame::Unregister { seq: 2, digest },
+    ]);
     let answers = target.answers(2);
     assert_eq!(
         answers,

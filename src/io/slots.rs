@@ -8,9 +8,11 @@
 //! slot freed under it cannot pull the callable away mid-call. Checked with
 //! loom (`tests/loom_slots.rs`).
 //!
-//! Runs are begun on the control thread, in frame order between controls
-//! (the protocol's rule: a run pins its slot before any later unregister is
-//! applied), and ended on the task thread.
+//! Runs are begun in frame order between controls (the protocol's rule: a
+//! run pins its slot before any later unregister is applied), on the
+//! control thread or, while that thread has no frame to handle, on the
+//! reader thread (which knows by the [`ControlGate`]); they are ended on
+//! the task thread. The gate is checked with loom too.
 
 use crate::descriptor::Digest;
 use crate::error::Error;
@@ -209,5 +211,49 @@ impl<C> SlotTable<C> {
             .iter()
             .filter(|c| c.is_some())
             .count()
+    }
+}
+
+/// Frames a target's reader handed to its control thread that the control
+/// thread has not finished handling. Only the reader hands frames, so when
+/// it finds none ([`ControlGate::is_idle`]) no control is queued or
+/// running, and none starts before the reader hands the next one: a run
+/// the reader begins meanwhile pins its slot in frame order, after every
+/// control before it was applied and before every control after it.
+pub struct ControlGate {
+    handed: Mutex<usize>,
+}
+
+impl Default for ControlGate {
+    fn default() -> Self {
+        ControlGate::new()
+    }
+}
+
+impl ControlGate {
+    /// A gate with nothing handed.
+    pub fn new() -> ControlGate {
+        ControlGate {
+            handed: Mutex::new(0),
+        }
+    }
+
+    /// The reader is about to hand a frame to the control thread.
+    pub fn hand(&self) {
+        *lock(&self.handed) += 1;
+    }
+
+    /// The control thread finished a frame: every effect on the table
+    /// applied and every reply written.
+    pub fn done(&self) {
+        let mut handed = lock(&self.handed);
+        *handed = handed.saturating_sub(1);
+    }
+
+    /// Whether every frame handed so far is done (the reader's view; what
+    /// the control thread did before [`ControlGate::done`] is visible to a
+    /// reader that sees `true`).
+    pub fn is_idle(&self) -> bool {
+        *lock(&self.handed) == 0
     }
 }

@@ -14,10 +14,19 @@
 //! it carries out the machine's effects: it checks the seals of each
 //! staged payload received with a register, maps it read-only, verifies
 //! its digest, installs it from that same mapping through the runtime (checks, then
-//! deserialization), and writes replies. A task frame pins its slot on the
-//! control thread (frame order) and is handed to the task thread, so a
-//! long task never delays a register into a timeout.
-//! Both threads write whole frames to the reply pipe under one lock.
+//! deserialization), and writes replies. A task frame pins its slot in
+//! frame order and is handed to the task thread, so a long task never
+//! delays a register into a timeout. Where it is pinned: a task that finds
+//! no frame queued for the control thread or being handled there
+//! ([`ControlGate`]: the reader counts the frames it hands over, the control
+//! thread counts them done) is pinned by the reader itself and goes
+//! straight to the task thread, so a task round trip on an idle target
+//! wakes two threads (reader, task thread) instead of three; pinning only
+//! takes the slot table's lock, never the runtime's. Any other task, and
+//! a task the reader could not start (it does not resolve, a hook does
+//! not), is queued behind the frames before it, and the control thread
+//! pins it (or fails it) in its turn (`specs/wire.md`).
+//! Every thread writes whole frames to the reply pipe under one lock.
 //!
 //! Callable metadata (`specs/metadata.md`): a register control
 //! carries it as JSON; the target parses it and installs through
@@ -26,7 +35,8 @@
 //! that installed a digest are kept by digest; around each task of that
 //! digest the task thread runs the `call_before` hooks, the task (with a
 //! `retval_keyword` result merged into its JSON kwargs), then the
-//! `call_after` hooks. The control thread resolves and pins every hook with
+//! `call_after` hooks. The thread that pins the task resolves and pins
+//! every hook with
 //! the task, like any run, under target-local run seqs counted down from
 //! `u64::MAX` (a parent's seqs count up from 1 and never reach them).
 //!
@@ -44,13 +54,13 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::failpoints::{self, ABRUPT_EXIT_CODE};
 use super::process::{exit_unless_target, receive_control, TargetEnds};
-use super::slots::{Effects, SlotTable};
+use super::slots::{ControlGate, Effects, SlotTable};
 use super::staging::StagedView;
 use crate::descriptor::{python_serialized_digest, Digest};
 use crate::envelope::Envelope;
@@ -349,7 +359,7 @@ struct Run<C> {
 
 /// What pins a task's slot and hands the run to the task thread: used by
 /// the control thread, and by the reader thread for a task that finds no
-/// control queued or running ([`Idle`]). Pinning never takes the GIL:
+/// control queued or running ([`ControlGate`]). Pinning never takes the GIL:
 /// it only clones callables' references and updates the machine.
 struct Pinning<C> {
     table: Arc<SlotTable<C>>,
@@ -368,8 +378,8 @@ struct Control<'a, R: Runtime> {
     writer: Arc<ReplyWriter>,
     pinning: Arc<Pinning<R::Callable>>,
     /// Frames handed to this thread and not yet handled (the reader's
-    /// count, this thread's [`Idle::leave`]).
-    idle: Arc<Idle>,
+    /// [`ControlGate::hand`], this thread's [`ControlGate::done`]).
+    idle: Arc<ControlGate>,
 }
 
 /// Runs a target until its control socket closes; returns its exit status.
@@ -432,7 +442,7 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         table,
         writer: writer.clone(),
         pinning,
-        idle: Arc::new(Idle::default()),
+        idle: Arc::new(ControlGate::new()),
     };
     let status = serve(control, setup, &writer, &control_thread);
     setup.runtime.stop();
@@ -541,35 +551,6 @@ impl Outstanding {
     }
 }
 
-/// Frames the reader handed to the control thread and the control thread
-/// has not finished handling. Only the reader hands frames, so when it
-/// reads zero no control is queued or running, and none starts before
-/// the reader hands the next one: a task it pins meanwhile is pinned in
-/// frame order.
-#[derive(Default)]
-struct Idle {
-    handed: AtomicUsize,
-}
-
-impl Idle {
-    /// The reader hands a frame to the control thread.
-    fn enter(&self) {
-        self.handed.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The control thread handled a frame (every effect on the table and
-    /// every reply done).
-    fn leave(&self) {
-        self.handed.fetch_sub(1, Ordering::Release);
-    }
-
-    /// Whether the control thread has handled every frame handed to it
-    /// (the reader's view; its table changes are visible after `true`).
-    fn is_idle(&self) -> bool {
-        self.handed.load(Ordering::Acquire) == 0
-    }
-}
-
 /// What the reader hands the control thread, in arrival order.
 enum Incoming {
     /// A frame, with the staged payload received with it (registers).
@@ -599,7 +580,7 @@ fn read_controls<C>(
     max_frame_bytes: usize,
     writer: &ReplyWriter,
     outstanding: &Outstanding,
-    direct: (&Pinning<C>, &Idle),
+    direct: (&Pinning<C>, &ControlGate),
     frames: &mpsc::Sender<Incoming>,
 ) -> i32 {
     let (pinning, idle) = direct;
@@ -632,17 +613,15 @@ fn read_controls<C>(
                             digest,
                             encoding,
                             input,
-                        } if idle.is_idle() => {
-                            match pinning.begin(seq, digest, encoding, input) {
-                                Ok(()) => continue,
-                                Err(unstarted) => Frame::Task {
-                                    seq,
-                                    digest,
-                                    encoding,
-                                    input: unstarted.input,
-                                },
-                            }
-                        }
+                        } if idle.is_idle() => match pinning.begin(seq, digest, encoding, input) {
+                            Ok(()) => continue,
+                            Err(unstarted) => Frame::Task {
+                                seq,
+                                digest,
+                                encoding,
+                                input: unstarted.input,
+                            },
+                        },
                         other => other,
                     };
                     let payload = match frame {
@@ -653,7 +632,7 @@ fn read_controls<C>(
                         outstanding.insert(seq);
                         writer.send_alive(seq);
                     }
-                    idle.enter();
+                    idle.hand();
                     if frames.send(Incoming::Frame(frame, payload)).is_err() {
                         return 0;
                     }
@@ -736,7 +715,7 @@ fn serve<R: Runtime>(
                 if let Some(seq) = seq {
                     outstanding.remove(seq);
                 }
-                this.idle.leave();
+                this.idle.done();
             }
             Ok(Incoming::End(code)) => return code,
             Err(mpsc::RecvError) => return 0,
@@ -828,8 +807,7 @@ impl<C> Pinning<C> {
         &self,
         digest: Digest,
         encoding: TaskEncoding,
-    ) -> Result<(Vec<PinnedHook<C>>, Vec<PinnedHook<C>>), (ErrorCode, String)>
-    {
+    ) -> Result<(Vec<PinnedHook<C>>, Vec<PinnedHook<C>>), (ErrorCode, String)> {
         let hooks = self
             .hooks
             .lock()
@@ -886,7 +864,6 @@ impl<C> Pinning<C> {
         let after = pinned.split_off(before_count);
         Ok((pinned, after))
     }
-
 }
 
 impl<R: Runtime> Control<'_, R> {
@@ -1057,11 +1034,7 @@ impl<R: Runtime> Control<'_, R> {
         // The hooks of the registration that installed the digest apply to
         // its tasks from now on (a reference added later keeps them).
         if result.is_ok() {
-            let mut hooks = self
-                .pinning
-                .hooks
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
+            let mut hooks = self.pinning.hooks.lock().unwrap_or_else(|p| p.into_inner());
             match Hooks::of(metadata) {
                 Some(found) => hooks.insert(digest, found),
                 None => hooks.remove(&digest),

@@ -1263,7 +1263,11 @@ fn json_input<'py>(
     for (key, value) in object.iter() {
         // JSON object keys are always `str`; compared without a copy.
         let key = key.cast_into::<PyString>().ok();
-        match key.as_ref().and_then(|k| k.to_str().ok()).unwrap_or_default() {
+        match key
+            .as_ref()
+            .and_then(|k| k.to_str().ok())
+            .unwrap_or_default()
+        {
             "args" => {
                 let list = value.cast::<PyList>().map_err(|_| {
                     invalid(format!(
