@@ -74,23 +74,30 @@ impl<C> SlotTable<C> {
 
     /// Runs `input` on the machine under the lock, drains its effects, and
     /// drops (after unlocking) every callable whose slot the machine freed.
+    /// With `only_frees` (an input that never makes a slot used: a run's
+    /// end), the slots are looked through only when fewer are used after
+    /// it than before.
     fn apply<R>(
         &self,
+        only_frees: bool,
         input: impl FnOnce(&mut Target, &mut [Option<Arc<C>>]) -> R,
     ) -> (R, Effects) {
         let mut freed = Vec::new();
         let (result, effects) = {
             let mut inner = lock(&self.inner);
             let Inner { machine, callables } = &mut *inner;
+            let used_before = machine.slots_in_use();
             let result = input(machine, callables);
             let mut effects = Vec::new();
             while let Some(effect) = machine.poll_effect() {
                 effects.push(effect);
             }
-            for (index, entry) in callables.iter_mut().enumerate() {
-                let slot = Slot(u16::try_from(index).unwrap_or(u16::MAX));
-                if entry.is_some() && !machine.is_slot_used(slot) {
-                    freed.push(entry.take());
+            if !only_frees || machine.slots_in_use() < used_before {
+                for (index, entry) in callables.iter_mut().enumerate() {
+                    let slot = Slot(u16::try_from(index).unwrap_or(u16::MAX));
+                    if entry.is_some() && !machine.is_slot_used(slot) {
+                        freed.push(entry.take());
+                    }
                 }
             }
             (result, effects)
@@ -120,7 +127,8 @@ impl<C> SlotTable<C> {
         requested: Digest,
         verified: Result<Digest, Failure>,
     ) -> Effects {
-        self.apply(|m, _| m.on_register(seq, requested, verified)).1
+        self.apply(false, |m, _| m.on_register(seq, requested, verified))
+            .1
     }
 
     /// The result of a [`TargetEffect::Deserialize`]: stores the callable
@@ -136,7 +144,7 @@ impl<C> SlotTable<C> {
         slot: Slot,
         result: Result<C, Failure>,
     ) -> Result<Effects, Error> {
-        let (outcome, effects) = self.apply(|machine, callables| {
+        let (outcome, effects) = self.apply(false, |machine, callables| {
             let report = match result {
                 Ok(callable) => {
                     // Stored first: the slot is reserved for this seq, and a
@@ -155,7 +163,7 @@ impl<C> SlotTable<C> {
 
     /// An unregister control; see [`Target::on_unregister`].
     pub fn on_unregister(&self, seq: Seq, digest: Digest) -> Effects {
-        self.apply(|m, _| m.on_unregister(seq, digest)).1
+        self.apply(false, |m, _| m.on_unregister(seq, digest)).1
     }
 
     /// Begins run `seq` of `digest`: pins its slot and returns the callable
@@ -193,7 +201,7 @@ impl<C> SlotTable<C> {
     /// # Errors
     /// The machine's `FRAME_INVALID` when no run `seq` is in progress.
     pub fn end_task(&self, seq: Seq) -> Result<(), Error> {
-        self.apply(|m, _| m.end_task(seq)).0
+        self.apply(true, |m, _| m.end_task(seq)).0
     }
 
     /// The machine's public table: installed digests with refcounts (digest

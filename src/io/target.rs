@@ -916,11 +916,9 @@ impl<R: Runtime> Control<'_, R> {
                     let effects = self.table.on_unregister(Seq(seq), digest);
                     // The last reference's callable was released (its
                     // finalizer ran) before this unregister is answered.
-                    report_finalizers(
-                        &self.table,
-                        self.id,
-                        &format!("the unregister (seq {seq}) of {}", digest.hashid()),
-                    );
+                    report_finalizers(&self.table, self.id, || {
+                        format!("the unregister (seq {seq}) of {}", digest.hashid())
+                    });
                     let mut replies = Vec::new();
                     self.carry_out(effects, None, None, &mut replies);
                     self.send_replies(replies, false);
@@ -1052,8 +1050,13 @@ impl<R: Runtime> Control<'_, R> {
 /// reported since the last call, naming the target and `what` freed the
 /// callable (the operation it belongs to); nothing else in the target's
 /// protocol changes: the slot is free all the same.
-fn report_finalizers<C>(table: &SlotTable<C>, id: TargetId, what: &str) {
-    for failure in table.take_finalizer_failures() {
+fn report_finalizers<C>(table: &SlotTable<C>, id: TargetId, what: impl FnOnce() -> String) {
+    let failures = table.take_finalizer_failures();
+    if failures.is_empty() {
+        return;
+    }
+    let what = what();
+    for failure in failures {
         let _ = writeln!(
             std::io::stderr().lock(),
             "callreg {id}: {what} released a callable whose finalizer failed: {failure}"
@@ -1073,14 +1076,12 @@ fn run_tasks<R: Runtime>(
         let (seq, digest) = (run.seq, run.digest);
         end_run(table, run);
         // A slot unregistered during the run is freed at its end.
-        report_finalizers(
-            table,
-            id,
-            &format!(
+        report_finalizers(table, id, || {
+            format!(
                 "the end of task seq {seq} of {} (unregistered while it ran)",
                 digest.hashid()
-            ),
-        );
+            )
+        });
         writer.send(Frame::TaskResult {
             seq,
             digest,
