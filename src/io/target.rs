@@ -363,12 +363,67 @@ struct Run<C> {
 /// it only clones callables' references and updates the machine.
 struct Pinning<C> {
     table: Arc<SlotTable<C>>,
-    runs: mpsc::Sender<Run<C>>,
+    runs: Arc<RunQueue<C>>,
     /// Hooks by installed digest, from the metadata of the registration
     /// that installed it (written by the control thread only).
     hooks: Mutex<BTreeMap<Digest, Arc<Hooks>>>,
     /// The next target-local run seq for a hook's pin (counts down).
     next_hook_seq: AtomicU64,
+}
+
+/// The runs handed to the task thread, in the order they were pinned.
+/// The task thread sleeps on it only once it is empty, and a run is
+/// followed by a wake-up only when the task thread sleeps there: no futex
+/// call for a run that finds it busy, and no spinning or yielding before
+/// it sleeps (a channel's receiver spins and yields first, which costs a
+/// round trip CPU time and context switches when tasks come one at a
+/// time). Never closed: the task thread runs until the process ends.
+struct RunQueue<C> {
+    state: Mutex<Queued<C>>,
+    ready: Condvar,
+}
+
+struct Queued<C> {
+    runs: VecDeque<Run<C>>,
+    /// The task thread sleeps on `ready` (set and cleared by it, under
+    /// the lock).
+    sleeping: bool,
+}
+
+impl<C> RunQueue<C> {
+    fn new() -> RunQueue<C> {
+        RunQueue {
+            state: Mutex::new(Queued {
+                runs: VecDeque::new(),
+                sleeping: false,
+            }),
+            ready: Condvar::new(),
+        }
+    }
+
+    /// Queues `run`, waking the task thread if it sleeps.
+    fn push(&self, run: Run<C>) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.runs.push_back(run);
+        let wake = state.sleeping;
+        drop(state);
+        if wake {
+            self.ready.notify_one();
+        }
+    }
+
+    /// The next run, sleeping until there is one.
+    fn pop(&self) -> Run<C> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(run) = state.runs.pop_front() {
+                return run;
+            }
+            state.sleeping = true;
+            state = self.ready.wait(state).unwrap_or_else(|p| p.into_inner());
+            state.sleeping = false;
+        }
+    }
 }
 
 struct Control<'a, R: Runtime> {
@@ -417,13 +472,14 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         return SNAPSHOT_EXIT_CODE;
     };
     let table = Arc::new(table);
-    let (runs, queue) = mpsc::channel::<Run<R::Callable>>();
+    let runs = Arc::new(RunQueue::new());
     {
         let table = table.clone();
         let writer = writer.clone();
         let runtime = setup.runtime.clone();
         let id = config.id;
-        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, queue));
+        let queue = runs.clone();
+        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, &queue));
     }
     let hooks = setup
         .metadata
@@ -739,7 +795,7 @@ impl<C> Pinning<C> {
     ///
     /// # Errors
     /// The machine's error when `digest` does not resolve; a hook's
-    /// ([`Pinning::pin_hooks`]); `TASK_FAILED` when the task thread ended.
+    /// ([`Pinning::pin_hooks`]).
     /// Nothing stays pinned, and no slot is freed on the way out: every
     /// pin undone here was made just now on a resolved slot, so undoing
     /// it never releases a callable (no finalizer, no GIL).
@@ -781,17 +837,8 @@ impl<C> Pinning<C> {
             before,
             after,
         };
-        self.runs.send(run).map_err(|mpsc::SendError(mut run)| {
-            // The task thread is gone (it cannot panic: calls are
-            // caught); unpin and report.
-            let input = std::mem::take(&mut run.input);
-            end_run(&self.table, run);
-            Unstarted {
-                code: ErrorCode::TASK_FAILED,
-                message: "the task thread ended".to_owned(),
-                input,
-            }
-        })
+        self.runs.push(run);
+        Ok(())
     }
 
     /// Resolves and pins the hooks of `digest` for one run, in the
@@ -1069,9 +1116,10 @@ fn run_tasks<R: Runtime>(
     id: TargetId,
     table: &SlotTable<R::Callable>,
     writer: &ReplyWriter,
-    queue: mpsc::Receiver<Run<R::Callable>>,
-) {
-    for run in queue {
+    queue: &RunQueue<R::Callable>,
+) -> ! {
+    loop {
+        let run = queue.pop();
         let result = run_with_hooks(runtime, &run);
         let (seq, digest) = (run.seq, run.digest);
         end_run(table, run);
@@ -1090,8 +1138,8 @@ fn run_tasks<R: Runtime>(
     }
 }
 
-/// Drops a run's callables and unpins its slot and its hooks' slots (the
-/// control thread began them; ending them cannot fail).
+/// Drops a run's callables and unpins its slot and its hooks' slots (they
+/// were pinned when the run began; ending them cannot fail).
 fn end_run<C>(table: &SlotTable<C>, run: Run<C>) {
     let Run {
         seq,
