@@ -2,14 +2,17 @@
 //! thread (unregister, register) and the task thread (ending a run) race on
 //! one slot; the callable must stay alive while a run holds it, be dropped
 //! exactly once, and never be confused with the callable of a later
-//! register that reuses the slot (specs/design.md §4.4 invariant 4).
+//! register that reuses the slot (specs/design.md §4.4 invariant 4). And
+//! the control gate (`callreg::io::slots::ControlGate`): a task the reader
+//! reads behind an unregister pins its slot after the unregister applied,
+//! whether the reader pins it (the gate idle) or the control thread does.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test --features io
 //! --test loom_slots --release`. Without `--cfg loom` this file is empty.
 #![cfg(all(loom, feature = "io"))]
 
 use callreg::descriptor::Digest;
-use callreg::io::slots::SlotTable;
+use callreg::io::slots::{ControlGate, SlotTable};
 use callreg::protocol::{Seq, Target, TargetConfig, TargetEffect, TargetId};
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::Arc;
@@ -132,5 +135,58 @@ fn a_reused_slot_never_loses_the_new_callable_to_the_old_run() {
             assert_eq!(table.table(), (vec![], 0));
             assert_eq!(table.callables_held(), 0);
         }
+    });
+}
+
+#[test]
+fn a_task_read_behind_an_unregister_pins_after_it_on_either_path() {
+    loom::model(|| {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let table = Arc::new(table_with_old(2, &drops));
+        let gate = Arc::new(ControlGate::new());
+        // What the reader hands the control thread: the unregister, and
+        // the task when the gate is not idle.
+        let (frames, incoming) = loom::sync::mpsc::channel::<u64>();
+        let control = {
+            let (table, gate) = (table.clone(), gate.clone());
+            thread::spawn(move || {
+                // Seq 0 ends the stream (loom's channel has no disconnect).
+                loop {
+                    let seq = incoming.recv().unwrap();
+                    if seq == 0 {
+                        break;
+                    }
+                    if seq == 11 {
+                        let effects = table.on_unregister(Seq(11), OLD);
+                        assert!(
+                            matches!(&effects[..], [TargetEffect::Reply(r)] if r.result.is_ok())
+                        );
+                    } else {
+                        assert!(
+                            table.begin_task(Seq(seq), OLD).is_err(),
+                            "pinned on the control thread before the unregister"
+                        );
+                    }
+                    gate.done();
+                }
+            })
+        };
+        // The reader: unregister (seq 11), then the task (seq 12).
+        gate.hand();
+        frames.send(11).unwrap();
+        if gate.is_idle() {
+            assert!(
+                table.begin_task(Seq(12), OLD).is_err(),
+                "pinned by the reader before the unregister"
+            );
+        } else {
+            gate.hand();
+            frames.send(12).unwrap();
+        }
+        frames.send(0).unwrap();
+        control.join().unwrap();
+        assert!(gate.is_idle());
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        assert_eq!(table.table(), (vec![], 0));
     });
 }

@@ -174,6 +174,11 @@ save("pickle_input", pickle.dumps(((2,), {"b": 5})), raw=True)
 save("pickle_expected", pickle.dumps((32, "done"), protocol=pickle.HIGHEST_PROTOCOL), raw=True)
 save("pickle_input_empty", pickle.dumps(((), {})), raw=True)
 save("pickle_input_not_pair", pickle.dumps([1, 2, 3]), raw=True)
+save("length", lambda s: len(s))
+save("pickle_input_len_100", pickle.dumps((("x" * 100,), {})), raw=True)
+save("pickle_input_len_10000", pickle.dumps((("x" * 10000,), {})), raw=True)
+save("pickle_expected_100", pickle.dumps(100, protocol=pickle.HIGHEST_PROTOCOL), raw=True)
+save("pickle_expected_10000", pickle.dumps(10000, protocol=pickle.HIGHEST_PROTOCOL), raw=True)
 
 def mark_unpickled(directory):
     with open(os.path.join(directory, "unpickled-%d" % os.getpid()), "w"):
@@ -1327,6 +1332,83 @@ fn cases() -> Vec<Case> {
                     String::from_utf8_lossy(&result).as_ref(),
                     r#"{"k":[1,2.5,null,true,"\u00e9"]}"#,
                 )
+            },
+        },
+        Case {
+            name: "json_input_decodes_as_json_loads",
+            started: true,
+            run: |runtime, payloads| {
+                let callable = runtime
+                    .deserialize(payloads.get("identity")?)
+                    .map_err(|e| e.to_string())?;
+                // JSON whitespace around the document, non-ASCII text
+                // inside it (characters, not bytes, count its end).
+                let result = runtime
+                    .call(
+                        &callable,
+                        TaskEncoding::Json,
+                        " \n\t{\"args\": [\"é€\"], \"kwargs\": {}}\t \r\n".as_bytes(),
+                    )
+                    .map_err(|e| e.to_string())?;
+                expect_eq(
+                    "identity of a non-ASCII string amid whitespace",
+                    String::from_utf8_lossy(&result).as_ref(),
+                    r#""\u00e9\u20ac""#,
+                )?;
+                let kind = "TaskInputInvalid";
+                for (name, input, message) in [
+                    (
+                        "data after the document",
+                        r#"{"args": ["é"]} x"#,
+                        "the task input is not JSON: Extra data: line 1 column 17 (char 16)",
+                    ),
+                    (
+                        "a byte order mark",
+                        "\u{feff}{}",
+                        "the task input is not JSON: Unexpected UTF-8 BOM (decode using utf-8-sig): \
+                         line 1 column 1 (char 0)",
+                    ),
+                    (
+                        "whitespace only",
+                        "  ",
+                        "the task input is not JSON: Expecting value: line 1 column 3 (char 2)",
+                    ),
+                ] {
+                    expect_error(
+                        name,
+                        runtime.call(&callable, TaskEncoding::Json, input.as_bytes()),
+                        ErrorCode::TASK_FAILED,
+                        kind,
+                        message,
+                    )?;
+                }
+                Ok(())
+            },
+        },
+        Case {
+            name: "pickle_inputs_small_and_large",
+            started: true,
+            run: |runtime, payloads| {
+                let callable = runtime
+                    .deserialize(payloads.get("length")?)
+                    .map_err(|e| e.to_string())?;
+                // 100 characters: copied into one bytes object; 10000:
+                // unpickled through a memoryview over the input.
+                for n in ["100", "10000"] {
+                    let result = runtime
+                        .call(
+                            &callable,
+                            TaskEncoding::Pickle,
+                            payloads.get(&format!("pickle_input_len_{n}"))?,
+                        )
+                        .map_err(|e| e.to_string())?;
+                    expect_eq(
+                        &format!("len of {n} characters"),
+                        result.as_slice(),
+                        payloads.get(&format!("pickle_expected_{n}"))?,
+                    )?;
+                }
+                Ok(())
             },
         },
         Case {

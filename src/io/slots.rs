@@ -8,9 +8,11 @@
 //! slot freed under it cannot pull the callable away mid-call. Checked with
 //! loom (`tests/loom_slots.rs`).
 //!
-//! Runs are begun on the control thread, in frame order between controls
-//! (the protocol's rule: a run pins its slot before any later unregister is
-//! applied), and ended on the task thread.
+//! Runs are begun in frame order between controls (the protocol's rule: a
+//! run pins its slot before any later unregister is applied), on the
+//! control thread or, while that thread has no frame to handle, on the
+//! reader thread (which knows by the [`ControlGate`]); they are ended on
+//! the task thread. The gate is checked with loom too.
 
 use crate::descriptor::Digest;
 use crate::error::Error;
@@ -72,23 +74,30 @@ impl<C> SlotTable<C> {
 
     /// Runs `input` on the machine under the lock, drains its effects, and
     /// drops (after unlocking) every callable whose slot the machine freed.
+    /// With `only_frees` (an input that never makes a slot used: a run's
+    /// end), the slots are looked through only when fewer are used after
+    /// it than before.
     fn apply<R>(
         &self,
+        only_frees: bool,
         input: impl FnOnce(&mut Target, &mut [Option<Arc<C>>]) -> R,
     ) -> (R, Effects) {
         let mut freed = Vec::new();
         let (result, effects) = {
             let mut inner = lock(&self.inner);
             let Inner { machine, callables } = &mut *inner;
+            let used_before = machine.slots_in_use();
             let result = input(machine, callables);
             let mut effects = Vec::new();
             while let Some(effect) = machine.poll_effect() {
                 effects.push(effect);
             }
-            for (index, entry) in callables.iter_mut().enumerate() {
-                let slot = Slot(u16::try_from(index).unwrap_or(u16::MAX));
-                if entry.is_some() && !machine.is_slot_used(slot) {
-                    freed.push(entry.take());
+            if !only_frees || machine.slots_in_use() < used_before {
+                for (index, entry) in callables.iter_mut().enumerate() {
+                    let slot = Slot(u16::try_from(index).unwrap_or(u16::MAX));
+                    if entry.is_some() && !machine.is_slot_used(slot) {
+                        freed.push(entry.take());
+                    }
                 }
             }
             (result, effects)
@@ -118,7 +127,8 @@ impl<C> SlotTable<C> {
         requested: Digest,
         verified: Result<Digest, Failure>,
     ) -> Effects {
-        self.apply(|m, _| m.on_register(seq, requested, verified)).1
+        self.apply(false, |m, _| m.on_register(seq, requested, verified))
+            .1
     }
 
     /// The result of a [`TargetEffect::Deserialize`]: stores the callable
@@ -134,7 +144,7 @@ impl<C> SlotTable<C> {
         slot: Slot,
         result: Result<C, Failure>,
     ) -> Result<Effects, Error> {
-        let (outcome, effects) = self.apply(|machine, callables| {
+        let (outcome, effects) = self.apply(false, |machine, callables| {
             let report = match result {
                 Ok(callable) => {
                     // Stored first: the slot is reserved for this seq, and a
@@ -153,7 +163,7 @@ impl<C> SlotTable<C> {
 
     /// An unregister control; see [`Target::on_unregister`].
     pub fn on_unregister(&self, seq: Seq, digest: Digest) -> Effects {
-        self.apply(|m, _| m.on_unregister(seq, digest)).1
+        self.apply(false, |m, _| m.on_unregister(seq, digest)).1
     }
 
     /// Begins run `seq` of `digest`: pins its slot and returns the callable
@@ -191,7 +201,7 @@ impl<C> SlotTable<C> {
     /// # Errors
     /// The machine's `FRAME_INVALID` when no run `seq` is in progress.
     pub fn end_task(&self, seq: Seq) -> Result<(), Error> {
-        self.apply(|m, _| m.end_task(seq)).0
+        self.apply(true, |m, _| m.end_task(seq)).0
     }
 
     /// The machine's public table: installed digests with refcounts (digest
@@ -209,5 +219,49 @@ impl<C> SlotTable<C> {
             .iter()
             .filter(|c| c.is_some())
             .count()
+    }
+}
+
+/// Frames a target's reader handed to its control thread that the control
+/// thread has not finished handling. Only the reader hands frames, so when
+/// it finds none ([`ControlGate::is_idle`]) no control is queued or
+/// running, and none starts before the reader hands the next one: a run
+/// the reader begins meanwhile pins its slot in frame order, after every
+/// control before it was applied and before every control after it.
+pub struct ControlGate {
+    handed: Mutex<usize>,
+}
+
+impl Default for ControlGate {
+    fn default() -> Self {
+        ControlGate::new()
+    }
+}
+
+impl ControlGate {
+    /// A gate with nothing handed.
+    pub fn new() -> ControlGate {
+        ControlGate {
+            handed: Mutex::new(0),
+        }
+    }
+
+    /// The reader is about to hand a frame to the control thread.
+    pub fn hand(&self) {
+        *lock(&self.handed) += 1;
+    }
+
+    /// The control thread finished a frame: every effect on the table
+    /// applied and every reply written.
+    pub fn done(&self) {
+        let mut handed = lock(&self.handed);
+        *handed = handed.saturating_sub(1);
+    }
+
+    /// Whether every frame handed so far is done (the reader's view; what
+    /// the control thread did before [`ControlGate::done`] is visible to a
+    /// reader that sees `true`).
+    pub fn is_idle(&self) -> bool {
+        *lock(&self.handed) == 0
     }
 }

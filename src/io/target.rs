@@ -14,10 +14,19 @@
 //! it carries out the machine's effects: it checks the seals of each
 //! staged payload received with a register, maps it read-only, verifies
 //! its digest, installs it from that same mapping through the runtime (checks, then
-//! deserialization), and writes replies. A task frame pins its slot on the
-//! control thread (frame order) and is handed to the task thread, so a
-//! long task never delays a register into a timeout.
-//! Both threads write whole frames to the reply pipe under one lock.
+//! deserialization), and writes replies. A task frame pins its slot in
+//! frame order and is handed to the task thread, so a long task never
+//! delays a register into a timeout. Where it is pinned: a task that finds
+//! no frame queued for the control thread or being handled there
+//! ([`ControlGate`]: the reader counts the frames it hands over, the control
+//! thread counts them done) is pinned by the reader itself and goes
+//! straight to the task thread, so a task round trip on an idle target
+//! wakes two threads (reader, task thread) instead of three; pinning only
+//! takes the slot table's lock, never the runtime's. Any other task, and
+//! a task the reader could not start (it does not resolve, a hook does
+//! not), is queued behind the frames before it, and the control thread
+//! pins it (or fails it) in its turn (`specs/wire.md`).
+//! Every thread writes whole frames to the reply pipe under one lock.
 //!
 //! Callable metadata (`specs/metadata.md`): a register control
 //! carries it as JSON; the target parses it and installs through
@@ -26,7 +35,8 @@
 //! that installed a digest are kept by digest; around each task of that
 //! digest the task thread runs the `call_before` hooks, the task (with a
 //! `retval_keyword` result merged into its JSON kwargs), then the
-//! `call_after` hooks. The control thread resolves and pins every hook with
+//! `call_after` hooks. The thread that pins the task resolves and pins
+//! every hook with
 //! the task, like any run, under target-local run seqs counted down from
 //! `u64::MAX` (a parent's seqs count up from 1 and never reach them).
 //!
@@ -39,18 +49,18 @@
 //! code: before it reads a control, reports an install or a task result,
 //! or writes any reply.
 
-use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::failpoints::{self, ABRUPT_EXIT_CODE};
 use super::process::{exit_unless_target, receive_control, TargetEnds};
-use super::slots::{Effects, SlotTable};
+use super::slots::{ControlGate, Effects, SlotTable};
 use super::staging::StagedView;
 use crate::descriptor::{python_serialized_digest, Digest};
 use crate::envelope::Envelope;
@@ -347,17 +357,84 @@ struct Run<C> {
     after: Vec<PinnedHook<C>>,
 }
 
+/// What pins a task's slot and hands the run to the task thread: used by
+/// the control thread, and by the reader thread for a task that finds no
+/// control queued or running ([`ControlGate`]). Pinning never takes the GIL:
+/// it only clones callables' references and updates the machine.
+struct Pinning<C> {
+    table: Arc<SlotTable<C>>,
+    runs: Arc<RunQueue<C>>,
+    /// Hooks by installed digest, from the metadata of the registration
+    /// that installed it (written by the control thread only).
+    hooks: Mutex<BTreeMap<Digest, Arc<Hooks>>>,
+    /// The next target-local run seq for a hook's pin (counts down).
+    next_hook_seq: AtomicU64,
+}
+
+/// The runs handed to the task thread, in the order they were pinned.
+/// The task thread sleeps on it only once it is empty, and a run is
+/// followed by a wake-up only when the task thread sleeps there: no futex
+/// call for a run that finds it busy, and no spinning or yielding before
+/// it sleeps (a channel's receiver spins and yields first, which costs a
+/// round trip CPU time and context switches when tasks come one at a
+/// time). Never closed: the task thread runs until the process ends.
+struct RunQueue<C> {
+    state: Mutex<Queued<C>>,
+    ready: Condvar,
+}
+
+struct Queued<C> {
+    runs: VecDeque<Run<C>>,
+    /// The task thread sleeps on `ready` (set and cleared by it, under
+    /// the lock).
+    sleeping: bool,
+}
+
+impl<C> RunQueue<C> {
+    fn new() -> RunQueue<C> {
+        RunQueue {
+            state: Mutex::new(Queued {
+                runs: VecDeque::new(),
+                sleeping: false,
+            }),
+            ready: Condvar::new(),
+        }
+    }
+
+    /// Queues `run`, waking the task thread if it sleeps.
+    fn push(&self, run: Run<C>) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.runs.push_back(run);
+        let wake = state.sleeping;
+        drop(state);
+        if wake {
+            self.ready.notify_one();
+        }
+    }
+
+    /// The next run, sleeping until there is one.
+    fn pop(&self) -> Run<C> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(run) = state.runs.pop_front() {
+                return run;
+            }
+            state.sleeping = true;
+            state = self.ready.wait(state).unwrap_or_else(|p| p.into_inner());
+            state.sleeping = false;
+        }
+    }
+}
+
 struct Control<'a, R: Runtime> {
     id: TargetId,
     runtime: &'a R,
     table: Arc<SlotTable<R::Callable>>,
     writer: Arc<ReplyWriter>,
-    runs: mpsc::Sender<Run<R::Callable>>,
-    /// Hooks by installed digest, from the metadata of the registration
-    /// that installed it.
-    hooks: std::cell::RefCell<BTreeMap<Digest, Arc<Hooks>>>,
-    /// The next target-local run seq for a hook's pin (counts down).
-    next_hook_seq: Cell<u64>,
+    pinning: Arc<Pinning<R::Callable>>,
+    /// Frames handed to this thread and not yet handled (the reader's
+    /// [`ControlGate::hand`], this thread's [`ControlGate::done`]).
+    idle: Arc<ControlGate>,
 }
 
 /// Runs a target until its control socket closes; returns its exit status.
@@ -395,27 +472,33 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         return SNAPSHOT_EXIT_CODE;
     };
     let table = Arc::new(table);
-    let (runs, queue) = mpsc::channel::<Run<R::Callable>>();
+    let runs = Arc::new(RunQueue::new());
     {
         let table = table.clone();
         let writer = writer.clone();
         let runtime = setup.runtime.clone();
         let id = config.id;
-        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, queue));
+        let queue = runs.clone();
+        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, &queue));
     }
     let hooks = setup
         .metadata
         .iter()
         .filter_map(|(digest, metadata)| Hooks::of(Some(metadata)).map(|h| (*digest, h)))
         .collect();
+    let pinning = Arc::new(Pinning {
+        table: table.clone(),
+        runs,
+        hooks: Mutex::new(hooks),
+        next_hook_seq: AtomicU64::new(u64::MAX),
+    });
     let control_thread = Control {
         id: config.id,
         runtime: &*setup.runtime,
         table,
         writer: writer.clone(),
-        runs,
-        hooks: std::cell::RefCell::new(hooks),
-        next_hook_seq: Cell::new(u64::MAX),
+        pinning,
+        idle: Arc::new(ControlGate::new()),
     };
     let status = serve(control, setup, &writer, &control_thread);
     setup.runtime.stop();
@@ -543,14 +626,20 @@ fn control_seq(frame: &Frame) -> Option<u64> {
 }
 
 /// The reader thread: reads frames from the control socket, reports each
-/// control alive on receipt and queues it; never touches the runtime.
-fn read_controls(
+/// control alive on receipt and queues it for the control thread; never
+/// touches the runtime. A task that finds no frame queued for the control
+/// thread or being handled there is pinned here and handed to the task
+/// thread directly (one thread fewer to wake); a task that cannot start
+/// goes to the control thread like any frame, which fails it.
+fn read_controls<C>(
     control: &OwnedFd,
     max_frame_bytes: usize,
     writer: &ReplyWriter,
     outstanding: &Outstanding,
+    direct: (&Pinning<C>, &ControlGate),
     frames: &mpsc::Sender<Incoming>,
 ) -> i32 {
+    let (pinning, idle) = direct;
     let Ok(mut buffer) = FrameBuffer::new(max_frame_bytes) else {
         return FRAME_EXIT_CODE;
     };
@@ -574,6 +663,23 @@ fn read_controls(
         loop {
             match buffer.next_frame() {
                 Ok(Some(frame)) => {
+                    let frame = match frame {
+                        Frame::Task {
+                            seq,
+                            digest,
+                            encoding,
+                            input,
+                        } if idle.is_idle() => match pinning.begin(seq, digest, encoding, input) {
+                            Ok(()) => continue,
+                            Err(unstarted) => Frame::Task {
+                                seq,
+                                digest,
+                                encoding,
+                                input: unstarted.input,
+                            },
+                        },
+                        other => other,
+                    };
                     let payload = match frame {
                         Frame::Register { .. } => payloads.pop_front(),
                         _ => None,
@@ -582,6 +688,7 @@ fn read_controls(
                         outstanding.insert(seq);
                         writer.send_alive(seq);
                     }
+                    idle.hand();
                     if frames.send(Incoming::Frame(frame, payload)).is_err() {
                         return 0;
                     }
@@ -629,13 +736,22 @@ fn serve<R: Runtime>(
     {
         let writer = writer.clone();
         let outstanding = outstanding.clone();
+        let pinning = this.pinning.clone();
+        let idle = this.idle.clone();
         let max_frame_bytes = setup.max_frame_bytes;
         std::thread::spawn(move || {
             // Never closed before the process ends: a parent that sees the
             // channel close then always finds an exit status, not a target
             // still exiting.
             let control = std::mem::ManuallyDrop::new(control);
-            let end = read_controls(&control, max_frame_bytes, &writer, &outstanding, &frames);
+            let end = read_controls(
+                &control,
+                max_frame_bytes,
+                &writer,
+                &outstanding,
+                (&pinning, &idle),
+                &frames,
+            );
             let _ = frames.send(Incoming::End(end));
         });
     }
@@ -655,10 +771,145 @@ fn serve<R: Runtime>(
                 if let Some(seq) = seq {
                     outstanding.remove(seq);
                 }
+                this.idle.done();
             }
             Ok(Incoming::End(code)) => return code,
             Err(mpsc::RecvError) => return 0,
         }
+    }
+}
+
+/// Why a task did not start: its failure, and its input back (the
+/// reader then hands the frame to the control thread, which fails it in
+/// order). Nothing stays pinned.
+struct Unstarted {
+    code: ErrorCode,
+    message: String,
+    input: Vec<u8>,
+}
+
+impl<C> Pinning<C> {
+    /// Pins task `seq`'s slot and its hooks' slots, in frame order (the
+    /// caller is the control thread, or the reader while no control is
+    /// queued or running), and hands the run to the task thread.
+    ///
+    /// # Errors
+    /// The machine's error when `digest` does not resolve; a hook's
+    /// ([`Pinning::pin_hooks`]).
+    /// Nothing stays pinned, and no slot is freed on the way out: every
+    /// pin undone here was made just now on a resolved slot, so undoing
+    /// it never releases a callable (no finalizer, no GIL).
+    fn begin(
+        &self,
+        seq: u64,
+        digest: Digest,
+        encoding: TaskEncoding,
+        input: Vec<u8>,
+    ) -> Result<(), Unstarted> {
+        let callable = match self.table.begin_task(Seq(seq), digest) {
+            Ok(callable) => callable,
+            Err(error) => {
+                return Err(Unstarted {
+                    code: error.code,
+                    message: error.message,
+                    input,
+                })
+            }
+        };
+        let (before, after) = match self.pin_hooks(digest, encoding) {
+            Ok(pinned) => pinned,
+            Err((code, message)) => {
+                drop(callable);
+                let _ = self.table.end_task(Seq(seq));
+                return Err(Unstarted {
+                    code,
+                    message,
+                    input,
+                });
+            }
+        };
+        let run = Run {
+            seq,
+            digest,
+            encoding,
+            input,
+            callable,
+            before,
+            after,
+        };
+        self.runs.push(run);
+        Ok(())
+    }
+
+    /// Resolves and pins the hooks of `digest` for one run, in the
+    /// target's own table.
+    ///
+    /// # Errors
+    /// `TASK_FAILED` naming the hook's hashid when a `call_before` hook
+    /// has a `retval_keyword` and the task is pickle-encoded (its kwargs
+    /// are opaque to the target), or `DIGEST_NOT_INSTALLED` naming the
+    /// hook's hashid when a hook does not resolve; nothing stays pinned.
+    #[allow(clippy::type_complexity)]
+    fn pin_hooks(
+        &self,
+        digest: Digest,
+        encoding: TaskEncoding,
+    ) -> Result<(Vec<PinnedHook<C>>, Vec<PinnedHook<C>>), (ErrorCode, String)> {
+        let hooks = self
+            .hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&digest)
+            .cloned();
+        let Some(hooks) = hooks else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        if encoding == TaskEncoding::Pickle {
+            if let Some(hook) = hooks.before.iter().find(|h| h.retval_keyword.is_some()) {
+                return Err((
+                    ErrorCode::TASK_FAILED,
+                    format!(
+                        "call_before hook {} passes its result as keyword argument {:?}, which needs a JSON-encoded task; this task is pickle-encoded",
+                        hook.hashid,
+                        hook.retval_keyword.as_deref().unwrap_or_default()
+                    ),
+                ));
+            }
+        }
+        let mut pinned: Vec<PinnedHook<C>> = Vec::new();
+        let mut before_count = 0;
+        for (list, call) in hooks
+            .before
+            .iter()
+            .map(|h| ("call_before", h))
+            .chain(hooks.after.iter().map(|h| ("call_after", h)))
+        {
+            let seq = Seq(self.next_hook_seq.fetch_sub(1, Ordering::Relaxed));
+            match self.table.begin_task(seq, call.hashid.0) {
+                Ok(callable) => {
+                    pinned.push(PinnedHook {
+                        call: call.clone(),
+                        seq,
+                        callable,
+                    });
+                    if list == "call_before" {
+                        before_count += 1;
+                    }
+                }
+                Err(error) => {
+                    for hook in pinned {
+                        drop(hook.callable);
+                        let _ = self.table.end_task(hook.seq);
+                    }
+                    return Err((
+                        error.code,
+                        format!("{list} hook {} cannot run: {}", call.hashid, error.message),
+                    ));
+                }
+            }
+        }
+        let after = pinned.split_off(before_count);
+        Ok((pinned, after))
     }
 }
 
@@ -712,11 +963,9 @@ impl<R: Runtime> Control<'_, R> {
                     let effects = self.table.on_unregister(Seq(seq), digest);
                     // The last reference's callable was released (its
                     // finalizer ran) before this unregister is answered.
-                    report_finalizers(
-                        &self.table,
-                        self.id,
-                        &format!("the unregister (seq {seq}) of {}", digest.hashid()),
-                    );
+                    report_finalizers(&self.table, self.id, || {
+                        format!("the unregister (seq {seq}) of {}", digest.hashid())
+                    });
                     let mut replies = Vec::new();
                     self.carry_out(effects, None, None, &mut replies);
                     self.send_replies(replies, false);
@@ -727,39 +976,11 @@ impl<R: Runtime> Control<'_, R> {
                 digest,
                 encoding,
                 input,
-            } => match self.table.begin_task(Seq(seq), digest) {
-                Ok(callable) => {
-                    let (before, after) = match self.pin_hooks(digest, encoding) {
-                        Ok(pinned) => pinned,
-                        Err((code, message)) => {
-                            let _ = self.table.end_task(Seq(seq));
-                            self.task_failed(seq, digest, code, &message);
-                            return true;
-                        }
-                    };
-                    let run = Run {
-                        seq,
-                        digest,
-                        encoding,
-                        input,
-                        callable,
-                        before,
-                        after,
-                    };
-                    if let Err(mpsc::SendError(run)) = self.runs.send(run) {
-                        // The task thread is gone (it cannot panic: calls are
-                        // caught); unpin and report.
-                        end_run(&self.table, run);
-                        self.task_failed(
-                            seq,
-                            digest,
-                            ErrorCode::TASK_FAILED,
-                            "the task thread ended",
-                        );
-                    }
+            } => {
+                if let Err(unstarted) = self.pinning.begin(seq, digest, encoding, input) {
+                    self.task_failed(seq, digest, unstarted.code, &unstarted.message);
                 }
-                Err(error) => self.task_failed(seq, digest, error.code, &error.message),
-            },
+            }
             Frame::Inspect { seq } => {
                 let (installed, tombstones) = self.table.table();
                 let entries = installed
@@ -782,73 +1003,6 @@ impl<R: Runtime> Control<'_, R> {
             }
         }
         true
-    }
-
-    /// Resolves and pins the hooks of `digest` for one run, in the
-    /// target's own table.
-    ///
-    /// # Errors
-    /// `TASK_FAILED` naming the hook's hashid when a `call_before` hook
-    /// has a `retval_keyword` and the task is pickle-encoded (its kwargs
-    /// are opaque to the target), or `DIGEST_NOT_INSTALLED` naming the
-    /// hook's hashid when a hook does not resolve; nothing stays pinned.
-    #[allow(clippy::type_complexity)]
-    fn pin_hooks(
-        &self,
-        digest: Digest,
-        encoding: TaskEncoding,
-    ) -> Result<(Vec<PinnedHook<R::Callable>>, Vec<PinnedHook<R::Callable>>), (ErrorCode, String)>
-    {
-        let Some(hooks) = self.hooks.borrow().get(&digest).cloned() else {
-            return Ok((Vec::new(), Vec::new()));
-        };
-        if encoding == TaskEncoding::Pickle {
-            if let Some(hook) = hooks.before.iter().find(|h| h.retval_keyword.is_some()) {
-                return Err((
-                    ErrorCode::TASK_FAILED,
-                    format!(
-                        "call_before hook {} passes its result as keyword argument {:?}, which needs a JSON-encoded task; this task is pickle-encoded",
-                        hook.hashid,
-                        hook.retval_keyword.as_deref().unwrap_or_default()
-                    ),
-                ));
-            }
-        }
-        let mut pinned: Vec<PinnedHook<R::Callable>> = Vec::new();
-        let mut before_count = 0;
-        for (list, call) in hooks
-            .before
-            .iter()
-            .map(|h| ("call_before", h))
-            .chain(hooks.after.iter().map(|h| ("call_after", h)))
-        {
-            let seq = Seq(self.next_hook_seq.get());
-            self.next_hook_seq.set(seq.0.wrapping_sub(1));
-            match self.table.begin_task(seq, call.hashid.0) {
-                Ok(callable) => {
-                    pinned.push(PinnedHook {
-                        call: call.clone(),
-                        seq,
-                        callable,
-                    });
-                    if list == "call_before" {
-                        before_count += 1;
-                    }
-                }
-                Err(error) => {
-                    for hook in pinned {
-                        drop(hook.callable);
-                        let _ = self.table.end_task(hook.seq);
-                    }
-                    return Err((
-                        error.code,
-                        format!("{list} hook {} cannot run: {}", call.hashid, error.message),
-                    ));
-                }
-            }
-        }
-        let after = pinned.split_off(before_count);
-        Ok((pinned, after))
     }
 
     fn task_failed(&self, seq: u64, digest: Digest, code: ErrorCode, message: &str) {
@@ -925,7 +1079,7 @@ impl<R: Runtime> Control<'_, R> {
         // The hooks of the registration that installed the digest apply to
         // its tasks from now on (a reference added later keeps them).
         if result.is_ok() {
-            let mut hooks = self.hooks.borrow_mut();
+            let mut hooks = self.pinning.hooks.lock().unwrap_or_else(|p| p.into_inner());
             match Hooks::of(metadata) {
                 Some(found) => hooks.insert(digest, found),
                 None => hooks.remove(&digest),
@@ -943,8 +1097,13 @@ impl<R: Runtime> Control<'_, R> {
 /// reported since the last call, naming the target and `what` freed the
 /// callable (the operation it belongs to); nothing else in the target's
 /// protocol changes: the slot is free all the same.
-fn report_finalizers<C>(table: &SlotTable<C>, id: TargetId, what: &str) {
-    for failure in table.take_finalizer_failures() {
+fn report_finalizers<C>(table: &SlotTable<C>, id: TargetId, what: impl FnOnce() -> String) {
+    let failures = table.take_finalizer_failures();
+    if failures.is_empty() {
+        return;
+    }
+    let what = what();
+    for failure in failures {
         let _ = writeln!(
             std::io::stderr().lock(),
             "callreg {id}: {what} released a callable whose finalizer failed: {failure}"
@@ -957,21 +1116,20 @@ fn run_tasks<R: Runtime>(
     id: TargetId,
     table: &SlotTable<R::Callable>,
     writer: &ReplyWriter,
-    queue: mpsc::Receiver<Run<R::Callable>>,
-) {
-    for run in queue {
+    queue: &RunQueue<R::Callable>,
+) -> ! {
+    loop {
+        let run = queue.pop();
         let result = run_with_hooks(runtime, &run);
         let (seq, digest) = (run.seq, run.digest);
         end_run(table, run);
         // A slot unregistered during the run is freed at its end.
-        report_finalizers(
-            table,
-            id,
-            &format!(
+        report_finalizers(table, id, || {
+            format!(
                 "the end of task seq {seq} of {} (unregistered while it ran)",
                 digest.hashid()
-            ),
-        );
+            )
+        });
         writer.send(Frame::TaskResult {
             seq,
             digest,
@@ -980,8 +1138,8 @@ fn run_tasks<R: Runtime>(
     }
 }
 
-/// Drops a run's callables and unpins its slot and its hooks' slots (the
-/// control thread began them; ending them cannot fail).
+/// Drops a run's callables and unpins its slot and its hooks' slots (they
+/// were pinned when the run began; ending them cannot fail).
 fn end_run<C>(table: &SlotTable<C>, run: Run<C>) {
     let Run {
         seq,

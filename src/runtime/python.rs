@@ -69,6 +69,10 @@ const KIND_NOT_STARTED: &str = "RuntimeNotStarted";
 /// Runtime kind of a malformed task input (JSON or pickled).
 const KIND_INPUT_INVALID: &str = "TaskInputInvalid";
 
+/// Pickled task inputs up to this size are unpickled from a copy in one
+/// `bytes` object, larger ones through a memoryview over the frame.
+const SMALL_PICKLE_INPUT_BYTES: usize = 4096;
+
 /// A Python target runtime (cargo feature `python`).
 ///
 /// Built in the parent (no Python is touched there), inherited by `fork`,
@@ -409,10 +413,15 @@ struct PythonFunctions {
     result_dumps: Py<PyAny>,
     /// `pickle.HIGHEST_PROTOCOL`, the protocol of pickled task results.
     pickle_protocol: Py<PyAny>,
-    /// `json.loads`.
+    /// `json.loads`: decodes a task input the fast path refused, for its
+    /// exact error.
     json_loads: Py<PyAny>,
-    /// `json.dumps`.
-    json_dumps: Py<PyAny>,
+    /// `json.JSONDecoder().raw_decode`: the decoder `json.loads` uses,
+    /// without its whitespace regular expressions and layers of calls.
+    json_raw_decode: Py<PyAny>,
+    /// `json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode`:
+    /// what `json.dumps` with those options builds on every call.
+    json_encode: Py<PyAny>,
     /// `traceback.format_tb`.
     format_tb: Py<PyAny>,
     /// The `_callreg_metadata` helper module (metadata checks, output capture).
@@ -673,7 +682,20 @@ impl PythonRuntime {
                     },
                     pickle_protocol: pickle.getattr("HIGHEST_PROTOCOL")?.unbind(),
                     json_loads: json.getattr("loads")?.unbind(),
-                    json_dumps: json.getattr("dumps")?.unbind(),
+                    json_raw_decode: json
+                        .getattr("JSONDecoder")?
+                        .call0()?
+                        .getattr("raw_decode")?
+                        .unbind(),
+                    json_encode: {
+                        let options = PyDict::new(py);
+                        options.set_item("allow_nan", false)?;
+                        options.set_item("separators", (",", ":"))?;
+                        json.getattr("JSONEncoder")?
+                            .call((), Some(&options))?
+                            .getattr("encode")?
+                            .unbind()
+                    },
                     format_tb: traceback.getattr("format_tb")?.unbind(),
                     helpers: helpers.unbind(),
                 })
@@ -1182,6 +1204,36 @@ fn loads_borrowed<'py>(
     Ok(object)
 }
 
+/// Decodes a JSON document as `json.loads(text)` does: the document
+/// after the leading JSON whitespace through `raw_decode`, then only
+/// JSON whitespace may follow. Whatever that path refuses is decoded
+/// again by `json.loads`, so an invalid input fails with its exact error.
+fn json_decode<'py>(
+    py: Python<'py>,
+    functions: &PythonFunctions,
+    text: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let is_space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+    // Whitespace is ASCII: its byte counts are character counts.
+    let leading = text.bytes().take_while(is_space).count();
+    let trailing = text[leading..].bytes().rev().take_while(is_space).count();
+    let string = PyString::new(py, text);
+    let fast = functions
+        .json_raw_decode
+        .bind(py)
+        .call1((&string, leading))
+        .ok()
+        .and_then(|pair| {
+            let (object, end): (Bound<'py, PyAny>, usize) = pair.extract().ok()?;
+            let chars = string.len().ok()?;
+            (end + trailing == chars).then_some(object)
+        });
+    match fast {
+        Some(object) => Ok(object),
+        None => functions.json_loads.bind(py).call1((string,)),
+    }
+}
+
 /// Decodes a JSON task input into positional and keyword arguments.
 fn json_input<'py>(
     py: Python<'py>,
@@ -1196,14 +1248,10 @@ fn json_input<'py>(
     };
     let text = std::str::from_utf8(input)
         .map_err(|err| invalid(format!("the task input is not UTF-8: {err}")))?;
-    let decoded = functions
-        .json_loads
-        .bind(py)
-        .call1((text,))
-        .map_err(|err| {
-            let (_, message) = describe_exception(py, &err);
-            invalid(format!("the task input is not JSON: {message}"))
-        })?;
+    let decoded = json_decode(py, functions, text).map_err(|err| {
+        let (_, message) = describe_exception(py, &err);
+        invalid(format!("the task input is not JSON: {message}"))
+    })?;
     let object = decoded.cast::<PyDict>().map_err(|_| {
         invalid(format!(
             "the task input must be a JSON object {{\"args\": [...], \"kwargs\": {{...}}}}, got {}",
@@ -1211,10 +1259,15 @@ fn json_input<'py>(
         ))
     })?;
     let mut args = PyTuple::empty(py);
-    let mut kwargs = PyDict::new(py);
+    let mut kwargs = None;
     for (key, value) in object.iter() {
-        let key: String = key.extract().unwrap_or_default();
-        match key.as_str() {
+        // JSON object keys are always `str`; compared without a copy.
+        let key = key.cast_into::<PyString>().ok();
+        match key
+            .as_ref()
+            .and_then(|k| k.to_str().ok())
+            .unwrap_or_default()
+        {
             "args" => {
                 let list = value.cast::<PyList>().map_err(|_| {
                     invalid(format!(
@@ -1225,12 +1278,12 @@ fn json_input<'py>(
                 args = list.to_tuple();
             }
             "kwargs" => {
-                kwargs = value.cast_into::<PyDict>().map_err(|err| {
+                kwargs = Some(value.cast_into::<PyDict>().map_err(|err| {
                     invalid(format!(
                         "the task input's \"kwargs\" must be a JSON object, got {}",
                         type_name(&err.into_inner().get_type())
                     ))
-                })?;
+                })?);
             }
             other => {
                 return Err(invalid(format!(
@@ -1239,6 +1292,7 @@ fn json_input<'py>(
             }
         }
     }
+    let kwargs = kwargs.unwrap_or_else(|| PyDict::new(py));
     Ok((args, kwargs))
 }
 
@@ -1254,7 +1308,17 @@ fn pickle_input<'py>(
         message,
         exception: Vec::new(),
     };
-    let decoded = loads_borrowed(py, functions.pickle_loads.bind(py), input).map_err(|err| {
+    // A small input is copied into one `bytes` object: cheaper than a
+    // memoryview (two objects, and a `release` call) over the frame.
+    let decoded = if input.len() <= SMALL_PICKLE_INPUT_BYTES {
+        functions
+            .pickle_loads
+            .bind(py)
+            .call1((PyBytes::new(py, input),))
+    } else {
+        loads_borrowed(py, functions.pickle_loads.bind(py), input)
+    };
+    let decoded = decoded.map_err(|err| {
         let (kind, message) = describe_exception(py, &err);
         invalid(format!(
             "the pickled task input could not be unpickled: {kind}: {message}"
@@ -1291,16 +1355,10 @@ fn json_result(
     functions: &PythonFunctions,
     result: &Bound<'_, PyAny>,
 ) -> Result<Vec<u8>, RuntimeError> {
-    let options = PyDict::new(py);
-    let encoded = options
-        .set_item("allow_nan", false)
-        .and_then(|()| options.set_item("separators", (",", ":")))
-        .and_then(|()| {
-            functions
-                .json_dumps
-                .bind(py)
-                .call((result,), Some(&options))
-        })
+    let encoded = functions
+        .json_encode
+        .bind(py)
+        .call1((result,))
         .map_err(|err| unencodable_result(py, &err, result, "JSON-serializable"))?;
     let text = encoded
         .cast::<PyString>()

@@ -1,0 +1,234 @@
+//! A target driven frame by frame over its own control socket and reply
+//! pipe (no Worker in between), to pin down the order in which it applies
+//! frames that arrive together: a task pins its slot in frame order
+//! relative to unregisters, whichever of the target's threads pins it
+//! (the reader, for a task that finds the control thread idle, or the
+//! control thread behind the controls queued before it).
+
+use std::collections::BTreeMap;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use callreg::descriptor::{python_serialized_digest, Digest};
+use callreg::envelope::{encode, Envelope};
+use callreg::error::ErrorCode;
+use callreg::io::process::{send_control, spawn_targets, Exit, TargetProcess, ThreadPolicy};
+use callreg::io::target::{run, TargetSetup};
+use callreg::runtime::testing::TestRuntime;
+use callreg::runtime::TaskEncoding;
+use callreg::wire::{Frame, FrameBuffer, TaskFailure};
+use nix::errno::Errno;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+
+const MAX_FRAME: usize = 1 << 16;
+
+/// A forked target serving a snapshot of one `instruction` callable; this
+/// side holds the other ends of its control socket and reply pipe (both
+/// non-blocking).
+struct RawTarget {
+    process: TargetProcess,
+    buffer: FrameBuffer,
+    digest: Digest,
+}
+
+impl RawTarget {
+    fn start(instruction: &str) -> RawTarget {
+        let bytes = encode(instruction.as_bytes());
+        let digest = python_serialized_digest(&Envelope::parse(&bytes).unwrap());
+        let setup = TargetSetup {
+            runtime: Arc::new(TestRuntime),
+            snapshot: vec![(digest, 1)],
+            envelopes: BTreeMap::from([(digest, Arc::new(bytes))]),
+            metadata: BTreeMap::new(),
+            slot_capacity: 4,
+            max_frame_bytes: MAX_FRAME,
+            heartbeat: Duration::from_secs(60),
+        };
+        // The test harness runs other threads; the target only runs its
+        // own code.
+        let mut processes = spawn_targets(
+            1,
+            ThreadPolicy::AcceptRisk,
+            &TestRuntime,
+            |_| {},
+            |ends| run(ends, &setup),
+        )
+        .unwrap();
+        let mut target = RawTarget {
+            process: processes.remove(0),
+            buffer: FrameBuffer::new(MAX_FRAME).unwrap(),
+            digest,
+        };
+        match target.next() {
+            Frame::Ready { snapshot, .. } => assert_eq!(snapshot, vec![(digest, Ok(()))]),
+            other => panic!("expected Ready, got {other:?}"),
+        }
+        target
+    }
+
+    /// Writes `frames` to the control socket, in one write when it fits.
+    fn send(&mut self, frames: &[Frame]) {
+        let mut bytes = Vec::new();
+        for frame in frames {
+            bytes.extend(frame.encode(MAX_FRAME).unwrap());
+        }
+        let mut written = 0;
+        while written < bytes.len() {
+            let socket = self.process.control().unwrap();
+            match send_control(socket, &bytes[written..], None) {
+                Ok(n) => written += n,
+                Err(Errno::EAGAIN) => {
+                    let mut fds = [PollFd::new(socket, PollFlags::POLLOUT)];
+                    poll(&mut fds, PollTimeout::from(5000u16)).unwrap();
+                }
+                Err(e) => panic!("writing controls: {e}"),
+            }
+        }
+    }
+
+    /// The next frame from the reply pipe (within 5 s).
+    fn next(&mut self) -> Frame {
+        loop {
+            if let Some(frame) = self.buffer.next_frame().unwrap() {
+                return frame;
+            }
+            let reply = self.process.reply();
+            let mut fds = [PollFd::new(reply, PollFlags::POLLIN)];
+            assert_eq!(
+                poll(&mut fds, PollTimeout::from(5000u16)).unwrap(),
+                1,
+                "no reply in 5 s"
+            );
+            let mut chunk = [0u8; 4096];
+            match nix::unistd::read(reply.as_fd(), &mut chunk) {
+                Ok(0) => panic!("the target closed its reply pipe"),
+                Ok(n) => self.buffer.extend(&chunk[..n]),
+                Err(Errno::EAGAIN) => {}
+                Err(e) => panic!("reading replies: {e}"),
+            }
+        }
+    }
+
+    /// The next `n` frames other than [`Frame::Alive`].
+    fn answers(&mut self, n: usize) -> Vec<Frame> {
+        let mut answers = Vec::new();
+        while answers.len() < n {
+            match self.next() {
+                Frame::Alive { .. } => {}
+                frame => answers.push(frame),
+            }
+        }
+        answers
+    }
+
+    /// Closes the control socket and reaps the target (exit status 0).
+    fn end(mut self) {
+        self.process.close_control();
+        assert_eq!(
+            self.process.reap(Duration::from_secs(5)).unwrap(),
+            Exit::Code(0)
+        );
+    }
+}
+
+fn task(seq: u64, digest: Digest, input: &[u8]) -> Frame {
+    Frame::Task {
+        seq,
+        digest,
+        encoding: TaskEncoding::Json,
+        input: input.to_vec(),
+    }
+}
+
+#[test]
+fn a_task_behind_the_last_unregister_of_its_digest_finds_it_gone() {
+    let mut target = RawTarget::start("echo");
+    let digest = target.digest;
+    // Together: the unregister is queued for the control thread when the
+    // reader reads the task, which therefore waits its turn there.
+    target.send(&[Frame::Unregister { seq: 1, digest }, task(2, digest, b"x")]);
+    let answers = target.answers(2);
+    assert_eq!(
+        answers[0],
+        Frame::Reply {
+            seq: 1,
+            digest,
+            result: Ok(())
+        }
+    );
+    match &answers[1] {
+        Frame::TaskResult {
+            seq: 2,
+            digest: d,
+            result: Err(TaskFailure { code, .. }),
+        } => {
+            assert_eq!(*d, digest);
+            assert_eq!(*code, ErrorCode::DIGEST_NOT_INSTALLED);
+        }
+        other => panic!("expected the task to fail DIGEST_NOT_INSTALLED, got {other:?}"),
+    }
+    target.end();
+}
+
+#[test]
+fn a_task_before_the_last_unregister_of_its_digest_runs() {
+    let mut target = RawTarget::start("sleep 200");
+    let digest = target.digest;
+    // The task finds the target idle (pinned by the reader); the
+    // unregister behind it is answered while it runs, and the run keeps
+    // its callable.
+    target.send(&[
+        task(1, digest, b"ran"),
+        Frame::Unregister { seq: 2, digest },
+    ]);
+    let answers = target.answers(2);
+    assert_eq!(
+        answers,
+        vec![
+            Frame::Reply {
+                seq: 2,
+                digest,
+                result: Ok(())
+            },
+            Frame::TaskResult {
+                seq: 1,
+                digest,
+                result: Ok(b"ran".to_vec())
+            },
+        ]
+    );
+    // Behind both, in a later write: the digest is gone.
+    target.send(&[task(3, digest, b"x")]);
+    match target.answers(1).as_slice() {
+        [Frame::TaskResult {
+            seq: 3,
+            result: Err(TaskFailure { code, .. }),
+            ..
+        }] => assert_eq!(*code, ErrorCode::DIGEST_NOT_INSTALLED),
+        other => panic!("expected the task to fail DIGEST_NOT_INSTALLED, got {other:?}"),
+    }
+    target.end();
+}
+
+#[test]
+fn tasks_on_an_idle_target_are_answered_in_order() {
+    let mut target = RawTarget::start("echo");
+    let digest = target.digest;
+    let frames: Vec<Frame> = (1..=50)
+        .map(|seq| task(seq, digest, format!("{seq}").as_bytes()))
+        .collect();
+    target.send(&frames);
+    let answers = target.answers(50);
+    for (seq, answer) in (1..=50u64).zip(answers) {
+        assert_eq!(
+            answer,
+            Frame::TaskResult {
+                seq,
+                digest,
+                result: Ok(format!("{seq}").into_bytes())
+            }
+        );
+    }
+    target.end();
+}
