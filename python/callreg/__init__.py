@@ -1078,9 +1078,10 @@ class Worker:
         return self._raw.slot_phase(self._target(target))
 
     def slot_events(self):
-        """What happened to replaced target slots since start, oldest
-        first, as dicts: ``{"event": "spawned", "target", "incarnation",
-        "pid"}``, ``{"event": "spawn_failed", "target", "incarnation",
+        """What happened to target slots since start, oldest first (the
+        last 1024), as dicts: ``{"event": "lost", "target", "incarnation",
+        "cause"}`` (a process was lost, and why),
+        ``{"event": "spawned", "target", "incarnation", "pid"}``, ``{"event": "spawn_failed", "target", "incarnation",
         "reason"}``, ``{"event": "joined", "target", "incarnation"}``,
         ``{"event": "join_failed", "target", "incarnation", "failure":
         {"code", "message"}}``, ``{"event": "abandoned", "target",

@@ -587,6 +587,7 @@ def test_a_killed_target_is_replaced_and_holds_every_callable():
         assert new != old
         assert w.targets == [0, 1]
         assert w.slot_events() == [
+            {"event": "lost", "target": 1, "incarnation": 0, "cause": "its reply pipe closed; it was killed by signal 9"},
             {"event": "spawned", "target": 1, "incarnation": 1, "pid": new},
             {"event": "joined", "target": 1, "incarnation": 1},
         ]
@@ -623,7 +624,20 @@ def test_a_callable_that_kills_every_new_process_stops_at_the_rate_limit():
         assert info.value.outcomes == {0: "failed (TARGET_LOST: the target exited with status 5 before it was ready)"}
         _wait_for_slot(w, 0, "lost", 2)
         events = [(e["event"], e.get("incarnation", e.get("failed_joins"))) for e in w.slot_events()]
-        assert events == [("spawned", 1), ("spawned", 2), ("abandoned", 2)]
+        assert events == [
+            ("lost", 0),
+            ("spawned", 1),
+            ("lost", 1),
+            ("spawned", 2),
+            ("lost", 2),
+            ("abandoned", 2),
+        ]
+        causes = [e["cause"] for e in w.slot_events() if e["event"] == "lost"]
+        assert causes == [
+            "at start: failed (TARGET_LOST: the target exited with status 5 before it was ready)",
+            "its reply pipe closed; it exited with status 5",
+            "its reply pipe closed; it exited with status 5",
+        ]
         assert w.targets == []
 
 
