@@ -749,6 +749,9 @@ class Worker:
     and :meth:`slot_events` says so. ``respawn_backoff`` (seconds, default
     0.1) is the wait before the second replacement in a row, doubling for
     each further one; the first comes at once.
+    The template process is a child of this process: killing it kills
+    every replacement it forked and ends replacements for the Worker's
+    life (the targets forked at start serve on).
 
     Next-level targets: with ``next_level`` (a :class:`NextLevel`), the
     Worker also has ``next_level_targets`` (default 1) next-level targets:
