@@ -23,6 +23,9 @@
 //!   lost before they join before the slot is given up
 //!   (`WorkerBuilder::respawn_limit`, `specs/protocol.md` §2.9); 0: a lost
 //!   target is not replaced.
+//! * `respawn_backoff_s` (optional, seconds from 0 to 86400, default 0.1,
+//!   the Worker's): the wait before the second replacement in a row of one
+//!   slot, doubling for each further one (`WorkerBuilder::respawn_backoff`).
 //! * `probe_first` (optional, a boolean, default true): whether a register
 //!   of a callable no target has installed goes to one target first
 //!   (`WorkerBuilder::probe_first`, `specs/protocol.md` §2.8).
@@ -77,6 +80,11 @@ pub const DEFAULT_CONTROL_TIMEOUT_S: f64 = 30.0;
 /// The replacement limit of a plan without `respawn_limit`: the Worker's.
 pub const DEFAULT_RESPAWN_LIMIT: u16 = callreg::protocol::DEFAULT_RESPAWN_LIMIT;
 
+/// The respawn back-off of a plan without `respawn_backoff_s`: the
+/// Worker's, in seconds.
+pub const DEFAULT_RESPAWN_BACKOFF_S: f64 =
+    callreg::protocol::DEFAULT_RESPAWN_BACKOFF as f64 / 1_000_000.0;
+
 /// The shortest control timeout a plan may set: 1 ms (a zero timeout
 /// would fail every operation; the Worker refuses it).
 const MIN_CONTROL_TIMEOUT: Duration = Duration::from_millis(1);
@@ -94,6 +102,8 @@ pub struct Plan {
     /// Replacements of one slot in a row that may be lost before they
     /// join (0: no replacements); passed to `WorkerBuilder::respawn_limit`.
     pub respawn_limit: u16,
+    /// Passed to `WorkerBuilder::respawn_backoff`.
+    pub respawn_backoff: Duration,
     /// Passed to `WorkerBuilder::probe_first`.
     pub probe_first: bool,
     /// The steps, in plan order.
@@ -223,6 +233,7 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
             "targets",
             "control_timeout_s",
             "respawn_limit",
+            "respawn_backoff_s",
             "probe_first",
             "steps",
         ],
@@ -281,6 +292,19 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
                 )
             })?,
     };
+    let respawn_backoff = match top.get("respawn_backoff_s") {
+        None => Duration::from_secs_f64(DEFAULT_RESPAWN_BACKOFF_S),
+        Some(v) => v
+            .as_f64()
+            .filter(|s| (0.0..=MAX_CONTROL_TIMEOUT_S).contains(s))
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .ok_or_else(|| {
+                top_field(
+                    "respawn_backoff_s",
+                    format!("expected seconds, from 0 to {MAX_CONTROL_TIMEOUT_S}, got {v}"),
+                )
+            })?,
+    };
     let probe_first = match top.get("probe_first") {
         None => true,
         Some(Value::Bool(probe)) => *probe,
@@ -323,6 +347,7 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
         targets,
         control_timeout,
         respawn_limit,
+        respawn_backoff,
         probe_first,
         steps,
         envelopes: checker.envelopes,
@@ -998,7 +1023,7 @@ mod tests {
         );
         assert_eq!(
             error(r#"{"targets": 1, "steps": [], "extra": 1}"#),
-            r#"the plan: unknown field "extra" (expected one of "targets", "control_timeout_s", "respawn_limit", "probe_first", "steps")"#
+            r#"the plan: unknown field "extra" (expected one of "targets", "control_timeout_s", "respawn_limit", "respawn_backoff_s", "probe_first", "steps")"#
         );
         assert_eq!(
             error(r#"{"targets": 1, "respawn_limit": 65536, "steps": []}"#),
@@ -1020,6 +1045,22 @@ mod tests {
             parse_text(r#"{"targets": 1, "respawn_limit": 0, "probe_first": false, "steps": []}"#)
                 .expect("a valid plan");
         assert_eq!((plan.respawn_limit, plan.probe_first), (0, false));
+        assert_eq!(
+            parse_text(r#"{"targets": 1, "respawn_backoff_s": 0, "steps": []}"#)
+                .unwrap()
+                .respawn_backoff,
+            Duration::ZERO
+        );
+        for bad in ["-1", "86400.5", "\"1\"", "true"] {
+            assert_eq!(
+                error(&format!(
+                    r#"{{"targets": 1, "respawn_backoff_s": {bad}, "steps": []}}"#
+                )),
+                format!(
+                    r#"field "respawn_backoff_s": expected seconds, from 0 to 86400, got {bad}"#
+                )
+            );
+        }
         let plan = parse_text(r#"{"targets": 1, "respawn_limit": 65535, "steps": []}"#)
             .expect("a valid plan");
         assert_eq!(plan.respawn_limit, 65535);

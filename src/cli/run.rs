@@ -304,6 +304,7 @@ mod with_python {
                 .targets(plan.targets)
                 .control_timeout(plan.control_timeout)
                 .respawn_limit(plan.respawn_limit)
+                .respawn_backoff(plan.respawn_backoff)
                 .probe_first(plan.probe_first)
                 .build()
                 .map_err(|e| CliError(one_line(&e.to_string())))?;
