@@ -50,7 +50,7 @@ struct Cli {
 
 /// The configuration flags a named configuration (`--config`, `--all`)
 /// replaces; `--mutant` combines with both.
-const CONFIG_FLAGS: [&str; 17] = [
+const CONFIG_FLAGS: [&str; 19] = [
     "targets",
     "script",
     "crashes",
@@ -68,6 +68,8 @@ const CONFIG_FLAGS: [&str; 17] = [
     "closes",
     "forged",
     "wrong_digests",
+    "respawn_limit",
+    "spawn_failures",
 ];
 
 #[derive(Subcommand, Debug)]
@@ -179,6 +181,14 @@ struct ConfigArgs {
     /// Send every register to every live target at once (probe-first off).
     #[arg(long)]
     no_probe: bool,
+    /// Replacement targets (specs/protocol.md §2.9): 0 = off; otherwise a
+    /// lost slot gets a new process, and this many replacements of one slot
+    /// in a row may be lost before they join.
+    #[arg(long, default_value_t = 0)]
+    respawn_limit: u16,
+    /// Replacements that may fail to start.
+    #[arg(long, default_value_t = 0)]
+    spawn_failures: u8,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -221,6 +231,8 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         wrong_digests: args.wrong_digests,
         probe_first: !args.no_probe,
         poison_kills: args.poison_kills,
+        respawn_limit: args.respawn_limit,
+        spawn_failures: args.spawn_failures,
         #[cfg(feature = "mutants")]
         mutant: None,
     })
