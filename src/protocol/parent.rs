@@ -1413,8 +1413,11 @@ impl Parent {
     /// published while it joins. It serves tasks ([`Effect::Joined`]) once
     /// every replay sent to it is confirmed and no register is in flight
     /// (a register in flight does not include it, and is replayed to it if
-    /// published). Until then it is in the scope of nothing else but the
-    /// unregisters of handles replayed to it, and refused for tasks. A
+    /// published; a confirmation the slot's earlier process gave it counts
+    /// for nothing). Until then it is in the scope of nothing else but the
+    /// unregisters of handles replayed to it (whose frame to it waits for
+    /// that replay's confirmation: until then it may still be installing
+    /// the payload), and refused for tasks. A
     /// replay it refuses or does not answer in time fences it
     /// ([`Effect::JoinFailed`], [`Effect::Fence`]), with or without
     /// [`ParentConfig::fence_on_timeout`]: a joining process serves nobody.
