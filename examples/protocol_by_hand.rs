@@ -40,6 +40,13 @@ impl World {
                     self.frames[usize::from(target.0)].push_back(frame)
                 }
                 Effect::Stage { .. } | Effect::ReleaseStaged { .. } => {}
+                // Replacement targets are off here (`respawn_limit` 0): a
+                // lost target stays lost, and none of these is emitted.
+                Effect::Restage { .. }
+                | Effect::Spawn { .. }
+                | Effect::Joined { .. }
+                | Effect::JoinFailed { .. }
+                | Effect::Abandoned { .. } => {}
                 Effect::Fence { target } => self.targets[usize::from(target.0)] = None,
                 completed @ Effect::Completed { .. } => self.completed.push(completed),
             }

@@ -318,10 +318,11 @@ pub fn all() -> Vec<Named> {
         },
         Named {
             name: "respawn",
-            description: "2 targets, register-unregister-same-digest, replacement targets with a rate limit of 1 (specs/protocol.md §2.9), a crash, a failed deserialization, a deadline, a task, fencing on: a replacement joins with operations in flight, or its replay fails and the slot is abandoned",
+            description: "2 targets, register-unregister-same-digest, replacement targets with a rate limit of 1 (specs/protocol.md §2.9), a crash, a failed deserialization, a task, fencing on: a replacement joins with operations in flight, or its replay fails and the slot is abandoned",
             config: ModelConfig {
                 respawn_limit: 1,
                 corruptions: 0,
+                deadlines: 0,
                 ..two("register-unregister-same-digest")
             },
             symmetry: false,
@@ -357,11 +358,12 @@ pub fn all() -> Vec<Named> {
         },
         Named {
             name: "respawn-spawn-failure",
-            description: "2 targets, duplicate-register, replacement targets with a rate limit of 2, a replacement that fails to start, a crash, a failed deserialization, a deadline: registers issued while a replacement joins, back-offs, abandoned slots",
+            description: "2 targets, duplicate-register, replacement targets with a rate limit of 2, a replacement that fails to start, a crash, a deadline, fencing on: registers issued while a replacement joins, a silent replacement fenced, back-offs, abandoned slots",
             config: ModelConfig {
                 respawn_limit: 2,
                 spawn_failures: 1,
                 corruptions: 0,
+                deserialize_failures: 0,
                 tasks: 0,
                 ..two("duplicate-register")
             },

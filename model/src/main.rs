@@ -252,7 +252,9 @@ fn with_mutant(mut config: ModelConfig, mutant: Option<&str>) -> Result<ModelCon
     }
     #[cfg(feature = "mutants")]
     {
-        use callreg_model::model::{mutant_name, mutant_named, mutant_needs_no_fence};
+        use callreg_model::model::{
+            mutant_name, mutant_named, mutant_needs_no_fence, mutant_needs_respawn,
+        };
         let mutant = mutant_named(name)
             .ok_or_else(|| format!("unknown mutant {name:?}; `callreg-model list` shows them"))?;
         if mutant_needs_no_fence(mutant) {
@@ -269,6 +271,13 @@ fn with_mutant(mut config: ModelConfig, mutant: Option<&str>) -> Result<ModelCon
                     mutant_name(mutant)
                 );
             }
+        }
+        if mutant_needs_respawn(mutant) && config.respawn_limit == 0 {
+            eprintln!(
+                "callreg-model: notice: --mutant {} implies --respawn-limit 1 (only a replacement target joins)",
+                mutant_name(mutant)
+            );
+            config.respawn_limit = 1;
         }
         config.mutant = Some(mutant);
         Ok(config)
@@ -381,7 +390,9 @@ fn main() -> ExitCode {
             #[cfg(feature = "mutants")]
             for mutant in callreg::protocol::Mutant::ALL {
                 let name = callreg_model::model::mutant_name(*mutant);
-                if callreg_model::model::mutant_needs_no_fence(*mutant) {
+                if callreg_model::model::mutant_needs_respawn(*mutant) {
+                    println!("mutant {name} (reachable only with --respawn-limit 1 or more and a way to lose a target; --mutant {name} implies --respawn-limit 1)");
+                } else if callreg_model::model::mutant_needs_no_fence(*mutant) {
                     println!("mutant {name} (reachable only with --no-fence and --deadlines 1 or more; --mutant {name} implies --no-fence)");
                 } else {
                     println!("mutant {name} (reachable with fencing on or off)");

@@ -2543,6 +2543,17 @@ pub fn mutant_needs_no_fence(mutant: Mutant) -> bool {
     mutant == Mutant::ForgetUncertain
 }
 
+/// Whether `mutant`'s code path is reachable only with replacement targets
+/// on (`respawn_limit` 1 or more, `--respawn-limit`): the join
+/// (`specs/protocol.md` §2.9).
+#[cfg(feature = "mutants")]
+pub fn mutant_needs_respawn(mutant: Mutant) -> bool {
+    matches!(
+        mutant,
+        Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished
+    )
+}
+
 /// Every mutant's command-line name (none without the `mutants` feature).
 pub fn mutant_names() -> Vec<String> {
     #[cfg(feature = "mutants")]
