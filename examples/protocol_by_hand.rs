@@ -40,8 +40,8 @@ impl World {
                     self.frames[usize::from(target.0)].push_back(frame)
                 }
                 Effect::Stage { .. } | Effect::ReleaseStaged { .. } => {}
-                // Replacement targets are off here (`respawn_limit` 0): a
-                // lost target stays lost, and none of these is emitted.
+                // This example's parent runs without replacement targets
+                // (`respawn_limit: 0`), which alone emit these.
                 Effect::Restage { .. }
                 | Effect::Spawn { .. }
                 | Effect::Joined { .. }
