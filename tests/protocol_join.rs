@@ -258,7 +258,7 @@ fn a_register_in_flight_skips_the_joining_target_and_is_replayed_to_it_when_publ
 }
 
 #[test]
-fn an_unregister_reaches_a_replacement_whose_replay_of_it_is_pending() {
+fn an_unregister_waits_for_the_replay_of_its_handle_to_a_replacement() {
     let mut p = started(2, true, 3);
     let h = registered(&mut p, 1, &[0, 1], 0);
     p.target_lost(TargetId(1), Time(1)).unwrap();
@@ -270,32 +270,239 @@ fn an_unregister_reaches_a_replacement_whose_replay_of_it_is_pending() {
         seq: Seq(3),
         digest: digest(1),
     };
-    assert_eq!(drain(&mut p), [send(0, frame.clone()), send(1, frame)]);
-    // The target applies the replay, then the unregister (FIFO).
-    p.handle_reply(TargetId(1), ok(2, 1), Time(4)).unwrap();
-    p.handle_reply(TargetId(1), ok(3, 1), Time(4)).unwrap();
+    // The replacement is in the scope, but its frame waits for the
+    // replay's confirmation: until then the replacement may still be
+    // deserializing the payload, and would refuse the unregister
+    // (DIGEST_NOT_INSTALLED, and the digest would become uncertain).
+    assert_eq!(drain(&mut p), [send(0, frame.clone())]);
+    assert!(p.awaits_reply(TargetId(1), Seq(3)));
     p.handle_reply(TargetId(0), ok(3, 1), Time(4)).unwrap();
+    assert_eq!(drain(&mut p), []);
+    p.handle_reply(TargetId(1), ok(2, 1), Time(5)).unwrap();
     assert_eq!(
         drain(&mut p),
         [
             Effect::ReleaseStaged {
                 staging: StagingId(2)
             },
+            send(1, frame),
             Effect::Joined {
                 target: TargetId(1),
                 incarnation: 1
             },
+        ]
+    );
+    // Its deadline counts from the send.
+    assert_eq!(
+        p.awaited_controls(TargetId(1)),
+        [(Seq(3), Time(3 + 10_000))]
+    );
+    assert_eq!(p.poll_timeout(), Some(Time(5 + 1_000)));
+    p.handle_reply(TargetId(1), ok(3, 1), Time(6)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Completed {
+            op,
+            result: Ok(Completion::Unregistered(h)),
+            outcomes: vec![
+                (TargetId(0), TargetOutcome::Ok),
+                (TargetId(1), TargetOutcome::Ok)
+            ],
+        }]
+    );
+    assert!(p.live_handles().is_empty() && p.is_idle());
+}
+
+#[test]
+fn an_unregister_waiting_for_a_replay_that_fails_counts_the_replacement_fenced() {
+    let mut p = started(2, true, 3);
+    let h = registered(&mut p, 1, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(1)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(1), 1, Time(2)).unwrap();
+    drain(&mut p);
+    let op = p.unregister(&h, Time(3)).unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(3, 1), Time(4)).unwrap();
+    let failure = Failure::new(ErrorCode::DESERIALIZE_FAILED, "no");
+    p.handle_reply(
+        TargetId(1),
+        Reply {
+            seq: Seq(2),
+            digest: digest(1),
+            result: Err(failure.clone()),
+        },
+        Time(5),
+    )
+    .unwrap();
+    let effects = drain(&mut p);
+    // No unregister frame ever goes to the fenced replacement.
+    assert!(
+        !effects.iter().any(|e| matches!(
+            e,
+            Effect::Send {
+                target: TargetId(1),
+                ..
+            }
+        )),
+        "{effects:?}"
+    );
+    assert!(effects.contains(&Effect::Completed {
+        op,
+        result: Ok(Completion::Unregistered(h)),
+        outcomes: vec![
+            (TargetId(0), TargetOutcome::Ok),
+            (TargetId(1), TargetOutcome::Fenced)
+        ],
+    }));
+    assert!(effects.contains(&Effect::Fence {
+        target: TargetId(1)
+    }));
+}
+
+/// A register in flight that the slot's previous process confirmed before
+/// it was lost: the confirmation went with that process.
+fn confirmed_then_replaced(p: &mut Parent) -> callreg::protocol::OpId {
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(1))
+        .unwrap();
+    drain(p);
+    p.handle_reply(TargetId(1), ok(1, 1), Time(2)).unwrap();
+    p.target_lost(TargetId(1), Time(3)).unwrap();
+    assert_eq!(
+        drain(p),
+        [Effect::Spawn {
+            target: TargetId(1),
+            incarnation: 1
+        }]
+    );
+    p.target_spawned(TargetId(1), 1, Time(4)).unwrap();
+    // Nothing live to replay, but a register is in flight: no join yet.
+    assert_eq!(drain(p), []);
+    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Joining);
+    op
+}
+
+#[test]
+fn a_confirmation_by_a_replaced_process_does_not_count_for_its_replacement() {
+    use callreg::protocol::invariants;
+    use callreg::protocol::{Target, TargetConfig};
+    let mut p = started(2, true, 3);
+    let op = confirmed_then_replaced(&mut p);
+    p.handle_reply(TargetId(0), ok(1, 1), Time(5)).unwrap();
+    let effects = drain(&mut p);
+    let Some(Effect::Completed {
+        result: Ok(Completion::Registered(h)),
+        ..
+    }) = effects.get(1)
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(
+        effects,
+        [
+            Effect::ReleaseStaged {
+                staging: StagingId(1)
+            },
             Effect::Completed {
                 op,
-                result: Ok(Completion::Unregistered(h)),
+                result: Ok(Completion::Registered(*h)),
                 outcomes: vec![
                     (TargetId(0), TargetOutcome::Ok),
                     (TargetId(1), TargetOutcome::Ok)
                 ],
             },
+            Effect::Restage {
+                staging: StagingId(2),
+                digest: digest(1)
+            },
+            send(1, register_frame(2, 1)),
         ]
     );
-    assert!(p.live_handles().is_empty() && p.is_idle());
+    // The replacement holds nothing yet, its replay in transit: no
+    // invariant may count it as holding the new handle (before, the
+    // registry said it had confirmed it: dispatch safety failed).
+    let config = |t| TargetConfig {
+        id: TargetId(t),
+        slot_capacity: 64,
+    };
+    let t0 = Target::new(config(0), &[(digest(1), 1)]).unwrap();
+    let t1 = Target::new(config(1), &[]).unwrap();
+    let frame = register_frame(2, 1);
+    let view = invariants::View {
+        parent: &p,
+        targets: &[Some(&t0), Some(&t1)],
+        frames: &[(TargetId(1), &frame)],
+        replies: &[],
+    };
+    assert_eq!(invariants::check_all(&view), Ok(()));
+    // The unregister of the handle waits for the replay at the replacement.
+    p.unregister(h, Time(6)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [send(
+            0,
+            ControlFrame::Unregister {
+                seq: Seq(3),
+                digest: digest(1)
+            }
+        )]
+    );
+}
+
+#[test]
+fn a_failed_register_sends_no_cleanup_to_the_replacement_of_a_target_that_confirmed_it() {
+    let mut p = started(2, true, 3);
+    let op = confirmed_then_replaced(&mut p);
+    let failure = Failure::new(ErrorCode::DESERIALIZE_FAILED, "no");
+    p.handle_reply(
+        TargetId(0),
+        Reply {
+            seq: Seq(1),
+            digest: digest(1),
+            result: Err(failure.clone()),
+        },
+        Time(5),
+    )
+    .unwrap();
+    // The replacement never installed it: nothing to roll back there
+    // (before, it was sent a cleanup, refused it, and the digest became
+    // uncertain although every target was fenced or answered).
+    let effects = drain(&mut p);
+    assert_eq!(effects.len(), 3, "{effects:?}");
+    assert_eq!(
+        effects[0],
+        Effect::ReleaseStaged {
+            staging: StagingId(1)
+        }
+    );
+    assert_eq!(
+        effects[2],
+        Effect::Joined {
+            target: TargetId(1),
+            incarnation: 1
+        }
+    );
+    let Effect::Completed {
+        op: done,
+        result: Err(error),
+        outcomes,
+    } = &effects[1]
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(
+        (*done, error.code),
+        (op, ErrorCode::REGISTER_PARTIAL_FAILURE)
+    );
+    assert_eq!(
+        *outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Failed { failure }),
+            (TargetId(1), TargetOutcome::RolledBack)
+        ]
+    );
+    assert!(p.uncertain_digests().is_empty() && p.is_idle());
 }
 
 #[test]

@@ -56,7 +56,9 @@ fn order(mut names: Vec<&'static str>) -> Vec<&'static str> {
 /// each witnessed when their budget allows them; with probe-first on, a
 /// register on more than one target probes then broadcasts, and a way to
 /// lose the probe target (a poison kill, a crash, fencing) poisons a
-/// digest, and a later register of that digest is refused.
+/// digest, and a later register of that digest is refused; with
+/// replacement targets on, a way to lose a target makes a replacement
+/// join, and a spawn failure in the budget happens.
 pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
     use crate::script::Operation;
     let registers = config
@@ -112,6 +114,13 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
         names.dedup();
         if names.len() < all {
             expected.push(SOMETIMES_POISON_REFUSED);
+        }
+    }
+    let loses = config.crashes > 0 || config.poison_kills > 0;
+    if config.respawn_limit > 0 && registers && loses {
+        expected.push(SOMETIMES_JOINED);
+        if config.spawn_failures > 0 {
+            expected.push(SOMETIMES_SPAWN_FAILED);
         }
     }
     order(expected)
@@ -305,6 +314,67 @@ pub fn all() -> Vec<Named> {
                 SOMETIMES_BOUND,
                 SOMETIMES_SPARED,
                 SOMETIMES_SILENT_AFTER_HEARD,
+            ],
+        },
+        Named {
+            name: "respawn",
+            description: "2 targets, register-unregister-same-digest, replacement targets with a rate limit of 1 (specs/protocol.md §2.9), a crash, a failed deserialization, a task, fencing on: a replacement joins with operations in flight, or its replay fails and the slot is abandoned",
+            config: ModelConfig {
+                respawn_limit: 1,
+                corruptions: 0,
+                deadlines: 0,
+                ..two("register-unregister-same-digest")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_SLOT_REUSE,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_JOINED_IN_FLIGHT,
+                SOMETIMES_JOIN_FAILED,
+                SOMETIMES_ABANDONED,
+            ],
+        },
+        Named {
+            name: "respawn-no-fence",
+            description: "2 targets, register-unregister-same-digest, replacement targets with a rate limit of 2, a crash, a failed deserialization, a deadline, fencing off (a joining replacement is fenced all the same): a failed join backs off, its successor joins or the slot is abandoned",
+            config: ModelConfig {
+                respawn_limit: 2,
+                fence_on_timeout: false,
+                corruptions: 0,
+                tasks: 0,
+                ..two("register-unregister-same-digest")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_UNREGISTER_FAILED,
+                SOMETIMES_JOINED_IN_FLIGHT,
+                SOMETIMES_JOIN_FAILED,
+                SOMETIMES_ABANDONED,
+                SOMETIMES_BACKOFF,
+            ],
+        },
+        Named {
+            name: "respawn-spawn-failure",
+            description: "2 targets, duplicate-register, replacement targets with a rate limit of 2, a replacement that fails to start, a crash, a deadline, fencing on: registers issued while a replacement joins, a silent replacement fenced, back-offs, abandoned slots",
+            config: ModelConfig {
+                respawn_limit: 2,
+                spawn_failures: 1,
+                corruptions: 0,
+                deserialize_failures: 0,
+                tasks: 0,
+                ..two("duplicate-register")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_JOINED_IN_FLIGHT,
+                SOMETIMES_JOIN_FAILED,
+                SOMETIMES_ABANDONED,
+                SOMETIMES_BACKOFF,
             ],
         },
         Named {

@@ -50,7 +50,7 @@ struct Cli {
 
 /// The configuration flags a named configuration (`--config`, `--all`)
 /// replaces; `--mutant` combines with both.
-const CONFIG_FLAGS: [&str; 17] = [
+const CONFIG_FLAGS: [&str; 19] = [
     "targets",
     "script",
     "crashes",
@@ -68,6 +68,8 @@ const CONFIG_FLAGS: [&str; 17] = [
     "closes",
     "forged",
     "wrong_digests",
+    "respawn_limit",
+    "spawn_failures",
 ];
 
 #[derive(Subcommand, Debug)]
@@ -179,6 +181,14 @@ struct ConfigArgs {
     /// Send every register to every live target at once (probe-first off).
     #[arg(long)]
     no_probe: bool,
+    /// Replacement targets (specs/protocol.md §2.9): 0 = off; otherwise a
+    /// lost slot gets a new process, and this many replacements of one slot
+    /// in a row may be lost before they join.
+    #[arg(long, default_value_t = 0)]
+    respawn_limit: u16,
+    /// Replacements that may fail to start.
+    #[arg(long, default_value_t = 0)]
+    spawn_failures: u8,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -221,6 +231,8 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         wrong_digests: args.wrong_digests,
         probe_first: !args.no_probe,
         poison_kills: args.poison_kills,
+        respawn_limit: args.respawn_limit,
+        spawn_failures: args.spawn_failures,
         #[cfg(feature = "mutants")]
         mutant: None,
     })
@@ -240,7 +252,9 @@ fn with_mutant(mut config: ModelConfig, mutant: Option<&str>) -> Result<ModelCon
     }
     #[cfg(feature = "mutants")]
     {
-        use callreg_model::model::{mutant_name, mutant_named, mutant_needs_no_fence};
+        use callreg_model::model::{
+            mutant_name, mutant_named, mutant_needs_no_fence, mutant_needs_respawn,
+        };
         let mutant = mutant_named(name)
             .ok_or_else(|| format!("unknown mutant {name:?}; `callreg-model list` shows them"))?;
         if mutant_needs_no_fence(mutant) {
@@ -257,6 +271,13 @@ fn with_mutant(mut config: ModelConfig, mutant: Option<&str>) -> Result<ModelCon
                     mutant_name(mutant)
                 );
             }
+        }
+        if mutant_needs_respawn(mutant) && config.respawn_limit == 0 {
+            eprintln!(
+                "callreg-model: notice: --mutant {} implies --respawn-limit 1 (only a replacement target joins)",
+                mutant_name(mutant)
+            );
+            config.respawn_limit = 1;
         }
         config.mutant = Some(mutant);
         Ok(config)
@@ -369,7 +390,9 @@ fn main() -> ExitCode {
             #[cfg(feature = "mutants")]
             for mutant in callreg::protocol::Mutant::ALL {
                 let name = callreg_model::model::mutant_name(*mutant);
-                if callreg_model::model::mutant_needs_no_fence(*mutant) {
+                if callreg_model::model::mutant_needs_respawn(*mutant) {
+                    println!("mutant {name} (reachable only with --respawn-limit 1 or more and a way to lose a target; --mutant {name} implies --respawn-limit 1)");
+                } else if callreg_model::model::mutant_needs_no_fence(*mutant) {
                     println!("mutant {name} (reachable only with --no-fence and --deadlines 1 or more; --mutant {name} implies --no-fence)");
                 } else {
                     println!("mutant {name} (reachable with fencing on or off)");

@@ -18,8 +18,8 @@ use callreg::protocol::invariants::{self, View, Violation};
 use callreg::protocol::Mutant;
 use callreg::protocol::{
     Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
-    Parent, ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig, TargetEffect,
-    TargetId, TargetOutcome, Time,
+    Parent, ParentConfig, Reply, Seq, Slot, SlotPhase, StagingId, Target, TargetConfig,
+    TargetEffect, TargetId, TargetOutcome, Time,
 };
 
 use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Script, CORRUPTED};
@@ -37,6 +37,16 @@ pub const LOSS_CAUSE: &str = "its reply pipe closed";
 /// heard once and then silent is fenced at its new silence deadline); a
 /// second one moves it past the bound (so the bound ends the wait).
 pub const OPERATION_TIMEOUT: u64 = 2 * CONTROL_TIMEOUT + CONTROL_TIMEOUT / 2;
+
+/// The back-off (model time units) before the second replacement in a
+/// row of one slot (`ParentConfig::respawn_backoff`; it doubles for each
+/// further one): well below [`CONTROL_TIMEOUT`], so a back-off after a
+/// loss ends before the deadlines of the operations then in flight.
+pub const RESPAWN_BACKOFF: u64 = 100;
+
+/// How the driver says a replacement could not be started
+/// (`Parent::target_died` for a slot waiting for `Parent::target_spawned`).
+pub const SPAWN_FAILURE_CAUSE: &str = "its process could not be started";
 
 /// The owner token of the modelled Worker.
 pub const OWNER: OwnerToken = OwnerToken(0x5eed);
@@ -103,6 +113,13 @@ pub struct ModelConfig {
     /// How many deserializations may kill their target instead of ending
     /// (a poison payload: the target dies while deserializing).
     pub poison_kills: u8,
+    /// Replacement targets (`ParentConfig::respawn_limit`,
+    /// `specs/protocol.md` §2.9): 0 switches them off; otherwise a lost
+    /// slot gets a new process ([`Action::Spawn`]), and this many
+    /// replacements of one slot in a row may be lost before they join.
+    pub respawn_limit: u16,
+    /// How many replacements may fail to start ([`Action::SpawnFails`]).
+    pub spawn_failures: u8,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -134,6 +151,8 @@ impl ModelConfig {
             wrong_digests: 0,
             probe_first: true,
             poison_kills: 0,
+            respawn_limit: 0,
+            spawn_failures: 0,
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -274,6 +293,8 @@ pub struct Budgets {
     pub poison_kills: u8,
     /// Alive reports left.
     pub heartbeats: u8,
+    /// Replacements that may still fail to start.
+    pub spawn_failures: u8,
 }
 
 /// Something the driver saw happen on this path (history the properties
@@ -338,6 +359,20 @@ pub mod seen {
     pub const POISON_SENT: u32 = 1 << 17;
     /// A register was refused with `REGISTER_POISONED`.
     pub const POISON_REFUSED: u32 = 1 << 18;
+    /// A replacement joined (`Effect::Joined`, `specs/protocol.md` §2.9).
+    pub const JOINED: u32 = 1 << 19;
+    /// A replacement joined while a client operation was in flight.
+    pub const JOINED_IN_FLIGHT: u32 = 1 << 20;
+    /// A joining replacement refused a replay or did not answer it in time
+    /// (`Effect::JoinFailed`, then its fence).
+    pub const JOIN_FAILED: u32 = 1 << 21;
+    /// A slot was given up (`Effect::Abandoned`: the rate limit).
+    pub const ABANDONED: u32 = 1 << 22;
+    /// A replacement could not be started ([`super::Action::SpawnFails`]).
+    pub const SPAWN_FAILED: u32 = 1 << 23;
+    /// A back-off before a replacement passed (`Parent::handle_timeout`
+    /// with no operation's deadline due).
+    pub const BACKOFF_PASSED: u32 = 1 << 24;
 }
 
 /// One state of the whole system.
@@ -383,6 +418,12 @@ pub struct State {
     /// snapshot's, and each one an OK reply to a register of it brought
     /// to the parent (the driver's own record of what needs no probe).
     pub proven: Vec<Digest>,
+    /// `spawns[i]`: the incarnation an `Effect::Spawn` asked for in slot
+    /// *i* that the driver has not started yet (`specs/protocol.md` §2.9).
+    pub spawns: Vec<Option<u32>>,
+    /// The replays (`Effect::Restage`, then a register frame to a joining
+    /// replacement) still in flight: operations no client step waits for.
+    pub replays: Vec<OpId>,
 }
 
 impl State {
@@ -498,6 +539,13 @@ pub enum Action {
     /// arrival), just before the earliest pending deadline (model time
     /// moves there).
     Heartbeat(TargetId),
+    /// The driver starts the replacement an `Effect::Spawn` asked for in
+    /// `target`'s slot: a fresh target holding nothing, with empty
+    /// channels; then `Parent::target_spawned` (`specs/protocol.md` §2.9).
+    Spawn(TargetId),
+    /// The replacement asked for in `target`'s slot cannot be started
+    /// (bounded): `Parent::target_died`.
+    SpawnFails(TargetId),
 }
 
 /// The forged and out-of-range inputs of [`Action::Forge`].
@@ -659,8 +707,8 @@ impl RegistrationModel {
             owner: OWNER,
             slot_capacity: config.slot_capacity,
             probe_first: config.probe_first,
-            respawn_limit: 0,
-            respawn_backoff: 0,
+            respawn_limit: config.respawn_limit,
+            respawn_backoff: RESPAWN_BACKOFF,
         });
         #[cfg(feature = "mutants")]
         if let Some(mutant) = config.mutant {
@@ -690,11 +738,14 @@ impl RegistrationModel {
                 tasks: config.tasks,
                 poison_kills: config.poison_kills,
                 heartbeats: config.heartbeats,
+                spawn_failures: config.spawn_failures,
             },
             seen: 0,
             contract: "",
             settling: 0,
             proven: Vec::new(),
+            spawns: vec![None; n],
+            replays: Vec::new(),
         };
         let mut model = RegistrationModel { config, init };
         if !model.config.interleave_start {
@@ -908,18 +959,96 @@ impl RegistrationModel {
 
     /// Carries out the parent's effects, in order (the driving rule).
     fn drain_parent(&self, state: &mut State) {
+        // A failed join is followed by its target's fence (§2.9).
+        let mut fence_due: Option<TargetId> = None;
         while let Some(effect) = state.parent.poll_effect() {
+            if let Some(due) = fence_due.take() {
+                if !matches!(effect, Effect::Fence { target } if target == due) {
+                    state.breach("a failed join was not followed by its target's fence");
+                }
+            }
             match effect {
                 Effect::Stage { staging, digest } => {
                     state.staged.insert(staging, digest);
                 }
-                // Every configuration runs with replacements off
-                // (`respawn_limit` 0): the parent emits none of these.
-                Effect::Restage { .. }
-                | Effect::Spawn { .. }
-                | Effect::Joined { .. }
-                | Effect::JoinFailed { .. }
-                | Effect::Abandoned { .. } => {}
+                Effect::Restage { staging, digest } => {
+                    // The kept envelope of a live registration, staged
+                    // again for a joining replacement.
+                    if !state
+                        .parent
+                        .live_handles()
+                        .iter()
+                        .any(|h| h.digest() == digest)
+                        || state.staged.contains_key(&staging)
+                    {
+                        state.breach("a replay restaged a digest with no live handle, or over a staged payload");
+                    }
+                    state.staged.insert(staging, digest);
+                    state.replays.push(OpId(staging.0));
+                }
+                Effect::Spawn {
+                    target,
+                    incarnation,
+                } => {
+                    let index = usize::from(target.0);
+                    // The slot's old process is gone with everything it
+                    // had: no frame, reply, end of file or pending work.
+                    let clean = state.targets.get(index).is_some_and(Option::is_none)
+                        && !state.frames.iter().any(|(t, _)| *t == target)
+                        && !state.replies.iter().any(|(t, _)| *t == target)
+                        && !state.eof[index]
+                        && state.sides[index] == TargetSide::default()
+                        && state.spawns[index].is_none();
+                    if !clean
+                        || state.parent.is_target_live(target)
+                        || incarnation != state.parent.incarnation(target)
+                        || incarnation == 0
+                    {
+                        state.breach("a replacement was asked for a slot whose process is not gone, or with another incarnation than the parent's");
+                    }
+                    state.spawns[index] = Some(incarnation);
+                }
+                Effect::Joined {
+                    target,
+                    incarnation,
+                } => {
+                    state.seen |= seen::JOINED;
+                    if state
+                        .client
+                        .iter()
+                        .any(|c| matches!(c, StepStatus::InFlight { .. }))
+                    {
+                        state.seen |= seen::JOINED_IN_FLIGHT;
+                    }
+                    // (The same input may have lost it again since: the
+                    // parent's state is the one after the whole input.)
+                    if incarnation == 0 || incarnation > state.parent.incarnation(target) {
+                        state.breach("a replacement joined with an incarnation the slot never had");
+                    }
+                }
+                Effect::JoinFailed {
+                    target,
+                    incarnation,
+                    ..
+                } => {
+                    state.seen |= seen::JOIN_FAILED;
+                    if incarnation == 0 || incarnation > state.parent.incarnation(target) {
+                        state.breach("a failed join names another incarnation than the slot's");
+                    }
+                    fence_due = Some(target);
+                }
+                Effect::Abandoned {
+                    target,
+                    failed_joins,
+                } => {
+                    state.seen |= seen::ABANDONED;
+                    if failed_joins != self.config.respawn_limit
+                        || state.parent.failed_joins(target) != failed_joins
+                        || state.parent.is_target_live(target)
+                    {
+                        state.breach("a slot was given up before its rate limit, or while live");
+                    }
+                }
                 Effect::Send { target, frame } => {
                     // The operation's scope, as the driver sees it.
                     if !matches!(frame, ControlFrame::Task { .. }) {
@@ -978,6 +1107,81 @@ impl RegistrationModel {
                 } => self.complete(state, op, result, &outcomes),
             }
         }
+        if fence_due.is_some() {
+            state.breach("a failed join was not followed by its target's fence");
+        }
+        if !state.replays.is_empty() {
+            let in_flight = state.parent.in_flight();
+            state.replays.retain(|op| in_flight.contains(op));
+        }
+    }
+
+    /// Whether the earliest pending deadline is only a replacement's
+    /// back-off: passing it ends no operation's wait (time passing, not a
+    /// fault, so it needs no deadline budget).
+    fn backoff_only(&self, state: &State) -> bool {
+        let Some(deadline) = state.parent.poll_timeout() else {
+            return false;
+        };
+        if !self
+            .target_ids()
+            .any(|t| state.parent.slot_phase(t) == SlotPhase::BackingOff(deadline))
+        {
+            return false;
+        }
+        let mut passed = state.parent.clone();
+        passed.handle_timeout(deadline);
+        self.target_ids().all(|t| {
+            state
+                .parent
+                .awaited_controls(t)
+                .iter()
+                .all(|(seq, _)| passed.awaits_reply(t, *seq))
+        })
+    }
+
+    /// Starts the replacement asked for in slot `id` (`spawn`), or reports
+    /// that it could not be started.
+    fn spawn(&self, state: &mut State, id: TargetId, starts: bool) -> Option<()> {
+        let index = usize::from(id.0);
+        let incarnation = state.spawns.get_mut(index)?.take()?;
+        // Starting a process and replaying to it is issuing operations:
+        // time advances as for an issue, never onto a pending deadline.
+        let next = state.now + 1;
+        if state.parent.poll_timeout().is_none_or(|d| next < d.0) {
+            state.now = next;
+        }
+        let now = Time(state.now);
+        if starts {
+            let target = Target::new(
+                TargetConfig {
+                    id,
+                    slot_capacity: self.config.slot_capacity,
+                },
+                &[],
+            )
+            .ok()?;
+            #[cfg(feature = "mutants")]
+            let target = match self.config.mutant {
+                Some(mutant) => target.with_mutant(mutant),
+                None => target,
+            };
+            state.targets[index] = Some(target);
+            if state.parent.target_spawned(id, incarnation, now).is_err() {
+                state.seen |= seen::DRIVER_ERROR;
+            }
+        } else {
+            state.seen |= seen::FAULT | seen::SPAWN_FAILED;
+            if state
+                .parent
+                .target_died(id, SPAWN_FAILURE_CAUSE, now)
+                .is_err()
+            {
+                state.seen |= seen::DRIVER_ERROR;
+            }
+        }
+        self.drain_parent(state);
+        Some(())
     }
 
     /// The client records a completion, after checking it against the
@@ -1023,7 +1227,21 @@ impl RegistrationModel {
             m | 1u32.checked_shl(u32::from(t.0)).unwrap_or(0)
         });
         let ordered = outcomes.windows(2).all(|w| w[0].0 < w[1].0);
-        if !ordered || mask != scope {
+        // An unregister's frame to a replacement whose replay of the
+        // handle is unanswered waits for that replay (`specs/protocol.md`
+        // §2.9): if the replacement is lost first, the frame never goes,
+        // yet the target is in the scope.
+        let unsent = outcomes.iter().fold(0u32, |m, (t, o)| {
+            let waited = !register
+                && state.parent.incarnation(*t) > 0
+                && matches!(o, TargetOutcome::Lost | TargetOutcome::Fenced);
+            if waited {
+                m | 1u32.checked_shl(u32::from(t.0)).unwrap_or(0)
+            } else {
+                m
+            }
+        });
+        if !ordered || mask & !unsent != scope & !unsent || scope & !mask != 0 {
             state.breach("a completion's outcomes do not name each target of its scope once, in target order");
         }
         let misreported = outcomes.iter().any(|(t, o)| {
@@ -1391,6 +1609,8 @@ impl RegistrationModel {
         if state.parent.close().is_err() {
             state.breach("close of a started Worker was refused");
         }
+        // No replacement is started for a closed Worker.
+        state.spawns.iter_mut().for_each(|s| *s = None);
         self.drain_parent(state);
         let all_failed = in_flight.iter().all(|op| {
             state.client.iter().any(|s| {
@@ -1807,7 +2027,17 @@ impl stateright::Model for RegistrationModel {
                 actions.push(Action::Crash(id));
             }
         }
-        if state.budgets.deadlines > 0 && state.parent.poll_timeout().is_some() {
+        for id in self.target_ids() {
+            if state.spawns[usize::from(id.0)].is_some() {
+                actions.push(Action::Spawn(id));
+                if state.budgets.spawn_failures > 0 {
+                    actions.push(Action::SpawnFails(id));
+                }
+            }
+        }
+        if state.parent.poll_timeout().is_some()
+            && (state.budgets.deadlines > 0 || self.backoff_only(state))
+        {
             actions.push(Action::DeadlinePasses);
         }
         if state.budgets.closes > 0 && lifecycle == Lifecycle::Started {
@@ -1927,9 +2157,13 @@ impl stateright::Model for RegistrationModel {
                 state.eof[usize::from(id.0)] = true;
             }
             Action::DeadlinePasses => {
-                state.budgets.deadlines = state.budgets.deadlines.checked_sub(1)?;
+                if self.backoff_only(&state) {
+                    state.seen |= seen::BACKOFF_PASSED;
+                } else {
+                    state.budgets.deadlines = state.budgets.deadlines.checked_sub(1)?;
+                    state.seen |= seen::FAULT;
+                }
                 let deadline = state.parent.poll_timeout()?;
-                state.seen |= seen::FAULT;
                 state.now = state.now.max(deadline.0);
                 let now = state.now;
                 // Targets heard from within the control timeout about every
@@ -2009,6 +2243,11 @@ impl stateright::Model for RegistrationModel {
             }
             Action::Close => self.close(&mut state)?,
             Action::Forge(forged) => return self.forge(last, forged),
+            Action::Spawn(id) => self.spawn(&mut state, id, true)?,
+            Action::SpawnFails(id) => {
+                state.budgets.spawn_failures = state.budgets.spawn_failures.checked_sub(1)?;
+                self.spawn(&mut state, id, false)?;
+            }
             Action::Heartbeat(id) => {
                 state.budgets.heartbeats = state.budgets.heartbeats.checked_sub(1)?;
                 let seqs = heartbeat_seqs(&state, id);
@@ -2170,7 +2409,18 @@ impl RegistrationModel {
                 state.parent.in_flight().len()
             ),
             Action::Forge(f) => format!("a forged input is given to the machines: {f:?}"),
+            Action::Spawn(t) => format!(
+                "the driver starts replacement incarnation {} of {t}",
+                state.spawns[usize::from(t.0)].unwrap_or_default()
+            ),
+            Action::SpawnFails(t) => format!(
+                "replacement incarnation {} of {t} FAILS to start",
+                state.spawns[usize::from(t.0)].unwrap_or_default()
+            ),
             Action::DeadlinePasses => match state.parent.poll_timeout() {
+                Some(d) if self.backoff_only(state) => {
+                    format!("the back-off before a replacement ends at time {}", d.0)
+                }
                 Some(d) if state.parent.poll_bound() == Some(d) => {
                     format!("the operation bound at time {} passes", d.0)
                 }
@@ -2238,12 +2488,17 @@ impl RegistrationModel {
                     )
                 }
             };
-            out.push(format!("target {i}: {text}"));
+            let id = TargetId(u16::try_from(i).unwrap_or(u16::MAX));
+            let phase = match state.parent.slot_phase(id) {
+                _ if self.config.respawn_limit == 0 => String::new(),
+                phase => format!(" (incarnation {}, {phase:?})", state.parent.incarnation(id)),
+            };
+            out.push(format!("target {i}{phase}: {text}"));
         }
         out.join("\n")
     }
 
-    /// The first invariant (1–9) `state` breaks, with what was seen.
+    /// The first invariant (1–9, 11, 12) `state` breaks, with what was seen.
     ///
     /// # Errors
     /// The [`Violation`] from the library's predicates.
@@ -2286,6 +2541,17 @@ pub fn mutant_named(name: &str) -> Option<Mutant> {
 #[cfg(feature = "mutants")]
 pub fn mutant_needs_no_fence(mutant: Mutant) -> bool {
     mutant == Mutant::ForgetUncertain
+}
+
+/// Whether `mutant`'s code path is reachable only with replacement targets
+/// on (`respawn_limit` 1 or more, `--respawn-limit`): the join
+/// (`specs/protocol.md` §2.9).
+#[cfg(feature = "mutants")]
+pub fn mutant_needs_respawn(mutant: Mutant) -> bool {
+    matches!(
+        mutant,
+        Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished
+    )
 }
 
 /// Every mutant's command-line name (none without the `mutants` feature).

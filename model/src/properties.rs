@@ -1,6 +1,7 @@
 //! The properties checked on every reachable state (`specs/model.md`).
 //!
-//! * `always` — specs/design.md §4.4 invariants 1–9, each through the library's
+//! * `always` — specs/design.md §4.4 invariants 1–9 and `specs/protocol.md`
+//!   §2.9's invariants 11 and 12, each through the library's
 //!   own predicate in `callreg::protocol::invariants` (invariant 8 also
 //!   through the driver's direct observation of a task arriving at a target
 //!   lacking its digest), the driving rule (no machine refuses an input the
@@ -21,11 +22,13 @@ use stateright::Property;
 use std::collections::BTreeMap;
 
 use callreg::descriptor::Digest;
-use callreg::protocol::{DigestCount, Lifecycle, Namespace, OpId, Seq, Slot, TargetId, Time};
+use callreg::protocol::{
+    DigestCount, Lifecycle, Namespace, OpId, Seq, Slot, SlotPhase, TargetId, Time,
+};
 
 use crate::model::{
     seen, RegistrationModel, State, StepResult, StepStatus, CONTROL_TIMEOUT, OPERATION_TIMEOUT,
-    OWNER,
+    OWNER, RESPAWN_BACKOFF,
 };
 use crate::script::{digest_of, name_of, CORRUPTED};
 
@@ -47,6 +50,12 @@ pub const INV7: &str = "7 no staging leak";
 pub const INV8: &str = "8 dispatch safety";
 /// Name of the `always` property for invariant 9.
 pub const INV9: &str = "9 slots stay private";
+/// Name of the `always` property for invariant 11 (`specs/protocol.md`
+/// §2.9).
+pub const INV11: &str = "11 joined targets hold the registry";
+/// Name of the `always` property for invariant 12 (`specs/protocol.md`
+/// §2.9).
+pub const INV12: &str = "12 no task before join";
 /// Name of the `always` property for invariant 10 on terminal states.
 pub const INV10_TERMINAL: &str = "10 liveness (terminal states)";
 /// Name of the `eventually` property for invariant 10.
@@ -102,6 +111,20 @@ pub const SOMETIMES_PRE_START_AFTER_START: &str = "sometimes: a pre-start step c
 pub const SOMETIMES_UNREGISTER_FAILED: &str = "sometimes: an unregister fails";
 /// Witness: a reply names another digest than its frame.
 pub const SOMETIMES_WRONG_DIGEST: &str = "sometimes: a reply names a wrong digest";
+/// Witness: a replacement target joined (`specs/protocol.md` §2.9).
+pub const SOMETIMES_JOINED: &str = "sometimes: a replacement joins";
+/// Witness: a replacement joined while a client operation was in flight.
+pub const SOMETIMES_JOINED_IN_FLIGHT: &str =
+    "sometimes: a replacement joins with an operation in flight";
+/// Witness: a joining replacement refused a replay or did not answer it
+/// in time, and was fenced.
+pub const SOMETIMES_JOIN_FAILED: &str = "sometimes: a join fails and its replacement is fenced";
+/// Witness: a slot was given up at the rate limit.
+pub const SOMETIMES_ABANDONED: &str = "sometimes: a slot is abandoned";
+/// Witness: a replacement could not be started.
+pub const SOMETIMES_SPAWN_FAILED: &str = "sometimes: a replacement fails to start";
+/// Witness: the back-off before a replacement passed.
+pub const SOMETIMES_BACKOFF: &str = "sometimes: a back-off before a replacement passes";
 /// Witness: the Worker started (trivial unless start is an action).
 pub const SOMETIMES_STARTED: &str = "sometimes: the Worker has started";
 
@@ -170,11 +193,19 @@ fn inv8(_: &RegistrationModel, s: &State) -> bool {
 fn inv9(_: &RegistrationModel, s: &State) -> bool {
     holds(invariants::inv9_slots_stay_private, s)
 }
+fn inv11(_: &RegistrationModel, s: &State) -> bool {
+    holds(invariants::inv11_joined_hold_registry, s)
+}
+fn inv12(_: &RegistrationModel, s: &State) -> bool {
+    holds(invariants::inv12_no_task_before_join, s)
+}
 
 /// Invariant 10's goal: every script operation finished and the parent
-/// has no operation in flight.
+/// is idle: no operation (replays included) in flight, and no replacement
+/// being asked for (`specs/protocol.md` §2.9: a slot backing off or
+/// spawning still has work to do).
 fn all_complete(s: &State) -> bool {
-    s.script_done() && s.parent.in_flight().is_empty()
+    s.script_done() && s.parent.is_idle()
 }
 
 fn inv10_terminal(m: &RegistrationModel, s: &State) -> bool {
@@ -300,6 +331,24 @@ fn probed_then_broadcast(_: &RegistrationModel, s: &State) -> bool {
         matches!(c, StepStatus::InFlight { probing: true, scope, .. } if scope.count_ones() >= 2)
     })
 }
+fn joined(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::JOINED != 0
+}
+fn joined_in_flight(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::JOINED_IN_FLIGHT != 0
+}
+fn join_failed(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::JOIN_FAILED != 0
+}
+fn abandoned(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::ABANDONED != 0
+}
+fn spawn_failed(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::SPAWN_FAILED != 0
+}
+fn backoff_passed(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::BACKOFF_PASSED != 0
+}
 fn started(_: &RegistrationModel, s: &State) -> bool {
     s.parent.lifecycle() != Lifecycle::New
 }
@@ -330,6 +379,8 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         || config.slot_capacity != m.config.slot_capacity
         || config.fence_on_timeout != m.config.fence_on_timeout
         || config.probe_first != m.config.probe_first
+        || config.respawn_limit != m.config.respawn_limit
+        || config.respawn_backoff != RESPAWN_BACKOFF
         || config.owner != OWNER
         || config.control_timeout != CONTROL_TIMEOUT
         || config.operation_timeout != OPERATION_TIMEOUT
@@ -410,20 +461,79 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
     in_flight.sort();
     // A failed snapshot entry's settling unregisters (operations
     // `1..=settling`) are in flight with no client step waiting.
+    // So are the replays to joining replacements (§2.9).
     let machine: Vec<OpId> = p
         .in_flight()
         .into_iter()
-        .filter(|op| op.0 > s.settling)
+        .filter(|op| op.0 > s.settling && !s.replays.contains(op))
         .collect();
-    if machine != in_flight || (p.is_idle() != p.in_flight().is_empty()) {
+    let phases: Vec<SlotPhase> = (0..m.config.targets)
+        .map(|t| p.slot_phase(TargetId(t)))
+        .collect();
+    let replacing = lifecycle == Lifecycle::Started
+        && phases
+            .iter()
+            .any(|ph| matches!(ph, SlotPhase::Spawning | SlotPhase::BackingOff(_)));
+    if machine != in_flight || (p.is_idle() != (p.in_flight().is_empty() && !replacing)) {
         return fail(
-            "Parent::in_flight or is_idle disagrees with the operations the client has in flight",
+            "Parent::in_flight or is_idle disagrees with the operations the client has in flight and the replacements asked for",
         );
+    }
+    for (index, phase) in phases.iter().enumerate() {
+        let id = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+        let live = p.is_target_live(id);
+        let consistent = match phase {
+            SlotPhase::Joined => live || lifecycle != Lifecycle::Started,
+            SlotPhase::Joining => live,
+            SlotPhase::Spawning | SlotPhase::BackingOff(_) | SlotPhase::Lost => !live,
+        };
+        let spawning = *phase == SlotPhase::Spawning && lifecycle == Lifecycle::Started;
+        let respawn = m.config.respawn_limit;
+        if !consistent
+            || p.is_target_joined(id) != (live && *phase != SlotPhase::Joining)
+            || s.spawns[index].is_some() != spawning
+            || s.spawns[index].is_some_and(|i| i != p.incarnation(id))
+            || (respawn == 0
+                && (p.incarnation(id) != 0
+                    || !matches!(phase, SlotPhase::Joined | SlotPhase::Lost)))
+            || (*phase != SlotPhase::Lost && p.failed_joins(id) >= respawn.max(1))
+            || (*phase == SlotPhase::Lost
+                && respawn > 0
+                && p.failed_joins(id) != respawn
+                && lifecycle == Lifecycle::Started
+                && p.incarnation(id) > 0)
+        {
+            return fail("Parent::slot_phase, incarnation, failed_joins or is_target_joined disagree with each other, with is_target_live or with the replacements the driver was asked for");
+        }
     }
     if p.staged() != s.staged.keys().copied().collect::<Vec<_>>() {
         return fail("Parent::staged disagrees with shared memory");
     }
+    // The earliest back-off before a replacement (§2.9): at most
+    // RESPAWN_BACKOFF doubled per failed join before it, still ahead.
+    let backoff = phases
+        .iter()
+        .enumerate()
+        .filter_map(|(index, ph)| match ph {
+            SlotPhase::BackingOff(until) if lifecycle == Lifecycle::Started => {
+                let id = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                let n = u32::from(p.failed_joins(id)).saturating_sub(1).min(32);
+                Some((*until, RESPAWN_BACKOFF << n))
+            }
+            _ => None,
+        })
+        .min();
+    if backoff.is_some_and(|(until, most)| until.0 <= s.now || until.0 > s.now + most) {
+        return fail("a back-off before a replacement is not ahead, or longer than its doubling");
+    }
+    let backoff = backoff.map(|(until, _)| until);
+    let op_deadline = p.poll_timeout().filter(|d| Some(*d) != backoff);
     if let Some(deadline) = p.poll_timeout() {
+        if backoff.is_some_and(|b| b < deadline) {
+            return fail("Parent::poll_timeout is after a back-off before a replacement");
+        }
+    }
+    if let Some(deadline) = op_deadline {
         if p.in_flight().is_empty() {
             return fail("Parent::poll_timeout names a deadline with no operation in flight");
         }
@@ -465,7 +575,8 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
     }
     let bound = p.poll_bound();
     if bound != bounds.iter().min().copied()
-        || bound.is_some() != p.poll_timeout().is_some()
+        || (bound.is_some() != p.poll_timeout().is_some() && backoff.is_none())
+        || (bound.is_none() && p.poll_timeout() != backoff)
         || bound.zip(p.poll_timeout()).is_some_and(|(b, d)| b < d)
         || bounds
             .iter()
@@ -586,6 +697,8 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(INV7, inv7),
         Property::always(INV8, inv8),
         Property::always(INV9, inv9),
+        Property::always(INV11, inv11),
+        Property::always(INV12, inv12),
         Property::always(DRIVING_RULE, driving_rule),
         Property::always(HEARD_NOT_FENCED, heard_not_fenced),
         Property::always(INV10_TERMINAL, inv10_terminal),
@@ -618,11 +731,17 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_BOUND, bound_ends_heard),
         Property::sometimes(SOMETIMES_SPARED, spared_heard),
         Property::sometimes(SOMETIMES_SILENT_AFTER_HEARD, silent_after_heard),
+        Property::sometimes(SOMETIMES_JOINED, joined),
+        Property::sometimes(SOMETIMES_JOINED_IN_FLIGHT, joined_in_flight),
+        Property::sometimes(SOMETIMES_JOIN_FAILED, join_failed),
+        Property::sometimes(SOMETIMES_ABANDONED, abandoned),
+        Property::sometimes(SOMETIMES_SPAWN_FAILED, spawn_failed),
+        Property::sometimes(SOMETIMES_BACKOFF, backoff_passed),
     ]
 }
 
 /// Why `state` breaks property `name`, for a counterexample's last state:
-/// the library's violation text for invariants 1–9, a fixed explanation
+/// the library's violation text for invariants 1–9, 11 and 12, a fixed explanation
 /// for the others; `None` if it does not break it.
 pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<String> {
     let by_number = |n: u8| {
@@ -638,11 +757,26 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
             "invariant 8 (dispatch safety) violated: a task for a live handle reached a live target lacking its digest"
                 .to_owned(),
         ),
-        Some(n @ 1..=9) => by_number(n),
+        Some(n @ (1..=9 | 11 | 12)) => by_number(n),
         Some(10) => (!all_complete(state)).then(|| {
+            let waiting: Vec<String> = (0..model.config.targets)
+                .map(TargetId)
+                .filter(|t| {
+                    matches!(
+                        state.parent.slot_phase(*t),
+                        SlotPhase::Spawning | SlotPhase::BackingOff(_)
+                    )
+                })
+                .map(|t| t.to_string())
+                .collect();
             format!(
-                "invariant 10 (liveness) violated: no action is possible but operations {:?} did not complete",
-                state.parent.in_flight()
+                "invariant 10 (liveness) violated: no action is possible but operations {:?} did not complete{}",
+                state.parent.in_flight(),
+                if waiting.is_empty() {
+                    String::new()
+                } else {
+                    format!(", and slots [{}] wait for a replacement", waiting.join(", "))
+                }
             )
         }),
         _ if name == HEARD_NOT_FENCED && !heard_not_fenced(model, state) => Some(

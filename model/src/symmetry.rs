@@ -8,7 +8,9 @@
 //! installed digests with refcounts, tombstoned slots, slot, run and
 //! deserialization counts, the frames to it, the replies from it, its end
 //! of file, the driver's bookkeeping, whether the parent counts it live and
-//! which of its in-transit answers the parent awaits), ties broken by id.
+//! which of its in-transit answers the parent awaits, its slot's
+//! replacement phase, incarnation and failed joins, and a replacement the
+//! driver was asked for), ties broken by id.
 //!
 //! Soundness does not depend on the key being complete: the representative
 //! is always a renumbering of the state itself, so two states with the same
@@ -80,6 +82,11 @@ impl State {
         self.eof[index].hash(&mut hasher);
         self.sides[index].hash(&mut hasher);
         self.parent.is_target_live(id).hash(&mut hasher);
+        // Its slot's replacement state (`specs/protocol.md` §2.9).
+        self.parent.slot_phase(id).hash(&mut hasher);
+        self.parent.incarnation(id).hash(&mut hasher);
+        self.parent.failed_joins(id).hash(&mut hasher);
+        self.spawns[index].hash(&mut hasher);
         hasher.finish()
     }
 
@@ -90,11 +97,13 @@ impl State {
         let mut targets = vec![None; n];
         let mut eof = vec![false; n];
         let mut sides = vec![Default::default(); n];
+        let mut spawns = vec![None; n];
         for (old, renamed) in permutation.iter().enumerate().take(n) {
             let new = usize::from(renamed.0);
             targets[new] = self.targets[old].as_ref().map(|t| t.relabeled(*renamed));
             eof[new] = self.eof[old];
             sides[new] = self.sides[old].clone();
+            spawns[new] = self.spawns[old];
         }
         let mut frames: Vec<_> = self
             .frames
@@ -159,6 +168,8 @@ impl State {
             contract: self.contract,
             settling: self.settling,
             proven: self.proven.clone(),
+            spawns,
+            replays: self.replays.clone(),
         }
     }
 }

@@ -166,6 +166,39 @@ fn every_sometimes_property_is_witnessed() {
     assert!(!witnessed(&calm, SOMETIMES_SLOT_EXHAUSTED));
 }
 
+/// 2 targets, `register-unregister-same-digest`, 1 crash, replacement
+/// targets (rate limit 1), no other fault.
+fn replacing() -> ModelConfig {
+    ModelConfig {
+        crashes: 1,
+        respawn_limit: 1,
+        ..quiet(2, "register-unregister-same-digest")
+    }
+}
+
+#[test]
+fn replacement_targets_pass_with_pinned_state_counts() {
+    let outcome = run(replacing(), false);
+    assert_passes(&outcome);
+    assert_eq!(outcome.unique_states, 2_574);
+    let witnessed = |name: &str| outcome.witnessed.iter().any(|w| w == name);
+    assert!(witnessed(SOMETIMES_JOINED));
+    assert!(witnessed(SOMETIMES_JOINED_IN_FLIGHT));
+    // No failed deserialization, corruption or deadline: no join fails.
+    assert!(!witnessed(SOMETIMES_JOIN_FAILED));
+    assert!(!witnessed(SOMETIMES_ABANDONED));
+    // Replacements off: the same configuration never replaces a target.
+    let off = run(
+        ModelConfig {
+            respawn_limit: 0,
+            ..replacing()
+        },
+        false,
+    );
+    assert_passes(&off);
+    assert!(!off.witnessed.iter().any(|w| w == SOMETIMES_JOINED));
+}
+
 #[cfg(feature = "mutants")]
 /// The smallest configuration known to expose `mutant`, and the
 /// properties it breaks there.
@@ -203,10 +236,11 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
             heartbeats: 1,
             ..quiet(1, "single-register")
         },
+        Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished => replacing(),
     };
     // In name order, as `violated` lists them.
     let broken = match mutant {
-        Mutant::PublishBeforeAllReplies => vec![INV1, FENCED_CERTAIN, CONTRACT],
+        Mutant::PublishBeforeAllReplies => vec![INV1, INV11, FENCED_CERTAIN, CONTRACT],
         Mutant::SkipCleanup => vec![INV2],
         Mutant::ForgetUncertain => vec![INV2, QUERIES],
         Mutant::CleanupUnconfirmedTargets => vec![INV2, INV8, FENCED_CERTAIN, CONTRACT],
@@ -216,6 +250,8 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
         Mutant::BroadcastBeforeProbe => vec![PROBE_FIRST],
         Mutant::RetryPoisoned => vec![POISON_NOT_PUBLISHED, POISON_NOT_SENT, QUERIES],
         Mutant::IgnoreAlive => vec![HEARD_NOT_FENCED],
+        Mutant::JoinBeforeReplay => vec![INV11, INV2, INV8, FENCED_CERTAIN],
+        Mutant::SkipReplayOfPublished => vec![INV11],
     };
     config.mutant = Some(mutant);
     (config, broken)
@@ -261,9 +297,14 @@ fn mutants_are_also_caught_by_one_shared_fault_rich_configuration() {
     // standard script, every fault and a heartbeat (fencing off for the
     // mutant that only matters without it). Stops at the first violation.
     for mutant in Mutant::ALL {
+        let replaces = matches!(
+            mutant,
+            Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished
+        );
         let config = ModelConfig {
             mutant: Some(*mutant),
             heartbeats: 1,
+            respawn_limit: u16::from(replaces),
             ..faulty(
                 "register-unregister-same-digest",
                 *mutant != Mutant::ForgetUncertain,

@@ -398,6 +398,11 @@ pub(crate) enum OpKind {
         handle_id: u64,
         /// The staged payload, until released.
         staging: Option<StagingId>,
+        /// The seq of an unregister of the handle issued before this
+        /// replay was answered: its frame to the target waits for the
+        /// replay's confirmation (until then the target may still be
+        /// installing the payload, and would refuse it).
+        unregister: Option<Seq>,
     },
 }
 
@@ -937,22 +942,32 @@ impl Parent {
         let digest = record.digest;
         let seq = self.fresh_seq();
         // The live targets that confirmed it, and every joining replacement
-        // its replay was sent to (it applies the replay first: FIFO).
-        let replaying = self.ops.values().filter_map(|op| match op.kind {
-            OpKind::Replay { handle_id, .. } if handle_id == handle.handle_id => {
-                op.scope.keys().next().copied()
+        // its replay was sent to. A replay not yet answered sends this
+        // unregister's frame once it is confirmed: before, the target may
+        // still be installing the payload (§2.9).
+        let mut deferred = BTreeSet::new();
+        for op in self.ops.values_mut() {
+            if let OpKind::Replay {
+                handle_id,
+                unregister,
+                ..
+            } = &mut op.kind
+            {
+                if *handle_id == handle.handle_id {
+                    *unregister = Some(seq);
+                    deferred.extend(op.scope.keys().copied());
+                }
             }
-            _ => None,
-        });
+        }
         let scope: BTreeMap<TargetId, Progress> = record
             .confirmed
             .iter()
+            .chain(&deferred)
             .copied()
-            .chain(replaying)
             .filter(|t| !self.lost.contains(t))
             .map(|t| (t, Progress::Pending))
             .collect();
-        for target in scope.keys() {
+        for target in scope.keys().filter(|t| !deferred.contains(t)) {
             self.effects.push_back(Effect::Send {
                 target: *target,
                 frame: ControlFrame::Unregister { seq, digest },
@@ -1398,8 +1413,11 @@ impl Parent {
     /// published while it joins. It serves tasks ([`Effect::Joined`]) once
     /// every replay sent to it is confirmed and no register is in flight
     /// (a register in flight does not include it, and is replayed to it if
-    /// published). Until then it is in the scope of nothing else but the
-    /// unregisters of handles replayed to it, and refused for tasks. A
+    /// published; a confirmation the slot's earlier process gave it counts
+    /// for nothing). Until then it is in the scope of nothing else but the
+    /// unregisters of handles replayed to it (whose frame to it waits for
+    /// that replay's confirmation: until then it may still be installing
+    /// the payload), and refused for tasks. A
     /// replay it refuses or does not answer in time fences it
     /// ([`Effect::JoinFailed`], [`Effect::Fence`]), with or without
     /// [`ParentConfig::fence_on_timeout`]: a joining process serves nobody.
@@ -1479,6 +1497,7 @@ impl Parent {
                 kind: OpKind::Replay {
                     handle_id,
                     staging: Some(staging),
+                    unregister: None,
                 },
                 digest,
                 namespace,
@@ -2112,8 +2131,13 @@ impl Parent {
 
     fn advance_op(&mut self, id: OpId, now: Time) {
         let Some(op) = self.ops.get(&id) else { return };
-        if let OpKind::Replay { handle_id, staging } = op.kind {
-            return self.advance_replay(id, handle_id, staging, now);
+        if let OpKind::Replay {
+            handle_id,
+            staging,
+            unregister,
+        } = op.kind
+        {
+            return self.advance_replay(id, handle_id, staging, unregister, now);
         }
         let answered = !op.scope.values().any(|p| *p == Progress::Pending);
         let any_answered = op.scope.values().any(|p| *p != Progress::Pending);
@@ -2177,7 +2201,15 @@ impl Parent {
     }
 
     /// A replay (§2.9) settles at its one target's answer or loss.
-    fn advance_replay(&mut self, id: OpId, handle_id: u64, staging: Option<StagingId>, now: Time) {
+    fn advance_replay(
+        &mut self,
+        id: OpId,
+        handle_id: u64,
+        staging: Option<StagingId>,
+        unregister: Option<Seq>,
+        now: Time,
+    ) {
+        let digest = self.ops.get(&id).map(|op| op.digest);
         let Some((target, progress)) = self
             .ops
             .get(&id)
@@ -2198,6 +2230,20 @@ impl Parent {
             Progress::Confirmed => {
                 if let Some(record) = self.handles.get_mut(&handle_id) {
                     record.confirmed.insert(target);
+                }
+                // The unregister that waited for this replay (the handle
+                // is no longer live): its frame goes now, its deadline
+                // counts from now.
+                if let (Some(seq), Some(digest)) = (unregister, digest) {
+                    if let Some(op) = self.ops.get_mut(&OpId(seq.0)) {
+                        if op.scope.get(&target) == Some(&Progress::Pending) {
+                            op.heard.insert(target, now);
+                            self.effects.push_back(Effect::Send {
+                                target,
+                                frame: ControlFrame::Unregister { seq, digest },
+                            });
+                        }
+                    }
                 }
             }
             Progress::Failed(failure) => self.fail_join(target, failure, now),
@@ -2278,16 +2324,24 @@ impl Parent {
             self.effects.push_back(Effect::ReleaseStaged { staging });
         }
         let handle = self.issue_handle(op.digest, op.namespace);
+        // A joining replacement is in no register's scope: a confirmation
+        // in its slot came from the process it replaced, which took the
+        // install with it (§2.9; it gets the handle as a replay below).
         let confirmed = op
             .scope
             .iter()
-            .filter(|(_, p)| **p == Progress::Confirmed)
+            .filter(|(t, p)| **p == Progress::Confirmed && !self.is_joining(**t))
             .map(|(t, _)| *t)
             .collect();
         let record = HandleRecord {
             digest: op.digest,
             namespace: op.namespace,
-            scope: op.scope.keys().copied().collect(),
+            scope: op
+                .scope
+                .keys()
+                .copied()
+                .filter(|t| !self.is_joining(*t))
+                .collect(),
             confirmed,
         };
         self.handles.insert(handle.handle_id, record);
@@ -2316,7 +2370,14 @@ impl Parent {
         let skip = mutant!(self, SkipCleanup);
         let unconfirmed_too = mutant!(self, CleanupUnconfirmedTargets);
         let deadline = now.saturating_add_micros(self.config.operation_timeout);
-        let lost = self.lost.clone();
+        // A target lost since it confirmed holds nothing any more, nor
+        // does a replacement now in its slot (§2.9).
+        let lost: BTreeSet<TargetId> = self
+            .lost
+            .iter()
+            .copied()
+            .chain(self.all_targets().filter(|t| self.is_joining(*t)))
+            .collect();
         let Some(op) = self.ops.get_mut(&id) else {
             return;
         };
