@@ -85,7 +85,7 @@ pub fn python_envelopes<S: AsRef<str>>(expressions: &[S]) -> Vec<Vec<u8>> {
 /// Runs `a` then `b` in an even `round`, `b` then `a` in an odd one, so
 /// that load swings hit both alike.
 pub fn interleaved(round: usize, a: impl FnOnce(), b: impl FnOnce()) {
-    if round % 2 == 0 {
+    if round.is_multiple_of(2) {
         a();
         b();
     } else {
