@@ -40,7 +40,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use callreg::envelope::{encode, HEADER_LEN};
+use callreg::envelope::HEADER_LEN;
 use callreg::io::staging::StagedPayload;
 use callreg::io::Worker;
 use callreg::protocol::{Handle, TargetId};
@@ -206,7 +206,8 @@ impl Pool {
 // CPU time
 
 fn cpu_ns(pids: &[i32]) -> u64 {
-    common::self_cpu_ns() + pids.iter().map(|p| common::process_cpu_ns(*p)).sum::<u64>()
+    common::rusage_cpu_ns(libc::RUSAGE_SELF)
+        + pids.iter().map(|p| common::process_cpu_ns(*p)).sum::<u64>()
 }
 
 /// Wall and CPU time per operation of one timed batch.
@@ -287,11 +288,7 @@ struct Payloads {
 
 /// Test runtime: `echo` padded with a comment that makes each distinct.
 fn test_payloads() -> Payloads {
-    let envelope = |size: usize, i: usize| {
-        let mut payload = format!("echo #{i}#").into_bytes();
-        payload.resize(size, b'x');
-        encode(&payload)
-    };
+    let envelope = |size: usize, i: usize| common::echo_envelope(&format!("{i}#"), size);
     Payloads {
         small: (0..SMALL_BATCH).map(|i| envelope(SMALL, i)).collect(),
         large: (0..LARGE_BATCH).map(|i| envelope(LARGE, i)).collect(),
@@ -301,64 +298,21 @@ fn test_payloads() -> Payloads {
     }
 }
 
-/// Python: cloudpickled closures (distinct by their constant), a closure
-/// over 1 MiB of bytes, and `identity`; hex lines on stdout.
-#[cfg(feature = "python")]
-const PYTHON_PAYLOADS: &str = r#"
-import sys
-sys.path.insert(0, sys.argv[1])
-import callreg_envelope
-
-def make_adder(n):
-    def add(x):
-        return x + n
-    return add
-
-def make_sized(blob):
-    def size():
-        return len(blob)
-    return size
-
-def identity(x):
-    return x
-
-small, large = int(sys.argv[2]), int(sys.argv[3])
-for i in range(small):
-    print(callreg_envelope.dumps(make_adder(i)).hex())
-for i in range(large):
-    print(callreg_envelope.dumps(make_sized(bytes([i]) + bytes(range(256)) * 4095 + bytes(255))).hex())
-print(callreg_envelope.dumps(identity).hex())
-"#;
-
+/// Python: cloudpickled closures (distinct by their constant), closures
+/// over 1 MiB of bytes (distinct by their first byte), and `identity`.
 #[cfg(feature = "python")]
 fn python_payloads() -> Payloads {
-    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
-    let output = std::process::Command::new(python)
-        .arg("-c")
-        .arg(PYTHON_PAYLOADS)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
-        .arg(SMALL_BATCH.to_string())
-        .arg(LARGE_BATCH.to_string())
-        .output()
-        .expect("python runs");
-    assert!(
-        output.status.success(),
-        "making payloads failed (is cloudpickle installed?): {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let text = String::from_utf8(output.stdout).expect("hex lines");
-    let mut lines = text.lines().map(|line| {
-        (0..line.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&line[i..i + 2], 16).expect("hex"))
-            .collect::<Vec<u8>>()
-    });
-    let small = lines.by_ref().take(SMALL_BATCH).collect();
-    let large = lines.by_ref().take(LARGE_BATCH).collect();
+    let small = (0..SMALL_BATCH).map(|i| format!("make_adder({i})"));
+    let large = (0..LARGE_BATCH)
+        .map(|i| format!("make_sized(bytes([{i}]) + bytes(range(256)) * 4095 + bytes(255))"));
+    let expressions: Vec<String> = small.chain(large).chain(["identity".to_owned()]).collect();
+    let mut envelopes = common::python_envelopes(&expressions).into_iter();
+    let small = envelopes.by_ref().take(SMALL_BATCH).collect();
+    let large = envelopes.by_ref().take(LARGE_BATCH).collect();
     Payloads {
         small,
         large,
-        task: lines.next().expect("identity"),
+        task: envelopes.next().expect("identity"),
         input: br#"{"args":[7]}"#.to_vec(),
         expected: b"7".to_vec(),
     }

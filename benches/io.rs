@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use callreg::descriptor::Digest;
-use callreg::envelope::{encode, HEADER_LEN};
+use callreg::envelope::HEADER_LEN;
 use callreg::io::staging::StagedPayload;
 use callreg::io::Worker;
 use callreg::protocol::TargetId;
@@ -37,9 +37,7 @@ const PAYLOAD_SIZES: [usize; 3] = [64, 4096, 1 << 20];
 /// An envelope whose serializer payload is `size` bytes: an `echo`
 /// instruction padded with a comment.
 fn envelope_of(size: usize) -> Vec<u8> {
-    let mut payload = b"echo #".to_vec();
-    payload.resize(size, b'x');
-    encode(&payload)
+    common::echo_envelope("", size)
 }
 
 fn worker(targets: u16) -> Worker<TestRuntime> {

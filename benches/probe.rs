@@ -22,7 +22,6 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use callreg::envelope::encode;
 use callreg::io::Worker;
 use callreg::protocol::TargetId;
 use callreg::runtime::testing::TestRuntime;
@@ -44,14 +43,12 @@ fn worker(targets: u16, probe_first: bool) -> Worker<TestRuntime> {
 
 /// A 64-byte `echo` envelope no other round uses (a fresh digest).
 fn fresh_envelope(round: usize, policy: &str) -> Vec<u8> {
-    let mut payload = format!("echo #{policy} {round} ").into_bytes();
-    payload.resize(64, b'x');
-    encode(&payload)
+    common::echo_envelope(&format!("{policy} {round} "), 64)
 }
 
 /// User + system CPU of this process (every thread), from getrusage.
 fn own_cpu() -> Duration {
-    Duration::from_nanos(common::self_cpu_ns())
+    Duration::from_nanos(common::rusage_cpu_ns(libc::RUSAGE_SELF))
 }
 
 /// User + system CPU used so far by the live targets of `worker`.
@@ -92,9 +89,7 @@ impl Measured {
     }
 
     fn percentile(&self, p: usize) -> Duration {
-        let mut sorted = self.walls.clone();
-        sorted.sort();
-        sorted[(sorted.len() - 1) * p / 100]
+        common::percentile(&self.walls, p)
     }
 }
 
@@ -138,13 +133,11 @@ fn main() {
         for round in 0..ROUNDS {
             let p = fresh_envelope(round, "p");
             let b = fresh_envelope(round, "b");
-            if round % 2 == 0 {
-                one(&probing, &p, &mut probe);
-                one(&broadcasting, &b, &mut broadcast);
-            } else {
-                one(&broadcasting, &b, &mut broadcast);
-                one(&probing, &p, &mut probe);
-            }
+            common::interleaved(
+                round,
+                || one(&probing, &p, &mut probe),
+                || one(&broadcasting, &b, &mut broadcast),
+            );
         }
         probe.targets_cpu = targets_cpu(&probing, targets).saturating_sub(probe_targets);
         broadcast.targets_cpu =

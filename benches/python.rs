@@ -20,7 +20,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,58 +29,22 @@ use callreg::runtime::python::PythonRuntime;
 use callreg::runtime::TaskEncoding;
 use criterion::Criterion;
 
-/// Prints three SPYC envelopes as hex lines: the small closure, the 1 MiB
-/// closure, the identity function.
-const PAYLOADS: &str = r#"
-import sys
-sys.path.insert(0, sys.argv[1])
-import callreg_envelope
-
-def make_adder(n):
-    def add(x):
-        return x + n
-    return add
-
-def make_sized(blob):
-    def size():
-        return len(blob)
-    return size
-
-def identity(x):
-    return x
-
-for value in (make_adder(1), make_sized(bytes(range(256)) * 4096), identity):
-    print(callreg_envelope.dumps(value).hex())
-"#;
-
-/// The three envelopes of [`PAYLOADS`].
+/// The three envelopes the scenarios register.
 struct Envelopes {
     small: Vec<u8>,
     one_mib: Vec<u8>,
     identity: Vec<u8>,
 }
 
+/// A small closure, a closure over 1 MiB of bytes, the identity function.
 fn envelopes() -> Envelopes {
-    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
-    let output = Command::new(python)
-        .arg("-c")
-        .arg(PAYLOADS)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
-        .output()
-        .expect("python runs");
-    assert!(
-        output.status.success(),
-        "making payloads failed (is cloudpickle installed?): {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let text = String::from_utf8(output.stdout).expect("hex lines");
-    let mut lines = text.lines().map(|line| {
-        (0..line.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&line[i..i + 2], 16).expect("hex"))
-            .collect::<Vec<u8>>()
-    });
-    let mut next = || lines.next().expect("three envelopes");
+    let mut envelopes = common::python_envelopes(&[
+        "make_adder(1)",
+        "make_sized(bytes(range(256)) * 4096)",
+        "identity",
+    ])
+    .into_iter();
+    let mut next = || envelopes.next().expect("three envelopes");
     Envelopes {
         small: next(),
         one_mib: next(),

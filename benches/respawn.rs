@@ -33,7 +33,6 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use callreg::envelope::encode;
 use callreg::io::Worker;
 use callreg::protocol::{SlotPhase, TargetId};
 use callreg::runtime::testing::TestRuntime;
@@ -64,70 +63,12 @@ fn builder<R: Runtime>(
 /// A `echo` envelope of a `size`-byte payload no other call makes (a
 /// fresh digest).
 fn fresh_envelope(size: usize, tag: &str, n: usize) -> Vec<u8> {
-    let mut payload = format!("echo #{tag} {n}#").into_bytes();
-    payload.resize(size, b'x');
-    encode(&payload)
-}
-
-/// `count` distinct cloudpickled closures (`make_adder(i)`), made by the
-/// interpreter `PYO3_PYTHON` names (else `python3`).
-#[cfg(feature = "python")]
-fn python_envelopes(count: usize) -> Vec<Vec<u8>> {
-    const SCRIPT: &str = r#"
-import sys
-sys.path.insert(0, sys.argv[1])
-import callreg_envelope
-
-def make_adder(n):
-    def add(x):
-        return x + n
-    return add
-
-for i in range(int(sys.argv[2])):
-    print(callreg_envelope.dumps(make_adder(i)).hex())
-"#;
-    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
-    let output = std::process::Command::new(python)
-        .arg("-c")
-        .arg(SCRIPT)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
-        .arg(count.to_string())
-        .output()
-        .expect("python runs");
-    assert!(
-        output.status.success(),
-        "making payloads failed (is cloudpickle installed?): {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let envelopes: Vec<Vec<u8>> = String::from_utf8(output.stdout)
-        .expect("hex lines")
-        .lines()
-        .map(|line| {
-            (0..line.len())
-                .step_by(2)
-                .map(|i| u8::from_str_radix(&line[i..i + 2], 16).expect("hex"))
-                .collect()
-        })
-        .collect();
-    assert_eq!(envelopes.len(), count);
-    envelopes
+    common::echo_envelope(&format!("{tag} {n}#"), size)
 }
 
 /// CPU nanoseconds so far of `pids` (every thread).
 fn cpu_of(pids: &[i32]) -> u64 {
     pids.iter().map(|p| common::process_cpu_ns(*p)).sum()
-}
-
-/// CPU nanoseconds of the calling thread, from `getrusage(RUSAGE_THREAD)`.
-fn thread_cpu_ns() -> u64 {
-    // SAFETY: getrusage writes one `rusage` into the valid pointer given.
-    let usage = unsafe {
-        let mut usage: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_THREAD, &mut usage);
-        usage
-    };
-    let micros = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
-    (micros(usage.ru_utime) + micros(usage.ru_stime)) * 1000
 }
 
 /// One operation's wall time and CPU time (ns).
@@ -143,9 +84,8 @@ struct Series(Vec<Sample>);
 
 impl Series {
     fn pick(&self, p: usize, field: impl Fn(&Sample) -> u64) -> f64 {
-        let mut values: Vec<u64> = self.0.iter().map(field).collect();
-        values.sort_unstable();
-        values[(values.len() - 1) * p / 100] as f64
+        let values: Vec<u64> = self.0.iter().map(field).collect();
+        common::percentile(&values, p) as f64
     }
 
     fn median(&self, field: impl Fn(&Sample) -> u64) -> f64 {
@@ -198,11 +138,11 @@ fn shown(ns: f64) -> String {
 /// Times `op` with this process's CPU and that of `children`.
 fn measure<T>(children: &[i32], op: impl FnOnce() -> T) -> (T, Sample) {
     let children_before = cpu_of(children);
-    let process_before = common::self_cpu_ns();
+    let process_before = common::rusage_cpu_ns(libc::RUSAGE_SELF);
     let started = Instant::now();
     let out = op();
     let wall = started.elapsed().as_nanos() as u64;
-    let process = common::self_cpu_ns().saturating_sub(process_before);
+    let process = common::rusage_cpu_ns(libc::RUSAGE_SELF).saturating_sub(process_before);
     let children = cpu_of(children).saturating_sub(children_before);
     (
         out,
@@ -280,13 +220,11 @@ fn steady(rounds: usize) {
             for round in 0..rounds {
                 let e_on = fresh_envelope(size, "on", round);
                 let e_off = fresh_envelope(size, "off", round);
-                if round % 2 == 0 {
-                    register_unregister(&on, &e_on, &mut p_on);
-                    register_unregister(&off, &e_off, &mut p_off);
-                } else {
-                    register_unregister(&off, &e_off, &mut p_off);
-                    register_unregister(&on, &e_on, &mut p_on);
-                }
+                common::interleaved(
+                    round,
+                    || register_unregister(&on, &e_on, &mut p_on),
+                    || register_unregister(&off, &e_off, &mut p_off),
+                );
             }
             // Nothing kept once the last registration went; every target serves.
             assert_eq!(on.worker.retained_envelope_bytes(), 0);
@@ -340,11 +278,11 @@ fn one_start<R: Runtime>(runtime: &Arc<R>, targets: u16, respawn: bool, into: &m
         BTreeSet::new()
     };
     let worker = builder(runtime, targets, respawn).build().expect("build");
-    let process_before = common::self_cpu_ns();
+    let process_before = common::rusage_cpu_ns(libc::RUSAGE_SELF);
     let started = Instant::now();
     worker.start().expect("start");
     let wall = started.elapsed().as_nanos() as u64;
-    let process = common::self_cpu_ns().saturating_sub(process_before);
+    let process = common::rusage_cpu_ns(libc::RUSAGE_SELF).saturating_sub(process_before);
     let mut children: Vec<i32> = (0..targets)
         .filter_map(|t| worker.target_pid(TargetId(t)))
         .collect();
@@ -382,13 +320,11 @@ fn starts(rounds: usize) {
         one_start(&runtime, targets, true, &mut Series::default());
         one_start(&runtime, targets, false, &mut Series::default());
         for round in 0..rounds {
-            if round % 2 == 0 {
-                one_start(&runtime, targets, true, &mut on);
-                one_start(&runtime, targets, false, &mut off);
-            } else {
-                one_start(&runtime, targets, false, &mut off);
-                one_start(&runtime, targets, true, &mut on);
-            }
+            common::interleaved(
+                round,
+                || one_start(&runtime, targets, true, &mut on),
+                || one_start(&runtime, targets, false, &mut off),
+            );
         }
         println!(
             "| start/{targets} | {} | {} | {} |",
@@ -441,8 +377,8 @@ fn one_replacement<R: Runtime>(
     let pid = worker.target_pid(t).expect("pid");
     let incarnation = worker.target_incarnation(t);
     let template_before = common::process_cpu_ns(r.template);
-    let process_before = common::self_cpu_ns();
-    let poller_before = thread_cpu_ns();
+    let process_before = common::rusage_cpu_ns(libc::RUSAGE_SELF);
+    let poller_before = common::rusage_cpu_ns(libc::RUSAGE_THREAD);
     let started = Instant::now();
     // SAFETY: kill sends a signal to a process id; it touches no memory.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
@@ -470,8 +406,8 @@ fn one_replacement<R: Runtime>(
         );
         std::thread::sleep(POLL);
     };
-    let poller = thread_cpu_ns().saturating_sub(poller_before);
-    let process = common::self_cpu_ns()
+    let poller = common::rusage_cpu_ns(libc::RUSAGE_THREAD).saturating_sub(poller_before);
+    let process = common::rusage_cpu_ns(libc::RUSAGE_SELF)
         .saturating_sub(process_before)
         .saturating_sub(poller);
     let new_pid = worker.target_pid(t).expect("replacement pid");
@@ -503,12 +439,10 @@ struct Extra {
 
 /// `median / p90` of `values`.
 fn spread(values: &[u64]) -> String {
-    let mut v = values.to_vec();
-    v.sort_unstable();
     format!(
         "{} / {}",
-        shown(v[(v.len() - 1) / 2] as f64),
-        shown(v[(v.len() - 1) * 9 / 10] as f64)
+        shown(common::percentile(values, 50) as f64),
+        shown(common::percentile(values, 90) as f64)
     )
 }
 
@@ -618,7 +552,10 @@ fn main() {
     if python {
         #[cfg(feature = "python")]
         {
-            let envelopes = python_envelopes(*LIVE_REGISTRATIONS.iter().max().unwrap_or(&0));
+            // Distinct cloudpickled closures, as many as the most live.
+            let count = *LIVE_REGISTRATIONS.iter().max().unwrap_or(&0);
+            let adders: Vec<String> = (0..count).map(|i| format!("make_adder({i})")).collect();
+            let envelopes = common::python_envelopes(&adders);
             replacements(
                 &Arc::new(callreg::runtime::python::PythonRuntime::new()),
                 "Python",
