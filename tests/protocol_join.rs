@@ -7,25 +7,18 @@ mod common;
 
 use callreg::error::ErrorCode;
 use callreg::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Namespace, OwnerToken, Parent, ParentConfig,
-    Reply, Seq, SlotPhase, StagingId, TargetId, TargetOutcome, Time,
+    Completion, ControlFrame, Effect, Failure, Handle, Namespace, Parent, ParentConfig, Reply, Seq,
+    SlotPhase, StagingId, TargetId, TargetOutcome, Time,
 };
-use common::sim::digest;
+use common::sim::{digest, parent_config};
 
-const OWNER: OwnerToken = OwnerToken(0x10e);
 const BACKOFF: u64 = 500;
 
 fn started(targets: u16, fence_on_timeout: bool, respawn_limit: u16) -> Parent {
     let mut p = Parent::new(ParentConfig {
-        targets,
-        control_timeout: 1_000,
-        operation_timeout: 10_000,
-        fence_on_timeout,
-        owner: OWNER,
-        slot_capacity: 64,
-        probe_first: false,
         respawn_limit,
         respawn_backoff: BACKOFF,
+        ..parent_config(targets, fence_on_timeout)
     });
     p.start().unwrap();
     p
@@ -41,6 +34,15 @@ fn ok(seq: u64, n: u8) -> Reply {
         digest: digest(n),
         result: Ok(()),
     }
+}
+
+/// Target `t` is lost at `lost` and its first replacement spawned at
+/// `spawned`; the effects of both are drained (the replays are sent).
+fn respawned(p: &mut Parent, t: u16, lost: u64, spawned: u64) {
+    p.target_lost(TargetId(t), Time(lost)).unwrap();
+    drain(p);
+    p.target_spawned(TargetId(t), 1, Time(spawned)).unwrap();
+    drain(p);
 }
 
 fn send(t: u16, frame: ControlFrame) -> Effect {
@@ -261,10 +263,7 @@ fn a_register_in_flight_skips_the_joining_target_and_is_replayed_to_it_when_publ
 fn an_unregister_waits_for_the_replay_of_its_handle_to_a_replacement() {
     let mut p = started(2, true, 3);
     let h = registered(&mut p, 1, &[0, 1], 0);
-    p.target_lost(TargetId(1), Time(1)).unwrap();
-    drain(&mut p);
-    p.target_spawned(TargetId(1), 1, Time(2)).unwrap();
-    drain(&mut p);
+    respawned(&mut p, 1, 1, 2);
     let op = p.unregister(&h, Time(3)).unwrap();
     let frame = ControlFrame::Unregister {
         seq: Seq(3),
@@ -317,10 +316,7 @@ fn an_unregister_waits_for_the_replay_of_its_handle_to_a_replacement() {
 fn an_unregister_waiting_for_a_replay_that_fails_counts_the_replacement_fenced() {
     let mut p = started(2, true, 3);
     let h = registered(&mut p, 1, &[0, 1], 0);
-    p.target_lost(TargetId(1), Time(1)).unwrap();
-    drain(&mut p);
-    p.target_spawned(TargetId(1), 1, Time(2)).unwrap();
-    drain(&mut p);
+    respawned(&mut p, 1, 1, 2);
     let op = p.unregister(&h, Time(3)).unwrap();
     drain(&mut p);
     p.handle_reply(TargetId(0), ok(3, 1), Time(4)).unwrap();
@@ -509,10 +505,7 @@ fn a_failed_register_sends_no_cleanup_to_the_replacement_of_a_target_that_confir
 fn a_refused_replay_fences_the_replacement_and_the_rate_limit_gives_the_slot_up() {
     let mut p = started(2, true, 2);
     let h = registered(&mut p, 1, &[0, 1], 0);
-    p.target_lost(TargetId(1), Time(100)).unwrap();
-    drain(&mut p);
-    p.target_spawned(TargetId(1), 1, Time(100)).unwrap();
-    drain(&mut p);
+    respawned(&mut p, 1, 100, 100);
     let refusal = Failure::new(ErrorCode::DESERIALIZE_FAILED, "ModuleNotFoundError: x");
     p.handle_reply(
         TargetId(1),
@@ -636,10 +629,7 @@ fn the_back_off_doubles_for_each_replacement_lost_before_it_joined() {
 fn a_silent_replacement_is_fenced_even_without_fencing() {
     let mut p = started(2, false, 3);
     registered(&mut p, 1, &[0, 1], 0);
-    p.target_lost(TargetId(1), Time(0)).unwrap();
-    drain(&mut p);
-    p.target_spawned(TargetId(1), 1, Time(0)).unwrap();
-    drain(&mut p);
+    respawned(&mut p, 1, 0, 0);
     assert_eq!(p.poll_timeout(), Some(Time(1_000)));
     p.handle_timeout(Time(1_000));
     assert_eq!(
@@ -724,10 +714,7 @@ fn a_spawn_report_for_no_replacement_is_refused() {
 fn closing_while_a_replacement_joins_releases_its_replays_and_completes_nothing_for_them() {
     let mut p = started(2, true, 3);
     registered(&mut p, 1, &[0, 1], 0);
-    p.target_lost(TargetId(1), Time(0)).unwrap();
-    drain(&mut p);
-    p.target_spawned(TargetId(1), 1, Time(0)).unwrap();
-    drain(&mut p);
+    respawned(&mut p, 1, 0, 0);
     p.close().unwrap();
     assert_eq!(
         drain(&mut p),
@@ -791,15 +778,10 @@ fn a_failed_replay_staging_fails_the_join() {
 fn system(targets: u16, before_start: &[u8]) -> common::sim::Sim {
     common::sim::Sim::with_config(
         ParentConfig {
-            targets,
-            control_timeout: 1_000,
-            operation_timeout: 10_000,
-            fence_on_timeout: true,
-            owner: OWNER,
-            slot_capacity: 64,
             probe_first: true,
             respawn_limit: 3,
             respawn_backoff: BACKOFF,
+            ..parent_config(targets, true)
         },
         before_start,
     )

@@ -11,22 +11,12 @@ use callreg::protocol::{
     ParentConfig, Reply, Seq, StagingId, Target, TargetConfig, TargetEffect, TargetId,
     TargetOutcome, Time,
 };
-use common::sim::{digest, Sim};
+use common::sim::{digest, parent_config, Sim};
 
 const OWNER: OwnerToken = OwnerToken(0x5eed);
 
 fn started(targets: u16, fence_on_timeout: bool) -> Parent {
-    let mut p = Parent::new(ParentConfig {
-        targets,
-        control_timeout: 1_000,
-        operation_timeout: 10_000,
-        fence_on_timeout,
-        owner: OWNER,
-        slot_capacity: 64,
-        probe_first: false,
-        respawn_limit: 0,
-        respawn_backoff: 0,
-    });
+    let mut p = Parent::new(parent_config(targets, fence_on_timeout));
     p.start().unwrap();
     p
 }

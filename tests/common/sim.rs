@@ -17,6 +17,23 @@ use callreg::protocol::{
     TargetOutcome, Time,
 };
 
+/// The parent configuration the scenario tests start from: 1 ms control
+/// timeout, 10 ms operation bound (in model microseconds), owner
+/// `0x5eed`, 64 slots, probe-first and replacements off.
+pub fn parent_config(targets: u16, fence_on_timeout: bool) -> ParentConfig {
+    ParentConfig {
+        targets,
+        control_timeout: 1_000,
+        operation_timeout: 10_000,
+        fence_on_timeout,
+        owner: OwnerToken(0x5eed),
+        slot_capacity: 64,
+        probe_first: false,
+        respawn_limit: 0,
+        respawn_backoff: 0,
+    }
+}
+
 /// The test digest number `n` (distinct per `n`).
 pub fn digest(n: u8) -> Digest {
     let mut bytes = [0u8; 32];
