@@ -1,5 +1,5 @@
 //! Python target benchmarks (criterion; cargo features `io` + `python`),
-//! the figures issue 6 compares with the reference implementation:
+//! the figures compared with the reference implementation:
 //!
 //! * `python/register_small/1`: one post-start register of a small
 //!   cloudpickled closure into 1 target (stage, the target opens, verifies,

@@ -28,7 +28,7 @@ otherwise the names in the module's ``__all__`` when it defines one (packed
 whatever they are, so a non-callable can be packed on purpose); otherwise
 every public top-level callable defined in the file (not imported into it).
 
-Metadata side-car (issue 7, specs/metadata.md): a JSON object with the
+Metadata side-car (specs/metadata.md): a JSON object with the
 callable's ``name``, the producer's ``python`` versions (interpreter and
 cloudpickle, filled in by this tool), ``executor`` (default ``"python"``),
 ``deps`` and the ``call_before`` / ``call_after`` hooks. FILE.py may give

@@ -1,5 +1,5 @@
-//! JSON forms of callable metadata and descriptors (issue 7,
-//! `specs/metadata.md`): golden files byte for byte, round trips by
+//! JSON forms of callable metadata and descriptors
+//! (`specs/metadata.md`): golden files byte for byte, round trips by
 //! proptest, strict rejection naming the field, executor rehydration and
 //! the `retval_keyword` merge. Pure: no Python, no fork.
 //!

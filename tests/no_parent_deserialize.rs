@@ -1,4 +1,4 @@
-//! The rule of issue 7, proven: the parent reads nothing but JSON and
+//! The rule that the parent never deserializes, proven: the parent reads nothing but JSON and
 //! digests. A whole plan — pre- and post-start registrations with metadata
 //! and hooks, tasks, failing registers — runs over real forked Python
 //! targets while every deserialization entry point of the runtime

@@ -1,4 +1,4 @@
-//! JSON forms of the protocol's plain data (issue 7, `specs/metadata.md`
+//! JSON forms of the protocol's plain data (`specs/metadata.md`
 //! §7): handles, failures, errors, per-target outcomes and the registry
 //! snapshots of the parent and of a target. Golden files byte for byte,
 //! round trips by proptest, strict rejection naming the field, and no slot

@@ -1,5 +1,5 @@
 //! Callable metadata through the Worker with Python targets over real
-//! forked processes, POSIX shm and pipes (issue 7): every check a target
+//! forked processes, POSIX shm and pipes: every check a target
 //! makes before deserializing, the executor attribute `capture_output`,
 //! hooks (`retval_keyword`, `call_after`, failures) and the parent's
 //! refusal of a hook that is not live.

@@ -1,5 +1,5 @@
 //! The Worker with Python targets ([`PythonRuntime`]) over real forked
-//! processes, POSIX shm and pipes: issue 6, item 6.
+//! processes, POSIX shm and pipes.
 //!
 //! A `harness = false` binary run by the runner of `tests/io_common/mod.rs`:
 //! each test runs on the main thread (forking is safe under plain `cargo
