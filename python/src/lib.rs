@@ -149,7 +149,11 @@ fn operation_err(py: Python<'_>, e: &OperationError) -> PyErr {
 /// # Errors
 /// `ValueError` naming `name` otherwise.
 fn duration(name: &str, seconds: f64, zero_ok: bool) -> PyResult<Duration> {
-    let least = if zero_ok { "zero or positive" } else { "positive" };
+    let least = if zero_ok {
+        "zero or positive"
+    } else {
+        "positive"
+    };
     if !(seconds.is_finite() && (seconds > 0.0 || (zero_ok && seconds == 0.0))) {
         return Err(PyValueError::new_err(format!(
             "{name} must be {least}, got {seconds}"
