@@ -82,8 +82,11 @@ fn a_killed_target_is_replaced_and_serves_the_registry() {
             },
         ]
     );
-    for (_, table) in worker.inspect().unwrap() {
-        let mut installed = table.unwrap().installed;
+    for (target, table) in worker.inspect().unwrap() {
+        let table = table.unwrap();
+        // The replacement in slot 0 reports as incarnation 1.
+        assert_eq!(table.incarnation, u32::from(target == TargetId(0)));
+        let mut installed = table.installed;
         installed.sort();
         let mut expected = vec![(pre.digest(), 1), (post.digest(), 1)];
         expected.sort();

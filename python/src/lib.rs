@@ -539,7 +539,7 @@ impl RawWorker {
                 Some(table) => serde_json::json!({
                     "target": target.0,
                     "table": {
-                        "incarnation": self.worker.target_incarnation(target),
+                        "incarnation": table.incarnation,
                         "installed": table.installed.iter().map(|(digest, refcount)| {
                             serde_json::json!({
                                 "hashid": callreg::descriptor::HashId(*digest).to_string(),

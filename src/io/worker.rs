@@ -237,6 +237,9 @@ pub struct TargetTable {
     pub installed: Vec<(Digest, u32)>,
     /// Slots tombstoned but still pinned by a run.
     pub tombstones: u32,
+    /// The incarnation of the process that reported it (0: forked at
+    /// start; `specs/protocol.md` §2.9).
+    pub incarnation: u32,
 }
 
 /// Builds a [`Worker`].
@@ -2681,6 +2684,11 @@ impl IoLoop {
                     }
                     return Err(format!("it sent a table for unknown inspect seq {seq}"));
                 };
+                let incarnation = self
+                    .links
+                    .get(usize::from(target.0))
+                    .and_then(Option::as_ref)
+                    .map_or(0, |link| link.incarnation);
                 let waiter = &mut self.inspects[position];
                 waiter.waiting.retain(|t| *t != target);
                 let installed = entries
@@ -2692,6 +2700,7 @@ impl IoLoop {
                     Some(TargetTable {
                         installed,
                         tombstones,
+                        incarnation,
                     }),
                 );
                 if waiter.waiting.is_empty() {
