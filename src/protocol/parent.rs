@@ -1141,6 +1141,17 @@ impl Parent {
         Ok(seq)
     }
 
+    /// The checks every input about one target makes first: refused
+    /// before start (`LIFECYCLE_INVALID`) and for a target out of range
+    /// (`FRAME_INVALID`); `false` (ignore it) once closed.
+    fn accepts_from(&self, target: TargetId, operation: OperationKind) -> Result<bool, Error> {
+        match self.lifecycle {
+            Lifecycle::New => Err(self.lifecycle_error(operation, "started")),
+            Lifecycle::Closed => Ok(false),
+            Lifecycle::Started => self.check_target(target, operation).map(|()| true),
+        }
+    }
+
     fn check_target(&self, target: TargetId, operation: OperationKind) -> Result<(), Error> {
         if target.0 < self.config.targets {
             return Ok(());
@@ -1167,12 +1178,9 @@ impl Parent {
     /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id
     /// out of range or a seq this parent never issued (nothing changes).
     pub fn handle_reply(&mut self, target: TargetId, reply: Reply, now: Time) -> Result<(), Error> {
-        match self.lifecycle {
-            Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Reply, "started")),
-            Lifecycle::Closed => return Ok(()),
-            Lifecycle::Started => {}
+        if !self.accepts_from(target, OperationKind::Reply)? {
+            return Ok(());
         }
-        self.check_target(target, OperationKind::Reply)?;
         if self.lost.contains(&target) {
             return Ok(());
         }
@@ -1277,12 +1285,9 @@ impl Parent {
     /// # Errors
     /// As [`Parent::target_lost`].
     pub fn target_died(&mut self, target: TargetId, cause: &str, now: Time) -> Result<(), Error> {
-        match self.lifecycle {
-            Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Reply, "started")),
-            Lifecycle::Closed => return Ok(()),
-            Lifecycle::Started => {}
+        if !self.accepts_from(target, OperationKind::Reply)? {
+            return Ok(());
         }
-        self.check_target(target, OperationKind::Reply)?;
         self.lose(target, Progress::Lost, cause, now);
         Ok(())
     }
@@ -1433,12 +1438,9 @@ impl Parent {
         incarnation: u32,
         now: Time,
     ) -> Result<(), Error> {
-        match self.lifecycle {
-            Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Start, "started")),
-            Lifecycle::Closed => return Ok(()),
-            Lifecycle::Started => {}
+        if !self.accepts_from(target, OperationKind::Start)? {
+            return Ok(());
         }
-        self.check_target(target, OperationKind::Start)?;
         let waiting = self
             .slots
             .get(&target)
@@ -1753,12 +1755,9 @@ impl Parent {
     /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id
     /// out of range or a seq this parent never issued (nothing changes).
     pub fn handle_alive(&mut self, target: TargetId, seq: Seq, now: Time) -> Result<(), Error> {
-        match self.lifecycle {
-            Lifecycle::New => return Err(self.lifecycle_error(OperationKind::Reply, "started")),
-            Lifecycle::Closed => return Ok(()),
-            Lifecycle::Started => {}
+        if !self.accepts_from(target, OperationKind::Reply)? {
+            return Ok(());
         }
-        self.check_target(target, OperationKind::Reply)?;
         if self.lost.contains(&target) {
             return Ok(());
         }
