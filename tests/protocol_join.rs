@@ -10,7 +10,7 @@ use callreg::protocol::{
     Completion, ControlFrame, Effect, Failure, Handle, Namespace, Parent, ParentConfig, Reply, Seq,
     SlotPhase, StagingId, TargetId, TargetOutcome, Time,
 };
-use common::sim::{digest, parent_config};
+use common::sim::{digest, drain, ok, parent_config, send};
 
 const BACKOFF: u64 = 500;
 
@@ -24,18 +24,6 @@ fn started(targets: u16, fence_on_timeout: bool, respawn_limit: u16) -> Parent {
     p
 }
 
-fn drain(p: &mut Parent) -> Vec<Effect> {
-    std::iter::from_fn(|| p.poll_effect()).collect()
-}
-
-fn ok(seq: u64, n: u8) -> Reply {
-    Reply {
-        seq: Seq(seq),
-        digest: digest(n),
-        result: Ok(()),
-    }
-}
-
 /// Target `t` is lost at `lost` and its first replacement spawned at
 /// `spawned`; the effects of both are drained (the replays are sent).
 fn respawned(p: &mut Parent, t: u16, lost: u64, spawned: u64) {
@@ -43,13 +31,6 @@ fn respawned(p: &mut Parent, t: u16, lost: u64, spawned: u64) {
     drain(p);
     p.target_spawned(TargetId(t), 1, Time(spawned)).unwrap();
     drain(p);
-}
-
-fn send(t: u16, frame: ControlFrame) -> Effect {
-    Effect::Send {
-        target: TargetId(t),
-        frame,
-    }
 }
 
 fn register_frame(seq: u64, n: u8) -> ControlFrame {

@@ -11,7 +11,7 @@ use callreg::protocol::{
     ParentConfig, Reply, Seq, StagingId, Target, TargetConfig, TargetEffect, TargetId,
     TargetOutcome, Time,
 };
-use common::sim::{digest, parent_config, Sim};
+use common::sim::{digest, drain, ok, parent_config, send, Sim};
 
 const OWNER: OwnerToken = OwnerToken(0x5eed);
 
@@ -21,30 +21,11 @@ fn started(targets: u16, fence_on_timeout: bool) -> Parent {
     p
 }
 
-fn drain(p: &mut Parent) -> Vec<Effect> {
-    std::iter::from_fn(|| p.poll_effect()).collect()
-}
-
-fn ok(seq: u64, n: u8) -> Reply {
-    Reply {
-        seq: Seq(seq),
-        digest: digest(n),
-        result: Ok(()),
-    }
-}
-
 fn err(seq: u64, n: u8, code: ErrorCode) -> Reply {
     Reply {
         seq: Seq(seq),
         digest: digest(n),
         result: Err(Failure::new(code, "refused")),
-    }
-}
-
-fn send(t: u16, frame: ControlFrame) -> Effect {
-    Effect::Send {
-        target: TargetId(t),
-        frame,
     }
 }
 

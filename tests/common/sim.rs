@@ -42,6 +42,28 @@ pub fn digest(n: u8) -> Digest {
     Digest(bytes)
 }
 
+/// Every effect `p` has queued, in order.
+pub fn drain(p: &mut Parent) -> Vec<Effect> {
+    std::iter::from_fn(|| p.poll_effect()).collect()
+}
+
+/// An OK reply to control `seq` about digest `n`.
+pub fn ok(seq: u64, n: u8) -> Reply {
+    Reply {
+        seq: Seq(seq),
+        digest: digest(n),
+        result: Ok(()),
+    }
+}
+
+/// The effect of sending `frame` to target `t`.
+pub fn send(t: u16, frame: ControlFrame) -> Effect {
+    Effect::Send {
+        target: TargetId(t),
+        frame,
+    }
+}
+
 /// One finished operation as the parent reported it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Completed {
