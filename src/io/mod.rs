@@ -5,7 +5,9 @@
 //! * [`staging`] — staged payloads in sealed `memfd`s (`specs/staging.md`);
 //! * [`process`] — forking targets, their channels and pidfds, fencing,
 //!   reaping, processes forked inside a target;
-//! * [`handoff`] — results from the IO thread to waiting callers;
+//! * [`handoff`] — results from whoever reads a reply to the waiting caller;
+//! * [`lead`] — who reads the targets' replies: the IO thread or a waiting
+//!   caller (leader/followers);
 //! * [`slots`] — a target's slot table shared by its two threads;
 //! * [`target`] — the target process: snapshot, control and task threads;
 //! * [`worker`] — the [`Worker`]: builder, operations, the IO thread;
@@ -62,6 +64,7 @@
 
 pub mod failpoints;
 pub mod handoff;
+pub mod lead;
 pub mod process;
 pub mod slots;
 pub mod staging;

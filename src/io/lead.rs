@@ -1,0 +1,322 @@
+//! Who watches what (leader/followers): the bookkeeping that lets a caller
+//! waiting for its own result read the targets' replies itself, so that a
+//! round trip wakes no thread but the caller and the target.
+//!
+//! A started Worker has two kinds of reader of its targets' reply pipes:
+//!
+//! * the IO thread, which always watches the wake pipe and every target's
+//!   pidfd, the control socket of every target with unsent bytes, and the
+//!   earliest deadline; and the reply pipes when a reply is expected and
+//!   no leader reads them;
+//! * at most one **leader**: a caller waiting for its own result that found
+//!   no leader. It reads the reply pipes of every target live when it began
+//!   to lead, and handles the deadlines up to the one it polls with, until
+//!   its result is there (or its wait times out); then it steps down.
+//!
+//! Every other waiting caller is a follower: it sleeps on its completion
+//! hand-off ([`super::handoff`]) until whoever reads its reply hands the
+//! result over.
+//!
+//! The rule that makes this safe: whenever a thread other than the IO
+//! thread leaves the state lock, it checks [`Watch::io_must_wake`] with
+//! what it leaves behind and writes the wake pipe if it says so. So every
+//! reply that is expected is read by someone, every deadline is handled
+//! by someone, and no follower waits for a reply nobody reads. The state
+//! lock guards a `Watch`; it has no IO of its own. Checked with loom
+//! (`tests/loom_lead.rs`), with a model of `poll` over level-triggered
+//! pipes.
+
+use std::time::Instant;
+
+/// What the IO thread and the leader each watch. Link indices are target
+/// indices; a link is named by its index and process id, so a link lost
+/// and replaced (a new process in the same slot) is a different link.
+#[derive(Debug, Default)]
+pub struct Watch {
+    /// Per index: the pid whose reply pipe the IO thread's current `poll`
+    /// reads, or 0.
+    io_replies: Vec<i32>,
+    /// Per index: the pid whose control socket the IO thread's current
+    /// `poll` waits to write, or 0.
+    io_controls: Vec<i32>,
+    /// When the IO thread's current `poll` returns at the latest (`None`:
+    /// only an event ends it).
+    io_deadline: Option<Instant>,
+    leader: Option<Leader>,
+}
+
+#[derive(Debug)]
+struct Leader {
+    /// Per index: the pid whose reply pipe the leader reads, or 0.
+    replies: Vec<i32>,
+    /// When the leader's current `poll` returns at the latest.
+    deadline: Option<Instant>,
+}
+
+/// What a thread leaving the state lock leaves for others to watch.
+#[derive(Clone, Copy, Debug)]
+pub struct Left<'a> {
+    /// Every live link: (index, pid).
+    pub live: &'a [(usize, i32)],
+    /// Whether any reply is expected from any target (a task, a control,
+    /// an inspection, a ready report).
+    pub expecting: bool,
+    /// Links with control bytes not yet written: (index, pid).
+    pub unsent: &'a [(usize, i32)],
+    /// The earliest deadline anything waits on.
+    pub deadline: Option<Instant>,
+    /// Whether the IO thread has work of its own queued (payloads to free
+    /// off the callers' path).
+    pub chores: bool,
+}
+
+fn pid_at(pids: &[i32], index: usize) -> i32 {
+    pids.get(index).copied().unwrap_or(0)
+}
+
+fn set_at(pids: &mut Vec<i32>, index: usize, pid: i32) {
+    if pids.len() <= index {
+        pids.resize(index + 1, 0);
+    }
+    pids[index] = pid;
+}
+
+fn earlier(a: Option<Instant>, than: Option<Instant>) -> bool {
+    match (a, than) {
+        (None, _) => false,
+        (Some(_), None) => true,
+        (Some(a), Some(b)) => a < b,
+    }
+}
+
+impl Watch {
+    /// Whether a leader reads the reply pipe of link (`index`, `pid`).
+    pub fn leader_reads(&self, index: usize, pid: i32) -> bool {
+        self.leader
+            .as_ref()
+            .is_some_and(|l| pid != 0 && pid_at(&l.replies, index) == pid)
+    }
+
+    /// Whether someone (the IO thread's current `poll` or the leader)
+    /// reads the reply pipe of link (`index`, `pid`).
+    pub fn reads(&self, index: usize, pid: i32) -> bool {
+        (pid != 0 && pid_at(&self.io_replies, index) == pid) || self.leader_reads(index, pid)
+    }
+
+    /// Whether a leader leads.
+    pub fn has_leader(&self) -> bool {
+        self.leader.is_some()
+    }
+
+    /// The IO thread's plan for its next `poll`, recorded: it reads the
+    /// reply pipe of every live link no leader reads when a reply is
+    /// expected, writes every link with unsent bytes, and returns by
+    /// `deadline` at the latest. Returns which links' reply pipes to read.
+    pub fn plan_io(
+        &mut self,
+        live: &[(usize, i32)],
+        expecting: bool,
+        unsent: &[(usize, i32)],
+        deadline: Option<Instant>,
+    ) -> Vec<(usize, i32)> {
+        self.io_replies.iter_mut().for_each(|p| *p = 0);
+        self.io_controls.iter_mut().for_each(|p| *p = 0);
+        let mut reads = Vec::new();
+        if expecting {
+            for &(index, pid) in live {
+                if !self.leader_reads(index, pid) {
+                    set_at(&mut self.io_replies, index, pid);
+                    reads.push((index, pid));
+                }
+            }
+        }
+        for &(index, pid) in unsent {
+            set_at(&mut self.io_controls, index, pid);
+        }
+        self.io_deadline = deadline;
+        reads
+    }
+
+    /// Makes the calling thread the leader, reading every link of `live`,
+    /// unless a leader leads already (`false`: follow).
+    pub fn try_lead(&mut self, live: &[(usize, i32)]) -> bool {
+        if self.leader.is_some() {
+            return false;
+        }
+        let mut replies = Vec::new();
+        for &(index, pid) in live {
+            set_at(&mut replies, index, pid);
+        }
+        self.leader = Some(Leader {
+            replies,
+            deadline: None,
+        });
+        true
+    }
+
+    /// The leader's links changed (one lost, one replaced): it now reads
+    /// every link of `live`.
+    pub fn relead(&mut self, live: &[(usize, i32)]) {
+        if let Some(leader) = &mut self.leader {
+            leader.replies.iter_mut().for_each(|p| *p = 0);
+            for &(index, pid) in live {
+                set_at(&mut leader.replies, index, pid);
+            }
+        }
+    }
+
+    /// Whether the leader reads exactly the links of `live`.
+    pub fn leads_over(&self, live: &[(usize, i32)]) -> bool {
+        let Some(leader) = &self.leader else {
+            return false;
+        };
+        let count = leader.replies.iter().filter(|p| **p != 0).count();
+        count == live.len()
+            && live
+                .iter()
+                .all(|&(index, pid)| pid_at(&leader.replies, index) == pid)
+    }
+
+    /// The leader's next `poll` returns by `deadline` at the latest.
+    pub fn set_leader_deadline(&mut self, deadline: Option<Instant>) {
+        if let Some(leader) = &mut self.leader {
+            leader.deadline = deadline;
+        }
+    }
+
+    /// The leader stops leading.
+    pub fn step_down(&mut self) {
+        self.leader = None;
+    }
+
+    /// Whether the IO thread must be woken to rebuild its `poll` for what a
+    /// thread leaving the state lock leaves behind: an expected reply on a
+    /// link nobody reads, unsent bytes the IO thread does not wait to
+    /// write, a deadline earlier than both the IO thread's and the
+    /// leader's, or chores of its own.
+    pub fn io_must_wake(&self, left: Left<'_>) -> bool {
+        if left.chores {
+            return true;
+        }
+        if left.expecting && left.live.iter().any(|&(i, pid)| !self.reads(i, pid)) {
+            return true;
+        }
+        if left
+            .unsent
+            .iter()
+            .any(|&(i, pid)| pid_at(&self.io_controls, i) != pid)
+        {
+            return true;
+        }
+        let watched = match (&self.leader, self.io_deadline) {
+            (Some(Leader { deadline: Some(l), .. }), Some(io)) => Some((*l).min(io)),
+            (Some(Leader { deadline: Some(l), .. }), None) => Some(*l),
+            (_, io) => io,
+        };
+        earlier(left.deadline, watched)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    const LIVE: &[(usize, i32)] = &[(0, 100), (1, 101)];
+
+    fn left(expecting: bool, deadline: Option<Instant>) -> Left<'static> {
+        Left {
+            live: LIVE,
+            expecting,
+            unsent: &[],
+            deadline,
+            chores: false,
+        }
+    }
+
+    #[test]
+    fn nothing_expected_needs_no_reader() {
+        let watch = Watch::default();
+        assert!(!watch.io_must_wake(left(false, None)));
+    }
+
+    #[test]
+    fn an_expected_reply_nobody_reads_wakes_the_io_thread() {
+        let mut watch = Watch::default();
+        assert!(watch.io_must_wake(left(true, None)));
+        // The IO thread's plan with nothing expected reads no reply pipe.
+        assert_eq!(watch.plan_io(LIVE, false, &[], None), vec![]);
+        assert!(watch.io_must_wake(left(true, None)));
+        assert_eq!(watch.plan_io(LIVE, true, &[], None), LIVE.to_vec());
+        assert!(!watch.io_must_wake(left(true, None)));
+    }
+
+    #[test]
+    fn a_leader_reads_every_link_live_when_it_began() {
+        let mut watch = Watch::default();
+        assert!(watch.try_lead(LIVE));
+        assert!(!watch.try_lead(LIVE), "a second leader");
+        assert!(!watch.io_must_wake(left(true, None)));
+        // The IO thread leaves the leader's links alone.
+        assert_eq!(watch.plan_io(LIVE, true, &[], None), vec![]);
+        // A replacement in slot 1 is a link the leader does not read.
+        let replaced = [(0, 100), (1, 202)];
+        let after = Left {
+            live: &replaced,
+            ..left(true, None)
+        };
+        assert!(watch.io_must_wake(after));
+        assert!(!watch.leads_over(&replaced));
+        watch.relead(&replaced);
+        assert!(watch.leads_over(&replaced));
+        assert!(!watch.io_must_wake(after));
+        // Stepping down hands everything back to the IO thread.
+        watch.step_down();
+        assert!(watch.io_must_wake(after));
+        assert!(watch.try_lead(&replaced));
+    }
+
+    #[test]
+    fn an_earlier_deadline_than_any_poller_watches_wakes_the_io_thread() {
+        let now = Instant::now();
+        let soon = now + Duration::from_secs(1);
+        let later = now + Duration::from_secs(2);
+        let mut watch = Watch::default();
+        assert!(watch.io_must_wake(left(false, Some(later))));
+        watch.plan_io(LIVE, false, &[], Some(later));
+        assert!(!watch.io_must_wake(left(false, Some(later))));
+        assert!(watch.io_must_wake(left(false, Some(soon))));
+        assert!(watch.try_lead(LIVE));
+        watch.set_leader_deadline(Some(soon));
+        assert!(!watch.io_must_wake(left(false, Some(soon))));
+        assert!(watch.io_must_wake(left(false, Some(now))));
+    }
+
+    #[test]
+    fn unsent_bytes_wake_the_io_thread_unless_it_waits_to_write_them() {
+        let mut watch = Watch::default();
+        let unsent = [(1, 101)];
+        let with_unsent = Left {
+            unsent: &unsent,
+            ..left(false, None)
+        };
+        assert!(watch.io_must_wake(with_unsent));
+        watch.plan_io(LIVE, false, &unsent, None);
+        assert!(!watch.io_must_wake(with_unsent));
+        // Another process in that slot is another socket.
+        let other = [(1, 202)];
+        assert!(watch.io_must_wake(Left {
+            unsent: &other,
+            ..left(false, None)
+        }));
+    }
+
+    #[test]
+    fn chores_always_wake_the_io_thread() {
+        let watch = Watch::default();
+        assert!(watch.io_must_wake(Left {
+            chores: true,
+            ..left(false, None)
+        }));
+    }
+}
