@@ -638,8 +638,20 @@ fn a_staged_payload_cannot_be_changed_after_sealing() {
     let worker = builder(TARGETS).build().unwrap();
     worker.start().unwrap();
     let point = PointGuard::set(failpoints::PARENT_AFTER_STAGE, "pause");
-    let pending = worker.register_async(&envelope("echo")).unwrap();
-    let fds = staging::open_payloads().unwrap();
+    // A register carries out its effects in the registering thread: it
+    // pauses there, right after staging.
+    let worker = std::sync::Arc::new(worker);
+    let registering = {
+        let worker = worker.clone();
+        std::thread::spawn(move || worker.register(&envelope("echo")))
+    };
+    let fds = loop {
+        let fds = staging::open_payloads().unwrap();
+        if !fds.is_empty() || registering.is_finished() {
+            break fds;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    };
     assert_eq!(fds.len(), 1, "{fds:?}");
     let path = format!("/proc/self/fd/{}", fds[0]);
     let mut file = std::fs::OpenOptions::new()
@@ -663,7 +675,7 @@ fn a_staged_payload_cannot_be_changed_after_sealing() {
     assert_eq!(mapped.unwrap_err().raw_os_error(), eperm);
     drop(file);
     drop(point);
-    let handle = pending.wait().unwrap();
+    let handle = registering.join().unwrap().unwrap();
     assert_eq!(handle.digest(), digest_of(&envelope("echo")));
     survivors_work(&worker, "sealed staging");
     check_invariants(&worker, TARGETS);

@@ -221,7 +221,7 @@ fn start_refuses_more_targets_than_descriptors_allow() {
     assert_eq!(error.code(), ErrorCode::IO_FAILED);
     assert!(
         error.error.message.starts_with(
-            "40 targets need 123 more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, a wake pipe and the replacements' template process), but the soft RLIMIT_NOFILE of 64 leaves "
+            "40 targets need 125 more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, two wake pipes and the replacements' template process), but the soft RLIMIT_NOFILE of 64 leaves "
         ),
         "{error}"
     );

@@ -55,7 +55,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -319,9 +319,11 @@ impl std::fmt::Display for Exit {
 pub struct TargetProcess {
     index: usize,
     pid: Pid,
-    control: Option<TrackedFd>,
-    reply: TrackedFd,
-    pidfd: Option<TrackedFd>,
+    // Shared so that a thread may poll them without the state lock: a
+    // descriptor stays open until its last poller is done with it.
+    control: Option<Arc<TrackedFd>>,
+    reply: Arc<TrackedFd>,
+    pidfd: Option<Arc<TrackedFd>>,
     exit: Option<Exit>,
     origin: Origin,
 }
@@ -352,9 +354,9 @@ impl TargetProcess {
         TargetProcess {
             index,
             pid: forked.pid,
-            control: Some(forked.control),
-            reply: forked.reply,
-            pidfd,
+            control: Some(Arc::new(forked.control)),
+            reply: Arc::new(forked.reply),
+            pidfd: pidfd.map(Arc::new),
             exit: None,
             origin,
         }
@@ -388,7 +390,26 @@ impl TargetProcess {
         self.pidfd.as_ref().map(|fd| fd.as_fd())
     }
 
-    /// Closes the control socket: the target reads EOF and exits.
+    /// The control socket, shared: it stays open while the returned value
+    /// lives, even if the target is closed or lost meanwhile (to `poll` it
+    /// without holding the Worker's lock).
+    pub fn control_shared(&self) -> Option<Arc<TrackedFd>> {
+        self.control.clone()
+    }
+
+    /// The reply pipe's read end, shared (see
+    /// [`TargetProcess::control_shared`]).
+    pub fn reply_shared(&self) -> Arc<TrackedFd> {
+        self.reply.clone()
+    }
+
+    /// The pidfd, shared (see [`TargetProcess::control_shared`]).
+    pub fn pidfd_shared(&self) -> Option<Arc<TrackedFd>> {
+        self.pidfd.clone()
+    }
+
+    /// Closes the control socket: the target reads EOF and exits (once no
+    /// shared copy of it is left).
     pub fn close_control(&mut self) {
         self.control = None;
     }

@@ -66,6 +66,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -77,6 +78,7 @@ use serde::Serialize;
 
 use super::failpoints;
 use super::handoff::{self, Completer, Pending};
+use super::lead::{Left, Watch};
 use super::process::{self, Exit, TargetProcess, ThreadPolicy, TrackedFd};
 use super::staging::StagedPayload;
 use super::target::{self, TargetSetup};
@@ -448,7 +450,8 @@ impl<R: Runtime> WorkerBuilder<R> {
                     machine,
                     envelopes: BTreeMap::new(),
                     metadata: BTreeMap::new(),
-                    requests: VecDeque::new(),
+                    closing: false,
+                    io: None,
                     io_running: false,
                     wake: None,
                     pids: Vec::new(),
@@ -477,19 +480,128 @@ fn random_token() -> Result<u64, Error> {
     Ok(u64::from_le_bytes(bytes))
 }
 
+/// A result on its way from the targets to one caller: the completion
+/// hand-off, and the Worker whose replies the caller reads itself while it
+/// waits, when no other thread does ([`super::lead`]).
+struct Awaited<T> {
+    pending: Option<Pending<T>>,
+    /// The Worker, when the result may come from its targets.
+    shared: Option<Arc<Shared>>,
+    /// Whether the request may have left something for the IO thread to
+    /// watch that this caller has not yet settled (it meant to wait next);
+    /// settled by waiting (leading settles), else by waking the IO
+    /// thread through `wake` (without the state lock: this may be dropped
+    /// where the lock is held).
+    owed: AtomicBool,
+    wake: Option<Arc<TrackedFd>>,
+}
+
+impl<T> Awaited<T> {
+    fn done(pending: Pending<T>) -> Awaited<T> {
+        Awaited {
+            pending: Some(pending),
+            shared: None,
+            owed: AtomicBool::new(false),
+            wake: None,
+        }
+    }
+
+    fn take(&mut self) -> Pending<T> {
+        self.pending
+            .take()
+            .unwrap_or_else(|| unreachable!("an awaited result is taken once"))
+    }
+
+    /// Waits until the result is there or `until` passes: as the leader
+    /// when no one leads, else as a follower on the hand-off. `Err` when
+    /// the time is up (the wait may be resumed).
+    fn wait_until(
+        mut self,
+        until: Option<Instant>,
+    ) -> Result<Result<T, handoff::Abandoned>, Awaited<T>> {
+        let pending = self.take();
+        // Leading settles what the request left, in every case.
+        self.owed.store(false, Ordering::Relaxed);
+        let Some(shared) = self.shared.clone() else {
+            return match until {
+                None => Ok(pending.wait()),
+                Some(until) => pending
+                    .wait_timeout(until.saturating_duration_since(Instant::now()))
+                    .map_err(|pending| Awaited::done(pending)),
+            };
+        };
+        let pending = match shared.lead(pending, until) {
+            Ok(result) => return Ok(result),
+            Err(pending) => pending,
+        };
+        let waited = match until {
+            None => Ok(pending.wait()),
+            Some(until) => {
+                pending.wait_timeout(until.saturating_duration_since(Instant::now()))
+            }
+        };
+        waited.map_err(|pending| Awaited {
+            pending: Some(pending),
+            shared: Some(shared),
+            owed: AtomicBool::new(false),
+            wake: None,
+        })
+    }
+
+    fn wait(self) -> Result<T, handoff::Abandoned> {
+        match self.wait_until(None) {
+            Ok(result) => result,
+            Err(_) => unreachable!("a wait without a deadline ends with the result"),
+        }
+    }
+
+    /// Wakes the IO thread for what the request left, if this caller still
+    /// owes it.
+    fn settle(&self) {
+        if self.owed.swap(false, Ordering::Relaxed) {
+            if let Some(wake) = &self.wake {
+                // A full wake pipe already guarantees a wake-up.
+                let _ = nix::unistd::write(&**wake, &[1]);
+            }
+        }
+    }
+
+    fn on_complete<F>(mut self, callback: F)
+    where
+        F: FnOnce(Result<T, handoff::Abandoned>) + Send + 'static,
+        T: Send + 'static,
+    {
+        self.settle();
+        self.take().on_complete(callback);
+    }
+
+    fn is_complete(&self) -> bool {
+        self.settle();
+        self.pending.as_ref().is_none_or(Pending::is_complete)
+    }
+}
+
+impl<T> Drop for Awaited<T> {
+    fn drop(&mut self) {
+        self.settle();
+    }
+}
+
 /// A register or unregister in flight ([`Worker::register_async`]).
 pub struct PendingOperation<T> {
-    pending: Pending<Result<T, OperationError>>,
+    awaited: Awaited<Result<T, OperationError>>,
 }
 
 impl<T> PendingOperation<T> {
-    /// Waits for the operation to complete.
+    /// Waits for the operation to complete. While it waits, this thread
+    /// may read the targets' replies itself, for every caller
+    /// ([`super::lead`]).
     ///
     /// # Errors
     /// The operation's [`OperationError`]; `LIFECYCLE_INVALID` if the
-    /// Worker's IO thread ended without completing it.
+    /// Worker closed without completing it.
     pub fn wait(self) -> Result<T, OperationError> {
-        self.pending.wait().unwrap_or_else(|abandoned| {
+        self.awaited.wait().unwrap_or_else(|abandoned| {
             Err(OperationError::new(Error::new(
                 ErrorCode::LIFECYCLE_INVALID,
                 OperationKind::Close,
@@ -500,23 +612,25 @@ impl<T> PendingOperation<T> {
 
     /// Whether [`PendingOperation::wait`] would return at once.
     pub fn is_complete(&self) -> bool {
-        self.pending.is_complete()
+        self.awaited.is_complete()
     }
 }
 
 /// A task in flight ([`Worker::submit_async`]).
 pub struct PendingTask {
-    pending: Pending<Result<Vec<u8>, TaskError>>,
+    awaited: Awaited<Result<Vec<u8>, TaskError>>,
 }
 
 impl PendingTask {
-    /// Waits for the task's result (encoded as its input was).
+    /// Waits for the task's result (encoded as its input was). While it
+    /// waits, this thread may read the targets' replies itself, for every
+    /// caller ([`super::lead`]).
     ///
     /// # Errors
-    /// The task's [`TaskError`]; `LIFECYCLE_INVALID` if the Worker's IO
-    /// thread ended without an answer.
+    /// The task's [`TaskError`]; `LIFECYCLE_INVALID` if the Worker closed
+    /// without an answer.
     pub fn wait(self) -> Result<Vec<u8>, TaskError> {
-        self.pending.wait().unwrap_or_else(task_abandoned)
+        self.awaited.wait().unwrap_or_else(task_abandoned)
     }
 
     /// Waits at most `timeout`: `Ok` with what [`PendingTask::wait`] would
@@ -526,31 +640,32 @@ impl PendingTask {
         self,
         timeout: Duration,
     ) -> Result<Result<Vec<u8>, TaskError>, PendingTask> {
-        match self.pending.wait_timeout(timeout) {
+        match self.awaited.wait_until(Instant::now().checked_add(timeout)) {
             Ok(result) => Ok(result.unwrap_or_else(task_abandoned)),
-            Err(pending) => Err(PendingTask { pending }),
+            Err(awaited) => Err(PendingTask { awaited }),
         }
     }
 
     /// Hands the result to `callback` instead of waiting: it runs exactly
-    /// once, on the Worker's IO thread when the result arrives (possibly
-    /// while the Worker's state lock is held), or at once in this thread
+    /// once, in the thread that reads the result (the Worker's IO thread,
+    /// or another caller's thread that waits on this Worker), possibly
+    /// while the Worker's state lock is held, or at once in this thread
     /// when the task is already complete. It must not block, nor call the
     /// Worker: hand the result on
     /// (e.g. push it into a channel) and return; above all it must not wait
-    /// for anything the IO thread's progress depends on (an interpreter
+    /// for anything the Worker's progress depends on (an interpreter
     /// lock held by a thread that waits on this Worker).
     pub fn on_complete<F>(self, callback: F)
     where
         F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
     {
-        self.pending
+        self.awaited
             .on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
     }
 
     /// Whether [`PendingTask::wait`] would return at once.
     pub fn is_complete(&self) -> bool {
-        self.pending.is_complete()
+        self.awaited.is_complete()
     }
 }
 
@@ -607,10 +722,17 @@ struct Core {
     /// registration of a digest that brought metadata (targets install each
     /// digest once, with it).
     metadata: BTreeMap<Digest, CallableMetadata>,
-    requests: VecDeque<Request>,
+    /// A close was asked for: the IO thread carries it out; requests
+    /// after it are refused.
+    closing: bool,
+    /// The IO state (links, staged payloads, waiters), driven by the IO
+    /// thread and by callers in turn, under this lock (`None` before start
+    /// and after close). Whoever drives it takes it out of `Core` for the
+    /// time it holds the lock, and puts it back before releasing it.
+    io: Option<Box<IoLoop>>,
     io_running: bool,
     /// Write end of the IO thread's wake pipe.
-    wake: Option<TrackedFd>,
+    wake: Option<Arc<TrackedFd>>,
     pids: Vec<i32>,
     /// With replacements on, after start: the envelope of every digest a
     /// live registration (or one in flight) names, with the metadata JSON
@@ -781,6 +903,266 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Core> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands over the completions decided under the lock, then wakes the
+    /// leader if one of them may be its result: checked under the lock
+    /// after the hand-over, so a leader that began meanwhile sees its
+    /// result when it next looks, and one that leads now is woken.
+    fn finish(&self, leaving: Leaving) {
+        let Leaving { handovers, recheck } = leaving;
+        handovers.into_iter().for_each(|handover| handover());
+        if recheck {
+            let core = self.lock();
+            if let Some(io) = core.io.as_ref().filter(|io| io.watch.has_leader()) {
+                // A full pipe already guarantees a wake-up.
+                let _ = nix::unistd::write(&io.leader_wake_write, &[1]);
+            }
+        }
+    }
+
+    /// Waits for `pending` as the leader ([`super::lead`]): reads the
+    /// replies of every live target and handles the deadlines, for every
+    /// caller, until this caller's result is there (`Ok`) or `until`
+    /// passes. `Err(pending)`, having settled what it leaves, when the
+    /// time is up, when another thread leads (this caller follows: its
+    /// result is handed over by whoever reads it), or when no IO thread
+    /// runs (the result is decided already).
+    fn lead<T>(
+        &self,
+        pending: Pending<T>,
+        until: Option<Instant>,
+    ) -> Result<Result<T, handoff::Abandoned>, Pending<T>> {
+        let mut replies: Vec<(usize, i32, Arc<TrackedFd>)> = Vec::new();
+        let mut ready: Vec<(usize, i32, bool)> = Vec::new();
+        let mut wake: Option<Arc<TrackedFd>> = None;
+        let mut woken = false;
+        loop {
+            let mut core = self.lock();
+            let Some(mut io) = core.io.take() else {
+                return Err(pending);
+            };
+            if wake.is_none() {
+                let passed = until.is_some_and(|until| Instant::now() >= until);
+                if pending.is_complete() || passed || !io.watch.try_lead(&io.live()) {
+                    let leaving = io.leave(&core, true, false);
+                    core.io = Some(io);
+                    drop(core);
+                    self.finish(leaving);
+                    return Err(pending);
+                }
+                wake = Some(io.leader_wake.clone());
+            } else {
+                if std::mem::take(&mut woken) {
+                    let mut sink = [0u8; 64];
+                    while matches!(nix::unistd::read(io.leader_wake.as_fd(), &mut sink), Ok(n) if n == sink.len())
+                    {
+                    }
+                }
+                for (index, pid, hung_up) in ready.drain(..) {
+                    if io.pid_at(index) == Some(pid) {
+                        io.read_replies(&mut core, index, hung_up);
+                    }
+                }
+                io.handle_deadlines(&mut core);
+            }
+            let live = io.live();
+            if !io.watch.leads_over(&live) || replies.len() != live.len() {
+                io.watch.relead(&live);
+                replies = live
+                    .iter()
+                    .filter_map(|&(index, pid)| {
+                        io.links[index]
+                            .as_ref()
+                            .map(|link| (index, pid, link.process.reply_shared()))
+                    })
+                    .collect();
+            }
+            let deadline = io.next_deadline(&core).into_iter().chain(until).min();
+            io.watch.set_leader_deadline(deadline);
+            let leaving = io.leave(&core, true, true);
+            core.io = Some(io);
+            drop(core);
+            self.finish(leaving);
+            let passed = until.is_some_and(|until| Instant::now() >= until);
+            if pending.is_complete() || passed {
+                let mut core = self.lock();
+                if let Some(mut io) = core.io.take() {
+                    io.watch.step_down();
+                    let leaving = io.leave(&core, true, false);
+                    core.io = Some(io);
+                    drop(core);
+                    self.finish(leaving);
+                }
+                return if pending.is_complete() {
+                    Ok(pending.wait())
+                } else {
+                    Err(pending)
+                };
+            }
+            let Some(wake_fd) = &wake else {
+                return Err(pending);
+            };
+            let mut fds = vec![PollFd::new(wake_fd.as_fd(), PollFlags::POLLIN)];
+            fds.extend(
+                replies
+                    .iter()
+                    .map(|(_, _, fd)| PollFd::new(fd.as_fd(), PollFlags::POLLIN)),
+            );
+            let polled = nix::poll::poll(&mut fds, poll_timeout(deadline));
+            let events: Vec<PollFlags> = fds
+                .iter()
+                .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
+                .collect();
+            drop(fds);
+            if matches!(polled, Err(errno) if errno != Errno::EINTR) {
+                // Unrecoverable here: leave the replies to the IO thread.
+                let mut core = self.lock();
+                if let Some(mut io) = core.io.take() {
+                    io.watch.step_down();
+                    let leaving = io.leave(&core, true, false);
+                    core.io = Some(io);
+                    drop(core);
+                    self.finish(leaving);
+                }
+                return Err(pending);
+            }
+            woken = !events[0].is_empty();
+            for ((index, pid, _), event) in replies.iter().zip(&events[1..]) {
+                if !event.is_empty() {
+                    let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
+                    ready.push((*index, *pid, hung_up));
+                }
+            }
+        }
+    }
+}
+
+/// A completion decided under the state lock, handed to its caller once
+/// the lock is released.
+type Handover = Box<dyn FnOnce() + Send>;
+
+/// What a thread leaving the state lock still owes once it released it:
+/// the completions decided meanwhile, then, if `recheck` (a result was
+/// decided, and this thread does not lead), a wake-up of the leader, who
+/// may be waiting for one of them.
+struct Leaving {
+    handovers: Vec<Handover>,
+    recheck: bool,
+}
+
+/// Wakes the IO thread (it rebuilds its `poll` set).
+fn io_wake(core: &Core) {
+    if let Some(wake) = &core.wake {
+        // A full wake pipe already guarantees a wake-up.
+        let _ = nix::unistd::write(&**wake, &[1]);
+    }
+}
+
+/// A `poll` timeout that ends no earlier than `deadline` (`None`: block).
+fn poll_timeout(deadline: Option<Instant>) -> PollTimeout {
+    match deadline {
+        None => PollTimeout::NONE,
+        Some(deadline) => {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let millis = left.as_micros().div_ceil(1000);
+            PollTimeout::try_from(u64::try_from(millis).unwrap_or(u64::MAX))
+                .unwrap_or(PollTimeout::MAX)
+        }
+    }
+}
+
+/// The IO thread (the run rule in the module docs).
+fn io_thread(shared: Arc<Shared>) {
+    let mut core = shared.lock();
+    loop {
+        let Some(mut io) = core.io.take() else {
+            return;
+        };
+        // Step 1: replacements the template forked, and a close.
+        let spawned = std::mem::take(&mut *io.spawned.lock().unwrap_or_else(|p| p.into_inner()));
+        for spawned in spawned {
+            io.link_spawned(&mut core, spawned);
+        }
+        if core.closing {
+            io.close(&mut core);
+            let handovers = std::mem::take(&mut io.handovers);
+            drop(core);
+            handovers.into_iter().for_each(|handover| handover());
+            // A leader finds the Worker closed, its result decided.
+            let _ = nix::unistd::write(&io.leader_wake_write, &[1]);
+            return;
+        }
+        // Step 2: deadlines.
+        io.handle_deadlines(&mut core);
+        // Step 3: the poll set (reply pipes only when a reply is expected
+        // and no leader reads them) and its timeout.
+        let deadline = io.next_deadline(&core);
+        let live = io.live();
+        let unsent = io.unsent();
+        let expecting = io.expecting(&core);
+        let reads = io.watch.plan_io(&live, expecting, &unsent, deadline);
+        let mut watched: Vec<(Ready, Arc<TrackedFd>, PollFlags)> =
+            vec![(Ready::Wake, io.wake.clone(), PollFlags::POLLIN)];
+        for &(index, pid) in &live {
+            let Some(link) = io.links[index].as_ref() else {
+                continue;
+            };
+            if reads.contains(&(index, pid)) {
+                watched.push((
+                    Ready::Reply(index, pid),
+                    link.process.reply_shared(),
+                    PollFlags::POLLIN,
+                ));
+            }
+            if let Some(pidfd) = link.process.pidfd_shared() {
+                watched.push((Ready::Ended(index, pid), pidfd, PollFlags::POLLIN));
+            }
+            if unsent.contains(&(index, pid)) {
+                if let Some(control) = link.process.control_shared() {
+                    watched.push((Ready::Control(index, pid), control, PollFlags::POLLOUT));
+                }
+            }
+        }
+        // Step 4: hand over, and wait without the lock.
+        let leaving = Leaving {
+            handovers: std::mem::take(&mut io.handovers),
+            recheck: std::mem::take(&mut io.completed),
+        };
+        let graveyard = std::mem::take(&mut io.graveyard);
+        core.io = Some(io);
+        drop(core);
+        shared.finish(leaving);
+        drop(graveyard);
+        let mut fds: Vec<PollFd> = watched
+            .iter()
+            .map(|(_, fd, flags)| PollFd::new(fd.as_fd(), *flags))
+            .collect();
+        let polled = nix::poll::poll(&mut fds, poll_timeout(deadline));
+        let flags: Vec<PollFlags> = fds
+            .iter()
+            .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
+            .collect();
+        drop(fds);
+        let events: Vec<(Ready, PollFlags)> =
+            watched.into_iter().map(|(what, _, _)| what).zip(flags).collect();
+        // Steps 5 and 6: replies, losses, flushes.
+        core = shared.lock();
+        let Some(mut io) = core.io.take() else {
+            return;
+        };
+        if let Err(errno) = polled {
+            if errno != Errno::EINTR {
+                // Unrecoverable: fail everything rather than spin.
+                core.closing = true;
+            }
+        } else {
+            io.handle_events(&mut core, events);
+        }
+        core.io = Some(io);
+        // Completions decided here are handed over at step 4 of the next
+        // turn, after its lock is released, not now: a caller woken now
+        // would find the lock taken again for steps 1 to 3.
     }
 }
 
@@ -982,13 +1364,18 @@ impl<R: Runtime> Worker<R> {
                 }
                 .digest();
                 let (done, pending) = handoff::channel();
-                self.push(Request::Register {
-                    digest,
-                    staged,
-                    metadata: metadata.cloned().map(Box::new),
-                    done,
-                });
-                Ok(PendingOperation { pending })
+                let owed = self.push(
+                    Request::Register {
+                        digest,
+                        staged,
+                        metadata: metadata.cloned().map(Box::new),
+                        done,
+                    },
+                    false,
+                );
+                Ok(PendingOperation {
+                    awaited: self.awaited(pending, owed),
+                })
             }
         }
     }
@@ -1034,11 +1421,16 @@ impl<R: Runtime> Worker<R> {
             _ => {
                 drop(core);
                 let (done, pending) = handoff::channel();
-                self.push(Request::Unregister {
-                    handle: *handle,
-                    done,
-                });
-                Ok(PendingOperation { pending })
+                let owed = self.push(
+                    Request::Unregister {
+                        handle: *handle,
+                        done,
+                    },
+                    false,
+                );
+                Ok(PendingOperation {
+                    awaited: self.awaited(pending, owed),
+                })
             }
         }
     }
@@ -1089,16 +1481,33 @@ impl<R: Runtime> Worker<R> {
                 kind: String::new(),
                 exception: Box::default(),
             }));
-        } else {
-            self.push(Request::Task {
+            return PendingTask {
+                awaited: Awaited::done(pending),
+            };
+        }
+        let owed = self.push(
+            Request::Task {
                 handle: *handle,
                 target,
                 encoding,
                 input: input.to_vec(),
                 done,
-            });
+            },
+            false,
+        );
+        PendingTask {
+            awaited: self.awaited(pending, owed),
         }
-        PendingTask { pending }
+    }
+
+    /// The waiting side of a request given to [`Worker::push`].
+    fn awaited<T>(&self, pending: Pending<T>, wake: Option<Arc<TrackedFd>>) -> Awaited<T> {
+        Awaited {
+            pending: Some(pending),
+            shared: Some(self.shared.clone()),
+            owed: AtomicBool::new(wake.is_some()),
+            wake,
+        }
     }
 
     /// Runs the task on every live target (those live when it is
@@ -1201,7 +1610,7 @@ impl<R: Runtime> Worker<R> {
     /// `LIFECYCLE_INVALID` unless started.
     pub fn inspect(&self) -> Result<Vec<(TargetId, Option<TargetTable>)>, Error> {
         let (done, pending) = handoff::channel();
-        self.push(Request::Inspect { done });
+        self.push(Request::Inspect { done }, true);
         pending
             .wait()
             .map_err(|abandoned| lifecycle_error(OperationKind::Resolve, &abandoned.to_string()))
@@ -1211,24 +1620,48 @@ impl<R: Runtime> Worker<R> {
     /// malformed or oversized frames).
     #[cfg(feature = "failpoints")]
     pub fn inject_control_bytes(&self, target: TargetId, bytes: Vec<u8>) {
-        self.push(Request::RawControl { target, bytes });
+        self.push(Request::RawControl { target, bytes }, true);
     }
 
-    /// Queues a request for the IO thread and wakes it; completes the
-    /// request's waiter at once if no IO thread runs.
-    fn push(&self, request: Request) {
+    /// Gives a request to the machine and carries out its effects, in this
+    /// thread, under the state lock (a close is left to the IO thread);
+    /// completes the request's waiter at once if no IO thread runs.
+    ///
+    /// `settle`: whether to wake the IO thread now for what the request
+    /// leaves to watch ([`super::lead`]); `false` when this caller waits
+    /// for the result next, as the leader, and settles when it stops
+    /// leading. Returns the IO thread's wake pipe when settling is still
+    /// owed.
+    fn push(&self, request: Request, settle: bool) -> Option<Arc<TrackedFd>> {
         let mut core = self.shared.lock();
-        if !core.io_running {
+        let io = if core.io_running && !core.closing {
+            core.io.take()
+        } else {
+            None
+        };
+        let Some(mut io) = io else {
+            if core.io_running && matches!(request, Request::Close) {
+                core.closing = true;
+                io_wake(&core);
+                return None;
+            }
             let started = core.machine.lifecycle() == Lifecycle::New;
             drop(core);
             refuse(request, started);
-            return;
+            return None;
+        };
+        if matches!(request, Request::Close) {
+            core.closing = true;
+            io_wake(&core);
+        } else {
+            io.request(&mut core, request);
         }
-        core.requests.push_back(request);
-        if let Some(wake) = &core.wake {
-            // A full wake pipe already guarantees a wake-up.
-            let _ = nix::unistd::write(wake, &[1]);
-        }
+        let leaving = io.leave(&core, settle, false);
+        core.io = Some(io);
+        let owed = if settle { None } else { core.wake.clone() };
+        drop(core);
+        self.shared.finish(leaving);
+        owed
     }
 
     /// Forks the targets, waits until each installed the startup snapshot,
@@ -1415,12 +1848,19 @@ impl<R: Runtime> Worker<R> {
             .map_err(OperationError::new)?;
         let (wake_read, wake_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
-        core.wake = Some(TrackedFd::new(wake_write));
+        core.wake = Some(Arc::new(TrackedFd::new(wake_write)));
         core.io_running = true;
+        let (leader_read, leader_write) =
+            nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
+                .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
         let mut io = IoLoop {
-            shared: self.shared.clone(),
             links,
-            wake: TrackedFd::new(wake_read),
+            wake: Arc::new(TrackedFd::new(wake_read)),
+            leader_wake: Arc::new(TrackedFd::new(leader_read)),
+            leader_wake_write: TrackedFd::new(leader_write),
+            watch: Watch::default(),
+            completed: false,
+            chunk: Vec::new(),
             staged: BTreeMap::new(),
             ops: BTreeMap::new(),
             tasks: BTreeMap::new(),
@@ -1439,10 +1879,12 @@ impl<R: Runtime> Worker<R> {
             graveyard: Vec::new(),
         };
         io.drain(&mut core, &mut Context::default());
+        core.io = Some(Box::new(io));
         drop(core);
+        let shared = self.shared.clone();
         let handle = std::thread::Builder::new()
             .name("callreg-io".to_owned())
-            .spawn(move || io.run())
+            .spawn(move || io_thread(shared))
             .map_err(|e| {
                 start_error(ErrorCode::IO_FAILED, format!("spawning the IO thread: {e}"))
             })?;
@@ -1503,7 +1945,7 @@ impl<R: Runtime> Worker<R> {
                 return;
             }
         }
-        self.push(Request::Close);
+        self.push(Request::Close, true);
         if let Some(handle) = io_thread.take() {
             let _ = handle.join();
         }
@@ -1519,7 +1961,9 @@ impl<R: Runtime> Drop for Worker<R> {
 fn completed<T>(value: Result<T, OperationError>) -> PendingOperation<T> {
     let (done, pending) = handoff::channel();
     done.complete(value);
-    PendingOperation { pending }
+    PendingOperation {
+        awaited: Awaited::done(pending),
+    }
 }
 
 /// Completes a request that no IO thread will ever see.
@@ -1567,7 +2011,7 @@ fn check_descriptor_room(targets: u16, respawn: bool) -> Result<(), String> {
         return Ok(());
     }
     let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
-    let needed = 3 * u64::from(targets) + 2 + u64::from(respawn);
+    let needed = 3 * u64::from(targets) + 4 + u64::from(respawn);
     // `rlim_t` is `u64` on Linux.
     let room = limit
         .rlim_cur
@@ -1576,9 +2020,9 @@ fn check_descriptor_room(targets: u16, respawn: bool) -> Result<(), String> {
         return Err(format!(
             "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each{}), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
             if respawn {
-                ", a wake pipe and the replacements' template process"
+                ", two wake pipes and the replacements' template process"
             } else {
-                ", and a wake pipe"
+                ", and two wake pipes"
             },
             limit.rlim_cur
         ));
@@ -1870,11 +2314,23 @@ struct Context {
     task_input: Option<(TaskEncoding, Vec<u8>)>,
 }
 
-/// The IO thread.
+/// The IO state: what the IO thread and the leading caller drive, in turn,
+/// under the state lock (`Core::io`).
 struct IoLoop {
-    shared: Arc<Shared>,
     links: Vec<Option<Link>>,
-    wake: TrackedFd,
+    /// The read end of the IO thread's wake pipe.
+    wake: Arc<TrackedFd>,
+    /// The leader's wake pipe: written when a result is decided by another
+    /// thread while a caller leads, or at close.
+    leader_wake: Arc<TrackedFd>,
+    leader_wake_write: TrackedFd,
+    /// Who reads the reply pipes ([`super::lead`]).
+    watch: Watch,
+    /// Whether a result was decided since the last [`IoLoop::leave`] (a
+    /// leader waiting for it must be woken).
+    completed: bool,
+    /// The buffer reply pipes are read into.
+    chunk: Vec<u8>,
     staged: BTreeMap<StagingId, Staged>,
     ops: BTreeMap<OpId, OpWaiter>,
     tasks: BTreeMap<u64, TaskWaiter>,
@@ -1890,7 +2346,7 @@ struct IoLoop {
     /// Completions decided under the state lock, handed to their callers
     /// once it is released: a caller woken while the IO thread still held
     /// the lock would block on it at once (one more sleep and wake-up).
-    handovers: Vec<Box<dyn FnOnce() + Send>>,
+    handovers: Vec<Handover>,
     /// The template process replacements are forked from (`None` with
     /// replacements off).
     zygote: Option<Arc<Zygote>>,
@@ -1922,6 +2378,7 @@ impl Drop for IoLoop {
 /// What a polled descriptor belongs to: the wake pipe, or a link by index
 /// and process id (a link replaced earlier in the same turn is not the one
 /// that was polled: its events are dropped).
+#[derive(Clone, Copy)]
 enum Ready {
     Wake,
     Reply(usize, i32),
@@ -1936,6 +2393,7 @@ impl IoLoop {
 
     /// Queues `value` for `done`'s caller; see [`IoLoop::hand_over`].
     fn defer<T: Send + 'static>(&mut self, done: Completer<T>, value: T) {
+        self.completed = true;
         self.handovers.push(Box::new(move || done.complete(value)));
     }
 
@@ -1946,150 +2404,150 @@ impl IoLoop {
         }
     }
 
-    fn run(mut self) {
-        let shared = self.shared.clone();
-        let mut chunk = vec![0u8; READ_CHUNK_BYTES];
-        loop {
-            let mut core = shared.lock();
-            // Step 1: requests, and replacements the template forked.
-            let spawned =
-                std::mem::take(&mut *self.spawned.lock().unwrap_or_else(|p| p.into_inner()));
-            for spawned in spawned {
-                self.link_spawned(&mut core, spawned);
-            }
-            let mut closing = false;
-            while let Some(request) = core.requests.pop_front() {
-                if matches!(request, Request::Close) {
-                    closing = true;
-                    continue;
+    /// Every live link: (index, pid).
+    fn live(&self) -> Vec<(usize, i32)> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(index, link)| {
+                link.as_ref()
+                    .map(|link| (index, link.process.pid().as_raw()))
+            })
+            .collect()
+    }
+
+    /// The process id of the link at `index`, if live.
+    fn pid_at(&self, index: usize) -> Option<i32> {
+        self.links
+            .get(index)
+            .and_then(Option::as_ref)
+            .map(|link| link.process.pid().as_raw())
+    }
+
+    /// Whether any target owes a reply: a task's result, a control's
+    /// answer (every operation in flight has a deadline), an inspection's
+    /// table or a replacement's ready report.
+    fn expecting(&self, core: &Core) -> bool {
+        !self.tasks.is_empty()
+            || !self.inspects.is_empty()
+            || !self.starting.is_empty()
+            || core.machine.poll_timeout().is_some()
+    }
+
+    /// The earliest deadline: the machine's, an inspection's or a starting
+    /// replacement's.
+    fn next_deadline(&self, core: &Core) -> Option<Instant> {
+        let machine = core
+            .machine
+            .poll_timeout()
+            .map(|deadline| self.clock + Duration::from_micros(deadline.0));
+        machine
+            .into_iter()
+            .chain(self.inspects.iter().map(|w| w.deadline))
+            .chain(self.starting.values().map(|(_, deadline)| *deadline))
+            .min()
+    }
+
+    /// Links with control bytes not yet written: (index, pid).
+    fn unsent(&self) -> Vec<(usize, i32)> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(index, link)| match link {
+                Some(link) if !link.outbox.is_empty() => {
+                    Some((index, link.process.pid().as_raw()))
                 }
-                self.request(&mut core, request);
-            }
-            if closing {
-                self.close(&mut core);
-                return;
-            }
-            // Step 2: deadlines.
-            let now = self.now();
-            if core
-                .machine
-                .poll_timeout()
-                .is_some_and(|deadline| deadline <= now)
-            {
-                core.machine.handle_timeout(now);
-                self.drain(&mut core, &mut Context::default());
-            }
-            self.expire_inspects();
-            self.expire_starting(&mut core);
-            // Step 3: poll set and timeout (the machine's next deadline, or
-            // an inspection's or a starting replacement's, whichever comes
-            // first).
-            let machine_micros = core
-                .machine
-                .poll_timeout()
-                .map(|deadline| deadline.0.saturating_sub(self.now().0));
-            let inspect_micros = self
-                .inspects
-                .iter()
-                .map(|w| w.deadline)
-                .chain(self.starting.values().map(|(_, deadline)| *deadline))
-                .map(|deadline| deadline.saturating_duration_since(Instant::now()))
-                .min()
-                .map(|left| u64::try_from(left.as_micros()).unwrap_or(u64::MAX));
-            let timeout = match machine_micros.into_iter().chain(inspect_micros).min() {
-                None => PollTimeout::NONE,
-                Some(micros) => {
-                    PollTimeout::try_from(micros.div_ceil(1000)).unwrap_or(PollTimeout::MAX)
-                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// What a thread other than the IO thread does before it releases the
+    /// state lock ([`super::lead`]): wakes the IO thread if what it leaves
+    /// needs it (unless `settle` is false: the caller leads next and
+    /// settles then), and returns what to do once the lock is released
+    /// ([`Shared::finish`]).
+    fn leave(&mut self, core: &Core, settle: bool, leader: bool) -> Leaving {
+        if settle {
+            let live = self.live();
+            let unsent = self.unsent();
+            let left = Left {
+                live: &live,
+                expecting: self.expecting(core),
+                unsent: &unsent,
+                deadline: self.next_deadline(core),
+                chores: !self.graveyard.is_empty(),
             };
-            let mut watched = vec![Ready::Wake];
-            let mut fds = vec![PollFd::new(self.wake.as_fd(), PollFlags::POLLIN)];
-            for (index, link) in self.links.iter().enumerate() {
-                let Some(link) = link else { continue };
-                let pid = link.process.pid().as_raw();
-                fds.push(PollFd::new(link.process.reply(), PollFlags::POLLIN));
-                watched.push(Ready::Reply(index, pid));
-                if let Some(pidfd) = link.process.pidfd() {
-                    fds.push(PollFd::new(pidfd, PollFlags::POLLIN));
-                    watched.push(Ready::Ended(index, pid));
-                }
-                if let (false, Some(control)) = (link.outbox.is_empty(), link.process.control()) {
-                    fds.push(PollFd::new(control, PollFlags::POLLOUT));
-                    watched.push(Ready::Control(index, pid));
-                }
+            if self.watch.io_must_wake(left) {
+                io_wake(core);
             }
-            // Step 4: wait without the lock.
-            let handovers = std::mem::take(&mut self.handovers);
-            drop(core);
-            handovers.into_iter().for_each(|handover| handover());
-            self.graveyard.clear();
-            let polled = nix::poll::poll(&mut fds, timeout);
-            let events: Vec<PollFlags> = fds
-                .iter()
-                .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
-                .collect();
-            drop(fds);
-            if let Err(errno) = polled {
-                if errno != Errno::EINTR {
-                    // Unrecoverable: fail everything rather than spin.
-                    let mut core = shared.lock();
-                    self.close(&mut core);
-                    return;
-                }
+        }
+        Leaving {
+            handovers: std::mem::take(&mut self.handovers),
+            recheck: std::mem::take(&mut self.completed) && !leader,
+        }
+    }
+
+    /// Handles every deadline that passed: the machine's, the
+    /// inspections', the starting replacements'.
+    fn handle_deadlines(&mut self, core: &mut Core) {
+        let now = self.now();
+        if core
+            .machine
+            .poll_timeout()
+            .is_some_and(|deadline| deadline <= now)
+        {
+            core.machine.handle_timeout(now);
+            self.drain(core, &mut Context::default());
+        }
+        self.expire_inspects();
+        self.expire_starting(core);
+    }
+
+    /// Reads what the pipes `events` reported ready hold, and handles the
+    /// ends they report; a link lost and maybe replaced (§2.9) by an
+    /// event handled before is not the one that was polled: its events
+    /// are dropped.
+    fn handle_events(&mut self, core: &mut Core, events: Vec<(Ready, PollFlags)>) {
+        for (what, event) in events {
+            if event.is_empty() {
                 continue;
             }
-            // Steps 5 and 6: replies, losses, flushes.
-            let mut core = shared.lock();
-            for (what, event) in watched.into_iter().zip(events) {
-                if event.is_empty() {
+            let polled_link = match what {
+                Ready::Wake => None,
+                Ready::Reply(index, pid) | Ready::Control(index, pid) | Ready::Ended(index, pid) => {
+                    Some((index, pid))
+                }
+            };
+            if let Some((index, pid)) = polled_link {
+                if self.pid_at(index) != Some(pid) {
                     continue;
                 }
-                let polled_link = match what {
-                    Ready::Wake => None,
-                    Ready::Reply(index, pid)
-                    | Ready::Control(index, pid)
-                    | Ready::Ended(index, pid) => Some((index, pid)),
-                };
-                if let Some((index, pid)) = polled_link {
-                    // The target was lost, and maybe replaced (§2.9), by an
-                    // event handled before this one.
-                    let current = self
-                        .links
-                        .get(index)
-                        .and_then(Option::as_ref)
-                        .map(|l| l.process.pid().as_raw());
-                    if current != Some(pid) {
-                        continue;
+            }
+            match what {
+                Ready::Wake => {
+                    // Until a short read: the pipe is then empty.
+                    let mut sink = [0u8; 256];
+                    while matches!(nix::unistd::read(self.wake.as_fd(), &mut sink), Ok(n) if n == sink.len())
+                    {
                     }
                 }
-                match what {
-                    Ready::Wake => {
-                        // Until a short read: the pipe is then empty.
-                        let mut sink = [0u8; 256];
-                        while matches!(nix::unistd::read(self.wake.as_fd(), &mut sink), Ok(n) if n == sink.len())
-                        {
-                        }
-                    }
-                    Ready::Reply(index, _) => {
-                        // A hung-up pipe is read to its end in this turn: a
-                        // completion decided now must not be handed over
-                        // while the target that died is still counted live.
-                        let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
-                        self.read_replies(&mut core, index, &mut chunk, hung_up)
-                    }
-                    Ready::Control(index, _) => self.flush(&mut core, index),
-                    Ready::Ended(index, _) => {
-                        // Its last replies first (a reply pipe that also
-                        // closed was handled just before, as `Reply`).
-                        self.read_replies(&mut core, index, &mut chunk, true);
-                        let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
-                        self.lose(&mut core, target, "its process ended");
-                    }
+                Ready::Reply(index, _) => {
+                    // A hung-up pipe is read to its end in this turn: a
+                    // completion decided now must not be handed over
+                    // while the target that died is still counted live.
+                    let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
+                    self.read_replies(core, index, hung_up)
+                }
+                Ready::Control(index, _) => self.flush(core, index),
+                Ready::Ended(index, _) => {
+                    // Its last replies first (a reply pipe that also
+                    // closed was handled just before, as `Reply`).
+                    self.read_replies(core, index, true);
+                    let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                    self.lose(core, target, "its process ended");
                 }
             }
-            // Completions decided here are handed over at step 4 of the
-            // next turn, after its lock is released, not now: a caller woken
-            // now would find the lock taken again for steps 1 to 3.
         }
     }
 
@@ -2375,7 +2833,7 @@ impl IoLoop {
         let queue = self.spawned.clone();
         // The spawning thread's own end of the wake pipe.
         let wake = core.wake.as_ref().map(|wake| {
-            nix::fcntl::fcntl(wake, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(0))
+            nix::fcntl::fcntl(&**wake, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(0))
                 // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor that
                 // nothing else owns.
                 .map(|fd| {
@@ -2592,13 +3050,16 @@ impl IoLoop {
         }
     }
 
-    fn read_replies(&mut self, core: &mut Core, index: usize, chunk: &mut [u8], hung_up: bool) {
+    fn read_replies(&mut self, core: &mut Core, index: usize, hung_up: bool) {
         let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+        if self.chunk.len() != READ_CHUNK_BYTES {
+            self.chunk = vec![0u8; READ_CHUNK_BYTES];
+        }
         let closed = match self.links.get_mut(index) {
             Some(Some(link)) => loop {
                 // Its writer is gone: what is left is bounded by the pipe's
                 // capacity, then end of file.
-                match read_available(link, chunk) {
+                match read_available(link, &mut self.chunk) {
                     ReadOutcome::Closed => break true,
                     ReadOutcome::Data if hung_up => continue,
                     _ => break false,
@@ -2799,6 +3260,7 @@ impl IoLoop {
         let Some(mut link) = self.links.get_mut(index).and_then(Option::take) else {
             return;
         };
+        self.completed = true;
         self.starting.remove(&index);
         if let Ok(exit) = link.process.reap(grace) {
             core.exits.insert(target, exit);
@@ -2937,9 +3399,6 @@ impl IoLoop {
         self.ops.clear();
         core.io_running = false;
         core.wake = None;
-        for request in std::mem::take(&mut core.requests) {
-            refuse(request, false);
-        }
     }
 }
 
