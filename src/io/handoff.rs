@@ -1,22 +1,23 @@
-//! The completion hand-off: how the parent's IO thread gives an
-//! operation's result to the caller thread waiting for it.
+//! The completion hand-off: how the thread that reads an operation's
+//! reply (the parent's IO thread, or a caller leading the reads, see
+//! [`super::lead`]) gives its result to the caller thread waiting for it.
 //!
-//! One [`Completer`] (kept by the IO thread) and one [`Pending`] (kept by
+//! One [`Completer`] (kept with the IO state) and one [`Pending`] (kept by
 //! the caller) share a slot guarded by a mutex and a condition variable.
 //! Completing twice is impossible (the completer is consumed); a completer
-//! dropped without completing (the IO thread ended) wakes the caller with
+//! dropped without completing (the Worker closed) wakes the caller with
 //! [`Abandoned`] instead of leaving it blocked forever.
 //!
 //! A caller may also wait in slices ([`Pending::wait_timeout`], e.g. to
 //! check for signals between them) or hand the result to a callback
 //! ([`Pending::on_complete`]) instead of waiting: the callback runs exactly
-//! once, in the completing thread (the IO thread), or at once in the
-//! registering thread when the result is already there. Checked with loom
+//! once, in the completing thread, or at once in the registering thread
+//! when the result is already there. Checked with loom
 //! (`tests/loom_handoff.rs`).
 
 use crate::sync::{lock, Arc, Condvar, Mutex};
 
-/// The completer was dropped without a result (the IO thread ended).
+/// The completer was dropped without a result (the Worker closed).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, thiserror::Error)]
 #[error("the operation was abandoned: the Worker's IO thread ended before completing it")]
 pub struct Abandoned;
@@ -38,7 +39,7 @@ struct Shared<T> {
     ready: Condvar,
 }
 
-/// The IO thread's side: completes the operation once.
+/// The completing side: completes the operation once.
 pub struct Completer<T> {
     shared: Option<Arc<Shared<T>>>,
 }
@@ -154,7 +155,7 @@ impl<T> Pending<T> {
     /// thread that completes (or abandons) the operation, or at once in
     /// this thread when that already happened. It runs without the slot's
     /// lock held; it must not block for long (in a Worker it runs on the
-    /// IO thread: hand the value on, e.g. into a channel).
+    /// thread that read the reply: hand the value on, e.g. into a channel).
     pub fn on_complete<F>(self, callback: F)
     where
         F: FnOnce(Result<T, Abandoned>) + Send + 'static,

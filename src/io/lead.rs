@@ -97,10 +97,16 @@ impl Watch {
             .is_some_and(|l| pid != 0 && pid_at(&l.replies, index) == pid)
     }
 
+    /// Whether the IO thread's current `poll` reads the reply pipe of link
+    /// (`index`, `pid`).
+    pub fn io_reads(&self, index: usize, pid: i32) -> bool {
+        pid != 0 && pid_at(&self.io_replies, index) == pid
+    }
+
     /// Whether someone (the IO thread's current `poll` or the leader)
     /// reads the reply pipe of link (`index`, `pid`).
     pub fn reads(&self, index: usize, pid: i32) -> bool {
-        (pid != 0 && pid_at(&self.io_replies, index) == pid) || self.leader_reads(index, pid)
+        self.io_reads(index, pid) || self.leader_reads(index, pid)
     }
 
     /// Whether a leader leads.
@@ -209,8 +215,18 @@ impl Watch {
             return true;
         }
         let watched = match (&self.leader, self.io_deadline) {
-            (Some(Leader { deadline: Some(l), .. }), Some(io)) => Some((*l).min(io)),
-            (Some(Leader { deadline: Some(l), .. }), None) => Some(*l),
+            (
+                Some(Leader {
+                    deadline: Some(l), ..
+                }),
+                Some(io),
+            ) => Some((*l).min(io)),
+            (
+                Some(Leader {
+                    deadline: Some(l), ..
+                }),
+                None,
+            ) => Some(*l),
             (_, io) => io,
         };
         earlier(left.deadline, watched)

@@ -5,34 +5,54 @@
 //! # Threads
 //!
 //! * Caller threads (any number): validate an envelope and stage it (copy
-//!   and hash in one pass), then queue a request and wait on its
-//!   completion hand-off ([`super::handoff`]). Before start, registrations
-//!   go straight to the machine's registry and the startup snapshot (with
-//!   their callable metadata, which only the targets act on).
-//! * One IO thread per started Worker: the only place the machine is
-//!   driven after start and the only place its effects are carried out.
+//!   and hash in one pass). Before start, registrations go straight to the
+//!   machine's registry and the startup snapshot (with their callable
+//!   metadata, which only the targets act on). After start, a caller takes
+//!   the state lock, gives its request to the machine and carries out the
+//!   effects itself (its frames go out from its own thread), then waits for
+//!   its result: as the **leader** when no other caller leads, reading the
+//!   reply pipes of every live target and handling the deadlines, for
+//!   every caller, until its own result is there; else as a **follower**,
+//!   asleep on its completion hand-off ([`super::handoff`]) until whoever
+//!   reads its reply hands the result over ([`super::lead`]). A round trip
+//!   with one caller so wakes no thread but the caller and the target.
+//! * One IO thread per started Worker: it watches what no caller waits
+//!   for — every target's pidfd, control sockets with unsent bytes, the
+//!   deadlines, the reply pipes when a reply is expected and no leader
+//!   reads them (a task whose caller does not wait, a callback, a follower
+//!   after its leader stepped down) — links replacements, frees payloads
+//!   off the callers' path, and carries out a close.
 //! * With replacement targets on (the default, `specs/protocol.md` §2.9),
 //!   one template process ([`super::zygote`]), forked at start right after
 //!   the targets and before the IO thread: the parent never forks once it
 //!   runs threads, so every replacement is forked by the template, on the
 //!   IO thread's request.
 //!
+//! Whichever thread drives the machine holds the state lock, which guards
+//! the machine and the IO state (links, staged payloads, waiters) alike:
+//! the machine has one driver at a time, in lock order, so requests reach
+//! each target in the order they took the lock (FIFO per target). Every
+//! input to the machine is followed by draining its effects (`poll_effect`
+//! until `None`), each carried out in order, before the next input (the
+//! same rule as `str0m`). A thread releasing the lock first checks whether
+//! what it leaves needs the IO thread (an expected reply nobody reads,
+//! unsent bytes, an earlier deadline, a payload to free) and writes its
+//! wake pipe if so; results it decided are handed to their callers after
+//! the lock is released (a caller woken under the lock would block on it
+//! at once), then the leader is woken if one of them may be its own.
+//!
 //! # The IO thread's run rule
 //!
-//! Every input to the machine is followed by draining its effects
-//! (`poll_effect` until `None`), each carried out in order, before the next
-//! input (the same rule as `str0m`):
-//!
-//! 1. Take every queued request (register, unregister, task, inspect,
-//!    close) and give each to the machine; drain effects after each.
+//! 1. Link the replacements the template forked; carry out a close.
 //! 2. Read the clock; if the machine's `poll_timeout` has passed, call
-//!    `handle_timeout(now)`; drain effects.
-//! 3. Build the poll set: the wake pipe, every live target's reply pipe
-//!    and pidfd, and the control socket of every target with unsent bytes;
-//!    the poll timeout is the machine's next deadline (none: block).
+//!    `handle_timeout(now)`; drain effects. Inspections and starting
+//!    replacements past their deadline are given up.
+//! 3. Build the poll set: the wake pipe, every live target's pidfd, its
+//!    reply pipe when a reply is expected and no leader reads it, and the
+//!    control socket of every target with unsent bytes; the poll timeout
+//!    is the earliest deadline (none: block). Record it ([`super::lead`]).
 //! 4. Release the state lock, hand the results decided since the last
-//!    `poll` to their waiting callers (a caller woken under the lock would
-//!    block on it at once), and `poll`.
+//!    `poll` to their waiting callers, and `poll`.
 //! 5. Take the state lock. For each target whose reply pipe is readable,
 //!    read what is there, decode whole frames, and give each reply to the
 //!    machine (`handle_reply`), draining effects after each; task results
@@ -42,8 +62,12 @@
 //!    ended, even if a process it forked still holds its pipes): read what
 //!    its reply pipe holds, then the same.
 //! 6. Flush pending control bytes to writable targets (a full socket never
-//!    blocks the loop; a register's sealed payload descriptor goes with
+//!    blocks anyone; a register's sealed payload descriptor goes with
 //!    its frame's first byte), then go to 1.
+//!
+//! A leader does steps 2 and 5 for the reply pipes it reads, with its own
+//! `poll` over them and the leader wake pipe (written when another thread
+//! decided a result while it leads, and at close).
 //!
 //! Effects map to IO as follows: `Stage` binds the payload the caller
 //! staged (then passes `parent.after_stage`; a failure there is reported
@@ -536,9 +560,7 @@ impl<T> Awaited<T> {
         };
         let waited = match until {
             None => Ok(pending.wait()),
-            Some(until) => {
-                pending.wait_timeout(until.saturating_duration_since(Instant::now()))
-            }
+            Some(until) => pending.wait_timeout(until.saturating_duration_since(Instant::now())),
         };
         waited.map_err(|pending| Awaited {
             pending: Some(pending),
@@ -1101,14 +1123,14 @@ fn io_thread(shared: Arc<Shared>) {
         let live = io.live();
         let unsent = io.unsent();
         let expecting = io.expecting(&core);
-        let reads = io.watch.plan_io(&live, expecting, &unsent, deadline);
+        io.watch.plan_io(&live, expecting, &unsent, deadline);
         let mut watched: Vec<(Ready, Arc<TrackedFd>, PollFlags)> =
             vec![(Ready::Wake, io.wake.clone(), PollFlags::POLLIN)];
         for &(index, pid) in &live {
             let Some(link) = io.links[index].as_ref() else {
                 continue;
             };
-            if reads.contains(&(index, pid)) {
+            if io.watch.io_reads(index, pid) {
                 watched.push((
                     Ready::Reply(index, pid),
                     link.process.reply_shared(),
@@ -1118,7 +1140,7 @@ fn io_thread(shared: Arc<Shared>) {
             if let Some(pidfd) = link.process.pidfd_shared() {
                 watched.push((Ready::Ended(index, pid), pidfd, PollFlags::POLLIN));
             }
-            if unsent.contains(&(index, pid)) {
+            if !link.outbox.is_empty() {
                 if let Some(control) = link.process.control_shared() {
                     watched.push((Ready::Control(index, pid), control, PollFlags::POLLOUT));
                 }
@@ -1144,8 +1166,11 @@ fn io_thread(shared: Arc<Shared>) {
             .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
             .collect();
         drop(fds);
-        let events: Vec<(Ready, PollFlags)> =
-            watched.into_iter().map(|(what, _, _)| what).zip(flags).collect();
+        let events: Vec<(Ready, PollFlags)> = watched
+            .into_iter()
+            .map(|(what, _, _)| what)
+            .zip(flags)
+            .collect();
         // Steps 5 and 6: replies, losses, flushes.
         core = shared.lock();
         let Some(mut io) = core.io.take() else {
@@ -1850,9 +1875,8 @@ impl<R: Runtime> Worker<R> {
             .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
         core.wake = Some(Arc::new(TrackedFd::new(wake_write)));
         core.io_running = true;
-        let (leader_read, leader_write) =
-            nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
-                .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
+        let (leader_read, leader_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
+            .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
         let mut io = IoLoop {
             links,
             wake: Arc::new(TrackedFd::new(wake_read)),
@@ -2454,9 +2478,7 @@ impl IoLoop {
             .iter()
             .enumerate()
             .filter_map(|(index, link)| match link {
-                Some(link) if !link.outbox.is_empty() => {
-                    Some((index, link.process.pid().as_raw()))
-                }
+                Some(link) if !link.outbox.is_empty() => Some((index, link.process.pid().as_raw())),
                 _ => None,
             })
             .collect()
@@ -2515,9 +2537,9 @@ impl IoLoop {
             }
             let polled_link = match what {
                 Ready::Wake => None,
-                Ready::Reply(index, pid) | Ready::Control(index, pid) | Ready::Ended(index, pid) => {
-                    Some((index, pid))
-                }
+                Ready::Reply(index, pid)
+                | Ready::Control(index, pid)
+                | Ready::Ended(index, pid) => Some((index, pid)),
             };
             if let Some((index, pid)) = polled_link {
                 if self.pid_at(index) != Some(pid) {
