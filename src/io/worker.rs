@@ -932,8 +932,13 @@ impl Shared {
     /// after the hand-over, so a leader that began meanwhile sees its
     /// result when it next looks, and one that leads now is woken.
     fn finish(&self, leaving: Leaving) {
-        let Leaving { handovers, recheck } = leaving;
+        let Leaving {
+            handovers,
+            freed,
+            recheck,
+        } = leaving;
         handovers.into_iter().for_each(|handover| handover());
+        drop(freed);
         if recheck {
             let core = self.lock();
             if let Some(io) = core.io.as_ref().filter(|io| io.watch.has_leader()) {
@@ -1070,8 +1075,15 @@ type Handover = Box<dyn FnOnce() + Send>;
 /// may be waiting for one of them.
 struct Leaving {
     handovers: Vec<Handover>,
+    /// Kept payloads no registration needs any more, freed after the
+    /// hand-over.
+    freed: Vec<Kept>,
     recheck: bool,
 }
+
+/// Kept payloads up to this size are freed by the thread that released
+/// them; larger ones by the IO thread, off the callers' path.
+const INLINE_FREE_BYTES: usize = 64 * 1024;
 
 /// Wakes the IO thread (it rebuilds its `poll` set).
 fn io_wake(core: &Core) {
@@ -1149,6 +1161,7 @@ fn io_thread(shared: Arc<Shared>) {
         // Step 4: hand over, and wait without the lock.
         let leaving = Leaving {
             handovers: std::mem::take(&mut io.handovers),
+            freed: Vec::new(),
             recheck: std::mem::take(&mut io.completed),
         };
         let graveyard = std::mem::take(&mut io.graveyard);
@@ -2490,6 +2503,13 @@ impl IoLoop {
     /// settles then), and returns what to do once the lock is released
     /// ([`Shared::finish`]).
     fn leave(&mut self, core: &Core, settle: bool, leader: bool) -> Leaving {
+        // Small payloads are freed by this thread once its results are
+        // handed over (cheaper than waking the IO thread for them); large
+        // ones by the IO thread.
+        let (freed, large): (Vec<Kept>, Vec<Kept>) = std::mem::take(&mut self.graveyard)
+            .into_iter()
+            .partition(|kept| kept.len() <= INLINE_FREE_BYTES);
+        self.graveyard = large;
         if settle {
             let live = self.live();
             let unsent = self.unsent();
@@ -2506,6 +2526,7 @@ impl IoLoop {
         }
         Leaving {
             handovers: std::mem::take(&mut self.handovers),
+            freed,
             recheck: std::mem::take(&mut self.completed) && !leader,
         }
     }
