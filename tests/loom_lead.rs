@@ -7,20 +7,25 @@
 //! deadlock otherwise), that at most one leader leads, and that the IO
 //! thread never plans to read a reply pipe the leader reads.
 //!
-//! `poll` is modelled over level-triggered pipes: a pipe holds data and the
-//! doorbells of the threads polling it; a poll registers its thread's
-//! doorbell on every pipe of its set, returns when any of them holds data,
-//! else sleeps until its doorbell rings (a generation counter, so no ring
-//! is lost) and checks again; a write adds data and rings every doorbell
-//! registered. The parent's threads consume pipe data under the state
-//! lock.
+//! `poll` is modelled over level-triggered pipes: a poll registers its
+//! thread's doorbell on every pipe of its set and returns when any of them
+//! holds data, else sleeps until a write to one of them rings the doorbell
+//! and checks again. The pipes' state is the kernel's, with a lock of its
+//! own (a write, a read, a poll's check-and-sleep are each atomic, so no
+//! ring is lost); the parent's threads consume pipe data under the state
+//! lock. The target is a thread that answers each request on its control
+//! socket with a reply on its reply pipe.
 //!
 //! A caller must check that its result is recorded under the state lock
 //! (not that its hand-off is complete) before it leads and after each
 //! read: the reader of its reply records the result under the lock but
 //! hands it over after leaving the lock, so a caller that looks only at
-//! the hand-off may lead, or poll again, for a reply that was already
-//! read, and nobody wakes it (the last tests show loom finding both).
+//! its hand-off may lead, or poll again, for a reply already read, and
+//! nobody wakes it. `every_mutation_strands_a_caller` shows loom finding
+//! that, and a leader stepping down, an IO thread reading a leader's reply
+//! or a caller that does not wait, each without the wake the protocol
+//! asks for, stranding someone. A failing interleaving's trace (what each
+//! thread did, in order) is printed with the failure.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test --features io
 //! --test loom_lead --release`. Without `--cfg loom` this file is empty.
@@ -28,9 +33,12 @@
 
 use callreg::io::handoff::{channel, Completer, Pending};
 use callreg::io::lead::{Left, Watch};
-use loom::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use loom::sync::{Condvar, Mutex, MutexGuard};
 use loom::thread;
 use std::collections::VecDeque;
+// The world is shared by a std `Arc`: its reference count is not what is
+// checked here, and loom's would add a scheduling point to every clone.
+use std::sync::Arc;
 
 /// The one target: index 0, process 100.
 const LIVE: &[(usize, i32)] = &[(0, 100)];
@@ -75,91 +83,105 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap()
 }
 
-/// A poller thread's doorbell.
-struct Bell {
-    generation: Mutex<u64>,
-    rung: Condvar,
+/// The pipes (the targets' reply pipes and control sockets, the wake
+/// pipes), as the kernel keeps them.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum PipeId {
+    /// The target's control socket.
+    Control,
+    /// The target's reply pipe.
+    Replies,
+    /// The IO thread's wake pipe.
+    IoWake,
+    /// The leader-wake pipe.
+    LeaderWake,
 }
 
-impl Bell {
-    fn new() -> Arc<Bell> {
-        Arc::new(Bell {
-            generation: Mutex::new(0),
-            rung: Condvar::new(),
-        })
-    }
+use PipeId::{Control, IoWake, LeaderWake, Replies};
 
-    fn ring(&self) {
-        *lock(&self.generation) += 1;
-        self.rung.notify_all();
-    }
-}
+const PIPES: usize = 4;
+
+/// The threads that poll: the IO thread, the callers (by request id; a
+/// request id is below `POLLERS`) and the target.
+const IO_POLLER: usize = 0;
+const TARGET_POLLER: usize = 3;
+const POLLERS: usize = 4;
 
 #[derive(Default)]
-struct PipeState {
-    data: VecDeque<u32>,
-    polled_by: Vec<Arc<Bell>>,
+struct Kernel {
+    /// What each pipe holds.
+    data: [VecDeque<u32>; PIPES],
+    /// Per poller: the pipes its current `poll` waits on.
+    polling: [Vec<PipeId>; POLLERS],
 }
 
-/// A level-triggered pipe.
+/// Level-triggered pipes. The kernel's state has a lock of its own (a
+/// write, a read and a poll's check-and-sleep are each atomic); every
+/// poller has a doorbell a write to a pipe it polls rings.
 #[derive(Default)]
-struct Pipe {
-    state: Mutex<PipeState>,
+struct Pipes {
+    kernel: Mutex<Kernel>,
+    bells: [Condvar; POLLERS],
 }
 
-impl Pipe {
-    fn write(&self, value: u32) {
-        let bells = {
-            let mut state = lock(&self.state);
-            state.data.push_back(value);
-            state.polled_by.clone()
-        };
-        for bell in bells {
-            bell.ring();
-        }
-    }
-
-    /// Reads everything the pipe holds (non-blocking).
-    fn drain(&self) -> Vec<u32> {
-        lock(&self.state).data.drain(..).collect()
-    }
-
-    fn is_empty(&self) -> bool {
-        lock(&self.state).data.is_empty()
-    }
-}
-
-/// Returns when any of `pipes` holds data (`poll` with no timeout).
-fn poll(bell: &Arc<Bell>, pipes: &[&Pipe]) {
-    let mut seen = *lock(&bell.generation);
-    let mut ready = false;
-    for pipe in pipes {
-        let mut state = lock(&pipe.state);
-        state.polled_by.push(bell.clone());
-        ready |= !state.data.is_empty();
-    }
-    while !ready {
-        {
-            let mut generation = lock(&bell.generation);
-            while *generation == seen {
-                generation = bell.rung.wait(generation).unwrap();
+impl Pipes {
+    fn write(&self, pipe: PipeId, value: u32) {
+        let mut kernel = lock(&self.kernel);
+        kernel.data[pipe as usize].push_back(value);
+        for (poller, polled) in kernel.polling.iter().enumerate() {
+            if polled.contains(&pipe) {
+                self.bells[poller].notify_one();
             }
-            seen = *generation;
         }
-        ready = pipes.iter().any(|pipe| !pipe.is_empty());
     }
-    for pipe in pipes {
-        lock(&pipe.state)
-            .polled_by
-            .retain(|polling| !Arc::ptr_eq(polling, bell));
+
+    /// Empties the wake pipe `wake` and, when `replies`, reads everything
+    /// the reply pipe holds (two non-blocking reads; one step, for a
+    /// smaller state space: a write between them changes nothing).
+    fn read(&self, wake: PipeId, replies: bool) -> Vec<u32> {
+        let mut kernel = lock(&self.kernel);
+        kernel.data[wake as usize].clear();
+        if replies {
+            kernel.data[Replies as usize].drain(..).collect()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn is_empty(&self, pipe: PipeId) -> bool {
+        lock(&self.kernel).data[pipe as usize].is_empty()
+    }
+
+    /// Returns when any of `pipes` holds data (`poll` with no timeout):
+    /// registers `poller`'s doorbell on them, then sleeps until one holds
+    /// data (a ring with nothing ready is no return).
+    fn poll(&self, poller: usize, pipes: &[PipeId]) {
+        let mut kernel = lock(&self.kernel);
+        while pipes
+            .iter()
+            .all(|&pipe| kernel.data[pipe as usize].is_empty())
+        {
+            kernel.polling[poller] = pipes.to_vec();
+            kernel = self.bells[poller].wait(kernel).unwrap();
+        }
+        kernel.polling[poller].clear();
+    }
+
+    /// Blocks until `pipe` holds data and reads it all (a blocking read).
+    fn recv(&self, poller: usize, pipe: PipeId) -> Vec<u32> {
+        let mut kernel = lock(&self.kernel);
+        while kernel.data[pipe as usize].is_empty() {
+            kernel.polling[poller] = vec![pipe];
+            kernel = self.bells[poller].wait(kernel).unwrap();
+        }
+        kernel.polling[poller].clear();
+        kernel.data[pipe as usize].drain(..).collect()
     }
 }
 
 /// Everything under the Worker's state lock.
 struct State {
     watch: Watch,
-    /// The target's control queue.
-    control: mpsc::Sender<u32>,
     /// Requests sent and not yet answered, with their waiter's completer.
     outstanding: Vec<(u32, Completer<u32>)>,
     /// Requests whose reply was read (the completion recorded).
@@ -211,59 +233,54 @@ struct Rules {
     /// completion is recorded (the mutation: it looks only at its hand-off
     /// once the hand-offs it ran are done).
     recorded_after_reading: bool,
+    /// The IO thread that reads a reply while a leader leads writes the
+    /// leader-wake pipe (the mutation: not).
+    io_wakes_leader: bool,
+    /// A caller that does not wait checks `io_must_wake` (the mutation:
+    /// not).
+    wake_after_async_send: bool,
 }
 
 const RULES: Rules = Rules {
     wake_at_step_down: true,
     recorded_before_leading: true,
     recorded_after_reading: true,
+    io_wakes_leader: true,
+    wake_after_async_send: true,
 };
 
 struct World {
     state: Mutex<State>,
-    /// The target's reply pipe.
-    replies: Pipe,
-    /// The IO thread's wake pipe.
-    io_wake: Pipe,
-    /// The leader's wake pipe.
-    leader_wake: Pipe,
+    pipes: Pipes,
+    rules: Rules,
 }
 
 impl World {
-    /// The world and the target's control queue.
-    fn new() -> (Arc<World>, mpsc::Receiver<u32>) {
-        let (control, requests) = mpsc::channel();
-        let world = Arc::new(World {
+    fn new(rules: Rules) -> Arc<World> {
+        Arc::new(World {
             state: Mutex::new(State {
                 watch: Watch::default(),
-                control,
                 outstanding: Vec::new(),
                 answered: Vec::new(),
                 leaders: 0,
                 closing: false,
             }),
-            replies: Pipe::default(),
-            io_wake: Pipe::default(),
-            leader_wake: Pipe::default(),
-        });
-        (world, requests)
+            pipes: Pipes::default(),
+            rules,
+        })
     }
 
     /// The IO thread: reads the reply pipes it polled, plans its next poll
     /// under the lock, hands results over outside it, polls.
     fn io_thread(&self) {
-        let bell = Bell::new();
         let mut reads: Vec<(usize, i32)> = Vec::new();
         loop {
             let mut handovers = Vec::new();
             let mut state = lock(&self.state);
-            if !reads.is_empty() {
-                for id in self.replies.drain() {
-                    note(format!("io: reads the reply to {id}"));
-                    state.complete(id, &mut handovers);
-                }
+            for id in self.pipes.read(IoWake, !reads.is_empty()) {
+                note(format!("io: reads the reply to {id}"));
+                state.complete(id, &mut handovers);
             }
-            self.io_wake.drain();
             if state.closing {
                 assert!(handovers.is_empty(), "replies read while closing");
                 return;
@@ -279,9 +296,9 @@ impl World {
                     "the IO thread plans to read a pipe the leader reads"
                 );
             }
-            if !handovers.is_empty() && state.watch.has_leader() {
+            if self.rules.io_wakes_leader && !handovers.is_empty() && state.watch.has_leader() {
                 note("io: writes the leader-wake pipe".into());
-                self.leader_wake.write(0);
+                self.pipes.write(LeaderWake, 0);
             }
             drop(state);
             if !handovers.is_empty() {
@@ -289,9 +306,9 @@ impl World {
             }
             hand_over(handovers);
             if reads.is_empty() {
-                poll(&bell, &[&self.io_wake]);
+                self.pipes.poll(IO_POLLER, &[IoWake]);
             } else {
-                poll(&bell, &[&self.io_wake, &self.replies]);
+                self.pipes.poll(IO_POLLER, &[IoWake, Replies]);
             }
             note("io: poll returns".into());
         }
@@ -301,7 +318,7 @@ impl World {
         let (completer, pending) = channel();
         let mut state = lock(&self.state);
         state.outstanding.push((id, completer));
-        state.control.send(id).unwrap();
+        self.pipes.write(Control, id);
         note(format!("caller {id}: sends"));
         (state, pending)
     }
@@ -309,15 +326,16 @@ impl World {
     /// A caller that does not wait (`submit_async`).
     fn submit_async(&self, id: u32) -> Pending<u32> {
         let (state, pending) = self.send(id);
-        if state.watch.io_must_wake(state.left()) {
+        if self.rules.wake_after_async_send && state.watch.io_must_wake(state.left()) {
             note(format!("caller {id} (async): writes the IO wake pipe"));
-            self.io_wake.write(0);
+            self.pipes.write(IoWake, 0);
         }
         pending
     }
 
     /// A caller that waits for its result, leading when nobody leads.
-    fn call(&self, id: u32, rules: Rules) -> u32 {
+    fn call(&self, id: u32) -> u32 {
+        let rules = self.rules;
         let (state, pending) = self.send(id);
         drop(state);
         if pending.is_complete() {
@@ -336,7 +354,7 @@ impl World {
             note(format!("caller {id}: follows"));
             if state.watch.io_must_wake(state.left()) {
                 note(format!("caller {id}: writes the IO wake pipe"));
-                self.io_wake.write(0);
+                self.pipes.write(IoWake, 0);
             }
             drop(state);
             return pending.wait().unwrap();
@@ -345,17 +363,15 @@ impl World {
         state.leaders += 1;
         assert_eq!(state.leaders, 1, "two leaders");
         drop(state);
-        let bell = Bell::new();
         loop {
-            poll(&bell, &[&self.leader_wake, &self.replies]);
+            self.pipes.poll(id as usize, &[LeaderWake, Replies]);
             note(format!("caller {id}: poll returns"));
             let mut handovers = Vec::new();
             let mut state = lock(&self.state);
-            for reply in self.replies.drain() {
+            for reply in self.pipes.read(LeaderWake, true) {
                 note(format!("caller {id}: reads the reply to {reply}"));
                 state.complete(reply, &mut handovers);
             }
-            self.leader_wake.drain();
             let mine = state.answered.contains(&id);
             drop(state);
             hand_over(handovers);
@@ -371,7 +387,7 @@ impl World {
                 state.leaders -= 1;
                 if rules.wake_at_step_down && state.watch.io_must_wake(state.left()) {
                     note(format!("caller {id}: writes the IO wake pipe"));
-                    self.io_wake.write(0);
+                    self.pipes.write(IoWake, 0);
                 }
                 drop(state);
                 return pending.wait().unwrap();
@@ -383,7 +399,7 @@ impl World {
     /// is left over.
     fn close(&self, io: thread::JoinHandle<()>, target: thread::JoinHandle<()>, sent: &[u32]) {
         lock(&self.state).closing = true;
-        self.io_wake.write(0);
+        self.pipes.write(IoWake, 0);
         io.join().unwrap();
         target.join().unwrap();
         let state = lock(&self.state);
@@ -393,13 +409,16 @@ impl World {
         assert_eq!(answered, sent);
         assert_eq!(state.leaders, 0);
         assert!(!state.watch.has_leader());
-        assert!(self.replies.is_empty(), "a reply nobody read");
+        assert!(self.pipes.is_empty(Replies), "a reply nobody read");
     }
 }
 
 /// Starts the IO thread and a target that answers `requests` requests.
-fn start(requests: usize) -> (Arc<World>, thread::JoinHandle<()>, thread::JoinHandle<()>) {
-    let (world, control) = World::new();
+fn start(
+    requests: usize,
+    rules: Rules,
+) -> (Arc<World>, thread::JoinHandle<()>, thread::JoinHandle<()>) {
+    let world = World::new(rules);
     let io = {
         let world = world.clone();
         thread::spawn(move || world.io_thread())
@@ -407,10 +426,13 @@ fn start(requests: usize) -> (Arc<World>, thread::JoinHandle<()>, thread::JoinHa
     let target = {
         let world = world.clone();
         thread::spawn(move || {
-            for _ in 0..requests {
-                let id = control.recv().unwrap();
-                note(format!("target: replies to {id}"));
-                world.replies.write(id);
+            let mut answered = 0;
+            while answered < requests {
+                for id in world.pipes.recv(TARGET_POLLER, Control) {
+                    note(format!("target: replies to {id}"));
+                    world.pipes.write(Replies, id);
+                    answered += 1;
+                }
             }
         })
     };
@@ -419,29 +441,36 @@ fn start(requests: usize) -> (Arc<World>, thread::JoinHandle<()>, thread::JoinHa
 
 /// A caller with lead intent and one round trip, the IO thread idle.
 fn one_leading_caller(rules: Rules) {
-    let (world, io, target) = start(1);
-    assert_eq!(world.call(1, rules), answer(1));
+    let (world, io, target) = start(1, rules);
+    assert_eq!(world.call(1), answer(1));
     world.close(io, target, &[1]);
 }
 
 /// Two callers with lead intent at once: one leads, one follows.
 fn two_leading_callers(rules: Rules) {
-    let (world, io, target) = start(2);
+    let (world, io, target) = start(2, rules);
     let other = {
         let world = world.clone();
-        thread::spawn(move || world.call(2, rules))
+        thread::spawn(move || world.call(2))
     };
-    assert_eq!(world.call(1, rules), answer(1));
+    assert_eq!(world.call(1), answer(1));
     assert_eq!(other.join().unwrap(), answer(2));
     world.close(io, target, &[1, 2]);
 }
 
+/// A caller that does not wait, alone.
+fn one_async_caller(rules: Rules) {
+    let (world, io, target) = start(1, rules);
+    assert_eq!(world.submit_async(1).wait(), Ok(answer(1)));
+    world.close(io, target, &[1]);
+}
+
 /// A caller that does not wait beside one that leads.
 fn async_and_leading_caller(rules: Rules) {
-    let (world, io, target) = start(2);
+    let (world, io, target) = start(2, rules);
     let leading = {
         let world = world.clone();
-        thread::spawn(move || world.call(2, rules))
+        thread::spawn(move || world.call(2))
     };
     let pending = world.submit_async(1);
     assert_eq!(pending.wait(), Ok(answer(1)));
@@ -451,9 +480,9 @@ fn async_and_leading_caller(rules: Rules) {
 
 /// One caller leading twice in a row.
 fn leading_twice(rules: Rules) {
-    let (world, io, target) = start(2);
-    assert_eq!(world.call(1, rules), answer(1));
-    assert_eq!(world.call(2, rules), answer(2));
+    let (world, io, target) = start(2, rules);
+    assert_eq!(world.call(1), answer(1));
+    assert_eq!(world.call(2), answer(2));
     world.close(io, target, &[1, 2]);
 }
 
@@ -465,6 +494,11 @@ fn one_leading_caller_gets_its_reply() {
 #[test]
 fn of_two_leading_callers_one_leads_and_both_complete() {
     model(|| two_leading_callers(RULES));
+}
+
+#[test]
+fn an_async_caller_alone_completes() {
+    model(|| one_async_caller(RULES));
 }
 
 #[test]
@@ -508,6 +542,20 @@ fn mutation(name: &str) -> (Rules, fn(Rules)) {
             },
             one_leading_caller,
         ),
+        "io-does-not-wake-the-leader" => (
+            Rules {
+                io_wakes_leader: false,
+                ..RULES
+            },
+            one_leading_caller,
+        ),
+        "no-wake-after-async-send" => (
+            Rules {
+                wake_after_async_send: false,
+                ..RULES
+            },
+            one_async_caller,
+        ),
         other => panic!("no mutation {other:?}"),
     }
 }
@@ -525,6 +573,8 @@ fn every_mutation_strands_a_caller() {
         "no-wake-at-step-down",
         "hand-off-before-leading",
         "hand-off-after-reading",
+        "io-does-not-wake-the-leader",
+        "no-wake-after-async-send",
     ] {
         let child = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
