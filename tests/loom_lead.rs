@@ -101,8 +101,9 @@ use PipeId::{Control, IoWake, LeaderWake, Replies};
 
 const PIPES: usize = 4;
 
-/// The threads that poll: the IO thread, the callers (by request id; a
-/// request id is below `POLLERS`) and the target.
+/// The threads that poll, each with its doorbell: the IO thread, the
+/// callers (a waiting caller polls as its request's id, 1 or 2) and the
+/// target.
 const IO_POLLER: usize = 0;
 const TARGET_POLLER: usize = 3;
 const POLLERS: usize = 4;
@@ -335,6 +336,7 @@ impl World {
 
     /// A caller that waits for its result, leading when nobody leads.
     fn call(&self, id: u32) -> u32 {
+        assert!(id > IO_POLLER as u32 && id < TARGET_POLLER as u32);
         let rules = self.rules;
         let (state, pending) = self.send(id);
         drop(state);
