@@ -21,8 +21,19 @@
 //! thread leaves the state lock, it checks [`Watch::io_must_wake`] with
 //! what it leaves behind and writes the wake pipe if it says so. So every
 //! reply that is expected is read by someone, every deadline is handled
-//! by someone, and no follower waits for a reply nobody reads. The state
-//! lock guards a `Watch`; it has no IO of its own. Checked with loom
+//! by someone, and no follower waits for a reply nobody reads.
+//!
+//! And a caller tells that its own reply was read by its completion
+//! recorded under the state lock, not by its hand-off: whoever reads a
+//! reply records it under the lock and hands it over after leaving the
+//! lock. A caller that saw its hand-off incomplete must check the record
+//! under the lock before it leads (its reply may have been read since, by
+//! the IO thread, with no leader to wake), and a leader checks it after
+//! each read (the IO thread may have read its reply and written the
+//! leader-wake pipe before the hand-off); otherwise it polls for a reply
+//! already read and nobody wakes it.
+//!
+//! The state lock guards a `Watch`; it has no IO of its own. Checked with loom
 //! (`tests/loom_lead.rs`), with a model of `poll` over level-triggered
 //! pipes.
 
