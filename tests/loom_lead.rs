@@ -16,15 +16,19 @@
 //! lock. The target is a thread that answers each request on its control
 //! socket with a reply on its reply pipe.
 //!
-//! A caller must check that its result is recorded under the state lock
-//! (not that its hand-off is complete) before it leads and after each
-//! read: the reader of its reply records the result under the lock but
-//! hands it over after leaving the lock, so a caller that looks only at
-//! its hand-off may lead, or poll again, for a reply already read, and
-//! nobody wakes it. `every_mutation_strands_a_caller` shows loom finding
-//! that, and a leader stepping down, an IO thread reading a leader's reply
-//! or a caller that does not wait, each without the wake the protocol
-//! asks for, stranding someone. A failing interleaving's trace (what each
+//! The reader of a reply records the result under the state lock but
+//! hands it over after leaving the lock; a caller tells that its result is
+//! there by its hand-off. So a thread that read replies while not leading
+//! (the IO thread) hands them over first and then, under the lock again,
+//! wakes the leader if one leads (`Shared::finish` in the Worker): a
+//! leader that began before that check is woken and finds its hand-off
+//! complete; one that began after it finds its hand-off complete before
+//! its first poll. `every_mutation_strands_a_caller` shows loom finding
+//! the stranded caller when the IO thread wakes the leader under the lock
+//! before handing over (the leader wakes, finds its hand-off incomplete
+//! and polls again for a reply already read), or not at all, or when a
+//! leader steps down or a caller that does not wait leaves without the
+//! wake the protocol asks for. A failing interleaving's trace (what each
 //! thread did, in order) is printed with the failure.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test --features io
@@ -222,21 +226,24 @@ fn hand_over(handovers: Vec<(Completer<u32>, u32)>) {
     }
 }
 
-/// How the callers follow the protocol (the correct one, or a mutation).
+/// When the IO thread, having read replies, wakes the leader.
+#[derive(Clone, Copy, PartialEq)]
+enum LeaderWakeUp {
+    /// After handing the results over, under the lock again, if a leader
+    /// leads (the protocol).
+    AfterHandOver,
+    /// Under the lock, before handing over, if a leader leads (a mutation).
+    BeforeHandOver,
+    /// Never (a mutation).
+    Never,
+}
+
+/// How the threads follow the protocol (the correct one, or a mutation).
 #[derive(Clone, Copy)]
 struct Rules {
     /// A leader that steps down checks `io_must_wake` (the mutation: not).
     wake_at_step_down: bool,
-    /// Before it leads, a caller checks under the lock whether its
-    /// completion is recorded (the mutation: it looks only at its hand-off).
-    recorded_before_leading: bool,
-    /// After each read, the leader checks under the lock whether its
-    /// completion is recorded (the mutation: it looks only at its hand-off
-    /// once the hand-offs it ran are done).
-    recorded_after_reading: bool,
-    /// The IO thread that reads a reply while a leader leads writes the
-    /// leader-wake pipe (the mutation: not).
-    io_wakes_leader: bool,
+    io_wakes_leader: LeaderWakeUp,
     /// A caller that does not wait checks `io_must_wake` (the mutation:
     /// not).
     wake_after_async_send: bool,
@@ -244,9 +251,7 @@ struct Rules {
 
 const RULES: Rules = Rules {
     wake_at_step_down: true,
-    recorded_before_leading: true,
-    recorded_after_reading: true,
-    io_wakes_leader: true,
+    io_wakes_leader: LeaderWakeUp::AfterHandOver,
     wake_after_async_send: true,
 };
 
@@ -297,15 +302,26 @@ impl World {
                     "the IO thread plans to read a pipe the leader reads"
                 );
             }
-            if self.rules.io_wakes_leader && !handovers.is_empty() && state.watch.has_leader() {
+            let read = !handovers.is_empty();
+            if self.rules.io_wakes_leader == LeaderWakeUp::BeforeHandOver
+                && read
+                && state.watch.has_leader()
+            {
                 note("io: writes the leader-wake pipe".into());
                 self.pipes.write(LeaderWake, 0);
             }
             drop(state);
-            if !handovers.is_empty() {
+            if read {
                 note("io: hands over".into());
             }
             hand_over(handovers);
+            if self.rules.io_wakes_leader == LeaderWakeUp::AfterHandOver && read {
+                let state = lock(&self.state);
+                if state.watch.has_leader() {
+                    note("io: writes the leader-wake pipe".into());
+                    self.pipes.write(LeaderWake, 0);
+                }
+            }
             if reads.is_empty() {
                 self.pipes.poll(IO_POLLER, &[IoWake]);
             } else {
@@ -346,12 +362,6 @@ impl World {
         }
         note(format!("caller {id}: hand-off not complete"));
         let mut state = lock(&self.state);
-        if rules.recorded_before_leading && state.answered.contains(&id) {
-            // Read, not yet handed over: the reader hands it over.
-            note(format!("caller {id}: answered, waits for the hand-off"));
-            drop(state);
-            return pending.wait().unwrap();
-        }
         if !state.watch.try_lead(LIVE) {
             note(format!("caller {id}: follows"));
             if state.watch.io_must_wake(state.left()) {
@@ -366,23 +376,8 @@ impl World {
         assert_eq!(state.leaders, 1, "two leaders");
         drop(state);
         loop {
-            self.pipes.poll(id as usize, &[LeaderWake, Replies]);
-            note(format!("caller {id}: poll returns"));
-            let mut handovers = Vec::new();
-            let mut state = lock(&self.state);
-            for reply in self.pipes.read(LeaderWake, true) {
-                note(format!("caller {id}: reads the reply to {reply}"));
-                state.complete(reply, &mut handovers);
-            }
-            let mine = state.answered.contains(&id);
-            drop(state);
-            hand_over(handovers);
-            let there = if rules.recorded_after_reading {
-                mine
-            } else {
-                pending.is_complete()
-            };
-            if there {
+            // Its hand-off, checked after every section under the lock.
+            if pending.is_complete() {
                 let mut state = lock(&self.state);
                 note(format!("caller {id}: steps down"));
                 state.watch.step_down();
@@ -394,6 +389,16 @@ impl World {
                 drop(state);
                 return pending.wait().unwrap();
             }
+            self.pipes.poll(id as usize, &[LeaderWake, Replies]);
+            note(format!("caller {id}: poll returns"));
+            let mut handovers = Vec::new();
+            let mut state = lock(&self.state);
+            for reply in self.pipes.read(LeaderWake, true) {
+                note(format!("caller {id}: reads the reply to {reply}"));
+                state.complete(reply, &mut handovers);
+            }
+            drop(state);
+            hand_over(handovers);
         }
     }
 
@@ -530,23 +535,16 @@ fn mutation(name: &str) -> (Rules, fn(Rules)) {
             },
             two_leading_callers,
         ),
-        "hand-off-before-leading" => (
+        "io-wakes-the-leader-before-handing-over" => (
             Rules {
-                recorded_before_leading: false,
-                ..RULES
-            },
-            one_leading_caller,
-        ),
-        "hand-off-after-reading" => (
-            Rules {
-                recorded_after_reading: false,
+                io_wakes_leader: LeaderWakeUp::BeforeHandOver,
                 ..RULES
             },
             one_leading_caller,
         ),
         "io-does-not-wake-the-leader" => (
             Rules {
-                io_wakes_leader: false,
+                io_wakes_leader: LeaderWakeUp::Never,
                 ..RULES
             },
             one_leading_caller,
@@ -573,8 +571,7 @@ fn every_mutation_strands_a_caller() {
     }
     for name in [
         "no-wake-at-step-down",
-        "hand-off-before-leading",
-        "hand-off-after-reading",
+        "io-wakes-the-leader-before-handing-over",
         "io-does-not-wake-the-leader",
         "no-wake-after-async-send",
     ] {

@@ -27,6 +27,10 @@ type Callback<T> = Box<dyn FnOnce(Result<T, Abandoned>) + Send>;
 
 enum State<T> {
     Waiting,
+    /// Waiting, with the caller asleep on the condition variable (only
+    /// then does completing wake it: a caller that reads its own reply is
+    /// never asleep, and costs no wake-up).
+    Sleeping,
     /// Waiting, and the result goes to this callback.
     Callback(Callback<T>),
     Done(T),
@@ -84,11 +88,14 @@ impl<T> Drop for Completer<T> {
 fn finish<T>(shared: &Shared<T>, value: Result<T, Abandoned>) {
     let mut guard = lock(&shared.state);
     match std::mem::replace(&mut *guard, State::Taken) {
-        State::Waiting => {
+        state @ (State::Waiting | State::Sleeping) => {
             *guard = match value {
                 Ok(value) => State::Done(value),
                 Err(Abandoned) => State::Abandoned,
             };
+            if matches!(state, State::Waiting) {
+                return;
+            }
         }
         State::Callback(callback) => {
             drop(guard);
@@ -111,8 +118,8 @@ impl<T> Pending<T> {
         let mut guard = lock(&self.shared.state);
         loop {
             match std::mem::replace(&mut *guard, State::Taken) {
-                State::Waiting => {
-                    *guard = State::Waiting;
+                State::Waiting | State::Sleeping => {
+                    *guard = State::Sleeping;
                     guard = self
                         .shared
                         .ready
@@ -129,8 +136,9 @@ impl<T> Pending<T> {
     /// [`Pending::wait`] would return, or `Err(self)` when the time is up
     /// (wait again, or drop it to stop waiting).
     pub fn wait_timeout(self, timeout: std::time::Duration) -> Result<Result<T, Abandoned>, Self> {
-        let guard = lock(&self.shared.state);
+        let mut guard = lock(&self.shared.state);
         let mut guard = if matches!(*guard, State::Waiting) {
+            *guard = State::Sleeping;
             self.shared
                 .ready
                 .wait_timeout(guard, timeout)
@@ -140,7 +148,7 @@ impl<T> Pending<T> {
             guard
         };
         match std::mem::replace(&mut *guard, State::Taken) {
-            State::Waiting => {
+            State::Waiting | State::Sleeping => {
                 *guard = State::Waiting;
                 drop(guard);
                 Err(self)
@@ -162,7 +170,8 @@ impl<T> Pending<T> {
     {
         let mut guard = lock(&self.shared.state);
         let value = match std::mem::replace(&mut *guard, State::Taken) {
-            State::Waiting => {
+            // Nobody sleeps: this `Pending` is the only one, and it is here.
+            State::Waiting | State::Sleeping => {
                 *guard = State::Callback(Box::new(callback));
                 return;
             }
@@ -178,7 +187,7 @@ impl<T> Pending<T> {
     pub fn is_complete(&self) -> bool {
         !matches!(
             *lock(&self.shared.state),
-            State::Waiting | State::Callback(_)
+            State::Waiting | State::Sleeping | State::Callback(_)
         )
     }
 }

@@ -23,15 +23,15 @@
 //! reply that is expected is read by someone, every deadline is handled
 //! by someone, and no follower waits for a reply nobody reads.
 //!
-//! And a caller tells that its own reply was read by its completion
-//! recorded under the state lock, not by its hand-off: whoever reads a
-//! reply records it under the lock and hands it over after leaving the
-//! lock. A caller that saw its hand-off incomplete must check the record
-//! under the lock before it leads (its reply may have been read since, by
-//! the IO thread, with no leader to wake), and a leader checks it after
-//! each read (the IO thread may have read its reply and written the
-//! leader-wake pipe before the hand-off); otherwise it polls for a reply
-//! already read and nobody wakes it.
+//! Results are decided under the state lock and handed over after it is
+//! released, and a caller tells that its result is there by its hand-off.
+//! So a thread that decided results while not leading (the IO thread, a
+//! caller whose request ended a target) hands them over first and only
+//! then, under the lock again, wakes the leader if one leads: a leader
+//! that began before that check is woken and finds its hand-off complete;
+//! one that began after it finds its hand-off complete before it first
+//! polls. (Woken before the hand-over, a leader could find its hand-off
+//! incomplete and poll again for a reply already read.)
 //!
 //! The state lock guards a `Watch`; it has no IO of its own. Checked with loom
 //! (`tests/loom_lead.rs`), with a model of `poll` over level-triggered
