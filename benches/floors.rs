@@ -30,8 +30,10 @@
 //! payload is an instruction, so the figures are the IO layer's own);
 //! `cargo bench --features io,python --bench floors -- --python` for
 //! Python targets (payloads made by `PYO3_PYTHON` with cloudpickle).
-//! Options after `--`: `--rounds N` (default 7), a word to run only the
-//! scenarios whose name contains it. Results in `BENCHMARKS.md`.
+//! Options after `--`: `--rounds N` (default 7), `--respawn-limit N`
+//! (the Workers' `respawn_limit`; default: the builder's, replacements
+//! on; 0 switches them off), a word to run only the scenarios whose name
+//! contains it. Results in `BENCHMARKS.md`.
 
 mod common;
 
@@ -358,6 +360,7 @@ struct Bench<'a, R: Runtime> {
     pool: Pool,
     workers: Vec<(u16, Worker<R>)>,
     filter: Option<String>,
+    respawn_limit: Option<u16>,
     rows: Vec<Row>,
     /// Round trip, per thread: label, CPU ns per round trip, voluntary
     /// context switches per round trip (one per round).
@@ -369,13 +372,15 @@ impl<R: Runtime> Bench<'_, R> {
         if let Some(i) = self.workers.iter().position(|(n, _)| *n == targets) {
             return i;
         }
-        let worker = Worker::builder(self.runtime.clone())
+        let mut builder = Worker::builder(self.runtime.clone())
             .targets(targets)
             .slot_capacity(256)
             .control_timeout(Duration::from_secs(60))
-            .accept_thread_risk()
-            .build()
-            .expect("build");
+            .accept_thread_risk();
+        if let Some(limit) = self.respawn_limit {
+            builder = builder.respawn_limit(limit);
+        }
+        let worker = builder.build().expect("build");
         worker.start().expect("start");
         self.workers.push((targets, worker));
         self.workers.len() - 1
@@ -644,6 +649,7 @@ fn run<R: Runtime>(
     pool: Pool,
     rounds: usize,
     filter: Option<String>,
+    respawn_limit: Option<u16>,
 ) {
     let mut bench = Bench {
         runtime,
@@ -651,6 +657,7 @@ fn run<R: Runtime>(
         pool,
         workers: Vec::new(),
         filter,
+        respawn_limit,
         rows: Vec::new(),
         threads: Vec::new(),
     };
@@ -692,6 +699,7 @@ fn main() {
     let mut rounds = 7;
     let mut filter = None;
     let mut python = false;
+    let mut respawn_limit = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -702,6 +710,13 @@ fn main() {
                     .expect("--rounds N")
             }
             "--python" => python = true,
+            "--respawn-limit" => {
+                respawn_limit = Some(
+                    args.next()
+                        .and_then(|n| n.parse().ok())
+                        .expect("--respawn-limit N"),
+                )
+            }
             // cargo bench passes `--bench`.
             a if a.starts_with("--") => {}
             a => filter = Some(a.to_owned()),
@@ -733,6 +748,7 @@ fn main() {
                 pool,
                 rounds,
                 filter,
+                respawn_limit,
             );
         }
         #[cfg(not(feature = "python"))]
@@ -745,6 +761,7 @@ fn main() {
             pool,
             rounds,
             filter,
+            respawn_limit,
         );
     }
     println!("load average at end: {}", common::load());

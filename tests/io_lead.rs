@@ -45,6 +45,10 @@ fn main() {
             a_leader_whose_target_is_killed_gets_target_lost,
         ),
         ("a_close_ends_a_leaders_wait", a_close_ends_a_leaders_wait),
+        (
+            "tasks_left_to_the_io_thread_keep_their_place",
+            tasks_left_to_the_io_thread_keep_their_place,
+        ),
     ]);
 }
 
@@ -325,4 +329,63 @@ fn a_close_ends_a_leaders_wait() {
         error.error.message,
         "the Worker closed before the task's result arrived"
     );
+}
+
+fn tasks_left_to_the_io_thread_keep_their_place() {
+    let worker = builder(2).respawn_limit(0).build().unwrap();
+    worker.start().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    // The IO thread held after its next wake-up: the tasks below stay in
+    // its queue until the unregister carries them out.
+    #[cfg(feature = "failpoints")]
+    fail::cfg(callreg::io::failpoints::PARENT_IO_TURN, "pause").unwrap();
+    let (sender, results) = mpsc::channel();
+    for i in 0..50u32 {
+        let sender = sender.clone();
+        let target = TargetId(u16::try_from(i % 2).unwrap());
+        let input = format!("[{i}]");
+        worker.submit_then(
+            &echo,
+            target,
+            TaskEncoding::Json,
+            input.as_bytes(),
+            move |r| sender.send((i, r)).unwrap(),
+        );
+    }
+    // Carried out by this thread at once, after the queued tasks: had it
+    // overtaken them, they would find the handle unregistered.
+    worker.unregister(&echo).unwrap();
+    #[cfg(feature = "failpoints")]
+    fail::remove(callreg::io::failpoints::PARENT_IO_TURN);
+    let mut seen = Vec::new();
+    for _ in 0..50 {
+        let (i, result) = results.recv_timeout(Duration::from_secs(20)).unwrap();
+        assert_eq!(result.unwrap(), format!("[{i}]").as_bytes(), "task {i}");
+        seen.push(i);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..50).collect::<Vec<_>>());
+    // After the unregister, a task left to the IO thread is refused there.
+    let (sender, result) = mpsc::channel();
+    worker.submit_then(&echo, TargetId(0), TaskEncoding::Json, b"[1]", move |r| {
+        sender.send(r).unwrap()
+    });
+    let error = result
+        .recv_timeout(Duration::from_secs(20))
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(error.error.code, callreg::error::ErrorCode::HANDLE_STALE);
+    check_invariants(&worker, 2);
+    // Closed: the callback hears why at once.
+    worker.close();
+    let (sender, result) = mpsc::channel();
+    worker.submit_then(&echo, TargetId(0), TaskEncoding::Json, b"[1]", move |r| {
+        sender.send(r).unwrap()
+    });
+    let error = result.try_recv().unwrap().unwrap_err();
+    assert_eq!(
+        error.error.code,
+        callreg::error::ErrorCode::LIFECYCLE_INVALID
+    );
+    assert_eq!(error.error.message, "the Worker is closed");
 }

@@ -65,6 +65,15 @@ fn note(what: String) {
 
 /// `loom::model`, printing the failing interleaving's trace.
 fn model(scenario: impl Fn() + Sync + Send + 'static) {
+    model_bounded(None, scenario);
+}
+
+/// [`model`] with at most `bound` preemptions per interleaving (`None`:
+/// `LOOM_MAX_PREEMPTIONS`, as every other model). The scenarios with four
+/// threads besides the target run with 2: with 3 each takes about a
+/// minute, and every mutation of `every_mutation_strands_a_caller` is
+/// also caught with 2.
+fn model_bounded(bound: Option<usize>, scenario: impl Fn() + Sync + Send + 'static) {
     static HOOK: std::sync::Once = std::sync::Once::new();
     HOOK.call_once(|| {
         let default = std::panic::take_hook();
@@ -77,7 +86,11 @@ fn model(scenario: impl Fn() + Sync + Send + 'static) {
             default(info);
         }));
     });
-    loom::model(move || {
+    let mut builder = loom::model::Builder::new();
+    if bound.is_some() {
+        builder.preemption_bound = bound;
+    }
+    builder.check(move || {
         TRACE.with(|trace| trace.borrow_mut().clear());
         scenario();
     });
@@ -500,7 +513,7 @@ fn one_leading_caller_gets_its_reply() {
 
 #[test]
 fn of_two_leading_callers_one_leads_and_both_complete() {
-    model(|| two_leading_callers(RULES));
+    model_bounded(Some(2), || two_leading_callers(RULES));
 }
 
 #[test]
@@ -510,7 +523,7 @@ fn an_async_caller_alone_completes() {
 
 #[test]
 fn an_async_caller_beside_a_leader_completes() {
-    model(|| async_and_leading_caller(RULES));
+    model_bounded(Some(2), || async_and_leading_caller(RULES));
 }
 
 #[test]

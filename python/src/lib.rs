@@ -9,9 +9,9 @@
 //!   [`SIGNAL_CHECK_INTERVAL`] and runs `PyErr_CheckSignals` between them,
 //!   so Ctrl-C raises `KeyboardInterrupt` in the caller (the task itself
 //!   finishes in its target, its result is dropped);
-//! * [`RawWorker::submit`] hands each result to a channel from the IO
-//!   thread ([`callreg::io::PendingTask::on_complete`], never touching the
-//!   GIL there); the package's dispatcher thread collects them with
+//! * [`RawWorker::submit`] leaves each task to the Worker's IO thread,
+//!   which hands its result to a channel ([`callreg::io::Worker::submit_then`],
+//!   never touching the GIL there); the package's dispatcher thread collects them with
 //!   [`RawWorker::next_completions`] and resolves its futures;
 //! * errors are raised as `RawError` with one dict argument (`code`,
 //!   `operation`, `target`, `hashid`, `seq`, `message`, `full`, `kind`,
@@ -391,13 +391,17 @@ impl RawWorker {
         let id = self.next_task.fetch_add(1, Ordering::Relaxed);
         let started = py.detach(|| {
             let target = self.pick_target(target)?;
-            let pending =
-                self.worker
-                    .submit_async(&handle.handle, target, TaskEncoding::Pickle, input);
-            pending.on_complete(move |result| {
-                // The dispatcher may be gone (interpreter exit): nothing waits.
-                let _ = sender.send((id, result));
-            });
+            self.worker.submit_then(
+                &handle.handle,
+                target,
+                TaskEncoding::Pickle,
+                input,
+                move |result| {
+                    // The dispatcher may be gone (interpreter exit): nothing
+                    // waits.
+                    let _ = sender.send((id, result));
+                },
+            );
             Ok::<_, Error>(target)
         });
         let target = started.map_err(|e| plain_err(py, &e))?;

@@ -45,6 +45,11 @@ pub const PARENT_AFTER_STAGE: &str = "parent.after_stage";
 /// handed to the caller; `sleep(MS)` delays it, any `return(…)` ends the
 /// parent process (the machine already published).
 pub const PARENT_BEFORE_PUBLISH: &str = "parent.before_publish";
+/// Parent: the IO thread's `poll` returned, before it takes the state
+/// lock; `pause` or `sleep(MS)` holds it there (requests left to it wait
+/// in its queue, callers carry out their own meanwhile); a `return(…)` is
+/// ignored (there is nothing to refuse).
+pub const PARENT_IO_TURN: &str = "parent.io_turn";
 
 /// Every fail point, for tests that iterate over them.
 pub const ALL: &[&str] = &[
@@ -55,6 +60,7 @@ pub const ALL: &[&str] = &[
     TARGET_REPLY_DELAY,
     PARENT_AFTER_STAGE,
     PARENT_BEFORE_PUBLISH,
+    PARENT_IO_TURN,
 ];
 
 /// Exit status of a process ended by a `return(exit)` action.

@@ -475,6 +475,7 @@ impl<R: Runtime> WorkerBuilder<R> {
                     envelopes: BTreeMap::new(),
                     metadata: BTreeMap::new(),
                     closing: false,
+                    requests: VecDeque::new(),
                     io: None,
                     io_running: false,
                     wake: None,
@@ -747,6 +748,10 @@ struct Core {
     /// A close was asked for: the IO thread carries it out; requests
     /// after it are refused.
     closing: bool,
+    /// Requests left to the IO thread (from callers that do not wait, see
+    /// [`Worker::submit_then`]), in the order they came; a caller that
+    /// carries out its own request first carries out these.
+    requests: VecDeque<Request>,
     /// The IO state (links, staged payloads, waiters), driven by the IO
     /// thread and by callers in turn, under this lock (`None` before start
     /// and after close). Whoever drives it takes it out of `Core` for the
@@ -1113,10 +1118,14 @@ fn io_thread(shared: Arc<Shared>) {
         let Some(mut io) = core.io.take() else {
             return;
         };
-        // Step 1: replacements the template forked, and a close.
+        // Step 1: replacements the template forked, the requests left to
+        // this thread, and a close.
         let spawned = std::mem::take(&mut *io.spawned.lock().unwrap_or_else(|p| p.into_inner()));
         for spawned in spawned {
             io.link_spawned(&mut core, spawned);
+        }
+        while let Some(request) = core.requests.pop_front() {
+            io.request(&mut core, request);
         }
         if core.closing {
             io.close(&mut core);
@@ -1184,6 +1193,7 @@ fn io_thread(shared: Arc<Shared>) {
             .map(|(what, _, _)| what)
             .zip(flags)
             .collect();
+        let _ = failpoints::hit(failpoints::PARENT_IO_TURN);
         // Steps 5 and 6: replies, losses, flushes.
         core = shared.lock();
         let Some(mut io) = core.io.take() else {
@@ -1492,6 +1502,49 @@ impl<R: Runtime> Worker<R> {
         self.submit_async(handle, target, encoding, input).wait()
     }
 
+    /// Starts a task whose result goes to `callback`, for a caller that
+    /// does not wait for it: the request is left to the Worker's IO
+    /// thread, which carries out every request queued meanwhile in one
+    /// turn (many tasks in flight cost the caller one queue push each, and
+    /// no contention with the thread reading their results). The callback
+    /// runs as [`PendingTask::on_complete`]'s does (it must not block nor
+    /// call the Worker); requests reach the targets in the order they were
+    /// made, whichever way each was made. Errors as [`Worker::submit`],
+    /// given to the callback.
+    pub fn submit_then<F>(
+        &self,
+        handle: &Handle,
+        target: TargetId,
+        encoding: TaskEncoding,
+        input: &[u8],
+        callback: F,
+    ) where
+        F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
+    {
+        let (done, pending) = handoff::channel();
+        if let Err(error) = self.task_frame_fits(handle, target, input) {
+            done.complete(Err(error));
+        } else {
+            let request = Request::Task {
+                handle: *handle,
+                target,
+                encoding,
+                input: input.to_vec(),
+                done,
+            };
+            let mut core = self.shared.lock();
+            if core.io_running && !core.closing {
+                core.requests.push_back(request);
+                io_wake(&core);
+            } else {
+                let started = core.machine.lifecycle() == Lifecycle::New;
+                drop(core);
+                refuse(request, started);
+            }
+        }
+        pending.on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
+    }
+
     /// Starts a task and returns at once with a pending task.
     pub fn submit_async(
         &self,
@@ -1501,24 +1554,8 @@ impl<R: Runtime> Worker<R> {
         input: &[u8],
     ) -> PendingTask {
         let (done, pending) = handoff::channel();
-        // Task frame: header, seq, digest, encoding, input length, input.
-        let size = HEADER_BYTES + 8 + 32 + 1 + 4 + input.len();
-        if size > self.max_frame_bytes {
-            done.complete(Err(TaskError {
-                error: Error::new(
-                    ErrorCode::FRAME_INVALID,
-                    OperationKind::Task,
-                    format!(
-                        "a task input of {} bytes makes a frame of {size} bytes, over the maximum of {}",
-                        input.len(),
-                        self.max_frame_bytes
-                    ),
-                )
-                .with_target(target)
-                .with_digest(handle.digest()),
-                kind: String::new(),
-                exception: Box::default(),
-            }));
+        if let Err(error) = self.task_frame_fits(handle, target, input) {
+            done.complete(Err(error));
             return PendingTask {
                 awaited: Awaited::done(pending),
             };
@@ -1536,6 +1573,35 @@ impl<R: Runtime> Worker<R> {
         PendingTask {
             awaited: self.awaited(pending, owed),
         }
+    }
+
+    /// `FRAME_INVALID` for a task input too large for one frame.
+    fn task_frame_fits(
+        &self,
+        handle: &Handle,
+        target: TargetId,
+        input: &[u8],
+    ) -> Result<(), TaskError> {
+        // Task frame: header, seq, digest, encoding, input length, input.
+        let size = HEADER_BYTES + 8 + 32 + 1 + 4 + input.len();
+        if size <= self.max_frame_bytes {
+            return Ok(());
+        }
+        Err(TaskError {
+            error: Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Task,
+                format!(
+                    "a task input of {} bytes makes a frame of {size} bytes, over the maximum of {}",
+                    input.len(),
+                    self.max_frame_bytes
+                ),
+            )
+            .with_target(target)
+            .with_digest(handle.digest()),
+            kind: String::new(),
+            exception: Box::default(),
+        })
     }
 
     /// The waiting side of a request given to [`Worker::push`].
@@ -1692,6 +1758,10 @@ impl<R: Runtime> Worker<R> {
             core.closing = true;
             io_wake(&core);
         } else {
+            // Requests reach the machine in the order they came.
+            while let Some(queued) = core.requests.pop_front() {
+                io.request(&mut core, queued);
+            }
             io.request(&mut core, request);
         }
         let leaving = io.leave(&core, settle, false);
@@ -3442,6 +3512,9 @@ impl IoLoop {
         self.ops.clear();
         core.io_running = false;
         core.wake = None;
+        for request in std::mem::take(&mut core.requests) {
+            refuse(request, false);
+        }
     }
 }
 
