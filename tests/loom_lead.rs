@@ -375,7 +375,7 @@ impl World {
         }
         note(format!("caller {id}: hand-off not complete"));
         let mut state = lock(&self.state);
-        if !state.watch.try_lead(LIVE) {
+        if state.watch.io_reads_all(LIVE) || !state.watch.try_lead(LIVE) {
             note(format!("caller {id}: follows"));
             if state.watch.io_must_wake(state.left()) {
                 note(format!("caller {id}: writes the IO wake pipe"));

@@ -114,6 +114,13 @@ impl Watch {
         pid != 0 && pid_at(&self.io_replies, index) == pid
     }
 
+    /// Whether the IO thread's current `poll` reads the reply pipe of every
+    /// link of `live` (and there is one): a caller then follows rather
+    /// than lead, or both would be woken by every reply.
+    pub fn io_reads_all(&self, live: &[(usize, i32)]) -> bool {
+        !live.is_empty() && live.iter().all(|&(index, pid)| self.io_reads(index, pid))
+    }
+
     /// Whether someone (the IO thread's current `poll` or the leader)
     /// reads the reply pipe of link (`index`, `pid`).
     pub fn reads(&self, index: usize, pid: i32) -> bool {
@@ -336,6 +343,19 @@ mod tests {
             unsent: &other,
             ..left(false, None)
         }));
+    }
+
+    #[test]
+    fn a_caller_follows_while_the_io_thread_reads_every_link() {
+        let mut watch = Watch::default();
+        assert!(!watch.io_reads_all(LIVE));
+        watch.plan_io(LIVE, true, &[], None);
+        assert!(watch.io_reads_all(LIVE));
+        assert!(!watch.io_reads_all(&[]));
+        // A link it does not read (a replacement) is one to lead for.
+        assert!(!watch.io_reads_all(&[(0, 100), (1, 202)]));
+        watch.plan_io(LIVE, false, &[], None);
+        assert!(!watch.io_reads_all(LIVE));
     }
 
     #[test]

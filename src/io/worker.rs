@@ -976,7 +976,15 @@ impl Shared {
             };
             if wake.is_none() {
                 let passed = until.is_some_and(|until| Instant::now() >= until);
-                if pending.is_complete() || passed || !io.watch.try_lead(&io.live()) {
+                let live = io.live();
+                // Follow while the IO thread reads every reply pipe (many
+                // results in flight): leading too would wake both threads
+                // for every reply.
+                if pending.is_complete()
+                    || passed
+                    || io.watch.io_reads_all(&live)
+                    || !io.watch.try_lead(&live)
+                {
                     let leaving = io.leave(&core, true, false);
                     core.io = Some(io);
                     drop(core);
