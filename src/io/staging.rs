@@ -112,6 +112,39 @@ fn os_error(operation: &'static str) -> impl FnOnce(Errno) -> StagingError {
     move |errno| StagingError::Os { operation, errno }
 }
 
+/// Adds the required seals from each CPU this thread may run on, in turn,
+/// until one call succeeds or fails otherwise than `EBUSY`; the thread's
+/// CPU affinity is restored after.
+///
+/// Why: `F_SEAL_WRITE` is refused with `EBUSY` while a page of the file
+/// holds a reference other than the file's. A page just written holds one
+/// while it waits in a per-CPU batch of the CPU that wrote it, and the
+/// kernel drains only the batch of the CPU that asks to seal (then waits a
+/// little, and gives up). A thread moved to another CPU between its writes
+/// and its seal can so be refused; asking from every CPU drains every
+/// batch.
+fn seal_from_every_cpu(fd: BorrowedFd<'_>) -> Result<(), Errno> {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    let this = nix::unistd::Pid::from_raw(0);
+    let saved = sched_getaffinity(this)?;
+    let mut sealed = Err(Errno::EBUSY);
+    for cpu in 0..CpuSet::count() {
+        if !saved.is_set(cpu).unwrap_or(false) {
+            continue;
+        }
+        let mut only = CpuSet::new();
+        if only.set(cpu).is_err() || sched_setaffinity(this, &only).is_err() {
+            continue;
+        }
+        sealed = fcntl(fd, FcntlArg::F_ADD_SEALS(REQUIRED_SEALS)).map(drop);
+        if sealed != Err(Errno::EBUSY) {
+            break;
+        }
+    }
+    let _ = sched_setaffinity(this, &saved);
+    sealed
+}
+
 fn io_errno(e: &std::io::Error) -> Errno {
     Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
 }
@@ -167,7 +200,11 @@ impl StagedPayload {
             offset += chunk.len();
         }
         let fd = OwnedFd::from(file);
-        fcntl(&fd, FcntlArg::F_ADD_SEALS(REQUIRED_SEALS)).map_err(os_error("F_ADD_SEALS"))?;
+        match fcntl(&fd, FcntlArg::F_ADD_SEALS(REQUIRED_SEALS)) {
+            Err(Errno::EBUSY) => seal_from_every_cpu(fd.as_fd()),
+            sealed => sealed.map(drop),
+        }
+        .map_err(os_error("F_ADD_SEALS"))?;
         Ok((
             StagedPayload {
                 fd: TrackedFd::new(fd),
@@ -357,6 +394,38 @@ mod tests {
 
     fn dup(staged: &StagedPayload) -> OwnedFd {
         staged.fd().try_clone_to_owned().unwrap()
+    }
+
+    #[test]
+    fn sealing_from_every_cpu_seals_and_restores_the_affinity() {
+        use nix::sched::sched_getaffinity;
+        let this = nix::unistd::Pid::from_raw(0);
+        let before = sched_getaffinity(this).unwrap();
+        let fd = memfd_create(
+            MEMFD_NAME,
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .unwrap();
+        let mut file = File::from(fd);
+        file.write_all(&[7u8; 8192]).unwrap();
+        let fd = OwnedFd::from(file);
+        seal_from_every_cpu(fd.as_fd()).unwrap();
+        let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).unwrap();
+        assert_eq!(
+            SealFlag::from_bits_truncate(seals) & REQUIRED_SEALS,
+            REQUIRED_SEALS
+        );
+        let after = sched_getaffinity(this).unwrap();
+        let cpus = |set: &nix::sched::CpuSet| -> Vec<usize> {
+            (0..nix::sched::CpuSet::count())
+                .filter(|c| set.is_set(*c).unwrap())
+                .collect()
+        };
+        assert_eq!(cpus(&after), cpus(&before));
+        // Sealed already: a second attempt is refused for the seal seal,
+        // not retried forever.
+        assert_eq!(seal_from_every_cpu(fd.as_fd()), Err(Errno::EPERM));
+        assert_eq!(cpus(&sched_getaffinity(this).unwrap()), cpus(&before));
     }
 
     #[test]
