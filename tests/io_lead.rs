@@ -86,7 +86,13 @@ fn join_within<T>(thread: std::thread::JoinHandle<T>, what: &str) -> T {
 }
 
 fn a_round_trip_wakes_no_parent_thread_but_the_caller() {
-    let worker = builder(1).respawn_limit(0).build().unwrap();
+    // A control timeout past the test's length: no deadline of the
+    // register wakes the IO thread meanwhile.
+    let worker = builder(1)
+        .respawn_limit(0)
+        .control_timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
     worker.start().unwrap();
     let echo = worker.register(&envelope("echo")).unwrap();
     // Let the IO thread settle after start and the register.

@@ -953,6 +953,19 @@ impl Shared {
         }
     }
 
+    /// The leader stops leading, and wakes the IO thread for what it
+    /// leaves ([`super::lead`]).
+    fn step_down(&self) {
+        let mut core = self.lock();
+        if let Some(mut io) = core.io.take() {
+            io.watch.step_down();
+            let leaving = io.leave(&core, true, false);
+            core.io = Some(io);
+            drop(core);
+            self.finish(leaving);
+        }
+    }
+
     /// Waits for `pending` as the leader ([`super::lead`]): reads the
     /// replies of every live target and handles the deadlines, for every
     /// caller, until this caller's result is there (`Ok`) or `until`
@@ -1026,14 +1039,7 @@ impl Shared {
             self.finish(leaving);
             let passed = until.is_some_and(|until| Instant::now() >= until);
             if pending.is_complete() || passed {
-                let mut core = self.lock();
-                if let Some(mut io) = core.io.take() {
-                    io.watch.step_down();
-                    let leaving = io.leave(&core, true, false);
-                    core.io = Some(io);
-                    drop(core);
-                    self.finish(leaving);
-                }
+                self.step_down();
                 return if pending.is_complete() {
                     Ok(pending.wait())
                 } else {
@@ -1057,14 +1063,7 @@ impl Shared {
             drop(fds);
             if matches!(polled, Err(errno) if errno != Errno::EINTR) {
                 // Unrecoverable here: leave the replies to the IO thread.
-                let mut core = self.lock();
-                if let Some(mut io) = core.io.take() {
-                    io.watch.step_down();
-                    let leaving = io.leave(&core, true, false);
-                    core.io = Some(io);
-                    drop(core);
-                    self.finish(leaving);
-                }
+                self.step_down();
                 return Err(pending);
             }
             woken = !events[0].is_empty();
