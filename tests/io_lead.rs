@@ -49,6 +49,10 @@ fn main() {
             "tasks_left_to_the_io_thread_keep_their_place",
             tasks_left_to_the_io_thread_keep_their_place,
         ),
+        (
+            "a_leader_unwound_by_a_panicking_callback_hands_the_replies_back",
+            a_leader_unwound_by_a_panicking_callback_hands_the_replies_back,
+        ),
     ]);
 }
 
@@ -394,4 +398,38 @@ fn tasks_left_to_the_io_thread_keep_their_place() {
         callreg::error::ErrorCode::LIFECYCLE_INVALID
     );
     assert_eq!(error.error.message, "the Worker is closed");
+}
+
+fn a_leader_unwound_by_a_panicking_callback_hands_the_replies_back() {
+    let worker = Arc::new(builder(2).respawn_limit(0).build().unwrap());
+    worker.start().unwrap();
+    let slow = worker.register(&envelope("sleep 300")).unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    // This caller leads while its slow task runs, so it reads the quick
+    // task's result below and runs its callback, which panics.
+    let leader = {
+        let worker = worker.clone();
+        std::thread::spawn(move || worker.submit(&slow, TargetId(0), TaskEncoding::Json, b"[1]"))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    worker
+        .submit_async(&echo, TargetId(1), TaskEncoding::Json, b"[2]")
+        .on_complete(|_| panic!("a callback that panics"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !leader.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "the leader: still waiting after 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(leader.join().is_err(), "the leader's wait unwound");
+    // Nobody leads now: the IO thread reads the results of callbacks.
+    let (sender, result) = mpsc::channel();
+    worker
+        .submit_async(&echo, TargetId(0), TaskEncoding::Json, b"[3]")
+        .on_complete(move |r| sender.send(r).unwrap());
+    let output = result.recv_timeout(Duration::from_secs(20)).unwrap();
+    assert_eq!(output.unwrap(), b"[3]");
+    check_invariants(&worker, 2);
 }

@@ -677,7 +677,10 @@ impl PendingTask {
     /// Worker: hand the result on
     /// (e.g. push it into a channel) and return; above all it must not wait
     /// for anything the Worker's progress depends on (an interpreter
-    /// lock held by a thread that waits on this Worker).
+    /// lock held by a thread that waits on this Worker). A callback that
+    /// panics unwinds the thread that ran it (a waiting caller's wait
+    /// then panics; it stops reading replies, which the IO thread takes
+    /// back).
     pub fn on_complete<F>(self, callback: F)
     where
         F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
@@ -982,6 +985,10 @@ impl Shared {
         let mut ready: Vec<(usize, i32, bool)> = Vec::new();
         let mut wake: Option<Arc<TrackedFd>> = None;
         let mut woken = false;
+        let mut leading = Leading {
+            shared: self,
+            leads: false,
+        };
         loop {
             let mut core = self.lock();
             let Some(mut io) = core.io.take() else {
@@ -1005,6 +1012,7 @@ impl Shared {
                     return Err(pending);
                 }
                 wake = Some(io.leader_wake.clone());
+                leading.leads = true;
             } else {
                 if std::mem::take(&mut woken) {
                     let mut sink = [0u8; 64];
@@ -1039,7 +1047,7 @@ impl Shared {
             self.finish(leaving);
             let passed = until.is_some_and(|until| Instant::now() >= until);
             if pending.is_complete() || passed {
-                self.step_down();
+                leading.step_down();
                 return if pending.is_complete() {
                     Ok(pending.wait())
                 } else {
@@ -1063,7 +1071,7 @@ impl Shared {
             drop(fds);
             if matches!(polled, Err(errno) if errno != Errno::EINTR) {
                 // Unrecoverable here: leave the replies to the IO thread.
-                self.step_down();
+                leading.step_down();
                 return Err(pending);
             }
             woken = !events[0].is_empty();
@@ -1080,6 +1088,28 @@ impl Shared {
 /// A completion decided under the state lock, handed to its caller once
 /// the lock is released.
 type Handover = Box<dyn FnOnce() + Send>;
+
+/// A caller's leadership: it steps down when dropped while still leading
+/// (a callback it ran for another caller panicked), so the IO thread takes
+/// the replies back instead of no one reading them.
+struct Leading<'a> {
+    shared: &'a Shared,
+    leads: bool,
+}
+
+impl Leading<'_> {
+    fn step_down(&mut self) {
+        if std::mem::take(&mut self.leads) {
+            self.shared.step_down();
+        }
+    }
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        self.step_down();
+    }
+}
 
 /// What a thread leaving the state lock still owes once it released it:
 /// the completions decided meanwhile, then, if `recheck` (a result was
