@@ -66,6 +66,7 @@ import concurrent.futures
 import functools
 import inspect as _inspect
 import json
+import logging
 import os
 import pickle
 import platform
@@ -76,6 +77,8 @@ import weakref
 import cloudpickle
 
 from callreg import _callreg
+
+_LOGGER = logging.getLogger("callreg")
 
 __all__ = [
     "Worker",
@@ -643,6 +646,18 @@ def _seconds(name, value):
 # The Worker
 
 
+def _resolve(resolve, value):
+    """Resolves a future in the dispatcher thread. ``concurrent.futures``
+    logs an ``Exception`` raised by a done-callback; a ``BaseException``
+    (``SystemExit``, ``KeyboardInterrupt``) would end the dispatcher and
+    strand every later future, so it is reported the same way and the
+    dispatcher goes on."""
+    try:
+        resolve(value)
+    except BaseException:  # a done-callback's SystemExit or KeyboardInterrupt
+        _LOGGER.exception("a done-callback of a callreg future raised")
+
+
 class _Dispatch:
     """Futures waiting for results, and the thread that resolves them. Holds
     no reference to its Worker (so the Worker can be garbage-collected)."""
@@ -676,11 +691,11 @@ class _Dispatch:
                     try:
                         value = pickle.loads(output)
                     except BaseException as exc:  # an unpicklable result
-                        future.set_exception(exc)
+                        _resolve(future.set_exception, exc)
                     else:
-                        future.set_result(value)
+                        _resolve(future.set_result, value)
                 else:
-                    future.set_exception(_error(error))
+                    _resolve(future.set_exception, _error(error))
         self.fail_remaining()
 
     def fail_remaining(self):

@@ -7,6 +7,8 @@ import functools
 import math
 import os
 import pickle
+import sys
+import time
 
 import pytest
 
@@ -387,3 +389,24 @@ def test_the_type_stubs_export_what_the_package_exports():
         if inspect.isclass(getattr(callreg, name)) or inspect.isfunction(getattr(callreg, name))
     }
     assert public - stubbed == set()
+
+
+def slow_increment(x):
+    time.sleep(1.0)
+    return x + 1
+
+
+def test_a_done_callback_raising_system_exit_strands_no_later_future(caplog):
+    with callreg.Worker(1) as w:
+        w.start()
+        slow = w.register(slow_increment)
+        h = w.register(lambda x: x + 1)
+        first = w.submit(slow, 7)
+        # Added while the task runs (it takes a second): the dispatcher
+        # thread runs it.
+        first.add_done_callback(lambda f: sys.exit("from a done-callback"))
+        assert first.result(timeout=10) == 8
+        # The dispatcher went on: later futures resolve.
+        assert [w.submit(h, i).result(timeout=10) for i in range(5)] == [1, 2, 3, 4, 5]
+        assert w.call(h, 9) == 10
+    assert "a done-callback of a callreg future raised" in caplog.text

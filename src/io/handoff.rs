@@ -99,7 +99,10 @@ fn finish<T>(shared: &Shared<T>, value: Result<T, Abandoned>) {
         }
         State::Callback(callback) => {
             drop(guard);
-            callback(value);
+            // A callback that panics is contained (the panic hook has
+            // reported it): the completing thread reads other callers'
+            // replies, and must go on.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback(value)));
             return;
         }
         // Completed already: impossible (the completer is consumed).
@@ -164,6 +167,9 @@ impl<T> Pending<T> {
     /// this thread when that already happened. It runs without the slot's
     /// lock held; it must not block for long (in a Worker it runs on the
     /// thread that read the reply: hand the value on, e.g. into a channel).
+    /// A panic in it is contained when another thread runs it (the panic
+    /// hook reports it; that thread goes on), and unwinds this thread's
+    /// call when it runs here at once.
     pub fn on_complete<F>(self, callback: F)
     where
         F: FnOnce(Result<T, Abandoned>) + Send + 'static,

@@ -678,9 +678,9 @@ impl PendingTask {
     /// (e.g. push it into a channel) and return; above all it must not wait
     /// for anything the Worker's progress depends on (an interpreter
     /// lock held by a thread that waits on this Worker). A callback that
-    /// panics unwinds the thread that ran it (a waiting caller's wait
-    /// then panics; it stops reading replies, which the IO thread takes
-    /// back).
+    /// panics in another thread is contained there (the panic hook reports
+    /// it, and that thread, the IO thread or a waiting caller, goes on);
+    /// one that runs here at once unwinds this call.
     pub fn on_complete<F>(self, callback: F)
     where
         F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
@@ -1090,8 +1090,8 @@ impl Shared {
 type Handover = Box<dyn FnOnce() + Send>;
 
 /// A caller's leadership: it steps down when dropped while still leading
-/// (a callback it ran for another caller panicked), so the IO thread takes
-/// the replies back instead of no one reading them.
+/// (the wait unwound), so the IO thread takes the replies back instead of
+/// no one reading them.
 struct Leading<'a> {
     shared: &'a Shared,
     leads: bool,
