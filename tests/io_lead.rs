@@ -53,6 +53,10 @@ fn main() {
             "a_callback_that_panics_strands_no_one",
             a_callback_that_panics_strands_no_one,
         ),
+        (
+            "a_callback_may_start_tasks_but_not_wait",
+            a_callback_may_start_tasks_but_not_wait,
+        ),
     ]);
 }
 
@@ -413,15 +417,17 @@ fn a_callback_that_panics_strands_no_one() {
         std::thread::spawn(move || worker.submit(&slow, TargetId(0), TaskEncoding::Json, b"[1]"))
     };
     std::thread::sleep(Duration::from_millis(50));
-    worker
-        .submit_async(&echo, TargetId(1), TaskEncoding::Json, b"[2]")
-        .on_complete(|_| panic!("a callback that panics"));
+    // `submit_then`: the callback runs where the result is read.
+    worker.submit_then(&echo, TargetId(1), TaskEncoding::Json, b"[2]", |_| {
+        panic!("a callback that panics")
+    });
     assert_eq!(join_within(leader, "the leader").unwrap(), b"[1]");
     // Nobody leads now: the IO thread runs the callbacks, a panicking one
     // too, and goes on.
-    worker
-        .submit_async(&echo, TargetId(0), TaskEncoding::Json, b"[3]")
-        .on_complete(|_| panic!("another callback that panics"));
+    // `submit_then`: the callback runs where the result is read.
+    worker.submit_then(&echo, TargetId(0), TaskEncoding::Json, b"[3]", |_| {
+        panic!("another callback that panics")
+    });
     let (sender, result) = mpsc::channel();
     worker
         .submit_async(&echo, TargetId(0), TaskEncoding::Json, b"[4]")
@@ -434,5 +440,64 @@ fn a_callback_that_panics_strands_no_one() {
             .unwrap(),
         b"[5]"
     );
+    check_invariants(&worker, 2);
+}
+
+fn a_callback_may_start_tasks_but_not_wait() {
+    let worker = Arc::new(builder(2).respawn_limit(0).build().unwrap());
+    worker.start().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    let slow = worker.register(&envelope("sleep 300")).unwrap();
+    for leader in [false, true] {
+        // With a leader, the leader runs the callback; without, the IO
+        // thread does.
+        let leading = leader.then(|| {
+            let worker = worker.clone();
+            std::thread::spawn(move || {
+                worker.submit(&slow, TargetId(0), TaskEncoding::Json, b"[0]")
+            })
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let (sender, results) = mpsc::channel();
+        let inner = worker.clone();
+        // `submit_then`: the callback runs where the result is read, never
+        // at once in this thread (where waiting would be fine).
+        worker.submit_then(
+            &echo,
+            TargetId(1),
+            TaskEncoding::Json,
+            b"[1]",
+            move |first| {
+                let waited = inner.submit(&echo, TargetId(1), TaskEncoding::Json, b"[2]");
+                let live = inner.live_targets();
+                let sender2 = sender.clone();
+                inner.submit_then(&echo, TargetId(1), TaskEncoding::Json, b"[3]", move |r| {
+                    sender2.send(("then", r)).unwrap()
+                });
+                sender.send(("first", first)).unwrap();
+                sender.send(("waited", waited)).unwrap();
+                assert_eq!(live, vec![TargetId(0), TargetId(1)]);
+            },
+        );
+        let mut got = std::collections::BTreeMap::new();
+        for _ in 0..3 {
+            let (what, result) = results.recv_timeout(Duration::from_secs(20)).unwrap();
+            got.insert(what, result);
+        }
+        assert_eq!(got["first"].as_deref().unwrap(), b"[1]");
+        assert_eq!(got["then"].as_deref().unwrap(), b"[3]");
+        let error = got["waited"].as_ref().unwrap_err();
+        assert_eq!(
+            error.error.code,
+            callreg::error::ErrorCode::LIFECYCLE_INVALID
+        );
+        assert_eq!(
+            error.error.message,
+            "a completion callback must not wait on the Worker (it runs on the thread that reads the replies, which would wait on itself)"
+        );
+        if let Some(leading) = leading {
+            assert_eq!(join_within(leading, "the leader").unwrap(), b"[0]");
+        }
+    }
     check_invariants(&worker, 2);
 }

@@ -17,6 +17,20 @@
 
 use crate::sync::{lock, Arc, Condvar, Mutex};
 
+std::thread_local! {
+    /// Whether this thread runs a callback for a completion it decided
+    /// (not one registered after the fact, which runs in its own caller).
+    static IN_CALLBACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is running a completion callback
+/// ([`Pending::on_complete`]) on behalf of the thread that completed it:
+/// that thread (in a Worker, the one reading replies) waits for the
+/// callback, so the callback must not wait for anything it would do.
+pub fn in_callback() -> bool {
+    IN_CALLBACK.with(std::cell::Cell::get)
+}
+
 /// The completer was dropped without a result (the Worker closed).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, thiserror::Error)]
 #[error("the operation was abandoned: the Worker's IO thread ended before completing it")]
@@ -102,7 +116,9 @@ fn finish<T>(shared: &Shared<T>, value: Result<T, Abandoned>) {
             // A callback that panics is contained (the panic hook has
             // reported it): the completing thread reads other callers'
             // replies, and must go on.
+            let outer = IN_CALLBACK.with(|flag| flag.replace(true));
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback(value)));
+            IN_CALLBACK.with(|flag| flag.set(outer));
             return;
         }
         // Completed already: impossible (the completer is consumed).

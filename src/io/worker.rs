@@ -622,8 +622,14 @@ impl<T> PendingOperation<T> {
     ///
     /// # Errors
     /// The operation's [`OperationError`]; `LIFECYCLE_INVALID` if the
-    /// Worker closed without completing it.
+    /// Worker closed without completing it, or at once inside a
+    /// completion callback ([`PendingTask::on_complete`]).
     pub fn wait(self) -> Result<T, OperationError> {
+        if handoff::in_callback() {
+            return Err(OperationError::new(callback_wait_error(
+                OperationKind::Register,
+            )));
+        }
         self.awaited.wait().unwrap_or_else(|abandoned| {
             Err(OperationError::new(Error::new(
                 ErrorCode::LIFECYCLE_INVALID,
@@ -651,8 +657,12 @@ impl PendingTask {
     ///
     /// # Errors
     /// The task's [`TaskError`]; `LIFECYCLE_INVALID` if the Worker closed
-    /// without an answer.
+    /// without an answer, or at once inside a completion callback
+    /// ([`PendingTask::on_complete`]).
     pub fn wait(self) -> Result<Vec<u8>, TaskError> {
+        if handoff::in_callback() {
+            return Err(callback_task_error());
+        }
         self.awaited.wait().unwrap_or_else(task_abandoned)
     }
 
@@ -663,6 +673,9 @@ impl PendingTask {
         self,
         timeout: Duration,
     ) -> Result<Result<Vec<u8>, TaskError>, PendingTask> {
+        if handoff::in_callback() {
+            return Ok(Err(callback_task_error()));
+        }
         match self.awaited.wait_until(Instant::now().checked_add(timeout)) {
             Ok(result) => Ok(result.unwrap_or_else(task_abandoned)),
             Err(awaited) => Err(PendingTask { awaited }),
@@ -673,11 +686,16 @@ impl PendingTask {
     /// once, in the thread that reads the result (the Worker's IO thread,
     /// or another caller's thread that waits on this Worker), possibly
     /// while the Worker's state lock is held, or at once in this thread
-    /// when the task is already complete. It must not block, nor call the
-    /// Worker: hand the result on
-    /// (e.g. push it into a channel) and return; above all it must not wait
-    /// for anything the Worker's progress depends on (an interpreter
-    /// lock held by a thread that waits on this Worker). A callback that
+    /// when the task is already complete. It runs without the Worker's
+    /// state lock held. It must not block: hand the result on (e.g. push
+    /// it into a channel) and return; above all it must not wait for
+    /// anything the Worker's progress depends on (an interpreter lock held
+    /// by a thread that waits on this Worker). It may start operations
+    /// ([`Worker::submit_then`], the `_async` calls) and read the Worker's
+    /// state; a wait inside it ([`PendingTask::wait`], the synchronous
+    /// calls, [`Worker::inspect`]) fails at once with `LIFECYCLE_INVALID`
+    /// (it would wait on the thread running it), and [`Worker::close`]
+    /// inside it only asks for the close, carried out once it returns. A callback that
     /// panics in another thread is contained there (the panic hook reports
     /// it, and that thread, the IO thread or a waiting caller, goes on);
     /// one that runs here at once unwinds this call.
@@ -692,6 +710,24 @@ impl PendingTask {
     /// Whether [`PendingTask::wait`] would return at once.
     pub fn is_complete(&self) -> bool {
         self.awaited.is_complete()
+    }
+}
+
+/// The error of a wait inside a completion callback (`LIFECYCLE_INVALID`):
+/// the callback runs on the thread that reads the replies, which would
+/// wait on itself.
+fn callback_wait_error(operation: OperationKind) -> Error {
+    lifecycle_error(
+        operation,
+        "a completion callback must not wait on the Worker (it runs on the thread that reads the replies, which would wait on itself)",
+    )
+}
+
+fn callback_task_error() -> TaskError {
+    TaskError {
+        error: callback_wait_error(OperationKind::Task),
+        kind: String::new(),
+        exception: Box::default(),
     }
 }
 
@@ -1559,6 +1595,9 @@ impl<R: Runtime> Worker<R> {
         F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
     {
         let (done, pending) = handoff::channel();
+        // Given to the hand-off first: it runs in the thread that
+        // completes the task, never in this one later.
+        pending.on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
         if let Err(error) = self.task_frame_fits(handle, target, input) {
             done.complete(Err(error));
         } else {
@@ -1579,7 +1618,6 @@ impl<R: Runtime> Worker<R> {
                 refuse(request, started);
             }
         }
-        pending.on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
     }
 
     /// Starts a task and returns at once with a pending task.
@@ -1750,6 +1788,9 @@ impl<R: Runtime> Worker<R> {
     /// # Errors
     /// `LIFECYCLE_INVALID` unless started.
     pub fn inspect(&self) -> Result<Vec<(TargetId, Option<TargetTable>)>, Error> {
+        if handoff::in_callback() {
+            return Err(callback_wait_error(OperationKind::Resolve));
+        }
         let (done, pending) = handoff::channel();
         self.push(Request::Inspect { done }, true);
         pending
@@ -2090,6 +2131,11 @@ impl<R: Runtime> Worker<R> {
             }
         }
         self.push(Request::Close, true);
+        if handoff::in_callback() {
+            // Its thread may be the IO thread: the close is carried out
+            // once the callback returns.
+            return;
+        }
         if let Some(handle) = io_thread.take() {
             let _ = handle.join();
         }
@@ -2732,14 +2778,14 @@ impl IoLoop {
                             },
                         ));
                     }
-                    Err(error) => done.complete(Err(OperationError::new(error))),
+                    Err(error) => self.defer(done, Err(OperationError::new(error))),
                 }
             }
             Request::Unregister { handle, done } => match core.machine.unregister(&handle, now) {
                 Ok(op) => {
                     self.ops.insert(op, OpWaiter::Unregister(done));
                 }
-                Err(error) => done.complete(Err(OperationError::new(error))),
+                Err(error) => self.defer(done, Err(OperationError::new(error))),
             },
             Request::Task {
                 handle,
@@ -2759,11 +2805,14 @@ impl IoLoop {
                     );
                     context.task_input = Some((encoding, input));
                 }
-                Err(error) => done.complete(Err(TaskError {
-                    error,
-                    kind: String::new(),
-                    exception: Box::default(),
-                })),
+                Err(error) => self.defer(
+                    done,
+                    Err(TaskError {
+                        error,
+                        kind: String::new(),
+                        exception: Box::default(),
+                    }),
+                ),
             },
             Request::Inspect { done } => {
                 let seq = self.next_inspect;
@@ -3441,19 +3490,22 @@ impl IoLoop {
             .collect();
         for seq in lost {
             if let Some(waiter) = self.tasks.remove(&seq) {
-                waiter.done.complete(Err(TaskError {
-                    error: Error::new(
-                        ErrorCode::TARGET_LOST,
-                        OperationKind::Task,
-                        format!("{who} was lost ({reason}) before the task's result arrived"),
-                    )
-                    .with_target(target)
-                    .with_namespace(Namespace::LocalPython)
-                    .with_digest(waiter.digest)
-                    .with_seq(Seq(seq)),
-                    kind: String::new(),
-                    exception: Box::default(),
-                }));
+                self.defer(
+                    waiter.done,
+                    Err(TaskError {
+                        error: Error::new(
+                            ErrorCode::TARGET_LOST,
+                            OperationKind::Task,
+                            format!("{who} was lost ({reason}) before the task's result arrived"),
+                        )
+                        .with_target(target)
+                        .with_namespace(Namespace::LocalPython)
+                        .with_digest(waiter.digest)
+                        .with_seq(Seq(seq)),
+                        kind: String::new(),
+                        exception: Box::default(),
+                    }),
+                );
             }
         }
         let mut index = 0;
@@ -3527,17 +3579,20 @@ impl IoLoop {
         self.starting.clear();
         core.kept.clear();
         for (seq, waiter) in std::mem::take(&mut self.tasks) {
-            waiter.done.complete(Err(TaskError {
-                error: lifecycle_error(
-                    OperationKind::Task,
-                    "the Worker closed before the task's result arrived",
-                )
-                .with_target(waiter.target)
-                .with_digest(waiter.digest)
-                .with_seq(Seq(seq)),
-                kind: String::new(),
-                exception: Box::default(),
-            }));
+            self.defer(
+                waiter.done,
+                Err(TaskError {
+                    error: lifecycle_error(
+                        OperationKind::Task,
+                        "the Worker closed before the task's result arrived",
+                    )
+                    .with_target(waiter.target)
+                    .with_digest(waiter.digest)
+                    .with_seq(Seq(seq)),
+                    kind: String::new(),
+                    exception: Box::default(),
+                }),
+            );
         }
         for mut waiter in std::mem::take(&mut self.inspects) {
             let tables = finish_inspect(&mut waiter);
