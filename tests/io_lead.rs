@@ -79,6 +79,17 @@ fn io_thread_sleeps() -> u64 {
     panic!("no callreg-io thread");
 }
 
+/// A thread running one task on `worker`, waiting for its result.
+fn submitting(
+    worker: &Arc<Worker<TestRuntime>>,
+    handle: callreg::protocol::Handle,
+    target: TargetId,
+    input: &'static [u8],
+) -> std::thread::JoinHandle<Result<Vec<u8>, callreg::io::worker::TaskError>> {
+    let worker = worker.clone();
+    std::thread::spawn(move || worker.submit(&handle, target, TaskEncoding::Json, input))
+}
+
 /// Joins `thread`, failing if it is still waiting after 20 s (a stranded
 /// waiter).
 fn join_within<T>(thread: std::thread::JoinHandle<T>, what: &str) -> T {
@@ -167,15 +178,9 @@ fn a_follower_is_served_after_its_leader_stepped_down() {
     // The short task's caller leads (it waits first), the long one's
     // follows; the leader steps down at 200 ms, and the follower's reply,
     // at 800 ms, must still be read.
-    let leader = {
-        let worker = worker.clone();
-        std::thread::spawn(move || worker.submit(&short, TargetId(0), TaskEncoding::Json, b"[1]"))
-    };
+    let leader = submitting(&worker, short, TargetId(0), b"[1]");
     std::thread::sleep(Duration::from_millis(50));
-    let follower = {
-        let worker = worker.clone();
-        std::thread::spawn(move || worker.submit(&long, TargetId(1), TaskEncoding::Json, b"[2]"))
-    };
+    let follower = submitting(&worker, long, TargetId(1), b"[2]");
     assert_eq!(join_within(leader, "the leader").unwrap(), b"[1]");
     assert_eq!(join_within(follower, "the follower").unwrap(), b"[2]");
     check_invariants(&worker, 2);
@@ -328,10 +333,7 @@ fn a_close_ends_a_leaders_wait() {
     let worker: Arc<Worker<TestRuntime>> = Arc::new(builder(1).respawn_limit(0).build().unwrap());
     worker.start().unwrap();
     let slow = worker.register(&envelope("sleep 10000")).unwrap();
-    let leader = {
-        let worker = worker.clone();
-        std::thread::spawn(move || worker.submit(&slow, TargetId(0), TaskEncoding::Json, b"[1]"))
-    };
+    let leader = submitting(&worker, slow, TargetId(0), b"[1]");
     std::thread::sleep(Duration::from_millis(100));
     worker.close();
     let error = join_within(leader, "the leader").unwrap_err();
@@ -412,10 +414,7 @@ fn a_callback_that_panics_strands_no_one() {
     // This caller leads while its slow task runs, so it reads the quick
     // task's result below and runs its callback, which panics: contained,
     // the leader goes on to its own result.
-    let leader = {
-        let worker = worker.clone();
-        std::thread::spawn(move || worker.submit(&slow, TargetId(0), TaskEncoding::Json, b"[1]"))
-    };
+    let leader = submitting(&worker, slow, TargetId(0), b"[1]");
     std::thread::sleep(Duration::from_millis(50));
     // `submit_then`: the callback runs where the result is read.
     worker.submit_then(&echo, TargetId(1), TaskEncoding::Json, b"[2]", |_| {

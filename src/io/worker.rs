@@ -1099,11 +1099,7 @@ impl Shared {
                     .iter()
                     .map(|(_, _, fd)| PollFd::new(fd.as_fd(), PollFlags::POLLIN)),
             );
-            let polled = nix::poll::poll(&mut fds, poll_timeout(deadline));
-            let events: Vec<PollFlags> = fds
-                .iter()
-                .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
-                .collect();
+            let (polled, events) = poll_events(&mut fds, deadline);
             drop(fds);
             if matches!(polled, Err(errno) if errno != Errno::EINTR) {
                 // Unrecoverable here: leave the replies to the IO thread.
@@ -1169,6 +1165,20 @@ fn io_wake(core: &Core) {
         // A full wake pipe already guarantees a wake-up.
         let _ = nix::unistd::write(&**wake, &[1]);
     }
+}
+
+/// `poll` over `fds` until an event or `deadline`: its result, and the
+/// events each descriptor returned.
+fn poll_events(
+    fds: &mut [PollFd<'_>],
+    deadline: Option<Instant>,
+) -> (nix::Result<i32>, Vec<PollFlags>) {
+    let polled = nix::poll::poll(fds, poll_timeout(deadline));
+    let events = fds
+        .iter()
+        .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
+        .collect();
+    (polled, events)
 }
 
 /// A `poll` timeout that ends no earlier than `deadline` (`None`: block).
@@ -1255,11 +1265,7 @@ fn io_thread(shared: Arc<Shared>) {
             .iter()
             .map(|(_, fd, flags)| PollFd::new(fd.as_fd(), *flags))
             .collect();
-        let polled = nix::poll::poll(&mut fds, poll_timeout(deadline));
-        let flags: Vec<PollFlags> = fds
-            .iter()
-            .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
-            .collect();
+        let (polled, flags) = poll_events(&mut fds, deadline);
         drop(fds);
         let events: Vec<(Ready, PollFlags)> = watched
             .into_iter()
