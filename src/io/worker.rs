@@ -43,7 +43,9 @@
 //!
 //! # The IO thread's run rule
 //!
-//! 1. Link the replacements the template forked; carry out a close.
+//! 1. Link the replacements the template forked; give the machine the
+//!    requests left in the queue ([`Worker::submit_then`]), draining
+//!    effects after each; carry out a close.
 //! 2. Read the clock; if the machine's `poll_timeout` has passed, call
 //!    `handle_timeout(now)`; drain effects. Inspections and starting
 //!    replacements past their deadline are given up.
