@@ -549,17 +549,13 @@ impl<T> Awaited<T> {
         let pending = self.take();
         // Leading settles what the request left, in every case.
         self.owed.store(false, Ordering::Relaxed);
-        let Some(shared) = self.shared.clone() else {
-            return match until {
-                None => Ok(pending.wait()),
-                Some(until) => pending
-                    .wait_timeout(until.saturating_duration_since(Instant::now()))
-                    .map_err(|pending| Awaited::done(pending)),
-            };
-        };
-        let pending = match shared.lead(pending, until) {
-            Ok(result) => return Ok(result),
-            Err(pending) => pending,
+        let shared = self.shared.clone();
+        let pending = match &shared {
+            Some(shared) => match shared.lead(pending, until) {
+                Ok(result) => return Ok(result),
+                Err(pending) => pending,
+            },
+            None => pending,
         };
         let waited = match until {
             None => Ok(pending.wait()),
@@ -567,7 +563,7 @@ impl<T> Awaited<T> {
         };
         waited.map_err(|pending| Awaited {
             pending: Some(pending),
-            shared: Some(shared),
+            shared,
             owed: AtomicBool::new(false),
             wake: None,
         })
@@ -686,10 +682,9 @@ impl PendingTask {
 
     /// Hands the result to `callback` instead of waiting: it runs exactly
     /// once, in the thread that reads the result (the Worker's IO thread,
-    /// or another caller's thread that waits on this Worker), possibly
-    /// while the Worker's state lock is held, or at once in this thread
-    /// when the task is already complete. It runs without the Worker's
-    /// state lock held. It must not block: hand the result on (e.g. push
+    /// or another caller's thread that waits on this Worker), or at once in
+    /// this thread when the task is already complete; never with the
+    /// Worker's state lock held. It must not block: hand the result on (e.g. push
     /// it into a channel) and return; above all it must not wait for
     /// anything the Worker's progress depends on (an interpreter lock held
     /// by a thread that waits on this Worker). It may start operations
@@ -1021,18 +1016,17 @@ impl Shared {
     ) -> Result<Result<T, handoff::Abandoned>, Pending<T>> {
         let mut replies: Vec<(usize, i32, Arc<TrackedFd>)> = Vec::new();
         let mut ready: Vec<(usize, i32, bool)> = Vec::new();
-        let mut wake: Option<Arc<TrackedFd>> = None;
         let mut woken = false;
         let mut leading = Leading {
             shared: self,
-            leads: false,
+            wake: None,
         };
         loop {
             let mut core = self.lock();
             let Some(mut io) = core.io.take() else {
                 return Err(pending);
             };
-            if wake.is_none() {
+            if leading.wake.is_none() {
                 let passed = until.is_some_and(|until| Instant::now() >= until);
                 let live = io.live();
                 // Follow while the IO thread reads every reply pipe (many
@@ -1049,8 +1043,7 @@ impl Shared {
                     self.finish(leaving);
                     return Err(pending);
                 }
-                wake = Some(io.leader_wake.clone());
-                leading.leads = true;
+                leading.wake = Some(io.leader_wake.clone());
             } else {
                 if std::mem::take(&mut woken) {
                     let mut sink = [0u8; 64];
@@ -1092,10 +1085,10 @@ impl Shared {
                     Err(pending)
                 };
             }
-            let Some(wake_fd) = &wake else {
+            let Some(wake) = leading.wake.clone() else {
                 return Err(pending);
             };
-            let mut fds = vec![PollFd::new(wake_fd.as_fd(), PollFlags::POLLIN)];
+            let mut fds = vec![PollFd::new(wake.as_fd(), PollFlags::POLLIN)];
             fds.extend(
                 replies
                     .iter()
@@ -1123,17 +1116,17 @@ impl Shared {
 /// the lock is released.
 type Handover = Box<dyn FnOnce() + Send>;
 
-/// A caller's leadership: it steps down when dropped while still leading
-/// (the wait unwound), so the IO thread takes the replies back instead of
-/// no one reading them.
+/// A caller's leadership, with the leader wake pipe while it leads: it
+/// steps down when dropped while still leading (the wait unwound), so the
+/// IO thread takes the replies back instead of no one reading them.
 struct Leading<'a> {
     shared: &'a Shared,
-    leads: bool,
+    wake: Option<Arc<TrackedFd>>,
 }
 
 impl Leading<'_> {
     fn step_down(&mut self) {
-        if std::mem::take(&mut self.leads) {
+        if self.wake.take().is_some() {
             self.shared.step_down();
         }
     }
@@ -1255,14 +1248,12 @@ fn io_thread(shared: Arc<Shared>) {
         // Step 4: hand over, and wait without the lock.
         let leaving = Leaving {
             handovers: std::mem::take(&mut io.handovers),
-            freed: Vec::new(),
+            freed: std::mem::take(&mut io.graveyard),
             recheck: std::mem::take(&mut io.completed),
         };
-        let graveyard = std::mem::take(&mut io.graveyard);
         core.io = Some(io);
         drop(core);
         shared.finish(leaving);
-        drop(graveyard);
         let mut fds: Vec<PollFd> = watched
             .iter()
             .map(|(_, fd, flags)| PollFd::new(fd.as_fd(), *flags))
@@ -1589,7 +1580,8 @@ impl<R: Runtime> Worker<R> {
     /// turn (many tasks in flight cost the caller one queue push each, and
     /// no contention with the thread reading their results). The callback
     /// runs as [`PendingTask::on_complete`]'s does (it must not block nor
-    /// call the Worker); requests reach the targets in the order they were
+    /// wait on the Worker), always in the thread that completes the task;
+    /// requests reach the targets in the order they were
     /// made, whichever way each was made. Errors as [`Worker::submit`],
     /// given to the callback.
     pub fn submit_then<F>(
@@ -3318,10 +3310,13 @@ impl IoLoop {
                 digest,
                 result,
             } => {
-                let waiter = self
+                // Taken only when it is this target's: another's waiter
+                // stays for its own target's result.
+                let ours = self
                     .tasks
-                    .remove(&seq)
-                    .filter(|w| w.target == target && w.digest == digest);
+                    .get(&seq)
+                    .is_some_and(|w| w.target == target && w.digest == digest);
+                let waiter = if ours { self.tasks.remove(&seq) } else { None };
                 let Some(waiter) = waiter else {
                     return Err(format!("it sent a result for unknown task seq {seq}"));
                 };
