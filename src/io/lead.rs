@@ -167,14 +167,11 @@ impl Watch {
         if self.leader.is_some() {
             return false;
         }
-        let mut replies = Vec::new();
-        for &(index, pid) in live {
-            set_at(&mut replies, index, pid);
-        }
         self.leader = Some(Leader {
-            replies,
+            replies: Vec::new(),
             deadline: None,
         });
+        self.relead(live);
         true
     }
 
