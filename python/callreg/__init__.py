@@ -65,6 +65,7 @@ Process model (Linux):
 import concurrent.futures
 import functools
 import inspect as _inspect
+import io
 import json
 import logging
 import os
@@ -109,6 +110,9 @@ NAMESPACE = "LOCAL_PYTHON"
 """The target namespace of every handle."""
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+# Types whose values pickle to the same bytes with pickle and cloudpickle.
+_PLAIN = frozenset((int, float, complex, str, bytes, bool, type(None)))
 
 # --------------------------------------------------------------------------
 # Exceptions
@@ -277,11 +281,23 @@ def _raise(raw):
 # Envelopes and hashids
 
 
+_HEADER_LEN = 16
+
+
 def pack(fn):
     """The SPYC envelope (bytes) of ``cloudpickle.dumps(fn)``: a 16-byte
-    header then the payload. Raises what cloudpickle raises for an object it
-    cannot pickle."""
-    return _callreg.encode_envelope(cloudpickle.dumps(fn, protocol=_PROTOCOL))
+    header then the payload. The payload is pickled straight into the
+    envelope's buffer (one copy of it in all: what ``cloudpickle.dumps``
+    alone costs). Raises what cloudpickle raises for an object it cannot
+    pickle."""
+    buffer = io.BytesIO()
+    buffer.write(bytes(_HEADER_LEN))
+    cloudpickle.Pickler(buffer, protocol=_PROTOCOL).dump(fn)
+    size = buffer.tell() - _HEADER_LEN
+    buffer.seek(0)
+    buffer.write(_callreg.envelope_header(size))
+    # The buffer's own bytes, not a copy (nothing else refers to it).
+    return buffer.getvalue()
 
 
 def hashid(obj):
@@ -659,20 +675,21 @@ def _resolve(resolve, value):
 
 
 class _Dispatch:
-    """Futures waiting for results, and the thread that resolves them. Holds
-    no reference to its Worker (so the Worker can be garbage-collected)."""
+    """Armed futures waiting for results (:meth:`_TaskFuture._arm`), and
+    the thread that resolves them. Holds no reference to its Worker (so the
+    Worker can be garbage-collected)."""
 
     def __init__(self, raw):
         self.raw = raw
         self.lock = threading.Lock()
         self.futures = {}
         self.thread = None
+        self.closed = False
 
     def start(self):
-        """Starts the thread once (at the Worker's start, or at the first
-        submit, which before start fails at once)."""
+        """Starts the thread once (at the first arm)."""
         with self.lock:
-            if self.thread is None:
+            if self.thread is None and not self.closed:
                 self.thread = threading.Thread(target=self.run, name="callreg-dispatch", daemon=True)
                 self.thread.start()
 
@@ -685,17 +702,8 @@ class _Dispatch:
             for task, output, error in batch:
                 with lock:
                     future = futures.pop(task, None)
-                if future is None:
-                    continue
-                if error is None:
-                    try:
-                        value = pickle.loads(output)
-                    except BaseException as exc:  # an unpicklable result
-                        _resolve(future.set_exception, exc)
-                    else:
-                        _resolve(future.set_result, value)
-                else:
-                    _resolve(future.set_exception, _error(error))
+                if future is not None:
+                    future._resolve(output, error)
         self.fail_remaining()
 
     def fail_remaining(self):
@@ -704,17 +712,121 @@ class _Dispatch:
             self.futures.clear()
         for future in left:
             if not future.done():
-                future.set_exception(
+                _resolve(
+                    future.set_exception,
                     LifecycleError(
                         "the Worker closed before the task's result arrived",
                         code="LIFECYCLE_INVALID",
                         operation="task",
-                    )
+                    ),
                 )
+
+
+class _ArmingList(list):
+    """A future's waiter list (``concurrent.futures.wait`` and
+    ``as_completed`` append to it): a waiter added arms the future, whose
+    result must then arrive without an inline wait."""
+
+    __slots__ = ("future",)
+
+    def append(self, waiter):
+        super().append(waiter)
+        self.future._arm()
+
+
+_PENDING_ELSEWHERE = 0
+_PENDING_TIMED_OUT = 1
+
+
+class _TaskFuture(concurrent.futures.Future):
+    """The :class:`concurrent.futures.Future` of a task (running from its
+    submit). Its first waiter (:meth:`result`, :meth:`exception`) waits for
+    the result inline, reading the targets' replies itself, with no other
+    thread woken; a done-callback, a ``concurrent.futures.wait`` or
+    ``as_completed`` on it, a second concurrent waiter or an interrupted
+    wait hands it to the Worker's dispatcher thread instead."""
+
+    def __init__(self, pending, dispatch):
+        super().__init__()
+        self._state = concurrent.futures._base.RUNNING
+        waiters = _ArmingList()
+        waiters.future = self
+        self._waiters = waiters
+        self._pending = pending
+        self._dispatch = dispatch
+
+    def _resolve(self, output, error):
+        """Sets the result (``output``: pickled bytes) or the error (a
+        ``RawError`` field dict); done-callbacks run in this thread."""
+        self._pending = None
+        if error is None:
+            try:
+                value = pickle.loads(output)
+            except BaseException as exc:  # an unpicklable result
+                _resolve(self.set_exception, exc)
+            else:
+                _resolve(self.set_result, value)
+        else:
+            _resolve(self.set_exception, _error(error))
+
+    def _arm(self):
+        """Hands the result to the dispatcher thread (once; a no-op when
+        another thread waits inline or it is done)."""
+        pending = self._pending
+        if pending is None:
+            return
+        dispatch = self._dispatch
+        with dispatch.lock:
+            dispatch.futures[pending.id] = self
+        if dispatch.raw.arm(pending):
+            dispatch.start()
+            return
+        with dispatch.lock:
+            dispatch.futures.pop(pending.id, None)
+        # Another thread waits inline (it resolves), or the Worker closed
+        # (the result, LIFECYCLE_INVALID, is there at once).
+        outcome = pending.wait(0)
+        if isinstance(outcome, tuple):
+            self._resolve(*outcome)
+
+    def _wait_inline(self, timeout):
+        """Waits for the result in this thread when no other does; then
+        the base class's wait (on the thread that resolves it)."""
+        pending = self._pending
+        if pending is not None and self._state == concurrent.futures._base.RUNNING:
+            try:
+                outcome = pending.wait(timeout)
+            except BaseException:
+                self._arm()  # interrupted: the result still arrives
+                raise
+            if isinstance(outcome, tuple):
+                self._resolve(*outcome)
+            elif outcome == _PENDING_TIMED_OUT:
+                self._arm()
+
+    def result(self, timeout=None):
+        self._wait_inline(timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self._wait_inline(timeout)
+        return super().exception(timeout)
+
+    def add_done_callback(self, fn):
+        super().add_done_callback(fn)
+        self._arm()
+
+    def done(self):
+        pending = self._pending
+        if pending is not None and pending.is_complete():
+            self._wait_inline(0)
+        return super().done()
 
 
 def _shutdown(raw, dispatch):
     """Closes a Worker: at :meth:`Worker.close`, garbage collection or exit."""
+    with dispatch.lock:
+        dispatch.closed = True
     raw.close()
     thread = dispatch.thread
     if thread is not None and thread is not threading.current_thread():
@@ -928,9 +1040,6 @@ class Worker:
             failed = self._raw.start()
         except _callreg.RawError as error:
             _raise(error)
-        finally:
-            # Also after a partial start: the live targets serve tasks.
-            self._dispatch.start()
         by_id = {h._raw.handle_id: h for h in prestart or ()}
         return {by_id[handle_id]: _error(fields) for handle_id, fields in failed if handle_id in by_id}
 
@@ -945,7 +1054,16 @@ class Worker:
 
     @staticmethod
     def _input(args, kwargs):
-        return cloudpickle.dumps((args, kwargs), protocol=_PROTOCOL)
+        # Plain values pickle the same with pickle as with cloudpickle,
+        # which costs about five times more per call.
+        for value in args:
+            if type(value) not in _PLAIN:
+                return cloudpickle.dumps((args, kwargs), protocol=_PROTOCOL)
+        if kwargs:
+            for value in kwargs.values():
+                if type(value) not in _PLAIN:
+                    return cloudpickle.dumps((args, kwargs), protocol=_PROTOCOL)
+        return pickle.dumps((args, kwargs), protocol=_PROTOCOL)
 
     @staticmethod
     def _target(target):
@@ -957,57 +1075,38 @@ class Worker:
             raise ValueError("target must be between 0 and 65535, got %d" % target)
         return target
 
-    def _some_target(self, target):
-        """``target`` checked; when ``None`` on a started, open Worker with
-        no live target, raises :class:`TargetLostError` ``NO_LIVE_TARGET``
-        (as a register does) rather than naming one lost target."""
-        target = self._target(target)
-        if (
-            target is None
-            and self._prestart is None
-            and not self._closed
-            and not self._raw.live_targets()
-        ):
-            raise TargetLostError(
-                "NO_LIVE_TARGET: task: every target is lost",
-                code="NO_LIVE_TARGET",
-                operation="task",
-            )
-        return target
-
     def submit(self, handle, /, *args, target=None, **kwargs):
         """Runs ``handle(*args, **kwargs)`` on ``target`` (any live target
         when ``None``, in turn) and returns a
         :class:`concurrent.futures.Future` of its result (running at once;
         it cannot be cancelled). The future fails with :class:`TaskError`,
         :class:`TargetLostError`, :class:`HandleError` or
-        :class:`LifecycleError`."""
+        :class:`LifecycleError`.
+
+        The first thread that waits on the future (``result()``,
+        ``exception()``) reads the result itself, as :meth:`call` does;
+        done-callbacks run in the thread that resolves the future (that
+        waiter, or the Worker's dispatcher thread for a future with
+        done-callbacks or in ``concurrent.futures.wait`` that nobody waits
+        on)."""
         raw = _raw_handle(handle)
         target = self._target(target)
         data = self._input(args, kwargs)
-        future = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
         try:
-            target = self._some_target(target)
-        except TargetLostError as error:
-            future.set_exception(error)
-            return future
-        dispatch = self._dispatch
-        dispatch.start()  # once: a no-op when its thread runs
-        try:
-            with dispatch.lock:
-                task, _ = self._raw.submit(raw, target, data)
-                dispatch.futures[task] = future
+            pending = self._raw.submit(raw, target, data)
         except _callreg.RawError as error:
+            future = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()
             future.set_exception(_error(error))
-        return future
+            return future
+        return _TaskFuture(pending, self._dispatch)
 
     def call(self, handle, /, *args, target=None, **kwargs):
         """``submit(handle, *args, target=target, **kwargs).result()``, waiting
         without the dispatcher thread. Ctrl-C while it waits raises
         :class:`KeyboardInterrupt` here; the Worker stays usable."""
         raw = _raw_handle(handle)
-        target = self._some_target(target)
+        target = self._target(target)
         data = self._input(args, kwargs)
         try:
             output = self._raw.call(raw, target, data)

@@ -9,10 +9,15 @@
 //!   [`SIGNAL_CHECK_INTERVAL`] and runs `PyErr_CheckSignals` between them,
 //!   so Ctrl-C raises `KeyboardInterrupt` in the caller (the task itself
 //!   finishes in its target, its result is dropped);
-//! * [`RawWorker::submit`] leaves each task to the Worker's IO thread,
-//!   which hands its result to a channel ([`callreg::io::Worker::submit_then`],
-//!   never touching the GIL there); the package's dispatcher thread collects them with
-//!   [`RawWorker::next_completions`] and resolves its futures;
+//! * [`RawWorker::submit`] sends each task from the caller's thread and
+//!   returns a [`RawPending`]: the future's first waiter waits on it
+//!   inline (it may read every caller's replies, as any waiting caller of
+//!   the Worker does), so a result reaches it with no other thread woken;
+//!   a future nobody waits on inline (done-callbacks,
+//!   `concurrent.futures.wait`) is *armed* ([`RawWorker::arm`]): its
+//!   result goes to a channel ([`callreg::io::PendingTask::on_complete`],
+//!   never touching the GIL there), which the package's dispatcher thread
+//!   reads with [`RawWorker::next_completions`];
 //! * errors are raised as `RawError` with one dict argument (`code`,
 //!   `operation`, `target`, `hashid`, `seq`, `message`, `full`, `kind`,
 //!   `exception`, `outcomes`), which the package maps to its exception
@@ -39,6 +44,7 @@ use callreg::runtime::TaskEncoding;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::IntoPyObjectExt;
 
 pyo3::create_exception!(
     _callreg,
@@ -87,6 +93,112 @@ impl RawHandle {
     #[getter]
     fn handle_id(&self) -> u64 {
         self.handle.handle_id
+    }
+}
+
+/// A task in flight ([`RawWorker::submit`]): waited for at most by one
+/// thread at a time, inline ([`RawPending::wait`], the caller reading the
+/// replies itself as any waiting caller of the Worker does), or handed to
+/// the completion channel once ([`RawWorker::arm`]) for a future nobody
+/// waits on inline (done-callbacks, `concurrent.futures.wait`).
+#[pyclass(frozen, module = "callreg._callreg")]
+struct RawPending {
+    /// The task's id in the completion channel.
+    id: u64,
+    /// `None` while a thread waits on it, or once armed or waited.
+    pending: Mutex<Option<PendingTask>>,
+}
+
+/// What [`RawPending::wait`] returns when it holds no result: another
+/// thread waits on the task, or it was armed.
+const PENDING_ELSEWHERE: u8 = 0;
+
+/// What [`RawPending::wait`] returns when the time was up (the task is
+/// still pending and may be waited for again, or armed).
+const PENDING_TIMED_OUT: u8 = 1;
+
+impl RawPending {
+    fn take(&self) -> Option<PendingTask> {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    fn put_back(&self, pending: PendingTask) {
+        *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(pending);
+    }
+}
+
+/// `(output, error)` of a finished task, as the package resolves it:
+/// `output` the pickled result (bytes) or `None`, `error` the error dict
+/// or `None`.
+fn outcome_tuple<'py>(
+    py: Python<'py>,
+    result: Result<Vec<u8>, TaskError>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match result {
+        Ok(output) => (PyBytes::new(py, &output), py.None()).into_bound_py_any(py),
+        Err(error) => (py.None(), task_err_dict(py, &error)?).into_bound_py_any(py),
+    }
+}
+
+#[pymethods]
+impl RawPending {
+    /// The task's id (as in [`RawWorker::next_completions`]).
+    #[getter]
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Waits for the result up to `timeout` seconds (`None`: until it is
+    /// there), GIL released, checking for signals every
+    /// [`SIGNAL_CHECK_INTERVAL`]: returns `(output, error)` once done;
+    /// `1` when the time was up; `0` at once when another thread waits on
+    /// it or it was armed (that thread, or the completion channel,
+    /// resolves the future). A signal handler's exception (Ctrl-C) is
+    /// raised here with the task still pending.
+    #[pyo3(signature = (timeout=None))]
+    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
+        let Some(mut pending) = self.take() else {
+            return PENDING_ELSEWHERE.into_bound_py_any(py);
+        };
+        let until = match timeout {
+            None => None,
+            Some(seconds) if seconds.is_nan() || seconds <= 0.0 => Some(std::time::Instant::now()),
+            Some(seconds) => Duration::try_from_secs_f64(seconds)
+                .ok()
+                .and_then(|d| std::time::Instant::now().checked_add(d)),
+        };
+        loop {
+            let slice = match until {
+                None => SIGNAL_CHECK_INTERVAL,
+                Some(until) => until
+                    .saturating_duration_since(std::time::Instant::now())
+                    .min(SIGNAL_CHECK_INTERVAL),
+            };
+            match py.detach(|| pending.wait_timeout(slice)) {
+                Ok(result) => return outcome_tuple(py, result),
+                Err(again) => pending = again,
+            }
+            if let Err(error) = py.check_signals() {
+                self.put_back(pending);
+                return Err(error);
+            }
+            if until.is_some_and(|until| std::time::Instant::now() >= until) {
+                self.put_back(pending);
+                return PENDING_TIMED_OUT.into_bound_py_any(py);
+            }
+        }
+    }
+
+    /// Whether a wait would return the result at once.
+    fn is_complete(&self) -> bool {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(PendingTask::is_complete)
     }
 }
 
@@ -190,14 +302,24 @@ fn task_err_dict<'py>(py: Python<'py>, e: &TaskError) -> PyResult<Bound<'py, PyD
 impl RawWorker {
     /// Picks the task's target: the given one, else the live targets in
     /// turn (round robin).
+    ///
+    /// # Errors
+    /// `NO_LIVE_TARGET` when none is given and a started Worker has no
+    /// live target (as a register then fails); before start and after
+    /// close the Worker's own refusal of target 0 says which.
     fn pick_target(&self, target: Option<u16>) -> Result<TargetId, Error> {
         if let Some(target) = target {
             return Ok(TargetId(target));
         }
         let live = self.worker.live_targets();
         if live.is_empty() {
-            // Not started, closed or every target lost: the Worker's own
-            // refusal for target 0 says which.
+            if self.worker.parent_state().lifecycle() == callreg::protocol::Lifecycle::Started {
+                return Err(Error::new(
+                    ErrorCode::NO_LIVE_TARGET,
+                    OperationKind::Task,
+                    "every target is lost",
+                ));
+            }
             return Ok(TargetId(0));
         }
         let turn = self.next_target.fetch_add(1, Ordering::Relaxed);
@@ -363,8 +485,10 @@ impl RawWorker {
         Ok(failed)
     }
 
-    /// Starts a task whose result goes to [`RawWorker::next_completions`];
-    /// returns its id and target. `input` is pickled `(args, kwargs)`.
+    /// Starts a task (the caller sends its frame itself) and returns it
+    /// pending; `input` is pickled `(args, kwargs)`. Refusals (a bad
+    /// handle, no live target, a closed Worker, an input too large) are
+    /// the pending's result, not raised.
     #[pyo3(signature = (handle, target, input))]
     fn submit(
         &self,
@@ -372,40 +496,49 @@ impl RawWorker {
         handle: &RawHandle,
         target: Option<u16>,
         input: &[u8],
-    ) -> PyResult<(u64, u16)> {
+    ) -> PyResult<RawPending> {
+        let id = self.next_task.fetch_add(1, Ordering::Relaxed);
+        let pending = py.detach(|| match self.pick_target(target) {
+            Ok(target) => {
+                Ok(self
+                    .worker
+                    .submit_async(&handle.handle, target, TaskEncoding::Pickle, input))
+            }
+            Err(error) => Err(error),
+        });
+        match pending {
+            Ok(pending) => Ok(RawPending {
+                id,
+                pending: Mutex::new(Some(pending)),
+            }),
+            Err(error) => Err(plain_err(py, &error)),
+        }
+    }
+
+    /// Hands `pending`'s result to the completion channel
+    /// ([`RawWorker::next_completions`]) instead of an inline wait: `True`
+    /// once armed; `False` when another thread waits on it (that thread
+    /// resolves it) or it was armed before. After close (the channel is
+    /// gone) the pending is left for an inline wait, which returns the
+    /// close's `LIFECYCLE_INVALID` at once.
+    fn arm(&self, pending: &RawPending) -> bool {
         let sender = self
             .sender
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let Some(sender) = sender else {
-            return Err(plain_err(
-                py,
-                &Error::new(
-                    ErrorCode::LIFECYCLE_INVALID,
-                    OperationKind::Task,
-                    "the Worker is closed",
-                ),
-            ));
+            return false;
         };
-        let id = self.next_task.fetch_add(1, Ordering::Relaxed);
-        let started = py.detach(|| {
-            let target = self.pick_target(target)?;
-            self.worker.submit_then(
-                &handle.handle,
-                target,
-                TaskEncoding::Pickle,
-                input,
-                move |result| {
-                    // The dispatcher may be gone (interpreter exit): nothing
-                    // waits.
-                    let _ = sender.send((id, result));
-                },
-            );
-            Ok::<_, Error>(target)
+        let Some(task) = pending.take() else {
+            return false;
+        };
+        let id = pending.id;
+        task.on_complete(move |result| {
+            // The dispatcher may be gone (interpreter exit): nothing waits.
+            let _ = sender.send((id, result));
         });
-        let target = started.map_err(|e| plain_err(py, &e))?;
-        Ok((id, target.0))
+        true
     }
 
     /// Runs a task and waits for its pickled result, GIL released, checking
@@ -577,6 +710,14 @@ fn encode_envelope<'py>(py: Python<'py>, payload: &[u8]) -> Bound<'py, PyBytes> 
     PyBytes::new(py, &envelope)
 }
 
+/// The 16-byte SPYC envelope header for a payload of `payload_size`
+/// bytes (the crate's [`callreg::envelope::header`]): the package writes
+/// it before a payload it pickles straight into the envelope's buffer.
+#[pyfunction]
+fn envelope_header(py: Python<'_>, payload_size: u64) -> Bound<'_, PyBytes> {
+    PyBytes::new(py, &callreg::envelope::header(payload_size))
+}
+
 /// The hashid of a SPYC envelope; raises `RawError` (`ENVELOPE_INVALID` and
 /// the other envelope codes) for invalid bytes.
 #[pyfunction]
@@ -595,9 +736,11 @@ fn envelope_hashid(py: Python<'_>, envelope: &[u8]) -> PyResult<String> {
 fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RawWorker>()?;
     m.add_class::<RawHandle>()?;
+    m.add_class::<RawPending>()?;
     m.add("RawError", m.py().get_type::<RawError>())?;
     m.add_function(wrap_pyfunction!(encode_envelope, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_hashid, m)?)?;
+    m.add_function(wrap_pyfunction!(envelope_header, m)?)?;
     m.add(
         "DEFAULT_MAX_FRAME_BYTES",
         callreg::wire::DEFAULT_MAX_FRAME_BYTES,

@@ -289,7 +289,7 @@ def test_with_every_target_lost_tasks_fail_no_live_target():
             with pytest.raises(callreg.TargetLostError) as caught:
                 attempt()
             assert caught.value.code == "NO_LIVE_TARGET"
-            assert str(caught.value) == "NO_LIVE_TARGET: task: every target is lost"
+            assert str(caught.value) == "NO_LIVE_TARGET: every target is lost (operation task)"
     # After close: a lifecycle error, not an empty result.
     with pytest.raises(callreg.LifecycleError):
         w.call_all(h, 2)

@@ -426,6 +426,44 @@ struct PythonFunctions {
     format_tb: Py<PyAny>,
     /// The `_callreg_metadata` helper module (metadata checks, output capture).
     helpers: Py<PyModule>,
+    /// This interpreter's and cloudpickle's versions, read once at start.
+    versions: TargetVersions,
+}
+
+/// The versions a target's version check compares a payload's metadata
+/// with (`specs/metadata.md`, "Checks before deserializing"), read once per
+/// target process when its runtime starts, never per install: an install
+/// then costs no import and no file read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct TargetVersions {
+    /// `"MAJOR.MINOR.MICRO"` of `sys.version_info`.
+    python: String,
+    /// `cloudpickle.__version__` of the module imported at start; `None`
+    /// when cloudpickle cannot be imported (or has no string version).
+    cloudpickle: Option<String>,
+}
+
+impl TargetVersions {
+    /// Reads both versions: attribute reads only (`sys.version_info`, the
+    /// already imported `cloudpickle` module), no `importlib.metadata`.
+    fn read(py: Python<'_>, cloudpickle: Option<&Bound<'_, PyModule>>) -> PyResult<Self> {
+        let (major, minor, micro): (u32, u32, u32) = py
+            .import("sys")?
+            .getattr("version_info")?
+            .get_item(pyo3::types::PySlice::new(py, 0, 3, 1))?
+            .extract()?;
+        let cloudpickle = match cloudpickle {
+            None => None,
+            Some(module) => module
+                .getattr("__version__")
+                .ok()
+                .and_then(|version| version.extract::<String>().ok()),
+        };
+        Ok(TargetVersions {
+            python: format!("{major}.{minor}.{micro}"),
+            cloudpickle,
+        })
+    }
 }
 
 /// A deserialized Python callable, held in a target slot.
@@ -698,6 +736,7 @@ impl PythonRuntime {
                     },
                     format_tb: traceback.getattr("format_tb")?.unbind(),
                     helpers: helpers.unbind(),
+                    versions: TargetVersions::read(py, cloudpickle.as_ref())?,
                 })
             };
             import().map_err(|err| {
@@ -935,8 +974,9 @@ impl Runtime for PythonRuntime {
     /// before anything is unpickled:
     ///
     /// 1. `python.version` against this interpreter (major.minor), then
-    ///    `python.serializer` / `serializer_version` against the installed
-    ///    cloudpickle (name and major version);
+    ///    `python.serializer` / `serializer_version` against cloudpickle's
+    ///    `__version__` (name and major version), both read once when the
+    ///    target started, never per install;
     /// 2. the executor: looked up by short name in the registry, then
     ///    rehydrated (defaults, then a deep copy of `executor_data.attributes`);
     /// 3. each `deps.pip` requirement against the installed distributions
@@ -969,7 +1009,7 @@ impl Runtime for PythonRuntime {
             return self.deserialize(payload);
         };
         if let Some(wanted) = &metadata.python {
-            Python::attach(|py| checks::check_versions(py, functions, wanted))?;
+            checks::check_versions(functions, wanted)?;
         }
         let executor = self.rehydrate(metadata)?;
         if !metadata.deps.pip.packages.is_empty() {

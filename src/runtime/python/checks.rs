@@ -33,10 +33,6 @@ pub(super) const HELPERS_SOURCE: &std::ffi::CStr = cr#"
 import sys
 
 
-def python_version():
-    return "%d.%d.%d" % sys.version_info[:3]
-
-
 def installed_version(name):
     """The installed version of distribution `name`, or None."""
     from importlib import metadata
@@ -44,18 +40,6 @@ def installed_version(name):
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
-
-
-def cloudpickle_version():
-    """cloudpickle's installed version, or None when it is not installed."""
-    version = installed_version("cloudpickle")
-    if version is not None:
-        return version
-    try:
-        import cloudpickle
-    except ImportError:
-        return None
-    return getattr(cloudpickle, "__version__", None)
 
 
 def check_pip(requirements):
@@ -119,7 +103,8 @@ fn helper<'py, T: FromPyObjectOwned<'py>>(
 }
 
 /// Checks the producer's interpreter (major.minor) and serializer (name and
-/// major version) against this target's.
+/// major version) against this target's, as read once at the target's
+/// start ([`TargetVersions`](super::TargetVersions); never per install).
 ///
 /// # Errors
 /// `PYTHON_VERSION_MISMATCH` naming both sides: kind
@@ -127,7 +112,6 @@ fn helper<'py, T: FromPyObjectOwned<'py>>(
 /// for another serializer than cloudpickle, a cloudpickle that is not
 /// installed here, or another cloudpickle major version.
 pub(super) fn check_versions(
-    py: Python<'_>,
     functions: &PythonFunctions,
     wanted: &PythonVersions,
 ) -> Result<(), RuntimeError> {
@@ -137,14 +121,8 @@ pub(super) fn check_versions(
         message,
         exception: Vec::new(),
     };
-    let target: String = helper(
-        py,
-        functions,
-        "python_version",
-        (),
-        ErrorCode::PYTHON_VERSION_MISMATCH,
-    )?;
-    if python_major_minor(&wanted.version) != python_major_minor(&target) {
+    let target = &functions.versions.python;
+    if python_major_minor(&wanted.version) != python_major_minor(target) {
         return Err(mismatch(
             "PythonVersionMismatch",
             format!(
@@ -154,13 +132,7 @@ pub(super) fn check_versions(
             ),
         ));
     }
-    let serializer: Option<String> = helper(
-        py,
-        functions,
-        "cloudpickle_version",
-        (),
-        ErrorCode::PYTHON_VERSION_MISMATCH,
-    )?;
+    let serializer = functions.versions.cloudpickle.as_deref();
     let producer = format!("{} {}", wanted.serializer, wanted.serializer_version);
     let Some(serializer) = serializer else {
         return Err(mismatch(
@@ -169,7 +141,7 @@ pub(super) fn check_versions(
         ));
     };
     if wanted.serializer != SERIALIZER_CLOUDPICKLE
-        || leading_major(&wanted.serializer_version) != leading_major(&serializer)
+        || leading_major(&wanted.serializer_version) != leading_major(serializer)
     {
         return Err(mismatch(
             "SerializerMismatch",

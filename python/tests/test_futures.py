@@ -1,0 +1,248 @@
+"""Futures of Worker.submit: every way to wait resolves them exactly once
+(inline waiters, done-callbacks, concurrent.futures.wait and
+as_completed, asyncio), and the package's one-copy pack and version
+checks."""
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import time
+import tracemalloc
+
+import cloudpickle
+import pytest
+
+import callreg
+
+
+def square(x):
+    return x * x
+
+
+def slow_square(x, seconds):
+    time.sleep(seconds)
+    return x * x
+
+
+def fail(x):
+    raise ZeroDivisionError("no %d" % x)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with callreg.Worker(2) as w:
+        w.start()
+        yield w
+
+
+def test_a_future_is_a_running_concurrent_future(worker):
+    h = worker.register(square)
+    future = worker.submit(h, 9)
+    assert isinstance(future, concurrent.futures.Future)
+    assert future.running() or future.done()
+    assert future.cancel() is False
+    assert future.result(timeout=10) == 81
+    assert future.done() and not future.running()
+    assert future.exception() is None
+    worker.unregister(h)
+
+
+def test_done_polls_the_result_without_a_wait(worker):
+    h = worker.register(square)
+    future = worker.submit(h, 4)
+    deadline = time.monotonic() + 10
+    while not future.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert future.result(timeout=0) == 16
+    worker.unregister(h)
+
+
+def test_done_callbacks_run_once_each_with_nobody_waiting(worker):
+    h = worker.register(square)
+    seen = []
+    lock = threading.Lock()
+    every = threading.Event()
+
+    def record(future):
+        with lock:
+            seen.append(future.result())
+            if len(seen) == 50:
+                every.set()
+
+    futures = [worker.submit(h, i) for i in range(50)]
+    for future in futures:
+        future.add_done_callback(record)
+    assert every.wait(10)
+    assert sorted(seen) == sorted(i * i for i in range(50))
+    # A callback added once done runs at once, in this thread.
+    here = []
+    futures[0].add_done_callback(lambda f: here.append(threading.current_thread()))
+    assert here == [threading.current_thread()]
+    worker.unregister(h)
+
+
+def test_wait_and_as_completed_see_every_result(worker):
+    h = worker.register(slow_square)
+    futures = [worker.submit(h, i, 0.01 * (i % 3)) for i in range(12)]
+    done, not_done = concurrent.futures.wait(futures, timeout=10)
+    assert (len(done), not_done) == (12, set())
+    assert [f.result() for f in futures] == [i * i for i in range(12)]
+    futures = [worker.submit(h, i, 0.01 * (i % 3)) for i in range(12)]
+    assert sorted(f.result() for f in concurrent.futures.as_completed(futures, timeout=10)) == sorted(
+        i * i for i in range(12)
+    )
+    first = worker.submit(h, 2, 1.0, target=0)
+    quick = worker.submit(h, 3, 0.0, target=1)
+    done, _ = concurrent.futures.wait([first, quick], timeout=10, return_when=concurrent.futures.FIRST_COMPLETED)
+    assert quick in done
+    assert first.result(timeout=10) == 4
+    worker.unregister(h)
+
+
+def test_a_timed_out_wait_keeps_the_future(worker):
+    h = worker.register(slow_square)
+    future = worker.submit(h, 5, 0.5)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        future.result(timeout=0.01)
+    assert future.result(timeout=10) == 25
+    future = worker.submit(h, 6, 0.3)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        future.exception(timeout=0)
+    assert future.exception(timeout=10) is None
+    assert future.result() == 36
+    worker.unregister(h)
+
+
+def test_many_threads_wait_on_one_future(worker):
+    h = worker.register(slow_square)
+    future = worker.submit(h, 7, 0.2)
+    results = []
+
+    def wait():
+        results.append(future.result(timeout=10))
+
+    threads = [threading.Thread(target=wait) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert results == [49] * 6
+    worker.unregister(h)
+
+
+def test_a_task_error_reaches_every_way_of_waiting(worker):
+    h = worker.register(fail)
+    future = worker.submit(h, 3)
+    error = future.exception(timeout=10)
+    assert type(error) is callreg.TaskError
+    assert error.remote_type == "ZeroDivisionError"
+    with pytest.raises(callreg.TaskError, match="no 3"):
+        future.result()
+    called = threading.Event()
+    other = worker.submit(h, 4)
+    other.add_done_callback(lambda f: called.set())
+    assert called.wait(10)
+    assert type(other.exception()) is callreg.TaskError
+    worker.unregister(h)
+
+
+def test_asyncio_awaits_a_future(worker):
+    h = worker.register(square)
+
+    async def main():
+        return await asyncio.gather(*(asyncio.wrap_future(worker.submit(h, i)) for i in range(20)))
+
+    assert asyncio.run(main()) == [i * i for i in range(20)]
+    worker.unregister(h)
+
+
+def test_a_callback_may_wait_on_another_future_of_the_worker(worker):
+    h = worker.register(square)
+    later = worker.submit(h, 12)
+    seen = []
+    done = threading.Event()
+
+    def chain(future):
+        seen.append(future.result() + later.result(timeout=10))
+        done.set()
+
+    worker.submit(h, 2).add_done_callback(chain)
+    assert done.wait(10)
+    assert seen == [148]
+    worker.unregister(h)
+
+
+def test_pending_futures_fail_at_close():
+    w = callreg.Worker(1)
+    w.start()
+    h = w.register(slow_square)
+    waited = w.submit(h, 1, 30)
+    armed = w.submit(h, 2, 30)
+    called = threading.Event()
+    armed.add_done_callback(lambda f: called.set())
+    time.sleep(0.1)
+    w.close()
+    assert called.wait(10)
+    for future in (waited, armed):
+        assert type(future.exception(timeout=10)) is callreg.LifecycleError
+    after = w.submit(h, 3)
+    assert type(after.exception(timeout=10)) is callreg.LifecycleError
+
+
+def test_pack_pickles_straight_into_the_envelope():
+    blob = os.urandom(16 * 1024 * 1024)
+
+    def closure():
+        return len(blob)
+
+    envelope = callreg.pack(closure)
+    assert envelope[16:] == cloudpickle.dumps(closure, protocol=5)
+    assert callreg.hashid(envelope) == callreg.hashid(closure)
+    del envelope
+    tracemalloc.start()
+    try:
+        envelope = callreg.pack(closure)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # One buffer (and its growth slack), never a second copy of it.
+    assert len(envelope) > len(blob)
+    assert peak < 1.3 * len(envelope), (peak, len(envelope))
+
+
+def count_metadata_lookups():
+    """Run in a target: makes every distribution-metadata lookup count."""
+    import importlib.metadata
+
+    global LOOKUPS
+    LOOKUPS = 0
+    real = importlib.metadata.version
+
+    def counted(name):
+        global LOOKUPS
+        LOOKUPS += 1
+        return real(name)
+
+    importlib.metadata.version = counted
+    return True
+
+
+def lookups():
+    return LOOKUPS
+
+
+def test_an_install_reads_no_distribution_metadata():
+    with callreg.Worker(2) as w:
+        w.start()
+        counting = w.register(count_metadata_lookups)
+        assert w.call_all(counting) == {0: True, 1: True}
+        read = w.register(lookups)
+        # Default metadata: the interpreter's and cloudpickle's versions
+        # are checked at every install, from what the target read at start.
+        for i in range(5):
+            h = w.register(lambda i=i: i)
+            assert w.call_all(h) == {0: i, 1: i}
+            w.unregister(h)
+        assert w.call_all(read) == {0: 0, 1: 0}
