@@ -34,6 +34,10 @@ fn main() {
     }
     io_common::run(&[
         (
+            "a_forked_child_cannot_use_nor_close_the_worker",
+            a_forked_child_cannot_use_nor_close_the_worker,
+        ),
+        (
             "pre_start_register_reaches_every_target",
             pre_start_register_reaches_every_target,
         ),
@@ -147,6 +151,86 @@ fn pre_start_register_reaches_every_target() {
         .submit(&add, TargetId(0), TaskEncoding::Json, ADD_INPUT)
         .unwrap_err();
     assert_eq!(err.error.code, ErrorCode::HANDLE_STALE);
+}
+
+/// What the forked child of
+/// [`a_forked_child_cannot_use_nor_close_the_worker`] checks; its exit
+/// status is the number of the first check that failed (0: none).
+fn forked_child_checks(
+    worker: callreg::io::Worker<TestRuntime>,
+    add: &callreg::protocol::Handle,
+    pending: callreg::io::PendingTask,
+) -> i32 {
+    let owner = std::os::unix::process::parent_id();
+    let task = worker.submit(add, TargetId(0), TaskEncoding::Json, ADD_INPUT);
+    match task {
+        Err(e)
+            if e.error.code == ErrorCode::LIFECYCLE_INVALID
+                && e.error.message.starts_with(&format!(
+                    "this Worker belongs to process {owner}; process {} is a child forked from it",
+                    std::process::id()
+                )) => {}
+        _ => return 1,
+    }
+    match worker.register(&envelope("echo")) {
+        Err(e) if e.code() == ErrorCode::LIFECYCLE_INVALID => {}
+        _ => return 2,
+    }
+    if !worker.live_targets().is_empty() || worker.target_pid(TargetId(0)).is_some() {
+        return 3;
+    }
+    if worker.parent_state().lifecycle() != callreg::protocol::Lifecycle::Closed {
+        return 4;
+    }
+    // A task pending in the owner completes here at once, as abandoned.
+    match pending.wait() {
+        Err(e) if e.error.code == ErrorCode::LIFECYCLE_INVALID => {}
+        _ => return 5,
+    }
+    worker.close();
+    drop(worker);
+    0
+}
+
+fn a_forked_child_cannot_use_nor_close_the_worker() {
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let add = worker.register(&envelope("add")).unwrap();
+    let pids: Vec<_> = (0..2).map(|t| worker.target_pid(TargetId(t))).collect();
+    let sleeper = worker.register(&envelope("sleep 300")).unwrap();
+    let pending = worker.submit_async(&sleeper, TargetId(1), TaskEncoding::Json, b"slept");
+    // SAFETY: the child runs only the checks above (glibc's allocator is
+    // usable after fork) and leaves with `_exit`.
+    let child = match unsafe { nix::unistd::fork() }.unwrap() {
+        nix::unistd::ForkResult::Child => {
+            // The child's copies of the Worker and the pending task are
+            // used and dropped there; the owner's stay as they are.
+            let code = forked_child_checks(worker, &add, pending);
+            // SAFETY: `_exit` ends the child without running the owner's
+            // exit handlers.
+            unsafe { libc::_exit(code) }
+        }
+        nix::unistd::ForkResult::Parent { child } => child,
+    };
+    let status = nix::sys::wait::waitpid(child, None).unwrap();
+    assert_eq!(status, nix::sys::wait::WaitStatus::Exited(child, 0));
+    // The owner's Worker is untouched: same targets, same results.
+    assert_eq!(
+        (0..2)
+            .map(|t| worker.target_pid(TargetId(t)))
+            .collect::<Vec<_>>(),
+        pids
+    );
+    assert_eq!(pending.wait().unwrap(), b"slept");
+    for target in 0..2 {
+        assert_eq!(
+            worker
+                .submit(&add, TargetId(target), TaskEncoding::Json, ADD_INPUT)
+                .unwrap(),
+            b"42"
+        );
+    }
+    check_invariants(&worker, 2);
 }
 
 fn post_start_register_task_and_unregister() {

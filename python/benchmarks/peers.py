@@ -15,6 +15,14 @@ Scenarios:
 * ``throughput_1`` / ``throughput_all``: 1000 futures of the trivial call in
   flight (all submitted, then all waited for), with 1 worker and with N;
   tasks per second.
+* ``start``: a new pool of N workers to its first result (callreg:
+  ``Worker(N)``, ``start()``, ``register(trivial)``, one ``call``; the
+  peers: the executor and one ``submit(trivial, 1).result()``); CPU time
+  counts the parent and every worker process until it was reaped.
+* ``submit_result``: ``submit(f, x).result()`` one at a time (callreg: a
+  registered handle), beside ``round_trip`` (callreg: ``call``).
+* ``map_10k``: ``list(map(f, range(10000)))`` (the peers with
+  ``chunksize=1``, their default), time per item.
 * ``register_small`` / ``register_1mib``: callreg: ``Worker.register`` of a
   closure (over a small value / over 1 MiB of bytes) after start, which
   returns once every target installed it. The peers have no registration:
@@ -22,6 +30,11 @@ Scenarios:
   is one call of that closure (``submit(closure).result()``), a cost they
   pay on every task (for ``ppe``, whose pickler refuses closures, the
   closure's cloudpickle bytes and a function that loads and calls them).
+
+The floor, ``echo``: a forked child that echoes 8 bytes over a pair of
+pipes, ``os.write`` then ``os.read`` from Python, one at a time: the least
+a Python round trip through a second process costs on this machine; the
+round trips are also given as ratios to it.
 
 Every scenario runs in each of ``--rounds`` rounds, systems in turn
 (interleaved), and the median of the rounds is reported, with wall time and
@@ -36,6 +49,7 @@ import json
 import multiprocessing
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -112,6 +126,19 @@ class Callreg(System):
     def closure_cost(self, fn):
         return self.w.register(fn)
 
+    def submit_result(self):
+        return self.w.submit(self.h, 1).result()
+
+    def map_items(self, n):
+        return list(self.w.map(self.h, range(n)))
+
+    @staticmethod
+    def first_result(workers):
+        w = callreg.Worker(workers)
+        w.start()
+        w.call(w.register(trivial), 1)
+        return w.close
+
     def close(self):
         self.w.close()
 
@@ -129,6 +156,18 @@ class Pool(System):
 
     def closure_cost(self, fn):
         return self.ex.submit(fn).result()
+
+    def submit_result(self):
+        return self.ex.submit(trivial, 1).result()
+
+    def map_items(self, n):
+        return list(self.ex.map(trivial, range(n)))
+
+    @classmethod
+    def first_result(cls, workers):
+        ex = cls.executor(workers)
+        ex.submit(trivial, 1).result()
+        return lambda: ex.shutdown(wait=True)
 
     def warm(self):
         # Start every worker process before timing.
@@ -149,20 +188,28 @@ class Ppe(Pool):
         # The standard pickler refuses closures: ship cloudpickle bytes.
         return self.ex.submit(run_pickled, cloudpickle.dumps(fn)).result()
 
+    @staticmethod
+    def executor(workers):
+        return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+
     def __init__(self, workers):
         super().__init__(workers)
-        self.ex = concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("fork")
-        )
+        self.ex = self.executor(workers)
         self.warm()
 
 
 class Loky(Pool):
     name = "loky"
 
+    @staticmethod
+    def executor(workers):
+        # A new executor each time (loky's get_reusable_executor would
+        # reuse warm workers).
+        return loky.ProcessPoolExecutor(workers)
+
     def __init__(self, workers):
         super().__init__(workers)
-        self.ex = loky.ProcessPoolExecutor(workers)
+        self.ex = self.executor(workers)
         self.warm()
 
 
@@ -178,17 +225,84 @@ def measure(system, op, count):
     return wall / count, cpu / count
 
 
-SCENARIOS = ["round_trip", "throughput_1", "throughput_all", "register_small", "register_1mib"]
+SCENARIOS = [
+    "start",
+    "round_trip",
+    "submit_result",
+    "throughput_1",
+    "throughput_all",
+    "map_10k",
+    "register_small",
+    "register_1mib",
+]
+
+
+def measure_start(cls, workers):
+    """(wall seconds to the first result, CPU seconds of the parent and its
+    reaped children until the pool closed)."""
+    cpu0 = time.process_time() + children_cpu()
+    t0 = time.perf_counter()
+    close = cls.first_result(workers)
+    wall = time.perf_counter() - t0
+    close()
+    return wall, time.process_time() + children_cpu() - cpu0
+
+
+def children_cpu():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def echo_floor(count):
+    """(wall, CPU) per round trip of 8 bytes through a forked echo child."""
+    child_in, to_child = os.pipe()
+    from_child, child_out = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(to_child)
+            os.close(from_child)
+            while True:
+                data = os.read(child_in, 8)
+                if not data:
+                    break
+                os.write(child_out, data)
+        finally:
+            os._exit(0)
+    os.close(child_in)
+    os.close(child_out)
+    message = b"12345678"
+    for _ in range(100):
+        os.write(to_child, message)
+        os.read(from_child, 8)
+    cpu0 = time.process_time() + proc_cpu([pid])
+    t0 = time.perf_counter()
+    for _ in range(count):
+        os.write(to_child, message)
+        os.read(from_child, 8)
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() + proc_cpu([pid]) - cpu0
+    os.close(to_child)
+    os.close(from_child)
+    os.waitpid(pid, 0)
+    return wall / count, cpu / count
 
 
 def run_scenario(cls, scenario, workers, args):
     """One round of ``scenario`` on a fresh ``cls`` system: (wall, cpu) per op."""
+    if scenario == "start":
+        return measure_start(cls, workers)
     system = cls(1 if scenario == "throughput_1" else workers)
     try:
-        if scenario == "round_trip":
+        if scenario in ("round_trip", "submit_result"):
+            op = system.call if scenario == "round_trip" else system.submit_result
             for _ in range(50):
-                system.call()
-            return measure(system, system.call, args.calls)
+                op()
+            return measure(system, op, args.calls)
+        if scenario == "map_10k":
+            system.map_items(1000)
+            wall, cpu = measure(system, lambda: system.map_items(10000), 1)
+            return wall / 10000, cpu / 10000
         if scenario.startswith("throughput"):
             system.submit_many(200)
             wall, cpu = measure(system, lambda: system.submit_many(1000), args.batches)
@@ -214,7 +328,9 @@ def main():
     systems = [Callreg, Ppe] + ([Loky] if loky else [])
     load_before = os.getloadavg()
     samples = {(s.name, sc): [] for s in systems for sc in SCENARIOS}
+    samples[("floor", "echo")] = []
     for _ in range(args.rounds):
+        samples[("floor", "echo")].append(echo_floor(args.calls))
         for scenario in SCENARIOS:
             for cls in systems:
                 samples[(cls.name, scenario)].append(run_scenario(cls, scenario, args.workers, args))
@@ -253,7 +369,7 @@ def main():
     print("|---|---|" + "---|---|" * len(names) + "---|")
     table = {}
     for scenario in SCENARIOS:
-        throughput = scenario.startswith("throughput")
+        throughput = scenario.startswith("throughput") or scenario == "map_10k"
         row = []
         for name in names:
             wall, cpu = median(name, scenario, 0), median(name, scenario, 1)
@@ -266,7 +382,18 @@ def main():
         shown = ("%.2f× (throughput %.2f×)" % (ratio, 1 / ratio)) if throughput else "%.2f×" % ratio
         unit = "tasks/s, CPU per task" if throughput else "per op"
         print("| %s | %s | %s | %s |" % (scenario, unit, " | ".join(row), shown))
+    echo = median("floor", "echo", 0), median("floor", "echo", 1)
+    print("| echo (floor) | per op | %.1f µs | %.1f µs |" % (echo[0] * 1e6, echo[1] * 1e6))
     print()
+    for scenario in ("round_trip", "submit_result"):
+        wall, cpu = table[("callreg", scenario)]
+        print(
+            "callreg %s / echo floor: wall %.2fx, CPU %.2fx" % (scenario, wall / echo[0], cpu / echo[1])
+        )
+    gap = (table[("callreg", "submit_result")][0] - table[("callreg", "round_trip")][0]) * 1e6
+    print("callreg submit().result() - call: %+.1f µs (goal <= 10)" % gap)
+    st = table[("callreg", "start")][0] / table[("ppe", "start")][0]
+    print("goal start <= 2x ProcessPoolExecutor's: %.2fx -> %s" % (st, "met" if st <= 2 else "NOT met"))
     rt = table[("callreg", "round_trip")][0] / table[("ppe", "round_trip")][0]
     print("goal round trip <= 0.5x ProcessPoolExecutor's: %.2fx -> %s" % (rt, "met" if rt <= 0.5 else "NOT met"))
     for scenario in ("throughput_1", "throughput_all"):

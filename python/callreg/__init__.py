@@ -694,17 +694,33 @@ class _Dispatch:
                 self.thread.start()
 
     def run(self):
-        raw, lock, futures = self.raw, self.lock, self.futures
-        while True:
-            batch = raw.next_completions(0.5)
-            if batch is None:
-                break
-            for task, output, error in batch:
-                with lock:
-                    future = futures.pop(task, None)
-                if future is not None:
-                    future._resolve(output, error)
+        while self.serve(0.5):
+            pass
         self.fail_remaining()
+
+    def serve(self, timeout):
+        """Resolves the futures of the completions there within
+        ``timeout`` seconds; ``False`` once the Worker closed and every
+        completion was served."""
+        batch = self.raw.next_completions(timeout)
+        if batch is None:
+            return False
+        for task, output, error in batch:
+            with self.lock:
+                future = self.futures.pop(task, None)
+            if future is not None:
+                future._resolve(output, error)
+        return True
+
+    def serve_until(self, future, timeout):
+        """On the dispatcher thread (a done-callback waiting on another
+        armed future): serves completions until ``future`` is done or
+        ``timeout`` seconds passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not future.done():
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left < 0 or not self.serve(left):
+                return
 
     def fail_remaining(self):
         with self.lock:
@@ -776,13 +792,16 @@ class _TaskFuture(concurrent.futures.Future):
         if pending is None:
             return
         dispatch = self._dispatch
+        # Under the lock the dispatcher pops under: a result sent at once
+        # finds the future there.
         with dispatch.lock:
-            dispatch.futures[pending.id] = self
-        if dispatch.raw.arm(pending):
+            armed = dispatch.raw.arm(pending)
+            if armed:
+                dispatch.futures[pending.id] = self
+        if armed:
+            self._pending = None
             dispatch.start()
             return
-        with dispatch.lock:
-            dispatch.futures.pop(pending.id, None)
         # Another thread waits inline (it resolves), or the Worker closed
         # (the result, LIFECYCLE_INVALID, is there at once).
         outcome = pending.wait(0)
@@ -791,7 +810,9 @@ class _TaskFuture(concurrent.futures.Future):
 
     def _wait_inline(self, timeout):
         """Waits for the result in this thread when no other does; then
-        the base class's wait (on the thread that resolves it)."""
+        the base class's wait (on the thread that resolves it). On the
+        dispatcher thread itself (a done-callback waiting on an armed
+        future) it resolves completions here until this one is done."""
         pending = self._pending
         if pending is not None and self._state == concurrent.futures._base.RUNNING:
             try:
@@ -801,8 +822,13 @@ class _TaskFuture(concurrent.futures.Future):
                 raise
             if isinstance(outcome, tuple):
                 self._resolve(*outcome)
-            elif outcome == _PENDING_TIMED_OUT:
+                return
+            if outcome == _PENDING_TIMED_OUT:
                 self._arm()
+                return
+        dispatch = self._dispatch
+        if self._state == concurrent.futures._base.RUNNING and dispatch.thread is threading.current_thread():
+            dispatch.serve_until(self, timeout)
 
     def result(self, timeout=None):
         self._wait_inline(timeout)

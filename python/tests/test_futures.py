@@ -246,3 +246,25 @@ def test_an_install_reads_no_distribution_metadata():
             assert w.call_all(h) == {0: i, 1: i}
             w.unregister(h)
         assert w.call_all(read) == {0: 0, 1: 0}
+
+
+def test_a_callback_may_wait_on_another_armed_future(worker):
+    h = worker.register(slow_square)
+    later = worker.submit(h, 5, 0.2)
+    later.add_done_callback(lambda f: None)  # armed: the dispatcher resolves it
+    seen = []
+    done = threading.Event()
+
+    def chain(future):
+        seen.append(future.result() + later.result(timeout=10))
+        done.set()
+
+    first = worker.submit(h, 2, 0.0)
+    first.add_done_callback(chain)
+    assert done.wait(10)
+    assert seen == [29]
+    # The dispatcher goes on with the rest.
+    flag = threading.Event()
+    worker.submit(h, 1, 0.0).add_done_callback(lambda f: flag.set())
+    assert flag.wait(10)
+    worker.unregister(h)

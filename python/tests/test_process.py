@@ -660,3 +660,60 @@ def test_respawn_options_are_checked():
             callreg.NextLevel(1, **{name: 1e300})
     level = callreg.NextLevel(1, respawn_limit=0, respawn_backoff=2, probe_first=False)
     assert (level.respawn_limit, level.respawn_backoff, level.probe_first) == (0, 2, False)
+
+
+def test_a_forked_child_cannot_use_nor_close_the_worker():
+    with callreg.Worker(2) as w:
+        w.start()
+        h = w.register(square)
+        pids = [w.target_pid(t) for t in w.targets]
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                try:
+                    w.call(h, 2)
+                except callreg.LifecycleError as error:
+                    if str(error).startswith("LIFECYCLE_INVALID: this Worker belongs to process %d" % os.getppid()):
+                        code = 2
+                if code == 2 and w.targets == [] and type(w.submit(h, 2).exception(5)) is callreg.LifecycleError:
+                    code = 3
+                w.close()
+                del w
+                gc.collect()
+                code = 0 if code == 3 else code
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert [w.target_pid(t) for t in w.targets] == pids
+        assert w.call_all(h, 3) == {0: 9, 1: 9}
+
+
+def collect_garbage():
+    return gc.collect() >= 0
+
+
+def test_an_unclosed_garbage_worker_inherited_by_targets_is_left_alone(capfd):
+    old = callreg.Worker(1)
+    old.start()
+    cycle = [old]
+    cycle.append(cycle)  # only the garbage collector frees it
+    old_pid = old.target_pid(0)
+    del old, cycle
+    gc.disable()
+    try:
+        with callreg.Worker(2) as w:
+            w.start()
+            collect = w.register(collect_garbage)
+            # Each target frees its copy of the old Worker: nothing of the
+            # owner's is touched.
+            assert w.call_all(collect) == {0: True, 1: True}
+            h = w.register(square)
+            assert w.call_all(h, 4) == {0: 16, 1: 16}
+            os.kill(old_pid, 0)  # the old Worker's target still runs
+    finally:
+        gc.enable()
+    gc.collect()
+    # Nothing went wrong in the targets (they write to this stderr).
+    assert capfd.readouterr().err == ""

@@ -443,7 +443,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             )));
         }
         let owner = OwnerToken(random_token()?);
-        let machine = Parent::new(ParentConfig {
+        let config = ParentConfig {
             targets: self.targets,
             control_timeout: u64::try_from(self.control_timeout.as_micros()).unwrap_or(u64::MAX),
             operation_timeout: u64::try_from(
@@ -461,7 +461,8 @@ impl<R: Runtime> WorkerBuilder<R> {
             probe_first: self.probe_first,
             respawn_limit: self.respawn_limit,
             respawn_backoff: u64::try_from(self.respawn_backoff.as_micros()).unwrap_or(u64::MAX),
-        });
+        };
+        let machine = Parent::new(config);
         Ok(Worker {
             runtime: self.runtime,
             targets: self.targets,
@@ -471,7 +472,9 @@ impl<R: Runtime> WorkerBuilder<R> {
             thread_policy: self.thread_policy,
             respawn: self.respawn_limit > 0,
             clock: Instant::now(),
+            config,
             shared: Arc::new(Shared {
+                process: std::process::id(),
                 core: Mutex::new(Core {
                     machine,
                     envelopes: BTreeMap::new(),
@@ -546,6 +549,9 @@ impl<T> Awaited<T> {
         mut self,
         until: Option<Instant>,
     ) -> Result<Result<T, handoff::Abandoned>, Awaited<T>> {
+        if self.foreign() {
+            return Ok(Err(handoff::Abandoned));
+        }
         let pending = self.take();
         // Leading settles what the request left, in every case.
         self.owed.store(false, Ordering::Relaxed);
@@ -576,9 +582,18 @@ impl<T> Awaited<T> {
         }
     }
 
+    /// Whether this is a copy in a forked child of the Worker's process
+    /// ([`Shared::foreign`]): the result never comes there.
+    fn foreign(&self) -> bool {
+        self.shared.as_ref().is_some_and(|shared| shared.foreign())
+    }
+
     /// Wakes the IO thread for what the request left, if this caller still
     /// owes it.
     fn settle(&self) {
+        if self.foreign() {
+            return;
+        }
         if self.owed.swap(false, Ordering::Relaxed) {
             if let Some(wake) = &self.wake {
                 // A full wake pipe already guarantees a wake-up.
@@ -592,11 +607,18 @@ impl<T> Awaited<T> {
         F: FnOnce(Result<T, handoff::Abandoned>) + Send + 'static,
         T: Send + 'static,
     {
+        if self.foreign() {
+            callback(Err(handoff::Abandoned));
+            return;
+        }
         self.settle();
         self.take().on_complete(callback);
     }
 
     fn is_complete(&self) -> bool {
+        if self.foreign() {
+            return true;
+        }
         self.settle();
         self.pending.as_ref().is_none_or(Pending::is_complete)
     }
@@ -604,6 +626,13 @@ impl<T> Awaited<T> {
 
 impl<T> Drop for Awaited<T> {
     fn drop(&mut self) {
+        if self.foreign() {
+            // A copy in a forked child: its hand-off's lock may be held
+            // forever, and the Worker's state must never be dropped here.
+            std::mem::forget(self.pending.take());
+            std::mem::forget(self.shared.take());
+            return;
+        }
         self.settle();
     }
 }
@@ -960,10 +989,24 @@ impl std::fmt::Display for SlotEvent {
 }
 
 struct Shared {
+    /// The process that built the Worker: the only one that may use it
+    /// (its threads, targets and locks exist there alone).
+    process: u32,
     core: Mutex<Core>,
 }
 
 impl Shared {
+    /// Whether this is another process than the one that built the Worker:
+    /// a child forked from it (`os.fork()` in Python, a worker runtime's
+    /// fork), holding a copy of its memory. There the Worker's threads do
+    /// not exist, its locks may be held forever, and its targets are not
+    /// this process's children: nothing of it may be touched, nor dropped
+    /// (dropping would kill the owner's targets). See [`Worker`], "Forked
+    /// children".
+    fn foreign(&self) -> bool {
+        std::process::id() != self.process
+    }
+
     fn lock(&self) -> MutexGuard<'_, Core> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -1292,6 +1335,16 @@ fn io_thread(shared: Arc<Shared>) {
 /// at once; several operations may be in flight. Closing is idempotent and
 /// also happens on drop: targets are stopped and reaped, and every staged
 /// payload is unlinked.
+///
+/// # Forked children
+///
+/// A Worker belongs to the process that built it. In a child forked from
+/// that process (a copy of its memory without its threads) every operation
+/// fails with `LIFECYCLE_INVALID` ("this Worker belongs to process N …"),
+/// a pending task or operation copied there completes at once as
+/// abandoned, the getters answer as for a closed Worker, and `close` and
+/// drop do nothing there: the owner's targets, threads and state are
+/// never touched (nor freed) by the child.
 pub struct Worker<R: Runtime> {
     runtime: Arc<R>,
     targets: u16,
@@ -1301,6 +1354,9 @@ pub struct Worker<R: Runtime> {
     thread_policy: ThreadPolicy,
     respawn: bool,
     clock: Instant,
+    /// The parent machine's configuration (a closed machine of it is the
+    /// state a forked child sees).
+    config: ParentConfig,
     shared: Arc<Shared>,
     io_thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -1322,6 +1378,18 @@ fn now_since(clock: Instant) -> Time {
 
 fn lifecycle_error(operation: OperationKind, message: &str) -> Error {
     Error::new(ErrorCode::LIFECYCLE_INVALID, operation, message)
+}
+
+/// The `LIFECYCLE_INVALID` of a Worker used in a forked child of its
+/// process ([`Worker`], "Forked children").
+fn foreign_error(operation: OperationKind, owner: u32) -> Error {
+    lifecycle_error(
+        operation,
+        &format!(
+            "this Worker belongs to process {owner}; process {} is a child forked from it and cannot use it (build a new Worker there)",
+            std::process::id()
+        ),
+    )
 }
 
 impl<R: Runtime> Worker<R> {
@@ -1419,6 +1487,8 @@ impl<R: Runtime> Worker<R> {
         envelope: &[u8],
         metadata: Option<&CallableMetadata>,
     ) -> Result<PendingOperation<Handle>, OperationError> {
+        self.owned(OperationKind::Register)
+            .map_err(OperationError::new)?;
         let parsed = Envelope::parse(envelope).map_err(Self::envelope_error)?;
         if let Some(metadata) = metadata {
             // Room for the register control's fixed fields: seq, digest,
@@ -1520,6 +1590,8 @@ impl<R: Runtime> Worker<R> {
         &self,
         handle: &Handle,
     ) -> Result<PendingOperation<()>, OperationError> {
+        self.owned(OperationKind::Unregister)
+            .map_err(OperationError::new)?;
         let mut core = self.shared.lock();
         match core.machine.lifecycle() {
             Lifecycle::New => {
@@ -1594,6 +1666,14 @@ impl<R: Runtime> Worker<R> {
     ) where
         F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
     {
+        if let Err(error) = self.owned(OperationKind::Task) {
+            callback(Err(TaskError {
+                error,
+                kind: String::new(),
+                exception: Box::default(),
+            }));
+            return;
+        }
         let (done, pending) = handoff::channel();
         // Given to the hand-off first: it runs in the thread that
         // completes the task, never in this one later.
@@ -1629,6 +1709,16 @@ impl<R: Runtime> Worker<R> {
         input: &[u8],
     ) -> PendingTask {
         let (done, pending) = handoff::channel();
+        if let Err(error) = self.owned(OperationKind::Task) {
+            done.complete(Err(TaskError {
+                error,
+                kind: String::new(),
+                exception: Box::default(),
+            }));
+            return PendingTask {
+                awaited: Awaited::done(pending),
+            };
+        }
         if let Err(error) = self.task_frame_fits(handle, target, input) {
             done.complete(Err(error));
             return PendingTask {
@@ -1709,6 +1799,9 @@ impl<R: Runtime> Worker<R> {
     /// joined: `specs/protocol.md` §2.9), in order; empty before start and
     /// after close.
     pub fn live_targets(&self) -> Vec<TargetId> {
+        if self.shared.foreign() {
+            return Vec::new();
+        }
         let core = self.shared.lock();
         (0..self.targets)
             .map(TargetId)
@@ -1720,6 +1813,9 @@ impl<R: Runtime> Worker<R> {
     /// one forked at start, one more for each replacement
     /// (`specs/protocol.md` §2.9).
     pub fn target_incarnation(&self, target: TargetId) -> u32 {
+        if self.shared.foreign() {
+            return 0;
+        }
         self.shared.lock().machine.incarnation(target)
     }
 
@@ -1727,6 +1823,9 @@ impl<R: Runtime> Worker<R> {
     /// (`BackingOff`, `Spawning`, `Joining`) or `Lost` for good (every
     /// slot, once closed).
     pub fn slot_phase(&self, target: TargetId) -> SlotPhase {
+        if self.shared.foreign() {
+            return SlotPhase::Lost;
+        }
         let core = self.shared.lock();
         match core.machine.lifecycle() {
             Lifecycle::Closed => SlotPhase::Lost,
@@ -1738,6 +1837,9 @@ impl<R: Runtime> Worker<R> {
     /// [`SLOT_EVENTS_KEPT`]): with replacements on, every loss, and every
     /// replacement started, joined or failed, and slots given up.
     pub fn slot_events(&self) -> Vec<SlotEvent> {
+        if self.shared.foreign() {
+            return Vec::new();
+        }
         self.shared.lock().events.iter().cloned().collect()
     }
 
@@ -1745,11 +1847,17 @@ impl<R: Runtime> Worker<R> {
     /// tests), if started; it may have ended since (see
     /// [`Worker::slot_phase`]).
     pub fn target_pid(&self, target: TargetId) -> Option<i32> {
+        if self.shared.foreign() {
+            return None;
+        }
         self.shared.lock().pids.get(usize::from(target.0)).copied()
     }
 
     /// How a lost target ended, once reaped.
     pub fn target_exit(&self, target: TargetId) -> Option<Exit> {
+        if self.shared.foreign() {
+            return None;
+        }
         self.shared.lock().exits.get(&target).copied()
     }
 
@@ -1757,6 +1865,9 @@ impl<R: Runtime> Worker<R> {
     /// the protocol, it missed a deadline) and how it ended, e.g. `"its
     /// reply pipe closed; it exited with status 9"`.
     pub fn target_loss(&self, target: TargetId) -> Option<String> {
+        if self.shared.foreign() {
+            return None;
+        }
         self.shared.lock().losses.get(&target).cloned()
     }
 
@@ -1768,6 +1879,9 @@ impl<R: Runtime> Worker<R> {
     /// staged payload); without replacements, none. Zero after close: the
     /// parent holds only what live registrations need.
     pub fn retained_envelope_bytes(&self) -> usize {
+        if self.shared.foreign() {
+            return 0;
+        }
         let core = self.shared.lock();
         let before_start: usize = core.envelopes.values().map(|e| e.len()).sum();
         before_start + core.kept.values().map(Kept::len).sum::<usize>()
@@ -1776,7 +1890,24 @@ impl<R: Runtime> Worker<R> {
     /// A copy of the parent machine's state (diagnostics and tests: the
     /// protocol's invariant predicates take it).
     pub fn parent_state(&self) -> Parent {
+        if self.shared.foreign() {
+            // A closed machine: what a forked child may use of it.
+            let mut closed = Parent::new(self.config);
+            let _ = closed.close();
+            return closed;
+        }
         self.shared.lock().machine.clone()
+    }
+
+    /// `Ok` in the process that built the Worker.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` in any other (a forked child of it).
+    fn owned(&self, operation: OperationKind) -> Result<(), Error> {
+        if self.shared.foreign() {
+            return Err(foreign_error(operation, self.shared.process));
+        }
+        Ok(())
     }
 
     /// Asks every live target for its table and waits for the answers, in
@@ -1791,6 +1922,7 @@ impl<R: Runtime> Worker<R> {
         if handoff::in_callback() {
             return Err(callback_wait_error(OperationKind::Resolve));
         }
+        self.owned(OperationKind::Resolve)?;
         let (done, pending) = handoff::channel();
         self.push(Request::Inspect { done }, true);
         pending
@@ -1802,6 +1934,9 @@ impl<R: Runtime> Worker<R> {
     /// malformed or oversized frames).
     #[cfg(feature = "failpoints")]
     pub fn inject_control_bytes(&self, target: TargetId, bytes: Vec<u8>) {
+        if self.shared.foreign() {
+            return;
+        }
         self.push(Request::RawControl { target, bytes }, true);
     }
 
@@ -1892,6 +2027,8 @@ impl<R: Runtime> Worker<R> {
     /// A snapshot entry that a ready target could not install is not an
     /// error: it is in [`StartReport::failed`].
     pub fn start(&self) -> Result<StartReport, OperationError> {
+        self.owned(OperationKind::Start)
+            .map_err(OperationError::new)?;
         let mut core = self.shared.lock();
         let start_error = |code, message: String| {
             OperationError::new(Error::new(code, OperationKind::Start, message))
@@ -2119,8 +2256,12 @@ impl<R: Runtime> Worker<R> {
     /// Closes the Worker: operations in flight fail with
     /// `LIFECYCLE_INVALID`, targets get EOF on their control pipe and are
     /// reaped (killed after a grace period), every staged payload is
-    /// unlinked. Idempotent.
+    /// unlinked. Idempotent. In a forked child of the Worker's process it
+    /// does nothing (the owner's targets serve on).
     pub fn close(&self) {
+        if self.shared.foreign() {
+            return;
+        }
         let mut io_thread = self.io_thread.lock().unwrap_or_else(|p| p.into_inner());
         {
             let mut core = self.shared.lock();
@@ -2144,6 +2285,15 @@ impl<R: Runtime> Worker<R> {
 
 impl<R: Runtime> Drop for Worker<R> {
     fn drop(&mut self) {
+        if self.shared.foreign() {
+            // A copy in a forked child: its IO thread does not exist here
+            // and its state holds the owner's targets (dropping it would
+            // kill them). Both are left as they are, never freed here.
+            std::mem::forget(self.shared.clone());
+            let io_thread = self.io_thread.get_mut().unwrap_or_else(|p| p.into_inner());
+            std::mem::forget(io_thread.take());
+            return;
+        }
         self.close();
     }
 }
