@@ -1435,7 +1435,7 @@ fn cases() -> Vec<Case> {
                     runtime.call(&callable, TaskEncoding::Pickle, payloads.get("pickle_input_not_pair")?),
                     ErrorCode::TASK_FAILED,
                     "TaskInputInvalid",
-                    "the pickled task input must be a pair (args: tuple or list, kwargs: dict), got list",
+                    "the pickled task input must be a pair (args: tuple or list, kwargs: dict) or a chunk ([args, ...],), got list",
                 )?;
                 expect_error(
                     "pickled input truncated",

@@ -62,15 +62,19 @@ Process model (Linux):
   :class:`TaskError` (``remote_type`` ``"TypeError"``); return a list.
 """
 
+import collections
 import concurrent.futures
 import functools
 import inspect as _inspect
 import io
+import itertools
 import json
+import linecache
 import logging
 import os
 import pickle
 import platform
+import re
 import threading
 import time
 import weakref
@@ -82,6 +86,7 @@ from callreg import _callreg
 _LOGGER = logging.getLogger("callreg")
 
 __all__ = [
+    "Executor",
     "Worker",
     "NextLevel",
     "Context",
@@ -96,6 +101,7 @@ __all__ = [
     "LifecycleError",
     "EnvelopeError",
     "TaskError",
+    "RemoteTraceback",
     "DEFAULT_MAX_FRAME_BYTES",
 ]
 
@@ -238,28 +244,7 @@ def _error(raw):
         seq=fields["seq"],
     )
     if cls is TaskError:
-        message = fields["message"]
-        cut = message.find("\n" + _TRACEBACK_HEADER)
-        traceback = message[cut + 1 :] if cut >= 0 else None
-        text = message[:cut] if cut >= 0 else message
-        kind = fields["kind"] or None
-        shown = "%s: %s" % (kind, text) if kind else text
-        error = TaskError(
-            "%s (target %s, hashid %s)%s"
-            % (shown, fields["target"], fields["hashid"], "\n" + traceback if traceback else ""),
-            remote_type=kind,
-            remote_traceback=traceback,
-            **common,
-        )
-        blob = fields["exception"]
-        if blob is not None:
-            try:
-                cause = pickle.loads(blob)
-            except Exception:
-                cause = None
-            if isinstance(cause, BaseException):
-                error.__cause__ = cause
-        return error
+        return _task_error(fields, common)
     if cls is RegisterError or fields["outcomes"]:
         outcomes = {target: outcome for target, outcome in fields["outcomes"]}
         if cls is CallregError:
@@ -270,6 +255,234 @@ def _error(raw):
         error.outcomes = outcomes
         return error
     return cls(fields["full"], **common)
+
+
+class RemoteTraceback(Exception):
+    """The ``__cause__`` of a task's exception raised here: its ``str()``
+    is the traceback the target formatted (:attr:`TaskError.remote_traceback`),
+    so a traceback printed here shows where the task raised."""
+
+    def __init__(self, text):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+
+# Task exception types derived with TaskError, by remote type.
+_DUAL_CLASSES = weakref.WeakKeyDictionary()
+_DUAL_LOCK = threading.Lock()
+
+
+def _dual_class(remote):
+    """A class derived from :class:`TaskError` and ``remote`` (an
+    exception type), or ``None`` when ``remote`` cannot be derived from."""
+    with _DUAL_LOCK:
+        try:
+            return _DUAL_CLASSES[remote]
+        except KeyError:
+            pass
+        try:
+            dual = type(
+                remote.__name__,
+                (TaskError, remote),
+                {
+                    "__module__": remote.__module__,
+                    "__qualname__": remote.__qualname__,
+                    "__str__": remote.__str__,
+                    "__repr__": remote.__repr__,
+                    "__reduce__": remote.__reduce__,
+                    "__reduce_ex__": remote.__reduce_ex__,
+                    "__doc__": "%s raised by a task, as a callreg.TaskError." % remote.__qualname__,
+                },
+            )
+        except TypeError:  # final type, or instance lay-outs in conflict
+            dual = None
+        _DUAL_CLASSES[remote] = dual
+        return dual
+
+
+_TASK_FIELDS = ("code", "operation", "target", "hashid", "seq", "remote_type", "remote_traceback")
+
+
+def _task_error(fields, common):
+    """The exception of a failed task: an instance of both the task's
+    exception type and :class:`TaskError` when the exception unpickles
+    here (``specs/python.md`` §3, "Task exceptions"), else a plain
+    :class:`TaskError`."""
+    message = fields["message"]
+    cut = message.find("\n" + _TRACEBACK_HEADER)
+    short = message[cut + 1 :] if cut >= 0 else None
+    text = message[:cut] if cut >= 0 else message
+    kind = fields["kind"] or None
+    remote = None
+    blob = fields["exception"]
+    if blob is not None:
+        try:
+            remote = pickle.loads(blob)
+        except Exception:
+            remote = None
+        if not isinstance(remote, BaseException):
+            remote = None
+    traceback_text = short
+    if remote is not None:
+        carried = remote.__dict__.pop("__callreg_remote__", None) if hasattr(remote, "__dict__") else None
+        if isinstance(carried, tuple) and len(carried) == 2 and isinstance(carried[0], str):
+            traceback_text = _CODES.render(carried[0])
+    shown = "%s: %s" % (kind, text) if kind else text
+    plain_message = "%s (target %s, hashid %s)%s" % (
+        shown,
+        fields["target"],
+        fields["hashid"],
+        "\n" + short if short else "",
+    )
+    attributes = dict(common, remote_type=kind, remote_traceback=traceback_text)
+    dual = None
+    if remote is not None and not isinstance(remote, CallregError) and isinstance(remote, Exception):
+        dual = _dual_class(type(remote))
+    if dual is None:
+        error = TaskError(plain_message, remote_type=kind, remote_traceback=traceback_text, **common)
+        if remote is not None:
+            error.__cause__ = remote
+        return error
+    error = _rebuilt_as(dual, remote)
+    if error is None:
+        error = TaskError(plain_message, remote_type=kind, remote_traceback=traceback_text, **common)
+        error.__cause__ = remote
+        return error
+    for name in _TASK_FIELDS:
+        setattr(error, name, attributes[name])
+    if traceback_text:
+        error.__cause__ = RemoteTraceback(traceback_text)
+    return error
+
+
+# Attributes of builtin exceptions kept outside __dict__.
+_EXCEPTION_SLOTS = (
+    "errno",
+    "strerror",
+    "filename",
+    "filename2",
+    "characters_written",
+    "msg",
+    "lineno",
+    "offset",
+    "text",
+    "end_lineno",
+    "end_offset",
+    "value",
+    "name",
+    "path",
+    "obj",
+)
+
+
+def _rebuilt_as(dual, remote):
+    """``remote`` as an instance of ``dual`` (its args, ``__dict__`` and
+    builtin slots), built without ``__init__``; ``None`` when that fails."""
+    try:
+        error = type(remote).__new__(dual, *remote.args)
+        error.args = remote.args
+        error.__dict__.update(remote.__dict__)
+        for name in _EXCEPTION_SLOTS:
+            if name not in remote.__dict__ and hasattr(type(remote), name):
+                try:
+                    setattr(error, name, getattr(remote, name))
+                except (AttributeError, TypeError):
+                    pass
+    except Exception:
+        return None
+    return error
+
+
+class _CodeRegistry:
+    """Where the code of registered callables was defined: the parent
+    records the code objects of each callable it packs (and of the
+    functions it refers to by global name, pickled with it), so that a
+    target's traceback frames of code pickled by value (file
+    ``<dynamic-code>`` with cloudpickle 3.1 and later) name their file
+    and show their source line as this process reads them."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        # function name -> [(first line, last line, file)]
+        self.spans = {}
+
+    def record(self, fn):
+        seen = set()
+        stack = [fn]
+        budget = 256
+        while stack and budget:
+            budget -= 1
+            obj = stack.pop()
+            code = getattr(obj, "__code__", None)
+            if code is None:
+                func = getattr(obj, "func", None) or getattr(obj, "__func__", None)  # partial, method
+                if func is not None:
+                    stack.append(func)
+                continue
+            if id(code) in seen:
+                continue
+            seen.add(id(code))
+            self._record_code(code, seen)
+            names = getattr(obj, "__globals__", {})
+            referred = [names.get(name) for name in code.co_names]
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    referred.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+            for value in referred:
+                if callable(value) and hasattr(value, "__code__"):
+                    stack.append(value)
+
+    def _record_code(self, code, seen):
+        codes = [code]
+        while codes:
+            code = codes.pop()
+            lines = [line for _, _, line in code.co_lines() if line is not None]
+            if lines and not code.co_filename.startswith("<"):
+                span = (min(lines + [code.co_firstlineno]), max(lines), code.co_filename)
+                with self.lock:
+                    spans = self.spans.setdefault(code.co_name, [])
+                    if span not in spans:
+                        spans.append(span)
+                        del spans[:-8]
+            for const in code.co_consts:
+                if hasattr(const, "co_lines") and id(const) not in seen:
+                    seen.add(id(const))
+                    codes.append(const)
+
+    def file_of(self, name, line):
+        with self.lock:
+            spans = list(self.spans.get(name, ()))
+        found = [path for first, last, path in spans if first <= line <= last]
+        return found[0] if len(set(found)) == 1 else None
+
+    def render(self, text):
+        """``text`` (a formatted traceback) with each ``<dynamic-code>``
+        frame of a recorded callable given its file and source line."""
+        if '"<dynamic-code>"' not in text:
+            return text
+        out = []
+        for line in text.splitlines(keepends=True):
+            match = _DYNAMIC_FRAME.match(line)
+            if match is not None:
+                number, name = int(match.group(1)), match.group(2)
+                path = self.file_of(name, number)
+                if path is not None:
+                    out.append('  File "%s", line %d, in %s\n' % (path, number, name))
+                    source = linecache.getline(path, number).strip()
+                    if source:
+                        out.append("    %s\n" % source)
+                    continue
+            out.append(line)
+        return "".join(out)
+
+
+_DYNAMIC_FRAME = re.compile(r'^  File "<dynamic-code>", line (\d+), in (.+)$')
+_CODES = _CodeRegistry()
 
 
 def _raise(raw):
@@ -550,6 +763,25 @@ def _forget_context():
 
 # A context (its inner Worker) belongs to the process that built it.
 os.register_at_fork(after_in_child=_forget_context)
+
+
+def _initialize_target(initializer, initargs, sub_targets, level, target):
+    """The target initializer of a Worker (run by the runtime in each of
+    its targets and replacements, at their start, before they serve):
+    ``initializer(*initargs)``, then, with next-level targets,
+    :func:`_start_target`. An exception from ``initializer`` is printed to
+    the target's stderr and raised (the target is then lost at start)."""
+    if initializer is not None:
+        try:
+            initializer(*initargs)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            raise
+    if level is None:
+        return None
+    return _start_target(sub_targets, level, target)
 
 
 def _start_target(sub_targets, level, target):
@@ -925,6 +1157,12 @@ class Worker:
     lost target here; an inner target's death is the inner Worker's
     (a :class:`TargetLostError` in the orchestration callable).
 
+    ``initializer(*initargs)`` (as :class:`concurrent.futures.ProcessPoolExecutor`'s)
+    runs in every target, and in every replacement, at its start, before
+    it serves (with next-level targets: before their ``setup``); if it
+    raises, that target is lost at start (:meth:`start` raises
+    :class:`TargetLostError`; a replacement is retried as for any loss).
+
     Thread-safe: any number of threads may submit at once. A context
     manager: leaving a ``with`` block closes it."""
 
@@ -941,18 +1179,26 @@ class Worker:
         probe_first=True,
         respawn_limit=3,
         respawn_backoff=0.1,
+        initializer=None,
+        initargs=(),
     ):
         sub, upper = _counts(targets, next_level, next_level_targets)
         _check_respawn(probe_first, respawn_limit, respawn_backoff)
         _check_options(control_timeout, slot_capacity, max_frame_bytes, operation_timeout)
-        initializer = None if next_level is None else functools.partial(_start_target, sub, next_level)
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable or None, not %s" % type(initializer).__name__)
+        initargs = tuple(initargs)
+        if initializer is None and next_level is None:
+            target_initializer = None
+        else:
+            target_initializer = functools.partial(_initialize_target, initializer, initargs, sub, next_level)
         try:
             self._raw = _callreg.RawWorker(
                 sub + upper,
                 float(control_timeout),
                 slot_capacity,
                 max_frame_bytes,
-                initializer,
+                target_initializer,
                 None if operation_timeout is None else float(operation_timeout),
                 probe_first,
                 respawn_limit,
@@ -1006,7 +1252,9 @@ class Worker:
             )
         envelope = pack(fn)
         meta = _merge_metadata(_default_metadata(_callable_name(fn)), metadata)
-        return self._register(envelope, meta)
+        handle = self._register(envelope, meta)
+        _CODES.record(fn)
+        return handle
 
     def register_envelope(self, data, *, metadata=None):
         """Registers a pre-packed SPYC envelope (e.g. from ``callreg pack``
@@ -1115,9 +1363,18 @@ class Worker:
         waiter, or the Worker's dispatcher thread for a future with
         done-callbacks or in ``concurrent.futures.wait`` that nobody waits
         on)."""
-        raw = _raw_handle(handle)
-        target = self._target(target)
-        data = self._input(args, kwargs)
+        if not isinstance(handle, Handle) and callable(handle):
+            raise HandleError(
+                "submit() takes a Handle; register %s first (h = w.register(fn)), or use "
+                "callreg.Executor, whose submit takes the callable" % _callable_name(handle),
+                code="HANDLE_FOREIGN",
+                operation="resolve",
+            )
+        return self._submit(_raw_handle(handle), self._target(target), self._input(args, kwargs))
+
+    def _submit(self, raw, target, data):
+        """The future of a task of raw handle ``raw`` with pickled input
+        ``data`` on ``target`` (checked; ``None``: any)."""
         try:
             pending = self._raw.submit(raw, target, data)
         except _callreg.RawError as error:
@@ -1163,15 +1420,35 @@ class Worker:
             raise first
         return results
 
-    def map(self, handle, /, *iterables, timeout=None):
+    def map(self, handle, /, *iterables, timeout=None, chunksize=1):
         """Like :meth:`concurrent.futures.Executor.map`: submits
         ``handle(*items)`` for each tuple of items at once, spread over the
         live targets, and returns an iterator of the results in order;
         ``timeout`` (seconds from this call) raises
         :class:`concurrent.futures.TimeoutError` for a result not there in
-        time."""
+        time. ``chunksize`` items go in one task (one frame each way, the
+        calls run in turn in one target, ``specs/python.md`` §3): a call
+        that raises fails its chunk, and the iterator raises that error
+        when it reaches the chunk. Raises ``ValueError`` unless
+        ``chunksize >= 1``."""
+        return self._map(_raw_handle(handle), iterables, timeout, chunksize)
+
+    def _map(self, raw, iterables, timeout, chunksize):
+        if isinstance(chunksize, bool) or not isinstance(chunksize, int):
+            raise TypeError("chunksize must be an int, not %s" % type(chunksize).__name__)
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1, got %d" % chunksize)
         deadline = None if timeout is None else time.monotonic() + timeout
-        futures = [self.submit(handle, *items) for items in zip(*iterables)]
+        calls = zip(*iterables)
+        if chunksize == 1:
+            futures = [self._submit(raw, None, self._input(items, {})) for items in calls]
+        else:
+            futures = []
+            while True:
+                chunk = list(itertools.islice(calls, chunksize))
+                if not chunk:
+                    break
+                futures.append(self._submit(raw, None, self._chunk_input(chunk)))
 
         def results():
             try:
@@ -1179,13 +1456,26 @@ class Worker:
                 while futures:
                     future = futures.pop()
                     if deadline is None:
-                        yield future.result()
+                        value = future.result()
                     else:
-                        yield future.result(max(0.0, deadline - time.monotonic()))
+                        value = future.result(max(0.0, deadline - time.monotonic()))
+                    if chunksize == 1:
+                        yield value
+                    else:
+                        yield from value
             finally:
                 futures.clear()
 
         return results()
+
+    @staticmethod
+    def _chunk_input(chunk):
+        """A chunk's task input: ``([args, ...],)`` pickled."""
+        for items in chunk:
+            for value in items:
+                if type(value) not in _PLAIN:
+                    return cloudpickle.dumps((chunk,), protocol=_PROTOCOL)
+        return pickle.dumps((chunk,), protocol=_PROTOCOL)
 
     # -- inspection ----------------------------------------------------
 
@@ -1246,3 +1536,188 @@ class Worker:
             tables = {entry["target"]: entry["table"] for entry in listed}
         return {"registry": registry, "targets": tables}
 
+
+
+# --------------------------------------------------------------------------
+# The Executor
+
+
+class Executor(concurrent.futures.Executor):
+    """A :class:`concurrent.futures.Executor` over a :class:`Worker`: what a
+    ``ProcessPoolExecutor(mp_context=fork)`` or loky program switches to by
+    changing its constructor::
+
+        with callreg.Executor(4) as ex:           # was ProcessPoolExecutor(4)
+            print(ex.submit(pow, 2, 10).result())  # 1024
+            print(list(ex.map(abs, [-1, -2], chunksize=100)))  # [1, 2]
+
+    ``max_workers`` targets (``None``: one per CPU) are forked when it is
+    built (from the building thread: build it where it lives, usually the
+    main thread). ``initializer(*initargs)`` runs in every target and
+    replacement before it serves. ``worker_options`` are the
+    :class:`Worker`'s (``control_timeout``, ``slot_capacity``,
+    ``max_frame_bytes``, ...; not ``next_level``).
+
+    Each callable is pickled and registered once, at its first use, and
+    its handle reused for every later task (looked up by the callable
+    itself, then by hashid: a lambda built anew each time is pickled each
+    time but registered once); the callable's bytes then never travel
+    again, only each task's arguments. So a callable's captured state is
+    what it was at its first use: a change made later in this process is
+    not seen by the targets (build a new callable). At most
+    ``slot_capacity`` callables stay registered; the least recently used
+    is unregistered to make room (its queued tasks run first), and every
+    one at :meth:`shutdown`.
+
+    Futures are running from :meth:`submit` (the task is sent at once), so
+    :meth:`concurrent.futures.Future.cancel` returns ``False`` and
+    ``shutdown(cancel_futures=True)`` has nothing to cancel. A task's
+    exception is raised by ``result()`` as :meth:`Worker.submit`'s are.
+
+    Raises ``ValueError`` when ``max_workers`` is not positive,
+    ``TypeError`` for ``next_level`` or a non-callable ``initializer``,
+    and what :meth:`Worker.start` raises."""
+
+    def __init__(self, max_workers=None, *, initializer=None, initargs=(), **worker_options):
+        if "next_level" in worker_options or "next_level_targets" in worker_options:
+            raise TypeError("Executor takes no next_level: use a Worker for trees of Workers")
+        if max_workers is not None:
+            if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+                raise TypeError("max_workers must be an int or None, not %s" % type(max_workers).__name__)
+            if max_workers <= 0:
+                raise ValueError("max_workers must be greater than 0")
+        self._capacity = worker_options.get("slot_capacity", 64)
+        self._worker = Worker(max_workers, initializer=initializer, initargs=initargs, **worker_options)
+        self._lock = threading.Lock()
+        # hashid -> Handle, least recently used first.
+        self._handles = collections.OrderedDict()
+        # callable -> hashid (callables seen before), least recently used first.
+        self._seen = collections.OrderedDict()
+        self._futures = weakref.WeakSet()
+        self._shutdown = False
+        self._finished = threading.Event()
+        try:
+            self._worker.start()
+        except BaseException:
+            self._worker.close()
+            raise
+
+    def __repr__(self):
+        return "<callreg.Executor over %r>" % (self._worker,)
+
+    @property
+    def worker(self):
+        """The :class:`Worker` under this Executor (its targets, events,
+        ``call_all``)."""
+        return self._worker
+
+    def _raw_for(self, fn):
+        """The raw handle of ``fn``, registered at its first use. Called
+        with ``self._lock`` held."""
+        try:
+            hashid = self._seen.get(fn)
+        except TypeError:  # an unhashable callable: looked up by hashid
+            hashid = None
+        if hashid is not None:
+            handle = self._handles.get(hashid)
+            if handle is not None:
+                self._handles.move_to_end(hashid)
+                self._seen.move_to_end(fn)
+                return handle._raw
+        if not callable(fn):
+            raise TypeError("%r is not callable" % (fn,))
+        if _inspect.iscoroutinefunction(fn) or _inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                "%s is an async function: its call would return a coroutine, which a target "
+                "cannot send back; submit a function that runs it (e.g. with asyncio.run)" % _callable_name(fn)
+            )
+        envelope = pack(fn)
+        hashid = _callreg.envelope_hashid(envelope)
+        handle = self._handles.get(hashid)
+        if handle is None:
+            while len(self._handles) >= self._capacity:
+                old, evicted = self._handles.popitem(last=False)
+                for key in [key for key, value in self._seen.items() if value == old]:
+                    del self._seen[key]
+                self._worker.unregister(evicted)
+            meta = _default_metadata(_callable_name(fn))
+            handle = self._worker._register(envelope, meta)
+            _CODES.record(fn)
+            self._handles[hashid] = handle
+        else:
+            self._handles.move_to_end(hashid)
+        try:
+            self._seen[fn] = hashid
+        except TypeError:
+            pass
+        else:
+            while len(self._seen) > 4 * self._capacity:
+                self._seen.popitem(last=False)
+        return handle._raw
+
+    def submit(self, fn, /, *args, **kwargs):
+        """Runs ``fn(*args, **kwargs)`` in a target and returns its
+        :class:`concurrent.futures.Future` (every keyword argument is
+        ``fn``'s, ``target`` included). Raises ``RuntimeError`` after
+        :meth:`shutdown`, ``TypeError`` for a non-callable or async
+        ``fn``, what cloudpickle raises for a callable it cannot pickle,
+        and :class:`RegisterError` when a target could not install it."""
+        data = self._worker._input(args, kwargs)
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            future = self._worker._submit(self._raw_for(fn), None, data)
+            self._futures.add(future)
+        return future
+
+    def map(self, fn, *iterables, timeout=None, chunksize=1):
+        """``fn`` applied to the items of ``iterables`` (as
+        :func:`map`), in targets: an iterator of the results in order,
+        raising what a call raised when it reaches it. Every call is
+        submitted at once; ``chunksize`` calls go in one task (one frame
+        each way; a call that raises fails its chunk, as
+        ``ProcessPoolExecutor``'s do). ``timeout`` (seconds from this
+        call) raises :class:`concurrent.futures.TimeoutError` for a result
+        not there in time."""
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            raw = self._raw_for(fn)
+            return self._worker._map(raw, iterables, timeout, chunksize)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        """No new task after this. ``wait=True``: waits for every task
+        submitted, then unregisters every callable and closes the Worker
+        (its targets are reaped). ``wait=False``: returns at once; the same
+        happens in a background thread once the tasks finished.
+        ``cancel_futures`` is accepted for compatibility: every task was
+        sent at its submit, so there is nothing left to cancel.
+        Idempotent."""
+        with self._lock:
+            first = not self._shutdown
+            self._shutdown = True
+            futures = list(self._futures)
+        if not first:
+            if wait:
+                self._finished.wait()
+            return
+        if wait:
+            self._finish(futures)
+        else:
+            threading.Thread(target=self._finish, args=(futures,), name="callreg-shutdown", daemon=True).start()
+
+    def _finish(self, futures):
+        try:
+            concurrent.futures.wait(futures)
+            with self._lock:
+                handles = list(self._handles.values())
+                self._handles.clear()
+                self._seen.clear()
+            for handle in handles:
+                try:
+                    self._worker.unregister(handle)
+                except CallregError:
+                    pass  # the Worker closes next: nothing is left anyway
+        finally:
+            self._worker.close()
+            self._finished.set()

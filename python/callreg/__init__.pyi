@@ -1,8 +1,11 @@
 import concurrent.futures
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, TypeVar
+
+_T = TypeVar("_T")
 
 __all__ = [
+    "Executor",
     "Worker",
     "NextLevel",
     "Context",
@@ -17,6 +20,7 @@ __all__ = [
     "LifecycleError",
     "EnvelopeError",
     "TaskError",
+    "RemoteTraceback",
     "DEFAULT_MAX_FRAME_BYTES",
 ]
 
@@ -65,6 +69,10 @@ class TaskError(CallregError):
         remote_traceback: str | None = ...,
         **fields: Any,
     ) -> None: ...
+
+class RemoteTraceback(Exception):
+    text: str
+    def __init__(self, text: str) -> None: ...
 
 class Handle:
     def __init__(self, *args: Any, **kwargs: Any) -> NoReturn: ...
@@ -133,6 +141,8 @@ class Worker:
         probe_first: bool = ...,
         respawn_limit: int = ...,
         respawn_backoff: float = ...,
+        initializer: Callable[..., object] | None = ...,
+        initargs: Iterable[Any] = ...,
     ) -> None: ...
     def __enter__(self) -> Worker: ...
     def __exit__(self, *exc: object) -> bool: ...
@@ -146,7 +156,9 @@ class Worker:
     def submit(self, handle: Handle, /, *args: Any, target: int | None = ..., **kwargs: Any) -> concurrent.futures.Future[Any]: ...
     def call(self, handle: Handle, /, *args: Any, target: int | None = ..., **kwargs: Any) -> Any: ...
     def call_all(self, handle: Handle, /, *args: Any, **kwargs: Any) -> dict[int, Any]: ...
-    def map(self, handle: Handle, /, *iterables: Iterable[Any], timeout: float | None = ...) -> Iterator[Any]: ...
+    def map(
+        self, handle: Handle, /, *iterables: Iterable[Any], timeout: float | None = ..., chunksize: int = ...
+    ) -> Iterator[Any]: ...
     @property
     def targets(self) -> list[int]: ...
     @property
@@ -158,3 +170,30 @@ class Worker:
     def slot_phase(self, target: int) -> str: ...
     def slot_events(self) -> list[dict[str, Any]]: ...
     def inspect(self) -> dict[str, Any]: ...
+
+class Executor(concurrent.futures.Executor):
+    def __init__(
+        self,
+        max_workers: int | None = ...,
+        *,
+        initializer: Callable[..., object] | None = ...,
+        initargs: Iterable[Any] = ...,
+        control_timeout: float = ...,
+        slot_capacity: int = ...,
+        max_frame_bytes: int = ...,
+        operation_timeout: float | None = ...,
+        probe_first: bool = ...,
+        respawn_limit: int = ...,
+        respawn_backoff: float = ...,
+    ) -> None: ...
+    @property
+    def worker(self) -> Worker: ...
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[_T]: ...
+    def map(
+        self,
+        fn: Callable[..., _T],
+        *iterables: Iterable[Any],
+        timeout: float | None = ...,
+        chunksize: int = ...,
+    ) -> Iterator[_T]: ...
+    def shutdown(self, wait: bool = ..., *, cancel_futures: bool = ...) -> None: ...

@@ -224,43 +224,111 @@ def test_task_exceptions_carry_type_message_traceback_and_cause():
     with callreg.Worker(2) as w:
         w.start()
         h = w.register(divide)
-        with pytest.raises(callreg.TaskError) as info:
+        with pytest.raises(ZeroDivisionError) as info:
             w.call(h, 1, 0)
         error = info.value
-        assert isinstance(error, callreg.CallregError)
+        # The task's own exception type, and a TaskError.
+        assert isinstance(error, callreg.TaskError) and isinstance(error, callreg.CallregError)
+        assert type(error).__name__ == "ZeroDivisionError"
+        assert error.args == ("division by zero",)
+        assert str(error) == "division by zero"
         assert error.code == "TASK_FAILED"
         assert error.operation == "task"
         assert error.remote_type == "ZeroDivisionError"
         assert error.hashid == h.hashid
         assert error.target in (0, 1)
         assert isinstance(error.seq, int)
-        assert "division by zero" in str(error)
-        assert error.remote_traceback.startswith("Traceback (most recent call last):")
-        assert "in divide" in error.remote_traceback
-        assert "return a / b" in error.remote_traceback
-        assert type(error.__cause__) is ZeroDivisionError
-        assert str(error.__cause__) == "division by zero"
-        # The same through a future.
+        assert error.remote_traceback == (
+            "Traceback (most recent call last):\n"
+            '  File "%s", line %d, in divide\n'
+            "    return a / b\n"
+            "%s"
+            "ZeroDivisionError: division by zero\n"
+            % (
+                divide.__code__.co_filename,
+                divide.__code__.co_firstlineno + 1,
+                "           ~~^~~\n" if sys.version_info >= (3, 11) else "",
+            )
+        )
+        assert type(error.__cause__) is callreg.RemoteTraceback
+        assert str(error.__cause__) == error.remote_traceback
+        # The same through a future: exception() gives it, result() raises it.
         future = w.submit(h, 1, 0)
-        assert type(future.exception(timeout=10)) is callreg.TaskError
-        assert type(future.exception().__cause__) is ZeroDivisionError
+        raised = future.exception(timeout=10)
+        assert isinstance(raised, ZeroDivisionError) and isinstance(raised, callreg.TaskError)
+        with pytest.raises(ZeroDivisionError):
+            future.result()
 
         custom = w.register(raises_custom)
-        with pytest.raises(callreg.TaskError) as info:
+        with pytest.raises(CustomError) as info:
             w.call(custom, {"why": [1, 2]})
+        assert isinstance(info.value, callreg.TaskError)
         assert info.value.remote_type.endswith("CustomError")
-        cause = info.value.__cause__
-        assert type(cause) is CustomError
-        assert cause.detail == {"why": [1, 2]}
+        assert info.value.detail == {"why": [1, 2]}
+        assert info.value.args == ("custom failure", {"why": [1, 2]})
+
+        rich = w.register(raises_rich)
+        with pytest.raises(RichError) as info:
+            w.call(rich, 5)
+        assert (str(info.value), info.value.number, info.value.args) == ("rich failure 5", 5, ("rich failure 5",))
+
+        missing = w.register(open_missing)
+        with pytest.raises(FileNotFoundError) as info:
+            w.call(missing, "/nonexistent/callreg-file")
+        assert (info.value.errno, info.value.filename) == (2, "/nonexistent/callreg-file")
 
         unpicklable = w.register(raises_unpicklable)
         with pytest.raises(callreg.TaskError) as info:
             w.call(unpicklable)
+        assert type(info.value) is callreg.TaskError
         assert info.value.remote_type.endswith("Unpicklable")
         assert "no way back" in str(info.value)
         assert info.value.__cause__ is None
         # The Worker is still usable.
         assert w.call(h, 6, 3) == 2.0
+
+
+class RichError(Exception):
+    """An exception whose __init__ takes other arguments than its args."""
+
+    def __init__(self, number):
+        super().__init__("rich failure %d" % number)
+        self.number = number
+
+
+def raises_rich(number):
+    raise RichError(number)
+
+
+def open_missing(path):
+    with open(path):
+        pass
+
+
+def test_remote_tracebacks_are_whole_and_name_the_source_of_by_value_code():
+    def inner(x):
+        raise KeyError(x)
+
+    def outer(x):
+        try:
+            inner(x)
+        except KeyError as error:
+            raise ValueError("outer %s" % x) from error
+
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(outer)
+        with pytest.raises(ValueError) as info:
+            w.call(h, "k")
+        text = info.value.remote_traceback
+        assert str(info.value) == "outer k"
+        here = __file__
+        line = outer.__code__.co_firstlineno
+        assert '  File "%s", line %d, in inner\n    raise KeyError(x)\n' % (here, inner.__code__.co_firstlineno + 1) in text
+        assert '  File "%s", line %d, in outer\n    inner(x)\n' % (here, line + 2) in text
+        assert "KeyError: 'k'\n\nThe above exception was the direct cause of the following exception:\n" in text
+        assert text.endswith("ValueError: outer k\n")
+        assert "<dynamic-code>" not in text
 
 
 def test_an_unpicklable_result_fails_the_task():

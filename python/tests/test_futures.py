@@ -136,15 +136,16 @@ def test_a_task_error_reaches_every_way_of_waiting(worker):
     h = worker.register(fail)
     future = worker.submit(h, 3)
     error = future.exception(timeout=10)
-    assert type(error) is callreg.TaskError
+    assert isinstance(error, ZeroDivisionError) and isinstance(error, callreg.TaskError)
     assert error.remote_type == "ZeroDivisionError"
-    with pytest.raises(callreg.TaskError, match="no 3"):
+    with pytest.raises(ZeroDivisionError, match="no 3") as raised:
         future.result()
+    assert raised.value is error
     called = threading.Event()
     other = worker.submit(h, 4)
     other.add_done_callback(lambda f: called.set())
     assert called.wait(10)
-    assert type(other.exception()) is callreg.TaskError
+    assert isinstance(other.exception(), ZeroDivisionError)
     worker.unregister(h)
 
 

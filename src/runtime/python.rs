@@ -1111,7 +1111,12 @@ impl Runtime for PythonRuntime {
         Python::attach(|py| {
             let (args, kwargs) = match encoding {
                 TaskEncoding::Json => json_input(py, functions, input)?,
-                TaskEncoding::Pickle => pickle_input(py, functions, input)?,
+                TaskEncoding::Pickle => match pickle_input(py, functions, input)? {
+                    PickleInput::Call(args, kwargs) => (args, kwargs),
+                    PickleInput::Chunk(calls) => {
+                        return self.call_chunk(py, functions, callable, &calls);
+                    }
+                },
             };
             let args = match self.context.get() {
                 None => args,
@@ -1139,6 +1144,76 @@ impl Runtime for PythonRuntime {
             }
         })
     }
+}
+
+impl PythonRuntime {
+    /// Runs a chunk of calls (`specs/python.md` §3, "Chunks"): `callable(*args)`
+    /// for each `args` of `calls`, in order, and returns their results as
+    /// one pickled list. The first call that raises fails the whole task
+    /// with its exception (the calls after it do not run).
+    fn call_chunk(
+        &self,
+        py: Python<'_>,
+        functions: &PythonFunctions,
+        callable: &PythonCallable,
+        calls: &Bound<'_, PyList>,
+    ) -> Result<Vec<u8>, RuntimeError> {
+        let encoding = TaskEncoding::Pickle;
+        let failure = |err: &PyErr| task_failure(py, functions, err, encoding);
+        let kwargs = PyDict::new(py);
+        let results = PyList::empty(py);
+        let object = callable.object.bind(py);
+        for args in calls.iter() {
+            let args = chunk_args(&args)?;
+            let args = match self.context.get() {
+                None => args,
+                Some(context) => {
+                    let mut items = Vec::with_capacity(args.len() + 1);
+                    items.push(context.bind(py).clone());
+                    items.extend(args.iter());
+                    PyTuple::new(py, items).map_err(|err| failure(&err))?
+                }
+            };
+            let result = match &callable.executor {
+                Some(installed) => {
+                    installed
+                        .executor
+                        .call(py, &installed.attributes, object, &args, &kwargs)
+                }
+                None => object.call(args, None),
+            }
+            .map_err(|err| failure(&err))?;
+            results.append(result).map_err(|err| failure(&err))?;
+        }
+        pickle_result(py, functions, results.as_any())
+    }
+}
+
+/// One call's arguments in a chunk: a tuple, or a list made one.
+fn chunk_args<'py>(args: &Bound<'py, PyAny>) -> Result<Bound<'py, PyTuple>, RuntimeError> {
+    if let Ok(tuple) = args.cast::<PyTuple>() {
+        return Ok(tuple.clone());
+    }
+    if let Ok(list) = args.cast::<PyList>() {
+        return Ok(list.to_tuple());
+    }
+    Err(RuntimeError {
+        code: ErrorCode::TASK_FAILED,
+        kind: KIND_INPUT_INVALID.to_owned(),
+        message: format!(
+            "each call of a chunk must be a tuple or list of arguments, got {}",
+            type_name(&args.get_type())
+        ),
+        exception: Vec::new(),
+    })
+}
+
+/// A pickled task input, decoded: one call, or a chunk of calls.
+enum PickleInput<'py> {
+    /// `(args, kwargs)`: one call.
+    Call(Bound<'py, PyTuple>, Bound<'py, PyDict>),
+    /// `([args, ...],)`: one call per `args`, positional only.
+    Chunk(Bound<'py, PyList>),
 }
 
 /// The [`RuntimeError`] of a failed rehydration: the code of
@@ -1336,12 +1411,13 @@ fn json_input<'py>(
     Ok((args, kwargs))
 }
 
-/// Decodes a pickled `(args, kwargs)` task input.
+/// Decodes a pickled task input: `(args, kwargs)`, or a chunk `([args,
+/// ...],)` (`specs/python.md` §3).
 fn pickle_input<'py>(
     py: Python<'py>,
     functions: &PythonFunctions,
     input: &[u8],
-) -> Result<(Bound<'py, PyTuple>, Bound<'py, PyDict>), RuntimeError> {
+) -> Result<PickleInput<'py>, RuntimeError> {
     let invalid = |message: String| RuntimeError {
         code: ErrorCode::TASK_FAILED,
         kind: KIND_INPUT_INVALID.to_owned(),
@@ -1366,11 +1442,18 @@ fn pickle_input<'py>(
     })?;
     let shape_error = || {
         invalid(format!(
-            "the pickled task input must be a pair (args: tuple or list, kwargs: dict), got {}",
+            "the pickled task input must be a pair (args: tuple or list, kwargs: dict) or a chunk ([args, ...],), got {}",
             type_name(&decoded.get_type())
         ))
     };
     let pair = decoded.cast::<PyTuple>().map_err(|_| shape_error())?;
+    if pair.len() == 1 {
+        let calls = pair.get_item(0).map_err(|_| shape_error())?;
+        return calls
+            .cast_into::<PyList>()
+            .map(PickleInput::Chunk)
+            .map_err(|_| shape_error());
+    }
     if pair.len() != 2 {
         return Err(shape_error());
     }
@@ -1386,7 +1469,7 @@ fn pickle_input<'py>(
         return Err(shape_error());
     };
     let kwargs = kwargs.cast_into::<PyDict>().map_err(|_| shape_error())?;
-    Ok((args, kwargs))
+    Ok(PickleInput::Call(args, kwargs))
 }
 
 /// Encodes a task's return value as compact JSON bytes.
@@ -1461,8 +1544,11 @@ fn unencodable_result_text(result: &Bound<'_, PyAny>, reason: &str) -> RuntimeEr
 
 /// A `TASK_FAILED` error for an exception raised by the task, with the last
 /// traceback frames appended to the message and, for a pickle-encoded task,
-/// the exception object pickled as results are (empty when that fails: the
-/// kind and message still say what happened).
+/// the exception object pickled by the helper `dump_exception`
+/// (`specs/python.md` §3, "Task exceptions": with its full formatted
+/// traceback and frames in its `__callreg_remote__` attribute, rebuilt
+/// without its `__init__` when plain pickling would not unpickle; empty
+/// when that fails: the kind and message still say what happened).
 fn task_failure(
     py: Python<'_>,
     functions: &PythonFunctions,
@@ -1477,9 +1563,16 @@ fn task_failure(
     let exception = match encoding {
         TaskEncoding::Json => Vec::new(),
         TaskEncoding::Pickle => functions
-            .result_dumps
+            .helpers
             .bind(py)
-            .call1((err.value(py), functions.pickle_protocol.bind(py)))
+            .getattr("dump_exception")
+            .and_then(|dump| {
+                dump.call1((
+                    err.value(py),
+                    functions.pickle_protocol.bind(py),
+                    err.traceback(py),
+                ))
+            })
             .ok()
             .and_then(|b| b.cast::<PyBytes>().ok().map(|b| b.as_bytes().to_vec()))
             .unwrap_or_default(),

@@ -66,6 +66,77 @@ def check_pip(requirements):
     return problems
 
 
+# Attributes of builtin exceptions kept outside __dict__ (restored when an
+# exception is rebuilt without its __init__).
+_EXCEPTION_SLOTS = (
+    "errno", "strerror", "filename", "filename2", "characters_written",
+    "msg", "lineno", "offset", "text", "end_lineno", "end_offset",
+    "value", "name", "path", "obj",
+)
+
+
+def dump_exception(exc, protocol, tb):
+    """A task's exception (raised with traceback `tb`) pickled for the
+    parent, or None when it cannot be: `exc.__callreg_remote__` is set
+    first to (the full traceback.format_exception text, [(file, line,
+    function), ...] of `tb`). When plain pickling does not unpickle (an exception whose
+    own __init__ takes other arguments than its args), it is pickled as
+    `copyreg.__newobj__(type)` with its args, __dict__ and builtin slots as
+    state: rebuilt without calling __init__."""
+    import copyreg
+    import io
+    import pickle
+    import traceback
+    try:
+        import cloudpickle
+        base = cloudpickle.Pickler
+    except ImportError:
+        base = pickle.Pickler
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(tb)]
+    except Exception:
+        text, frames = None, []
+    try:
+        exc.__callreg_remote__ = (text, frames)
+    except Exception:
+        pass
+
+    def dump(pickler):
+        buffer = io.BytesIO()
+        pickler(buffer, protocol=protocol).dump(exc)
+        return buffer.getvalue()
+
+    try:
+        blob = dump(base)
+    except Exception:
+        return None  # it refuses to be pickled: respected
+    try:
+        pickle.loads(blob)
+        return blob
+    except Exception:
+        pass
+
+    class Rebuilding(base):
+        def reducer_override(self, obj):
+            if obj is exc:
+                state = dict(getattr(exc, "__dict__", {}))
+                state["args"] = exc.args
+                for name in _EXCEPTION_SLOTS:
+                    if name not in state and hasattr(exc, name):
+                        state[name] = getattr(exc, name)
+                return (copyreg.__newobj__, (type(exc),), state)
+            parent = getattr(super(), "reducer_override", None)
+            return NotImplemented if parent is None else parent(obj)
+
+    try:
+        blob = dump(Rebuilding)
+        pickle.loads(blob)
+        return blob
+    except Exception:
+        return None
+
+
 def call_capturing(fn, args, kwargs):
     """fn(*args, **kwargs) with sys.stdout and sys.stderr captured:
     {"result": ..., "stdout": "...", "stderr": "..."}."""

@@ -1,0 +1,224 @@
+"""callreg.Executor: a concurrent.futures.Executor over a Worker, a
+one-line switch from ProcessPoolExecutor(mp_context=fork)."""
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import callreg
+
+
+def cube(x):
+    return x**3
+
+
+def slow(x, seconds):
+    time.sleep(seconds)
+    return x
+
+
+def fails_at(x, bad):
+    if x == bad:
+        raise ValueError("bad item %d" % x)
+    return x
+
+
+def keywords(a, *, target=None, timeout=None):
+    return (a, target, timeout)
+
+
+INITIALIZED = None
+
+
+def initialize(value):
+    global INITIALIZED
+    INITIALIZED = (value, os.getpid())
+
+
+def initialized():
+    return INITIALIZED
+
+
+def ppe_style_program(executor_class, **options):
+    """What a ProcessPoolExecutor user writes; returns what it computed."""
+    out = {}
+    with executor_class(2, **options) as ex:
+        futures = {ex.submit(cube, i): i for i in range(10)}
+        out["as_completed"] = sorted((futures[f], f.result()) for f in concurrent.futures.as_completed(futures))
+        out["map"] = list(ex.map(cube, range(20)))
+        out["map_chunked"] = list(ex.map(cube, range(20), chunksize=6))
+        out["map_two"] = list(ex.map(pow, [2, 3, 4], [5, 6, 7]))
+        done, _ = concurrent.futures.wait([ex.submit(slow, i, 0.01) for i in range(4)])
+        out["wait"] = sorted(f.result() for f in done)
+        try:
+            list(ex.map(fails_at, range(5), [3] * 5))
+        except ValueError as error:
+            out["error"] = str(error)
+    return out
+
+
+def test_a_process_pool_program_runs_unchanged():
+    expected = ppe_style_program(concurrent.futures.ProcessPoolExecutor, mp_context=multiprocessing.get_context("fork"))
+    assert ppe_style_program(callreg.Executor) == expected
+    assert expected["error"] == "bad item 3"
+
+
+def test_submit_registers_each_callable_once():
+    offset = 100
+    with callreg.Executor(2) as ex:
+        assert isinstance(ex, concurrent.futures.Executor)
+        closure = lambda x: x + offset  # noqa: E731
+        assert [ex.submit(closure, i).result() for i in range(5)] == [100, 101, 102, 103, 104]
+        # A lambda built anew each time: one hashid, one registration.
+        for i in range(3):
+            assert ex.submit(lambda x: x * 2, i).result() == 2 * i
+        installed = ex.worker.inspect()["targets"]
+        assert sorted(len(table["installed"]) for table in installed.values()) == [2, 2]
+    assert ex.worker.targets == []
+
+
+def test_every_keyword_goes_to_the_function():
+    with callreg.Executor(1) as ex:
+        assert ex.submit(keywords, 1, target=7, timeout=2).result() == (1, 7, 2)
+
+
+def test_the_least_recently_used_callable_is_unregistered_to_make_room():
+    with callreg.Executor(1, slot_capacity=2) as ex:
+        functions = [lambda x, k=k: x + k for k in range(5)]
+        for _ in range(2):
+            assert [ex.submit(f, 10).result() for f in functions] == [10, 11, 12, 13, 14]
+        table = ex.worker.inspect()["targets"][0]
+        assert len(table["installed"]) == 2
+
+
+def test_chunked_map_matches_map_for_every_chunksize():
+    with callreg.Executor(2) as ex:
+        for chunksize in (1, 2, 7, 100, 1000):
+            assert list(ex.map(cube, range(101), chunksize=chunksize)) == [i**3 for i in range(101)]
+        assert list(ex.map(cube, [], chunksize=5)) == []
+        with pytest.raises(ValueError, match="chunksize must be >= 1, got 0"):
+            ex.map(cube, range(3), chunksize=0)
+        # A call that raises fails its chunk; the chunks before it are there.
+        results = ex.map(fails_at, range(10), [7] * 10, chunksize=3)
+        assert [next(results) for _ in range(6)] == [0, 1, 2, 3, 4, 5]
+        with pytest.raises(ValueError, match="bad item 7"):
+            next(results)
+        # Worker.map takes chunksize too.
+        h = ex.worker.register(cube)
+        assert list(ex.worker.map(h, range(10), chunksize=4)) == [i**3 for i in range(10)]
+
+
+def test_map_timeout():
+    with callreg.Executor(1) as ex:
+        results = ex.map(slow, [1, 2], [0.0, 2.0], timeout=0.3)
+        assert next(results) == 1
+        with pytest.raises(concurrent.futures.TimeoutError):
+            next(results)
+
+
+def test_initializer_runs_in_every_target_and_replacement():
+    with callreg.Executor(2, initializer=initialize, initargs=("ready",)) as ex:
+        h = ex.worker.register(initialized)
+        first = ex.worker.call_all(h)
+        assert {t: value[0] for t, value in first.items()} == {0: "ready", 1: "ready"}
+        assert {t: value[1] for t, value in first.items()} == {t: ex.worker.target_pid(t) for t in (0, 1)}
+        old = ex.worker.target_pid(0)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while ex.worker.target_incarnation(0) == 0 or ex.worker.slot_phase(0) != "joined":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        value, pid = ex.worker.call(h, target=0)
+        assert (value, pid) == ("ready", ex.worker.target_pid(0))
+        assert pid != old
+
+
+def test_a_failing_initializer_fails_the_start(capfd):
+    def broken():
+        raise RuntimeError("no init")
+
+    with pytest.raises(callreg.TargetLostError, match="the target exited with status 103 before it was ready"):
+        callreg.Executor(1, initializer=broken, respawn_limit=0)
+    # The initializer's traceback is on the target's stderr.
+    assert "RuntimeError: no init" in capfd.readouterr().err
+
+
+def test_asyncio_run_in_executor():
+    async def main(ex):
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*(loop.run_in_executor(ex, cube, i) for i in range(8)))
+
+    with callreg.Executor(2) as ex:
+        assert asyncio.run(main(ex)) == [i**3 for i in range(8)]
+
+
+def test_shutdown_waits_then_refuses():
+    ex = callreg.Executor(2)
+    futures = [ex.submit(slow, i, 0.2) for i in range(4)]
+    ex.shutdown(wait=True)
+    assert [f.result(timeout=0) for f in futures] == [0, 1, 2, 3]
+    assert ex.worker.targets == []
+    with pytest.raises(RuntimeError, match="cannot schedule new futures after shutdown"):
+        ex.submit(cube, 1)
+    with pytest.raises(RuntimeError, match="cannot schedule new futures after shutdown"):
+        ex.map(cube, [1])
+    ex.shutdown()  # idempotent
+
+
+def test_shutdown_without_waiting_lets_the_tasks_finish():
+    ex = callreg.Executor(1)
+    future = ex.submit(slow, 5, 0.3)
+    began = time.monotonic()
+    ex.shutdown(wait=False, cancel_futures=True)
+    assert time.monotonic() - began < 0.2
+    assert future.result(timeout=10) == 5
+    ex.shutdown(wait=True)
+    assert ex.worker.targets == []
+
+
+def test_many_threads_submit_new_callables_at_once():
+    with callreg.Executor(2, slot_capacity=4) as ex:
+        errors = []
+
+        def run(k):
+            try:
+                for i in range(20):
+                    assert ex.submit(lambda x, k=k: (x, k), i).result(timeout=10) == (i, k)
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert errors == []
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="max_workers must be greater than 0"):
+        callreg.Executor(0)
+    with pytest.raises(TypeError, match="Executor takes no next_level"):
+        callreg.Executor(1, next_level=callreg.NextLevel(1))
+    with callreg.Executor(1) as ex:
+        with pytest.raises(TypeError, match="is not callable"):
+            ex.submit(3)
+
+        async def coro():
+            return 1
+
+        with pytest.raises(TypeError, match="is an async function"):
+            ex.submit(coro)
+
+
+def test_a_worker_submit_of_a_callable_says_how():
+    with callreg.Worker(1) as w:
+        w.start()
+        with pytest.raises(callreg.HandleError, match=r"register cube first \(h = w.register\(fn\)\)"):
+            w.submit(cube, 1)
