@@ -36,15 +36,21 @@ Process model (Linux):
   callable registered before ``start()`` is not the parent's original
   object, and state it holds is a copy per target.
 * Arguments and results travel pickled with cloudpickle both ways (a
-  lambda can be an argument or a result). A task's exception reaches the
-  caller as :class:`TaskError` with the remote type, message and traceback,
-  and the original exception as ``__cause__`` when it unpickles here.
+  lambda can be an argument or a result). A task's exception is raised
+  here as itself: an instance of its own type and of :class:`TaskError`
+  (``except ZeroDivisionError`` catches it), with the remote type, the
+  full remote traceback and a :class:`RemoteTraceback` as ``__cause__``.
+* :class:`Executor` is a :class:`concurrent.futures.Executor` over a
+  Worker: ``submit(fn, ...)`` registers ``fn`` once, at its first use.
+* A Worker belongs to the process that built it: in a child forked from
+  it, it raises :class:`LifecycleError` and closing it does nothing.
 * Every wait releases the GIL. Ctrl-C while :meth:`Worker.call` waits
   raises :class:`KeyboardInterrupt` in the caller and leaves the Worker
   usable (the task still finishes in its target; its result is dropped).
-* Tasks cannot be cancelled and have no deadline of their own; a task ends
-  when its target answers, is lost (e.g. killed: :class:`TargetLostError`)
-  or the Worker closes (:class:`LifecycleError`).
+* Tasks are sent at submit, so they cannot be cancelled, and have no
+  deadline of their own; a task ends when its target answers, is lost
+  (e.g. killed: :class:`TargetLostError`) or the Worker closes
+  (:class:`LifecycleError`).
 * :meth:`Worker.close` (also on leaving a ``with`` block, when the Worker
   is garbage-collected, and at interpreter exit) stops and reaps the
   targets; staged payloads are sealed anonymous memory files that the
@@ -192,9 +198,20 @@ class EnvelopeError(CallregError):
 class TaskError(CallregError):
     """The task raised (``code`` ``"TASK_FAILED"``): ``remote_type`` is the
     exception's type name as the target saw it (``"ZeroDivisionError"``,
-    ``"mymodule.MyError"``), ``remote_traceback`` its formatted traceback
-    (its innermost frames, file names without directories) or ``None``;
-    ``__cause__`` is the original exception when it unpickles here."""
+    ``"mymodule.MyError"``), ``remote_traceback`` its traceback as
+    ``traceback.format_exception`` formats it (chained causes included;
+    frames of code pickled by value name the file and line where it was
+    defined) or ``None``.
+
+    When the exception unpickles here, what is raised is an instance of a
+    class derived from both ``TaskError`` and the exception's type (named
+    as that type; ``str()``, ``args`` and attributes are the original's),
+    with a :class:`RemoteTraceback` as ``__cause__``. It is a plain
+    ``TaskError`` (whose ``str()`` gives the type, message, target and
+    hashid) when the type cannot be derived from or is a
+    :class:`CallregError` (e.g. an inner Worker's
+    :class:`TargetLostError`: then it is the ``__cause__``), and has no
+    cause when the exception could not be sent."""
 
     def __init__(self, message, *, remote_type=None, remote_traceback=None, **fields):
         super().__init__(message, **fields)
@@ -1339,14 +1356,15 @@ class Worker:
                     return cloudpickle.dumps((args, kwargs), protocol=_PROTOCOL)
         return pickle.dumps((args, kwargs), protocol=_PROTOCOL)
 
-    @staticmethod
-    def _target(target):
+    def _target(self, target):
         if target is None:
             return None
         if isinstance(target, bool) or not isinstance(target, int):
             raise TypeError("target must be an int or None, not %s" % type(target).__name__)
-        if not 0 <= target <= 0xFFFF:
-            raise ValueError("target must be between 0 and 65535, got %d" % target)
+        if not 0 <= target < self._count:
+            raise ValueError(
+                "target must be in 0..%d (the Worker's %d target ids), got %d" % (self._count - 1, self._count, target)
+            )
         return target
 
     def submit(self, handle, /, *args, target=None, **kwargs):

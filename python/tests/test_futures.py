@@ -269,3 +269,19 @@ def test_a_callback_may_wait_on_another_armed_future(worker):
     worker.submit(h, 1, 0.0).add_done_callback(lambda f: flag.set())
     assert flag.wait(10)
     worker.unregister(h)
+
+
+def test_a_target_out_of_range_is_a_value_error(worker):
+    h = worker.register(square)
+    for attempt in (
+        lambda: worker.submit(h, 1, target=2),
+        lambda: worker.call(h, 1, target=-1),
+        lambda: worker.target_pid(5),
+        lambda: worker.slot_phase(2),
+        lambda: worker.target_incarnation(9),
+    ):
+        with pytest.raises(ValueError, match=r"target must be in 0\.\.1 \(the Worker's 2 target ids\), got "):
+            attempt()
+    with pytest.raises(TypeError, match="target must be an int or None, not str"):
+        worker.call(h, 1, target="0")
+    worker.unregister(h)
