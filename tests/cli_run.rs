@@ -123,7 +123,7 @@ fn the_example_plan_meets_every_expectation() {
     assert_eq!(
         kill["slots"][0],
         serde_json::json!({"event": "lost", "target": 3, "incarnation": 0,
-            "cause": "its reply pipe closed; it was killed by signal 9"})
+            "cause": "its reply socket closed; it was killed by signal 9"})
     );
     assert_eq!(
         kill["slots"][2],
@@ -522,9 +522,9 @@ fn steps_after_a_failed_start_are_not_run() {
     // three in a row the slot is given up, and no target serves.
     assert!(
         without_duration(lines[1]).ends_with(
-            "; not replaced] [target 0: incarnation 1 lost (its reply pipe closed; it exited with status 3); \
-             target 0: incarnation 2 lost (its reply pipe closed; it exited with status 3); \
-             target 0: incarnation 3 lost (its reply pipe closed; it exited with status 3); \
+            "; not replaced] [target 0: incarnation 1 lost (its reply socket closed; it exited with status 3); \
+             target 0: incarnation 2 lost (its reply socket closed; it exited with status 3); \
+             target 0: incarnation 3 lost (its reply socket closed; it exited with status 3); \
              target 0: given up after 3 replacements in a row were lost before they joined] -- the step failed"
         ),
         "{stdout}"
@@ -823,7 +823,7 @@ fn a_killed_target_is_replaced_before_the_next_step() {
                 "replacement": format!("replaced by incarnation {incarnation}")}],
             "slots": [
                 {"event": "lost", "target": 0, "incarnation": incarnation - 1,
-                    "cause": "its reply pipe closed; it was killed by signal 9"},
+                    "cause": "its reply socket closed; it was killed by signal 9"},
                 {"event": "spawned", "target": 0, "incarnation": incarnation, "pid": 0},
                 {"event": "joined", "target": 0, "incarnation": incarnation}],
             "micros": 0})
@@ -888,7 +888,7 @@ fn a_slot_whose_replacements_die_is_given_up() {
         [
             "step 1 start: ok",
             "step 2 call later [target 0]: ok -> 2",
-            "step 3 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9); not replaced] [target 0: incarnation 1 lost (its reply pipe closed; it exited with status 3); target 0: incarnation 2 lost (its reply pipe closed; it exited with status 3); target 0: given up after 2 replacements in a row were lost before they joined]",
+            "step 3 kill_target [target 0]: ok [target 0 killed (it was killed by signal 9); not replaced] [target 0: incarnation 1 lost (its reply socket closed; it exited with status 3); target 0: incarnation 2 lost (its reply socket closed; it exited with status 3); target 0: given up after 2 replacements in a row were lost before they joined]",
             "step 4 kill_target [target 0]: ok, failed as expected: NO_LIVE_TARGET: target 0 is not live, so it cannot be killed [target 0 lost (it exited with status 3)]",
             "summary: 5 steps, 5 as expected, 0 not",
         ]
@@ -970,7 +970,7 @@ fn probe_first_decides_how_many_targets_a_deadly_register_costs() {
         ("abs.spyc", callreg::envelope::encode(ABS)),
     ];
     let abs_hashid = hashid_of(&files[1].1);
-    let lost = "its reply pipe closed; it exited with status 3";
+    let lost = "its reply socket closed; it exited with status 3";
     for (probe_first, later) in [
         (
             "true",

@@ -471,7 +471,7 @@ fn run_reports_a_target_lost_during_a_step() {
     let ok: Vec<&Value> = targets.iter().filter(|t| t["outcome"] == "ok").collect();
     assert_eq!((lost.len(), ok.len()), (1, 1), "{}", lines[2]);
     assert_eq!(
-        lost[0]["detail"], "its reply pipe closed; it exited with status 9",
+        lost[0]["detail"], "its reply socket closed; it exited with status 9",
         "{}",
         lines[2]
     );

@@ -97,8 +97,8 @@ fn a_register_failure_says_why_each_target_was_lost() {
     assert_eq!(
         error.error.message,
         format!(
-            "register failed: target 0: lost (its reply pipe closed; it exited with status {status}); \
-             target 1: lost (its reply pipe closed; it exited with status {status})"
+            "register failed: target 0: lost (its reply socket closed; it exited with status {status}); \
+             target 1: lost (its reply socket closed; it exited with status {status})"
         )
     );
     worker.close();
@@ -221,7 +221,7 @@ fn start_refuses_more_targets_than_descriptors_allow() {
     assert_eq!(error.code(), ErrorCode::IO_FAILED);
     assert!(
         error.error.message.starts_with(
-            "40 targets need 125 more file descriptors in the parent (a control socket, a reply pipe and a pidfd each, two wake pipes and the replacements' template process), but the soft RLIMIT_NOFILE of 64 leaves "
+            "40 targets need 125 more file descriptors in the parent (a control socket, a reply socket and a pidfd each, two wake pipes and the replacements' template process), but the soft RLIMIT_NOFILE of 64 leaves "
         ),
         "{error}"
     );

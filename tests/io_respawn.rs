@@ -69,7 +69,7 @@ fn a_killed_target_is_replaced_and_serves_the_registry() {
             SlotEvent::Lost {
                 target: TargetId(0),
                 incarnation: 0,
-                cause: "its reply pipe closed; it was killed by signal 9".to_owned()
+                cause: "its reply socket closed; it was killed by signal 9".to_owned()
             },
             SlotEvent::Spawned {
                 target: TargetId(0),
@@ -145,7 +145,7 @@ fn a_replacement_killed_while_it_joins_is_replaced_after_the_back_off() {
     let killed = |incarnation| SlotEvent::Lost {
         target: TargetId(1),
         incarnation,
-        cause: "its reply pipe closed; it was killed by signal 9".to_owned(),
+        cause: "its reply socket closed; it was killed by signal 9".to_owned(),
     };
     let events = worker.slot_events();
     assert_eq!(
@@ -216,7 +216,7 @@ fn a_callable_that_kills_every_new_process_stops_at_the_rate_limit() {
             .collect();
         let status = callreg::runtime::testing::CRASH_EXIT_CODE;
         let died = |incarnation| {
-            format!("{target}: incarnation {incarnation} lost (its reply pipe closed; it exited with status {status})")
+            format!("{target}: incarnation {incarnation} lost (its reply socket closed; it exited with status {status})")
         };
         assert_eq!(
             of_target,
@@ -238,7 +238,7 @@ fn a_callable_that_kills_every_new_process_stops_at_the_rate_limit() {
         assert_eq!(
             loss,
             format!(
-                "its reply pipe closed; it exited with status {status}; given up after 3 replacements in a row were lost before they joined"
+                "its reply socket closed; it exited with status {status}; given up after 3 replacements in a row were lost before they joined"
             )
         );
     }

@@ -24,7 +24,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 const MAX_FRAME: usize = 1 << 16;
 
 /// A forked target serving a snapshot of one `instruction` callable; this
-/// side holds the other ends of its control socket and reply pipe (both
+/// side holds the other ends of its control socket and reply socket (both
 /// non-blocking).
 struct RawTarget {
     process: TargetProcess,
@@ -87,7 +87,7 @@ impl RawTarget {
         }
     }
 
-    /// The next frame from the reply pipe (within 5 s).
+    /// The next frame from the reply socket (within 5 s).
     fn next(&mut self) -> Frame {
         loop {
             if let Some(frame) = self.buffer.next_frame().unwrap() {
@@ -102,7 +102,7 @@ impl RawTarget {
             );
             let mut chunk = [0u8; 4096];
             match nix::unistd::read(reply.as_fd(), &mut chunk) {
-                Ok(0) => panic!("the target closed its reply pipe"),
+                Ok(0) => panic!("the target closed its reply socket"),
                 Ok(n) => self.buffer.extend(&chunk[..n]),
                 Err(Errno::EAGAIN) => {}
                 Err(e) => panic!("reading replies: {e}"),

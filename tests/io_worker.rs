@@ -1,5 +1,5 @@
 //! The Worker over real forked targets, sealed staged payloads, control
-//! sockets and reply pipes, with the test runtime
+//! sockets and reply sockets, with the test runtime
 //! (`callreg::runtime::testing`).
 //!
 //! A `harness = false` binary (see `tests/io_common/mod.rs`): each test

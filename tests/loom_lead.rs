@@ -5,7 +5,7 @@
 //! that does not wait. It checks that no waiting caller is stranded (every
 //! reply is read by someone, every waiter completes: loom reports a
 //! deadlock otherwise), that at most one leader leads, and that the IO
-//! thread never plans to read a reply pipe the leader reads.
+//! thread never plans to read a reply socket the leader reads.
 //!
 //! `poll` is modelled over level-triggered pipes: a poll registers its
 //! thread's doorbell on every pipe of its set and returns when any of them
@@ -14,7 +14,7 @@
 //! own (a write, a read, a poll's check-and-sleep are each atomic, so no
 //! ring is lost); the parent's threads consume pipe data under the state
 //! lock. The target is a thread that answers each request on its control
-//! socket with a reply on its reply pipe.
+//! socket with a reply on its reply socket.
 //!
 //! The reader of a reply records the result under the state lock but
 //! hands it over after leaving the lock; a caller tells that its result is
@@ -100,13 +100,13 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap()
 }
 
-/// The pipes (the targets' reply pipes and control sockets, the wake
+/// The pipes (the targets' reply sockets and control sockets, the wake
 /// pipes), as the kernel keeps them.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum PipeId {
     /// The target's control socket.
     Control,
-    /// The target's reply pipe.
+    /// The target's reply socket.
     Replies,
     /// The IO thread's wake pipe.
     IoWake,
@@ -154,7 +154,7 @@ impl Pipes {
     }
 
     /// Empties the wake pipe `wake` and, when `replies`, reads everything
-    /// the reply pipe holds (two non-blocking reads; one step, for a
+    /// the reply socket holds (two non-blocking reads; one step, for a
     /// smaller state space: a write between them changes nothing).
     fn read(&self, wake: PipeId, replies: bool) -> Vec<u32> {
         let mut kernel = lock(&self.kernel);
@@ -289,7 +289,7 @@ impl World {
         })
     }
 
-    /// The IO thread: reads the reply pipes it polled, plans its next poll
+    /// The IO thread: reads the reply sockets it polled, plans its next poll
     /// under the lock, hands results over outside it, polls.
     fn io_thread(&self) {
         let mut reads: Vec<(usize, i32)> = Vec::new();

@@ -330,7 +330,7 @@ fn call(
 
 /// A descriptor the parent holds without close-on-exec (like a saved copy
 /// of stdout) and one with it: a target has neither, only 0, 1, 2 and its
-/// two channel ends (control socket, reply pipe).
+/// two channel ends (control socket, reply socket).
 fn a_target_holds_no_descriptor_of_the_parent() {
     // Opened before the Worker exists: every target is forked after it.
     let inheritable = nix::unistd::dup(std::io::stdout()).expect("dup");
@@ -345,13 +345,13 @@ fn a_target_holds_no_descriptor_of_the_parent() {
         let numbers: Vec<i64> = fds.iter().map(|e| e[0].as_i64().unwrap()).collect();
         assert_eq!(numbers.len(), 5, "target {target}: {fds:?}");
         assert_eq!(&numbers[..3], &[0, 1, 2], "target {target}: {fds:?}");
-        // Its own channel ends: the control socket and the reply pipe.
+        // Its own channel ends: the control socket and the reply socket.
         let mut kinds: Vec<&str> = fds[3..]
             .iter()
             .map(|e| e[1].as_str().unwrap().split(':').next().unwrap())
             .collect();
         kinds.sort_unstable();
-        assert_eq!(kinds, ["pipe", "socket"], "target {target}: {fds:?}");
+        assert_eq!(kinds, ["socket", "socket"], "target {target}: {fds:?}");
         for fd in [inheritable.as_raw_fd(), cloexec.as_raw_fd()] {
             assert_eq!(
                 call(&worker, &fstat, target, json!([fd])),

@@ -153,7 +153,7 @@ fn a_killed_target_whose_unpickling_forked_is_seen_dead_at_once() {
         let loss = worker.target_loss(TargetId(0)).unwrap();
         assert!(
             loss == "its process ended; it was killed by signal 9"
-                || loss == "its reply pipe closed; it was killed by signal 9",
+                || loss == "its reply socket closed; it was killed by signal 9",
             "{payload}: {loss}"
         );
         let asked = Instant::now();

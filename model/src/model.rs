@@ -30,7 +30,7 @@ use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Scrip
 pub const CONTROL_TIMEOUT: u64 = 1_000;
 
 /// How the driver says a target died (`Parent::target_died`).
-pub const LOSS_CAUSE: &str = "its reply pipe closed";
+pub const LOSS_CAUSE: &str = "its reply socket closed";
 /// The parent's operation timeout in the model (model time units): a
 /// heartbeat just before a silence deadline moves it to almost twice the
 /// control timeout after the send, still before the bound (so a target

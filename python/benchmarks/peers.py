@@ -3,6 +3,8 @@
 Systems, each with N workers (``--workers``, default ``os.cpu_count()``):
 
 * ``callreg``: ``callreg.Worker(N)``; tasks name a registered handle.
+* ``executor``: ``callreg.Executor(N)``, used as the peers are (the
+  function given with every task; registered once, at its first use).
 * ``ppe``: ``concurrent.futures.ProcessPoolExecutor(N, mp_context=fork)``;
   the function travels (pickled) with every task.
 * ``loky``: ``loky.ProcessPoolExecutor(N)`` (cloudpickle, its default
@@ -21,8 +23,13 @@ Scenarios:
   counts the parent and every worker process until it was reaped.
 * ``submit_result``: ``submit(f, x).result()`` one at a time (callreg: a
   registered handle), beside ``round_trip`` (callreg: ``call``).
-* ``map_10k``: ``list(map(f, range(10000)))`` (the peers with
-  ``chunksize=1``, their default), time per item.
+* ``map_10k`` / ``map_10k_c100``: ``list(map(f, range(10000)))`` with
+  ``chunksize=1`` (the default) / ``chunksize=100``, time per item.
+* ``closure_50mb``: a closure over 50 MB of bytes, then 200 calls of it
+  one at a time, total time: callreg registers it once (the Worker) or
+  at its first use (the Executor); ppe, whose pickler refuses closures,
+  is given the closure's cloudpickle bytes with each task; loky pickles
+  it with each task.
 * ``register_small`` / ``register_1mib``: callreg: ``Worker.register`` of a
   closure (over a small value / over 1 MiB of bytes) after start, which
   returns once every target installed it. The peers have no registration:
@@ -129,8 +136,14 @@ class Callreg(System):
     def submit_result(self):
         return self.w.submit(self.h, 1).result()
 
-    def map_items(self, n):
-        return list(self.w.map(self.h, range(n)))
+    def map_items(self, n, chunksize=1):
+        return list(self.w.map(self.h, range(n), chunksize=chunksize))
+
+    def closure_calls(self, fn, n):
+        h = self.w.register(fn)
+        for _ in range(n):
+            self.w.call(h)
+        self.w.unregister(h)
 
     @staticmethod
     def first_result(workers):
@@ -160,8 +173,12 @@ class Pool(System):
     def submit_result(self):
         return self.ex.submit(trivial, 1).result()
 
-    def map_items(self, n):
-        return list(self.ex.map(trivial, range(n)))
+    def map_items(self, n, chunksize=1):
+        return list(self.ex.map(trivial, range(n), chunksize=chunksize))
+
+    def closure_calls(self, fn, n):
+        for _ in range(n):
+            self.ex.submit(fn).result()
 
     @classmethod
     def first_result(cls, workers):
@@ -188,6 +205,10 @@ class Ppe(Pool):
         # The standard pickler refuses closures: ship cloudpickle bytes.
         return self.ex.submit(run_pickled, cloudpickle.dumps(fn)).result()
 
+    def closure_calls(self, fn, n):
+        for _ in range(n):
+            self.ex.submit(run_pickled, cloudpickle.dumps(fn)).result()
+
     @staticmethod
     def executor(workers):
         return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
@@ -196,6 +217,23 @@ class Ppe(Pool):
         super().__init__(workers)
         self.ex = self.executor(workers)
         self.warm()
+
+
+class Executor(Pool):
+    name = "executor"
+
+    @staticmethod
+    def executor(workers):
+        return callreg.Executor(workers)
+
+    def __init__(self, workers):
+        super().__init__(workers)
+        self.ex = self.executor(workers)
+        self.warm()
+
+    def pids(self):
+        w = self.ex.worker
+        return [w.target_pid(t) for t in w.targets]
 
 
 class Loky(Pool):
@@ -232,8 +270,10 @@ SCENARIOS = [
     "throughput_1",
     "throughput_all",
     "map_10k",
+    "map_10k_c100",
     "register_small",
     "register_1mib",
+    "closure_50mb",
 ]
 
 
@@ -299,10 +339,14 @@ def run_scenario(cls, scenario, workers, args):
             for _ in range(50):
                 op()
             return measure(system, op, args.calls)
-        if scenario == "map_10k":
-            system.map_items(1000)
-            wall, cpu = measure(system, lambda: system.map_items(10000), 1)
+        if scenario.startswith("map_10k"):
+            chunksize = 100 if scenario == "map_10k_c100" else 1
+            system.map_items(1000, chunksize)
+            wall, cpu = measure(system, lambda: system.map_items(10000, chunksize), 1)
             return wall / 10000, cpu / 10000
+        if scenario == "closure_50mb":
+            fn = make_closure(50 * 1000 * 1000)
+            return measure(system, lambda: system.closure_calls(fn, args.closure_calls), 1)
         if scenario.startswith("throughput"):
             system.submit_many(200)
             wall, cpu = measure(system, lambda: system.submit_many(1000), args.batches)
@@ -322,10 +366,11 @@ def main():
     parser.add_argument("--calls", type=int, default=2000, help="round trips per round")
     parser.add_argument("--batches", type=int, default=3, help="1000-future batches per round")
     parser.add_argument("--registers", type=int, default=20, help="registers per round")
+    parser.add_argument("--closure-calls", type=int, default=200, help="calls of the 50 MB closure per round")
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args()
 
-    systems = [Callreg, Ppe] + ([Loky] if loky else [])
+    systems = [Callreg, Executor, Ppe] + ([Loky] if loky else [])
     load_before = os.getloadavg()
     samples = {(s.name, sc): [] for s in systems for sc in SCENARIOS}
     samples[("floor", "echo")] = []
@@ -369,7 +414,7 @@ def main():
     print("|---|---|" + "---|---|" * len(names) + "---|")
     table = {}
     for scenario in SCENARIOS:
-        throughput = scenario.startswith("throughput") or scenario == "map_10k"
+        throughput = scenario.startswith("throughput") or scenario.startswith("map_10k")
         row = []
         for name in names:
             wall, cpu = median(name, scenario, 0), median(name, scenario, 1)
@@ -402,6 +447,25 @@ def main():
             "goal %s >= 2x ProcessPoolExecutor's: %.2fx -> %s"
             % (scenario, gain, "met" if gain >= 2 else "NOT met")
         )
+    for name in ("callreg", "executor"):
+        for scenario, least in (("map_10k", 2), ("map_10k_c100", 1), ("throughput_1", 2)):
+            gain = table[("ppe", scenario)][0] / table[(name, scenario)][0]
+            print(
+                "goal %s %s >= %dx ProcessPoolExecutor's: %.2fx -> %s"
+                % (name, scenario, least, gain, "met" if gain >= least else "NOT met")
+            )
+    for peer in ("ppe", "loky"):
+        if (peer, "closure_50mb") in table:
+            print(
+                "closure over 50 MB, %d calls: executor %.3f s, %s %.3f s (%.1fx)"
+                % (
+                    args.closure_calls,
+                    table[("executor", "closure_50mb")][0],
+                    peer,
+                    table[(peer, "closure_50mb")][0],
+                    table[(peer, "closure_50mb")][0] / table[("executor", "closure_50mb")][0],
+                )
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"%s/%s" % k: v for k, v in samples.items()}, f, indent=1)

@@ -996,7 +996,9 @@ class _ArmingList(list):
 
     def append(self, waiter):
         super().append(waiter)
-        self.future._arm()
+        future = self.future()  # a weak reference: no cycle to collect
+        if future is not None:
+            future._arm()
 
 
 _PENDING_ELSEWHERE = 0
@@ -1015,7 +1017,7 @@ class _TaskFuture(concurrent.futures.Future):
         super().__init__()
         self._state = concurrent.futures._base.RUNNING
         waiters = _ArmingList()
-        waiters.future = self
+        waiters.future = weakref.ref(self)
         self._waiters = waiters
         self._pending = pending
         self._dispatch = dispatch

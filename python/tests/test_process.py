@@ -587,7 +587,7 @@ def test_a_killed_target_is_replaced_and_holds_every_callable():
         assert new != old
         assert w.targets == [0, 1]
         assert w.slot_events() == [
-            {"event": "lost", "target": 1, "incarnation": 0, "cause": "its reply pipe closed; it was killed by signal 9"},
+            {"event": "lost", "target": 1, "incarnation": 0, "cause": "its reply socket closed; it was killed by signal 9"},
             {"event": "spawned", "target": 1, "incarnation": 1, "pid": new},
             {"event": "joined", "target": 1, "incarnation": 1},
         ]
@@ -635,8 +635,8 @@ def test_a_callable_that_kills_every_new_process_stops_at_the_rate_limit():
         causes = [e["cause"] for e in w.slot_events() if e["event"] == "lost"]
         assert causes == [
             "at start: failed (TARGET_LOST: the target exited with status 5 before it was ready)",
-            "its reply pipe closed; it exited with status 5",
-            "its reply pipe closed; it exited with status 5",
+            "its reply socket closed; it exited with status 5",
+            "its reply socket closed; it exited with status 5",
         ]
         assert w.targets == []
 
@@ -717,3 +717,34 @@ def test_an_unclosed_garbage_worker_inherited_by_targets_is_left_alone(capfd):
     gc.collect()
     # Nothing went wrong in the targets (they write to this stderr).
     assert capfd.readouterr().err == ""
+
+
+def test_no_other_process_can_open_a_targets_channels_to_forge_a_reply():
+    import errno
+
+    with callreg.Worker(1) as w:
+        w.start()
+        pid = w.target_pid(0)
+        base = "/proc/%d/fd" % pid
+        parents = {os.readlink("/proc/self/fd/%s" % name) for name in os.listdir("/proc/self/fd") if _readable(name)}
+        own = {}
+        for name in os.listdir(base):
+            link = os.readlink("%s/%s" % (base, name))
+            if link.startswith(("pipe:", "socket:")) and link not in parents:
+                own[name] = link
+        # Its own channel ends (not inherited): control and reply, sockets.
+        assert sorted(link.split(":")[0] for link in own.values()) == ["socket", "socket"]
+        for name in own:
+            with pytest.raises(OSError) as info:
+                os.open("%s/%s" % (base, name), os.O_WRONLY)
+            assert info.value.errno == errno.ENXIO
+        h = w.register(square)
+        assert w.call(h, 3) == 9
+
+
+def _readable(name):
+    try:
+        os.readlink("/proc/self/fd/%s" % name)
+        return True
+    except OSError:
+        return False

@@ -269,20 +269,18 @@ def test_inner_targets_do_not_hold_their_next_level_targets_channels():
         pids = w.register(tree_pids)
         pid, inner = w.call(pids, target=1)
         sibling = w.target_pid(0)
-        # Its reply pipe: shared with this process (one inode for both
-        # ends), not with the sibling SUB target (which inherited the rest).
-        mine = channels_of(os.getpid(), "pipe")
-        pipes = (mine & channels_of(pid, "pipe")) - channels_of(sibling, "pipe")
-        assert len(pipes) == 1
-        # Its sockets (one inode per end): its control end, its inner
-        # Worker's two control ends and its end of the inner Worker's
-        # template process (replacements), held by neither this process
-        # nor the sibling.
+        # Its sockets (one inode per end), held by neither this process nor
+        # the sibling SUB target (which inherited the rest): its control and
+        # reply ends, its inner Worker's control and reply ends of each of
+        # its 2 inner targets, and its end of the inner Worker's template
+        # process (replacements).
         sockets = channels_of(pid, "socket") - channels_of(sibling, "socket") - channels_of(os.getpid(), "socket")
-        assert len(sockets) == 4
+        assert len(sockets) == 7
         for inner_pid in inner.values():
-            assert channels_of(inner_pid, "pipe") & pipes == set()
             assert channels_of(inner_pid, "socket") & sockets == set()
+            # Nor its wake pipes (only the standard streams are shared).
+            shared = channels_of(inner_pid, "pipe") & channels_of(pid, "pipe")
+            assert shared - channels_of(os.getpid(), "pipe") == set()
 
 
 # --------------------------------------------------------------------------

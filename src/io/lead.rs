@@ -2,14 +2,14 @@
 //! waiting for its own result read the targets' replies itself, so that a
 //! round trip wakes no thread but the caller and the target.
 //!
-//! A started Worker has two kinds of reader of its targets' reply pipes:
+//! A started Worker has two kinds of reader of its targets' reply sockets:
 //!
 //! * the IO thread, which always watches the wake pipe and every target's
 //!   pidfd, the control socket of every target with unsent bytes, and the
-//!   earliest deadline; and the reply pipes when a reply is expected and
+//!   earliest deadline; and the reply sockets when a reply is expected and
 //!   no leader reads them;
 //! * at most one **leader**: a caller waiting for its own result that found
-//!   no leader. It reads the reply pipes of every target live when it began
+//!   no leader. It reads the reply sockets of every target live when it began
 //!   to lead, and handles the deadlines up to the one it polls with, until
 //!   its result is there (or its wait times out); then it steps down.
 //!
@@ -44,7 +44,7 @@ use std::time::Instant;
 /// and replaced (a new process in the same slot) is a different link.
 #[derive(Debug, Default)]
 pub struct Watch {
-    /// Per index: the pid whose reply pipe the IO thread's current `poll`
+    /// Per index: the pid whose reply socket the IO thread's current `poll`
     /// reads, or 0.
     io_replies: Vec<i32>,
     /// Per index: the pid whose control socket the IO thread's current
@@ -58,7 +58,7 @@ pub struct Watch {
 
 #[derive(Debug)]
 struct Leader {
-    /// Per index: the pid whose reply pipe the leader reads, or 0.
+    /// Per index: the pid whose reply socket the leader reads, or 0.
     replies: Vec<i32>,
     /// When the leader's current `poll` returns at the latest.
     deadline: Option<Instant>,
@@ -101,20 +101,20 @@ fn earlier(a: Option<Instant>, than: Option<Instant>) -> bool {
 }
 
 impl Watch {
-    /// Whether a leader reads the reply pipe of link (`index`, `pid`).
+    /// Whether a leader reads the reply socket of link (`index`, `pid`).
     pub fn leader_reads(&self, index: usize, pid: i32) -> bool {
         self.leader
             .as_ref()
             .is_some_and(|l| pid != 0 && pid_at(&l.replies, index) == pid)
     }
 
-    /// Whether the IO thread's current `poll` reads the reply pipe of link
+    /// Whether the IO thread's current `poll` reads the reply socket of link
     /// (`index`, `pid`).
     pub fn io_reads(&self, index: usize, pid: i32) -> bool {
         pid != 0 && pid_at(&self.io_replies, index) == pid
     }
 
-    /// Whether the IO thread's current `poll` reads the reply pipe of every
+    /// Whether the IO thread's current `poll` reads the reply socket of every
     /// link of `live` (and there is one): a caller then follows rather
     /// than lead, or both would be woken by every reply.
     pub fn io_reads_all(&self, live: &[(usize, i32)]) -> bool {
@@ -122,7 +122,7 @@ impl Watch {
     }
 
     /// Whether someone (the IO thread's current `poll` or the leader)
-    /// reads the reply pipe of link (`index`, `pid`).
+    /// reads the reply socket of link (`index`, `pid`).
     pub fn reads(&self, index: usize, pid: i32) -> bool {
         self.io_reads(index, pid) || self.leader_reads(index, pid)
     }
@@ -133,9 +133,9 @@ impl Watch {
     }
 
     /// The IO thread's plan for its next `poll`, recorded: it reads the
-    /// reply pipe of every live link no leader reads when a reply is
+    /// reply socket of every live link no leader reads when a reply is
     /// expected, writes every link with unsent bytes, and returns by
-    /// `deadline` at the latest. Returns which links' reply pipes to read.
+    /// `deadline` at the latest. Returns which links' reply sockets to read.
     pub fn plan_io(
         &mut self,
         live: &[(usize, i32)],
@@ -275,7 +275,7 @@ mod tests {
     fn an_expected_reply_nobody_reads_wakes_the_io_thread() {
         let mut watch = Watch::default();
         assert!(watch.io_must_wake(left(true, None)));
-        // The IO thread's plan with nothing expected reads no reply pipe.
+        // The IO thread's plan with nothing expected reads no reply socket.
         assert_eq!(watch.plan_io(LIVE, false, &[], None), vec![]);
         assert!(watch.io_must_wake(left(true, None)));
         assert_eq!(watch.plan_io(LIVE, true, &[], None), LIVE.to_vec());

@@ -1,5 +1,5 @@
 //! The IO layer (cargo feature `io`): runs the pure protocol over real
-//! forked targets, sealed `memfd` staging, control sockets and reply pipes
+//! forked targets, sealed `memfd` staging, control sockets and reply sockets
 //! (specs/design.md §5, `specs/staging.md`).
 //!
 //! * [`staging`] — staged payloads in sealed `memfd`s (`specs/staging.md`);

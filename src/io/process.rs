@@ -6,7 +6,7 @@
 //! a control socket (a Unix stream `socketpair`: the parent writes control
 //! frames and passes each register's sealed staged payload beside its frame
 //! with `SCM_RIGHTS`, [`send_control`] / [`receive_control`]; the target
-//! reads) and a reply pipe (target writes, parent reads). The parent's ends
+//! reads) and a reply socket (target writes, parent reads). The parent's ends
 //! are close-on-exec and non-blocking, for its poll loop; the target's ends
 //! are blocking. Each target closes every inherited descriptor above 2 but
 //! its own two channel ends, close-on-exec or not (the other targets'
@@ -227,10 +227,10 @@ pub enum ProcessError {
         threads: usize,
     },
     /// An OS call failed (for a zygote, in the parent or in its template:
-    /// the template reports its own failures, e.g. `fork`, `pipe2`).
+    /// the template reports its own failures, e.g. `fork`, `socketpair`).
     #[error("{operation} failed: {errno}")]
     Os {
-        /// What was attempted (`"pipe2"`, `"fork"`, `"/proc/self/task"`, …).
+        /// What was attempted (`"socketpair"`, `"fork"`, `"/proc/self/task"`, …).
         operation: &'static str,
         /// The OS error.
         errno: Errno,
@@ -282,7 +282,7 @@ pub struct TargetEnds {
     /// The target's end of the control socket (blocking; read it with
     /// [`receive_control`]).
     pub control: OwnedFd,
-    /// Write end of the reply pipe (blocking).
+    /// Write end of the reply socket (blocking).
     pub reply: OwnedFd,
 }
 
@@ -378,7 +378,7 @@ impl TargetProcess {
         self.control.as_ref().map(|fd| fd.as_fd())
     }
 
-    /// The parent's read end of the reply pipe (non-blocking).
+    /// The parent's read end of the reply socket (non-blocking).
     pub fn reply(&self) -> BorrowedFd<'_> {
         self.reply.as_fd()
     }
@@ -397,7 +397,7 @@ impl TargetProcess {
         self.control.clone()
     }
 
-    /// The reply pipe's read end, shared (see
+    /// The reply socket's read end, shared (see
     /// [`TargetProcess::control_shared`]).
     pub fn reply_shared(&self) -> Arc<TrackedFd> {
         self.reply.clone()
@@ -575,7 +575,7 @@ pub(crate) fn pidfd_send_signal(pidfd: BorrowedFd<'_>, signal: Signal) -> Result
 ///
 /// # Errors
 /// [`ProcessError::Threaded`] when the process runs other threads and
-/// `policy` refuses; [`ProcessError::Os`] when counting threads, `pipe2`,
+/// `policy` refuses; [`ProcessError::Os`] when counting threads, `shutdown`,
 /// `socketpair` or `fork` fails.
 pub fn spawn_targets<R, F, B>(
     count: usize,
@@ -630,7 +630,7 @@ pub(crate) struct Forked {
 }
 
 /// Forks one target with index `index`: makes its control socket and
-/// reply pipe, forks ([`fork_child`]), and in the child records its
+/// reply socket, forks ([`fork_child`]), and in the child records its
 /// channels ([`guard_channels`]), runs `before_body(index)` then
 /// `body(ends)`. Used by [`spawn_targets`] and by a zygote's template
 /// (`super::zygote`), so a target is the same whoever forked it.
@@ -653,7 +653,20 @@ where
         SockFlag::SOCK_CLOEXEC,
     )
     .map_err(os("socketpair"))?;
-    let (reply_read, reply_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(os("pipe2"))?;
+    // The reply channel is a one-way stream socketpair, not a pipe: a
+    // pipe's write end can be opened again through /proc/PID/fd by any
+    // process of the same user (a forged reply); `open` refuses a socket.
+    let (reply_read, reply_write) = socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(os("socketpair"))?;
+    nix::sys::socket::shutdown(reply_read.as_raw_fd(), nix::sys::socket::Shutdown::Write)
+        .map_err(os("shutdown"))?;
+    nix::sys::socket::shutdown(reply_write.as_raw_fd(), nix::sys::socket::Shutdown::Read)
+        .map_err(os("shutdown"))?;
     set_nonblocking(control_write.as_fd()).map_err(os("fcntl"))?;
     set_nonblocking(reply_read.as_fd()).map_err(os("fcntl"))?;
     let (control, reply) = (TrackedFd::new(control_write), TrackedFd::new(reply_read));

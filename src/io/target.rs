@@ -26,7 +26,7 @@
 //! a task the reader could not start (it does not resolve, a hook does
 //! not), is queued behind the frames before it, and the control thread
 //! pins it (or fails it) in its turn (`specs/wire.md`).
-//! Every thread writes whole frames to the reply pipe under one lock.
+//! Every thread writes whole frames to the reply socket under one lock.
 //!
 //! Callable metadata (`specs/metadata.md`): a register control
 //! carries it as JSON; the target parses it and installs through
@@ -116,7 +116,7 @@ fn abrupt_exit() -> ! {
     unsafe { libc::_exit(ABRUPT_EXIT_CODE) }
 }
 
-/// Writes whole frames to the reply pipe, from either thread.
+/// Writes whole frames to the reply socket, from either thread.
 struct ReplyWriter {
     pipe: Mutex<File>,
     max_frame_bytes: usize,

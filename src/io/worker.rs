@@ -1,6 +1,6 @@
 //! The [`Worker`]: the protocol's [`Parent`] machine run over real forked
 //! targets, sealed `memfd` staging (`specs/staging.md`), control sockets
-//! and reply pipes (specs/design.md §4.1, §5).
+//! and reply sockets (specs/design.md §4.1, §5).
 //!
 //! # Threads
 //!
@@ -11,14 +11,14 @@
 //!   the state lock, gives its request to the machine and carries out the
 //!   effects itself (its frames go out from its own thread), then waits for
 //!   its result: as the **leader** when no other caller leads, reading the
-//!   reply pipes of every live target and handling the deadlines, for
+//!   reply sockets of every live target and handling the deadlines, for
 //!   every caller, until its own result is there; else as a **follower**,
 //!   asleep on its completion hand-off ([`super::handoff`]) until whoever
 //!   reads its reply hands the result over ([`super::lead`]). A round trip
 //!   with one caller so wakes no thread but the caller and the target.
 //! * One IO thread per started Worker: it watches what no caller waits
 //!   for — every target's pidfd, control sockets with unsent bytes, the
-//!   deadlines, the reply pipes when a reply is expected and no leader
+//!   deadlines, the reply sockets when a reply is expected and no leader
 //!   reads them (a task whose caller does not wait, a callback, a follower
 //!   after its leader stepped down) — links replacements, frees payloads
 //!   off the callers' path, and carries out a close.
@@ -50,24 +50,24 @@
 //!    `handle_timeout(now)`; drain effects. Inspections and starting
 //!    replacements past their deadline are given up.
 //! 3. Build the poll set: the wake pipe, every live target's pidfd, its
-//!    reply pipe when a reply is expected and no leader reads it, and the
+//!    reply socket when a reply is expected and no leader reads it, and the
 //!    control socket of every target with unsent bytes; the poll timeout
 //!    is the earliest deadline (none: block). Record it ([`super::lead`]).
 //! 4. Release the state lock, hand the results decided since the last
 //!    `poll` to their waiting callers, and `poll`.
-//! 5. Take the state lock. For each target whose reply pipe is readable,
+//! 5. Take the state lock. For each target whose reply socket is readable,
 //!    read what is there, decode whole frames, and give each reply to the
 //!    machine (`handle_reply`), draining effects after each; task results
 //!    and tables go to their waiting callers. EOF, a hang-up, an
 //!    undecodable or out-of-protocol frame: kill and reap the target, then
 //!    `target_lost`; drain effects. A readable pidfd (the target process
 //!    ended, even if a process it forked still holds its pipes): read what
-//!    its reply pipe holds, then the same.
+//!    its reply socket holds, then the same.
 //! 6. Flush pending control bytes to writable targets (a full socket never
 //!    blocks anyone; a register's sealed payload descriptor goes with
 //!    its frame's first byte), then go to 1.
 //!
-//! A leader does steps 2 and 5 for the reply pipes it reads, with its own
+//! A leader does steps 2 and 5 for the reply sockets it reads, with its own
 //! `poll` over them and the leader wake pipe (written when another thread
 //! decided a result while it leads, and at close).
 //!
@@ -140,7 +140,7 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// to finish exiting before it is killed.
 const LOST_GRACE: Duration = Duration::from_millis(50);
 
-/// Bytes read from a reply pipe per `read` call.
+/// Bytes read from a reply socket per `read` call.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
 
 /// A failed operation: the error (code, operation, target, namespace,
@@ -1072,7 +1072,7 @@ impl Shared {
             if leading.wake.is_none() {
                 let passed = until.is_some_and(|until| Instant::now() >= until);
                 let live = io.live();
-                // Follow while the IO thread reads every reply pipe (many
+                // Follow while the IO thread reads every reply socket (many
                 // results in flight): leading too would wake both threads
                 // for every reply.
                 if pending.is_complete()
@@ -1259,7 +1259,7 @@ fn io_thread(shared: Arc<Shared>) {
         }
         // Step 2: deadlines.
         io.handle_deadlines(&mut core);
-        // Step 3: the poll set (reply pipes only when a reply is expected
+        // Step 3: the poll set (reply sockets only when a reply is expected
         // and no leader reads them) and its timeout.
         let deadline = io.next_deadline(&core);
         let live = io.live();
@@ -1863,7 +1863,7 @@ impl<R: Runtime> Worker<R> {
 
     /// Why a target was given up after start (its pipe closed, it broke
     /// the protocol, it missed a deadline) and how it ended, e.g. `"its
-    /// reply pipe closed; it exited with status 9"`.
+    /// reply socket closed; it exited with status 9"`.
     pub fn target_loss(&self, target: TargetId) -> Option<String> {
         if self.shared.foreign() {
             return None;
@@ -2010,7 +2010,7 @@ impl<R: Runtime> Worker<R> {
     ///
     /// Limits: at most `u16::MAX` targets; the parent holds three
     /// descriptors per target (its end of the control socket, its end of
-    /// the reply pipe, a pidfd),
+    /// the reply socket, a pidfd),
     /// so the soft `RLIMIT_NOFILE` bounds the count (checked first); each
     /// Python target costs about 11.5 MB PSS (19 MB RSS; CPython 3.11 with
     /// cloudpickle, nothing registered; `BENCHMARKS.md`).
@@ -2358,7 +2358,7 @@ fn check_descriptor_room(targets: u16, respawn: bool) -> Result<(), String> {
         .saturating_sub(u64::try_from(open).unwrap_or(u64::MAX));
     if needed > room {
         return Err(format!(
-            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply pipe and a pidfd each{}), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
+            "{targets} targets need {needed} more file descriptors in the parent (a control socket, a reply socket and a pidfd each{}), but the soft RLIMIT_NOFILE of {} leaves {room} ({open} open); raise it (ulimit -n) or use fewer targets",
             if respawn {
                 ", two wake pipes and the replacements' template process"
             } else {
@@ -2449,7 +2449,7 @@ fn wait_ready(
         let waiting: Vec<usize> = (0..links.len())
             .filter(|i| outcomes[*i].is_none())
             .collect();
-        // Each waiting target's reply pipe, and its pidfd: a target that
+        // Each waiting target's reply socket, and its pidfd: a target that
         // ended while a process it forked holds its pipe is seen all the
         // same.
         let mut fds: Vec<PollFd<'_>> = Vec::new();
@@ -2550,7 +2550,7 @@ enum ReadOutcome {
     Closed,
 }
 
-/// Reads everything available from a link's reply pipe into its buffer.
+/// Reads everything available from a link's reply socket into its buffer.
 fn read_available(link: &mut Link, chunk: &mut [u8]) -> ReadOutcome {
     let mut got = false;
     loop {
@@ -2664,12 +2664,12 @@ struct IoLoop {
     /// thread while a caller leads, or at close.
     leader_wake: Arc<TrackedFd>,
     leader_wake_write: TrackedFd,
-    /// Who reads the reply pipes ([`super::lead`]).
+    /// Who reads the reply sockets ([`super::lead`]).
     watch: Watch,
     /// Whether a result was decided since the last [`IoLoop::leave`] (a
     /// leader waiting for it must be woken).
     completed: bool,
-    /// The buffer reply pipes are read into.
+    /// The buffer reply sockets are read into.
     chunk: Vec<u8>,
     staged: BTreeMap<StagingId, Staged>,
     ops: BTreeMap<OpId, OpWaiter>,
@@ -2887,7 +2887,7 @@ impl IoLoop {
                 }
                 Ready::Control(index, _) => self.flush(core, index),
                 Ready::Ended(index, _) => {
-                    // Its last replies first (a reply pipe that also
+                    // Its last replies first (a reply socket that also
                     // closed was handled just before, as `Reply`).
                     self.read_replies(core, index, true);
                     let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
@@ -3434,7 +3434,7 @@ impl IoLoop {
             }
         }
         if closed {
-            self.lose(core, target, "its reply pipe closed");
+            self.lose(core, target, "its reply socket closed");
         }
     }
 
@@ -3772,7 +3772,7 @@ fn finish_inspect(waiter: &mut InspectWaiter) -> Vec<(TargetId, Option<TargetTab
 
 /// The error of a failed operation; its message says why each lost or
 /// fenced target in its scope was given up and how it ended (as a task's
-/// `TARGET_LOST` does), e.g. `target 1: lost (its reply pipe closed; it was
+/// `TARGET_LOST` does), e.g. `target 1: lost (its reply socket closed; it was
 /// killed by signal 9)`.
 fn operation_error(
     result: Result<Completion, Error>,

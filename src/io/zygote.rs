@@ -46,7 +46,7 @@
 //!
 //! | tag | meaning | a | b | c | descriptors (`SCM_RIGHTS`) |
 //! |---|---|---|---|---|---|
-//! | `b'R'` | forked | pid | 0 | 0 | control socket end, reply pipe read end, pidfd |
+//! | `b'R'` | forked | pid | 0 | 0 | control socket end, reply socket read end, pidfd |
 //! | `b'E'` | the fork failed | errno | operation ([`OPERATIONS`] index) | 0 | none |
 //! | `b'X'` | the target ended | pid | 0: exited, 1: killed, 2: unknown (`waitpid` failed) | status or signal | none |
 //!
@@ -129,7 +129,7 @@ pub const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// by index; an operation not listed is reported as the last, `"template"`.
 pub const OPERATIONS: [&str; 6] = [
     "socketpair",
-    "pipe2",
+    "shutdown",
     "fcntl",
     "fork",
     "pidfd_open",

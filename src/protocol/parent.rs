@@ -289,7 +289,7 @@ pub struct FailedRegistration {
 pub struct Poison {
     /// The target that was lost while it deserialized the digest.
     pub target: TargetId,
-    /// How it died, e.g. `its reply pipe closed; it exited with status 3`.
+    /// How it died, e.g. `its reply socket closed; it exited with status 3`.
     pub cause: String,
 }
 
@@ -1278,7 +1278,7 @@ impl Parent {
     }
 
     /// [`Parent::target_lost`], saying how the target died (`cause`, e.g.
-    /// `its reply pipe closed; it was killed by signal 11`): if it was lost
+    /// `its reply socket closed; it was killed by signal 11`): if it was lost
     /// while deserializing a digest it probed (§2.8), that digest is
     /// poisoned and `cause` is named in every `REGISTER_POISONED` about it.
     ///
