@@ -891,7 +891,7 @@ fn oversized_task_input_is_refused_before_sending() {
     assert_eq!(err.error.code, ErrorCode::FRAME_INVALID);
     assert_eq!(
         err.error.message,
-        "a task input of 972 bytes makes a frame of 1025 bytes, over the maximum of 1024"
+        "a task input of 972 bytes makes a frame of 1025 bytes, over the maximum of 1024 (max_frame_bytes)"
     );
     assert_eq!(worker.live_targets(), vec![TargetId(0)]);
     check_invariants(&worker, 1);

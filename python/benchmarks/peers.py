@@ -288,6 +288,30 @@ def measure_start(cls, workers):
     return wall, time.process_time() + children_cpu() - cpu0
 
 
+def private_dirty_mb(pid):
+    """Private dirty memory of process ``pid`` (MB, /proc/PID/smaps_rollup)."""
+    with open("/proc/%d/smaps_rollup" % pid) as f:
+        for line in f:
+            if line.startswith("Private_Dirty:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def idle_memory(workers):
+    """{system: median private dirty MB of an idle worker process} after
+    one task each (callreg: a registered trivial callable)."""
+    out = {}
+    for cls in (Callreg, Ppe):
+        system = cls(workers)
+        try:
+            system.submit_many(10)
+            time.sleep(0.3)
+            out[cls.name] = statistics.median(private_dirty_mb(p) for p in system.pids())
+        finally:
+            system.close()
+    return out
+
+
 def children_cpu():
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -379,6 +403,7 @@ def main():
         for scenario in SCENARIOS:
             for cls in systems:
                 samples[(cls.name, scenario)].append(run_scenario(cls, scenario, args.workers, args))
+    memory = idle_memory(args.workers)
     load_after = os.getloadavg()
 
     def median(name, scenario, index):
@@ -435,6 +460,10 @@ def main():
         print(
             "callreg %s / echo floor: wall %.2fx, CPU %.2fx" % (scenario, wall / echo[0], cpu / echo[1])
         )
+    print(
+        "idle worker private dirty: callreg %.1f MB, ppe %.1f MB (goal <= ppe + 2 MB: %s)"
+        % (memory["callreg"], memory["ppe"], "met" if memory["callreg"] <= memory["ppe"] + 2 else "NOT met")
+    )
     gap = (table[("callreg", "submit_result")][0] - table[("callreg", "round_trip")][0]) * 1e6
     print("callreg submit().result() - call: %+.1f µs (goal <= 10)" % gap)
     st = table[("callreg", "start")][0] / table[("ppe", "start")][0]

@@ -285,3 +285,15 @@ def test_a_target_out_of_range_is_a_value_error(worker):
     with pytest.raises(TypeError, match="target must be an int or None, not str"):
         worker.call(h, 1, target="0")
     worker.unregister(h)
+
+
+def test_an_argument_over_max_frame_bytes_names_the_option():
+    with callreg.Worker(1, max_frame_bytes=4096) as w:
+        w.start()
+        h = w.register(square)
+        for attempt in (lambda: w.call(h, b"x" * 10000), lambda: w.submit(h, b"x" * 10000).result(timeout=10)):
+            with pytest.raises(callreg.CallregError) as info:
+                attempt()
+            assert info.value.code == "FRAME_INVALID"
+            assert "bytes, over the maximum of 4096 (max_frame_bytes)" in str(info.value)
+        assert w.call(h, 3) == 9

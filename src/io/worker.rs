@@ -1757,7 +1757,7 @@ impl<R: Runtime> Worker<R> {
                 ErrorCode::FRAME_INVALID,
                 OperationKind::Task,
                 format!(
-                    "a task input of {} bytes makes a frame of {size} bytes, over the maximum of {}",
+                    "a task input of {} bytes makes a frame of {size} bytes, over the maximum of {} (max_frame_bytes)",
                     input.len(),
                     self.max_frame_bytes
                 ),
