@@ -111,6 +111,9 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
 ]
 
+__version__ = _callreg.VERSION
+"""The package's version (``"MAJOR.MINOR.PATCH"``), as installed."""
+
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 """The default bound (bytes) on one task's pickled arguments, and on its
 pickled result, with a few bytes of framing."""

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
 ]
 
+__version__: Final[str]
 DEFAULT_MAX_FRAME_BYTES: Final[int]
 KIND: Final[str]
 NAMESPACE: Final[str]

@@ -741,6 +741,7 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_envelope, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_hashid, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_header, m)?)?;
+    m.add("VERSION", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "DEFAULT_MAX_FRAME_BYTES",
         callreg::wire::DEFAULT_MAX_FRAME_BYTES,

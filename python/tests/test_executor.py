@@ -222,3 +222,9 @@ def test_a_worker_submit_of_a_callable_says_how():
         w.start()
         with pytest.raises(callreg.HandleError, match=r"register cube first \(h = w.register\(fn\)\)"):
             w.submit(cube, 1)
+
+
+def test_the_version_is_the_installed_distributions():
+    import importlib.metadata
+
+    assert callreg.__version__ == importlib.metadata.version("callreg")
