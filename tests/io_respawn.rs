@@ -40,6 +40,10 @@ fn main() {
             "a_hundred_kills_under_load_leave_every_slot_holding_the_registry",
             a_hundred_kills_under_load_leave_every_slot_holding_the_registry,
         ),
+        (
+            "closing_with_the_template_stopped_takes_no_report_timeouts",
+            closing_with_the_template_stopped_takes_no_report_timeouts,
+        ),
     ]);
 }
 
@@ -457,4 +461,52 @@ fn a_hundred_kills_under_load_leave_every_slot_holding_the_registry() {
         Ok(worker) => worker.close(),
         Err(_) => panic!("the Worker is still shared"),
     }
+}
+
+/// The child processes of this process (any thread's).
+fn children() -> Vec<i32> {
+    let mut pids = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap() {
+        let path = task.unwrap().path().join("children");
+        if let Ok(text) = std::fs::read_to_string(path) {
+            pids.extend(text.split_whitespace().map(|p| p.parse::<i32>().unwrap()));
+        }
+    }
+    pids
+}
+
+/// A stopped template answers no exit report: the Worker's close kills it
+/// at once and counts each ended replacement's report as lost after a
+/// short grace, instead of waiting out the report timeout (5 s) for the
+/// template and for each replacement.
+fn closing_with_the_template_stopped_takes_no_report_timeouts() {
+    let worker = builder(3).build().unwrap();
+    worker.start().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    for target in 0..3 {
+        kill(&worker, target);
+        wait_for_slot(&worker, target, SlotPhase::Joined, 1);
+    }
+    // Every target is now a replacement, a child of the template: the
+    // template is this process's only child.
+    let template = children();
+    assert_eq!(template.len(), 1, "{template:?}");
+    let template = nix::unistd::Pid::from_raw(template[0]);
+    for target in 0..3 {
+        assert_eq!(
+            worker
+                .submit(&echo, TargetId(target), TaskEncoding::Json, b"1")
+                .unwrap(),
+            b"1"
+        );
+    }
+    nix::sys::signal::kill(template, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let began = std::time::Instant::now();
+    worker.close();
+    let took = began.elapsed();
+    // Before: 5 s for the template and 5 s more per replacement.
+    // Now: the template is killed at once, and each ended replacement's
+    // report is given up after `zygote::ENDED_REPORT_GRACE` (250 ms).
+    assert!(took < Duration::from_secs(2), "close took {took:?}");
+    assert!(children().is_empty(), "{:?}", children());
 }

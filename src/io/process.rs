@@ -473,17 +473,33 @@ impl TargetProcess {
             if let Some(exit) = self.try_reap()? {
                 return Ok(exit);
             }
-            if Instant::now() >= deadline {
+            if self.ended_unreported() || Instant::now() >= deadline {
                 break;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+        // An ended replacement needs no kill: its report is waited for
+        // below, a short grace at most when its template does not send it
+        // (`super::zygote::ENDED_REPORT_GRACE`).
         self.kill()?;
         loop {
             if let Some(exit) = self.wait(None)? {
                 return Ok(exit);
             }
         }
+    }
+
+    /// Whether this is a replacement whose process has ended (its pidfd
+    /// is readable) while its template has not reported its exit yet.
+    fn ended_unreported(&self) -> bool {
+        let (Origin::Zygote { .. }, Some(pidfd)) = (&self.origin, &self.pidfd) else {
+            return false;
+        };
+        let mut fds = [nix::poll::PollFd::new(
+            pidfd.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        matches!(nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO), Ok(n) if n > 0)
     }
 
     fn wait(&mut self, flags: Option<WaitPidFlag>) -> Result<Option<Exit>, ProcessError> {

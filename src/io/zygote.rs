@@ -125,6 +125,25 @@ pub const DEFAULT_SPAWN_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`Zygote::close`]'s wait for the template to exit last at most.
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the exit report of a replacement that has ended (its pidfd is
+/// readable) is waited for before it counts as lost: a template that runs
+/// reports within milliseconds; one that is stopped (SIGSTOP) or stalled
+/// would otherwise cost every replacement the whole [`REPORT_TIMEOUT`].
+pub const ENDED_REPORT_GRACE: Duration = Duration::from_millis(250);
+
+/// Whether process `pid` is stopped (state `T` or `t` in
+/// `/proc/PID/stat`): a stopped template answers nothing until continued.
+fn is_stopped(pid: Pid) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{}/stat", pid.as_raw())) else {
+        return false;
+    };
+    // The state follows the parenthesised command name, which may hold
+    // spaces and parentheses itself.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .is_some_and(|state| state == "T" || state == "t")
+}
+
 /// The operations a template reports a failure of (`b'E'`, field `b`),
 /// by index; an operation not listed is reported as the last, `"template"`.
 pub const OPERATIONS: [&str; 6] = [
@@ -379,7 +398,12 @@ impl Zygote {
             state.closed = true;
             let _ = shutdown(state.socket.as_fd().as_raw_fd(), Shutdown::Write);
         }
-        let deadline = Instant::now() + REPORT_TIMEOUT;
+        // A stopped template would sit out the whole timeout: killed at once.
+        let deadline = if is_stopped(self.pid) {
+            Instant::now()
+        } else {
+            Instant::now() + REPORT_TIMEOUT
+        };
         let mut killed = false;
         loop {
             // Reading the reports keeps a template with many of them to
@@ -471,8 +495,14 @@ impl ZygoteLink {
     ) -> Result<Option<Exit>, ProcessError> {
         let mut state = self.lock();
         let deadline = blocking.then(|| Instant::now() + REPORT_TIMEOUT);
+        let mut ended_at = None;
         loop {
             state.drain()?;
+            if !state.live.contains(&serial) && !state.exits.contains_key(&serial) {
+                // Already given up (its exit counted as lost): no report is
+                // read for it any more.
+                return Err(ProcessError::ExitLost { pid: pid.as_raw() });
+            }
             if let Some(exit) = state.exits.remove(&serial) {
                 state.live.remove(&serial);
                 return exit
@@ -490,13 +520,25 @@ impl ZygoteLink {
                 return Ok(None);
             };
             let now = Instant::now();
+            if ended_at.is_none() && readable(pidfd, PollTimeout::ZERO)? {
+                ended_at = Some(now);
+            }
+            if ended_at.is_some_and(|at| now.duration_since(at) >= ENDED_REPORT_GRACE) {
+                // It ended and its template does not say how (stopped or
+                // stalled): lost rather than waited for.
+                state.live.remove(&serial);
+                return Err(ProcessError::ExitLost { pid: pid.as_raw() });
+            }
             if now >= deadline {
                 return Err(ProcessError::ZygoteTimeout {
                     what: "an exit report",
                     waited: REPORT_TIMEOUT,
                 });
             }
-            let timeout = poll_timeout(deadline - now);
+            let mut timeout = poll_timeout(deadline - now);
+            if let Some(at) = ended_at {
+                timeout = poll_timeout((at + ENDED_REPORT_GRACE).saturating_duration_since(now));
+            }
             if state.eof {
                 readable(pidfd, timeout)?;
             } else {
