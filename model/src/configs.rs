@@ -55,8 +55,8 @@ fn order(mut names: Vec<&'static str>) -> Vec<&'static str> {
 /// reply and, with `interleave_start`, a pre-start step after start are
 /// each witnessed when their budget allows them; with probe-first on, a
 /// register on more than one target probes then broadcasts, and a way to
-/// lose the probe target (a poison kill, a crash, fencing) poisons a
-/// digest, and a later register of that digest is refused; with
+/// lose the probe target (a poison kill, a crash, fencing at a bound while
+/// heartbeats report it alive) poisons a digest, and a later register of that digest is refused; with
 /// replacement targets on, a way to lose a target makes a replacement
 /// join, and a spawn failure in the budget happens.
 pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
@@ -92,11 +92,13 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
     if config.probe_first && registers && config.targets > 1 {
         expected.push(SOMETIMES_PROBED_THEN_BROADCAST);
     }
-    // A probe target lost while it deserializes (a poison payload, a
-    // crash, or fencing at a passed deadline) poisons the digest.
+    // A probe target lost while it deserializes poisons the digest: a
+    // poison payload, a crash, or fencing at an operation's bound while it
+    // reported alive (heartbeats); fencing for silence poisons nothing
+    // (specs/protocol.md §2.8).
     let kills = config.poison_kills > 0
         || config.crashes > 0
-        || (config.fence_on_timeout && config.deadlines > 0);
+        || (config.fence_on_timeout && config.deadlines > 0 && config.heartbeats > 0);
     if config.probe_first && registers && kills {
         expected.push(SOMETIMES_POISONED);
         // A later register of the same digest is then refused.

@@ -149,6 +149,10 @@ pub const POISON_NOT_PUBLISHED: &str = "a poisoned digest is never published";
 /// Name of the `always` property that no register frame of a poisoned
 /// digest is sent once it is poisoned.
 pub const POISON_NOT_SENT: &str = "a poisoned digest is never sent again";
+/// Name of the `always` property that a probe target fenced for silence
+/// (no alive report for a control timeout: stopped, stalled) poisons
+/// nothing (`specs/protocol.md` §2.8).
+pub const SILENCE_POISONS_NOTHING: &str = "silence poisons nothing";
 /// Witness: a digest is poisoned (its probe target died deserializing it).
 pub const SOMETIMES_POISONED: &str = "sometimes: a digest is poisoned";
 /// Witness: a register is refused with `REGISTER_POISONED`.
@@ -319,6 +323,12 @@ fn poison_not_published(_: &RegistrationModel, s: &State) -> bool {
 }
 fn poison_not_sent(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::POISON_SENT == 0
+}
+fn silence_poisons_nothing(_: &RegistrationModel, s: &State) -> bool {
+    s.parent
+        .poisoned_digests()
+        .iter()
+        .all(|(_, poison)| poison.cause != callreg::protocol::SILENT_FENCE_CAUSE)
 }
 fn poisoned(_: &RegistrationModel, s: &State) -> bool {
     !s.parent.poisoned_digests().is_empty()
@@ -709,6 +719,7 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(PROBE_FIRST, probe_first),
         Property::always(POISON_NOT_PUBLISHED, poison_not_published),
         Property::always(POISON_NOT_SENT, poison_not_sent),
+        Property::always(SILENCE_POISONS_NOTHING, silence_poisons_nothing),
         Property::eventually(INV10_EVENTUALLY, inv10_eventually),
         Property::sometimes(SOMETIMES_PUBLISH, publishes),
         Property::sometimes(SOMETIMES_ROLLBACK, rolls_back),
@@ -802,6 +813,9 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
         ),
         _ if name == POISON_NOT_SENT && !poison_not_sent(model, state) => Some(
             "a register frame of a poisoned digest was sent".to_owned(),
+        ),
+        _ if name == SILENCE_POISONS_NOTHING && !silence_poisons_nothing(model, state) => Some(
+            "a probe target fenced for silence (no alive report for a control timeout) poisoned the digest it probed".to_owned(),
         ),
         _ => None,
     }

@@ -748,3 +748,19 @@ def _readable(name):
         return True
     except OSError:
         return False
+
+
+def test_a_stopped_probe_target_poisons_nothing():
+    # The lowest live target is the probe target; stopped, it sends no
+    # alive report and is fenced for silence: no evidence against the
+    # callable, which then registers on the others.
+    with callreg.Worker(2, control_timeout=0.3, respawn_limit=0) as w:
+        w.start()
+        os.kill(w.target_pid(0), signal.SIGSTOP)
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register(square)
+        assert info.value.code == "REGISTER_PARTIAL_FAILURE"
+        assert info.value.outcomes == {0: "fenced"}
+        assert w.targets == [1]
+        h = w.register(square)
+        assert w.call_all(h, 5) == {1: 25}

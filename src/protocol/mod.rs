@@ -119,7 +119,7 @@ pub use forms::{
 };
 pub use parent::{
     Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, Poison,
-    SlotPhase, TargetOutcome,
+    SlotPhase, TargetOutcome, BOUND_FENCE_CAUSE, SILENT_FENCE_CAUSE,
 };
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
 
@@ -352,6 +352,10 @@ pub enum Mutant {
     /// Parent: accept a register of a poisoned digest (caught by the
     /// model's `poisoned never sent again` property).
     RetryPoisoned,
+    /// Parent: a probe target fenced for silence (stopped, stalled)
+    /// poisons the digest it probed (caught by the model's `silence
+    /// poisons nothing` property).
+    PoisonSilence,
     /// Target: install or add a reference without comparing the recomputed
     /// digest with the requested one (caught by invariant 5).
     SkipDigestVerification,
@@ -380,6 +384,7 @@ impl Mutant {
         Mutant::ReleaseStagedEarly,
         Mutant::BroadcastBeforeProbe,
         Mutant::RetryPoisoned,
+        Mutant::PoisonSilence,
         Mutant::SkipDigestVerification,
         Mutant::FreeSlotHeldByRun,
         Mutant::IgnoreAlive,

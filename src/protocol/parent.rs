@@ -1288,7 +1288,7 @@ impl Parent {
         if !self.accepts_from(target, OperationKind::Reply)? {
             return Ok(());
         }
-        self.lose(target, Progress::Lost, cause, now);
+        self.lose(target, Progress::Lost, cause, now, true);
         Ok(())
     }
 
@@ -1325,7 +1325,37 @@ impl Parent {
         }
     }
 
-    fn lose(&mut self, target: TargetId, as_progress: Progress, cause: &str, now: Time) {
+    /// Whether some control pending at `target` has had no alive report
+    /// from it for a whole control timeout at `now`: its silence deadline,
+    /// not an operation's bound, has passed.
+    fn is_silent(&self, target: TargetId, now: Time) -> bool {
+        let control_timeout = self.config.control_timeout;
+        self.ops.values().any(|op| {
+            matches!(
+                op.scope.get(&target),
+                Some(Progress::Pending | Progress::CleanupPending)
+            ) && op
+                .heard
+                .get(&target)
+                .copied()
+                .unwrap_or(Time(0))
+                .saturating_add_micros(control_timeout)
+                <= now
+        })
+    }
+
+    /// `target` is lost (`as_progress`: `Lost` or `Fenced`), `cause` saying
+    /// how. `evidence`: whether the loss counts against the digest it was
+    /// probing, if any (§2.8: a death, or a bound passed while it reported
+    /// alive; never silence), which is then poisoned.
+    fn lose(
+        &mut self,
+        target: TargetId,
+        as_progress: Progress,
+        cause: &str,
+        now: Time,
+        evidence: bool,
+    ) {
         if self.lost.contains(&target) {
             // A replacement that could not be started is one lost before
             // it joined.
@@ -1334,7 +1364,7 @@ impl Parent {
             }
             return;
         }
-        if let Some(digest) = self.probing_at(target) {
+        if let Some(digest) = self.probing_at(target).filter(|_| evidence) {
             self.poisoned.entry(digest).or_insert_with(|| Poison {
                 target,
                 cause: cause.to_owned(),
@@ -1558,7 +1588,7 @@ impl Parent {
             failure,
         });
         self.effects.push_back(Effect::Fence { target });
-        self.lose(target, Progress::Fenced, &cause, now);
+        self.lose(target, Progress::Fenced, &cause, now, true);
     }
 
     /// The IO layer could not stage the payload of [`Effect::Stage`]
@@ -1695,12 +1725,17 @@ impl Parent {
                     continue;
                 }
                 self.effects.push_back(Effect::Fence { target });
-                self.lose(
-                    target,
-                    Progress::Fenced,
-                    "it did not answer before its deadline and was fenced",
-                    now,
-                );
+                // Silence (no alive report for a control timeout: stopped,
+                // stalled, unreachable) is no evidence against what it
+                // probed; passing the operation bound while it reported
+                // alive is (§2.8).
+                let silent = self.is_silent(target, now) && !mutant!(self, PoisonSilence);
+                let cause = if self.is_silent(target, now) {
+                    SILENT_FENCE_CAUSE
+                } else {
+                    BOUND_FENCE_CAUSE
+                };
+                self.lose(target, Progress::Fenced, cause, now, !silent);
             }
             return;
         }
@@ -2517,6 +2552,14 @@ impl Parent {
     }
 }
 
+/// The cause of a target fenced for silence: no alive report for a whole
+/// control timeout (§2.7); no evidence against a digest it probed (§2.8).
+pub const SILENT_FENCE_CAUSE: &str = "it sent no alive report for a control timeout and was fenced";
+
+/// The cause of a target fenced at an operation's bound while it still
+/// reported alive (§2.7): evidence against a digest it probed (§2.8).
+pub const BOUND_FENCE_CAUSE: &str = "it did not answer before the operation's bound and was fenced";
+
 fn poisoned_error(digest: Digest, poison: &Poison) -> Error {
     Error::new(
         ErrorCode::REGISTER_POISONED,
@@ -2873,11 +2916,13 @@ mod tests {
     }
 
     #[test]
-    fn a_probe_fenced_at_its_deadline_poisons_the_digest() {
+    fn a_probe_target_fenced_for_silence_poisons_nothing() {
         let mut p = probing(2);
         p.register(digest(1), Namespace::LocalPython, Time(0))
             .unwrap();
         drain(&mut p);
+        // No alive report for a control timeout (a stopped target): fenced,
+        // but silence is no evidence against the digest.
         p.handle_timeout(Time(100));
         let effects = drain(&mut p);
         assert_eq!(
@@ -2886,10 +2931,51 @@ mod tests {
                 target: TargetId(0)
             }
         );
+        assert!(!p.is_poisoned(digest(1)));
+        let Some(Effect::Completed {
+            result: Err(e),
+            outcomes,
+            ..
+        }) = effects.last()
+        else {
+            panic!("{effects:?}")
+        };
+        assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+        assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Fenced)]);
+        // A retry probes again, on the next live target.
+        p.register(digest(1), Namespace::LocalPython, Time(101))
+            .unwrap();
+        let frames: Vec<TargetId> = drain(&mut p)
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Send { target, .. } => Some(target),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(frames, vec![TargetId(1)]);
+    }
+
+    #[test]
+    fn a_probe_target_past_the_operation_bound_while_alive_poisons_the_digest() {
+        let mut p = probing(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        // It keeps reporting alive (busy deserializing) past the bound.
+        let mut now = 0;
+        while now < 1_000 {
+            now += 60;
+            p.handle_alive(TargetId(0), Seq(1), Time(now)).unwrap();
+            p.handle_timeout(Time(now));
+        }
+        let effects = drain(&mut p);
+        assert!(effects.contains(&Effect::Fence {
+            target: TargetId(0)
+        }));
         assert!(p.is_poisoned(digest(1)));
         let poison = &p.poisoned_digests()[0].1;
         assert_eq!(poison.target, TargetId(0));
-        assert!(poison.cause.contains("fenced"));
+        assert_eq!(poison.cause, BOUND_FENCE_CAUSE);
     }
 
     #[test]
