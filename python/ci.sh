@@ -30,7 +30,7 @@ version="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 venv="$work/venv-$version-$(printf '%s' "$cloudpickle" | tr -c 'A-Za-z0-9.' '_')"
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest
+"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest mypy
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"
 echo "callreg python tests: CPython $version, $("$venv/bin/python" -c 'import cloudpickle; print("cloudpickle", cloudpickle.__version__)')"
 # From outside the source tree, so `import callreg` is the installed wheel.

@@ -787,6 +787,20 @@ fn lifecycle_errors_and_idempotent_close() {
             .contains("the control timeout must be at least 1 microsecond"),
         "{err}"
     );
+    // An operation bound shorter than the control timeout is refused.
+    let err = builder(1)
+        .control_timeout(Duration::from_secs(2))
+        .operation_timeout(Duration::from_millis(500))
+        .build()
+        .err()
+        .expect("refused");
+    assert_eq!(
+        (err.code, err.message.as_str()),
+        (
+            ErrorCode::LIFECYCLE_INVALID,
+            "the operation timeout (0.5 s) must be at least the control timeout (2 s)"
+        )
+    );
     // Deadlines are instants from now: a time that would overflow one is
     // refused, each by name.
     let too_long = callreg::io::worker::MAX_TIMEOUT + Duration::from_secs(1);

@@ -83,6 +83,7 @@ import platform
 import re
 import threading
 import time
+import types
 import weakref
 
 import cloudpickle
@@ -605,6 +606,10 @@ class Handle:
     so does its own after :meth:`Worker.unregister` (``HANDLE_STALE``)."""
 
     __slots__ = ("_raw", "__weakref__")
+
+    # Handle[P, R] in annotations (the stubs make it generic in the
+    # callable's parameters and result).
+    __class_getitem__ = classmethod(types.GenericAlias)
 
     def __init__(self, *args, **kwargs):
         raise TypeError("a Handle is returned by Worker.register, not built directly")
@@ -1311,6 +1316,21 @@ class Worker:
             self._raw.unregister(raw)
         except _callreg.RawError as error:
             _raise(error)
+
+    def forgive(self, callable_or_hashid):
+        """Clears the poison of a callable (its hashid, a :class:`Handle`,
+        envelope bytes or the callable itself): its next :meth:`register`
+        tries it again on one target (``specs/protocol.md`` §2.8). A
+        callable is poisoned when the target that tried it first died
+        while installing it, or was still busy with it at the operation
+        bound; forgive it when that was not its fault (an external kill,
+        memory pressure). Returns whether it was poisoned. Raises
+        ``ValueError`` for a string that is not a hashid."""
+        if isinstance(callable_or_hashid, str):
+            name = callable_or_hashid
+        else:
+            name = hashid(callable_or_hashid)
+        return self._raw.forgive(name)
 
     # -- lifecycle -----------------------------------------------------
 

@@ -613,6 +613,16 @@ impl RawWorker {
         Ok(Some(list))
     }
 
+    /// Clears the poison of the callable named by `hashid`
+    /// ([`callreg::io::Worker::forgive`]); whether it was poisoned.
+    /// `ValueError` for a malformed hashid.
+    fn forgive(&self, hashid: &str) -> PyResult<bool> {
+        let parsed: callreg::descriptor::HashId = hashid
+            .parse()
+            .map_err(|e| PyValueError::new_err(format!("{hashid:?} is not a hashid: {e}")))?;
+        Ok(self.worker.forgive(parsed))
+    }
+
     /// The live target ids, sorted.
     fn live_targets(&self) -> Vec<u16> {
         self.worker

@@ -478,3 +478,41 @@ def test_a_done_callback_raising_system_exit_strands_no_later_future(caplog):
         assert [w.submit(h, i).result(timeout=10) for i in range(5)] == [1, 2, 3, 4, 5]
         assert w.call(h, 9) == 10
     assert "a done-callback of a callreg future raised" in caplog.text
+
+
+TYPED_PROGRAM = """
+import callreg
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+w = callreg.Worker(1)
+h = w.register(add)
+total: int = w.call(h, 1, 2)
+every: dict[int, int] = w.call_all(h, 1, 2)
+later: int = w.submit(h, 1, 2).result()
+wrong_result: str = w.call(h, 1, 2)
+w.call_all(h, 1, "2")
+ex = callreg.Executor(1)
+fine: int = ex.submit(add, 1, b=2).result()
+ex.submit(add, "1", 2)
+ex.submit(add, 1)
+mapped: list[int] = list(ex.map(add, [1], [2]))
+annotated: callreg.Handle[[int, int], int] = h
+"""
+
+
+def test_the_stubs_type_results_and_check_arguments(tmp_path):
+    mypy = pytest.importorskip("mypy.api")
+    program = tmp_path / "typed.py"
+    program.write_text(TYPED_PROGRAM)
+    out, err, status = mypy.run(["--no-error-summary", "--show-error-codes", "--no-incremental", str(program)])
+    errors = sorted(
+        (int(line.split(":")[1]), line.rsplit("[", 1)[1].rstrip("]"))
+        for line in out.splitlines()
+        if ": error:" in line
+    )
+    assert errors == [(12, "assignment"), (13, "arg-type"), (16, "arg-type"), (17, "call-arg")], out + err
+    assert status == 1
+    # Handle[...] also works at run time (in annotations evaluated eagerly).
+    assert callreg.Handle[[int, int], int] is not None

@@ -178,6 +178,16 @@ def test_a_callable_that_kills_its_target_at_unpickle_costs_one_target():
         assert w.call_all(good, 3) == {0: 9, 1: 9, 2: 9}
         late = w.register(lambda x: x + 1)
         assert w.call_all(late, 1) == {0: 2, 1: 2, 2: 2}
+        # Forgiven, it is tried again on one target (and poisoned again:
+        # it kills its probe target once more).
+        assert w.forgive(callreg.hashid(envelope)) is True
+        assert w.forgive(envelope) is False
+        with pytest.raises(callreg.RegisterError) as third:
+            w.register_envelope(envelope)
+        assert third.value.code == "REGISTER_POISONED"
+        assert list(third.value.outcomes) == [0]
+        with pytest.raises(ValueError, match="is not a hashid"):
+            w.forgive("sha256:zz")
     # Without probing, the same callable reaches every target at once and
     # kills each (replacements off: none is left).
     with callreg.Worker(2, probe_first=False, respawn_limit=0) as w:
@@ -764,3 +774,8 @@ def test_a_stopped_probe_target_poisons_nothing():
         assert w.targets == [1]
         h = w.register(square)
         assert w.call_all(h, 5) == {1: 25}
+
+
+def test_an_operation_timeout_shorter_than_the_control_timeout_is_refused():
+    with pytest.raises(callreg.LifecycleError, match=r"the operation timeout \(0.5 s\) must be at least the control timeout \(2 s\)"):
+        callreg.Worker(1, control_timeout=2, operation_timeout=0.5)

@@ -330,7 +330,8 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// counted from its send, even from a target that keeps reporting
     /// alive (`specs/protocol.md`, "Deadlines"); past it the target is
     /// fenced like a silent one. Default: [`OPERATION_TIMEOUT_FACTOR`]
-    /// times the control timeout.
+    /// times the control timeout; at least the control timeout (else
+    /// [`WorkerBuilder::build`] refuses it).
     pub fn operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = Some(timeout);
         self
@@ -405,8 +406,9 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// # Errors
     /// `LIFECYCLE_INVALID` for 0 targets, 0 slots, a zero control timeout,
     /// a control timeout, operation timeout or respawn back-off above
-    /// [`MAX_TIMEOUT`], or a maximum frame size below
-    /// [`MIN_MAX_FRAME_BYTES`]; `IO_FAILED`
+    /// [`MAX_TIMEOUT`], an operation timeout shorter than the control
+    /// timeout, or a maximum frame size below [`MIN_MAX_FRAME_BYTES`];
+    /// `IO_FAILED`
     /// when no random owner token can be drawn.
     pub fn build(self) -> Result<Worker<R>, Error> {
         let invalid = |message: String| {
@@ -441,6 +443,19 @@ impl<R: Runtime> WorkerBuilder<R> {
             return Err(invalid(format!(
                 "the maximum frame size must be at least {MIN_MAX_FRAME_BYTES} bytes"
             )));
+        }
+        // An operation bound shorter than a control timeout would fence a
+        // target that reports alive before its silence could ever count,
+        // and count that as evidence against a probed digest
+        // (specs/protocol.md §2.7, §2.8).
+        if let Some(bound) = self.operation_timeout {
+            if bound < self.control_timeout {
+                return Err(invalid(format!(
+                    "the operation timeout ({} s) must be at least the control timeout ({} s)",
+                    bound.as_secs_f64(),
+                    self.control_timeout.as_secs_f64()
+                )));
+            }
         }
         let owner = OwnerToken(random_token()?);
         let config = ParentConfig {
@@ -1897,6 +1912,17 @@ impl<R: Runtime> Worker<R> {
             return closed;
         }
         self.shared.lock().machine.clone()
+    }
+
+    /// Clears the poison of the callable with `hashid` (`specs/protocol.md`
+    /// §2.8): its next register probes it again on one target. Returns
+    /// whether it was poisoned (false in a forked child of the Worker's
+    /// process, which cannot use it).
+    pub fn forgive(&self, hashid: crate::descriptor::HashId) -> bool {
+        if self.shared.foreign() {
+            return false;
+        }
+        self.shared.lock().machine.forgive(hashid.0)
     }
 
     /// `Ok` in the process that built the Worker.

@@ -1962,6 +1962,15 @@ impl Parent {
         self.poisoned.contains_key(&digest)
     }
 
+    /// Clears the poison of `digest` (§2.8): a user's decision that the
+    /// evidence was not the callable's fault (an external kill, a machine
+    /// under memory pressure). The digest stays unproven: its next
+    /// register probes again, on one target. Returns whether it was
+    /// poisoned; in any lifecycle.
+    pub fn forgive(&mut self, digest: Digest) -> bool {
+        self.poisoned.remove(&digest).is_some()
+    }
+
     /// Every poisoned digest with the target its install killed and how,
     /// in digest order.
     pub fn poisoned_digests(&self) -> Vec<(Digest, Poison)> {
@@ -2953,6 +2962,31 @@ mod tests {
             })
             .collect();
         assert_eq!(frames, vec![TargetId(1)]);
+    }
+
+    #[test]
+    fn a_forgiven_digest_probes_again() {
+        let mut p = probing(2);
+        p.register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        drain(&mut p);
+        p.target_died(TargetId(0), "it was killed by signal 9", Time(1))
+            .unwrap();
+        drain(&mut p);
+        assert!(p.is_poisoned(digest(1)));
+        assert!(p.forgive(digest(1)));
+        assert!(!p.forgive(digest(1)));
+        assert!(!p.is_poisoned(digest(1)) && !p.is_proven(digest(1)));
+        p.register(digest(1), Namespace::LocalPython, Time(2))
+            .unwrap();
+        let sent: Vec<TargetId> = drain(&mut p)
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Send { target, .. } => Some(target),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sent, vec![TargetId(1)]);
     }
 
     #[test]
