@@ -30,9 +30,11 @@ version="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 venv="$work/venv-$version-$(printf '%s' "$cloudpickle" | tr -c 'A-Za-z0-9.' '_')"
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest mypy
+"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest mypy 'ruff==0.17.6'
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"
 echo "callreg python tests: CPython $version, $("$venv/bin/python" -c 'import cloudpickle; print("cloudpickle", cloudpickle.__version__)')"
+# Lint and format of the package, its tests and benchmarks (python/pyproject.toml).
+(cd "$here" && "$venv/bin/ruff" check callreg tests benchmarks && "$venv/bin/ruff" format --check callreg tests benchmarks)
 # From outside the source tree, so `import callreg` is the installed wheel.
 cd "$work"
 "$venv/bin/pytest" -q -p no:cacheprovider "$here/tests"

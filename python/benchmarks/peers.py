@@ -457,10 +457,7 @@ def main():
             "0.1.0",
         )
     )
-    print(
-        "load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f"
-        % (load_before + load_after)
-    )
+    print("load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f" % (load_before + load_after))
     print("workers: %d; rounds: %d (median shown)" % (args.workers, args.rounds))
     print()
     names = [s.name for s in systems]
@@ -486,9 +483,7 @@ def main():
     print()
     for scenario in ("round_trip", "submit_result"):
         wall, cpu = table[("callreg", scenario)]
-        print(
-            "callreg %s / echo floor: wall %.2fx, CPU %.2fx" % (scenario, wall / echo[0], cpu / echo[1])
-        )
+        print("callreg %s / echo floor: wall %.2fx, CPU %.2fx" % (scenario, wall / echo[0], cpu / echo[1]))
     print(
         "idle worker private dirty: callreg %.1f MB, ppe %.1f MB (goal <= ppe + 2 MB: %s)"
         % (memory["callreg"], memory["ppe"], "met" if memory["callreg"] <= memory["ppe"] + 2 else "NOT met")
@@ -502,10 +497,7 @@ def main():
     print("goal round trip <= 0.5x ProcessPoolExecutor's: %.2fx -> %s" % (rt, "met" if rt <= 0.5 else "NOT met"))
     for scenario in ("throughput_1", "throughput_all"):
         gain = table[("ppe", scenario)][0] / table[("callreg", scenario)][0]
-        print(
-            "goal %s >= 2x ProcessPoolExecutor's: %.2fx -> %s"
-            % (scenario, gain, "met" if gain >= 2 else "NOT met")
-        )
+        print("goal %s >= 2x ProcessPoolExecutor's: %.2fx -> %s" % (scenario, gain, "met" if gain >= 2 else "NOT met"))
     for name in ("callreg", "executor"):
         for scenario, least in (("map_10k", 2), ("map_10k_c100", 1), ("throughput_1", 2)):
             gain = table[("ppe", scenario)][0] / table[(name, scenario)][0]

@@ -30,10 +30,10 @@ import statistics
 import sys
 import time
 
-import callreg
-
 # The benchmarks' shared CPU-time reading (this directory is sys.path[0]).
 from peers import proc_cpu
+
+import callreg
 
 
 def identity(x):

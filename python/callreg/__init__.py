@@ -586,6 +586,21 @@ def _merge_metadata(base, metadata):
     return merged
 
 
+def _metadata_json(meta):
+    """``meta`` as compact JSON; raises :class:`CallregError`
+    (``METADATA_INVALID``) naming why it is not JSON (a NaN or infinite
+    number, a value JSON has no form for, nesting too deep)."""
+    try:
+        return json.dumps(meta, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        reason = "it nests too deeply" if isinstance(error, RecursionError) else str(error)
+        raise CallregError(
+            "METADATA_INVALID: the metadata is not JSON: %s (operation register)" % reason,
+            code="METADATA_INVALID",
+            operation="register",
+        ) from None
+
+
 def _callable_name(fn):
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if not isinstance(name, str) or not name:
@@ -1274,8 +1289,7 @@ class Worker:
         if _inspect.iscoroutinefunction(fn) or _inspect.isasyncgenfunction(fn):
             raise TypeError(
                 "%s is an async function: its call would return a coroutine, which a target "
-                "cannot send back; register a function that runs it (e.g. with asyncio.run)"
-                % _callable_name(fn)
+                "cannot send back; register a function that runs it (e.g. with asyncio.run)" % _callable_name(fn)
             )
         envelope = pack(fn)
         meta = _merge_metadata(_default_metadata(_callable_name(fn)), metadata)
@@ -1296,7 +1310,7 @@ class Worker:
         return self._register(bytes(data), meta)
 
     def _register(self, envelope, meta):
-        text = None if meta is None else json.dumps(meta, separators=(",", ":"))
+        text = None if meta is None else _metadata_json(meta)
         try:
             raw = self._raw.register(envelope, text)
         except _callreg.RawError as error:
@@ -1482,7 +1496,7 @@ class Worker:
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1, got %d" % chunksize)
         deadline = None if timeout is None else time.monotonic() + timeout
-        calls = zip(*iterables)
+        calls = zip(*iterables, strict=False)  # as map: the shortest ends it
         if chunksize == 1:
             futures = [self._submit(raw, None, self._input(items, {})) for items in calls]
         else:
@@ -1578,7 +1592,6 @@ class Worker:
                 _raise(error)
             tables = {entry["target"]: entry["table"] for entry in listed}
         return {"registry": registry, "targets": tables}
-
 
 
 # --------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def test_a_lambda_as_argument_and_as_result():
         w.start()
         apply = w.register(lambda f, x: f(x))
         assert w.call(apply, lambda v: v * 7, 6) == 42
-        maker = w.register(lambda k: (lambda x: x + k))
+        maker = w.register(lambda k: lambda x: x + k)
         returned = w.call(maker, 5)
         assert returned(1) == 6
 
@@ -324,7 +324,10 @@ def test_remote_tracebacks_are_whole_and_name_the_source_of_by_value_code():
         assert str(info.value) == "outer k"
         here = __file__
         line = outer.__code__.co_firstlineno
-        assert '  File "%s", line %d, in inner\n    raise KeyError(x)\n' % (here, inner.__code__.co_firstlineno + 1) in text
+        assert (
+            '  File "%s", line %d, in inner\n    raise KeyError(x)\n' % (here, inner.__code__.co_firstlineno + 1)
+            in text
+        )
         assert '  File "%s", line %d, in outer\n    inner(x)\n' % (here, line + 2) in text
         assert "KeyError: 'k'\n\nThe above exception was the direct cause of the following exception:\n" in text
         assert text.endswith("ValueError: outer k\n")
@@ -446,11 +449,7 @@ def test_the_type_stubs_export_what_the_package_exports():
     ]
     assert exported == [callreg.__all__]
     # Every public class and function of the package has a stub.
-    stubbed = {
-        node.name
-        for node in stub.body
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef))
-    }
+    stubbed = {node.name for node in stub.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
     public = {
         name
         for name in callreg.__all__
@@ -508,11 +507,26 @@ def test_the_stubs_type_results_and_check_arguments(tmp_path):
     program.write_text(TYPED_PROGRAM)
     out, err, status = mypy.run(["--no-error-summary", "--show-error-codes", "--no-incremental", str(program)])
     errors = sorted(
-        (int(line.split(":")[1]), line.rsplit("[", 1)[1].rstrip("]"))
-        for line in out.splitlines()
-        if ": error:" in line
+        (int(line.split(":")[1]), line.rsplit("[", 1)[1].rstrip("]")) for line in out.splitlines() if ": error:" in line
     )
     assert errors == [(12, "assignment"), (13, "arg-type"), (16, "arg-type"), (17, "call-arg")], out + err
     assert status == 1
     # Handle[...] also works at run time (in annotations evaluated eagerly).
     assert callreg.Handle[[int, int], int] is not None
+
+
+def test_metadata_that_is_not_json_is_refused_naming_why():
+    with callreg.Worker(1) as w:
+        for metadata, reason in (
+            ({"executor_data": {"x": float("nan")}}, "Out of range float values are not JSON compliant"),
+            ({"executor_data": {"x": object()}}, "Object of type object is not JSON serializable"),
+        ):
+            with pytest.raises(callreg.CallregError) as info:
+                w.register(add, metadata=metadata)
+            assert info.value.code == "METADATA_INVALID"
+            assert str(info.value).startswith("METADATA_INVALID: the metadata is not JSON: " + reason)
+        deep = {}
+        for _ in range(100000):
+            deep = {"d": deep}
+        with pytest.raises(callreg.CallregError, match="the metadata is not JSON: it nests too deeply"):
+            w.register(add, metadata={"executor_data": deep})

@@ -597,7 +597,12 @@ def test_a_killed_target_is_replaced_and_holds_every_callable():
         assert new != old
         assert w.targets == [0, 1]
         assert w.slot_events() == [
-            {"event": "lost", "target": 1, "incarnation": 0, "cause": "its reply socket closed; it was killed by signal 9"},
+            {
+                "event": "lost",
+                "target": 1,
+                "incarnation": 0,
+                "cause": "its reply socket closed; it was killed by signal 9",
+            },
             {"event": "spawned", "target": 1, "incarnation": 1, "pid": new},
             {"event": "joined", "target": 1, "incarnation": 1},
         ]
@@ -777,5 +782,7 @@ def test_a_stopped_probe_target_poisons_nothing():
 
 
 def test_an_operation_timeout_shorter_than_the_control_timeout_is_refused():
-    with pytest.raises(callreg.LifecycleError, match=r"the operation timeout \(0.5 s\) must be at least the control timeout \(2 s\)"):
+    with pytest.raises(
+        callreg.LifecycleError, match=r"the operation timeout \(0.5 s\) must be at least the control timeout \(2 s\)"
+    ):
         callreg.Worker(1, control_timeout=2, operation_timeout=0.5)

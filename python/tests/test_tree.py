@@ -124,9 +124,7 @@ def test_a_three_level_tree_runs_orchestration_callables_over_its_inner_targets(
         everywhere = w.register(square_everywhere)
         assert {t: w.call(everywhere, 7, target=t) for t in (1, 2)} == {1: 147, 2: 147}
         # Registrations at the inner level, from an orchestration callable.
-        register_inner = w.register(
-            lambda ctx, k: ctx.inner.call_all(ctx.inner.register(lambda x: x + k), 1)
-        )
+        register_inner = w.register(lambda ctx, k: ctx.inner.call_all(ctx.inner.register(lambda x: x + k), 1))
         assert w.call(register_inner, 10, target=1) == {0: 11, 1: 11, 2: 11}
         # Every inner target is a child of its next-level target.
         pids = w.register(tree_pids)
