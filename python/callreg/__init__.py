@@ -1622,8 +1622,10 @@ class Executor(concurrent.futures.Executor):
     what it was at its first use: a change made later in this process is
     not seen by the targets (build a new callable). At most
     ``slot_capacity`` callables stay registered; the least recently used
-    is unregistered to make room (its queued tasks run first), and every
-    one at :meth:`shutdown`.
+    is unregistered to make room (its queued tasks run first; when a
+    target's slots are still held by such tasks, the next is unregistered
+    too, or the register waits for them, at most ``control_timeout``), and
+    every one at :meth:`shutdown`.
 
     Futures are running from :meth:`submit` (the task is sent at once), so
     :meth:`concurrent.futures.Future.cancel` returns ``False`` and
@@ -1643,6 +1645,7 @@ class Executor(concurrent.futures.Executor):
             if max_workers <= 0:
                 raise ValueError("max_workers must be greater than 0")
         self._capacity = worker_options.get("slot_capacity", 64)
+        self._control_timeout = worker_options.get("control_timeout", 30.0)
         self._worker = Worker(max_workers, initializer=initializer, initargs=initargs, **worker_options)
         self._lock = threading.Lock()
         # hashid -> Handle, least recently used first.
@@ -1692,12 +1695,8 @@ class Executor(concurrent.futures.Executor):
         handle = self._handles.get(hashid)
         if handle is None:
             while len(self._handles) >= self._capacity:
-                old, evicted = self._handles.popitem(last=False)
-                for key in [key for key, value in self._seen.items() if value == old]:
-                    del self._seen[key]
-                self._worker.unregister(evicted)
-            meta = _default_metadata(_callable_name(fn))
-            handle = self._worker._register(envelope, meta)
+                self._evict()
+            handle = self._register_making_room(envelope, _default_metadata(_callable_name(fn)))
             _CODES.record(fn)
             self._handles[hashid] = handle
         else:
@@ -1710,6 +1709,37 @@ class Executor(concurrent.futures.Executor):
             while len(self._seen) > 4 * self._capacity:
                 self._seen.popitem(last=False)
         return handle._raw
+
+    def _evict(self):
+        """Unregisters the least recently used callable. Called with
+        ``self._lock`` held."""
+        old, evicted = self._handles.popitem(last=False)
+        for key in [key for key, value in self._seen.items() if value == old]:
+            del self._seen[key]
+        self._worker.unregister(evicted)
+
+    def _register_making_room(self, envelope, meta):
+        """Registers ``envelope``; while a target has no free slot for it,
+        unregisters the least recently used callable first, or, with none
+        left to unregister, waits for the slots of unregistered callables
+        whose tasks still run (tombstones) to free, for at most the
+        control timeout. Called with ``self._lock`` held."""
+        deadline = time.monotonic() + self._control_timeout
+        delay = 0.001
+        while True:
+            try:
+                return self._worker._register(envelope, meta)
+            except RegisterError as error:
+                full = error.code == "LOCAL_SLOT_EXHAUSTED" or any(
+                    "LOCAL_SLOT_EXHAUSTED" in outcome for outcome in error.outcomes.values()
+                )
+                if not full or (not self._handles and time.monotonic() >= deadline):
+                    raise
+            if self._handles:
+                self._evict()
+            else:
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
 
     def submit(self, fn, /, *args, **kwargs):
         """Runs ``fn(*args, **kwargs)`` in a target and returns its
