@@ -26,9 +26,9 @@ Process model (Linux):
   the process runs other threads: only the calling thread exists in a
   target, and a lock another thread held at that moment stays held there
   (an idle extra thread is harmless; CPython itself warns about this
-  since 3.12). Call it from a thread that lives as long as the Worker
-  (targets are killed when the thread that forked them ends), usually the
-  main thread.
+  since 3.12). Any thread may call it: the forks run on a thread the
+  Worker owns, so the targets live until the Worker closes (or this
+  process dies), whether or not the calling thread ends first.
 * A target keeps the interpreter it inherited: the modules imported and
   the globals set before ``start()`` are there. Every callable, whether
   registered before or after ``start()``, is installed in the target from

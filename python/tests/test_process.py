@@ -786,3 +786,51 @@ def test_an_operation_timeout_shorter_than_the_control_timeout_is_refused():
         callreg.LifecycleError, match=r"the operation timeout \(0.5 s\) must be at least the control timeout \(2 s\)"
     ):
         callreg.Worker(1, control_timeout=2, operation_timeout=0.5)
+
+
+STARTED_IN_A_THREAD = """
+import os, threading, time
+import callreg
+
+def square(x):
+    return x * x
+
+w = callreg.Worker(2)
+starter = threading.Thread(target=w.start)
+starter.start()
+starter.join()
+time.sleep(0.3)  # the thread that called start() is gone
+h = w.register(square)
+children = set()
+for task in os.listdir("/proc/self/task"):
+    with open("/proc/self/task/%s/children" % task) as f:
+        children.update(int(p) for p in f.read().split())
+print(w.call_all(h, 3), w.targets, sorted(children), flush=True)
+time.sleep(60)
+"""
+
+
+def _gone(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_targets_outlive_the_thread_that_started_them_but_not_the_process():
+    children = []
+    proc = subprocess.Popen([sys.executable, "-c", STARTED_IN_A_THREAD], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("{0: 9, 1: 9} [0, 1] ["), line
+        children = [int(p) for p in line.rsplit("[", 1)[1].rstrip("]\n").split(", ")]
+        # Two targets and the template of replacements, all alive.
+        assert len(children) == 3 and not any(_gone(p) for p in children), line
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in children):
+        assert time.monotonic() < deadline, [p for p in children if not _gone(p)]
+        time.sleep(0.02)

@@ -507,6 +507,7 @@ impl<R: Runtime> WorkerBuilder<R> {
                 }),
             }),
             io_thread: Mutex::new(None),
+            forker: Mutex::new(None),
         })
     }
 }
@@ -1374,6 +1375,8 @@ pub struct Worker<R: Runtime> {
     config: ParentConfig,
     shared: Arc<Shared>,
     io_thread: Mutex<Option<JoinHandle<()>>>,
+    /// The forking thread ([`Worker::forker_run`]) and what ends it.
+    forker: Mutex<Option<(std::sync::mpsc::Sender<()>, JoinHandle<()>)>>,
 }
 
 // A Worker is shared between threads: fail the build if a field breaks it.
@@ -1925,6 +1928,63 @@ impl<R: Runtime> Worker<R> {
         self.shared.lock().machine.forgive(hashid.0)
     }
 
+    /// Runs `job` (the forks of [`Worker::start`]) on the Worker's forking
+    /// thread, started here: a thread of the Worker's own that then waits
+    /// until the Worker closes. The targets' and the template's
+    /// parent-death signal (`PR_SET_PDEATHSIG`) follows the thread that
+    /// forked them, so it fires when the Worker closes or the process
+    /// dies, never when the thread that called `start` ends.
+    ///
+    /// # Errors
+    /// `job`'s error; `IO_FAILED` when the thread cannot be spawned or
+    /// `job` panicked.
+    fn forker_run<T: Send + 'static>(
+        &self,
+        job: impl FnOnce() -> Result<T, OperationError> + Send + 'static,
+    ) -> Result<T, OperationError> {
+        let failed = |message: String| {
+            OperationError::new(Error::new(
+                ErrorCode::IO_FAILED,
+                OperationKind::Start,
+                message,
+            ))
+        };
+        let (result_tx, result_rx) = std::sync::mpsc::sync_channel(1);
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("callreg-fork".to_owned())
+            .spawn(move || {
+                let result = job();
+                let forked = result.is_ok();
+                let _ = result_tx.send(result);
+                if forked {
+                    // Until the Worker closes: this thread's end is its
+                    // targets' parent-death signal.
+                    let _ = stop_rx.recv();
+                }
+            })
+            .map_err(|e| failed(format!("spawning the forking thread: {e}")))?;
+        let Ok(result) = result_rx.recv() else {
+            let _ = thread.join();
+            return Err(failed("the forking thread panicked".to_owned()));
+        };
+        if result.is_ok() {
+            *self.forker.lock().unwrap_or_else(|p| p.into_inner()) = Some((stop_tx, thread));
+        } else {
+            let _ = thread.join();
+        }
+        result
+    }
+
+    /// Ends the forking thread, once every target it forked was reaped.
+    fn end_forker(&self) {
+        let forker = self.forker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((stop, thread)) = forker {
+            drop(stop);
+            let _ = thread.join();
+        }
+    }
+
     /// `Ok` in the process that built the Worker.
     ///
     /// # Errors
@@ -2017,8 +2077,11 @@ impl<R: Runtime> Worker<R> {
     /// configured from `FAILPOINTS` (and per target, see
     /// [`super::failpoints`]).
     ///
-    /// Call it from a thread that outlives the Worker: targets are killed
-    /// when the thread that forked them ends (`PR_SET_PDEATHSIG`).
+    /// Any thread may call it: the forks run on a thread of the Worker's
+    /// own, which lives until the Worker closes, so the targets' and the
+    /// template's parent-death signal (`PR_SET_PDEATHSIG`, which follows
+    /// the forking thread) fires when the Worker closes or the process
+    /// dies, not when the calling thread ends.
     ///
     /// A snapshot entry that some target cannot install (it fails to
     /// deserialize there, or its checks refuse it) fails that registration
@@ -2088,54 +2151,62 @@ impl<R: Runtime> Worker<R> {
             max_frame_bytes: self.max_frame_bytes,
             heartbeat: self.control_timeout / 4,
         };
-        let before_body = |index| {
-            if cfg!(feature = "failpoints")
-                && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
-            {
-                // SAFETY: ends the freshly forked target before it runs.
-                unsafe { libc::_exit(target::START_EXIT_CODE) }
-            }
+        // The process's threads are counted before the forking thread
+        // exists: that thread is the Worker's own.
+        process::check_threads(self.thread_policy)
+            .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
+        let empty = TargetSetup {
+            runtime: self.runtime.clone(),
+            snapshot: Vec::new(),
+            envelopes: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+            slot_capacity: self.slot_capacity,
+            max_frame_bytes: self.max_frame_bytes,
+            heartbeat: self.control_timeout / 4,
         };
-        let processes = process::spawn_targets(
-            usize::from(self.targets),
-            self.thread_policy,
-            &*self.runtime,
-            before_body,
-            |ends| target::run(ends, &setup),
-        )
-        .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
-        // Replacements (§2.9) come from a template forked now, while this
-        // process still has no other thread; each starts holding nothing
-        // and is given every live registration by replay.
-        let zygote = if self.respawn {
-            let empty = TargetSetup {
-                runtime: self.runtime.clone(),
-                snapshot: Vec::new(),
-                envelopes: BTreeMap::new(),
-                metadata: BTreeMap::new(),
-                slot_capacity: self.slot_capacity,
-                max_frame_bytes: self.max_frame_bytes,
-                heartbeat: self.control_timeout / 4,
-            };
-            match Zygote::fork(self.thread_policy, &*self.runtime, before_body, |ends| {
-                target::run(ends, &empty)
-            }) {
-                Ok(zygote) => Some(zygote),
-                Err(e) => {
-                    for mut process in processes {
-                        let _ = process.kill();
-                        let _ = process.reap(LOST_GRACE);
-                    }
-                    return Err(start_error(
-                        ErrorCode::IO_FAILED,
-                        format!("forking the template of replacement targets: {e}"),
-                    ));
+        let (targets, respawn, runtime) = (self.targets, self.respawn, self.runtime.clone());
+        let forks = move || -> Result<(Vec<TargetProcess>, Option<Zygote>), OperationError> {
+            let before_body = |index| {
+                if cfg!(feature = "failpoints")
+                    && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
+                {
+                    // SAFETY: ends the freshly forked target before it runs.
+                    unsafe { libc::_exit(target::START_EXIT_CODE) }
                 }
-            }
-        } else {
-            None
+            };
+            let processes = process::spawn_targets(
+                usize::from(targets),
+                ThreadPolicy::AcceptRisk,
+                &*runtime,
+                before_body,
+                |ends| target::run(ends, &setup),
+            )
+            .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
+            // Replacements (§2.9) come from a template forked now; each
+            // starts holding nothing and is given every live registration
+            // by replay.
+            let zygote = if respawn {
+                match Zygote::fork(ThreadPolicy::AcceptRisk, &*runtime, before_body, |ends| {
+                    target::run(ends, &empty)
+                }) {
+                    Ok(zygote) => Some(zygote),
+                    Err(e) => {
+                        for mut process in processes {
+                            let _ = process.kill();
+                            let _ = process.reap(LOST_GRACE);
+                        }
+                        return Err(start_error(
+                            ErrorCode::IO_FAILED,
+                            format!("forking the template of replacement targets: {e}"),
+                        ));
+                    }
+                }
+            } else {
+                None
+            };
+            Ok((processes, zygote))
         };
-        drop(setup);
+        let (processes, zygote) = self.forker_run(forks)?;
         // Every target inherited the snapshot's bytes through `fork`; the
         // parent sends them again only to replacements.
         if self.respawn {
@@ -2306,6 +2377,8 @@ impl<R: Runtime> Worker<R> {
         if let Some(handle) = io_thread.take() {
             let _ = handle.join();
         }
+        drop(io_thread);
+        self.end_forker();
     }
 }
 
@@ -2318,6 +2391,8 @@ impl<R: Runtime> Drop for Worker<R> {
             std::mem::forget(self.shared.clone());
             let io_thread = self.io_thread.get_mut().unwrap_or_else(|p| p.into_inner());
             std::mem::forget(io_thread.take());
+            let forker = self.forker.get_mut().unwrap_or_else(|p| p.into_inner());
+            std::mem::forget(forker.take());
             return;
         }
         self.close();
