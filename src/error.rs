@@ -113,6 +113,10 @@ error_codes! {
     /// was lost while deserializing it): the register is refused for the
     /// rest of the Worker's life (`specs/protocol.md` §2.8).
     REGISTER_POISONED = 29,
+    /// A register of a callable that is registered (or being registered)
+    /// with other metadata: one digest has one metadata for as long as it
+    /// is held (`specs/protocol.md` §2.10).
+    METADATA_CONFLICT = 30,
 }
 
 impl std::fmt::Display for ErrorCode {

@@ -544,16 +544,24 @@ fn a_hook_that_is_not_live_is_refused_before_broadcast() {
 
 fn metadata_is_not_part_of_the_hashid() {
     let worker = started();
+    let described_metadata = metadata(json!({"name": "another name", "executor": "python"}));
     let plain = worker.register(envelope("add")).unwrap();
+    // While it is registered without metadata, a register of it with some
+    // is refused (specs/protocol.md §2.10), before anything is sent.
+    let conflict = worker
+        .register_with_metadata(envelope("add"), Some(&described_metadata))
+        .unwrap_err();
+    assert_eq!(
+        conflict.code(),
+        callreg::error::ErrorCode::METADATA_CONFLICT,
+        "{conflict}"
+    );
+    assert_tables(&worker, &[("add", 1)]);
+    worker.unregister(&plain).unwrap();
     let described = worker
-        .register_with_metadata(
-            envelope("add"),
-            Some(&metadata(
-                json!({"name": "another name", "executor": "python"}),
-            )),
-        )
+        .register_with_metadata(envelope("add"), Some(&described_metadata))
         .unwrap();
     assert_eq!(plain.hashid, described.hashid);
     assert_ne!(plain.handle_id, described.handle_id);
-    assert_tables(&worker, &[("add", 2)]);
+    assert_tables(&worker, &[("add", 1)]);
 }

@@ -1279,11 +1279,17 @@ class Worker:
         merged over it. Before :meth:`start` it joins the startup snapshot;
         after, it returns once every live target installed it.
 
+        A callable registered again with the same metadata gets a second
+        handle; while it is registered, a register of it with other
+        metadata is refused (:class:`CallregError`, ``METADATA_CONFLICT``,
+        naming both): unregister every handle of it first.
+
         Raises ``TypeError`` for a non-callable or an ``async def``
         function, :class:`RegisterError` (``.outcomes`` per target) when a
         target failed to install it (rolled back), :class:`CallregError`
-        (``METADATA_INVALID``) for bad metadata, :class:`LifecycleError`
-        once closed."""
+        (``METADATA_INVALID``) for bad metadata or (``METADATA_CONFLICT``)
+        for other metadata than it is registered with,
+        :class:`LifecycleError` once closed."""
         if not callable(fn):
             raise TypeError("register() takes a callable, not %s" % type(fn).__name__)
         if _inspect.iscoroutinefunction(fn) or _inspect.isasyncgenfunction(fn):

@@ -530,3 +530,22 @@ def test_metadata_that_is_not_json_is_refused_naming_why():
             deep = {"d": deep}
         with pytest.raises(callreg.CallregError, match="the metadata is not JSON: it nests too deeply"):
             w.register(add, metadata={"executor_data": deep})
+
+
+def test_a_callable_has_one_metadata_while_it_is_registered():
+    with callreg.Worker(2) as w:
+        before = w.register(add)
+        with pytest.raises(callreg.CallregError) as info:
+            w.register(add, metadata={"name": "another name"})
+        assert info.value.code == "METADATA_CONFLICT"
+        assert "is registered with metadata sha256:" in str(info.value)
+        assert "a register of it with metadata sha256:" in str(info.value)
+        w.start()
+        again = w.register(add)  # the same metadata: a second handle
+        assert again != before and again.hashid == before.hashid
+        with pytest.raises(callreg.CallregError, match="METADATA_CONFLICT"):
+            w.register(add, metadata={"name": "after start"})
+        w.unregister(before)
+        w.unregister(again)
+        other = w.register(add, metadata={"name": "another name"})
+        assert w.call_all(other, 1, 2) == {0: 3, 1: 3}

@@ -1398,6 +1398,13 @@ fn lifecycle_error(operation: OperationKind, message: &str) -> Error {
     Error::new(ErrorCode::LIFECYCLE_INVALID, operation, message)
 }
 
+/// The identity the parent machine holds a callable's metadata by
+/// (`specs/protocol.md` §2.10): the SHA-256 of its JSON form.
+fn metadata_identity(metadata: &CallableMetadata) -> Digest {
+    use sha2::Digest as _;
+    Digest(sha2::Sha256::digest(metadata.to_json().as_bytes()).into())
+}
+
 /// The `LIFECYCLE_INVALID` of a Worker used in a forked child of its
 /// process ([`Worker`], "Forked children").
 fn foreign_error(operation: OperationKind, owner: u32) -> Error {
@@ -1453,8 +1460,10 @@ impl<R: Runtime> Worker<R> {
     /// and the hook hashids; it never deserializes anything.
     ///
     /// A digest is installed once per target; a later registration of a
-    /// digest a target already holds only adds a reference, and the
-    /// metadata of the registration that installed it stays in force.
+    /// digest a target already holds only adds a reference. While a digest
+    /// is registered it has one metadata: a register of it with other
+    /// metadata (or none where it has some) is refused with
+    /// `METADATA_CONFLICT` (`specs/protocol.md` §2.10).
     ///
     /// # Errors
     /// As [`Worker::register`]; `METADATA_INVALID` naming the hashid when a
@@ -1536,7 +1545,11 @@ impl<R: Runtime> Worker<R> {
                 }
                 let handle = core
                     .machine
-                    .register_before_start(digest, Namespace::LocalPython)
+                    .register_before_start_with_metadata(
+                        digest,
+                        Namespace::LocalPython,
+                        metadata.map(metadata_identity),
+                    )
                     .map_err(OperationError::new)?;
                 let bytes = &envelope[..parsed.encoded_len()];
                 core.envelopes
@@ -3015,9 +3028,15 @@ impl IoLoop {
                     Some(metadata) => check_hooks_live(&core.machine, digest, metadata),
                     None => Ok(()),
                 };
-                match checked
-                    .and_then(|()| core.machine.register(digest, Namespace::LocalPython, now))
-                {
+                let identity = metadata.as_deref().map(metadata_identity);
+                match checked.and_then(|()| {
+                    core.machine.register_with_metadata(
+                        digest,
+                        Namespace::LocalPython,
+                        identity,
+                        now,
+                    )
+                }) {
                     Ok(op) => {
                         self.ops.insert(op, OpWaiter::Register(done));
                         let metadata = metadata.map(|m| m.to_json()).unwrap_or_default();

@@ -508,6 +508,10 @@ pub struct Parent {
     /// Digests whose install killed the target that probed them, each with
     /// that target and how it died: refused for the Worker's life.
     pub(crate) poisoned: BTreeMap<Digest, Poison>,
+    /// The metadata identity of each held digest registered with metadata
+    /// (`register_with_metadata`; a digest held without metadata has no
+    /// entry). Stale once the digest is no longer held.
+    pub(crate) metadata: BTreeMap<Digest, Digest>,
     /// The replacement state of every slot that was lost once while
     /// replacements are on (§2.9); a slot without a record is its original
     /// process, joined unless lost.
@@ -532,6 +536,7 @@ impl Parent {
             staged: BTreeSet::new(),
             proven: BTreeSet::new(),
             poisoned: BTreeMap::new(),
+            metadata: BTreeMap::new(),
             slots: BTreeMap::new(),
             effects: VecDeque::new(),
             #[cfg(feature = "mutants")]
@@ -615,10 +620,26 @@ impl Parent {
         digest: Digest,
         namespace: Namespace,
     ) -> Result<Handle, Error> {
+        self.register_before_start_with_metadata(digest, namespace, None)
+    }
+
+    /// [`Parent::register_before_start`] of a callable with metadata of
+    /// identity `metadata` (a digest of its JSON; `None`: no metadata).
+    ///
+    /// # Errors
+    /// As [`Parent::register_before_start`]; `METADATA_CONFLICT` when the
+    /// digest is held with another metadata identity (§2.10).
+    pub fn register_before_start_with_metadata(
+        &mut self,
+        digest: Digest,
+        namespace: Namespace,
+        metadata: Option<Digest>,
+    ) -> Result<Handle, Error> {
         if self.lifecycle != Lifecycle::New {
             return Err(self.lifecycle_error(OperationKind::Register, "new (not started)"));
         }
         Self::check_namespace(namespace, digest)?;
+        self.check_metadata(digest, namespace, metadata)?;
         let distinct: BTreeSet<Digest> = self.handles.values().map(|r| r.digest).collect();
         if !distinct.contains(&digest) && distinct.len() >= usize::from(self.config.slot_capacity) {
             return Err(Error::new(
@@ -640,7 +661,62 @@ impl Parent {
             confirmed: BTreeSet::new(),
         };
         self.handles.insert(handle.handle_id, record);
+        self.hold_metadata(digest, metadata);
         Ok(handle)
+    }
+
+    /// Whether `digest` is held: a live handle or a register in flight
+    /// names it (§2.10).
+    fn holds(&self, digest: Digest) -> bool {
+        self.handles.values().any(|r| r.digest == digest)
+            || self
+                .ops
+                .values()
+                .any(|op| op.digest == digest && matches!(op.kind, OpKind::Register { .. }))
+    }
+
+    /// `METADATA_CONFLICT` when `digest` is held with another metadata
+    /// identity than `metadata` (§2.10).
+    fn check_metadata(
+        &self,
+        digest: Digest,
+        namespace: Namespace,
+        metadata: Option<Digest>,
+    ) -> Result<(), Error> {
+        if !self.holds(digest) {
+            return Ok(());
+        }
+        let held = self.metadata.get(&digest).copied();
+        if held == metadata {
+            return Ok(());
+        }
+        let name = |m: Option<Digest>| match m {
+            Some(m) => format!("metadata {}", crate::descriptor::HashId(m)),
+            None => "no metadata".to_owned(),
+        };
+        Err(Error::new(
+            ErrorCode::METADATA_CONFLICT,
+            OperationKind::Register,
+            format!(
+                "{digest} is registered with {}; a register of it with {} is refused (one callable has one metadata while it is registered: unregister it first)",
+                name(held),
+                name(metadata)
+            ),
+        )
+        .with_namespace(namespace)
+        .with_digest(digest))
+    }
+
+    /// Records the metadata identity `digest` is held with.
+    fn hold_metadata(&mut self, digest: Digest, metadata: Option<Digest>) {
+        match metadata {
+            Some(m) => {
+                self.metadata.insert(digest, m);
+            }
+            None => {
+                self.metadata.remove(&digest);
+            }
+        }
     }
 
     /// Unregisters a handle before start: drops it from the registry and one
@@ -839,10 +915,28 @@ impl Parent {
         namespace: Namespace,
         now: Time,
     ) -> Result<OpId, Error> {
+        self.register_with_metadata(digest, namespace, None, now)
+    }
+
+    /// [`Parent::register`] of a callable with metadata of identity
+    /// `metadata` (a digest of its JSON; `None`: no metadata).
+    ///
+    /// # Errors
+    /// As [`Parent::register`]; `METADATA_CONFLICT` when the digest is
+    /// held (a live handle or a register in flight names it) with another
+    /// metadata identity (§2.10); nothing is emitted then.
+    pub fn register_with_metadata(
+        &mut self,
+        digest: Digest,
+        namespace: Namespace,
+        metadata: Option<Digest>,
+        now: Time,
+    ) -> Result<OpId, Error> {
         if self.lifecycle != Lifecycle::Started {
             return Err(self.lifecycle_error(OperationKind::Register, "started"));
         }
         Self::check_namespace(namespace, digest)?;
+        self.check_metadata(digest, namespace, metadata)?;
         if let Some(poison) = self.poisoned.get(&digest) {
             if !mutant!(self, RetryPoisoned) {
                 return Err(poisoned_error(digest, poison)
@@ -910,6 +1004,9 @@ impl Parent {
             scope,
         };
         let id = OpId(seq.0);
+        if !self.holds(digest) {
+            self.hold_metadata(digest, metadata);
+        }
         self.ops.insert(id, op);
         Ok(id)
     }
@@ -2962,6 +3059,82 @@ mod tests {
             })
             .collect();
         assert_eq!(frames, vec![TargetId(1)]);
+    }
+
+    #[test]
+    fn one_digest_has_one_metadata_while_it_is_held() {
+        let ns = Namespace::LocalPython;
+        let mut p = Parent::new(ParentConfig {
+            probe_first: false,
+            ..probing(2).config
+        });
+        let first = p
+            .register_before_start_with_metadata(digest(1), ns, Some(digest(8)))
+            .unwrap();
+        // The same metadata: a second handle.
+        p.register_before_start_with_metadata(digest(1), ns, Some(digest(8)))
+            .unwrap();
+        for other in [Some(digest(9)), None] {
+            let e = p
+                .register_before_start_with_metadata(digest(1), ns, other)
+                .unwrap_err();
+            assert_eq!(e.code, ErrorCode::METADATA_CONFLICT);
+            assert!(e.message.contains(&format!(
+                "is registered with metadata {}",
+                crate::descriptor::HashId(digest(8))
+            )));
+        }
+        p.start().unwrap();
+        drain(&mut p);
+        // After start, and with nothing emitted for a conflict.
+        let e = p
+            .register_with_metadata(digest(1), ns, None, Time(0))
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::METADATA_CONFLICT);
+        assert!(e.message.ends_with(
+            "a register of it with no metadata is refused (one callable has one metadata while it is registered: unregister it first)"
+        ));
+        assert!(drain(&mut p).is_empty());
+        // A register in flight holds its metadata too.
+        p.register_with_metadata(digest(2), ns, None, Time(0))
+            .unwrap();
+        let e = p
+            .register_with_metadata(digest(2), ns, Some(digest(8)), Time(0))
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::METADATA_CONFLICT);
+        // Once no longer held, a digest may come back with other metadata.
+        let _ = first;
+        let handles: Vec<Handle> = p
+            .live_handles()
+            .into_iter()
+            .filter(|h| h.digest() == digest(1))
+            .collect();
+        for h in &handles {
+            p.unregister(h, Time(1)).unwrap();
+        }
+        for (target, frame) in drain(&mut p).into_iter().filter_map(|e| match e {
+            Effect::Send { target, frame } => Some((target, frame)),
+            _ => None,
+        }) {
+            let (seq, d) = match frame {
+                ControlFrame::Register { seq, digest, .. }
+                | ControlFrame::Unregister { seq, digest } => (seq, digest),
+                _ => continue,
+            };
+            p.handle_reply(
+                target,
+                Reply {
+                    seq,
+                    digest: d,
+                    result: Ok(()),
+                },
+                Time(2),
+            )
+            .unwrap();
+        }
+        assert!(!p.is_live(digest(1), ns));
+        p.register_with_metadata(digest(1), ns, Some(digest(9)), Time(3))
+            .unwrap();
     }
 
     #[test]
