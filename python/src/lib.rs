@@ -248,10 +248,38 @@ fn raw_error(dict: Bound<'_, PyDict>) -> PyErr {
     RawError::new_err(dict.unbind())
 }
 
-fn operation_err(py: Python<'_>, e: &OperationError) -> PyErr {
-    match error_dict(py, &e.error, e.to_string(), "", &[], &e.outcomes) {
-        Ok(dict) => raw_error(dict),
-        Err(err) => err,
+impl RawWorker {
+    /// The `RawError` of a failed operation, each lost target's outcome
+    /// saying how it was lost (`"lost (its reply socket closed; it exited with status 5)"`,
+    /// from [`Worker::target_loss`]).
+    fn operation_err(&self, py: Python<'_>, e: &OperationError) -> PyErr {
+        let full = e.to_string();
+        let dict = match error_dict(py, &e.error, full, "", &[], &e.outcomes) {
+            Ok(dict) => dict,
+            Err(err) => return err,
+        };
+        let lost: Vec<(u16, String)> = e
+            .outcomes
+            .iter()
+            .filter(|(_, o)| matches!(o, TargetOutcome::Lost))
+            .filter_map(|(t, _)| Some((t.0, self.worker.target_loss(*t)?)))
+            .collect();
+        if !lost.is_empty() {
+            let list = PyList::empty(py);
+            for (target, outcome) in &e.outcomes {
+                let text = match lost.iter().find(|(t, _)| *t == target.0) {
+                    Some((_, cause)) => format!("lost ({cause})"),
+                    None => outcome_text(outcome),
+                };
+                if let Err(err) = list.append((target.0, text)) {
+                    return err;
+                }
+            }
+            if let Err(err) = dict.set_item("outcomes", list) {
+                return err;
+            }
+        }
+        raw_error(dict)
     }
 }
 
@@ -439,13 +467,13 @@ impl RawWorker {
         });
         result
             .map(|handle| RawHandle { handle })
-            .map_err(|e| operation_err(py, &e))
+            .map_err(|e| self.operation_err(py, &e))
     }
 
     /// Unregisters and waits (GIL released).
     fn unregister(&self, py: Python<'_>, handle: &RawHandle) -> PyResult<()> {
         let result = py.detach(|| self.worker.unregister(&handle.handle));
-        result.map_err(|e| operation_err(py, &e))
+        result.map_err(|e| self.operation_err(py, &e))
     }
 
     /// Forks the targets (GIL released; the runtime's fork hooks take it
@@ -457,7 +485,7 @@ impl RawWorker {
     fn start<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let report = py
             .detach(|| self.worker.start())
-            .map_err(|e| operation_err(py, &e))?;
+            .map_err(|e| self.operation_err(py, &e))?;
         let failed = PyList::empty(py);
         for registration in &report.failed {
             let handle = &registration.handle;
