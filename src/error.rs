@@ -222,13 +222,13 @@ pub struct Error {
     /// What was being done.
     pub operation: OperationKind,
     /// The target (child) involved, if one is.
-    pub target: Option<crate::protocol::TargetId>,
+    pub target: Option<crate::ids::TargetId>,
     /// The target namespace involved, if known.
-    pub namespace: Option<crate::protocol::Namespace>,
+    pub namespace: Option<crate::ids::Namespace>,
     /// The callable's hashid, if known.
     pub hashid: Option<crate::descriptor::HashId>,
     /// The sequence number of the operation, cleanup or task, if it has one.
-    pub seq: Option<crate::protocol::Seq>,
+    pub seq: Option<crate::ids::Seq>,
     /// The full human-readable message.
     pub message: String,
 }
@@ -249,13 +249,13 @@ impl Error {
     }
 
     /// Names the target.
-    pub fn with_target(mut self, target: crate::protocol::TargetId) -> Error {
+    pub fn with_target(mut self, target: crate::ids::TargetId) -> Error {
         self.target = Some(target);
         self
     }
 
     /// Names the namespace.
-    pub fn with_namespace(mut self, namespace: crate::protocol::Namespace) -> Error {
+    pub fn with_namespace(mut self, namespace: crate::ids::Namespace) -> Error {
         self.namespace = Some(namespace);
         self
     }
@@ -267,7 +267,7 @@ impl Error {
     }
 
     /// Names the seq.
-    pub fn with_seq(mut self, seq: crate::protocol::Seq) -> Error {
+    pub fn with_seq(mut self, seq: crate::ids::Seq) -> Error {
         self.seq = Some(seq);
         self
     }
@@ -302,7 +302,7 @@ impl std::error::Error for Error {}
 mod tests {
     use super::*;
     use crate::descriptor::Digest;
-    use crate::protocol::{Namespace, Seq, TargetId};
+    use crate::ids::{Namespace, Seq, TargetId};
 
     #[test]
     fn error_codes_round_trip_in_text_and_wire_form() {

@@ -6,6 +6,8 @@
 //!
 //! Layers, each a module (a module never imports from a layer above it):
 //!
+//! * ids — [`ids`]: the target, seq, operation, staging, owner and
+//!   namespace ids and the machines' time, which every layer names;
 //! * formats — [`envelope`] (SPYC, specs/design.md §3.1) and [`descriptor`]
 //!   (canonical descriptors, digests and hashids, specs/design.md §3.2);
 //! * plain data as JSON — [`json`] (strict decoding naming the field) and
@@ -55,6 +57,7 @@
 pub mod descriptor;
 pub mod envelope;
 pub mod error;
+pub mod ids;
 pub mod json;
 pub mod metadata;
 pub mod protocol;

@@ -3133,8 +3133,25 @@ mod tests {
             .unwrap();
         }
         assert!(!p.is_live(digest(1), ns));
+        // Not held although another digest's register is in flight
+        // (digest 4): it comes back with other metadata.
+        p.register_with_metadata(digest(4), ns, None, Time(3))
+            .unwrap();
         p.register_with_metadata(digest(1), ns, Some(digest(9)), Time(3))
             .unwrap();
+        // A first register after start records its metadata: the same
+        // again is a second register, other metadata a conflict.
+        p.register_with_metadata(digest(3), ns, Some(digest(7)), Time(4))
+            .unwrap();
+        p.register_with_metadata(digest(3), ns, Some(digest(7)), Time(4))
+            .unwrap();
+        let e = p
+            .register_with_metadata(digest(3), ns, Some(digest(6)), Time(4))
+            .unwrap_err();
+        assert!(e.message.contains(&format!(
+            "is registered with metadata {}",
+            crate::descriptor::HashId(digest(7))
+        )));
     }
 
     #[test]
