@@ -662,23 +662,20 @@ where
     B: Fn(usize),
 {
     let os = |operation| move |errno| ProcessError::Os { operation, errno };
-    let (control_write, control_read) = socketpair(
-        AddressFamily::Unix,
-        SockType::Stream,
-        None,
-        SockFlag::SOCK_CLOEXEC,
-    )
-    .map_err(os("socketpair"))?;
+    let stream_pair = || {
+        socketpair(
+            AddressFamily::Unix,
+            SockType::Stream,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(os("socketpair"))
+    };
+    let (control_write, control_read) = stream_pair()?;
     // The reply channel is a one-way stream socketpair, not a pipe: a
     // pipe's write end can be opened again through /proc/PID/fd by any
     // process of the same user (a forged reply); `open` refuses a socket.
-    let (reply_read, reply_write) = socketpair(
-        AddressFamily::Unix,
-        SockType::Stream,
-        None,
-        SockFlag::SOCK_CLOEXEC,
-    )
-    .map_err(os("socketpair"))?;
+    let (reply_read, reply_write) = stream_pair()?;
     nix::sys::socket::shutdown(reply_read.as_raw_fd(), nix::sys::socket::Shutdown::Write)
         .map_err(os("shutdown"))?;
     nix::sys::socket::shutdown(reply_write.as_raw_fd(), nix::sys::socket::Shutdown::Read)

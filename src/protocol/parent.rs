@@ -2908,6 +2908,17 @@ mod tests {
         p
     }
 
+    /// The targets `effects` send a frame to, in order.
+    fn sent_to(effects: Vec<Effect>) -> Vec<TargetId> {
+        effects
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Send { target, .. } => Some(target),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn register_frame(target: u16, seq: u64, n: u8) -> Effect {
         Effect::Send {
             target: TargetId(target),
@@ -3051,14 +3062,7 @@ mod tests {
         // A retry probes again, on the next live target.
         p.register(digest(1), Namespace::LocalPython, Time(101))
             .unwrap();
-        let frames: Vec<TargetId> = drain(&mut p)
-            .into_iter()
-            .filter_map(|e| match e {
-                Effect::Send { target, .. } => Some(target),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(frames, vec![TargetId(1)]);
+        assert_eq!(sent_to(drain(&mut p)), vec![TargetId(1)]);
     }
 
     #[test]
@@ -3169,14 +3173,7 @@ mod tests {
         assert!(!p.is_poisoned(digest(1)) && !p.is_proven(digest(1)));
         p.register(digest(1), Namespace::LocalPython, Time(2))
             .unwrap();
-        let sent: Vec<TargetId> = drain(&mut p)
-            .into_iter()
-            .filter_map(|e| match e {
-                Effect::Send { target, .. } => Some(target),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(sent, vec![TargetId(1)]);
+        assert_eq!(sent_to(drain(&mut p)), vec![TargetId(1)]);
     }
 
     #[test]

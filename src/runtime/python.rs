@@ -1118,16 +1118,9 @@ impl Runtime for PythonRuntime {
                     }
                 },
             };
-            let args = match self.context.get() {
-                None => args,
-                Some(context) => {
-                    let mut items = Vec::with_capacity(args.len() + 1);
-                    items.push(context.bind(py).clone());
-                    items.extend(args.iter());
-                    PyTuple::new(py, items)
-                        .map_err(|err| task_failure(py, functions, &err, encoding))?
-                }
-            };
+            let args = self
+                .with_context(py, args)
+                .map_err(|err| task_failure(py, functions, &err, encoding))?;
             let object = callable.object.bind(py);
             let result = match &callable.executor {
                 Some(installed) => {
@@ -1147,6 +1140,24 @@ impl Runtime for PythonRuntime {
 }
 
 impl PythonRuntime {
+    /// `args` with the target's context (the target initializer's result,
+    /// [`PythonRuntime::with_target_initializer`]) first, when it has one.
+    fn with_context<'py>(
+        &self,
+        py: Python<'py>,
+        args: Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        match self.context.get() {
+            None => Ok(args),
+            Some(context) => {
+                let mut items = Vec::with_capacity(args.len() + 1);
+                items.push(context.bind(py).clone());
+                items.extend(args.iter());
+                PyTuple::new(py, items)
+            }
+        }
+    }
+
     /// Runs a chunk of calls (`specs/python.md` §3, "Chunks"): `callable(*args)`
     /// for each `args` of `calls`, in order, and returns their results as
     /// one pickled list. The first call that raises fails the whole task
@@ -1164,16 +1175,9 @@ impl PythonRuntime {
         let results = PyList::empty(py);
         let object = callable.object.bind(py);
         for args in calls.iter() {
-            let args = chunk_args(&args)?;
-            let args = match self.context.get() {
-                None => args,
-                Some(context) => {
-                    let mut items = Vec::with_capacity(args.len() + 1);
-                    items.push(context.bind(py).clone());
-                    items.extend(args.iter());
-                    PyTuple::new(py, items).map_err(|err| failure(&err))?
-                }
-            };
+            let args = self
+                .with_context(py, chunk_args(&args)?)
+                .map_err(|err| failure(&err))?;
             let result = match &callable.executor {
                 Some(installed) => {
                     installed
