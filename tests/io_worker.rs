@@ -890,7 +890,7 @@ fn oversized_task_input_is_refused_before_sending() {
     );
     assert_eq!(
         err.error.message,
-        "the task's result of 971 bytes does not fit in a frame of at most 1024 bytes"
+        "the task's result of 971 bytes does not fit in a frame of at most 1024 bytes (max_frame_bytes)"
     );
     let fits = vec![b'x'; 1024 - 54];
     assert_eq!(

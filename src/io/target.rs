@@ -206,7 +206,7 @@ fn fit(frame: Frame, max: usize) -> Frame {
                     code: ErrorCode::TASK_FAILED,
                     kind: "ResultTooLarge".to_owned(),
                     message: format!(
-                        "the task's result of {} bytes does not fit in a frame of at most {max} bytes",
+                        "the task's result of {} bytes does not fit in a frame of at most {max} bytes (max_frame_bytes)",
                         output.len()
                     ),
                     exception: Vec::new(),
