@@ -81,6 +81,7 @@ import os
 import pickle
 import platform
 import re
+import sys
 import threading
 import time
 import types
@@ -313,9 +314,10 @@ def _dual_class(remote):
                     "__qualname__": remote.__qualname__,
                     "__str__": remote.__str__,
                     "__repr__": remote.__repr__,
-                    "__reduce__": remote.__reduce__,
-                    "__reduce_ex__": remote.__reduce_ex__,
+                    "__reduce__": _reduce_remote,
+                    "__reduce_ex__": lambda self, protocol: _reduce_remote(self),
                     "__doc__": "%s raised by a task, as a callreg.TaskError." % remote.__qualname__,
+                    "_callreg_remote_type": remote,
                 },
             )
         except TypeError:  # final type, or instance lay-outs in conflict
@@ -325,6 +327,31 @@ def _dual_class(remote):
 
 
 _TASK_FIELDS = ("code", "operation", "target", "hashid", "seq", "remote_type", "remote_traceback")
+
+
+def _reduce_remote(error):
+    """Pickles (and copies) a task's exception as the exception it is an
+    instance of, without its TaskError part: what a process that unpickles
+    it can rebuild (``copy.copy`` gives that instance too)."""
+    state = {k: v for k, v in error.__dict__.items() if k not in _TASK_FIELDS}
+    slots = {}
+    for name in _EXCEPTION_SLOTS:
+        value = getattr(error, name, None)
+        if value is not None and name not in state:
+            slots[name] = value
+    return (_rebuild_remote, (type(error)._callreg_remote_type, error.args, state, slots))
+
+
+def _rebuild_remote(cls, args, state, slots):
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    for name, value in slots.items():
+        try:
+            setattr(error, name, value)
+        except (AttributeError, TypeError):
+            pass
+    return error
 
 
 def _task_error(fields, common):
@@ -356,7 +383,7 @@ def _task_error(fields, common):
         shown,
         fields["target"],
         fields["hashid"],
-        "\n" + short if short else "",
+        "\n" + _CODES.render(short) if short else "",
     )
     attributes = dict(common, remote_type=kind, remote_traceback=traceback_text)
     dual = None
@@ -407,9 +434,12 @@ def _rebuilt_as(dual, remote):
         error.args = remote.args
         error.__dict__.update(remote.__dict__)
         for name in _EXCEPTION_SLOTS:
-            if name not in remote.__dict__ and hasattr(type(remote), name):
+            value = getattr(remote, name, None)
+            # None is each slot's unset value; setting it would show (an
+            # OSError's str() prints a filename2 of None).
+            if value is not None and name not in remote.__dict__:
                 try:
-                    setattr(error, name, getattr(remote, name))
+                    setattr(error, name, value)
                 except (AttributeError, TypeError):
                     pass
     except Exception:
@@ -524,9 +554,40 @@ def pack(fn):
     envelope's buffer (one copy of it in all: what ``cloudpickle.dumps``
     alone costs). Raises what cloudpickle raises for an object it cannot
     pickle."""
+    return _pack(fn, cloudpickle.Pickler)
+
+
+class _InheritingPickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, except that the objects of ``inherited``
+    (functions and classes of ``__main__`` that existed when the targets
+    were forked, so that every target's ``__main__`` has them) are pickled
+    by name, as ``pickle`` and ``ProcessPoolExecutor`` do, instead of by
+    value with a copy of their globals: they then see the target's module
+    globals (what an initializer set there)."""
+
+    inherited = {}
+
+    def reducer_override(self, obj):
+        if self.inherited.get(id(obj)) is obj:
+            return NotImplemented
+        return super().reducer_override(obj)
+
+
+def _main_objects():
+    """{id: object} of the functions and classes of ``__main__`` now."""
+    main = sys.modules.get("__main__")
+    found = {}
+    for value in list(vars(main).values()) if main is not None else ():
+        if _inspect.isfunction(value) or isinstance(value, type):
+            if getattr(value, "__module__", None) == "__main__":
+                found[id(value)] = value
+    return found
+
+
+def _pack(fn, pickler):
     buffer = io.BytesIO()
     buffer.write(bytes(_HEADER_LEN))
-    cloudpickle.Pickler(buffer, protocol=_PROTOCOL).dump(fn)
+    pickler(buffer, protocol=_PROTOCOL).dump(fn)
     size = buffer.tell() - _HEADER_LEN
     buffer.seek(0)
     buffer.write(_callreg.envelope_header(size))
@@ -1117,10 +1178,18 @@ class _TaskFuture(concurrent.futures.Future):
         self._arm()
 
     def done(self):
-        pending = self._pending
-        if pending is not None and pending.is_complete():
+        # A look without waiting: reads a reply already there (no other
+        # thread may be reading the targets' replies for it).
+        if self._pending is not None and self._state == concurrent.futures._base.RUNNING:
             self._wait_inline(0)
         return super().done()
+
+    def running(self):
+        return not self.done() and super().running()
+
+    def __repr__(self):
+        self.done()
+        return super().__repr__()
 
 
 def _shutdown(raw, dispatch):
@@ -1626,7 +1695,13 @@ class Executor(concurrent.futures.Executor):
     time but registered once); the callable's bytes then never travel
     again, only each task's arguments. So a callable's captured state is
     what it was at its first use: a change made later in this process is
-    not seen by the targets (build a new callable). At most
+    not seen by the targets (build a new callable). Functions and classes
+    defined at the top level of ``__main__`` before the Executor was built
+    are pickled by name, as ``ProcessPoolExecutor`` pickles them: every
+    target, forked then, has them, and they see the target's own module
+    globals (what ``initializer`` set there). Others (lambdas, closures,
+    functions defined later) are pickled by value, with a copy of the
+    globals they use. At most
     ``slot_capacity`` callables stay registered; the least recently used
     is unregistered to make room (its queued tasks run first; when a
     target's slots are still held by such tasks, the next is unregistered
@@ -1661,6 +1736,8 @@ class Executor(concurrent.futures.Executor):
         self._futures = weakref.WeakSet()
         self._shutdown = False
         self._finished = threading.Event()
+        # Every target's __main__ holds these (forked next): pickled by name.
+        self._pickler = type("_Pickler", (_InheritingPickler,), {"inherited": _main_objects()})
         try:
             self._worker.start()
         except BaseException:
@@ -1696,7 +1773,7 @@ class Executor(concurrent.futures.Executor):
                 "%s is an async function: its call would return a coroutine, which a target "
                 "cannot send back; submit a function that runs it (e.g. with asyncio.run)" % _callable_name(fn)
             )
-        envelope = pack(fn)
+        envelope = _pack(fn, self._pickler)
         hashid = _callreg.envelope_hashid(envelope)
         handle = self._handles.get(hashid)
         if handle is None:

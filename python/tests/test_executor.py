@@ -6,6 +6,8 @@ import concurrent.futures
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -228,3 +230,92 @@ def test_the_version_is_the_installed_distributions():
     import importlib.metadata
 
     assert callreg.__version__ == importlib.metadata.version("callreg")
+
+
+PPE_INITIALIZER_PROGRAM = """
+import concurrent.futures, multiprocessing, sys
+import callreg
+
+TAG = None
+
+def init(tag):
+    global TAG
+    TAG = tag
+
+def get(x):
+    return (TAG, x)
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+def boxed(x):
+    return Box(x)
+
+if sys.argv[1] == "ppe":
+    pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"), initializer=init, initargs=("hi",))
+else:
+    pool = callreg.Executor(2, initializer=init, initargs=("hi",))
+with pool as ex:
+    print(ex.submit(get, 1).result(), list(ex.map(get, [2, 3])), type(ex.submit(boxed, 4).result()) is Box)
+"""
+
+
+def test_the_initializer_globals_pattern_of_process_pools_works():
+    # A module-level function of __main__ reads the module global its
+    # initializer set in the target, as with ProcessPoolExecutor(fork).
+    outputs = {}
+    for kind in ("ppe", "callreg"):
+        done = subprocess.run(
+            [sys.executable, "-c", PPE_INITIALIZER_PROGRAM, kind], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        outputs[kind] = done.stdout
+    assert outputs["callreg"] == outputs["ppe"] == "('hi', 1) [('hi', 2), ('hi', 3)] True\n"
+
+
+def raises_os_error(kind):
+    if kind == "file":
+        raise FileNotFoundError(2, "No such file", "/x/y")
+    raise OSError("just a message")
+
+
+def exits():
+    raise SystemExit(3)
+
+
+def test_task_exceptions_print_pickle_and_copy_as_the_originals():
+    import copy
+    import pickle
+
+    with callreg.Executor(1) as ex:
+        for kind, text in (("file", "[Errno 2] No such file: '/x/y'"), ("plain", "just a message")):
+            error = ex.submit(raises_os_error, kind).exception(timeout=10)
+            assert isinstance(error, OSError) and isinstance(error, callreg.TaskError)
+            assert str(error) == text
+        error = ex.submit(raises_os_error, "file").exception(timeout=10)
+        assert (error.errno, error.strerror, error.filename, error.filename2) == (2, "No such file", "/x/y", None)
+        for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+            assert type(again) is FileNotFoundError
+            assert str(again) == "[Errno 2] No such file: '/x/y'"
+        zero = ex.submit(divmod, 1, 0).exception(timeout=10)
+        assert type(pickle.loads(pickle.dumps(zero))) is ZeroDivisionError
+        # A task's SystemExit stays a TaskError: a task cannot exit the caller.
+        stopped = ex.submit(exits).exception(timeout=10)
+        assert type(stopped) is callreg.TaskError and stopped.remote_type == "SystemExit"
+        assert "<dynamic-code>" not in str(stopped)
+
+
+def test_done_and_running_see_a_finished_task_without_a_wait():
+    with callreg.Executor(1) as ex:
+        futures = [ex.submit(abs, -i) for i in range(6)]
+        deadline = time.monotonic() + 10
+        while not all(f.done() for f in futures):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [f.running() for f in futures] == [False] * 6
+        assert [f.result(timeout=0) for f in futures] == list(range(6))
+        # One look once the result is there is enough.
+        slow_one = ex.submit(time.sleep, 0.2)
+        time.sleep(0.6)
+        assert slow_one.done() and not slow_one.running()

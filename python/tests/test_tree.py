@@ -427,7 +427,7 @@ def test_a_next_level_child_dying_mid_register_leaves_no_install():
             w.register_envelope(envelope)
         error = info.value
         assert error.code == "REGISTER_PARTIAL_FAILURE"
-        assert error.outcomes[2] == "lost"
+        assert error.outcomes[2] == "lost (its reply socket closed; it exited with status 7)"
         assert error.outcomes[0] == error.outcomes[1] == "rolled back"
         assert w.targets == [0, 1]
         assert installed(w) == {0: [pids.hashid], 1: [pids.hashid]}

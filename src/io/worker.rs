@@ -1080,13 +1080,16 @@ impl Shared {
             shared: self,
             wake: None,
         };
+        // A wait whose time is already up still reads what is there once
+        // (one poll without waiting): a zero timeout is a look.
+        let mut polled = false;
         loop {
             let mut core = self.lock();
             let Some(mut io) = core.io.take() else {
                 return Err(pending);
             };
             if leading.wake.is_none() {
-                let passed = until.is_some_and(|until| Instant::now() >= until);
+                let passed = polled && until.is_some_and(|until| Instant::now() >= until);
                 let live = io.live();
                 // Follow while the IO thread reads every reply socket (many
                 // results in flight): leading too would wake both threads
@@ -1135,7 +1138,7 @@ impl Shared {
             core.io = Some(io);
             drop(core);
             self.finish(leaving);
-            let passed = until.is_some_and(|until| Instant::now() >= until);
+            let passed = polled && until.is_some_and(|until| Instant::now() >= until);
             if pending.is_complete() || passed {
                 leading.step_down();
                 return if pending.is_complete() {
@@ -1153,9 +1156,10 @@ impl Shared {
                     .iter()
                     .map(|(_, _, fd)| PollFd::new(fd.as_fd(), PollFlags::POLLIN)),
             );
-            let (polled, events) = poll_events(&mut fds, deadline);
+            let (result, events) = poll_events(&mut fds, deadline);
+            polled = true;
             drop(fds);
-            if matches!(polled, Err(errno) if errno != Errno::EINTR) {
+            if matches!(result, Err(errno) if errno != Errno::EINTR) {
                 // Unrecoverable here: leave the replies to the IO thread.
                 leading.step_down();
                 return Err(pending);

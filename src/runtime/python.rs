@@ -408,8 +408,9 @@ const HELPERS_MODULE: &str = "_callreg_metadata";
 struct PythonFunctions {
     /// `pickle.loads`.
     pickle_loads: Py<PyAny>,
-    /// `cloudpickle.dumps` when installed, else `pickle.dumps`: pickled task
-    /// results and exceptions (a lambda can be a result).
+    /// The helper `dump_result` (cloudpickle, with `__main__`'s functions
+    /// and classes by name) when cloudpickle is installed, else
+    /// `pickle.dumps`: pickled task results (a lambda can be a result).
     result_dumps: Py<PyAny>,
     /// `pickle.HIGHEST_PROTOCOL`, the protocol of pickled task results.
     pickle_protocol: Py<PyAny>,
@@ -715,7 +716,7 @@ impl PythonRuntime {
                 Ok(PythonFunctions {
                     pickle_loads: pickle.getattr("loads")?.unbind(),
                     result_dumps: match &cloudpickle {
-                        Some(module) => module.getattr("dumps")?.unbind(),
+                        Some(_) => helpers.getattr("dump_result")?.unbind(),
                         None => pickle.getattr("dumps")?.unbind(),
                     },
                     pickle_protocol: pickle.getattr("HIGHEST_PROTOCOL")?.unbind(),

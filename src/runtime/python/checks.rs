@@ -66,6 +66,49 @@ def check_pip(requirements):
     return problems
 
 
+def _in_main(obj):
+    """Whether `obj` is the function or class of that name in this
+    process's __main__ (inherited through fork from the parent, which has
+    it too)."""
+    main = sys.modules.get("__main__")
+    name = getattr(obj, "__qualname__", None)
+    return (
+        main is not None
+        and isinstance(name, str)
+        and getattr(obj, "__module__", None) == "__main__"
+        and getattr(main, name, None) is obj
+    )
+
+
+try:
+    import cloudpickle as _cloudpickle
+
+    class ResultPickler(_cloudpickle.Pickler):
+        """cloudpickle's pickler, except that the functions and classes of
+        __main__ are pickled by name: the parent's __main__ has the same
+        ones (the instance of a script's class comes back an instance of
+        that class, as with pickle)."""
+
+        def reducer_override(self, obj):
+            if isinstance(obj, type) or callable(getattr(obj, "__code__", None)):
+                if _in_main(obj):
+                    return NotImplemented
+            return super().reducer_override(obj)
+
+except ImportError:
+    import pickle as _pickle
+
+    ResultPickler = _pickle.Pickler
+
+
+def dump_result(obj, protocol):
+    """A task's result pickled for the parent (ResultPickler)."""
+    import io
+    buffer = io.BytesIO()
+    ResultPickler(buffer, protocol=protocol).dump(obj)
+    return buffer.getvalue()
+
+
 # Attributes of builtin exceptions kept outside __dict__ (restored when an
 # exception is rebuilt without its __init__).
 _EXCEPTION_SLOTS = (
@@ -87,11 +130,7 @@ def dump_exception(exc, protocol, tb):
     import io
     import pickle
     import traceback
-    try:
-        import cloudpickle
-        base = cloudpickle.Pickler
-    except ImportError:
-        base = pickle.Pickler
+    base = ResultPickler
     try:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(tb)]
@@ -123,7 +162,9 @@ def dump_exception(exc, protocol, tb):
                 state = dict(getattr(exc, "__dict__", {}))
                 state["args"] = exc.args
                 for name in _EXCEPTION_SLOTS:
-                    if name not in state and hasattr(exc, name):
+                    # None is each slot's unset value (an OSError's str()
+                    # would show one set to None).
+                    if name not in state and getattr(exc, name, None) is not None:
                         state[name] = getattr(exc, name)
                 return (copyreg.__newobj__, (type(exc),), state)
             parent = getattr(super(), "reducer_override", None)
