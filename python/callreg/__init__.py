@@ -1087,15 +1087,20 @@ class _ArmingList(list):
 
 _PENDING_ELSEWHERE = 0
 _PENDING_TIMED_OUT = 1
+# How long a waiter sleeps while another thread holds the pending task
+# (seconds), before it looks again.
+_HELD_SLICE = 0.005
 
 
 class _TaskFuture(concurrent.futures.Future):
     """The :class:`concurrent.futures.Future` of a task (running from its
     submit). Its first waiter (:meth:`result`, :meth:`exception`) waits for
     the result inline, reading the targets' replies itself, with no other
-    thread woken; a done-callback, a ``concurrent.futures.wait`` or
-    ``as_completed`` on it, a second concurrent waiter or an interrupted
-    wait hands it to the Worker's dispatcher thread instead."""
+    thread woken (a second concurrent waiter sleeps in short slices until
+    the first resolves it or gives the task back, and looks again); a
+    done-callback, a ``concurrent.futures.wait`` or ``as_completed`` on it
+    hands it to the Worker's dispatcher thread instead. ``done()`` reads a
+    result already there without waiting."""
 
     def __init__(self, pending, dispatch):
         super().__init__()
@@ -1143,35 +1148,44 @@ class _TaskFuture(concurrent.futures.Future):
         if isinstance(outcome, tuple):
             self._resolve(*outcome)
 
-    def _wait_inline(self, timeout):
-        """Waits for the result in this thread when no other does; then
-        the base class's wait (on the thread that resolves it). On the
-        dispatcher thread itself (a done-callback waiting on an armed
-        future) it resolves completions here until this one is done."""
-        pending = self._pending
-        if pending is not None and self._state == concurrent.futures._base.RUNNING:
-            try:
-                outcome = pending.wait(timeout)
-            except BaseException:
-                self._arm()  # interrupted: the result still arrives
-                raise
+    def _wait_inline(self, deadline):
+        """Waits until the result is there or ``deadline`` (a
+        ``time.monotonic()`` instant, ``None``: no limit) passes: in this
+        thread, reading the targets' replies, when no other thread holds
+        the pending task; while another does (its own wait, or a look),
+        in short slices until it resolves the future or gives the task
+        back. On the dispatcher thread itself (a done-callback waiting on
+        an armed future) it resolves completions until this one is done."""
+        running = concurrent.futures._base.RUNNING
+        while self._state == running:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            pending = self._pending
+            if pending is None:  # armed: the dispatcher resolves it
+                if self._dispatch.thread is threading.current_thread():
+                    self._dispatch.serve_until(self, left)
+                return
+            outcome = pending.wait(left)
             if isinstance(outcome, tuple):
                 self._resolve(*outcome)
                 return
             if outcome == _PENDING_TIMED_OUT:
-                self._arm()
                 return
-        dispatch = self._dispatch
-        if self._state == concurrent.futures._base.RUNNING and dispatch.thread is threading.current_thread():
-            dispatch.serve_until(self, timeout)
+            # Held by another thread for now.
+            with self._condition:
+                if self._state == running:
+                    self._condition.wait(_HELD_SLICE if left is None else min(_HELD_SLICE, left))
+            if deadline is not None and time.monotonic() >= deadline:
+                return
 
     def result(self, timeout=None):
-        self._wait_inline(timeout)
-        return super().result(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait_inline(deadline)
+        return super().result(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def exception(self, timeout=None):
-        self._wait_inline(timeout)
-        return super().exception(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait_inline(deadline)
+        return super().exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def add_done_callback(self, fn):
         super().add_done_callback(fn)
@@ -1180,8 +1194,11 @@ class _TaskFuture(concurrent.futures.Future):
     def done(self):
         # A look without waiting: reads a reply already there (no other
         # thread may be reading the targets' replies for it).
-        if self._pending is not None and self._state == concurrent.futures._base.RUNNING:
-            self._wait_inline(0)
+        pending = self._pending
+        if pending is not None and self._state == concurrent.futures._base.RUNNING:
+            outcome = pending.wait(0)
+            if isinstance(outcome, tuple):
+                self._resolve(*outcome)
         return super().done()
 
     def running(self):

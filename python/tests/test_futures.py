@@ -297,3 +297,39 @@ def test_an_argument_over_max_frame_bytes_names_the_option():
             assert info.value.code == "FRAME_INVALID"
             assert "bytes, over the maximum of 4096 (max_frame_bytes)" in str(info.value)
         assert w.call(h, 3) == 9
+
+
+def test_a_result_timeout_is_counted_once(worker):
+    h = worker.register(slow_square)
+    future = worker.submit(h, 2, 3.0)
+    began = time.monotonic()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        future.result(timeout=0.5)
+    # One timeout, not one for the inline wait and another after it.
+    assert time.monotonic() - began < 0.95
+    assert future.result(timeout=10) == 4
+    worker.unregister(h)
+
+
+def test_waiters_and_a_poller_of_one_future_all_see_its_result(worker):
+    h = worker.register(slow_square)
+    future = worker.submit(h, 3, 0.3)
+    seen = []
+    stop = threading.Event()
+
+    def poll():
+        while not future.done() and not stop.is_set():
+            pass
+        seen.append("polled")
+
+    def wait():
+        seen.append(future.result(timeout=10))
+
+    threads = [threading.Thread(target=poll)] + [threading.Thread(target=wait) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    stop.set()
+    assert sorted(seen, key=str) == [9, 9, 9, "polled"]
+    worker.unregister(h)
