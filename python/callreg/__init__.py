@@ -1230,7 +1230,17 @@ def _positive_int(name, value, limit):
 
 class Worker:
     """A parent with ``targets`` forked child processes (``None``: one per
-    CPU, ``os.cpu_count()``), not started until :meth:`start`.
+    CPU, ``os.cpu_count()``), not started until :meth:`start`::
+
+        with callreg.Worker(4) as w:
+            w.start()
+            h = w.register(lambda x: x * 3)   # installed in every target
+            w.call(h, 14)                     # 42, on one target
+            w.call_all(h, 1)                  # {0: 3, 1: 3, 2: 3, 3: 3}
+            w.submit(h, 2).result()           # 6, a concurrent.futures.Future
+
+    For a drop-in ``concurrent.futures.Executor`` (callables given with
+    each task, registered once), see :class:`Executor`.
 
     ``control_timeout`` (seconds): how long a target may stay silent about
     a register or unregister it has not answered yet (a live target reports
