@@ -512,7 +512,7 @@ def test_the_stubs_type_results_and_check_arguments(tmp_path):
     assert errors == [(12, "assignment"), (13, "arg-type"), (16, "arg-type"), (17, "call-arg")], out + err
     assert status == 1
     # Handle[...] also works at run time (in annotations evaluated eagerly).
-    assert callreg.Handle[[int, int], int] is not None
+    assert callreg.Handle[[int, int], int].__origin__ is callreg.Handle
 
 
 def test_metadata_that_is_not_json_is_refused_naming_why():

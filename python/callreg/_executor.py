@@ -1,0 +1,234 @@
+"""callreg.Executor: a :class:`concurrent.futures.Executor` over a
+:class:`callreg.Worker` (``specs/python.md`` §3a). Re-exported by
+``callreg``; imported by it once everything it builds on is defined."""
+
+import collections
+import concurrent.futures
+import threading
+import time
+import weakref
+
+from callreg import (
+    _CODES,
+    CallregError,
+    RegisterError,
+    Worker,
+    _callable_name,
+    _callreg,
+    _check_registrable,
+    _default_metadata,
+    _InheritingPickler,
+    _main_objects,
+    _pack,
+)
+
+
+class Executor(concurrent.futures.Executor):
+    """A :class:`concurrent.futures.Executor` over a :class:`Worker`: what a
+    ``ProcessPoolExecutor(mp_context=fork)`` or loky program switches to by
+    changing its constructor::
+
+        with callreg.Executor(4) as ex:           # was ProcessPoolExecutor(4)
+            print(ex.submit(pow, 2, 10).result())  # 1024
+            print(list(ex.map(abs, [-1, -2], chunksize=100)))  # [1, 2]
+
+    ``max_workers`` targets (``None``: one per CPU) are forked when it is
+    built (from the building thread: build it where it lives, usually the
+    main thread). ``initializer(*initargs)`` runs in every target and
+    replacement before it serves. ``worker_options`` are the
+    :class:`Worker`'s (``control_timeout``, ``slot_capacity``,
+    ``max_frame_bytes``, ...; not ``next_level``).
+
+    Each callable is pickled and registered once, at its first use, and
+    its handle reused for every later task (looked up by the callable
+    itself, then by hashid: a lambda built anew each time is pickled each
+    time but registered once); the callable's bytes then never travel
+    again, only each task's arguments. So a callable's captured state is
+    what it was at its first use: a change made later in this process is
+    not seen by the targets (build a new callable). Functions and classes
+    defined at the top level of ``__main__`` before the Executor was built
+    are pickled by name, as ``ProcessPoolExecutor`` pickles them: every
+    target, forked then, has them, and they see the target's own module
+    globals (what ``initializer`` set there). Others (lambdas, closures,
+    functions defined later) are pickled by value, with a copy of the
+    globals they use. At most
+    ``slot_capacity`` callables stay registered; the least recently used
+    is unregistered to make room (its queued tasks run first; when a
+    target's slots are still held by such tasks, the next is unregistered
+    too, or the register waits for them, at most ``control_timeout``), and
+    every one at :meth:`shutdown`.
+
+    Futures are running from :meth:`submit` (the task is sent at once), so
+    :meth:`concurrent.futures.Future.cancel` returns ``False`` and
+    ``shutdown(cancel_futures=True)`` has nothing to cancel. A task's
+    exception is raised by ``result()`` as :meth:`Worker.submit`'s are.
+
+    Raises ``ValueError`` when ``max_workers`` is not positive,
+    ``TypeError`` for ``next_level`` or a non-callable ``initializer``,
+    and what :meth:`Worker.start` raises."""
+
+    def __init__(self, max_workers=None, *, initializer=None, initargs=(), **worker_options):
+        if "next_level" in worker_options or "next_level_targets" in worker_options:
+            raise TypeError("Executor takes no next_level: use a Worker for trees of Workers")
+        if max_workers is not None:
+            if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+                raise TypeError("max_workers must be an int or None, not %s" % type(max_workers).__name__)
+            if max_workers <= 0:
+                raise ValueError("max_workers must be greater than 0")
+        self._worker = Worker(max_workers, initializer=initializer, initargs=initargs, **worker_options)
+        self._lock = threading.Lock()
+        # hashid -> Handle, least recently used first.
+        self._handles = collections.OrderedDict()
+        # callable -> hashid (callables seen before), least recently used first.
+        self._seen = collections.OrderedDict()
+        self._futures = weakref.WeakSet()
+        self._shutdown = False
+        self._finished = threading.Event()
+        # Every target's __main__ holds these (forked next): pickled by name.
+        self._pickler = type("_Pickler", (_InheritingPickler,), {"inherited": _main_objects()})
+        try:
+            self._worker.start()
+        except BaseException:
+            self._worker.close()
+            raise
+
+    def __repr__(self):
+        return "<callreg.Executor over %r>" % (self._worker,)
+
+    @property
+    def worker(self):
+        """The :class:`Worker` under this Executor (its targets, events,
+        ``call_all``)."""
+        return self._worker
+
+    def _raw_for(self, fn):
+        """The raw handle of ``fn``, registered at its first use. Called
+        with ``self._lock`` held."""
+        try:
+            hashid = self._seen.get(fn)
+        except TypeError:  # an unhashable callable: looked up by hashid
+            hashid = None
+        if hashid is not None:
+            handle = self._handles.get(hashid)
+            if handle is not None:
+                self._handles.move_to_end(hashid)
+                self._seen.move_to_end(fn)
+                return handle._raw
+        _check_registrable(fn, "submit")
+        envelope = _pack(fn, self._pickler)
+        hashid = _callreg.envelope_hashid(envelope)
+        handle = self._handles.get(hashid)
+        if handle is None:
+            while len(self._handles) >= self._worker._slot_capacity:
+                self._evict()
+            handle = self._register_making_room(envelope, _default_metadata(_callable_name(fn)))
+            _CODES.record(fn)
+            self._handles[hashid] = handle
+        else:
+            self._handles.move_to_end(hashid)
+        try:
+            self._seen[fn] = hashid
+        except TypeError:
+            pass
+        else:
+            while len(self._seen) > 4 * self._worker._slot_capacity:
+                self._seen.popitem(last=False)
+        return handle._raw
+
+    def _evict(self):
+        """Unregisters the least recently used callable. Called with
+        ``self._lock`` held."""
+        old, evicted = self._handles.popitem(last=False)
+        for key in [key for key, value in self._seen.items() if value == old]:
+            del self._seen[key]
+        self._worker.unregister(evicted)
+
+    def _register_making_room(self, envelope, meta):
+        """Registers ``envelope``; while a target has no free slot for it,
+        unregisters the least recently used callable first, or, with none
+        left to unregister, waits for the slots of unregistered callables
+        whose tasks still run (tombstones) to free, for at most the
+        control timeout. Called with ``self._lock`` held."""
+        deadline = time.monotonic() + self._worker._control_timeout
+        delay = 0.001
+        while True:
+            try:
+                return self._worker._register(envelope, meta)
+            except RegisterError as error:
+                full = error.code == "LOCAL_SLOT_EXHAUSTED" or any(
+                    "LOCAL_SLOT_EXHAUSTED" in outcome for outcome in error.outcomes.values()
+                )
+                if not full or (not self._handles and time.monotonic() >= deadline):
+                    raise
+            if self._handles:
+                self._evict()
+            else:
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
+
+    def submit(self, fn, /, *args, **kwargs):
+        """Runs ``fn(*args, **kwargs)`` in a target and returns its
+        :class:`concurrent.futures.Future` (every keyword argument is
+        ``fn``'s, ``target`` included). Raises ``RuntimeError`` after
+        :meth:`shutdown`, ``TypeError`` for a non-callable or async
+        ``fn``, what cloudpickle raises for a callable it cannot pickle,
+        and :class:`RegisterError` when a target could not install it."""
+        data = self._worker._input(args, kwargs)
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            future = self._worker._submit(self._raw_for(fn), None, data)
+            self._futures.add(future)
+        return future
+
+    def map(self, fn, *iterables, timeout=None, chunksize=1):
+        """``fn`` applied to the items of ``iterables`` (as
+        :func:`map`), in targets: an iterator of the results in order,
+        raising what a call raised when it reaches it. Every call is
+        submitted at once; ``chunksize`` calls go in one task (one frame
+        each way; a call that raises fails its chunk, as
+        ``ProcessPoolExecutor``'s do). ``timeout`` (seconds from this
+        call) raises :class:`concurrent.futures.TimeoutError` for a result
+        not there in time."""
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            raw = self._raw_for(fn)
+            return self._worker._map(raw, iterables, timeout, chunksize)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        """No new task after this. ``wait=True``: waits for every task
+        submitted, then unregisters every callable and closes the Worker
+        (its targets are reaped). ``wait=False``: returns at once; the same
+        happens in a background thread once the tasks finished.
+        ``cancel_futures`` is accepted for compatibility: every task was
+        sent at its submit, so there is nothing left to cancel.
+        Idempotent."""
+        with self._lock:
+            first = not self._shutdown
+            self._shutdown = True
+            futures = list(self._futures)
+        if not first:
+            if wait:
+                self._finished.wait()
+            return
+        if wait:
+            self._finish(futures)
+        else:
+            threading.Thread(target=self._finish, args=(futures,), name="callreg-shutdown", daemon=True).start()
+
+    def _finish(self, futures):
+        try:
+            concurrent.futures.wait(futures)
+            with self._lock:
+                handles = list(self._handles.values())
+                self._handles.clear()
+                self._seen.clear()
+            for handle in handles:
+                try:
+                    self._worker.unregister(handle)
+                except CallregError:
+                    pass  # the Worker closes next: nothing is left anyway
+        finally:
+            self._worker.close()
+            self._finished.set()
