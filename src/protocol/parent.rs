@@ -1826,13 +1826,14 @@ impl Parent {
                 // stalled, unreachable) is no evidence against what it
                 // probed; passing the operation bound while it reported
                 // alive is (§2.8).
-                let silent = self.is_silent(target, now) && !mutant!(self, PoisonSilence);
-                let cause = if self.is_silent(target, now) {
+                let silent = self.is_silent(target, now);
+                let cause = if silent {
                     SILENT_FENCE_CAUSE
                 } else {
                     BOUND_FENCE_CAUSE
                 };
-                self.lose(target, Progress::Fenced, cause, now, !silent);
+                let evidence = !silent || mutant!(self, PoisonSilence);
+                self.lose(target, Progress::Fenced, cause, now, evidence);
             }
             return;
         }
