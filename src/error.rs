@@ -117,6 +117,15 @@ error_codes! {
     /// with other metadata: one digest has one metadata for as long as it
     /// is held (`specs/protocol.md` §2.10).
     METADATA_CONFLICT = 30,
+    /// A task was cancelled before it started: it never ran
+    /// (`specs/protocol.md` §2.11).
+    TASK_CANCELLED = 31,
+    /// A cancel came too late: the task had already started (or finished)
+    /// in its target, so it runs to its end (`specs/protocol.md` §2.11).
+    TASK_RUNNING = 32,
+    /// A task passed its deadline: it was ended and its target fenced
+    /// (killed, then replaced as for any loss; `specs/protocol.md` §2.12).
+    TASK_DEADLINE = 33,
 }
 
 impl std::fmt::Display for ErrorCode {

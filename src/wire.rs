@@ -4,7 +4,7 @@
 //!
 //! | offset | size | field | rule |
 //! |---|---|---|---|
-//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (4) |
+//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (5) |
 //! | 1 | 1 | kind (u8) | a [`FrameKind`] value |
 //! | 2 | 2 | flags (u16) | 0, or [`FLAG_TASK_EXCEPTION`] on a failed task result |
 //! | 4 | 4 | body length (u32, bytes) | `8 + body length <= maximum frame size` |
@@ -28,12 +28,13 @@
 use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 
-/// The only wire version this implementation reads and writes. Version 4
+/// The only wire version this implementation reads and writes. Version 5
+/// added the parent's [`Frame::Cancel`] control; version 4
 /// added the target's [`Frame::Alive`] report; version 3 replaced the register control's staged shm name by a sealed descriptor
 /// passed beside the frame (`specs/staging.md`); version 2 added the
-/// register control's metadata field. Frames of versions 1 to 3 are
+/// register control's metadata field. Frames of versions 1 to 4 are
 /// refused.
-pub const WIRE_VERSION: u8 = 4;
+pub const WIRE_VERSION: u8 = 5;
 
 /// Header flag of a [`Frame::TaskResult`] with an error status whose
 /// failure carries a serialized exception ([`TaskFailure::exception`]):
@@ -91,6 +92,8 @@ pub enum FrameKind {
     Task = 3,
     /// Parent → target: [`Frame::Inspect`].
     Inspect = 4,
+    /// Parent → target: [`Frame::Cancel`].
+    Cancel = 5,
     /// Target → parent: [`Frame::Reply`].
     Reply = 16,
     /// Target → parent: [`Frame::TaskResult`].
@@ -111,6 +114,7 @@ impl FrameKind {
             2 => FrameKind::Unregister,
             3 => FrameKind::Task,
             4 => FrameKind::Inspect,
+            5 => FrameKind::Cancel,
             16 => FrameKind::Reply,
             17 => FrameKind::TaskResult,
             18 => FrameKind::Ready,
@@ -197,6 +201,16 @@ pub enum Frame {
         encoding: TaskEncoding,
         /// The encoded arguments.
         input: Vec<u8>,
+    },
+    /// Cancel control (`specs/protocol.md` §2.11): cancel task `seq` of
+    /// `digest` if it has not started. Answered by a [`Frame::Reply`]
+    /// echoing the task's seq and digest: OK (cancelled: it never runs and
+    /// sends no result) or `TASK_RUNNING`. Body: `u64 seq`, digest.
+    Cancel {
+        /// The task's sequence number.
+        seq: u64,
+        /// The task's digest.
+        digest: Digest,
     },
     /// Asks the target for its table (tests and diagnostics). Body:
     /// `u64 seq`.
@@ -396,6 +410,10 @@ fn decode_body(kind: FrameKind, flags: u16, body: &[u8]) -> Result<Frame, WireEr
             seq: r.u64("seq")?,
             digest: r.digest()?,
         },
+        FrameKind::Cancel => Frame::Cancel {
+            seq: r.u64("seq")?,
+            digest: r.digest()?,
+        },
         FrameKind::Task => {
             let seq = r.u64("seq")?;
             let digest = r.digest()?;
@@ -564,6 +582,7 @@ impl Frame {
         match self {
             Frame::Register { .. } => FrameKind::Register,
             Frame::Unregister { .. } => FrameKind::Unregister,
+            Frame::Cancel { .. } => FrameKind::Cancel,
             Frame::Task { .. } => FrameKind::Task,
             Frame::Inspect { .. } => FrameKind::Inspect,
             Frame::Reply { .. } => FrameKind::Reply,
@@ -629,7 +648,7 @@ impl Frame {
                 out.extend_from_slice(&staged_size.to_le_bytes());
                 put_bytes(out, metadata.as_bytes())?;
             }
-            Frame::Unregister { seq, digest } => {
+            Frame::Unregister { seq, digest } | Frame::Cancel { seq, digest } => {
                 out.extend_from_slice(&seq.to_le_bytes());
                 out.extend_from_slice(&digest.0);
             }
@@ -839,6 +858,8 @@ mod tests {
                 }),
             (any::<u64>(), digest_strategy())
                 .prop_map(|(seq, digest)| Frame::Unregister { seq, digest }),
+            (any::<u64>(), digest_strategy())
+                .prop_map(|(seq, digest)| Frame::Cancel { seq, digest }),
             (any::<u64>(), digest_strategy(), any::<bool>(), bytes()).prop_map(
                 |(seq, digest, json, input)| Frame::Task {
                     seq,
@@ -1189,7 +1210,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![4, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![5, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xcd; 32]);
         expected.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0]);
         expected.extend_from_slice(&[12, 0, 0, 0]);
@@ -1205,7 +1226,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![4, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![5, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xab; 32]);
         assert_eq!(bytes, expected);
     }

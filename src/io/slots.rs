@@ -195,6 +195,21 @@ impl<C> SlotTable<C> {
         }
     }
 
+    /// The task thread is about to run `seq`: `Ok(false)` if a cancel
+    /// came first (it must not run); see [`Target::start_task`].
+    ///
+    /// # Errors
+    /// The machine's `FRAME_INVALID` when no run `seq` is in progress or it
+    /// already started.
+    pub fn start_task(&self, seq: Seq) -> Result<bool, Error> {
+        lock(&self.inner).machine.start_task(seq)
+    }
+
+    /// A cancel control for task `seq`; see [`Target::on_cancel`].
+    pub fn on_cancel(&self, seq: Seq, digest: Digest) -> Effects {
+        self.apply(false, |m, _| m.on_cancel(seq, digest)).1
+    }
+
     /// Ends run `seq`: unpins its slot, freeing a tombstoned slot at its
     /// last release; see [`Target::end_task`].
     ///

@@ -620,7 +620,9 @@ enum Incoming {
 /// unregister control).
 fn control_seq(frame: &Frame) -> Option<u64> {
     match frame {
-        Frame::Register { seq, .. } | Frame::Unregister { seq, .. } => Some(*seq),
+        Frame::Register { seq, .. } | Frame::Unregister { seq, .. } | Frame::Cancel { seq, .. } => {
+            Some(*seq)
+        }
         _ => None,
     }
 }
@@ -981,6 +983,15 @@ impl<R: Runtime> Control<'_, R> {
                     self.task_failed(seq, digest, unstarted.code, &unstarted.message);
                 }
             }
+            Frame::Cancel { seq, digest } => {
+                // Decided against the task thread's start under the
+                // table's lock (`specs/protocol.md` §2.11): a run
+                // cancelled here never starts.
+                let effects = self.table.on_cancel(Seq(seq), digest);
+                let mut replies = Vec::new();
+                self.carry_out(effects, None, None, &mut replies);
+                self.send_replies(replies, false);
+            }
             Frame::Inspect { seq } => {
                 let (installed, tombstones) = self.table.table();
                 let entries = installed
@@ -1120,8 +1131,14 @@ fn run_tasks<R: Runtime>(
 ) -> ! {
     loop {
         let run = queue.pop();
-        let result = run_with_hooks(runtime, &run);
         let (seq, digest) = (run.seq, run.digest);
+        // A run cancelled while it was queued never starts and sends no
+        // result: the cancel's reply answered for it (§2.11).
+        if table.start_task(Seq(seq)) != Ok(true) {
+            end_run(table, run);
+            continue;
+        }
+        let result = run_with_hooks(runtime, &run);
         end_run(table, run);
         // A slot unregistered during the run is freed at its end.
         report_finalizers(table, id, || {

@@ -113,6 +113,7 @@ mod forms;
 pub mod invariants;
 mod parent;
 mod target;
+mod tasks;
 
 pub use forms::{
     DigestCount, InstalledDigest, RegistrySnapshot, TargetOutcomeEntry, TargetSnapshot,
@@ -122,6 +123,7 @@ pub use parent::{
     SlotPhase, TargetOutcome, BOUND_FENCE_CAUSE, SILENT_FENCE_CAUSE,
 };
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
+pub use tasks::{TaskEnd, TaskInfo};
 
 // The ids every layer names (`crate::ids`, below the formats): the protocol
 // is where they are used most, so they are re-exported here.
@@ -166,6 +168,16 @@ pub enum ControlFrame {
         /// The callable to run.
         digest: Digest,
     },
+    /// Cancel task `seq` of `digest` if it has not started
+    /// (`specs/protocol.md` §2.11); the target answers with a [`Reply`]
+    /// echoing the task's seq: `Ok` (cancelled, it never runs) or
+    /// `TASK_RUNNING`.
+    Cancel {
+        /// The task's seq.
+        seq: Seq,
+        /// The task's callable.
+        digest: Digest,
+    },
 }
 
 impl ControlFrame {
@@ -174,7 +186,8 @@ impl ControlFrame {
         match self {
             ControlFrame::Register { seq, .. }
             | ControlFrame::Unregister { seq, .. }
-            | ControlFrame::Task { seq, .. } => *seq,
+            | ControlFrame::Task { seq, .. }
+            | ControlFrame::Cancel { seq, .. } => *seq,
         }
     }
 
@@ -183,7 +196,8 @@ impl ControlFrame {
         match self {
             ControlFrame::Register { digest, .. }
             | ControlFrame::Unregister { digest, .. }
-            | ControlFrame::Task { digest, .. } => *digest,
+            | ControlFrame::Task { digest, .. }
+            | ControlFrame::Cancel { digest, .. } => *digest,
         }
     }
 }
@@ -229,8 +243,9 @@ impl fmt::Display for Failure {
     }
 }
 
-/// A target's answer to a [`ControlFrame::Register`] or
-/// [`ControlFrame::Unregister`]: echoes the frame's seq and digest.
+/// A target's answer to a [`ControlFrame::Register`],
+/// [`ControlFrame::Unregister`] or [`ControlFrame::Cancel`]: echoes the
+/// frame's seq and digest.
 /// Replies carry no slot (invariant 9).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
 pub struct Reply {
@@ -284,6 +299,17 @@ pub enum Mutant {
     /// Parent: ignore alive reports, so a deadline counts from the send
     /// (caught by the model's "heard targets wait for the bound").
     IgnoreAlive,
+    /// Target: a cancel that arrives after its task started reports it
+    /// cancelled anyway (caught by the model's "a task is never both
+    /// cancelled and run").
+    CancelStarted,
+    /// Parent: a task's deadline fences its target without completing the
+    /// task (caught by the model's "every task completes exactly once").
+    DeadlineWithoutCompletion,
+    /// Parent: a task result from a previous incarnation of the task's
+    /// target slot is accepted (caught by the model's "results only from
+    /// the incarnation that ran the task").
+    AcceptStaleResult,
     /// Parent: a replacement joins as soon as it is spawned, before its
     /// replayed registrations are confirmed (caught by invariant 11).
     JoinBeforeReplay,
@@ -294,7 +320,7 @@ pub enum Mutant {
 
 #[cfg(feature = "mutants")]
 impl Mutant {
-    /// Every mutant, parent ones first.
+    /// Every mutant.
     pub const ALL: &'static [Mutant] = &[
         Mutant::PublishBeforeAllReplies,
         Mutant::SkipCleanup,
@@ -309,5 +335,8 @@ impl Mutant {
         Mutant::IgnoreAlive,
         Mutant::JoinBeforeReplay,
         Mutant::SkipReplayOfPublished,
+        Mutant::DeadlineWithoutCompletion,
+        Mutant::AcceptStaleResult,
+        Mutant::CancelStarted,
     ];
 }

@@ -12,6 +12,8 @@ use super::{
 use crate::descriptor::{Digest, HashId};
 use crate::error::{Error, ErrorCode, OperationKind};
 
+use super::tasks::TaskEnd;
+
 /// Whether the mutant `$m` is switched on for `$self` (always `false`
 /// without the `mutants` feature, so the deviation compiles away).
 macro_rules! mutant {
@@ -255,6 +257,30 @@ pub enum Effect {
         target: TargetId,
         /// Replacements in a row lost before they joined.
         failed_joins: u16,
+    },
+    /// Task `seq` ended (`specs/protocol.md` §2.11), once: with a result
+    /// (hand the result frame the IO layer holds to its caller), or with
+    /// the error [`TaskEnd::error`] gives.
+    TaskDone {
+        /// The task.
+        seq: Seq,
+        /// Its target.
+        target: TargetId,
+        /// The incarnation of the target's slot it was sent to.
+        incarnation: u32,
+        /// The callable it ran (or was to run).
+        digest: Digest,
+        /// How it ended.
+        end: TaskEnd,
+    },
+    /// The target answered a cancel of task `seq` with `failure`
+    /// (`TASK_RUNNING`: it had started or ended): the task runs to its end
+    /// and its [`Effect::TaskDone`] follows.
+    CancelRefused {
+        /// The task.
+        seq: Seq,
+        /// The target's answer.
+        failure: Failure,
     },
     /// An operation finished: every target in its scope answered, was lost
     /// or timed out, and any cleanup it needed has settled.
@@ -516,9 +542,13 @@ pub struct Parent {
     /// replacements are on (§2.9); a slot without a record is its original
     /// process, joined unless lost.
     pub(crate) slots: BTreeMap<TargetId, SlotRecord>,
-    effects: VecDeque<Effect>,
+    /// Tasks in flight, by seq (`specs/protocol.md` §2.11).
+    pub(crate) tasks: BTreeMap<Seq, super::tasks::TaskRecord>,
+    /// Cancels sent and not yet answered, by target and task seq.
+    pub(crate) cancels: BTreeMap<(TargetId, Seq), super::tasks::PendingCancel>,
+    pub(crate) effects: VecDeque<Effect>,
     #[cfg(feature = "mutants")]
-    mutant: Option<Mutant>,
+    pub(crate) mutant: Option<Mutant>,
 }
 
 impl Parent {
@@ -538,6 +568,8 @@ impl Parent {
             poisoned: BTreeMap::new(),
             metadata: BTreeMap::new(),
             slots: BTreeMap::new(),
+            tasks: BTreeMap::new(),
+            cancels: BTreeMap::new(),
             effects: VecDeque::new(),
             #[cfg(feature = "mutants")]
             mutant: None,
@@ -565,7 +597,7 @@ impl Parent {
         (0..self.config.targets).map(TargetId)
     }
 
-    fn lifecycle_error(&self, operation: OperationKind, wanted: &str) -> Error {
+    pub(crate) fn lifecycle_error(&self, operation: OperationKind, wanted: &str) -> Error {
         Error::new(
             ErrorCode::LIFECYCLE_INVALID,
             operation,
@@ -600,7 +632,7 @@ impl Parent {
         }
     }
 
-    fn fresh_seq(&mut self) -> Seq {
+    pub(crate) fn fresh_seq(&mut self) -> Seq {
         let seq = Seq(self.next_seq);
         self.next_seq += 1;
         seq
@@ -1177,18 +1209,9 @@ impl Parent {
         Ok(digest)
     }
 
-    /// Submits a task for `handle` to `target`: emits
-    /// [`Effect::Send`] of a [`ControlFrame::Task`] with a fresh seq, which
-    /// it returns (the task's input travels beside the frame; results do
-    /// not pass through this machine).
-    ///
-    /// # Errors
-    /// `LIFECYCLE_INVALID` unless started; the resolution errors of
-    /// [`Parent::resolve`] (for `LOCAL_PYTHON`); `NO_LIVE_TARGET` for a
-    /// target id out of range; `TARGET_LOST` for a lost target or a
-    /// replacement that has not joined yet (§2.9);
-    /// `DIGEST_NOT_INSTALLED` if the target never confirmed the handle.
-    pub fn submit(&mut self, handle: &Handle, target: TargetId) -> Result<Seq, Error> {
+    /// The checks of a submit (§2.5, §2.11): the digest `handle` names,
+    /// installed on `target`, which serves tasks.
+    pub(crate) fn check_submit(&self, handle: &Handle, target: TargetId) -> Result<Digest, Error> {
         if self.lifecycle != Lifecycle::Started {
             return Err(self.lifecycle_error(OperationKind::Task, "started"));
         }
@@ -1230,18 +1253,17 @@ impl Parent {
                 format!("{target} never confirmed handle {}", handle.handle_id),
             ));
         }
-        let seq = self.fresh_seq();
-        self.effects.push_back(Effect::Send {
-            target,
-            frame: ControlFrame::Task { seq, digest },
-        });
-        Ok(seq)
+        Ok(digest)
     }
 
     /// The checks every input about one target makes first: refused
     /// before start (`LIFECYCLE_INVALID`) and for a target out of range
     /// (`FRAME_INVALID`); `false` (ignore it) once closed.
-    fn accepts_from(&self, target: TargetId, operation: OperationKind) -> Result<bool, Error> {
+    pub(crate) fn accepts_from(
+        &self,
+        target: TargetId,
+        operation: OperationKind,
+    ) -> Result<bool, Error> {
         match self.lifecycle {
             Lifecycle::New => Err(self.lifecycle_error(operation, "started")),
             Lifecycle::Closed => Ok(false),
@@ -1290,6 +1312,9 @@ impl Parent {
             .with_target(target)
             .with_seq(reply.seq)
             .with_digest(reply.digest));
+        }
+        if self.cancel_answered(target, &reply) {
+            return Ok(());
         }
         let found = self.ops.iter().find_map(|(id, op)| {
             let progress = op.scope.get(&target)?;
@@ -1468,6 +1493,7 @@ impl Parent {
             });
         }
         self.lost.insert(target);
+        self.tasks_lost(target, cause);
         let mut touched = Vec::new();
         for (id, op) in self.ops.iter_mut() {
             if let Some(progress) = op.scope.get_mut(&target) {
@@ -1803,6 +1829,14 @@ impl Parent {
         for target in due {
             self.spawn(target);
         }
+        // Task deadlines fence whatever `fence_on_timeout` says (§2.12);
+        // a deadline is no evidence against a probed digest (§2.8).
+        for (target, cause) in self.expire_tasks(now) {
+            if !self.lost.contains(&target) {
+                self.effects.push_back(Effect::Fence { target });
+                self.lose(target, Progress::Fenced, &cause, now, false);
+            }
+        }
         let control_timeout = self.config.control_timeout;
         let expired: Vec<(OpId, TargetId)> = self
             .ops
@@ -1906,6 +1940,9 @@ impl Parent {
         if mutant!(self, IgnoreAlive) {
             return Ok(());
         }
+        if self.cancel_alive(target, seq, now) {
+            return Ok(());
+        }
         for op in self.ops.values_mut() {
             let awaited = match op.scope.get(&target) {
                 Some(Progress::Pending) => op.seq == seq,
@@ -1935,6 +1972,7 @@ impl Parent {
             return Err(self.lifecycle_error(OperationKind::Close, "new or started"));
         }
         self.lifecycle = Lifecycle::Closed;
+        self.close_tasks();
         for (id, op) in std::mem::take(&mut self.ops) {
             if let OpKind::Register {
                 staging: Some(staging),
@@ -1989,6 +2027,7 @@ impl Parent {
             .flat_map(|op| op.deadlines(self.config.control_timeout))
             .map(|(_, deadline)| deadline)
             .chain(respawns)
+            .chain(self.task_timeout())
             .min()
     }
 
@@ -2141,6 +2180,8 @@ impl Parent {
     /// no replacement is being asked for (backing off or spawning).
     pub fn is_idle(&self) -> bool {
         self.ops.is_empty()
+            && self.tasks.is_empty()
+            && self.cancels.is_empty()
             && self.effects.is_empty()
             && !self.slots.values().any(|r| {
                 self.lifecycle == Lifecycle::Started
@@ -2229,9 +2270,21 @@ impl Parent {
                 .map(|(t, h)| (map(&t), h))
                 .collect();
         }
+        copy.tasks = std::mem::take(&mut copy.tasks)
+            .into_iter()
+            .map(|(seq, mut task)| {
+                task.target = map(&task.target);
+                (seq, task)
+            })
+            .collect();
+        copy.cancels = std::mem::take(&mut copy.cancels)
+            .into_iter()
+            .map(|((t, seq), c)| ((map(&t), seq), c))
+            .collect();
         for effect in copy.effects.iter_mut() {
             match effect {
                 Effect::Send { target, .. }
+                | Effect::TaskDone { target, .. }
                 | Effect::Fence { target }
                 | Effect::Spawn { target, .. }
                 | Effect::Joined { target, .. }
@@ -2243,7 +2296,10 @@ impl Parent {
                     }
                     outcomes.sort();
                 }
-                Effect::Stage { .. } | Effect::Restage { .. } | Effect::ReleaseStaged { .. } => {}
+                Effect::Stage { .. }
+                | Effect::Restage { .. }
+                | Effect::ReleaseStaged { .. }
+                | Effect::CancelRefused { .. } => {}
             }
         }
         copy

@@ -1,7 +1,7 @@
 //! The target state machine: one child's private `digest -> slot` table
 //! with refcounts, tombstones and run pins (specs/design.md §4.2).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -123,8 +123,15 @@ pub struct Target {
     pub(crate) installed: BTreeMap<Digest, Installed>,
     /// Deserializations in progress.
     pub(crate) pending: BTreeMap<Seq, PendingInstall>,
-    /// Runs in progress: task seq -> the slot it pins.
+    /// Runs in progress: task seq -> the slot it pins, from
+    /// [`Target::begin_task`] to [`Target::end_task`].
     pub(crate) runs: BTreeMap<Seq, Slot>,
+    /// Runs whose task started ([`Target::start_task`]): a cancel can no
+    /// longer stop them (`specs/protocol.md` §2.11).
+    pub(crate) started: BTreeSet<Seq>,
+    /// Runs cancelled before they started ([`Target::on_cancel`]): they
+    /// never start; their slot stays pinned until their `end_task`.
+    pub(crate) cancelled: BTreeSet<Seq>,
     effects: VecDeque<TargetEffect>,
     #[cfg(feature = "mutants")]
     mutant: Option<Mutant>,
@@ -147,6 +154,8 @@ impl Target {
             installed: BTreeMap::new(),
             pending: BTreeMap::new(),
             runs: BTreeMap::new(),
+            started: BTreeSet::new(),
+            cancelled: BTreeSet::new(),
             effects: VecDeque::new(),
             #[cfg(feature = "mutants")]
             mutant: None,
@@ -524,6 +533,86 @@ impl Target {
         Ok(entry.slot)
     }
 
+    /// The task thread is about to run task `seq` (pinned by
+    /// [`Target::begin_task`]): `Ok(true)` to run it, now past cancelling;
+    /// `Ok(false)` when a cancel came first (`specs/protocol.md` §2.11):
+    /// it must not run, and is ended with [`Target::end_task`] without a
+    /// result (the cancel's reply already answered for it). This and
+    /// [`Target::on_cancel`] decide under one machine, so a task is never
+    /// both cancelled and run.
+    ///
+    /// ```
+    /// use callreg::descriptor::Digest;
+    /// use callreg::protocol::{Seq, Target, TargetConfig, TargetEffect, TargetId};
+    ///
+    /// let digest = Digest::sha256(b"descriptor");
+    /// let mut target = Target::new(TargetConfig::new(TargetId(0)), &[(digest, 1)]).unwrap();
+    /// target.begin_task(Seq(1), digest).unwrap();
+    /// target.begin_task(Seq(2), digest).unwrap();
+    /// assert_eq!(target.start_task(Seq(1)), Ok(true));
+    /// target.on_cancel(Seq(2), digest); // still queued: cancelled
+    /// let Some(TargetEffect::Reply(reply)) = target.poll_effect() else { panic!() };
+    /// assert_eq!(reply.result, Ok(()));
+    /// assert_eq!(target.start_task(Seq(2)), Ok(false)); // never runs
+    /// target.end_task(Seq(2)).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    /// `FRAME_INVALID` when no run with this seq is in progress, or it
+    /// already started.
+    pub fn start_task(&mut self, seq: Seq) -> Result<bool, Error> {
+        let error = |message: String| {
+            Error::new(ErrorCode::FRAME_INVALID, OperationKind::Task, message)
+                .with_target(self.config.id)
+                .with_seq(seq)
+        };
+        if !self.runs.contains_key(&seq) {
+            return Err(error(format!("no run for {seq} is in progress")));
+        }
+        if self.started.contains(&seq) {
+            return Err(error(format!("the run for {seq} already started")));
+        }
+        if self.cancelled.contains(&seq) {
+            return Ok(false);
+        }
+        self.started.insert(seq);
+        Ok(true)
+    }
+
+    /// A cancel control for task `seq` of `digest` (`specs/protocol.md`
+    /// §2.11): replies (echoing `seq` and `digest`) `Ok` when the task had
+    /// not started — it will never run ([`Target::start_task`] says
+    /// `false`) —, else `TASK_RUNNING`: it started, or already ended (its
+    /// result is on its way or arrived), and runs to its end.
+    pub fn on_cancel(&mut self, seq: Seq, digest: Digest) {
+        let started = self.started.contains(&seq);
+        let queued = self.runs.contains_key(&seq) && !started;
+        if queued || (started && mutant!(self, CancelStarted)) {
+            self.cancelled.insert(seq);
+            return self.reply(seq, digest, Ok(()));
+        }
+        let message = if started {
+            format!("{seq} is already running on {}", self.config.id)
+        } else {
+            format!("{seq} already ended on {}", self.config.id)
+        };
+        self.reply(
+            seq,
+            digest,
+            Err(Failure::new(ErrorCode::TASK_RUNNING, message)),
+        )
+    }
+
+    /// Whether task `seq` was cancelled before it started (it never runs).
+    pub fn is_cancelled(&self, seq: Seq) -> bool {
+        self.cancelled.contains(&seq)
+    }
+
+    /// Whether task `seq` started running.
+    pub fn is_started(&self, seq: Seq) -> bool {
+        self.started.contains(&seq)
+    }
+
     /// The run of task `seq` finished: unpins its slot, and frees a
     /// tombstoned slot at its last release.
     ///
@@ -539,6 +628,8 @@ impl Target {
             .with_target(self.config.id)
             .with_seq(seq));
         };
+        self.started.remove(&seq);
+        self.cancelled.remove(&seq);
         let still_held = self.runs.values().any(|s| *s == slot);
         let tombstoned = self
             .slots
@@ -654,6 +745,54 @@ mod tests {
             t.begin_task(Seq(4), digest(1)).unwrap_err().code,
             ErrorCode::FRAME_INVALID
         );
+    }
+
+    #[test]
+    fn a_cancel_stops_only_a_run_that_has_not_started() {
+        let mut t = Target::new(TargetConfig::new(TargetId(0)), &[(digest(1), 1)]).unwrap();
+        for seq in 1..=3 {
+            t.begin_task(Seq(seq), digest(1)).unwrap();
+        }
+        assert_eq!(t.start_task(Seq(1)), Ok(true));
+        t.on_cancel(Seq(1), digest(1)); // running
+        t.on_cancel(Seq(2), digest(1)); // queued: cancelled
+        t.on_cancel(Seq(2), digest(1)); // again: still cancelled
+        t.end_task(Seq(1)).unwrap();
+        t.on_cancel(Seq(1), digest(1)); // ended
+        let running = |seq: u64, what: &str| {
+            reply(
+                seq,
+                1,
+                Err(Failure::new(
+                    ErrorCode::TASK_RUNNING,
+                    format!("seq {seq} {what} on target 0"),
+                )),
+            )
+        };
+        assert_eq!(
+            drain(&mut t),
+            vec![
+                running(1, "is already running"),
+                reply(2, 1, Ok(())),
+                reply(2, 1, Ok(())),
+                running(1, "already ended"),
+            ]
+        );
+        assert!(t.is_cancelled(Seq(2)) && !t.is_started(Seq(2)));
+        assert_eq!(t.start_task(Seq(2)), Ok(false));
+        assert_eq!(t.start_task(Seq(3)), Ok(true));
+        assert_eq!(
+            t.start_task(Seq(3)).unwrap_err().code,
+            ErrorCode::FRAME_INVALID
+        );
+        assert_eq!(
+            t.start_task(Seq(9)).unwrap_err().code,
+            ErrorCode::FRAME_INVALID
+        );
+        t.end_task(Seq(2)).unwrap();
+        t.end_task(Seq(3)).unwrap();
+        assert_eq!(t.runs_in_progress(), 0);
+        assert!(!t.is_cancelled(Seq(2)));
     }
 
     #[test]

@@ -1,0 +1,649 @@
+//! Tasks in the parent machine (`specs/protocol.md` §2.11, §2.12): every
+//! task in flight with its target, incarnation and deadline, and the one
+//! place each ends — a result, a cancel, a deadline, a loss of its
+//! target's process, a close.
+//!
+//! * A task is in flight from [`Parent::submit_with_deadline`] until its
+//!   [`Effect::TaskDone`]; it is done exactly once.
+//! * The IO layer holds the task's input and result bytes; the machine
+//!   holds ids only, and says when a result may be handed over.
+//! * A cancel is a control to the target, which decides against the start
+//!   of the run (the target machine's `start_task`), so a task is never
+//!   both cancelled and run.
+
+use serde::{Deserialize, Serialize};
+
+use super::parent::{mutant, Effect, Handle, Lifecycle, Parent};
+#[cfg(feature = "mutants")]
+use super::Mutant;
+use super::{ControlFrame, Namespace, Reply, Seq, TargetId, Time};
+use crate::descriptor::Digest;
+use crate::error::{Error, ErrorCode, OperationKind};
+
+/// How a task ended ([`Effect::TaskDone`]).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(tag = "end", rename_all = "snake_case")]
+pub enum TaskEnd {
+    /// Its target's result arrived ([`Parent::handle_task_result`]): hand
+    /// the result frame to the caller.
+    Result,
+    /// Cancelled before it started (§2.11): it never ran
+    /// (`TASK_CANCELLED`).
+    Cancelled,
+    /// Its deadline passed (§2.12): its target was fenced
+    /// (`TASK_DEADLINE`).
+    Deadline,
+    /// Its target's process was lost first (`TARGET_LOST`): `cause` says
+    /// how, as the IO layer reported it or as the machine fenced it.
+    Lost {
+        /// How the process ended.
+        cause: String,
+    },
+    /// The Worker closed first (`LIFECYCLE_INVALID`).
+    Closed,
+}
+
+impl TaskEnd {
+    /// The error a caller gets for this end (`None` for a result), for the
+    /// task `seq` that ran (or was to run) `digest` on incarnation
+    /// `incarnation` of `target`.
+    pub fn error(
+        &self,
+        seq: Seq,
+        target: TargetId,
+        incarnation: u32,
+        digest: Digest,
+    ) -> Option<Error> {
+        let (code, message) = match self {
+            TaskEnd::Result => return None,
+            TaskEnd::Cancelled => (
+                ErrorCode::TASK_CANCELLED,
+                format!("{seq} was cancelled before it started on {target}"),
+            ),
+            TaskEnd::Deadline => (
+                ErrorCode::TASK_DEADLINE,
+                format!(
+                    "{seq} passed its deadline on {target} (incarnation {incarnation}), which was fenced"
+                ),
+            ),
+            TaskEnd::Lost { cause } => (
+                ErrorCode::TARGET_LOST,
+                format!(
+                    "{target} (incarnation {incarnation}) was lost before {seq} finished: {cause}"
+                ),
+            ),
+            TaskEnd::Closed => (
+                ErrorCode::LIFECYCLE_INVALID,
+                format!("the Worker closed before {seq} finished"),
+            ),
+        };
+        Some(
+            Error::new(code, OperationKind::Task, message)
+                .with_target(target)
+                .with_seq(seq)
+                .with_digest(digest)
+                .with_namespace(Namespace::LocalPython),
+        )
+    }
+}
+
+/// A task in flight.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct TaskRecord {
+    pub(crate) handle_id: u64,
+    pub(crate) digest: Digest,
+    pub(crate) target: TargetId,
+    /// The incarnation of `target`'s slot that was sent the task.
+    pub(crate) incarnation: u32,
+    /// When it ends with [`TaskEnd::Deadline`] unless done before.
+    pub(crate) deadline: Option<Time>,
+}
+
+/// A task in flight, as [`Parent::task`] shows it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize)]
+pub struct TaskInfo {
+    /// The handle it was submitted for.
+    pub handle_id: u64,
+    /// The callable it runs.
+    pub digest: Digest,
+    /// Its target.
+    pub target: TargetId,
+    /// The incarnation of the target's slot that was sent it.
+    pub incarnation: u32,
+    /// Its deadline, if any.
+    pub deadline: Option<Time>,
+    /// Whether a cancel of it awaits the target's answer.
+    pub cancelling: bool,
+}
+
+/// A cancel sent and not yet answered: when its target was last heard
+/// from about it (the send, then alive reports).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub(crate) struct PendingCancel {
+    pub(crate) heard: Time,
+}
+
+impl Parent {
+    /// Submits a task for `handle` to `target` with no deadline: see
+    /// [`Parent::submit_with_deadline`].
+    ///
+    /// # Errors
+    /// As [`Parent::submit_with_deadline`].
+    pub fn submit(&mut self, handle: &Handle, target: TargetId) -> Result<Seq, Error> {
+        self.submit_with_deadline(handle, target, None)
+    }
+
+    /// Submits a task for `handle` to `target`: emits [`Effect::Send`] of a
+    /// [`ControlFrame::Task`] with a fresh seq, which it returns (the
+    /// task's input travels beside the frame; the machine holds ids only).
+    /// The task is in flight until its [`Effect::TaskDone`]: a result, a
+    /// cancel ([`Parent::cancel`]), `deadline` passing (§2.12: the task
+    /// ends with [`TaskEnd::Deadline`] and its target is fenced), a loss of
+    /// the target's process, or a close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless started; the resolution errors of
+    /// [`Parent::resolve`] (for `LOCAL_PYTHON`); `NO_LIVE_TARGET` for a
+    /// target id out of range; `TARGET_LOST` for a lost target or a
+    /// replacement that has not joined yet (§2.9);
+    /// `DIGEST_NOT_INSTALLED` if the target never confirmed the handle.
+    pub fn submit_with_deadline(
+        &mut self,
+        handle: &Handle,
+        target: TargetId,
+        deadline: Option<Time>,
+    ) -> Result<Seq, Error> {
+        let digest = self.check_submit(handle, target)?;
+        let seq = self.fresh_seq();
+        self.tasks.insert(
+            seq,
+            TaskRecord {
+                handle_id: handle.handle_id,
+                digest,
+                target,
+                incarnation: self.incarnation(target),
+                deadline,
+            },
+        );
+        self.effects.push_back(Effect::Send {
+            target,
+            frame: ControlFrame::Task { seq, digest },
+        });
+        Ok(seq)
+    }
+
+    /// The result of task `seq` arrived from incarnation `incarnation` of
+    /// `target` (§2.11): `Ok(true)` when it ends the task
+    /// ([`Effect::TaskDone`] with [`TaskEnd::Result`]: hand the result
+    /// over); `Ok(false)` when it is refused and changes nothing: the task
+    /// is not in flight on that incarnation of that target (it ended, or
+    /// was sent to another target or incarnation). Ignored (`Ok(false)`)
+    /// after close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target out
+    /// of range or a seq this parent never issued (nothing changes).
+    pub fn handle_task_result(
+        &mut self,
+        target: TargetId,
+        incarnation: u32,
+        seq: Seq,
+    ) -> Result<bool, Error> {
+        if !self.accepts_from(target, OperationKind::Task)? {
+            return Ok(false);
+        }
+        self.check_issued(target, seq, "task result")?;
+        let ours = self.tasks.get(&seq).is_some_and(|task| {
+            task.target == target
+                && (task.incarnation == incarnation || mutant!(self, AcceptStaleResult))
+        });
+        if !ours {
+            return Ok(false);
+        }
+        self.end_task(seq, TaskEnd::Result);
+        Ok(true)
+    }
+
+    /// Asks to cancel task `seq` (§2.11): emits [`Effect::Send`] of a
+    /// [`ControlFrame::Cancel`] to its target, which answers whether the
+    /// task had started: it then ends with [`TaskEnd::Cancelled`] (it never
+    /// runs), or [`Effect::CancelRefused`] says it runs to its end. A
+    /// second cancel of a task whose cancel is unanswered emits nothing.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless started; `TASK_RUNNING` when `seq` is not
+    /// a task in flight (it already ended, or was never issued).
+    pub fn cancel(&mut self, seq: Seq, now: Time) -> Result<(), Error> {
+        if self.lifecycle != Lifecycle::Started {
+            return Err(self.lifecycle_error(OperationKind::Task, "started"));
+        }
+        let Some(task) = self.tasks.get(&seq) else {
+            return Err(Error::new(
+                ErrorCode::TASK_RUNNING,
+                OperationKind::Task,
+                format!("{seq} is not a task in flight: it already ended"),
+            )
+            .with_seq(seq));
+        };
+        let (target, digest) = (task.target, task.digest);
+        if self.cancels.contains_key(&(target, seq)) {
+            return Ok(());
+        }
+        self.cancels
+            .insert((target, seq), PendingCancel { heard: now });
+        self.effects.push_back(Effect::Send {
+            target,
+            frame: ControlFrame::Cancel { seq, digest },
+        });
+        Ok(())
+    }
+
+    /// The task in flight `seq`, if any.
+    pub fn task(&self, seq: Seq) -> Option<TaskInfo> {
+        let task = self.tasks.get(&seq)?;
+        Some(TaskInfo {
+            handle_id: task.handle_id,
+            digest: task.digest,
+            target: task.target,
+            incarnation: task.incarnation,
+            deadline: task.deadline,
+            cancelling: self.cancels.contains_key(&(task.target, seq)),
+        })
+    }
+
+    /// The seqs of every task in flight, in seq order.
+    pub fn tasks_in_flight(&self) -> Vec<Seq> {
+        self.tasks.keys().copied().collect()
+    }
+
+    /// Whether a cancel of task `seq` sent to `target` awaits its answer.
+    pub fn awaits_cancel(&self, target: TargetId, seq: Seq) -> bool {
+        self.cancels.contains_key(&(target, seq))
+    }
+
+    /// Ends task `seq` with `end` (once: it leaves the tasks in flight).
+    pub(super) fn end_task(&mut self, seq: Seq, end: TaskEnd) {
+        let Some(task) = self.tasks.remove(&seq) else {
+            return;
+        };
+        self.effects.push_back(Effect::TaskDone {
+            seq,
+            target: task.target,
+            incarnation: task.incarnation,
+            digest: task.digest,
+            end,
+        });
+    }
+
+    /// `reply` from `target` answers a cancel it was sent (§2.11): `true`
+    /// when it did (handled here), `false` for any other reply.
+    pub(super) fn cancel_answered(&mut self, target: TargetId, reply: &Reply) -> bool {
+        if self.cancels.remove(&(target, reply.seq)).is_none() {
+            return false;
+        }
+        let in_flight = self
+            .tasks
+            .get(&reply.seq)
+            .is_some_and(|task| task.target == target);
+        if !in_flight {
+            // The task ended first (its result raced the answer, or it
+            // ended otherwise): its TaskDone already answered the cancel.
+            return true;
+        }
+        match &reply.result {
+            Ok(()) => self.end_task(reply.seq, TaskEnd::Cancelled),
+            Err(failure) => self.effects.push_back(Effect::CancelRefused {
+                seq: reply.seq,
+                failure: failure.clone(),
+            }),
+        }
+        true
+    }
+
+    /// An alive report from `target` for `seq`: `true` when it is about a
+    /// cancel awaiting its answer (its silence deadline moves to `now`).
+    pub(super) fn cancel_alive(&mut self, target: TargetId, seq: Seq, now: Time) -> bool {
+        match self.cancels.get_mut(&(target, seq)) {
+            Some(cancel) => {
+                cancel.heard = cancel.heard.max(now);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// `target`'s process is lost, `cause` saying how: every task in
+    /// flight on it ends with [`TaskEnd::Lost`], and its unanswered
+    /// cancels are dropped (their tasks' ends answer them).
+    pub(super) fn tasks_lost(&mut self, target: TargetId, cause: &str) {
+        self.cancels.retain(|(t, _), _| *t != target);
+        let seqs: Vec<Seq> = self
+            .tasks
+            .iter()
+            .filter(|(_, task)| task.target == target)
+            .map(|(seq, _)| *seq)
+            .collect();
+        for seq in seqs {
+            self.end_task(
+                seq,
+                TaskEnd::Lost {
+                    cause: cause.to_owned(),
+                },
+            );
+        }
+    }
+
+    /// The targets to fence at `now` for their tasks (§2.11, §2.12), each
+    /// with the cause: a task's deadline passed (those tasks end with
+    /// [`TaskEnd::Deadline`] here), or, with
+    /// [`super::ParentConfig::fence_on_timeout`], a cancel went unanswered
+    /// with no alive report for a control timeout.
+    pub(super) fn expire_tasks(&mut self, now: Time) -> Vec<(TargetId, String)> {
+        let expired: Vec<(Seq, TargetId)> = self
+            .tasks
+            .iter()
+            .filter(|(_, task)| task.deadline.is_some_and(|d| d <= now))
+            .map(|(seq, task)| (*seq, task.target))
+            .collect();
+        let mut fence: Vec<(TargetId, String)> = Vec::new();
+        for (seq, target) in expired {
+            if mutant!(self, DeadlineWithoutCompletion) {
+                if let Some(task) = self.tasks.get_mut(&seq) {
+                    task.deadline = None;
+                }
+            } else {
+                self.end_task(seq, TaskEnd::Deadline);
+            }
+            if !fence.iter().any(|(t, _)| *t == target) {
+                fence.push((target, format!("{seq} passed its deadline")));
+            }
+        }
+        if self.config.fence_on_timeout {
+            let timeout = self.config.control_timeout;
+            for ((target, seq), cancel) in &self.cancels {
+                let silent = cancel.heard.saturating_add_micros(timeout) <= now;
+                if silent && !fence.iter().any(|(t, _)| t == target) {
+                    fence.push((*target, format!("no answer to the cancel of {seq}")));
+                }
+            }
+        }
+        fence
+    }
+
+    /// The earliest task deadline, and with fencing the earliest silence
+    /// deadline of an unanswered cancel.
+    pub(super) fn task_timeout(&self) -> Option<Time> {
+        let deadlines = self.tasks.values().filter_map(|task| task.deadline);
+        let timeout = self.config.control_timeout;
+        let cancels = self
+            .cancels
+            .values()
+            .filter(|_| self.config.fence_on_timeout)
+            .map(|cancel| cancel.heard.saturating_add_micros(timeout));
+        deadlines.chain(cancels).min()
+    }
+
+    /// At close: every task in flight ends with [`TaskEnd::Closed`].
+    pub(super) fn close_tasks(&mut self) {
+        self.cancels.clear();
+        let seqs: Vec<Seq> = self.tasks.keys().copied().collect();
+        for seq in seqs {
+            self.end_task(seq, TaskEnd::Closed);
+        }
+    }
+
+    /// `FRAME_INVALID` unless `seq` was issued by this parent.
+    fn check_issued(&self, target: TargetId, seq: Seq, what: &str) -> Result<(), Error> {
+        if seq.0 == 0 || seq.0 >= self.next_seq {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Reply,
+                format!("{what} for {seq} which this Worker never issued"),
+            )
+            .with_target(target)
+            .with_seq(seq));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Failure, OwnerToken, ParentConfig};
+    use super::*;
+
+    fn digest(n: u8) -> Digest {
+        Digest([n; 32])
+    }
+
+    /// A started parent of `targets` targets (replacements after
+    /// `respawn_limit` > 0) holding a handle of digest 1 on every target.
+    fn with_handle(targets: u16, respawn_limit: u16) -> (Parent, Handle) {
+        let mut p = Parent::new(ParentConfig {
+            targets,
+            control_timeout: 100,
+            operation_timeout: 1_000,
+            fence_on_timeout: true,
+            owner: OwnerToken(9),
+            slot_capacity: 64,
+            probe_first: false,
+            respawn_limit,
+            respawn_backoff: 0,
+        });
+        let handle = p
+            .register_before_start(digest(1), Namespace::LocalPython)
+            .unwrap();
+        p.start().unwrap();
+        drain(&mut p);
+        (p, handle)
+    }
+
+    fn drain(p: &mut Parent) -> Vec<Effect> {
+        std::iter::from_fn(|| p.poll_effect()).collect()
+    }
+
+    fn done(seq: Seq, target: u16, incarnation: u32, end: TaskEnd) -> Effect {
+        Effect::TaskDone {
+            seq,
+            target: TargetId(target),
+            incarnation,
+            digest: digest(1),
+            end,
+        }
+    }
+
+    fn answer(seq: Seq, result: Result<(), Failure>) -> Reply {
+        Reply {
+            seq,
+            digest: digest(1),
+            result,
+        }
+    }
+
+    #[test]
+    fn a_result_ends_its_task_once_and_only_from_its_target_and_incarnation() {
+        let (mut p, h) = with_handle(2, 0);
+        let seq = p.submit(&h, TargetId(1)).unwrap();
+        assert_eq!(
+            drain(&mut p),
+            vec![Effect::Send {
+                target: TargetId(1),
+                frame: ControlFrame::Task {
+                    seq,
+                    digest: digest(1)
+                }
+            }]
+        );
+        // Another target, another incarnation: refused, nothing changes.
+        let before = p.clone();
+        assert_eq!(p.handle_task_result(TargetId(0), 0, seq), Ok(false));
+        assert_eq!(p.handle_task_result(TargetId(1), 1, seq), Ok(false));
+        assert_eq!(p, before);
+        assert_eq!(p.handle_task_result(TargetId(1), 0, seq), Ok(true));
+        assert_eq!(drain(&mut p), vec![done(seq, 1, 0, TaskEnd::Result)]);
+        // A second result for it: refused.
+        assert_eq!(p.handle_task_result(TargetId(1), 0, seq), Ok(false));
+        assert_eq!(drain(&mut p), vec![]);
+        assert!(p.is_idle());
+        // A seq never issued is out of protocol.
+        let e = p.handle_task_result(TargetId(1), 0, Seq(99)).unwrap_err();
+        assert_eq!(e.code, ErrorCode::FRAME_INVALID);
+    }
+
+    #[test]
+    fn a_cancel_answered_ok_ends_the_task_cancelled_and_a_refusal_lets_it_finish() {
+        let (mut p, h) = with_handle(1, 0);
+        let first = p.submit(&h, TargetId(0)).unwrap();
+        let second = p.submit(&h, TargetId(0)).unwrap();
+        drain(&mut p);
+        p.cancel(first, Time(5)).unwrap();
+        p.cancel(second, Time(5)).unwrap();
+        // A second cancel while the first is unanswered sends nothing.
+        p.cancel(second, Time(6)).unwrap();
+        let cancel = |seq| Effect::Send {
+            target: TargetId(0),
+            frame: ControlFrame::Cancel {
+                seq,
+                digest: digest(1),
+            },
+        };
+        assert_eq!(drain(&mut p), vec![cancel(first), cancel(second)]);
+        assert_eq!(p.task(first).map(|t| t.cancelling), Some(true));
+        let running = Failure::new(ErrorCode::TASK_RUNNING, "running");
+        p.handle_reply(TargetId(0), answer(first, Err(running.clone())), Time(7))
+            .unwrap();
+        p.handle_reply(TargetId(0), answer(second, Ok(())), Time(7))
+            .unwrap();
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                Effect::CancelRefused {
+                    seq: first,
+                    failure: running
+                },
+                done(second, 0, 0, TaskEnd::Cancelled)
+            ]
+        );
+        assert_eq!(p.tasks_in_flight(), vec![first]);
+        // Nothing became uncertain: answers to cancels are not registers'.
+        assert!(!p.is_uncertain(digest(1)));
+        assert_eq!(p.handle_task_result(TargetId(0), 0, first), Ok(true));
+        assert_eq!(drain(&mut p), vec![done(first, 0, 0, TaskEnd::Result)]);
+        assert_eq!(
+            p.cancel(first, Time(8)).unwrap_err().code,
+            ErrorCode::TASK_RUNNING
+        );
+        assert!(p.is_idle());
+    }
+
+    #[test]
+    fn a_cancel_answer_after_the_result_changes_nothing() {
+        let (mut p, h) = with_handle(1, 0);
+        let seq = p.submit(&h, TargetId(0)).unwrap();
+        p.cancel(seq, Time(1)).unwrap();
+        drain(&mut p);
+        assert_eq!(p.handle_task_result(TargetId(0), 0, seq), Ok(true));
+        assert_eq!(drain(&mut p), vec![done(seq, 0, 0, TaskEnd::Result)]);
+        let late = Failure::new(ErrorCode::TASK_RUNNING, "ended");
+        let before_uncertain = p.uncertain_digests();
+        p.handle_reply(TargetId(0), answer(seq, Err(late)), Time(2))
+            .unwrap();
+        assert_eq!(drain(&mut p), vec![]);
+        assert_eq!(p.uncertain_digests(), before_uncertain);
+        assert!(p.is_idle());
+    }
+
+    #[test]
+    fn a_deadline_ends_its_task_fences_its_target_and_loses_the_others_there() {
+        let (mut p, h) = with_handle(2, 3);
+        let late = p
+            .submit_with_deadline(&h, TargetId(0), Some(Time(50)))
+            .unwrap();
+        let other = p.submit(&h, TargetId(0)).unwrap();
+        let elsewhere = p.submit(&h, TargetId(1)).unwrap();
+        drain(&mut p);
+        assert_eq!(p.poll_timeout(), Some(Time(50)));
+        p.handle_timeout(Time(49));
+        assert_eq!(drain(&mut p), vec![]);
+        p.handle_timeout(Time(50));
+        let cause = format!("{late} passed its deadline");
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                done(late, 0, 0, TaskEnd::Deadline),
+                Effect::Fence {
+                    target: TargetId(0)
+                },
+                done(other, 0, 0, TaskEnd::Lost { cause }),
+                Effect::Spawn {
+                    target: TargetId(0),
+                    incarnation: 1
+                },
+            ]
+        );
+        assert_eq!(p.tasks_in_flight(), vec![elsewhere]);
+        let error = TaskEnd::Deadline
+            .error(late, TargetId(0), 0, digest(1))
+            .unwrap();
+        assert_eq!(error.code, ErrorCode::TASK_DEADLINE);
+    }
+
+    #[test]
+    fn a_loss_ends_every_task_of_the_target_naming_the_incarnation_and_close_ends_the_rest() {
+        let (mut p, h) = with_handle(2, 0);
+        let a = p.submit(&h, TargetId(0)).unwrap();
+        let b = p.submit(&h, TargetId(1)).unwrap();
+        p.cancel(a, Time(1)).unwrap();
+        drain(&mut p);
+        p.target_died(TargetId(0), "killed by signal 9", Time(2))
+            .unwrap();
+        let lost = TaskEnd::Lost {
+            cause: "killed by signal 9".into(),
+        };
+        assert_eq!(drain(&mut p), vec![done(a, 0, 0, lost.clone())]);
+        assert!(!p.awaits_cancel(TargetId(0), a));
+        let message = lost.error(a, TargetId(0), 0, digest(1)).unwrap().message;
+        assert_eq!(
+            message,
+            format!("target 0 (incarnation 0) was lost before {a} finished: killed by signal 9")
+        );
+        p.close().unwrap();
+        assert_eq!(drain(&mut p), vec![done(b, 1, 0, TaskEnd::Closed)]);
+        assert!(p.tasks_in_flight().is_empty());
+    }
+
+    #[test]
+    fn a_silent_cancel_fences_with_fencing_on_and_an_alive_report_moves_it() {
+        let (mut p, h) = with_handle(1, 0);
+        let seq = p.submit(&h, TargetId(0)).unwrap();
+        p.cancel(seq, Time(10)).unwrap();
+        drain(&mut p);
+        assert_eq!(p.poll_timeout(), Some(Time(110)));
+        p.handle_alive(TargetId(0), seq, Time(60)).unwrap();
+        assert_eq!(p.poll_timeout(), Some(Time(160)));
+        p.handle_timeout(Time(160));
+        let effects = drain(&mut p);
+        assert_eq!(
+            effects[0],
+            Effect::Fence {
+                target: TargetId(0)
+            }
+        );
+        assert!(matches!(
+            &effects[1],
+            Effect::TaskDone { end: TaskEnd::Lost { cause }, .. } if cause == &format!("no answer to the cancel of {seq}")
+        ));
+    }
+
+    #[test]
+    fn a_task_sent_to_an_earlier_incarnation_is_not_ended_by_the_replacement() {
+        let (mut p, h) = with_handle(1, 3);
+        let seq = p.submit(&h, TargetId(0)).unwrap();
+        drain(&mut p);
+        p.target_died(TargetId(0), "gone", Time(1)).unwrap();
+        drain(&mut p);
+        // The replacement (incarnation 1) may not end a task of 0: it ended.
+        assert_eq!(p.handle_task_result(TargetId(0), 1, seq), Ok(false));
+        assert_eq!(p.incarnation(TargetId(0)), 1);
+    }
+}
