@@ -1,0 +1,1171 @@
+//! The IO state (`IoLoop`) and the IO thread that drives it (the run rule
+//! in the [module docs](super)):
+//!
+//! * requests given to the machine, and its effects carried out as IO;
+//! * replies read and decoded, control bytes flushed, deadlines handled;
+//! * targets lost, buried, and the close.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags};
+
+use super::leader::{io_wake, poll_events, Handover, Leaving, Shared};
+use super::pending::{operation_error, OperationError, TargetTable, TaskError};
+use super::respawn::{Kept, SlotEvent, Spawned};
+#[cfg(doc)]
+use super::Worker;
+use super::{
+    check_hooks_live, lifecycle_error, metadata_identity, now_since, refuse, Core, Request,
+};
+use crate::descriptor::Digest;
+use crate::error::{Error, ErrorCode, OperationKind};
+use crate::io::handoff::Completer;
+use crate::io::lead::{Left, Watch};
+use crate::io::process::{TargetProcess, TrackedFd};
+use crate::io::staging::StagedPayload;
+use crate::io::zygote::Zygote;
+use crate::io::{failpoints, process};
+use crate::protocol::{
+    Completion, ControlFrame, Effect, Failure, Handle, Namespace, OpId, Reply, Seq, StagingId,
+    TargetId, TargetOutcome, Time,
+};
+use crate::runtime::TaskEncoding;
+use crate::wire::{Frame, FrameBuffer};
+
+/// How long [`Worker::close`] lets targets exit on their own (after their
+/// control pipe closes) before killing them.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// How long a lost target (its pipe closed or broke the protocol) may take
+/// to finish exiting before it is killed.
+pub(super) const LOST_GRACE: Duration = Duration::from_millis(50);
+
+/// Bytes read from a reply socket per `read` call.
+pub(super) const READ_CHUNK_BYTES: usize = 64 * 1024;
+
+/// Kept payloads up to this size are freed by the thread that released
+/// them; larger ones by the IO thread, off the callers' path.
+const INLINE_FREE_BYTES: usize = 64 * 1024;
+
+/// The IO thread (the run rule in the module docs).
+pub(super) fn io_thread(shared: Arc<Shared>) {
+    let mut core = shared.lock();
+    loop {
+        let Some(mut io) = core.io.take() else {
+            return;
+        };
+        // Step 1: replacements the template forked, the requests left to
+        // this thread, and a close.
+        let spawned = std::mem::take(&mut *io.spawned.lock().unwrap_or_else(|p| p.into_inner()));
+        for spawned in spawned {
+            io.link_spawned(&mut core, spawned);
+        }
+        while let Some(request) = core.requests.pop_front() {
+            io.request(&mut core, request);
+        }
+        if core.closing {
+            io.close(&mut core);
+            let handovers = std::mem::take(&mut io.handovers);
+            drop(core);
+            handovers.into_iter().for_each(|handover| handover());
+            // A leader finds the Worker closed, its result decided.
+            let _ = nix::unistd::write(&io.leader_wake_write, &[1]);
+            return;
+        }
+        // Step 2: deadlines.
+        io.handle_deadlines(&mut core);
+        // Step 3: the poll set (reply sockets only when a reply is expected
+        // and no leader reads them) and its timeout.
+        let deadline = io.next_deadline(&core);
+        let live = io.live();
+        let unsent = io.unsent();
+        let expecting = io.expecting(&core);
+        io.watch.plan_io(&live, expecting, &unsent, deadline);
+        let mut watched: Vec<(Ready, Arc<TrackedFd>, PollFlags)> =
+            vec![(Ready::Wake, io.wake.clone(), PollFlags::POLLIN)];
+        for &(index, pid) in &live {
+            let Some(link) = io.links[index].as_ref() else {
+                continue;
+            };
+            if io.watch.io_reads(index, pid) {
+                watched.push((
+                    Ready::Reply(index, pid),
+                    link.process.reply_shared(),
+                    PollFlags::POLLIN,
+                ));
+            }
+            if let Some(pidfd) = link.process.pidfd_shared() {
+                watched.push((Ready::Ended(index, pid), pidfd, PollFlags::POLLIN));
+            }
+            if !link.outbox.is_empty() {
+                if let Some(control) = link.process.control_shared() {
+                    watched.push((Ready::Control(index, pid), control, PollFlags::POLLOUT));
+                }
+            }
+        }
+        // Step 4: hand over, and wait without the lock.
+        let leaving = Leaving {
+            handovers: std::mem::take(&mut io.handovers),
+            freed: std::mem::take(&mut io.graveyard),
+            recheck: std::mem::take(&mut io.completed),
+        };
+        core.io = Some(io);
+        drop(core);
+        shared.finish(leaving);
+        let mut fds: Vec<PollFd> = watched
+            .iter()
+            .map(|(_, fd, flags)| PollFd::new(fd.as_fd(), *flags))
+            .collect();
+        let (polled, flags) = poll_events(&mut fds, deadline);
+        drop(fds);
+        let events: Vec<(Ready, PollFlags)> = watched
+            .into_iter()
+            .map(|(what, _, _)| what)
+            .zip(flags)
+            .collect();
+        let _ = failpoints::hit(failpoints::PARENT_IO_TURN);
+        // Steps 5 and 6: replies, losses, flushes.
+        core = shared.lock();
+        let Some(mut io) = core.io.take() else {
+            return;
+        };
+        if let Err(errno) = polled {
+            if errno != Errno::EINTR {
+                // Unrecoverable: fail everything rather than spin.
+                core.closing = true;
+            }
+        } else {
+            io.handle_events(&mut core, events);
+        }
+        core.io = Some(io);
+        // Completions decided here are handed over at step 4 of the next
+        // turn, after its lock is released, not now: a caller woken now
+        // would find the lock taken again for steps 1 to 3.
+    }
+}
+
+/// One live target as the IO thread sees it.
+pub(super) struct Link {
+    pub(super) process: TargetProcess,
+    pub(super) input: FrameBuffer,
+    /// Encoded control bytes not yet written (the socket was full).
+    pub(super) outbox: Vec<u8>,
+    /// Staged payloads whose descriptor goes with the outbox byte at
+    /// their offset (a register frame's first byte), in offset order. One
+    /// staged payload is shared by every target's frame (no descriptor is
+    /// duplicated per target); each share is dropped once its frame's
+    /// first byte is sent, which is before that target can answer, so the
+    /// payload is still released when every target answered.
+    pub(super) outbox_fds: VecDeque<(usize, Arc<StagedPayload>)>,
+    /// The slot's incarnation this process is (0: forked at start).
+    pub(super) incarnation: u32,
+}
+
+pub(super) enum ReadOutcome {
+    Data,
+    Nothing,
+    Closed,
+}
+
+/// Reads everything available from a link's reply socket into its buffer.
+pub(super) fn read_available(link: &mut Link, chunk: &mut [u8]) -> ReadOutcome {
+    let mut got = false;
+    loop {
+        match nix::unistd::read(link.process.reply().as_fd(), chunk) {
+            Ok(0) => return ReadOutcome::Closed,
+            Ok(n) => {
+                link.input.extend(&chunk[..n]);
+                got = true;
+                // A short read emptied the pipe: asking again would only
+                // return `EAGAIN` (one syscall per reply); later bytes make
+                // the next `poll` report the pipe readable. Decode before
+                // reading more: the buffer stays bounded.
+                if n < chunk.len() || link.input.pending_bytes() > READ_CHUNK_BYTES * 4 {
+                    return ReadOutcome::Data;
+                }
+            }
+            Err(Errno::EINTR) => continue,
+            Err(Errno::EAGAIN) => {
+                return if got {
+                    ReadOutcome::Data
+                } else {
+                    ReadOutcome::Nothing
+                };
+            }
+            Err(_) => return ReadOutcome::Closed,
+        }
+    }
+}
+
+pub(super) enum OpWaiter {
+    Register(Completer<Result<Handle, OperationError>>),
+    Unregister(Completer<Result<(), OperationError>>),
+}
+
+pub(super) struct TaskWaiter {
+    target: TargetId,
+    digest: Digest,
+    done: Completer<Result<Vec<u8>, TaskError>>,
+}
+
+pub(super) struct InspectWaiter {
+    seq: u64,
+    /// When the targets still waited for are given up (`None` in the
+    /// answer): the control timeout after the inspect was sent.
+    deadline: Instant,
+    waiting: Vec<TargetId>,
+    tables: BTreeMap<TargetId, Option<TargetTable>>,
+    done: Completer<Vec<(TargetId, Option<TargetTable>)>>,
+}
+
+/// A register's staged payload with the metadata JSON its control carries
+/// (empty for none); dropping it unlinks the payload.
+pub(super) struct Staged {
+    pub(super) payload: Arc<StagedPayload>,
+    pub(super) metadata: String,
+}
+
+/// Data a request brings for the effects it causes.
+#[derive(Default)]
+pub(super) struct Context {
+    staged: Option<(Digest, Staged)>,
+    task_input: Option<(TaskEncoding, Vec<u8>)>,
+}
+
+/// The IO state: what the IO thread and the leading caller drive, in turn,
+/// under the state lock (`Core::io`).
+pub(super) struct IoLoop {
+    pub(super) links: Vec<Option<Link>>,
+    /// The read end of the IO thread's wake pipe.
+    pub(super) wake: Arc<TrackedFd>,
+    /// The leader's wake pipe: written when a result is decided by another
+    /// thread while a caller leads, or at close.
+    pub(super) leader_wake: Arc<TrackedFd>,
+    pub(super) leader_wake_write: TrackedFd,
+    /// Who reads the reply sockets ([`crate::io::lead`]).
+    pub(super) watch: Watch,
+    /// Whether a result was decided since the last [`IoLoop::leave`] (a
+    /// leader waiting for it must be woken).
+    pub(super) completed: bool,
+    /// The buffer reply sockets are read into.
+    pub(super) chunk: Vec<u8>,
+    pub(super) staged: BTreeMap<StagingId, Staged>,
+    pub(super) ops: BTreeMap<OpId, OpWaiter>,
+    pub(super) tasks: BTreeMap<u64, TaskWaiter>,
+    pub(super) inspects: Vec<InspectWaiter>,
+    /// Inspections a target did not answer before their deadline, by seq
+    /// and target: its table, if it comes, is dropped (it is not out of
+    /// protocol).
+    pub(super) late_tables: std::collections::BTreeSet<(u64, TargetId)>,
+    pub(super) next_inspect: u64,
+    pub(super) control_timeout: Duration,
+    pub(super) clock: Instant,
+    pub(super) max_frame_bytes: usize,
+    /// Completions decided under the state lock, handed to their callers
+    /// once it is released: a caller woken while the IO thread still held
+    /// the lock would block on it at once (one more sleep and wake-up).
+    pub(super) handovers: Vec<Handover>,
+    /// The template process replacements are forked from (`None` with
+    /// replacements off).
+    pub(super) zygote: Option<Arc<Zygote>>,
+    /// The threads asking the template for replacements (a spawn waits
+    /// for the template's answer; the IO thread never does).
+    pub(super) spawners: Vec<JoinHandle<()>>,
+    /// Replacements the template forked (or failed to) on a spawning
+    /// thread, for the IO thread to link; spawning threads never take the
+    /// state lock (a close joins them while holding it).
+    pub(super) spawned: Arc<Mutex<VecDeque<Spawned>>>,
+    /// Replacements started and not yet ready, by index: the incarnation
+    /// and the time by which its ready report must come.
+    pub(super) starting: BTreeMap<usize, (u32, Instant)>,
+    /// Why the machine will fence a target next (a failed join), if not
+    /// for a deadline.
+    pub(super) fence_reasons: BTreeMap<TargetId, String>,
+    /// Kept envelopes no registration needs any more, dropped after the
+    /// completions are handed over (freeing a large one takes time no
+    /// caller should wait for).
+    pub(super) graveyard: Vec<Kept>,
+}
+
+impl Drop for IoLoop {
+    fn drop(&mut self) {
+        self.hand_over();
+    }
+}
+
+/// What a polled descriptor belongs to: the wake pipe, or a link by index
+/// and process id (a link replaced earlier in the same turn is not the one
+/// that was polled: its events are dropped).
+#[derive(Clone, Copy)]
+enum Ready {
+    Wake,
+    Reply(usize, i32),
+    Control(usize, i32),
+    Ended(usize, i32),
+}
+
+impl IoLoop {
+    pub(super) fn now(&self) -> Time {
+        now_since(self.clock)
+    }
+
+    /// Queues `value` for `done`'s caller; see [`IoLoop::hand_over`].
+    fn defer<T: Send + 'static>(&mut self, done: Completer<T>, value: T) {
+        self.completed = true;
+        self.handovers.push(Box::new(move || done.complete(value)));
+    }
+
+    /// Completes the queued operations; called without the state lock.
+    fn hand_over(&mut self) {
+        for handover in self.handovers.drain(..) {
+            handover();
+        }
+    }
+
+    /// Every live link: (index, pid).
+    pub(super) fn live(&self) -> Vec<(usize, i32)> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(index, link)| {
+                link.as_ref()
+                    .map(|link| (index, link.process.pid().as_raw()))
+            })
+            .collect()
+    }
+
+    /// The process id of the link at `index`, if live.
+    pub(super) fn pid_at(&self, index: usize) -> Option<i32> {
+        self.links
+            .get(index)
+            .and_then(Option::as_ref)
+            .map(|link| link.process.pid().as_raw())
+    }
+
+    /// Whether any target owes a reply: a task's result, a control's
+    /// answer (every operation in flight has a deadline), an inspection's
+    /// table or a replacement's ready report.
+    fn expecting(&self, core: &Core) -> bool {
+        !self.tasks.is_empty()
+            || !self.inspects.is_empty()
+            || !self.starting.is_empty()
+            || core.machine.poll_timeout().is_some()
+    }
+
+    /// The earliest deadline: the machine's, an inspection's or a starting
+    /// replacement's.
+    pub(super) fn next_deadline(&self, core: &Core) -> Option<Instant> {
+        let machine = core
+            .machine
+            .poll_timeout()
+            .map(|deadline| self.clock + Duration::from_micros(deadline.0));
+        machine
+            .into_iter()
+            .chain(self.inspects.iter().map(|w| w.deadline))
+            .chain(self.starting.values().map(|(_, deadline)| *deadline))
+            .min()
+    }
+
+    /// Links with control bytes not yet written: (index, pid).
+    fn unsent(&self) -> Vec<(usize, i32)> {
+        self.links
+            .iter()
+            .enumerate()
+            .filter_map(|(index, link)| match link {
+                Some(link) if !link.outbox.is_empty() => Some((index, link.process.pid().as_raw())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// What a thread other than the IO thread does before it releases the
+    /// state lock ([`crate::io::lead`]): wakes the IO thread if what it leaves
+    /// needs it (unless `settle` is false: the caller leads next and
+    /// settles then), and returns what to do once the lock is released
+    /// ([`Shared::finish`]).
+    pub(super) fn leave(&mut self, core: &Core, settle: bool, leader: bool) -> Leaving {
+        // Small payloads are freed by this thread once its results are
+        // handed over (cheaper than waking the IO thread for them); large
+        // ones by the IO thread.
+        let (freed, large): (Vec<Kept>, Vec<Kept>) = std::mem::take(&mut self.graveyard)
+            .into_iter()
+            .partition(|kept| kept.len() <= INLINE_FREE_BYTES);
+        self.graveyard = large;
+        if settle {
+            let live = self.live();
+            let unsent = self.unsent();
+            let left = Left {
+                live: &live,
+                expecting: self.expecting(core),
+                unsent: &unsent,
+                deadline: self.next_deadline(core),
+                chores: !self.graveyard.is_empty(),
+            };
+            if self.watch.io_must_wake(left) {
+                io_wake(core);
+            }
+        }
+        Leaving {
+            handovers: std::mem::take(&mut self.handovers),
+            freed,
+            recheck: std::mem::take(&mut self.completed) && !leader,
+        }
+    }
+
+    /// Handles every deadline that passed: the machine's, the
+    /// inspections', the starting replacements'.
+    pub(super) fn handle_deadlines(&mut self, core: &mut Core) {
+        let now = self.now();
+        if core
+            .machine
+            .poll_timeout()
+            .is_some_and(|deadline| deadline <= now)
+        {
+            core.machine.handle_timeout(now);
+            self.drain(core, &mut Context::default());
+        }
+        self.expire_inspects();
+        self.expire_starting(core);
+    }
+
+    /// Reads what the pipes `events` reported ready hold, and handles the
+    /// ends they report; a link lost and maybe replaced (§2.9) by an
+    /// event handled before is not the one that was polled: its events
+    /// are dropped.
+    fn handle_events(&mut self, core: &mut Core, events: Vec<(Ready, PollFlags)>) {
+        for (what, event) in events {
+            if event.is_empty() {
+                continue;
+            }
+            let polled_link = match what {
+                Ready::Wake => None,
+                Ready::Reply(index, pid)
+                | Ready::Control(index, pid)
+                | Ready::Ended(index, pid) => Some((index, pid)),
+            };
+            if let Some((index, pid)) = polled_link {
+                if self.pid_at(index) != Some(pid) {
+                    continue;
+                }
+            }
+            match what {
+                Ready::Wake => {
+                    // Until a short read: the pipe is then empty.
+                    let mut sink = [0u8; 256];
+                    while matches!(nix::unistd::read(self.wake.as_fd(), &mut sink), Ok(n) if n == sink.len())
+                    {
+                    }
+                }
+                Ready::Reply(index, _) => {
+                    // A hung-up pipe is read to its end in this turn: a
+                    // completion decided now must not be handed over
+                    // while the target that died is still counted live.
+                    let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
+                    self.read_replies(core, index, hung_up)
+                }
+                Ready::Control(index, _) => self.flush(core, index),
+                Ready::Ended(index, _) => {
+                    // Its last replies first (a reply socket that also
+                    // closed was handled just before, as `Reply`).
+                    self.read_replies(core, index, true);
+                    let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                    self.lose(core, target, "its process ended");
+                }
+            }
+        }
+    }
+
+    /// Gives one request to the machine, then drains its effects.
+    pub(super) fn request(&mut self, core: &mut Core, request: Request) {
+        let now = self.now();
+        let mut context = Context::default();
+        match request {
+            Request::Register {
+                digest,
+                staged,
+                metadata,
+                done,
+            } => {
+                // Checked here, in request order: an unregister of a hook
+                // queued before this register has taken effect.
+                let checked = match &metadata {
+                    Some(metadata) => check_hooks_live(&core.machine, digest, metadata),
+                    None => Ok(()),
+                };
+                let identity = metadata.as_deref().map(metadata_identity);
+                match checked.and_then(|()| {
+                    core.machine.register_with_metadata(
+                        digest,
+                        Namespace::LocalPython,
+                        identity,
+                        now,
+                    )
+                }) {
+                    Ok(op) => {
+                        self.ops.insert(op, OpWaiter::Register(done));
+                        let metadata = metadata.map(|m| m.to_json()).unwrap_or_default();
+                        context.staged = Some((
+                            digest,
+                            Staged {
+                                payload: Arc::new(staged),
+                                metadata,
+                            },
+                        ));
+                    }
+                    Err(error) => self.defer(done, Err(OperationError::new(error))),
+                }
+            }
+            Request::Unregister { handle, done } => match core.machine.unregister(&handle, now) {
+                Ok(op) => {
+                    self.ops.insert(op, OpWaiter::Unregister(done));
+                }
+                Err(error) => self.defer(done, Err(OperationError::new(error))),
+            },
+            Request::Task {
+                handle,
+                target,
+                encoding,
+                input,
+                done,
+            } => match core.machine.submit(&handle, target) {
+                Ok(seq) => {
+                    self.tasks.insert(
+                        seq.0,
+                        TaskWaiter {
+                            target,
+                            digest: handle.digest(),
+                            done,
+                        },
+                    );
+                    context.task_input = Some((encoding, input));
+                }
+                Err(error) => self.defer(
+                    done,
+                    Err(TaskError {
+                        error,
+                        kind: String::new(),
+                        exception: Box::default(),
+                    }),
+                ),
+            },
+            Request::Inspect { done } => {
+                let seq = self.next_inspect;
+                self.next_inspect += 1;
+                let mut waiting = Vec::new();
+                for (index, link) in self.links.iter_mut().enumerate() {
+                    let Some(link) = link else { continue };
+                    let frame = Frame::Inspect { seq };
+                    if frame
+                        .encode_into(&mut link.outbox, self.max_frame_bytes)
+                        .is_ok()
+                    {
+                        waiting.push(TargetId(u16::try_from(index).unwrap_or(u16::MAX)));
+                    }
+                }
+                let mut waiter = InspectWaiter {
+                    seq,
+                    deadline: Instant::now() + self.control_timeout,
+                    waiting: waiting.clone(),
+                    tables: BTreeMap::new(),
+                    done,
+                };
+                if waiting.is_empty() {
+                    finish_inspect(&mut waiter);
+                    waiter.done.complete(Vec::new());
+                } else {
+                    self.inspects.push(waiter);
+                    for target in waiting {
+                        self.flush(core, usize::from(target.0));
+                    }
+                }
+            }
+            #[cfg(feature = "failpoints")]
+            Request::RawControl { target, bytes } => {
+                if let Some(Some(link)) = self.links.get_mut(usize::from(target.0)) {
+                    link.outbox.extend_from_slice(&bytes);
+                    self.flush(core, usize::from(target.0));
+                }
+            }
+            // `run` takes a close out of the queue itself (step 1).
+            Request::Close => {}
+        }
+        self.drain(core, &mut context);
+    }
+
+    /// Drains the machine's effects and carries each out, in order.
+    pub(super) fn drain(&mut self, core: &mut Core, context: &mut Context) {
+        while let Some(effect) = core.machine.poll_effect() {
+            match effect {
+                Effect::Restage { staging, digest } => self.restage(core, staging, digest),
+                Effect::Spawn {
+                    target,
+                    incarnation,
+                } => self.spawn(core, target, incarnation),
+                Effect::Joined {
+                    target,
+                    incarnation,
+                } => core.record(SlotEvent::Joined {
+                    target,
+                    incarnation,
+                }),
+                Effect::JoinFailed {
+                    target,
+                    incarnation,
+                    failure,
+                } => {
+                    self.fence_reasons.insert(
+                        target,
+                        format!("incarnation {incarnation} failed to join ({failure})"),
+                    );
+                    core.record(SlotEvent::JoinFailed {
+                        target,
+                        incarnation,
+                        failure,
+                    });
+                }
+                Effect::Abandoned {
+                    target,
+                    failed_joins,
+                } => {
+                    let event = SlotEvent::Abandoned {
+                        target,
+                        failed_joins,
+                    };
+                    let loss = core.losses.entry(target).or_default();
+                    if !loss.is_empty() {
+                        loss.push_str("; ");
+                    }
+                    loss.push_str(&format!(
+                        "given up after {failed_joins} replacements in a row were lost before they joined"
+                    ));
+                    core.record(event);
+                }
+                Effect::Stage { staging, digest } => {
+                    let staged = match context.staged.take() {
+                        Some((staged_digest, staged)) if staged_digest == digest => staged,
+                        _ => {
+                            let failure = Failure::new(
+                                ErrorCode::IO_FAILED,
+                                "no staged payload for this register",
+                            );
+                            let _ = core.machine.stage_failed(staging, failure);
+                            continue;
+                        }
+                    };
+                    if core.machine.keeps_envelope(digest) {
+                        core.kept.entry(digest).or_insert_with(|| Kept {
+                            bytes: None,
+                            payload: Some(staged.payload.clone()),
+                            metadata: staged.metadata.clone(),
+                        });
+                    }
+                    self.staged.insert(staging, staged);
+                    if let Err(message) = failpoints::hit(failpoints::PARENT_AFTER_STAGE) {
+                        self.staged.remove(&staging);
+                        let failure = Failure::new(ErrorCode::IO_FAILED, message);
+                        let _ = core.machine.stage_failed(staging, failure);
+                    }
+                }
+                Effect::Send { target, frame } => self.send(core, target, frame, context),
+                Effect::ReleaseStaged { staging } => {
+                    self.staged.remove(&staging);
+                    self.prune_kept(core);
+                }
+                Effect::Fence { target } => {
+                    let why = self
+                        .fence_reasons
+                        .remove(&target)
+                        .unwrap_or_else(|| "it missed a deadline and was fenced".to_owned());
+                    self.bury(core, target, Duration::ZERO, &why)
+                }
+                Effect::Completed {
+                    op,
+                    result,
+                    outcomes,
+                } => {
+                    self.complete(op, result, outcomes, &core.losses);
+                    self.prune_kept(core);
+                }
+            }
+        }
+    }
+
+    fn send(
+        &mut self,
+        core: &mut Core,
+        target: TargetId,
+        frame: ControlFrame,
+        context: &mut Context,
+    ) {
+        let mut attached: Option<Arc<StagedPayload>> = None;
+        let wire = match frame {
+            ControlFrame::Register {
+                seq,
+                digest,
+                staging,
+            } => match self.staged.get(&staging) {
+                Some(staged) => {
+                    attached = Some(staged.payload.clone());
+                    Frame::Register {
+                        seq: seq.0,
+                        digest,
+                        staged_size: staged.payload.size(),
+                        metadata: staged.metadata.clone(),
+                    }
+                }
+                // The machine sends a register only while its payload is
+                // staged; an unknown staging id means a lost target now.
+                None => return self.lose(core, target, "no staged payload for its register"),
+            },
+            ControlFrame::Unregister { seq, digest } => Frame::Unregister { seq: seq.0, digest },
+            ControlFrame::Task { seq, digest } => {
+                let (encoding, input) = context
+                    .task_input
+                    .take()
+                    .unwrap_or((TaskEncoding::Json, Vec::new()));
+                Frame::Task {
+                    seq: seq.0,
+                    digest,
+                    encoding,
+                    input,
+                }
+            }
+        };
+        let index = usize::from(target.0);
+        let Some(Some(link)) = self.links.get_mut(index) else {
+            return;
+        };
+        let offset = link.outbox.len();
+        if wire
+            .encode_into(&mut link.outbox, self.max_frame_bytes)
+            .is_err()
+        {
+            // Sizes were checked by the caller; a frame that still does not
+            // fit is a broken link, not something to half-send.
+            return self.lose(
+                core,
+                target,
+                "a control frame exceeded the maximum frame size",
+            );
+        }
+        if let Some(fd) = attached {
+            link.outbox_fds.push_back((offset, fd));
+        }
+        self.flush(core, index);
+    }
+
+    /// Writes as much of a link's outbox as the socket takes now. Each
+    /// `sendmsg` stops before the next frame that carries a descriptor, and
+    /// a descriptor goes with the first byte of its frame, so a target
+    /// receives each register's payload no later than the frame's first
+    /// byte and in frame order.
+    fn flush(&mut self, core: &mut Core, index: usize) {
+        let Some(Some(link)) = self.links.get_mut(index) else {
+            return;
+        };
+        let Some(control) = link.process.control() else {
+            return;
+        };
+        while !link.outbox.is_empty() {
+            let (fd, end) = match (link.outbox_fds.front(), link.outbox_fds.get(1)) {
+                (Some((0, payload)), next) => (Some(payload.fd()), next.map(|(at, _)| *at)),
+                (Some((at, _)), _) => (None, Some(*at)),
+                (None, _) => (None, None),
+            };
+            let end = end.unwrap_or(link.outbox.len());
+            let with_fd = fd.is_some();
+            match process::send_control(control, &link.outbox[..end], fd) {
+                Ok(n) => {
+                    link.outbox.drain(..n);
+                    if n > 0 && with_fd {
+                        link.outbox_fds.pop_front();
+                    }
+                    for (at, _) in link.outbox_fds.iter_mut() {
+                        *at -= n;
+                    }
+                }
+                Err(Errno::EINTR) => continue,
+                Err(Errno::EAGAIN) => return,
+                Err(_) => {
+                    let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+                    return self.lose(core, target, "its control socket is closed");
+                }
+            }
+        }
+    }
+
+    pub(super) fn read_replies(&mut self, core: &mut Core, index: usize, hung_up: bool) {
+        let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+        if self.chunk.len() != READ_CHUNK_BYTES {
+            self.chunk = vec![0u8; READ_CHUNK_BYTES];
+        }
+        let closed = match self.links.get_mut(index) {
+            Some(Some(link)) => loop {
+                // Its writer is gone: what is left is bounded by the pipe's
+                // capacity, then end of file.
+                match read_available(link, &mut self.chunk) {
+                    ReadOutcome::Closed => break true,
+                    ReadOutcome::Data if hung_up => continue,
+                    _ => break false,
+                }
+            },
+            _ => return,
+        };
+        loop {
+            let next = match self.links.get_mut(index) {
+                Some(Some(link)) => link.input.next_frame(),
+                _ => return,
+            };
+            match next {
+                Ok(Some(frame)) => {
+                    if let Err(why) = self.reply(core, target, frame) {
+                        return self.lose(core, target, &why);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    return self.lose(core, target, &format!("it sent an invalid frame: {e}"))
+                }
+            }
+        }
+        if closed {
+            self.lose(core, target, "its reply socket closed");
+        }
+    }
+
+    /// One frame from `target`; `Err` for a frame that is out of protocol.
+    fn reply(&mut self, core: &mut Core, target: TargetId, frame: Frame) -> Result<(), String> {
+        match frame {
+            Frame::Reply {
+                seq,
+                digest,
+                result,
+            } => {
+                let reply = Reply {
+                    seq: Seq(seq),
+                    digest,
+                    result: result.map_err(|e| Failure::new(e.code, e.message)),
+                };
+                let handled = core.machine.handle_reply(target, reply, self.now());
+                self.drain(core, &mut Context::default());
+                handled.map_err(|e| format!("it sent a reply out of protocol: {e}"))
+            }
+            Frame::TaskResult {
+                seq,
+                digest,
+                result,
+            } => {
+                // Taken only when it is this target's: another's waiter
+                // stays for its own target's result.
+                let ours = self
+                    .tasks
+                    .get(&seq)
+                    .is_some_and(|w| w.target == target && w.digest == digest);
+                let waiter = if ours { self.tasks.remove(&seq) } else { None };
+                let Some(waiter) = waiter else {
+                    return Err(format!("it sent a result for unknown task seq {seq}"));
+                };
+                let result = result.map_err(|failure| TaskError {
+                    error: Error::new(failure.code, OperationKind::Task, failure.message)
+                        .with_target(target)
+                        .with_namespace(Namespace::LocalPython)
+                        .with_digest(digest)
+                        .with_seq(Seq(seq)),
+                    kind: failure.kind,
+                    exception: failure.exception.into_boxed_slice(),
+                });
+                self.defer(waiter.done, result);
+                Ok(())
+            }
+            Frame::Table {
+                seq,
+                tombstones,
+                entries,
+            } => {
+                let Some(position) = self
+                    .inspects
+                    .iter()
+                    .position(|w| w.seq == seq && w.waiting.contains(&target))
+                else {
+                    if self.late_tables.remove(&(seq, target)) {
+                        return Ok(());
+                    }
+                    return Err(format!("it sent a table for unknown inspect seq {seq}"));
+                };
+                let incarnation = self
+                    .links
+                    .get(usize::from(target.0))
+                    .and_then(Option::as_ref)
+                    .map_or(0, |link| link.incarnation);
+                let waiter = &mut self.inspects[position];
+                waiter.waiting.retain(|t| *t != target);
+                let installed = entries
+                    .into_iter()
+                    .map(|e| (e.digest, e.refcount))
+                    .collect();
+                waiter.tables.insert(
+                    target,
+                    Some(TargetTable {
+                        installed,
+                        tombstones,
+                        incarnation,
+                    }),
+                );
+                if waiter.waiting.is_empty() {
+                    let mut waiter = self.inspects.remove(position);
+                    let tables = finish_inspect(&mut waiter);
+                    waiter.done.complete(tables);
+                }
+                Ok(())
+            }
+            Frame::Alive { seq } => {
+                let handled = core.machine.handle_alive(target, Seq(seq), self.now());
+                handled.map_err(|e| format!("it sent an alive report out of protocol: {e}"))
+            }
+            Frame::Ready { snapshot, .. } => {
+                let index = usize::from(target.0);
+                let Some((incarnation, _)) = self.starting.remove(&index) else {
+                    return Err("it sent a second ready report".to_owned());
+                };
+                if !snapshot.is_empty() {
+                    return Err(format!(
+                        "its ready report names {} snapshot entries; a replacement starts with none",
+                        snapshot.len()
+                    ));
+                }
+                let spawned = core.machine.target_spawned(target, incarnation, self.now());
+                self.drain(core, &mut Context::default());
+                spawned.map_err(|e| format!("it reported ready out of protocol: {e}"))
+            }
+            other => Err(format!(
+                "it sent a {:?} frame, which only a parent sends",
+                other.kind()
+            )),
+        }
+    }
+
+    fn complete(
+        &mut self,
+        op: OpId,
+        result: Result<Completion, Error>,
+        outcomes: Vec<(TargetId, TargetOutcome)>,
+        losses: &BTreeMap<TargetId, String>,
+    ) {
+        let Some(waiter) = self.ops.remove(&op) else {
+            return;
+        };
+        match (waiter, result) {
+            (OpWaiter::Register(done), Ok(Completion::Registered(handle))) => {
+                if failpoints::hit(failpoints::PARENT_BEFORE_PUBLISH).is_err() {
+                    // The machine already published; a refusal now would
+                    // lie, so the injected fault is a crash.
+                    // SAFETY: `_exit` ends the process without destructors.
+                    unsafe { libc::_exit(failpoints::ABRUPT_EXIT_CODE) }
+                }
+                self.defer(done, Ok(handle));
+            }
+            (OpWaiter::Unregister(done), Ok(Completion::Unregistered(_))) => {
+                self.defer(done, Ok(()))
+            }
+            (OpWaiter::Register(done), result) => {
+                self.defer(done, Err(operation_error(result, outcomes, losses)))
+            }
+            (OpWaiter::Unregister(done), result) => {
+                self.defer(done, Err(operation_error(result, outcomes, losses)))
+            }
+        }
+    }
+
+    /// Answers every inspection whose deadline passed: a target that has
+    /// not sent its table is `None` in the answer (it stays live; its table
+    /// is dropped if it comes later).
+    fn expire_inspects(&mut self) {
+        let now = Instant::now();
+        let mut index = 0;
+        while index < self.inspects.len() {
+            if self.inspects[index].deadline > now {
+                index += 1;
+                continue;
+            }
+            let mut waiter = self.inspects.remove(index);
+            for target in &waiter.waiting {
+                self.late_tables.insert((waiter.seq, *target));
+            }
+            let tables = finish_inspect(&mut waiter);
+            waiter.done.complete(tables);
+        }
+    }
+
+    /// Kills and reaps a target, and fails what waits for it (not the
+    /// machine's business: tasks and inspections).
+    ///
+    /// `grace`: how long a target that is ending on its own may take to
+    /// exit before SIGKILL (its exit status then says why it ended).
+    /// `why`: what the IO thread saw (kept for [`Worker::target_loss`]).
+    fn bury(&mut self, core: &mut Core, target: TargetId, grace: Duration, why: &str) {
+        let index = usize::from(target.0);
+        let Some(mut link) = self.links.get_mut(index).and_then(Option::take) else {
+            return;
+        };
+        self.completed = true;
+        self.starting.remove(&index);
+        if let Ok(exit) = link.process.reap(grace) {
+            core.exits.insert(target, exit);
+        }
+        let how = core
+            .exits
+            .get(&target)
+            .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
+        let reason = format!("{why}; it {how}");
+        if self.zygote.is_some() {
+            core.record(SlotEvent::Lost {
+                target,
+                incarnation: link.incarnation,
+                cause: reason.clone(),
+            });
+        }
+        let who = match link.incarnation {
+            0 => target.to_string(),
+            n => format!("{target} (incarnation {n})"),
+        };
+        core.losses.insert(target, reason.clone());
+        self.late_tables.retain(|(_, t)| *t != target);
+        let lost: Vec<u64> = self
+            .tasks
+            .iter()
+            .filter(|(_, w)| w.target == target)
+            .map(|(seq, _)| *seq)
+            .collect();
+        for seq in lost {
+            if let Some(waiter) = self.tasks.remove(&seq) {
+                self.defer(
+                    waiter.done,
+                    Err(TaskError {
+                        error: Error::new(
+                            ErrorCode::TARGET_LOST,
+                            OperationKind::Task,
+                            format!("{who} was lost ({reason}) before the task's result arrived"),
+                        )
+                        .with_target(target)
+                        .with_namespace(Namespace::LocalPython)
+                        .with_digest(waiter.digest)
+                        .with_seq(Seq(seq)),
+                        kind: String::new(),
+                        exception: Box::default(),
+                    }),
+                );
+            }
+        }
+        let mut index = 0;
+        while index < self.inspects.len() {
+            let waiter = &mut self.inspects[index];
+            if waiter.waiting.contains(&target) {
+                waiter.waiting.retain(|t| *t != target);
+                waiter.tables.insert(target, None);
+            }
+            if waiter.waiting.is_empty() {
+                let mut waiter = self.inspects.remove(index);
+                let tables = finish_inspect(&mut waiter);
+                waiter.done.complete(tables);
+            } else {
+                index += 1;
+            }
+        }
+    }
+
+    /// A target died or broke the protocol: kill, reap, tell the machine.
+    pub(super) fn lose(&mut self, core: &mut Core, target: TargetId, why: &str) {
+        if self
+            .links
+            .get(usize::from(target.0))
+            .is_none_or(Option::is_none)
+        {
+            return;
+        }
+
+        self.bury(core, target, LOST_GRACE, why);
+        let cause = core
+            .losses
+            .get(&target)
+            .cloned()
+            .unwrap_or_else(|| why.to_owned());
+        let _ = core.machine.target_died(target, &cause, self.now());
+        self.drain(core, &mut Context::default());
+    }
+
+    fn close(&mut self, core: &mut Core) {
+        let _ = core.machine.close();
+        self.drain(core, &mut Context::default());
+        for link in self.links.iter_mut().flatten() {
+            link.process.close_control();
+        }
+        let deadline = Instant::now() + CLOSE_GRACE;
+        for (index, slot) in self.links.iter_mut().enumerate() {
+            if let Some(mut link) = slot.take() {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if let Ok(exit) = link.process.reap(left) {
+                    core.exits
+                        .insert(TargetId(u16::try_from(index).unwrap_or(u16::MAX)), exit);
+                }
+            }
+        }
+        // Every replacement is reaped: the template goes last, once no
+        // spawn waits for it (a replacement forked meanwhile is dropped:
+        // killed and reaped).
+        for spawner in std::mem::take(&mut self.spawners) {
+            let _ = spawner.join();
+        }
+        self.spawned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        if let Some(zygote) = self.zygote.take() {
+            if let Ok(mut zygote) = Arc::try_unwrap(zygote) {
+                let _ = zygote.close();
+            }
+        }
+        self.starting.clear();
+        core.kept.clear();
+        for (seq, waiter) in std::mem::take(&mut self.tasks) {
+            self.defer(
+                waiter.done,
+                Err(TaskError {
+                    error: lifecycle_error(
+                        OperationKind::Task,
+                        "the Worker closed before the task's result arrived",
+                    )
+                    .with_target(waiter.target)
+                    .with_digest(waiter.digest)
+                    .with_seq(Seq(seq)),
+                    kind: String::new(),
+                    exception: Box::default(),
+                }),
+            );
+        }
+        for mut waiter in std::mem::take(&mut self.inspects) {
+            let tables = finish_inspect(&mut waiter);
+            waiter.done.complete(tables);
+        }
+        self.staged.clear();
+        // Ops still waiting were completed by the machine's close; any left
+        // are dropped here, which wakes their callers as abandoned.
+        self.ops.clear();
+        core.io_running = false;
+        core.wake = None;
+        for request in std::mem::take(&mut core.requests) {
+            refuse(request, false);
+        }
+    }
+}
+
+fn finish_inspect(waiter: &mut InspectWaiter) -> Vec<(TargetId, Option<TargetTable>)> {
+    for target in std::mem::take(&mut waiter.waiting) {
+        waiter.tables.insert(target, None);
+    }
+    std::mem::take(&mut waiter.tables).into_iter().collect()
+}

@@ -1,0 +1,1010 @@
+//! The [`Worker`]: the protocol's [`Parent`] machine run over real forked
+//! targets, sealed `memfd` staging (`specs/staging.md`), control sockets
+//! and reply sockets (specs/design.md §4.1, §5).
+//!
+//! # Threads
+//!
+//! * Caller threads (any number): validate an envelope and stage it (copy
+//!   and hash in one pass). Before start, registrations go straight to the
+//!   machine's registry and the startup snapshot (with their callable
+//!   metadata, which only the targets act on). After start, a caller takes
+//!   the state lock, gives its request to the machine and carries out the
+//!   effects itself (its frames go out from its own thread), then waits for
+//!   its result: as the **leader** when no other caller leads, reading the
+//!   reply sockets of every live target and handling the deadlines, for
+//!   every caller, until its own result is there; else as a **follower**,
+//!   asleep on its completion hand-off ([`super::handoff`]) until whoever
+//!   reads its reply hands the result over ([`super::lead`]). A round trip
+//!   with one caller so wakes no thread but the caller and the target.
+//! * One IO thread per started Worker: it watches what no caller waits
+//!   for — every target's pidfd, control sockets with unsent bytes, the
+//!   deadlines, the reply sockets when a reply is expected and no leader
+//!   reads them (a task whose caller does not wait, a callback, a follower
+//!   after its leader stepped down) — links replacements, frees payloads
+//!   off the callers' path, and carries out a close.
+//! * With replacement targets on (the default, `specs/protocol.md` §2.9),
+//!   one template process ([`super::zygote`]), forked at start right after
+//!   the targets and before the IO thread: the parent never forks once it
+//!   runs threads, so every replacement is forked by the template, on the
+//!   IO thread's request.
+//!
+//! Whichever thread drives the machine holds the state lock, which guards
+//! the machine and the IO state (links, staged payloads, waiters) alike:
+//! the machine has one driver at a time, in lock order, so requests reach
+//! each target in the order they took the lock (FIFO per target). Every
+//! input to the machine is followed by draining its effects (`poll_effect`
+//! until `None`), each carried out in order, before the next input (the
+//! same rule as `str0m`). A thread releasing the lock first checks whether
+//! what it leaves needs the IO thread (an expected reply nobody reads,
+//! unsent bytes, an earlier deadline, a payload to free) and writes its
+//! wake pipe if so; results it decided are handed to their callers after
+//! the lock is released (a caller woken under the lock would block on it
+//! at once), then the leader is woken if one of them may be its own.
+//!
+//! # The IO thread's run rule
+//!
+//! 1. Link the replacements the template forked; give the machine the
+//!    requests left in the queue ([`Worker::submit_then`]), draining
+//!    effects after each; carry out a close.
+//! 2. Read the clock; if the machine's `poll_timeout` has passed, call
+//!    `handle_timeout(now)`; drain effects. Inspections and starting
+//!    replacements past their deadline are given up.
+//! 3. Build the poll set: the wake pipe, every live target's pidfd, its
+//!    reply socket when a reply is expected and no leader reads it, and the
+//!    control socket of every target with unsent bytes; the poll timeout
+//!    is the earliest deadline (none: block). Record it ([`super::lead`]).
+//! 4. Release the state lock, hand the results decided since the last
+//!    `poll` to their waiting callers, and `poll`.
+//! 5. Take the state lock. For each target whose reply socket is readable,
+//!    read what is there, decode whole frames, and give each reply to the
+//!    machine (`handle_reply`), draining effects after each; task results
+//!    and tables go to their waiting callers. EOF, a hang-up, an
+//!    undecodable or out-of-protocol frame: kill and reap the target, then
+//!    `target_lost`; drain effects. A readable pidfd (the target process
+//!    ended, even if a process it forked still holds its pipes): read what
+//!    its reply socket holds, then the same.
+//! 6. Flush pending control bytes to writable targets (a full socket never
+//!    blocks anyone; a register's sealed payload descriptor goes with
+//!    its frame's first byte), then go to 1.
+//!
+//! A leader does steps 2 and 5 for the reply sockets it reads, with its own
+//! `poll` over them and the leader wake pipe (written when another thread
+//! decided a result while it leads, and at close).
+//!
+//! Effects map to IO as follows: `Stage` binds the payload the caller
+//! staged (then passes `parent.after_stage`; a failure there is reported
+//! with `stage_failed`), and, with replacements on, keeps it by digest for
+//! as long as `Parent::keeps_envelope` says (a startup-snapshot envelope is
+//! kept as bytes, staged at its first replay); `Restage` binds that kept
+//! payload again; `Spawn` asks the template for a new process and links it
+//! (`target_died` if it cannot), whose ready report becomes
+//! `target_spawned` (one that is not ready within the control timeout is
+//! lost); `Joined`, `JoinFailed` and `Abandoned` are recorded as
+//! [`SlotEvent`]s; `Send` encodes a wire frame into the target's
+//! outbox (a register's carries its metadata as JSON, and its staged
+//! payload, one for every target, waits beside it until the frame's first
+//! byte is sent with its descriptor); `ReleaseStaged` closes the parent's
+//! descriptor of the payload; `Fence` kills and reaps the target; `Completed`
+//! hands the result to the waiting caller (a published handle passes
+//! `parent.before_publish` first).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::handoff::{self, Completer, Pending};
+use super::process::{Exit, ThreadPolicy, TrackedFd};
+use super::staging::StagedPayload;
+use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
+use crate::envelope::{Envelope, HEADER_LEN};
+use crate::error::{Error, ErrorCode, OperationKind};
+use crate::metadata::CallableMetadata;
+use crate::protocol::{
+    Handle, Lifecycle, Namespace, Parent, ParentConfig, SlotPhase, TargetId, Time,
+};
+use crate::runtime::{Runtime, TaskEncoding};
+use crate::wire::HEADER_BYTES;
+use io_loop::IoLoop;
+use leader::{io_wake, Shared};
+use pending::{callback_wait_error, completed, task_abandoned, Awaited};
+use respawn::Kept;
+
+mod builder;
+mod io_loop;
+mod leader;
+mod pending;
+mod respawn;
+mod start;
+
+pub use builder::{WorkerBuilder, DEFAULT_CONTROL_TIMEOUT, MAX_TIMEOUT, OPERATION_TIMEOUT_FACTOR};
+pub use pending::{
+    outcome_text, registration_failure_text, OperationError, PendingOperation, PendingTask,
+    StartReport, TargetTable, TaskError,
+};
+pub use respawn::{SlotEvent, SLOT_EVENTS_KEPT};
+
+/// A parent worker with its forked targets (specs/design.md §4.1).
+///
+/// `Send + Sync`: share it (e.g. in an `Arc`) and call it from many threads
+/// at once; several operations may be in flight. Closing is idempotent and
+/// also happens on drop: targets are stopped and reaped, and every staged
+/// payload is unlinked.
+///
+/// # Forked children
+///
+/// A Worker belongs to the process that built it. In a child forked from
+/// that process (a copy of its memory without its threads) every operation
+/// fails with `LIFECYCLE_INVALID` ("this Worker belongs to process N …"),
+/// a pending task or operation copied there completes at once as
+/// abandoned, the getters answer as for a closed Worker, and `close` and
+/// drop do nothing there: the owner's targets, threads and state are
+/// never touched (nor freed) by the child.
+pub struct Worker<R: Runtime> {
+    runtime: Arc<R>,
+    targets: u16,
+    control_timeout: Duration,
+    slot_capacity: u16,
+    max_frame_bytes: usize,
+    thread_policy: ThreadPolicy,
+    respawn: bool,
+    clock: Instant,
+    /// The parent machine's configuration (a closed machine of it is the
+    /// state a forked child sees).
+    config: ParentConfig,
+    shared: Arc<Shared>,
+    io_thread: Mutex<Option<JoinHandle<()>>>,
+    /// The forking thread ([`Worker::forker_run`]) and what ends it.
+    forker: Mutex<Option<(std::sync::mpsc::Sender<()>, JoinHandle<()>)>>,
+}
+
+// A Worker is shared between threads: fail the build if a field breaks it.
+const _: () = {
+    fn send_sync<T: Send + Sync>() {}
+    #[allow(dead_code)]
+    fn worker_is_send_and_sync<R: Runtime>() {
+        send_sync::<Worker<R>>();
+        send_sync::<PendingOperation<Handle>>();
+        send_sync::<PendingTask>();
+    }
+};
+
+fn now_since(clock: Instant) -> Time {
+    Time(u64::try_from(clock.elapsed().as_micros()).unwrap_or(u64::MAX))
+}
+
+fn lifecycle_error(operation: OperationKind, message: &str) -> Error {
+    Error::new(ErrorCode::LIFECYCLE_INVALID, operation, message)
+}
+
+/// The identity the parent machine holds a callable's metadata by
+/// (`specs/protocol.md` §2.10): the SHA-256 of its JSON form.
+fn metadata_identity(metadata: &CallableMetadata) -> Digest {
+    use sha2::Digest as _;
+    Digest(sha2::Sha256::digest(metadata.to_json().as_bytes()).into())
+}
+
+/// The `LIFECYCLE_INVALID` of a Worker used in a forked child of its
+/// process ([`Worker`], "Forked children").
+fn foreign_error(operation: OperationKind, owner: u32) -> Error {
+    lifecycle_error(
+        operation,
+        &format!(
+            "this Worker belongs to process {owner}; process {} is a child forked from it and cannot use it (build a new Worker there)",
+            std::process::id()
+        ),
+    )
+}
+
+impl<R: Runtime> Worker<R> {
+    /// A builder for a Worker over `runtime`.
+    pub fn builder(runtime: Arc<R>) -> WorkerBuilder<R> {
+        WorkerBuilder::new(runtime)
+    }
+
+    fn envelope_error(e: crate::envelope::EnvelopeError) -> OperationError {
+        OperationError::new(
+            Error::new(e.code(), OperationKind::Register, e.message())
+                .with_namespace(Namespace::LocalPython),
+        )
+    }
+
+    /// Registers an envelope (SPYC, specs/design.md §3.1) and waits for the
+    /// handle. Before start: adds it to the startup snapshot. After start:
+    /// stages it and installs it at every live target; the handle is
+    /// returned only when every target in scope confirmed (invariant 1).
+    ///
+    /// # Errors
+    /// `ENVELOPE_INVALID` (and the other envelope codes) for bad bytes;
+    /// `LOCAL_SLOT_EXHAUSTED` before start for a new digest when the startup
+    /// snapshot already fills the slot capacity of a target (the protocol's
+    /// `Parent::register_before_start`);
+    /// `IO_FAILED` when staging fails; `LIFECYCLE_INVALID` once closed;
+    /// `REGISTER_CLEANUP_UNCERTAIN` for an uncertain digest;
+    /// `NO_LIVE_TARGET`; `REGISTER_PARTIAL_FAILURE` with every target's
+    /// outcome when a target failed (rolled back); `REGISTER_POISONED`
+    /// when installing the callable killed the target that tried it first
+    /// (`WorkerBuilder::probe_first`), naming that target and how it died,
+    /// and for every later register of it (nothing is sent then).
+    pub fn register(&self, envelope: &[u8]) -> Result<Handle, OperationError> {
+        self.register_async(envelope)?.wait()
+    }
+
+    /// Registers an envelope with its callable metadata (/// `specs/metadata.md`) and waits for the handle; `None` is
+    /// [`Worker::register`]. The metadata is not part of the hashid: it
+    /// travels as JSON in the register control (`specs/wire.md`), and each
+    /// target checks it (versions, deps, executor) before it deserializes,
+    /// then runs its hooks around each task. Before start it goes into the
+    /// startup snapshot with the envelope. The parent only reads its JSON
+    /// and the hook hashids; it never deserializes anything.
+    ///
+    /// A digest is installed once per target; a later registration of a
+    /// digest a target already holds only adds a reference. While a digest
+    /// is registered it has one metadata: a register of it with other
+    /// metadata (or none where it has some) is refused with
+    /// `METADATA_CONFLICT` (`specs/protocol.md` §2.10).
+    ///
+    /// # Errors
+    /// As [`Worker::register`]; `METADATA_INVALID` naming the hashid when a
+    /// `call_before` / `call_after` hook's hashid has no live handle in
+    /// `LOCAL_PYTHON` (checked before the control is broadcast; nothing is
+    /// sent then); `FRAME_INVALID` when the metadata's JSON does not fit in
+    /// one register control; `REGISTER_PARTIAL_FAILURE` with each target's
+    /// outcome when a target refused it (e.g. `PYTHON_VERSION_MISMATCH`,
+    /// `DEPS_UNSATISFIED`, `EXECUTOR_UNKNOWN` in the outcome's failure).
+    pub fn register_with_metadata(
+        &self,
+        envelope: &[u8],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<Handle, OperationError> {
+        self.register_with_metadata_async(envelope, metadata)?
+            .wait()
+    }
+
+    /// Starts a register with metadata and returns at once with a pending
+    /// operation (complete already before start).
+    ///
+    /// # Errors
+    /// As [`Worker::register_with_metadata`], for the failures found before
+    /// any target is involved.
+    pub fn register_with_metadata_async(
+        &self,
+        envelope: &[u8],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<PendingOperation<Handle>, OperationError> {
+        self.register_inner(envelope, metadata)
+    }
+
+    /// Starts a register and returns at once with a pending operation
+    /// (complete already before start).
+    ///
+    /// # Errors
+    /// As [`Worker::register`], for the failures found before any target is
+    /// involved (bad envelope, staging, lifecycle).
+    pub fn register_async(
+        &self,
+        envelope: &[u8],
+    ) -> Result<PendingOperation<Handle>, OperationError> {
+        self.register_inner(envelope, None)
+    }
+
+    fn register_inner(
+        &self,
+        envelope: &[u8],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<PendingOperation<Handle>, OperationError> {
+        self.owned(OperationKind::Register)
+            .map_err(OperationError::new)?;
+        let parsed = Envelope::parse(envelope).map_err(Self::envelope_error)?;
+        if let Some(metadata) = metadata {
+            // Room for the register control's fixed fields: seq, digest,
+            // staged size and the metadata's length.
+            let json_bytes = metadata.to_json().len();
+            if HEADER_BYTES + 8 + 32 + 8 + 4 + json_bytes > self.max_frame_bytes {
+                return Err(OperationError::new(
+                    Error::new(
+                        ErrorCode::FRAME_INVALID,
+                        OperationKind::Register,
+                        format!(
+                            "the metadata's JSON of {json_bytes} bytes does not fit in a register control of at most {} bytes",
+                            self.max_frame_bytes
+                        ),
+                    )
+                    .with_namespace(Namespace::LocalPython),
+                ));
+            }
+        }
+        let mut core = self.shared.lock();
+        match core.machine.lifecycle() {
+            Lifecycle::New => {
+                let digest = python_serialized_digest(&parsed);
+                if let Some(metadata) = metadata {
+                    check_hooks_live(&core.machine, digest, metadata)
+                        .map_err(OperationError::new)?;
+                }
+                let handle = core
+                    .machine
+                    .register_before_start_with_metadata(
+                        digest,
+                        Namespace::LocalPython,
+                        metadata.map(metadata_identity),
+                    )
+                    .map_err(OperationError::new)?;
+                let bytes = &envelope[..parsed.encoded_len()];
+                core.envelopes
+                    .entry(digest)
+                    .or_insert_with(|| Arc::new(bytes.to_vec()));
+                if let Some(metadata) = metadata {
+                    core.metadata
+                        .entry(digest)
+                        .or_insert_with(|| metadata.clone());
+                }
+                Ok(completed(Ok(handle)))
+            }
+            Lifecycle::Closed => Err(OperationError::new(lifecycle_error(
+                OperationKind::Register,
+                "the Worker is closed",
+            ))),
+            Lifecycle::Started => {
+                drop(core);
+                let hashed = HEADER_LEN..parsed.encoded_len();
+                let (staged, payload_sha256) =
+                    StagedPayload::create(&envelope[..parsed.encoded_len()], hashed).map_err(
+                        |e| {
+                            OperationError::new(
+                                Error::new(e.code(), OperationKind::Stage, e.to_string())
+                                    .with_namespace(Namespace::LocalPython),
+                            )
+                        },
+                    )?;
+                let digest = PythonSerialized {
+                    payload_format_version: parsed.version(),
+                    serializer_id: parsed.serializer(),
+                    payload_sha256: Digest(payload_sha256),
+                }
+                .digest();
+                let (done, pending) = handoff::channel();
+                let owed = self.push(
+                    Request::Register {
+                        digest,
+                        staged,
+                        metadata: metadata.cloned().map(Box::new),
+                        done,
+                    },
+                    false,
+                );
+                Ok(PendingOperation {
+                    awaited: self.awaited(pending, owed),
+                })
+            }
+        }
+    }
+
+    /// Unregisters a handle and waits until every target that holds it
+    /// dropped its reference.
+    ///
+    /// # Errors
+    /// The handle resolution errors (`HANDLE_FOREIGN`, `HANDLE_STALE`,
+    /// `HANDLE_MUTATED`, `HANDLE_WRONG_NAMESPACE`,
+    /// `REGISTER_CLEANUP_UNCERTAIN`); `LIFECYCLE_INVALID` once closed;
+    /// `UNREGISTER_PARTIAL_FAILURE` with every target's outcome.
+    pub fn unregister(&self, handle: &Handle) -> Result<(), OperationError> {
+        self.unregister_async(handle)?.wait()
+    }
+
+    /// Starts an unregister and returns at once with a pending operation.
+    ///
+    /// # Errors
+    /// As [`Worker::unregister`], for failures found before start.
+    pub fn unregister_async(
+        &self,
+        handle: &Handle,
+    ) -> Result<PendingOperation<()>, OperationError> {
+        self.owned(OperationKind::Unregister)
+            .map_err(OperationError::new)?;
+        let mut core = self.shared.lock();
+        match core.machine.lifecycle() {
+            Lifecycle::New => {
+                core.machine
+                    .unregister_before_start(handle)
+                    .map_err(OperationError::new)?;
+                let digest = handle.digest();
+                if !core
+                    .machine
+                    .startup_snapshot()
+                    .iter()
+                    .any(|(d, _)| *d == digest)
+                {
+                    core.envelopes.remove(&digest);
+                    core.metadata.remove(&digest);
+                }
+                Ok(completed(Ok(())))
+            }
+            _ => {
+                drop(core);
+                let (done, pending) = handoff::channel();
+                let owed = self.push(
+                    Request::Unregister {
+                        handle: *handle,
+                        done,
+                    },
+                    false,
+                );
+                Ok(PendingOperation {
+                    awaited: self.awaited(pending, owed),
+                })
+            }
+        }
+    }
+
+    /// Runs a task on `target` and waits for its result. `input` is encoded
+    /// as `encoding` says; the result comes back encoded the same way.
+    ///
+    /// # Errors
+    /// Handle resolution errors; `LIFECYCLE_INVALID` unless started;
+    /// `TARGET_LOST` (lost before or during the task); `NO_LIVE_TARGET`
+    /// for an unknown target; `DIGEST_NOT_INSTALLED`; `FRAME_INVALID` for
+    /// an input too large for one frame; `TASK_FAILED` with the runtime's
+    /// kind and message.
+    pub fn submit(
+        &self,
+        handle: &Handle,
+        target: TargetId,
+        encoding: TaskEncoding,
+        input: &[u8],
+    ) -> Result<Vec<u8>, TaskError> {
+        self.submit_async(handle, target, encoding, input).wait()
+    }
+
+    /// Starts a task whose result goes to `callback`, for a caller that
+    /// does not wait for it: the request is left to the Worker's IO
+    /// thread, which carries out every request queued meanwhile in one
+    /// turn (many tasks in flight cost the caller one queue push each, and
+    /// no contention with the thread reading their results). The callback
+    /// runs as [`PendingTask::on_complete`]'s does (it must not block nor
+    /// wait on the Worker), always in the thread that completes the task;
+    /// requests reach the targets in the order they were
+    /// made, whichever way each was made. Errors as [`Worker::submit`],
+    /// given to the callback.
+    pub fn submit_then<F>(
+        &self,
+        handle: &Handle,
+        target: TargetId,
+        encoding: TaskEncoding,
+        input: &[u8],
+        callback: F,
+    ) where
+        F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
+    {
+        if let Err(error) = self.owned(OperationKind::Task) {
+            callback(Err(TaskError {
+                error,
+                kind: String::new(),
+                exception: Box::default(),
+            }));
+            return;
+        }
+        let (done, pending) = handoff::channel();
+        // Given to the hand-off first: it runs in the thread that
+        // completes the task, never in this one later.
+        pending.on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
+        if let Err(error) = self.task_frame_fits(handle, target, input) {
+            done.complete(Err(error));
+        } else {
+            let request = Request::Task {
+                handle: *handle,
+                target,
+                encoding,
+                input: input.to_vec(),
+                done,
+            };
+            let mut core = self.shared.lock();
+            if core.io_running && !core.closing {
+                core.requests.push_back(request);
+                io_wake(&core);
+            } else {
+                let started = core.machine.lifecycle() == Lifecycle::New;
+                drop(core);
+                refuse(request, started);
+            }
+        }
+    }
+
+    /// Starts a task and returns at once with a pending task.
+    pub fn submit_async(
+        &self,
+        handle: &Handle,
+        target: TargetId,
+        encoding: TaskEncoding,
+        input: &[u8],
+    ) -> PendingTask {
+        let (done, pending) = handoff::channel();
+        if let Err(error) = self.owned(OperationKind::Task) {
+            done.complete(Err(TaskError {
+                error,
+                kind: String::new(),
+                exception: Box::default(),
+            }));
+            return PendingTask {
+                awaited: Awaited::done(pending),
+            };
+        }
+        if let Err(error) = self.task_frame_fits(handle, target, input) {
+            done.complete(Err(error));
+            return PendingTask {
+                awaited: Awaited::done(pending),
+            };
+        }
+        let owed = self.push(
+            Request::Task {
+                handle: *handle,
+                target,
+                encoding,
+                input: input.to_vec(),
+                done,
+            },
+            false,
+        );
+        PendingTask {
+            awaited: self.awaited(pending, owed),
+        }
+    }
+
+    /// `FRAME_INVALID` for a task input too large for one frame.
+    fn task_frame_fits(
+        &self,
+        handle: &Handle,
+        target: TargetId,
+        input: &[u8],
+    ) -> Result<(), TaskError> {
+        // Task frame: header, seq, digest, encoding, input length, input.
+        let size = HEADER_BYTES + 8 + 32 + 1 + 4 + input.len();
+        if size <= self.max_frame_bytes {
+            return Ok(());
+        }
+        Err(TaskError {
+            error: Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Task,
+                format!(
+                    "a task input of {} bytes makes a frame of {size} bytes, over the maximum of {} (max_frame_bytes)",
+                    input.len(),
+                    self.max_frame_bytes
+                ),
+            )
+            .with_target(target)
+            .with_digest(handle.digest()),
+            kind: String::new(),
+            exception: Box::default(),
+        })
+    }
+
+    /// The waiting side of a request given to [`Worker::push`].
+    fn awaited<T>(&self, pending: Pending<T>, wake: Option<Arc<TrackedFd>>) -> Awaited<T> {
+        Awaited {
+            pending: Some(pending),
+            shared: Some(self.shared.clone()),
+            owed: AtomicBool::new(wake.is_some()),
+            wake,
+        }
+    }
+
+    /// Runs the task on every live target (those live when it is
+    /// submitted) and waits for every result, in target order.
+    pub fn submit_to_every(
+        &self,
+        handle: &Handle,
+        encoding: TaskEncoding,
+        input: &[u8],
+    ) -> Vec<(TargetId, Result<Vec<u8>, TaskError>)> {
+        let pending: Vec<_> = self
+            .live_targets()
+            .into_iter()
+            .map(|t| (t, self.submit_async(handle, t, encoding, input)))
+            .collect();
+        pending.into_iter().map(|(t, p)| (t, p.wait())).collect()
+    }
+
+    /// The targets that serve (started, not lost, and, for a replacement,
+    /// joined: `specs/protocol.md` §2.9), in order; empty before start and
+    /// after close.
+    pub fn live_targets(&self) -> Vec<TargetId> {
+        if self.shared.foreign() {
+            return Vec::new();
+        }
+        let core = self.shared.lock();
+        (0..self.targets)
+            .map(TargetId)
+            .filter(|t| core.machine.is_target_joined(*t))
+            .collect()
+    }
+
+    /// The incarnation of `target`'s current (or next) process: 0 for the
+    /// one forked at start, one more for each replacement
+    /// (`specs/protocol.md` §2.9).
+    pub fn target_incarnation(&self, target: TargetId) -> u32 {
+        if self.shared.foreign() {
+            return 0;
+        }
+        self.shared.lock().machine.incarnation(target)
+    }
+
+    /// Where `target`'s slot stands: serving (`Joined`), being replaced
+    /// (`BackingOff`, `Spawning`, `Joining`) or `Lost` for good (every
+    /// slot, once closed).
+    pub fn slot_phase(&self, target: TargetId) -> SlotPhase {
+        if self.shared.foreign() {
+            return SlotPhase::Lost;
+        }
+        let core = self.shared.lock();
+        match core.machine.lifecycle() {
+            Lifecycle::Closed => SlotPhase::Lost,
+            _ => core.machine.slot_phase(target),
+        }
+    }
+
+    /// What happened to target slots since start, oldest first (the last
+    /// [`SLOT_EVENTS_KEPT`]): with replacements on, every loss, and every
+    /// replacement started, joined or failed, and slots given up.
+    pub fn slot_events(&self) -> Vec<SlotEvent> {
+        if self.shared.foreign() {
+            return Vec::new();
+        }
+        self.shared.lock().events.iter().cloned().collect()
+    }
+
+    /// The process id of `target`'s latest process (for supervision and
+    /// tests), if started; it may have ended since (see
+    /// [`Worker::slot_phase`]).
+    pub fn target_pid(&self, target: TargetId) -> Option<i32> {
+        if self.shared.foreign() {
+            return None;
+        }
+        self.shared.lock().pids.get(usize::from(target.0)).copied()
+    }
+
+    /// How a lost target ended, once reaped.
+    pub fn target_exit(&self, target: TargetId) -> Option<Exit> {
+        if self.shared.foreign() {
+            return None;
+        }
+        self.shared.lock().exits.get(&target).copied()
+    }
+
+    /// Why a target was given up after start (its pipe closed, it broke
+    /// the protocol, it missed a deadline) and how it ended, e.g. `"its
+    /// reply socket closed; it exited with status 9"`.
+    pub fn target_loss(&self, target: TargetId) -> Option<String> {
+        if self.shared.foreign() {
+            return None;
+        }
+        self.shared.lock().losses.get(&target).cloned()
+    }
+
+    /// Bytes of envelopes this parent keeps: before start, the distinct
+    /// pre-start envelopes with a live handle (what the targets inherit
+    /// through `fork`); after start, with replacements on, the distinct
+    /// envelopes that live registrations (or registers in flight) name,
+    /// to replay them to replacements (a post-start one as its sealed
+    /// staged payload); without replacements, none. Zero after close: the
+    /// parent holds only what live registrations need.
+    pub fn retained_envelope_bytes(&self) -> usize {
+        if self.shared.foreign() {
+            return 0;
+        }
+        let core = self.shared.lock();
+        let before_start: usize = core.envelopes.values().map(|e| e.len()).sum();
+        before_start + core.kept.values().map(Kept::len).sum::<usize>()
+    }
+
+    /// A copy of the parent machine's state (diagnostics and tests: the
+    /// protocol's invariant predicates take it).
+    pub fn parent_state(&self) -> Parent {
+        if self.shared.foreign() {
+            // A closed machine: what a forked child may use of it.
+            let mut closed = Parent::new(self.config);
+            let _ = closed.close();
+            return closed;
+        }
+        self.shared.lock().machine.clone()
+    }
+
+    /// Clears the poison of the callable with `hashid` (`specs/protocol.md`
+    /// §2.8): its next register probes it again on one target. Returns
+    /// whether it was poisoned (false in a forked child of the Worker's
+    /// process, which cannot use it).
+    pub fn forgive(&self, hashid: crate::descriptor::HashId) -> bool {
+        if self.shared.foreign() {
+            return false;
+        }
+        self.shared.lock().machine.forgive(hashid.0)
+    }
+
+    /// `Ok` in the process that built the Worker.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` in any other (a forked child of it).
+    fn owned(&self, operation: OperationKind) -> Result<(), Error> {
+        if self.shared.foreign() {
+            return Err(foreign_error(operation, self.shared.process));
+        }
+        Ok(())
+    }
+
+    /// Asks every live target for its table and waits for the answers, in
+    /// target order, for at most the control timeout: `None` for a target
+    /// lost before it answered, or that did not answer in time (e.g. a
+    /// stopped process; it is not fenced for it: an inspection changes
+    /// nothing, and its table, if it comes later, is dropped).
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless started.
+    pub fn inspect(&self) -> Result<Vec<(TargetId, Option<TargetTable>)>, Error> {
+        if handoff::in_callback() {
+            return Err(callback_wait_error(OperationKind::Resolve));
+        }
+        self.owned(OperationKind::Resolve)?;
+        let (done, pending) = handoff::channel();
+        self.push(Request::Inspect { done }, true);
+        pending
+            .wait()
+            .map_err(|abandoned| lifecycle_error(OperationKind::Resolve, &abandoned.to_string()))
+    }
+
+    /// Writes raw bytes into `target`'s control pipe (fault-injection tests:
+    /// malformed or oversized frames).
+    #[cfg(feature = "failpoints")]
+    pub fn inject_control_bytes(&self, target: TargetId, bytes: Vec<u8>) {
+        if self.shared.foreign() {
+            return;
+        }
+        self.push(Request::RawControl { target, bytes }, true);
+    }
+
+    /// Gives a request to the machine and carries out its effects, in this
+    /// thread, under the state lock (a close is left to the IO thread);
+    /// completes the request's waiter at once if no IO thread runs.
+    ///
+    /// `settle`: whether to wake the IO thread now for what the request
+    /// leaves to watch ([`super::lead`]); `false` when this caller waits
+    /// for the result next, as the leader, and settles when it stops
+    /// leading. Returns the IO thread's wake pipe when settling is still
+    /// owed.
+    fn push(&self, request: Request, settle: bool) -> Option<Arc<TrackedFd>> {
+        let mut core = self.shared.lock();
+        let io = if core.io_running && !core.closing {
+            core.io.take()
+        } else {
+            None
+        };
+        let Some(mut io) = io else {
+            if core.io_running && matches!(request, Request::Close) {
+                core.closing = true;
+                io_wake(&core);
+                return None;
+            }
+            let started = core.machine.lifecycle() == Lifecycle::New;
+            drop(core);
+            refuse(request, started);
+            return None;
+        };
+        if matches!(request, Request::Close) {
+            core.closing = true;
+            io_wake(&core);
+        } else {
+            // Requests reach the machine in the order they came.
+            while let Some(queued) = core.requests.pop_front() {
+                io.request(&mut core, queued);
+            }
+            io.request(&mut core, request);
+        }
+        let leaving = io.leave(&core, settle, false);
+        core.io = Some(io);
+        let owed = if settle { None } else { core.wake.clone() };
+        drop(core);
+        self.shared.finish(leaving);
+        owed
+    }
+
+    /// Closes the Worker: operations in flight fail with
+    /// `LIFECYCLE_INVALID`, targets get EOF on their control pipe and are
+    /// reaped (killed after a grace period), every staged payload is
+    /// unlinked. Idempotent. In a forked child of the Worker's process it
+    /// does nothing (the owner's targets serve on).
+    pub fn close(&self) {
+        if self.shared.foreign() {
+            return;
+        }
+        let mut io_thread = self.io_thread.lock().unwrap_or_else(|p| p.into_inner());
+        {
+            let mut core = self.shared.lock();
+            if core.machine.lifecycle() == Lifecycle::New {
+                let _ = core.machine.close();
+                core.drop_snapshot_payloads();
+                return;
+            }
+        }
+        self.push(Request::Close, true);
+        if handoff::in_callback() {
+            // Its thread may be the IO thread: the close is carried out
+            // once the callback returns.
+            return;
+        }
+        if let Some(handle) = io_thread.take() {
+            let _ = handle.join();
+        }
+        drop(io_thread);
+        self.end_forker();
+    }
+}
+
+impl<R: Runtime> Drop for Worker<R> {
+    fn drop(&mut self) {
+        if self.shared.foreign() {
+            // A copy in a forked child: its IO thread does not exist here
+            // and its state holds the owner's targets (dropping it would
+            // kill them). Both are left as they are, never freed here.
+            std::mem::forget(self.shared.clone());
+            let io_thread = self.io_thread.get_mut().unwrap_or_else(|p| p.into_inner());
+            std::mem::forget(io_thread.take());
+            let forker = self.forker.get_mut().unwrap_or_else(|p| p.into_inner());
+            std::mem::forget(forker.take());
+            return;
+        }
+        self.close();
+    }
+}
+
+enum Request {
+    Register {
+        digest: Digest,
+        staged: StagedPayload,
+        metadata: Option<Box<CallableMetadata>>,
+        done: Completer<Result<Handle, OperationError>>,
+    },
+    Unregister {
+        handle: Handle,
+        done: Completer<Result<(), OperationError>>,
+    },
+    Task {
+        handle: Handle,
+        target: TargetId,
+        encoding: TaskEncoding,
+        input: Vec<u8>,
+        done: Completer<Result<Vec<u8>, TaskError>>,
+    },
+    Inspect {
+        done: Completer<Vec<(TargetId, Option<TargetTable>)>>,
+    },
+    #[cfg(feature = "failpoints")]
+    RawControl {
+        target: TargetId,
+        bytes: Vec<u8>,
+    },
+    Close,
+}
+
+/// Completes a request that no IO thread will ever see.
+fn refuse(request: Request, before_start: bool) {
+    let message = if before_start {
+        "the Worker is not started"
+    } else {
+        "the Worker is closed"
+    };
+    match request {
+        Request::Register { done, .. } => done.complete(Err(OperationError::new(lifecycle_error(
+            OperationKind::Register,
+            message,
+        )))),
+        Request::Unregister { done, .. } => done.complete(Err(OperationError::new(
+            lifecycle_error(OperationKind::Unregister, message),
+        ))),
+        Request::Task { done, .. } => done.complete(Err(TaskError {
+            error: lifecycle_error(OperationKind::Task, message),
+            kind: String::new(),
+            exception: Box::default(),
+        })),
+        Request::Inspect { done } => drop(done),
+        #[cfg(feature = "failpoints")]
+        Request::RawControl { .. } => {}
+        Request::Close => {}
+    }
+}
+
+/// State shared by callers and the IO thread, under one lock.
+struct Core {
+    machine: Parent,
+    /// Envelope bytes of pre-start registrations, by digest (the startup
+    /// snapshot's payloads, inherited by the targets); emptied at start and
+    /// at close.
+    envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
+    /// Callable metadata of pre-start registrations, by digest: the first
+    /// registration of a digest that brought metadata (targets install each
+    /// digest once, with it).
+    metadata: BTreeMap<Digest, CallableMetadata>,
+    /// A close was asked for: the IO thread carries it out; requests
+    /// after it are refused.
+    closing: bool,
+    /// Requests left to the IO thread (from callers that do not wait, see
+    /// [`Worker::submit_then`]), in the order they came; a caller that
+    /// carries out its own request first carries out these.
+    requests: VecDeque<Request>,
+    /// The IO state (links, staged payloads, waiters), driven by the IO
+    /// thread and by callers in turn, under this lock (`None` before start
+    /// and after close). Whoever drives it takes it out of `Core` for the
+    /// time it holds the lock, and puts it back before releasing it.
+    io: Option<Box<IoLoop>>,
+    io_running: bool,
+    /// Write end of the IO thread's wake pipe.
+    wake: Option<Arc<TrackedFd>>,
+    pids: Vec<i32>,
+    /// With replacements on, after start: the envelope of every digest a
+    /// live registration (or one in flight) names, with the metadata JSON
+    /// its control carries, kept to replay it to replacements
+    /// (`specs/protocol.md` §2.9).
+    kept: BTreeMap<Digest, Kept>,
+    /// What happened to replaced slots, oldest first (the last
+    /// [`SLOT_EVENTS_KEPT`]).
+    events: VecDeque<SlotEvent>,
+    /// How lost targets ended.
+    exits: BTreeMap<TargetId, Exit>,
+    /// Why lost targets were given up, with how they ended.
+    losses: BTreeMap<TargetId, String>,
+}
+
+impl Core {
+    fn record(&mut self, event: SlotEvent) {
+        if self.events.len() == SLOT_EVENTS_KEPT {
+            self.events.pop_front();
+        }
+        self.events.push_back(event);
+    }
+
+    /// Drops the startup snapshot's envelope bytes and metadata: at start
+    /// (every target inherited them through `fork`) and at a close before
+    /// start.
+    fn drop_snapshot_payloads(&mut self) {
+        self.envelopes = BTreeMap::new();
+        self.metadata = BTreeMap::new();
+    }
+}
+
+/// Checks that every hook hashid of `metadata` has a live handle in
+/// `LOCAL_PYTHON` (a hook runs in the same namespace, resolved
+/// by digest in each target), before a register of `digest` is broadcast.
+///
+/// # Errors
+/// `METADATA_INVALID` naming the first hook that is not live.
+fn check_hooks_live(
+    machine: &Parent,
+    digest: Digest,
+    metadata: &CallableMetadata,
+) -> Result<(), Error> {
+    let hooks = metadata
+        .call_before
+        .iter()
+        .map(|h| ("call_before", h))
+        .chain(metadata.call_after.iter().map(|h| ("call_after", h)));
+    for (index, (list, hook)) in hooks.enumerate() {
+        let hook_digest = hook.hashid.0;
+        if !machine.is_live(hook_digest, Namespace::LocalPython) {
+            let position = if list == "call_before" {
+                index
+            } else {
+                index - metadata.call_before.len()
+            };
+            return Err(Error::new(
+                ErrorCode::METADATA_INVALID,
+                OperationKind::Register,
+                format!(
+                    "{list}[{position}] names {}, which has no live registration in LOCAL_PYTHON (register it first)",
+                    hook.hashid
+                ),
+            )
+            .with_namespace(Namespace::LocalPython)
+            .with_digest(digest));
+        }
+    }
+    Ok(())
+}
