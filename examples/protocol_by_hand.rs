@@ -9,13 +9,13 @@
 
 use std::collections::VecDeque;
 
-use callreg::descriptor::python_serialized_digest;
+use callreg::descriptor::{python_serialized_digest, Digest};
 use callreg::envelope::{encode, Envelope};
 use callreg::error::ErrorCode;
 use callreg::protocol::invariants::{check_all, View};
 use callreg::protocol::{
-    Completion, ControlFrame, Effect, Namespace, OwnerToken, Parent, ParentConfig, Reply, Target,
-    TargetConfig, TargetEffect, TargetId, TargetOutcome, Time, DEFAULT_SLOT_CAPACITY,
+    Completion, ControlFrame, Effect, Namespace, OwnerToken, Parent, ParentConfig, Reply, Seq,
+    Target, TargetConfig, TargetEffect, TargetId, TargetOutcome, Time, DEFAULT_SLOT_CAPACITY,
 };
 
 /// The machines and what is in transit between them.
@@ -26,6 +26,8 @@ struct World {
     /// Control frames per target, in send order (a pipe is FIFO).
     frames: Vec<VecDeque<ControlFrame>>,
     replies: VecDeque<(TargetId, Reply)>,
+    /// Task results in transit: (target, task seq, digest).
+    results: VecDeque<(TargetId, Seq, Digest)>,
     completed: Vec<Effect>,
     now: Time,
 }
@@ -48,6 +50,11 @@ impl World {
                 | Effect::JoinFailed { .. }
                 | Effect::Abandoned { .. } => {}
                 Effect::Fence { target } => self.targets[usize::from(target.0)] = None,
+                // The machine ends each task once (specs/protocol.md §2.11).
+                Effect::TaskDone { seq, end, .. } => {
+                    println!("  parent: task {seq} ended: {end:?}")
+                }
+                Effect::CancelRefused { .. } => {}
                 completed @ Effect::Completed { .. } => self.completed.push(completed),
             }
         }
@@ -67,15 +74,20 @@ impl World {
                     machine.on_register(seq, digest, Ok(digest))
                 }
                 ControlFrame::Unregister { seq, digest } => machine.on_unregister(seq, digest),
+                ControlFrame::Cancel { seq, digest } => machine.on_cancel(seq, digest),
                 ControlFrame::Task { seq, digest } => {
                     let slot = machine
                         .begin_task(seq, digest)
                         .expect("the digest is installed");
+                    // The task thread starts it (a cancel could have come
+                    // first), runs it, ends it and sends its result.
+                    assert!(machine.start_task(seq).expect("the run was begun"));
                     println!(
                         "  target {}: task {seq} runs in its private slot {}",
                         target.0, slot.0
                     );
                     machine.end_task(seq).expect("the run was begun");
+                    self.results.push_back((target, seq, digest));
                 }
             }
             while let Some(effect) = machine.poll_effect() {
@@ -97,6 +109,14 @@ impl World {
 
     /// Gives every reply in transit to the parent.
     fn answer(&mut self) {
+        while let Some((target, seq, digest)) = self.results.pop_front() {
+            let accepted = self
+                .parent
+                .handle_task_result(target, self.parent.incarnation(target), seq, digest)
+                .expect("a result of a task the parent sent");
+            assert!(accepted, "the task was in flight on that target");
+            self.drain_parent();
+        }
         while let Some((target, reply)) = self.replies.pop_front() {
             self.parent
                 .handle_reply(target, reply, self.now)
@@ -150,6 +170,7 @@ fn main() {
         targets: Vec::new(),
         frames: vec![VecDeque::new(), VecDeque::new()],
         replies: VecDeque::new(),
+        results: VecDeque::new(),
         completed: Vec::new(),
         now: Time(0),
     };

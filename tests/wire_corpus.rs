@@ -23,7 +23,7 @@ fn wire_corpus_replays() {
         callreg::fuzzing::wire(&std::fs::read(entry.unwrap().path()).unwrap());
         count += 1;
     }
-    assert!(count >= 12, "wire seeds missing: {count}");
+    assert!(count >= 15, "wire seeds missing: {count}");
 }
 
 #[test]
@@ -33,6 +33,7 @@ fn named_seeds_decode_to_their_kind() {
         ("register_without_metadata", FrameKind::Register),
         ("unregister", FrameKind::Unregister),
         ("task", FrameKind::Task),
+        ("cancel", FrameKind::Cancel),
         ("inspect", FrameKind::Inspect),
         ("alive", FrameKind::Alive),
         ("reply_ok", FrameKind::Reply),

@@ -73,6 +73,6 @@ pub mod worker;
 pub mod zygote;
 
 pub use worker::{
-    OperationError, PendingOperation, PendingTask, StartReport, TargetTable, TaskError, Worker,
-    WorkerBuilder,
+    OperationError, PendingOperation, PendingTask, StartReport, TargetTable, TaskError, TaskKey,
+    Worker, WorkerBuilder,
 };

@@ -2177,11 +2177,10 @@ impl Parent {
     }
 
     /// Whether no operation is in flight, no effect waits to be polled and
-    /// no replacement is being asked for (backing off or spawning).
+    /// no replacement is being asked for (backing off or spawning). Tasks
+    /// in flight do not count ([`Parent::tasks_in_flight`]).
     pub fn is_idle(&self) -> bool {
         self.ops.is_empty()
-            && self.tasks.is_empty()
-            && self.cancels.is_empty()
             && self.effects.is_empty()
             && !self.slots.values().any(|r| {
                 self.lifecycle == Lifecycle::Started

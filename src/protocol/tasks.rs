@@ -66,15 +66,19 @@ impl TaskEnd {
                     "{seq} passed its deadline on {target} (incarnation {incarnation}), which was fenced"
                 ),
             ),
-            TaskEnd::Lost { cause } => (
-                ErrorCode::TARGET_LOST,
-                format!(
-                    "{target} (incarnation {incarnation}) was lost before {seq} finished: {cause}"
-                ),
-            ),
+            TaskEnd::Lost { cause } => {
+                let who = match incarnation {
+                    0 => target.to_string(),
+                    n => format!("{target} (incarnation {n})"),
+                };
+                (
+                    ErrorCode::TARGET_LOST,
+                    format!("{who} was lost ({cause}) before the task's result arrived"),
+                )
+            }
             TaskEnd::Closed => (
                 ErrorCode::LIFECYCLE_INVALID,
-                format!("the Worker closed before {seq} finished"),
+                "the Worker closed before the task's result arrived".to_owned(),
             ),
         };
         Some(
@@ -172,8 +176,8 @@ impl Parent {
         Ok(seq)
     }
 
-    /// The result of task `seq` arrived from incarnation `incarnation` of
-    /// `target` (§2.11): `Ok(true)` when it ends the task
+    /// The result of task `seq` of `digest` arrived from incarnation
+    /// `incarnation` of `target` (§2.11): `Ok(true)` when it ends the task
     /// ([`Effect::TaskDone`] with [`TaskEnd::Result`]: hand the result
     /// over); `Ok(false)` when it is refused and changes nothing: the task
     /// is not in flight on that incarnation of that target (it ended, or
@@ -182,12 +186,15 @@ impl Parent {
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target out
-    /// of range or a seq this parent never issued (nothing changes).
+    /// of range, a seq this parent never issued, or a result naming
+    /// another digest than its task in flight there (nothing changes; a
+    /// result out of protocol).
     pub fn handle_task_result(
         &mut self,
         target: TargetId,
         incarnation: u32,
         seq: Seq,
+        digest: Digest,
     ) -> Result<bool, Error> {
         if !self.accepts_from(target, OperationKind::Task)? {
             return Ok(false);
@@ -199,6 +206,17 @@ impl Parent {
         });
         if !ours {
             return Ok(false);
+        }
+        let expected = self.tasks.get(&seq).map(|task| task.digest);
+        if expected != Some(digest) {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Reply,
+                format!("the result of {seq} names {digest} instead of its task's digest"),
+            )
+            .with_target(target)
+            .with_seq(seq)
+            .with_digest(digest));
         }
         self.end_task(seq, TaskEnd::Result);
         Ok(true)
@@ -476,17 +494,37 @@ mod tests {
         );
         // Another target, another incarnation: refused, nothing changes.
         let before = p.clone();
-        assert_eq!(p.handle_task_result(TargetId(0), 0, seq), Ok(false));
-        assert_eq!(p.handle_task_result(TargetId(1), 1, seq), Ok(false));
+        assert_eq!(
+            p.handle_task_result(TargetId(0), 0, seq, digest(1)),
+            Ok(false)
+        );
+        assert_eq!(
+            p.handle_task_result(TargetId(1), 1, seq, digest(1)),
+            Ok(false)
+        );
         assert_eq!(p, before);
-        assert_eq!(p.handle_task_result(TargetId(1), 0, seq), Ok(true));
+        // Its target, naming another digest: out of protocol.
+        let e = p
+            .handle_task_result(TargetId(1), 0, seq, digest(2))
+            .unwrap_err();
+        assert_eq!(e.code, ErrorCode::FRAME_INVALID);
+        assert_eq!(p, before);
+        assert_eq!(
+            p.handle_task_result(TargetId(1), 0, seq, digest(1)),
+            Ok(true)
+        );
         assert_eq!(drain(&mut p), vec![done(seq, 1, 0, TaskEnd::Result)]);
         // A second result for it: refused.
-        assert_eq!(p.handle_task_result(TargetId(1), 0, seq), Ok(false));
+        assert_eq!(
+            p.handle_task_result(TargetId(1), 0, seq, digest(1)),
+            Ok(false)
+        );
         assert_eq!(drain(&mut p), vec![]);
-        assert!(p.is_idle());
+        assert!(p.tasks_in_flight().is_empty());
         // A seq never issued is out of protocol.
-        let e = p.handle_task_result(TargetId(1), 0, Seq(99)).unwrap_err();
+        let e = p
+            .handle_task_result(TargetId(1), 0, Seq(99), digest(1))
+            .unwrap_err();
         assert_eq!(e.code, ErrorCode::FRAME_INVALID);
     }
 
@@ -527,13 +565,16 @@ mod tests {
         assert_eq!(p.tasks_in_flight(), vec![first]);
         // Nothing became uncertain: answers to cancels are not registers'.
         assert!(!p.is_uncertain(digest(1)));
-        assert_eq!(p.handle_task_result(TargetId(0), 0, first), Ok(true));
+        assert_eq!(
+            p.handle_task_result(TargetId(0), 0, first, digest(1)),
+            Ok(true)
+        );
         assert_eq!(drain(&mut p), vec![done(first, 0, 0, TaskEnd::Result)]);
         assert_eq!(
             p.cancel(first, Time(8)).unwrap_err().code,
             ErrorCode::TASK_RUNNING
         );
-        assert!(p.is_idle());
+        assert!(p.tasks_in_flight().is_empty());
     }
 
     #[test]
@@ -542,7 +583,10 @@ mod tests {
         let seq = p.submit(&h, TargetId(0)).unwrap();
         p.cancel(seq, Time(1)).unwrap();
         drain(&mut p);
-        assert_eq!(p.handle_task_result(TargetId(0), 0, seq), Ok(true));
+        assert_eq!(
+            p.handle_task_result(TargetId(0), 0, seq, digest(1)),
+            Ok(true)
+        );
         assert_eq!(drain(&mut p), vec![done(seq, 0, 0, TaskEnd::Result)]);
         let late = Failure::new(ErrorCode::TASK_RUNNING, "ended");
         let before_uncertain = p.uncertain_digests();
@@ -550,7 +594,7 @@ mod tests {
             .unwrap();
         assert_eq!(drain(&mut p), vec![]);
         assert_eq!(p.uncertain_digests(), before_uncertain);
-        assert!(p.is_idle());
+        assert!(p.tasks_in_flight().is_empty() && !p.awaits_cancel(TargetId(0), seq));
     }
 
     #[test]
@@ -605,7 +649,7 @@ mod tests {
         let message = lost.error(a, TargetId(0), 0, digest(1)).unwrap().message;
         assert_eq!(
             message,
-            format!("target 0 (incarnation 0) was lost before {a} finished: killed by signal 9")
+            "target 0 was lost (killed by signal 9) before the task's result arrived"
         );
         p.close().unwrap();
         assert_eq!(drain(&mut p), vec![done(b, 1, 0, TaskEnd::Closed)]);
@@ -643,7 +687,10 @@ mod tests {
         p.target_died(TargetId(0), "gone", Time(1)).unwrap();
         drain(&mut p);
         // The replacement (incarnation 1) may not end a task of 0: it ended.
-        assert_eq!(p.handle_task_result(TargetId(0), 1, seq), Ok(false));
+        assert_eq!(
+            p.handle_task_result(TargetId(0), 1, seq, digest(1)),
+            Ok(false)
+        );
         assert_eq!(p.incarnation(TargetId(0)), 1);
     }
 }

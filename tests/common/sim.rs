@@ -14,7 +14,7 @@ use callreg::protocol::invariants::{self, View, Violation};
 use callreg::protocol::{
     Completion, ControlFrame, Effect, Failure, Handle, Namespace, OpId, OwnerToken, Parent,
     ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig, TargetEffect, TargetId,
-    TargetOutcome, Time,
+    TargetOutcome, TaskEnd, Time,
 };
 
 /// The parent configuration the scenario tests start from: 1 ms control
@@ -109,6 +109,8 @@ pub struct Sim {
     pub spawning: BTreeMap<TargetId, u32>,
     /// Every join report (`Joined`, `JoinFailed`, `Abandoned`), in order.
     pub joins: Vec<Effect>,
+    /// How each task ended (`Effect::TaskDone`), by seq: at most once.
+    pub task_ends: BTreeMap<Seq, TaskEnd>,
     pub now: Time,
 }
 
@@ -193,6 +195,7 @@ impl Sim {
             ever_uncertain: BTreeSet::new(),
             spawning: BTreeMap::new(),
             joins: Vec::new(),
+            task_ends: BTreeMap::new(),
             now: Time(0),
         }
     }
@@ -262,6 +265,7 @@ impl Sim {
                 target.on_register(seq, digest, verified);
             }
             ControlFrame::Unregister { seq, digest } => target.on_unregister(seq, digest),
+            ControlFrame::Cancel { seq, digest } => target.on_cancel(seq, digest),
             ControlFrame::Task { seq, digest } => match target.begin_task(seq, digest) {
                 Ok(_slot) => self.running[i].push_back(seq),
                 Err(e) => {
@@ -425,6 +429,13 @@ impl Sim {
 
     fn apply_parent_effect(&mut self, effect: Effect) {
         match effect {
+            Effect::TaskDone { seq, end, .. } => {
+                assert!(
+                    self.task_ends.insert(seq, end).is_none(),
+                    "task {seq} ended twice"
+                );
+            }
+            Effect::CancelRefused { .. } => {}
             Effect::Stage { staging, digest } | Effect::Restage { staging, digest } => {
                 assert!(
                     self.staged.insert(staging, digest).is_none(),

@@ -19,9 +19,7 @@ use super::pending::{operation_error, OperationError, TargetTable, TaskError};
 use super::respawn::{Kept, SlotEvent, Spawned};
 #[cfg(doc)]
 use super::Worker;
-use super::{
-    check_hooks_live, lifecycle_error, metadata_identity, now_since, refuse, Core, Request,
-};
+use super::{check_hooks_live, metadata_identity, now_since, refuse, Core, Request};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::io::handoff::Completer;
@@ -32,10 +30,10 @@ use crate::io::zygote::Zygote;
 use crate::io::{failpoints, process};
 use crate::protocol::{
     Completion, ControlFrame, Effect, Failure, Handle, Namespace, OpId, Reply, Seq, StagingId,
-    TargetId, TargetOutcome, Time,
+    TargetId, TargetOutcome, TaskEnd, Time,
 };
 use crate::runtime::TaskEncoding;
-use crate::wire::{Frame, FrameBuffer};
+use crate::wire::{Frame, FrameBuffer, TaskFailure};
 
 /// How long [`Worker::close`] lets targets exit on their own (after their
 /// control pipe closes) before killing them.
@@ -207,9 +205,11 @@ pub(super) enum OpWaiter {
     Unregister(Completer<Result<(), OperationError>>),
 }
 
+/// Who waits for a task in flight (the machine decides when and how it
+/// ends, `specs/protocol.md` §2.11).
 pub(super) struct TaskWaiter {
-    target: TargetId,
-    digest: Digest,
+    /// The key the caller may cancel it by ([`super::TaskKey`]).
+    key: u64,
     done: Completer<Result<Vec<u8>, TaskError>>,
 }
 
@@ -235,6 +235,9 @@ pub(super) struct Staged {
 pub(super) struct Context {
     staged: Option<(Digest, Staged)>,
     task_input: Option<(TaskEncoding, Vec<u8>)>,
+    /// The result frame being given to the machine
+    /// (`handle_task_result`), for its `TaskDone`.
+    task_result: Option<Result<Vec<u8>, TaskFailure>>,
 }
 
 /// The IO state: what the IO thread and the leading caller drive, in turn,
@@ -256,7 +259,12 @@ pub(super) struct IoLoop {
     pub(super) chunk: Vec<u8>,
     pub(super) staged: BTreeMap<StagingId, Staged>,
     pub(super) ops: BTreeMap<OpId, OpWaiter>,
+    /// Waiters of the tasks in flight, by seq.
     pub(super) tasks: BTreeMap<u64, TaskWaiter>,
+    /// The seq of each task in flight by its key.
+    pub(super) task_keys: BTreeMap<u64, u64>,
+    /// Callers waiting for the answer to a cancel, by task seq.
+    pub(super) cancels: BTreeMap<u64, Vec<Completer<bool>>>,
     pub(super) inspects: Vec<InspectWaiter>,
     /// Inspections a target did not answer before their deadline, by seq
     /// and target: its table, if it comes, is dropped (it is not out of
@@ -531,28 +539,40 @@ impl IoLoop {
                 target,
                 encoding,
                 input,
+                key,
+                deadline,
                 done,
-            } => match core.machine.submit(&handle, target) {
-                Ok(seq) => {
-                    self.tasks.insert(
-                        seq.0,
-                        TaskWaiter {
-                            target,
-                            digest: handle.digest(),
-                            done,
-                        },
-                    );
-                    context.task_input = Some((encoding, input));
+            } => {
+                let deadline = deadline.map(|d| {
+                    now.saturating_add_micros(u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+                });
+                match core.machine.submit_with_deadline(&handle, target, deadline) {
+                    Ok(seq) => {
+                        self.tasks.insert(seq.0, TaskWaiter { key, done });
+                        self.task_keys.insert(key, seq.0);
+                        context.task_input = Some((encoding, input));
+                    }
+                    Err(error) => self.defer(
+                        done,
+                        Err(TaskError {
+                            error,
+                            kind: String::new(),
+                            exception: Box::default(),
+                        }),
+                    ),
                 }
-                Err(error) => self.defer(
-                    done,
-                    Err(TaskError {
-                        error,
-                        kind: String::new(),
-                        exception: Box::default(),
-                    }),
-                ),
-            },
+            }
+            Request::Cancel { key, done } => {
+                let Some(seq) = self.task_keys.get(&key).copied() else {
+                    // Refused at submit, or already ended.
+                    self.defer(done, false);
+                    return self.drain(core, &mut context);
+                };
+                match core.machine.cancel(Seq(seq), now) {
+                    Ok(()) => self.cancels.entry(seq).or_default().push(done),
+                    Err(_) => self.defer(done, false),
+                }
+            }
             Request::Inspect { done } => {
                 let seq = self.next_inspect;
                 self.next_inspect += 1;
@@ -691,8 +711,73 @@ impl IoLoop {
                     self.complete(op, result, outcomes, &core.losses);
                     self.prune_kept(core);
                 }
+                Effect::TaskDone {
+                    seq,
+                    target,
+                    incarnation,
+                    digest,
+                    end,
+                } => self.task_done(seq, target, incarnation, digest, end, context),
+                Effect::CancelRefused { seq, .. } => {
+                    for done in self.cancels.remove(&seq.0).unwrap_or_default() {
+                        self.defer(done, false);
+                    }
+                }
             }
         }
+    }
+
+    /// Hands task `seq`'s end to its caller (the result frame the machine
+    /// accepted, or the error of its end) and answers the cancels that
+    /// wait on it.
+    fn task_done(
+        &mut self,
+        seq: Seq,
+        target: TargetId,
+        incarnation: u32,
+        digest: Digest,
+        end: TaskEnd,
+        context: &mut Context,
+    ) {
+        for done in self.cancels.remove(&seq.0).unwrap_or_default() {
+            self.defer(done, end == TaskEnd::Cancelled);
+        }
+        let Some(waiter) = self.tasks.remove(&seq.0) else {
+            return;
+        };
+        self.task_keys.remove(&waiter.key);
+        let result = match end.error(seq, target, incarnation, digest) {
+            Some(error) => Err(TaskError {
+                error,
+                kind: String::new(),
+                exception: Box::default(),
+            }),
+            None => match context.task_result.take() {
+                Some(result) => result.map_err(|failure| TaskError {
+                    error: Error::new(failure.code, OperationKind::Task, failure.message)
+                        .with_target(target)
+                        .with_namespace(Namespace::LocalPython)
+                        .with_digest(digest)
+                        .with_seq(seq),
+                    kind: failure.kind,
+                    exception: failure.exception.into_boxed_slice(),
+                }),
+                // The machine ends a task with a result only for the
+                // result frame being given to it.
+                None => Err(TaskError {
+                    error: Error::new(
+                        ErrorCode::FRAME_INVALID,
+                        OperationKind::Task,
+                        "the task ended with a result that was not read",
+                    )
+                    .with_target(target)
+                    .with_seq(seq),
+                    kind: String::new(),
+                    exception: Box::default(),
+                }),
+            },
+        };
+        self.defer(waiter.done, result);
     }
 
     fn send(
@@ -723,6 +808,7 @@ impl IoLoop {
                 None => return self.lose(core, target, "no staged payload for its register"),
             },
             ControlFrame::Unregister { seq, digest } => Frame::Unregister { seq: seq.0, digest },
+            ControlFrame::Cancel { seq, digest } => Frame::Cancel { seq: seq.0, digest },
             ControlFrame::Task { seq, digest } => {
                 let (encoding, input) = context
                     .task_input
@@ -860,27 +946,26 @@ impl IoLoop {
                 digest,
                 result,
             } => {
-                // Taken only when it is this target's: another's waiter
-                // stays for its own target's result.
-                let ours = self
-                    .tasks
-                    .get(&seq)
-                    .is_some_and(|w| w.target == target && w.digest == digest);
-                let waiter = if ours { self.tasks.remove(&seq) } else { None };
-                let Some(waiter) = waiter else {
-                    return Err(format!("it sent a result for unknown task seq {seq}"));
+                // The machine decides whether it ends its task (§2.11): a
+                // result it refuses (its task ended already, or is not this
+                // incarnation's) is dropped; one out of protocol ends the
+                // target.
+                let incarnation = self
+                    .links
+                    .get(usize::from(target.0))
+                    .and_then(Option::as_ref)
+                    .map_or(0, |link| link.incarnation);
+                let mut context = Context {
+                    task_result: Some(result),
+                    ..Context::default()
                 };
-                let result = result.map_err(|failure| TaskError {
-                    error: Error::new(failure.code, OperationKind::Task, failure.message)
-                        .with_target(target)
-                        .with_namespace(Namespace::LocalPython)
-                        .with_digest(digest)
-                        .with_seq(Seq(seq)),
-                    kind: failure.kind,
-                    exception: failure.exception.into_boxed_slice(),
-                });
-                self.defer(waiter.done, result);
-                Ok(())
+                let accepted =
+                    core.machine
+                        .handle_task_result(target, incarnation, Seq(seq), digest);
+                self.drain(core, &mut context);
+                accepted
+                    .map(|_| ())
+                    .map_err(|e| format!("it sent a task result out of protocol: {e}"))
             }
             Frame::Table {
                 seq,
@@ -1001,8 +1086,8 @@ impl IoLoop {
         }
     }
 
-    /// Kills and reaps a target, and fails what waits for it (not the
-    /// machine's business: tasks and inspections).
+    /// Kills and reaps a target, and fails the inspections that wait for
+    /// it (the machine ends its tasks when it is told of the loss).
     ///
     /// `grace`: how long a target that is ending on its own may take to
     /// exit before SIGKILL (its exit status then says why it ended).
@@ -1029,38 +1114,8 @@ impl IoLoop {
                 cause: reason.clone(),
             });
         }
-        let who = match link.incarnation {
-            0 => target.to_string(),
-            n => format!("{target} (incarnation {n})"),
-        };
         core.losses.insert(target, reason.clone());
         self.late_tables.retain(|(_, t)| *t != target);
-        let lost: Vec<u64> = self
-            .tasks
-            .iter()
-            .filter(|(_, w)| w.target == target)
-            .map(|(seq, _)| *seq)
-            .collect();
-        for seq in lost {
-            if let Some(waiter) = self.tasks.remove(&seq) {
-                self.defer(
-                    waiter.done,
-                    Err(TaskError {
-                        error: Error::new(
-                            ErrorCode::TARGET_LOST,
-                            OperationKind::Task,
-                            format!("{who} was lost ({reason}) before the task's result arrived"),
-                        )
-                        .with_target(target)
-                        .with_namespace(Namespace::LocalPython)
-                        .with_digest(waiter.digest)
-                        .with_seq(Seq(seq)),
-                        kind: String::new(),
-                        exception: Box::default(),
-                    }),
-                );
-            }
-        }
         let mut index = 0;
         while index < self.inspects.len() {
             let waiter = &mut self.inspects[index];
@@ -1131,22 +1186,11 @@ impl IoLoop {
         }
         self.starting.clear();
         core.kept.clear();
-        for (seq, waiter) in std::mem::take(&mut self.tasks) {
-            self.defer(
-                waiter.done,
-                Err(TaskError {
-                    error: lifecycle_error(
-                        OperationKind::Task,
-                        "the Worker closed before the task's result arrived",
-                    )
-                    .with_target(waiter.target)
-                    .with_digest(waiter.digest)
-                    .with_seq(Seq(seq)),
-                    kind: String::new(),
-                    exception: Box::default(),
-                }),
-            );
-        }
+        // The machine's close ended every task in flight (drained above);
+        // any waiter left is dropped here, which wakes it as abandoned.
+        self.tasks.clear();
+        self.task_keys.clear();
+        self.cancels.clear();
         for mut waiter in std::mem::take(&mut self.inspects) {
             let tables = finish_inspect(&mut waiter);
             waiter.done.complete(tables);

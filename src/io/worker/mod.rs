@@ -121,7 +121,7 @@ mod start;
 pub use builder::{WorkerBuilder, DEFAULT_CONTROL_TIMEOUT, MAX_TIMEOUT, OPERATION_TIMEOUT_FACTOR};
 pub use pending::{
     outcome_text, registration_failure_text, OperationError, PendingOperation, PendingTask,
-    StartReport, TargetTable, TaskError,
+    StartReport, TargetTable, TaskError, TaskKey,
 };
 pub use respawn::{SlotEvent, SLOT_EVENTS_KEPT};
 
@@ -497,6 +497,8 @@ impl<R: Runtime> Worker<R> {
                 target,
                 encoding,
                 input: input.to_vec(),
+                key: TaskKey::fresh().0,
+                deadline: None,
                 done,
             };
             let mut core = self.shared.lock();
@@ -519,6 +521,26 @@ impl<R: Runtime> Worker<R> {
         encoding: TaskEncoding,
         input: &[u8],
     ) -> PendingTask {
+        self.submit_async_with_deadline(handle, target, encoding, input, None)
+    }
+
+    /// [`Worker::submit_async`] with a deadline (`specs/protocol.md`
+    /// §2.12): if the task has not ended `deadline` after the Worker took
+    /// the request, it ends with `TASK_DEADLINE`, its target is killed (and
+    /// replaced, with replacements on), and every other task on that
+    /// target ends with `TARGET_LOST`. `None`: no deadline. The deadline
+    /// is handled by whichever thread drives the Worker (the IO thread
+    /// when no caller waits), so it passes within a few milliseconds of
+    /// its time, then the kill and reap take their own time.
+    pub fn submit_async_with_deadline(
+        &self,
+        handle: &Handle,
+        target: TargetId,
+        encoding: TaskEncoding,
+        input: &[u8],
+        deadline: Option<Duration>,
+    ) -> PendingTask {
+        let key = TaskKey::fresh();
         let (done, pending) = handoff::channel();
         if let Err(error) = self.owned(OperationKind::Task) {
             done.complete(Err(TaskError {
@@ -528,12 +550,14 @@ impl<R: Runtime> Worker<R> {
             }));
             return PendingTask {
                 awaited: Awaited::done(pending),
+                key,
             };
         }
         if let Err(error) = self.task_frame_fits(handle, target, input) {
             done.complete(Err(error));
             return PendingTask {
                 awaited: Awaited::done(pending),
+                key,
             };
         }
         let owed = self.push(
@@ -542,13 +566,39 @@ impl<R: Runtime> Worker<R> {
                 target,
                 encoding,
                 input: input.to_vec(),
+                key: key.0,
+                deadline,
                 done,
             },
             false,
         );
         PendingTask {
             awaited: self.awaited(pending, owed),
+            key,
         }
+    }
+
+    /// Cancels the task `key` names ([`PendingTask::key`]) if it has not
+    /// started in its target (`specs/protocol.md` §2.11), and waits for
+    /// the target's answer (a round trip; with fencing on, at most about a
+    /// control timeout for a target that stops answering, which is then
+    /// fenced): `Ok(true)` when it will never run (its result is then
+    /// `TASK_CANCELLED`); `Ok(false)` when it had started (it runs to its
+    /// end and its result comes as usual), already ended, or was refused
+    /// at submit.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` from another process than the Worker's, and at
+    /// once inside a completion callback (it would wait on the thread that
+    /// must read the answer).
+    pub fn cancel(&self, key: TaskKey) -> Result<bool, Error> {
+        self.owned(OperationKind::Task)?;
+        if handoff::in_callback() {
+            return Err(callback_wait_error(OperationKind::Task));
+        }
+        let (done, pending) = handoff::channel();
+        let owed = self.push(Request::Cancel { key: key.0, done }, false);
+        Ok(self.awaited(pending, owed).wait().unwrap_or(false))
     }
 
     /// `FRAME_INVALID` for a task input too large for one frame.
@@ -872,7 +922,16 @@ enum Request {
         target: TargetId,
         encoding: TaskEncoding,
         input: Vec<u8>,
+        /// The caller's key for it ([`TaskKey`]).
+        key: u64,
+        /// How long it may run from its submit (`specs/protocol.md` §2.12).
+        deadline: Option<Duration>,
         done: Completer<Result<Vec<u8>, TaskError>>,
+    },
+    /// Cancel the task `key` names (§2.11): `true` once it will never run.
+    Cancel {
+        key: u64,
+        done: Completer<bool>,
     },
     Inspect {
         done: Completer<Vec<(TargetId, Option<TargetTable>)>>,
@@ -905,6 +964,7 @@ fn refuse(request: Request, before_start: bool) {
             kind: String::new(),
             exception: Box::default(),
         })),
+        Request::Cancel { done, .. } => done.complete(false),
         Request::Inspect { done } => drop(done),
         #[cfg(feature = "failpoints")]
         Request::RawControl { .. } => {}

@@ -214,7 +214,7 @@ impl<T> Awaited<T> {
         })
     }
 
-    fn wait(self) -> Result<T, handoff::Abandoned> {
+    pub(super) fn wait(self) -> Result<T, handoff::Abandoned> {
         match self.wait_until(None) {
             Ok(result) => result,
             Err(_) => unreachable!("a wait without a deadline ends with the result"),
@@ -314,9 +314,29 @@ impl<T> PendingOperation<T> {
 /// A task in flight ([`Worker::submit_async`]).
 pub struct PendingTask {
     pub(super) awaited: Awaited<Result<Vec<u8>, TaskError>>,
+    pub(super) key: TaskKey,
+}
+
+/// Names one task for [`Worker::cancel`]: unique in the process, never
+/// reused, valid after its [`PendingTask`] is waited for or dropped (a
+/// cancel of an ended task answers `false`).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct TaskKey(pub(super) u64);
+
+impl TaskKey {
+    /// A key no task of this process had.
+    pub(super) fn fresh() -> TaskKey {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        TaskKey(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
 }
 
 impl PendingTask {
+    /// The key to cancel this task by ([`Worker::cancel`]).
+    pub fn key(&self) -> TaskKey {
+        self.key
+    }
+
     /// Waits for the task's result (encoded as its input was). While it
     /// waits, this thread may read the targets' replies itself, for every
     /// caller ([`crate::io::lead`]).
@@ -344,7 +364,10 @@ impl PendingTask {
         }
         match self.awaited.wait_until(Instant::now().checked_add(timeout)) {
             Ok(result) => Ok(result.unwrap_or_else(task_abandoned)),
-            Err(awaited) => Err(PendingTask { awaited }),
+            Err(awaited) => Err(PendingTask {
+                awaited,
+                key: self.key,
+            }),
         }
     }
 

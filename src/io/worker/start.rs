@@ -298,6 +298,8 @@ impl<R: Runtime> Worker<R> {
             staged: BTreeMap::new(),
             ops: BTreeMap::new(),
             tasks: BTreeMap::new(),
+            task_keys: BTreeMap::new(),
+            cancels: BTreeMap::new(),
             inspects: Vec::new(),
             late_tables: std::collections::BTreeSet::new(),
             next_inspect: 1,
