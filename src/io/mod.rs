@@ -68,9 +68,11 @@ pub mod lead;
 pub mod process;
 pub mod slots;
 pub mod staging;
+mod sys;
 pub mod target;
 pub mod worker;
 pub mod zygote;
+mod zygote_link;
 
 pub use worker::{
     OperationError, PendingOperation, PendingTask, StartReport, TargetTable, TaskError, TaskKey,

@@ -113,17 +113,15 @@ mod forms;
 pub mod invariants;
 mod parent;
 mod target;
-mod tasks;
 
 pub use forms::{
     DigestCount, InstalledDigest, RegistrySnapshot, TargetOutcomeEntry, TargetSnapshot,
 };
 pub use parent::{
     Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, Poison,
-    SlotPhase, TargetOutcome, BOUND_FENCE_CAUSE, SILENT_FENCE_CAUSE,
+    SlotPhase, TargetOutcome, TaskEnd, TaskInfo, BOUND_FENCE_CAUSE, SILENT_FENCE_CAUSE,
 };
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
-pub use tasks::{TaskEnd, TaskInfo};
 
 // The ids every layer names (`crate::ids`, below the formats): the protocol
 // is where they are used most, so they are re-exported here.

@@ -13,12 +13,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::parent::{mutant, Effect, Handle, Lifecycle, Parent};
-#[cfg(feature = "mutants")]
-use super::Mutant;
-use super::{ControlFrame, Namespace, Reply, Seq, TargetId, Time};
+use super::{Effect, Handle, Lifecycle, Parent};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
+#[cfg(feature = "mutants")]
+use crate::protocol::Mutant;
+use crate::protocol::{ControlFrame, Namespace, Reply, Seq, TargetId, Time};
 
 /// How a task ended ([`Effect::TaskDone`]).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
@@ -354,7 +354,7 @@ impl Parent {
     /// The targets to fence at `now` for their tasks (§2.11, §2.12), each
     /// with the cause: a task's deadline passed (those tasks end with
     /// [`TaskEnd::Deadline`] here), or, with
-    /// [`super::ParentConfig::fence_on_timeout`], a cancel went unanswered
+    /// [`crate::protocol::ParentConfig::fence_on_timeout`], a cancel went unanswered
     /// with no alive report for a control timeout.
     pub(super) fn expire_tasks(&mut self, now: Time) -> Vec<(TargetId, String)> {
         let expired: Vec<(Seq, TargetId)> = self
@@ -427,8 +427,8 @@ impl Parent {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Failure, OwnerToken, ParentConfig};
     use super::*;
+    use crate::protocol::{Failure, OwnerToken, ParentConfig};
 
     fn digest(n: u8) -> Digest {
         Digest([n; 32])

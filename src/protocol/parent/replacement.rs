@@ -1,0 +1,417 @@
+//! Target loss and replacement (`specs/protocol.md` §2.9): a target lost
+//! or dead, its operations' scopes settled, a replacement spawned, its
+//! join by replaying every live registration, and a failed join fenced.
+
+use std::collections::{BTreeMap, VecDeque};
+
+#[cfg(doc)]
+use super::ParentConfig;
+use super::{Effect, Lifecycle, Op, OpKind, Parent, Poison, Progress, SlotPhase, SlotRecord};
+use crate::descriptor::Digest;
+use crate::error::{Error, ErrorCode, OperationKind};
+#[cfg(feature = "mutants")]
+use crate::protocol::Mutant;
+use crate::protocol::{ControlFrame, Failure, OpId, Seq, StagingId, TargetId, Time};
+
+impl Parent {
+    /// `target` died (or was closed by the IO layer): it holds nothing, it
+    /// leaves the scope of later operations, and every operation waiting
+    /// for it counts it lost (a register fails; nothing becomes uncertain).
+    /// Idempotent; ignored after close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id out
+    /// of range.
+    pub fn target_lost(&mut self, target: TargetId, now: Time) -> Result<(), Error> {
+        self.target_died(target, "it was lost", now)
+    }
+
+    /// [`Parent::target_lost`], saying how the target died (`cause`, e.g.
+    /// `its reply socket closed; it was killed by signal 11`): if it was lost
+    /// while deserializing a digest it probed (§2.8), that digest is
+    /// poisoned and `cause` is named in every `REGISTER_POISONED` about it.
+    ///
+    /// # Errors
+    /// As [`Parent::target_lost`].
+    pub fn target_died(&mut self, target: TargetId, cause: &str, now: Time) -> Result<(), Error> {
+        if !self.accepts_from(target, OperationKind::Reply)? {
+            return Ok(());
+        }
+        self.lose(target, Progress::Lost, cause, now, true);
+        Ok(())
+    }
+
+    /// The digest `target` was deserializing for a probe, if any (§2.8):
+    /// the probe of a digest not yet proven is the oldest control still
+    /// pending at that target (controls are applied in the order sent, and
+    /// a probe is sent when issued, so no control pending there was sent
+    /// before it).
+    fn probing_at(&self, target: TargetId) -> Option<Digest> {
+        let pending = |op: &Op| match (op.scope.get(&target), &op.kind) {
+            (Some(Progress::Pending), _) => Some(op.seq),
+            (
+                Some(Progress::CleanupPending),
+                OpKind::Register {
+                    cleanup: Some((seq, _)),
+                    ..
+                },
+            ) => Some(*seq),
+            _ => None,
+        };
+        let oldest = self
+            .ops
+            .values()
+            .filter_map(|op| pending(op).map(|seq| (seq, op)))
+            .min_by_key(|(seq, _)| *seq)?
+            .1;
+        match oldest.kind {
+            OpKind::Register {
+                probe: Some(probe),
+                cleanup: None,
+                ..
+            } if probe == target && !self.proven.contains(&oldest.digest) => Some(oldest.digest),
+            _ => None,
+        }
+    }
+
+    /// `target` is lost (`as_progress`: `Lost` or `Fenced`), `cause` saying
+    /// how. `evidence`: whether the loss counts against the digest it was
+    /// probing, if any (§2.8: a death, or a bound passed while it reported
+    /// alive; never silence), which is then poisoned.
+    pub(super) fn lose(
+        &mut self,
+        target: TargetId,
+        as_progress: Progress,
+        cause: &str,
+        now: Time,
+        evidence: bool,
+    ) {
+        if self.lost.contains(&target) {
+            // A replacement that could not be started is one lost before
+            // it joined.
+            if self.slot_phase(target) == SlotPhase::Spawning {
+                self.after_loss(target, now);
+            }
+            return;
+        }
+        if let Some(digest) = self.probing_at(target).filter(|_| evidence) {
+            self.poisoned.entry(digest).or_insert_with(|| Poison {
+                target,
+                cause: cause.to_owned(),
+            });
+        }
+        self.lost.insert(target);
+        self.tasks_lost(target, cause);
+        let mut touched = Vec::new();
+        for (id, op) in self.ops.iter_mut() {
+            if let Some(progress) = op.scope.get_mut(&target) {
+                match progress {
+                    Progress::Pending => *progress = as_progress.clone(),
+                    Progress::CleanupPending => *progress = Progress::RolledBack,
+                    _ => continue,
+                }
+                touched.push(*id);
+            }
+        }
+        for id in touched {
+            self.advance(id, now);
+        }
+        self.after_loss(target, now);
+    }
+
+    /// After `target`'s process was lost (§2.9): with replacements on, ask
+    /// for the next one at once (the lost process had joined), after the
+    /// back-off (it had not), or give the slot up (the rate limit).
+    fn after_loss(&mut self, target: TargetId, now: Time) {
+        let limit = self.config.respawn_limit;
+        if limit == 0 || self.lifecycle != Lifecycle::Started {
+            return;
+        }
+        let record = self.slots.entry(target).or_insert(SlotRecord {
+            incarnation: 0,
+            failed_joins: 0,
+            phase: SlotPhase::Joined,
+        });
+        record.failed_joins = match record.phase {
+            SlotPhase::Joined => 0,
+            _ => record.failed_joins.saturating_add(1),
+        };
+        let failed_joins = record.failed_joins;
+        if failed_joins >= limit {
+            record.phase = SlotPhase::Lost;
+            self.effects.push_back(Effect::Abandoned {
+                target,
+                failed_joins,
+            });
+            return;
+        }
+        let delay = match failed_joins {
+            0 => 0,
+            n => self
+                .config
+                .respawn_backoff
+                .saturating_mul(1u64 << u32::from(n - 1).min(32)),
+        };
+        if delay == 0 {
+            self.spawn(target);
+        } else {
+            record.phase = SlotPhase::BackingOff(now.saturating_add_micros(delay));
+        }
+    }
+
+    pub(super) fn spawn(&mut self, target: TargetId) {
+        let Some(record) = self.slots.get_mut(&target) else {
+            return;
+        };
+        record.incarnation = record.incarnation.saturating_add(1);
+        record.phase = SlotPhase::Spawning;
+        self.effects.push_back(Effect::Spawn {
+            target,
+            incarnation: record.incarnation,
+        });
+    }
+
+    /// The process asked for by [`Effect::Spawn`] for `target`'s slot runs
+    /// and holds nothing (§2.9): it is `incarnation` of the slot, and it
+    /// joins. Every live handle whose digest is not uncertain is replayed
+    /// to it, in handle order ([`Effect::Restage`], then a
+    /// [`ControlFrame::Register`] to it alone), and so is every handle
+    /// published while it joins. It serves tasks ([`Effect::Joined`]) once
+    /// every replay sent to it is confirmed and no register is in flight
+    /// (a register in flight does not include it, and is replayed to it if
+    /// published; a confirmation the slot's earlier process gave it counts
+    /// for nothing). Until then it is in the scope of nothing else but the
+    /// unregisters of handles replayed to it (whose frame to it waits for
+    /// that replay's confirmation: until then it may still be installing
+    /// the payload), and refused for tasks. A
+    /// replay it refuses or does not answer in time fences it
+    /// ([`Effect::JoinFailed`], [`Effect::Fence`]), with or without
+    /// [`ParentConfig::fence_on_timeout`]: a joining process serves nobody.
+    /// Ignored after close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target out
+    /// of range, or a slot that is not waiting for incarnation
+    /// `incarnation` (nothing changes).
+    pub fn target_spawned(
+        &mut self,
+        target: TargetId,
+        incarnation: u32,
+        now: Time,
+    ) -> Result<(), Error> {
+        if !self.accepts_from(target, OperationKind::Start)? {
+            return Ok(());
+        }
+        let waiting = self
+            .slots
+            .get(&target)
+            .is_some_and(|r| r.phase == SlotPhase::Spawning && r.incarnation == incarnation);
+        if !waiting {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Start,
+                format!("{target} is not waiting for incarnation {incarnation}"),
+            )
+            .with_target(target));
+        }
+        self.lost.remove(&target);
+        if let Some(record) = self.slots.get_mut(&target) {
+            record.phase = SlotPhase::Joining;
+        }
+        // What the slot's earlier processes confirmed died with them.
+        for record in self.handles.values_mut() {
+            record.scope.remove(&target);
+            record.confirmed.remove(&target);
+        }
+        let replayed: Vec<u64> = self
+            .handles
+            .iter()
+            .filter(|(_, r)| !self.uncertain.contains_key(&r.digest))
+            .map(|(id, _)| *id)
+            .collect();
+        for handle_id in replayed {
+            self.begin_replay(target, handle_id, now);
+        }
+        self.settle_joins();
+        Ok(())
+    }
+
+    /// Sends the replay of live handle `handle_id` to joining `target`.
+    pub(super) fn begin_replay(&mut self, target: TargetId, handle_id: u64, now: Time) {
+        let Some(record) = self.handles.get(&handle_id) else {
+            return;
+        };
+        let (digest, namespace) = (record.digest, record.namespace);
+        let seq = self.fresh_seq();
+        let staging = StagingId(seq.0);
+        self.staged.insert(staging);
+        self.effects.push_back(Effect::Restage { staging, digest });
+        self.effects.push_back(Effect::Send {
+            target,
+            frame: ControlFrame::Register {
+                seq,
+                digest,
+                staging,
+            },
+        });
+        self.ops.insert(
+            OpId(seq.0),
+            Op {
+                kind: OpKind::Replay {
+                    handle_id,
+                    staging: Some(staging),
+                    unregister: None,
+                },
+                digest,
+                namespace,
+                seq,
+                deadline: now.saturating_add_micros(self.config.operation_timeout),
+                heard: BTreeMap::from([(target, now)]),
+                scope: BTreeMap::from([(target, Progress::Pending)]),
+            },
+        );
+    }
+
+    /// Every joining replacement whose replays are all confirmed, while no
+    /// register is in flight, joins (§2.9).
+    pub(super) fn settle_joins(&mut self) {
+        let early = mutant!(self, JoinBeforeReplay);
+        let registering = self
+            .ops
+            .values()
+            .any(|op| matches!(op.kind, OpKind::Register { cleanup: None, .. }));
+        let joining: Vec<TargetId> = self
+            .slots
+            .iter()
+            // A joining target being lost is still marked joining until
+            // `lose` has settled its operations.
+            .filter(|(t, r)| r.phase == SlotPhase::Joining && !self.lost.contains(t))
+            .map(|(t, _)| *t)
+            .collect();
+        for target in joining {
+            let replaying = self.ops.values().any(|op| {
+                matches!(op.kind, OpKind::Replay { .. }) && op.scope.contains_key(&target)
+            });
+            if (replaying || registering) && !early {
+                continue;
+            }
+            if let Some(record) = self.slots.get_mut(&target) {
+                record.phase = SlotPhase::Joined;
+                record.failed_joins = 0;
+                self.effects.push_back(Effect::Joined {
+                    target,
+                    incarnation: record.incarnation,
+                });
+            }
+        }
+    }
+
+    /// A joining replacement refused a replay or did not answer it in
+    /// time: it is reported and fenced (then replaced under the limit).
+    fn fail_join(&mut self, target: TargetId, failure: Failure, now: Time) {
+        if self.lost.contains(&target) {
+            return;
+        }
+        let cause = format!("it failed a replayed registration ({failure})");
+        self.effects.push_back(Effect::JoinFailed {
+            target,
+            incarnation: self.incarnation(target),
+            failure,
+        });
+        self.effects.push_back(Effect::Fence { target });
+        self.lose(target, Progress::Fenced, &cause, now, true);
+    }
+
+    pub(super) fn fence_joining(&mut self, target: TargetId, now: Time) {
+        self.fail_join(
+            target,
+            Failure::new(
+                ErrorCode::DEADLINE_EXCEEDED,
+                "no answer before its deadline while it joined",
+            ),
+            now,
+        );
+    }
+
+    /// [`Parent::stage_failed`] for a replay's [`Effect::Restage`]: the
+    /// replay's frame is withdrawn and the join fails (§2.9).
+    pub(super) fn replay_stage_failed(&mut self, id: OpId, failure: Failure) -> Result<(), Error> {
+        let queued = |effects: &VecDeque<Effect>, seq: Seq| {
+            effects.iter().any(|e| matches!(e, Effect::Send { frame: ControlFrame::Register { seq: s, .. }, .. } if *s == seq))
+        };
+        let Some(op) = self.ops.get(&id) else {
+            return Ok(());
+        };
+        if !queued(&self.effects, op.seq) {
+            return Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Stage,
+                format!("the replay staged as {} was already sent", id.0),
+            ));
+        }
+        let seq = op.seq;
+        let Some((target, sent)) = op.heard.iter().next().map(|(t, h)| (*t, *h)) else {
+            return Ok(());
+        };
+        self.ops.remove(&id);
+        self.staged.remove(&StagingId(id.0));
+        self.effects.retain(|e| !matches!(e, Effect::Send { frame: ControlFrame::Register { seq: s, .. }, .. } if *s == seq));
+        // Staging is carried out while the input that sent the replay is
+        // drained, so its send time is the time now.
+        self.fail_join(target, failure, sent);
+        self.settle_joins();
+        Ok(())
+    }
+
+    /// A replay (§2.9) settles at its one target's answer or loss.
+    pub(super) fn advance_replay(
+        &mut self,
+        id: OpId,
+        handle_id: u64,
+        staging: Option<StagingId>,
+        unregister: Option<Seq>,
+        now: Time,
+    ) {
+        let digest = self.ops.get(&id).map(|op| op.digest);
+        let Some((target, progress)) = self
+            .ops
+            .get(&id)
+            .and_then(|op| op.scope.iter().next())
+            .map(|(t, p)| (*t, p.clone()))
+        else {
+            return;
+        };
+        if progress == Progress::Pending {
+            return;
+        }
+        self.ops.remove(&id);
+        if let Some(staging) = staging {
+            self.staged.remove(&staging);
+            self.effects.push_back(Effect::ReleaseStaged { staging });
+        }
+        match progress {
+            Progress::Confirmed => {
+                if let Some(record) = self.handles.get_mut(&handle_id) {
+                    record.confirmed.insert(target);
+                }
+                // The unregister that waited for this replay (the handle
+                // is no longer live): its frame goes now, its deadline
+                // counts from now.
+                if let (Some(seq), Some(digest)) = (unregister, digest) {
+                    if let Some(op) = self.ops.get_mut(&OpId(seq.0)) {
+                        if op.scope.get(&target) == Some(&Progress::Pending) {
+                            op.heard.insert(target, now);
+                            self.effects.push_back(Effect::Send {
+                                target,
+                                frame: ControlFrame::Unregister { seq, digest },
+                            });
+                        }
+                    }
+                }
+            }
+            Progress::Failed(failure) => self.fail_join(target, failure, now),
+            // Lost or fenced: already out; nothing else applies to a replay.
+            _ => {}
+        }
+    }
+}
