@@ -3,15 +3,15 @@
 //! checks every test ends with.
 //!
 //! Why a runner of its own: these tests fork, and forking is only safe in a
-//! single-threaded process. The runner runs each test on the main thread,
-//! one after the other, and after each one checks that no staged payload
-//! (a sealed `memfd` descriptor of this process, or a `/dev/shm/callreg-*`
-//! name) and no child process (running or zombie) is left. It speaks enough of libtest's command line for `cargo test`
-//! (`[FILTER] [--exact]`) and `cargo nextest` (`--list --format terse`,
-//! `NAME --exact`), which runs each test in its own process.
+//! single-threaded process. [`run`] runs each test on the main thread, one
+//! after the other (libtest-mimic with one test thread), and after each one
+//! checks that no staged payload (a sealed memfd descriptor of this
+//! process, or a `/dev/shm/callreg-*` name) and no child process (running or zombie) is left.
+//! libtest-mimic speaks libtest's command line, for `cargo test` and for
+//! `cargo nextest` (which runs each test in its own process).
 #![allow(dead_code)]
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::catch_unwind;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,66 +28,35 @@ use nix::unistd::Pid;
 /// One test: its name and body.
 pub type Test = (&'static str, fn());
 
-/// Runs the selected tests; exits 1 if any failed.
-pub fn run(tests: &[Test]) {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--list") {
-        if !args.iter().any(|a| a == "--ignored") {
-            for (name, _) in tests {
-                println!("{name}: test");
-            }
-        }
-        return;
-    }
-    let exact = args.iter().any(|a| a == "--exact");
-    let mut skip_value = false;
-    let mut filters = Vec::new();
-    for arg in &args {
-        if skip_value {
-            skip_value = false;
-            continue;
-        }
-        match arg.as_str() {
-            "--format" | "--test-threads" | "--color" | "-Z" => skip_value = true,
-            a if a.starts_with('-') => {}
-            a => filters.push(a.to_owned()),
-        }
-    }
-    let selected: Vec<&Test> = tests
+/// Runs the selected tests with libtest's command line (`cargo test`'s
+/// `[FILTER] [--exact] [--skip]`, `cargo nextest`'s `--list --format
+/// terse` and `NAME --exact`) and exits with its status.
+///
+/// Every test runs on the main thread, one after the other, whatever
+/// `--test-threads` says: forking is only safe in a single-threaded
+/// process, and each test checks that it is on the main thread. After each
+/// test (passed or not) the leftover checks of [`leftovers`] run.
+pub fn run(tests: &[Test]) -> ! {
+    let mut args = libtest_mimic::Arguments::from_args();
+    // libtest-mimic runs the tests on the calling thread with one thread.
+    args.test_threads = Some(1);
+    let trials = tests
         .iter()
-        .filter(|(name, _)| {
-            filters.is_empty()
-                || filters.iter().any(|f| {
-                    if exact {
-                        name == f
-                    } else {
-                        name.contains(f.as_str())
-                    }
-                })
+        .map(|&(name, body)| {
+            libtest_mimic::Trial::test(name, move || {
+                if nix::unistd::gettid() != nix::unistd::getpid() {
+                    return Err("the test does not run on the main thread".into());
+                }
+                let outcome = catch_unwind(body).map_err(|p| panic_text(&*p));
+                match (outcome, leftovers()) {
+                    (Ok(()), Ok(())) => Ok(()),
+                    (Err(why), Ok(())) | (Ok(()), Err(why)) => Err(why.into()),
+                    (Err(why), Err(left)) => Err(format!("{why}\nand after it: {left}").into()),
+                }
+            })
         })
         .collect();
-    println!("\nrunning {} tests", selected.len());
-    let mut failed = Vec::new();
-    for (name, body) in &selected {
-        let outcome = catch_unwind(AssertUnwindSafe(body)).map_err(|p| panic_text(&*p));
-        let outcome = outcome.and_then(|()| leftovers());
-        match outcome {
-            Ok(()) => println!("test {name} ... ok"),
-            Err(why) => {
-                println!("test {name} ... FAILED\n  {why}");
-                failed.push(*name);
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        selected.len() - failed.len(),
-        failed.len()
-    );
-    if !failed.is_empty() {
-        std::process::exit(1);
-    }
+    libtest_mimic::run(&args, trials).exit()
 }
 
 fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
