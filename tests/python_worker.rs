@@ -1,11 +1,11 @@
 //! The Worker with Python targets ([`PythonRuntime`]) over real forked
-//! processes, POSIX shm and pipes.
+//! processes, sealed memfds and pipes.
 //!
 //! A `harness = false` binary run by the runner of `tests/io_common/mod.rs`:
 //! each test runs on the main thread (forking is safe under plain `cargo
 //! test`), `cargo nextest` runs each test in its own process, and after
-//! every test the runner checks that no staged payload (`/dev/shm/callreg-*`
-//! of this process) and no child process is left. Every test also checks
+//! every test the runner checks that no staged payload (a
+//! sealed memfd open or mapped in this process) and no child process is left. Every test also checks
 //! that this process, the parent, never initialised Python.
 //!
 //! Payloads are made at test time by the interpreter named by `PYO3_PYTHON`

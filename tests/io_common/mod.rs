@@ -5,8 +5,8 @@
 //! Why a runner of its own: these tests fork, and forking is only safe in a
 //! single-threaded process. [`run`] runs each test on the main thread, one
 //! after the other (libtest-mimic with one test thread), and after each one
-//! checks that no staged payload (a sealed memfd descriptor of this
-//! process, or a `/dev/shm/callreg-*` name) and no child process (running or zombie) is left.
+//! checks that no staged payload (a sealed memfd: a descriptor of this
+//! process or a mapping) and no child process (running or zombie) is left.
 //! libtest-mimic speaks libtest's command line, for `cargo test` and for
 //! `cargo nextest` (which runs each test in its own process).
 #![allow(dead_code)]
@@ -67,17 +67,19 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic".to_owned())
 }
 
-/// No staged payload of this process (no descriptor of one, nothing of
-/// ours in `/dev/shm`) and no child (running or zombie).
-fn leftovers() -> Result<(), String> {
+/// What a test left behind in this process: descriptors of staged payloads
+/// (sealed memfds named [`staging::MEMFD_NAME`]), mappings of one, and
+/// children (running, or exited and not reaped; these are reaped here so
+/// that the next test starts clean).
+pub fn leftovers() -> Result<(), String> {
     let mut problems = Vec::new();
     let fds = staging::open_payloads().map_err(|e| e.to_string())?;
     if !fds.is_empty() {
         problems.push(format!("staged payload descriptors left open: {fds:?}"));
     }
-    let names = shm_names_of(std::process::id())?;
-    if !names.is_empty() {
-        problems.push(format!("names left in /dev/shm: {names:?}"));
+    let maps = payload_mappings()?;
+    if !maps.is_empty() {
+        problems.push(format!("staged payloads left mapped: {maps:?}"));
     }
     loop {
         match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
@@ -100,14 +102,20 @@ fn leftovers() -> Result<(), String> {
     }
 }
 
-/// The `/dev/shm` entries named `callreg-<pid>-*` (the names earlier
-/// versions gave staged payloads of parent `pid`; none is made now).
-pub fn shm_names_of(pid: u32) -> Result<Vec<String>, String> {
-    let dir = std::fs::read_dir("/dev/shm").map_err(|e| format!("/dev/shm: {e}"))?;
-    let prefix = format!("callreg-{pid}-");
-    Ok(dir
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.starts_with(&prefix))
+/// The lines of `/proc/self/maps` that map a staged payload (a memfd named
+/// [`staging::MEMFD_NAME`]).
+pub fn payload_mappings() -> Result<Vec<String>, String> {
+    let maps =
+        std::fs::read_to_string("/proc/self/maps").map_err(|e| format!("/proc/self/maps: {e}"))?;
+    let memfd = format!("/memfd:{}", staging::MEMFD_NAME);
+    Ok(maps
+        .lines()
+        .filter(|line| {
+            line.split_whitespace()
+                .nth(5)
+                .is_some_and(|path| path.starts_with(&memfd))
+        })
+        .map(str::to_owned)
         .collect())
 }
 
