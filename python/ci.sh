@@ -33,8 +33,8 @@ rm -rf "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest mypy 'ruff==0.17.6'
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"
 echo "callreg python tests: CPython $version, $("$venv/bin/python" -c 'import cloudpickle; print("cloudpickle", cloudpickle.__version__)')"
-# Lint and format of the package, its tests and benchmarks (python/pyproject.toml).
-(cd "$here" && "$venv/bin/ruff" check callreg tests benchmarks && "$venv/bin/ruff" format --check callreg tests benchmarks)
+# Lint and format of the package, its tests, benchmarks and tools (python/pyproject.toml).
+(cd "$here" && "$venv/bin/ruff" check callreg tests benchmarks tools && "$venv/bin/ruff" format --check callreg tests benchmarks tools)
 # From outside the source tree, so `import callreg` is the installed wheel.
 cd "$work"
 "$venv/bin/pytest" -q -p no:cacheprovider "$here/tests"
