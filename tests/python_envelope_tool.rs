@@ -37,7 +37,8 @@ fn python_unit_tests_of_the_envelope_tool_pass() {
         eprintln!("skipped: {python} cannot import cloudpickle and CALLREG_ALLOW_NO_PYTHON=1");
         return;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/tools/test_callreg_envelope.py");
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("python/tools/test_callreg_envelope.py");
     let output = Command::new(&python)
         .arg(&script)
         .arg("-v")
