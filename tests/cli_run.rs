@@ -44,7 +44,7 @@ impl Drop for TempDir {
 fn pack_examples(dir: &Path) {
     let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
     let output = Command::new(python)
-        .arg(repo().join("python/callreg_envelope.py"))
+        .arg(repo().join("python/tools/callreg_envelope.py"))
         .arg(repo().join("examples/callables.py"))
         .arg("--out")
         .arg(dir.join("payloads"))
@@ -455,7 +455,7 @@ fn what_a_callable_prints_goes_to_stderr() {
     .unwrap();
     let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
     let packed = Command::new(python)
-        .arg(repo().join("python/callreg_envelope.py"))
+        .arg(repo().join("python/tools/callreg_envelope.py"))
         .arg(dir.0.join("shout.py"))
         .arg("--out")
         .arg(dir.0.join("payloads"))

@@ -322,7 +322,7 @@ fn generate_payloads(python: &str) -> Result<Payloads, String> {
     run(Command::new(python).arg(&generator).arg(&directory))?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     run(Command::new(python)
-        .arg(root.join("python/callreg_envelope.py"))
+        .arg(root.join("python/tools/callreg_envelope.py"))
         .arg(root.join("examples/callables.py"))
         .arg("--out")
         .arg(&examples))?;

@@ -10,7 +10,7 @@
 //!
 //! Payloads are made at test time by the interpreter named by `PYO3_PYTHON`
 //! (else `python3`), which must have cloudpickle and be the Python the build
-//! linked: `examples/callables.py` packed by `python/callreg_envelope.py`,
+//! linked: `examples/callables.py` packed by `python/tools/callreg_envelope.py`,
 //! plus a 1 MiB closure and payloads that exit or fail on some targets while
 //! unpickling. They are written to a temporary directory, read, and the
 //! directory is removed before any test runs.
