@@ -43,7 +43,7 @@
 //! A register's callable metadata (`specs/metadata.md`) is its `metadata`
 //! field — an inline JSON object, or a string: the path of a metadata JSON
 //! file relative to the plan file — else the side-car `ENVELOPE.json`
-//! (`NAME.spyc.json`, written by `python/callreg_envelope.py`) when it
+//! (`NAME.spyc.json`, written by `python/tools/callreg_envelope.py`) when it
 //! exists next to the envelope, else none. It is parsed strictly
 //! (`CallableMetadata::from_json`) when the plan is read. In its hooks
 //! (`call_before` / `call_after`) a plan may write `"name": LABEL` instead
