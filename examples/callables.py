@@ -2,7 +2,7 @@
 
 Pack them into SPYC envelopes, one ``.spyc`` per exported name::
 
-    python3 python/callreg_envelope.py examples/callables.py --out payloads
+    python3 python/tools/callreg_envelope.py examples/callables.py --out payloads
 
 Every name in ``__all__`` is packed, including ``settings`` (a dict, not a
 callable: registering it fails with a TypeError naming ``dict``) and

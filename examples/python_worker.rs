@@ -7,7 +7,7 @@
 //!
 //! Run (with `PYO3_PYTHON` naming an interpreter with cloudpickle; README):
 //! `cargo run --features python --example python_worker [PAYLOAD_DIR]`.
-//! With `PAYLOAD_DIR` (made by `python/callreg_envelope.py
+//! With `PAYLOAD_DIR` (made by `python/tools/callreg_envelope.py
 //! examples/callables.py --out PAYLOAD_DIR`) nothing is packed.
 
 use std::path::{Path, PathBuf};
@@ -40,7 +40,7 @@ fn run() -> Result<()> {
         None => {
             let dir = std::env::temp_dir().join(format!("callreg-example-{}", std::process::id()));
             let packed = Command::new(BUILD_PYTHON)
-                .arg(root.join("python/callreg_envelope.py"))
+                .arg(root.join("python/tools/callreg_envelope.py"))
                 .arg(root.join("examples/callables.py"))
                 .arg("--out")
                 .arg(&dir)

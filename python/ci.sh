@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the callreg wheel (abi3: one wheel for CPython 3.10+, built once
 # per checkout), installs it into a fresh venv of PYTHON with
-# CLOUDPICKLE_SPEC (default: the latest cloudpickle) and pytest, and runs
-# the package's tests and examples/tree.py. Usage: python/ci.sh PYTHON
-# [CLOUDPICKLE_SPEC]
+# CLOUDPICKLE_SPEC (default: the latest cloudpickle), pytest, ruff and
+# mypy, and runs ruff, mypy --strict on the package, stubtest (the
+# package's types against the installed wheel), the package's tests and
+# examples/tree.py. Usage: python/ci.sh PYTHON [CLOUDPICKLE_SPEC]
 set -euo pipefail
 shopt -s globstar
 python="${1:?usage: python/ci.sh PYTHON [CLOUDPICKLE_SPEC]}"
@@ -14,7 +15,7 @@ mkdir -p "$work"
 
 # The wheel: built once with maturin from a venv of its own; reused by
 # every later run in this checkout unless the sources changed.
-stamp="$(cd "$here/.." && cat Cargo.toml Cargo.lock src/**/*.rs src/*.rs python/Cargo.toml python/Cargo.lock python/pyproject.toml python/src/*.rs python/callreg/* 2>/dev/null | sha256sum | cut -c1-16)"
+stamp="$(cd "$here/.." && cat Cargo.toml Cargo.lock src/**/*.rs src/*.rs python/Cargo.toml python/Cargo.lock python/pyproject.toml python/src/*.rs python/callreg/*.py python/callreg/*.pyi python/callreg/py.typed 2>/dev/null | sha256sum | cut -c1-16)"
 wheels="$work/wheels-$stamp"
 if ! compgen -G "$wheels/callreg-*.whl" >/dev/null; then
   builder="$work/build-venv"
@@ -30,13 +31,21 @@ version="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 venv="$work/venv-$version-$(printf '%s' "$cloudpickle" | tr -c 'A-Za-z0-9.' '_')"
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest mypy 'ruff==0.17.6'
+"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest 'mypy==2.4.1' 'ruff==0.17.6'
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"
 echo "callreg python tests: CPython $version, $("$venv/bin/python" -c 'import cloudpickle; print("cloudpickle", cloudpickle.__version__)')"
-# Lint and format of the package, its tests and benchmarks (python/pyproject.toml).
-(cd "$here" && "$venv/bin/ruff" check callreg tests benchmarks && "$venv/bin/ruff" format --check callreg tests benchmarks)
+# Lint and format of the package, its tests, benchmarks and tools (python/pyproject.toml).
+(cd "$here" && "$venv/bin/ruff" check callreg tests benchmarks tools && "$venv/bin/ruff" format --check callreg tests benchmarks tools)
+# The package's types, strictly (its sources, with callreg/_callreg.pyi for
+# the extension; the settings are python/pyproject.toml's).
+(cd "$here" && "$venv/bin/mypy" --strict --cache-dir "$work/mypy-cache" -p callreg)
 # From outside the source tree, so `import callreg` is the installed wheel.
 cd "$work"
+# The types agree with what the installed wheel has at run time (the
+# extension's stub included); python/stubtest-allowlist.txt says why each
+# entry it has is no disagreement.
+"$venv/bin/python" -m mypy.stubtest --mypy-config-file "$here/pyproject.toml" \
+  --allowlist "$here/stubtest-allowlist.txt" callreg
 "$venv/bin/pytest" -q -p no:cacheprovider "$here/tests"
 # The README's tree example, with the installed wheel; its last line
 # checks its own result.

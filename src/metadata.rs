@@ -37,7 +37,7 @@ use crate::json::{value_type, JsonError};
 pub mod pip;
 
 /// What a metadata side-car's name adds to its envelope's: `NAME.spyc` →
-/// `NAME.spyc.json` (written by `python/callreg_envelope.py`, read by
+/// `NAME.spyc.json` (written by `python/tools/callreg_envelope.py`, read by
 /// `callreg inspect`).
 pub const SIDECAR_SUFFIX: &str = ".json";
 

@@ -616,7 +616,7 @@ fn python_side_cars_are_valid_metadata() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = scratch("python-sidecar");
     let packed = Command::new(&python)
-        .arg(root.join("python/callreg_envelope.py"))
+        .arg(root.join("python/tools/callreg_envelope.py"))
         .arg(root.join("examples/callables.py"))
         .arg("--out")
         .arg(&dir)

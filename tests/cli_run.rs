@@ -44,7 +44,7 @@ impl Drop for TempDir {
 fn pack_examples(dir: &Path) {
     let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
     let output = Command::new(python)
-        .arg(repo().join("python/callreg_envelope.py"))
+        .arg(repo().join("python/tools/callreg_envelope.py"))
         .arg(repo().join("examples/callables.py"))
         .arg("--out")
         .arg(dir.join("payloads"))
@@ -270,10 +270,14 @@ fn a_malformed_plan_exits_2_with_one_line() {
     let cases = [
         (
             r#"{"targets": 2, "steps": [{"op": "start"}, {"op": "call", "name": "f", "colour": 1}]}"#,
-            r#"step 1 (call): unknown field "colour" (expected one of "op", "name", "target", "args", "kwargs", "expect", "expect_error")"#,
+            r#"step 1 (call): unknown field `colour`, expected one of `name`, `target`, `args`, `kwargs`, `expect`, `expect_error`"#,
         ),
         (
             r#"{"targets": 2, "steps": [{"op": "call", "name": "f", "args": 3}]}"#,
+            r#"step 0 (call): field "args": invalid type: integer `3`, expected a sequence"#,
+        ),
+        (
+            r#"{"targets": 2, "steps": [{"op": "call", "name": "f", "args": [3]}]}"#,
             r#"step 0 (call): field "name": "f" is not the name of any earlier register step"#,
         ),
         (
@@ -282,15 +286,15 @@ fn a_malformed_plan_exits_2_with_one_line() {
         ),
         (
             r#"{"targets": 2, "respawn_limit": 65536, "steps": []}"#,
-            r#"field "respawn_limit": expected an integer from 0 to 65535, got 65536"#,
+            r#"field "respawn_limit": invalid value: integer `65536`, expected an integer from 0 to 65535"#,
         ),
         (
             r#"{"targets": 2, "respawn_limit": "3", "steps": []}"#,
-            r#"field "respawn_limit": expected an integer from 0 to 65535, got "3""#,
+            r#"field "respawn_limit": invalid type: string "3", expected an integer from 0 to 65535"#,
         ),
         (
             r#"{"targets": 2, "probe_first": 1, "steps": []}"#,
-            r#"field "probe_first": expected true or false, got a number"#,
+            r#"field "probe_first": invalid type: integer `1`, expected a boolean"#,
         ),
     ];
     for (index, (plan_text, error)) in cases.iter().enumerate() {
@@ -324,7 +328,7 @@ fn a_plan_error_is_a_json_line_with_json() {
     let output = callreg(&[plan.as_os_str(), "--json".as_ref()]);
     assert_eq!(output.status.code(), Some(2));
     let message = format!(
-        r#"{}: step 1 (call): unknown field "colour" (expected one of "op", "name", "target", "args", "kwargs", "expect", "expect_error")"#,
+        r#"{}: step 1 (call): unknown field `colour`, expected one of `name`, `target`, `args`, `kwargs`, `expect`, `expect_error`"#,
         plan.display()
     );
     assert_eq!(text(&output.stderr), format!("callreg: {message}\n"));
@@ -451,7 +455,7 @@ fn what_a_callable_prints_goes_to_stderr() {
     .unwrap();
     let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
     let packed = Command::new(python)
-        .arg(repo().join("python/callreg_envelope.py"))
+        .arg(repo().join("python/tools/callreg_envelope.py"))
         .arg(dir.0.join("shout.py"))
         .arg("--out")
         .arg(dir.0.join("payloads"))

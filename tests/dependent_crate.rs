@@ -95,7 +95,7 @@ fn envelope(dir: &Path) -> PathBuf {
         Command::new(python())
             .arg("-c")
             .arg(script)
-            .arg(root().join("python"))
+            .arg(root().join("python/tools"))
             .arg(&path),
     );
     path

@@ -3,7 +3,7 @@
 //! trip wakes no thread of the parent but the caller; a follower is served
 //! by its leader, or by the IO thread once its leader stepped down; a
 //! result nobody waits for (a callback, a dropped or polled pending) is
-//! still read. Every test ends with no staged payload, no `/dev/shm` name
+//! still read. Every test ends with no staged payload (memfd descriptor or mapping)
 //! and no child left (checked by the runner).
 
 mod io_common;

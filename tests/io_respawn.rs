@@ -2,7 +2,7 @@
 //! a lost target's slot gets a new process from the template, with the
 //! same id and the next incarnation, holding exactly the registry once it
 //! joined; a callable that kills every new process stops at the rate
-//! limit. Every test ends with no staged payload, no `/dev/shm` name and
+//! limit. Every test ends with no staged payload (memfd descriptor or mapping) and
 //! no child left (checked by the runner).
 
 mod io_common;

@@ -4,6 +4,12 @@
 //! relative to unregisters, whichever of the target's threads pins it
 //! (the reader, for a task that finds the control thread idle, or the
 //! control thread behind the controls queued before it).
+//!
+//! A `harness = false` binary run by the runner of `tests/io_common/mod.rs`
+//! (it forks: each test on the main thread; no staged payload and no child
+//! is left).
+
+mod io_common;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsFd;
@@ -20,6 +26,23 @@ use callreg::runtime::TaskEncoding;
 use callreg::wire::{Frame, FrameBuffer, TaskFailure};
 use nix::errno::Errno;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+
+fn main() {
+    io_common::run(&[
+        (
+            "a_task_behind_the_last_unregister_of_its_digest_finds_it_gone",
+            a_task_behind_the_last_unregister_of_its_digest_finds_it_gone,
+        ),
+        (
+            "a_task_before_the_last_unregister_of_its_digest_runs",
+            a_task_before_the_last_unregister_of_its_digest_runs,
+        ),
+        (
+            "tasks_on_an_idle_target_are_answered_in_order",
+            tasks_on_an_idle_target_are_answered_in_order,
+        ),
+    ]);
+}
 
 const MAX_FRAME: usize = 1 << 16;
 
@@ -141,7 +164,6 @@ fn task(seq: u64, digest: Digest, input: &[u8]) -> Frame {
     }
 }
 
-#[test]
 fn a_task_behind_the_last_unregister_of_its_digest_finds_it_gone() {
     let mut target = RawTarget::start("echo");
     let digest = target.digest;
@@ -171,7 +193,6 @@ fn a_task_behind_the_last_unregister_of_its_digest_finds_it_gone() {
     target.end();
 }
 
-#[test]
 fn a_task_before_the_last_unregister_of_its_digest_runs() {
     let mut target = RawTarget::start("sleep 200");
     let digest = target.digest;
@@ -211,7 +232,6 @@ fn a_task_before_the_last_unregister_of_its_digest_runs() {
     target.end();
 }
 
-#[test]
 fn tasks_on_an_idle_target_are_answered_in_order() {
     let mut target = RawTarget::start("echo");
     let digest = target.digest;

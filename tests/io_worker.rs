@@ -34,6 +34,10 @@ fn main() {
     }
     io_common::run(&[
         (
+            "the_leftover_checks_see_payloads_mappings_and_children",
+            the_leftover_checks_see_payloads_mappings_and_children,
+        ),
+        (
             "a_forked_child_cannot_use_nor_close_the_worker",
             a_forked_child_cannot_use_nor_close_the_worker,
         ),
@@ -119,6 +123,60 @@ fn main() {
             a_snapshot_larger_than_the_slots_is_refused_before_start,
         ),
     ]);
+}
+
+/// The runner's checks after each test (`io_common::leftovers`) see what
+/// they claim to: a staged payload's descriptor, its mapping once the
+/// descriptor is closed, and a child that exited and was not reaped.
+fn the_leftover_checks_see_payloads_mappings_and_children() {
+    use callreg::io::staging::{StagedPayload, StagedView, COPY_MAX_BYTES};
+    use std::os::fd::AsRawFd;
+    let bytes = vec![7u8; usize::try_from(COPY_MAX_BYTES).unwrap() + 4096];
+    let (payload, _) = StagedPayload::create(&bytes, 0..bytes.len()).unwrap();
+    assert_eq!(
+        io_common::leftovers(),
+        Err(format!(
+            "staged payload descriptors left open: [{}]",
+            payload.fd().as_raw_fd()
+        ))
+    );
+    // Larger than COPY_MAX_BYTES: mapped, and the view closes the copy.
+    let view =
+        StagedView::open(payload.fd().try_clone_to_owned().unwrap(), payload.size()).unwrap();
+    assert!(view.is_mapped());
+    drop(payload);
+    let mappings = io_common::payload_mappings().unwrap();
+    assert_eq!(mappings.len(), 1, "{mappings:?}");
+    assert_eq!(
+        io_common::leftovers(),
+        Err(format!("staged payloads left mapped: {mappings:?}"))
+    );
+    drop(view);
+    assert_eq!(io_common::leftovers(), Ok(()));
+    // SAFETY: the test runs on the main thread of a single-threaded
+    // process (the runner checks it); the child only calls _exit.
+    let child = match unsafe { nix::unistd::fork() }.unwrap() {
+        nix::unistd::ForkResult::Child => unsafe { nix::libc::_exit(0) },
+        nix::unistd::ForkResult::Parent { child } => child,
+    };
+    // Until the child is a zombie (exited, not reaped).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(format!("/proc/{child}/stat"))
+        .unwrap()
+        .rsplit(") ")
+        .next()
+        .unwrap()
+        .starts_with('Z')
+    {
+        assert!(Instant::now() < deadline, "child {child} did not exit");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        io_common::leftovers(),
+        Err(format!("an unreaped child: Exited(Pid({child}), 0)"))
+    );
+    // The check reaped it.
+    assert_eq!(io_common::leftovers(), Ok(()));
 }
 
 fn pre_start_register_reaches_every_target() {

@@ -1,4 +1,4 @@
-//! Runs the Python unit tests of `python/callreg_envelope.py` (the SPYC
+//! Runs the Python unit tests of `python/tools/callreg_envelope.py` (the SPYC
 //! envelope and hashid tool, specs/design.md §3.1–§3.2) so that `cargo test`
 //! covers them.
 //!
@@ -37,7 +37,8 @@ fn python_unit_tests_of_the_envelope_tool_pass() {
         eprintln!("skipped: {python} cannot import cloudpickle and CALLREG_ALLOW_NO_PYTHON=1");
         return;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/test_callreg_envelope.py");
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("python/tools/test_callreg_envelope.py");
     let output = Command::new(&python)
         .arg(&script)
         .arg("-v")

@@ -1,5 +1,5 @@
 //! Callable metadata through the Worker with Python targets over real
-//! forked processes, POSIX shm and pipes: every check a target
+//! forked processes, sealed memfds and pipes: every check a target
 //! makes before deserializing, the executor attribute `capture_output`,
 //! hooks (`retval_keyword`, `call_after`, failures) and the parent's
 //! refusal of a hook that is not live.
@@ -7,8 +7,8 @@
 //! A `harness = false` binary run by the runner of `tests/io_common/mod.rs`:
 //! each test runs on the main thread (forking is safe under plain `cargo
 //! test`), `cargo nextest` runs each test in its own process, and after
-//! every test the runner checks that no staged payload (`/dev/shm/callreg-*`
-//! of this process) and no child process is left. Every test also checks
+//! every test the runner checks that no staged payload (a
+//! sealed memfd open or mapped in this process) and no child process is left. Every test also checks
 //! that the parent never initialised Python. Payloads: see
 //! `tests/python_common/mod.rs`.
 //!

@@ -17,7 +17,8 @@
 //! Run: `PYO3_PYTHON=$(python3 -c 'import sys; print(sys.executable)')
 //! cargo test --features python --test python_runtime [-- FILTER...]`
 //! (`cargo nextest run --features python --test python_runtime` works too:
-//! the binary answers libtest's `--list` and `--exact`).
+//! libtest-mimic speaks libtest's command line, and runs the cases on the
+//! main thread).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -238,125 +239,58 @@ struct Case {
     run: fn(&PythonRuntime, &Payloads) -> CaseResult,
 }
 
-/// What the command line asks for, in the subset of libtest's interface
-/// that `cargo test` and `cargo nextest` use.
-struct Selection {
-    /// `--list`: print `NAME: test` lines instead of running.
-    list: bool,
-    /// `--ignored` (no case is ignored, so with `--list` nothing is listed).
-    ignored: bool,
-    /// `--exact`: filters must equal a case name instead of being part of it.
-    exact: bool,
-    /// Names (or parts of names) to run; empty runs every case.
-    filters: Vec<String>,
-    /// `--skip NAME`: parts of names not to run.
-    skips: Vec<String>,
-}
-
-impl Selection {
-    fn from_args() -> Self {
-        let mut selection = Selection {
-            list: false,
-            ignored: false,
-            exact: false,
-            filters: Vec::new(),
-            skips: Vec::new(),
-        };
-        let mut args = std::env::args().skip(1);
-        while let Some(arg) = args.next() {
-            match arg.as_str() {
-                "--list" => selection.list = true,
-                "--ignored" => selection.ignored = true,
-                "--exact" => selection.exact = true,
-                "--skip" => selection.skips.extend(args.next()),
-                // Options with a separate value this binary has no use for.
-                "--format" | "--test-threads" | "--color" | "--logfile" => {
-                    args.next();
-                }
-                other if other.starts_with('-') => {}
-                filter => selection.filters.push(filter.to_owned()),
-            }
-        }
-        selection
-    }
-
-    fn selects(&self, name: &str) -> bool {
-        let matches = |filter: &String| {
-            if self.exact {
-                name == filter
-            } else {
-                name.contains(filter.as_str())
-            }
-        };
-        (self.filters.is_empty() || self.filters.iter().any(matches))
-            && !self.skips.iter().any(|skip| name.contains(skip.as_str()))
-    }
-}
-
 fn main() -> ExitCode {
-    let selection = Selection::from_args();
+    let mut args = libtest_mimic::Arguments::from_args();
+    // Each case forks its child from the main thread: libtest-mimic runs
+    // the trials on the calling thread when it has one test thread.
+    args.test_threads = Some(1);
     let cases = cases();
-    if selection.list {
-        if !selection.ignored {
-            for case in &cases {
-                println!("{}: test", case.name);
+    let payloads = if args.list {
+        None
+    } else {
+        let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+        let has_cloudpickle = Command::new(&python)
+            .args(["-c", "import cloudpickle"])
+            .output()
+            .map(|output| output.status.success())
+            .unwrap_or(false);
+        if !has_cloudpickle {
+            if std::env::var("CALLREG_ALLOW_NO_PYTHON").as_deref() == Ok("1") {
+                println!("python_runtime: skipped: {python} cannot import cloudpickle (CALLREG_ALLOW_NO_PYTHON=1)");
+                return ExitCode::SUCCESS;
             }
-        }
-        return ExitCode::SUCCESS;
-    }
-    let python = std::env::var("PYO3_PYTHON").unwrap_or_else(|_| "python3".to_owned());
-    let has_cloudpickle = Command::new(&python)
-        .args(["-c", "import cloudpickle"])
-        .output()
-        .map(|output| output.status.success())
-        .unwrap_or(false);
-    if !has_cloudpickle {
-        if std::env::var("CALLREG_ALLOW_NO_PYTHON").as_deref() == Ok("1") {
-            println!("python_runtime: skipped: {python} cannot import cloudpickle (CALLREG_ALLOW_NO_PYTHON=1)");
-            return ExitCode::SUCCESS;
-        }
-        eprintln!(
-            "python_runtime: {python} with cloudpickle is required (pip install cloudpickle), \
-             or set CALLREG_ALLOW_NO_PYTHON=1 to skip"
-        );
-        return ExitCode::FAILURE;
-    }
-    let payloads = match generate_payloads(&python) {
-        Ok(payloads) => payloads,
-        Err(message) => {
-            eprintln!("python_runtime: generating payloads failed: {message}");
+            eprintln!(
+                "python_runtime: {python} with cloudpickle is required (pip install cloudpickle), \
+                 or set CALLREG_ALLOW_NO_PYTHON=1 to skip"
+            );
             return ExitCode::FAILURE;
         }
-    };
-
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for case in &cases {
-        if !selection.selects(case.name) {
-            continue;
-        }
-        ran += 1;
-        match run_in_child(case, &payloads) {
-            Ok(()) => println!("test {} ... ok", case.name),
+        match generate_payloads(&python) {
+            Ok(payloads) => Some(Arc::new(payloads)),
             Err(message) => {
-                println!("test {} ... FAILED\n{message}", case.name);
-                failed.push(case.name);
+                eprintln!("python_runtime: generating payloads failed: {message}");
+                return ExitCode::FAILURE;
             }
         }
+    };
+    let trials = cases
+        .into_iter()
+        .map(|case| {
+            let payloads = payloads.clone();
+            libtest_mimic::Trial::test(case.name, move || {
+                if nix::unistd::gettid() != nix::unistd::getpid() {
+                    return Err("the case does not run on the main thread".into());
+                }
+                let payloads = payloads.ok_or("no payloads")?;
+                run_in_child(&case, &payloads).map_err(Into::into)
+            })
+        })
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    if let Some(payloads) = &payloads {
+        let _ = std::fs::remove_dir_all(&payloads.directory);
     }
-    let _ = std::fs::remove_dir_all(&payloads.directory);
-    println!(
-        "\npython_runtime: {} passed; {} failed; {} filtered out",
-        ran - failed.len(),
-        failed.len(),
-        cases.len() - ran
-    );
-    if failed.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        println!("failed: {failed:?}");
-        ExitCode::FAILURE
-    }
+    conclusion.exit_code()
 }
 
 /// Runs the generator and the envelope tool's pack command on
@@ -388,7 +322,7 @@ fn generate_payloads(python: &str) -> Result<Payloads, String> {
     run(Command::new(python).arg(&generator).arg(&directory))?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     run(Command::new(python)
-        .arg(root.join("python/callreg_envelope.py"))
+        .arg(root.join("python/tools/callreg_envelope.py"))
         .arg(root.join("examples/callables.py"))
         .arg("--out")
         .arg(&examples))?;

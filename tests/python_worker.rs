@@ -1,16 +1,16 @@
 //! The Worker with Python targets ([`PythonRuntime`]) over real forked
-//! processes, POSIX shm and pipes.
+//! processes, sealed memfds and pipes.
 //!
 //! A `harness = false` binary run by the runner of `tests/io_common/mod.rs`:
 //! each test runs on the main thread (forking is safe under plain `cargo
 //! test`), `cargo nextest` runs each test in its own process, and after
-//! every test the runner checks that no staged payload (`/dev/shm/callreg-*`
-//! of this process) and no child process is left. Every test also checks
+//! every test the runner checks that no staged payload (a
+//! sealed memfd open or mapped in this process) and no child process is left. Every test also checks
 //! that this process, the parent, never initialised Python.
 //!
 //! Payloads are made at test time by the interpreter named by `PYO3_PYTHON`
 //! (else `python3`), which must have cloudpickle and be the Python the build
-//! linked: `examples/callables.py` packed by `python/callreg_envelope.py`,
+//! linked: `examples/callables.py` packed by `python/tools/callreg_envelope.py`,
 //! plus a 1 MiB closure and payloads that exit or fail on some targets while
 //! unpickling. They are written to a temporary directory, read, and the
 //! directory is removed before any test runs.

@@ -59,7 +59,7 @@ pub fn python_envelopes<S: AsRef<str>>(expressions: &[S]) -> Vec<Vec<u8>> {
     let output = std::process::Command::new(python)
         .arg("-c")
         .arg(PYTHON_PAYLOADS)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/python"))
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/python/tools"))
         .args(expressions.iter().map(AsRef::as_ref))
         .output()
         .expect("python runs");

@@ -1,26 +1,31 @@
 """callreg.Executor: a :class:`concurrent.futures.Executor` over a
-:class:`callreg.Worker` (``specs/python.md`` §3a). Re-exported by
-``callreg``; imported by it once everything it builds on is defined."""
+:class:`callreg.Worker` (``specs/python.md`` §3a)."""
+
+from __future__ import annotations
 
 import collections
 import concurrent.futures
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from callreg import (
-    _CODES,
-    CallregError,
-    RegisterError,
-    Worker,
-    _callable_name,
-    _callreg,
-    _check_registrable,
-    _default_metadata,
-    _InheritingPickler,
-    _main_objects,
-    _pack,
-)
+from callreg import _callreg
+from callreg._callables import callable_name, check_registrable, default_metadata
+from callreg._codes import CODES
+from callreg._envelope import InheritingPickler, main_objects, pack_with, task_input
+from callreg._errors import CallregError, RegisterError
+from callreg._handle import Handle
+from callreg._worker import Worker
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from callreg._options import WorkerOptions
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 class Executor(concurrent.futures.Executor):
@@ -67,41 +72,46 @@ class Executor(concurrent.futures.Executor):
     ``TypeError`` for ``next_level`` or a non-callable ``initializer``,
     and what :meth:`Worker.start` raises."""
 
-    def __init__(self, max_workers=None, *, initializer=None, initargs=(), **worker_options):
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        *,
+        initializer: Callable[..., object] | None = None,
+        initargs: Iterable[Any] = (),
+        **worker_options: Unpack[WorkerOptions],
+    ) -> None:
         if "next_level" in worker_options or "next_level_targets" in worker_options:
             raise TypeError("Executor takes no next_level: use a Worker for trees of Workers")
-        if max_workers is not None:
-            if isinstance(max_workers, bool) or not isinstance(max_workers, int):
-                raise TypeError("max_workers must be an int or None, not %s" % type(max_workers).__name__)
-            if max_workers <= 0:
-                raise ValueError("max_workers must be greater than 0")
+        # As ProcessPoolExecutor's; the Worker checks the rest.
+        if max_workers is not None and max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
         self._worker = Worker(max_workers, initializer=initializer, initargs=initargs, **worker_options)
         self._lock = threading.Lock()
         # hashid -> Handle, least recently used first.
-        self._handles = collections.OrderedDict()
+        self._handles: collections.OrderedDict[str, Handle[..., Any]] = collections.OrderedDict()
         # callable -> hashid (callables seen before), least recently used first.
-        self._seen = collections.OrderedDict()
-        self._futures = weakref.WeakSet()
+        self._seen: collections.OrderedDict[object, str] = collections.OrderedDict()
+        self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         self._shutdown = False
         self._finished = threading.Event()
         # Every target's __main__ holds these (forked next): pickled by name.
-        self._pickler = type("_Pickler", (_InheritingPickler,), {"inherited": _main_objects()})
+        self._pickler = type("_Pickler", (InheritingPickler,), {"inherited": main_objects()})
         try:
             self._worker.start()
         except BaseException:
             self._worker.close()
             raise
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<callreg.Executor over %r>" % (self._worker,)
 
     @property
-    def worker(self):
+    def worker(self) -> Worker:
         """The :class:`Worker` under this Executor (its targets, events,
         ``call_all``)."""
         return self._worker
 
-    def _raw_for(self, fn):
+    def _raw_for(self, fn: Callable[..., Any]) -> _callreg.RawHandle:
         """The raw handle of ``fn``, registered at its first use. Called
         with ``self._lock`` held."""
         try:
@@ -114,15 +124,15 @@ class Executor(concurrent.futures.Executor):
                 self._handles.move_to_end(hashid)
                 self._seen.move_to_end(fn)
                 return handle._raw
-        _check_registrable(fn, "submit")
-        envelope = _pack(fn, self._pickler)
+        check_registrable(fn, "submit")
+        envelope = pack_with(fn, self._pickler)
         hashid = _callreg.envelope_hashid(envelope)
         handle = self._handles.get(hashid)
         if handle is None:
             while len(self._handles) >= self._worker._slot_capacity:
                 self._evict()
-            handle = self._register_making_room(envelope, _default_metadata(_callable_name(fn)))
-            _CODES.record(fn)
+            handle = self._register_making_room(envelope, default_metadata(callable_name(fn)))
+            CODES.record(fn)
             self._handles[hashid] = handle
         else:
             self._handles.move_to_end(hashid)
@@ -135,7 +145,7 @@ class Executor(concurrent.futures.Executor):
                 self._seen.popitem(last=False)
         return handle._raw
 
-    def _evict(self):
+    def _evict(self) -> None:
         """Unregisters the least recently used callable. Called with
         ``self._lock`` held."""
         old, evicted = self._handles.popitem(last=False)
@@ -143,7 +153,7 @@ class Executor(concurrent.futures.Executor):
             del self._seen[key]
         self._worker.unregister(evicted)
 
-    def _register_making_room(self, envelope, meta):
+    def _register_making_room(self, envelope: bytes, meta: dict[str, Any]) -> Handle[..., Any]:
         """Registers ``envelope``; while a target has no free slot for it,
         unregisters the least recently used callable first, or, with none
         left to unregister, waits for the slots of unregistered callables
@@ -166,14 +176,14 @@ class Executor(concurrent.futures.Executor):
                 time.sleep(delay)
                 delay = min(2 * delay, 0.05)
 
-    def submit(self, fn, /, *args, **kwargs):
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> concurrent.futures.Future[_T]:
         """Runs ``fn(*args, **kwargs)`` in a target and returns its
         :class:`concurrent.futures.Future` (every keyword argument is
         ``fn``'s, ``target`` included). Raises ``RuntimeError`` after
         :meth:`shutdown`, ``TypeError`` for a non-callable or async
         ``fn``, what cloudpickle raises for a callable it cannot pickle,
         and :class:`RegisterError` when a target could not install it."""
-        data = self._worker._input(args, kwargs)
+        data = task_input(args, kwargs)
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
@@ -181,7 +191,9 @@ class Executor(concurrent.futures.Executor):
             self._futures.add(future)
         return future
 
-    def map(self, fn, *iterables, timeout=None, chunksize=1):
+    def map(
+        self, fn: Callable[..., _T], *iterables: Iterable[Any], timeout: float | None = None, chunksize: int = 1
+    ) -> Iterator[_T]:
         """``fn`` applied to the items of ``iterables`` (as
         :func:`map`), in targets: an iterator of the results in order,
         raising what a call raised when it reaches it. Every call is
@@ -196,7 +208,7 @@ class Executor(concurrent.futures.Executor):
             raw = self._raw_for(fn)
             return self._worker._map(raw, iterables, timeout, chunksize)
 
-    def shutdown(self, wait=True, *, cancel_futures=False):
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No new task after this. ``wait=True``: waits for every task
         submitted, then unregisters every callable and closes the Worker
         (its targets are reaped). ``wait=False``: returns at once; the same
@@ -217,7 +229,7 @@ class Executor(concurrent.futures.Executor):
         else:
             threading.Thread(target=self._finish, args=(futures,), name="callreg-shutdown", daemon=True).start()
 
-    def _finish(self, futures):
+    def _finish(self, futures: list[concurrent.futures.Future[Any]]) -> None:
         try:
             concurrent.futures.wait(futures)
             with self._lock:

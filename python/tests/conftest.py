@@ -1,15 +1,29 @@
-"""Every test ends with no staged payload of this process in /dev/shm and
-no child process left (running or zombie)."""
+"""Every test ends with no staged payload held by this process (no open
+descriptor of, and no mapping of, a callreg staging memfd) and no child
+process left (running or zombie)."""
 
 import gc
 import os
 
 import pytest
 
+# The name every staged payload's memfd has (src/io/staging.rs).
+STAGED = "memfd:callreg-staged"
 
-def shm_left():
-    prefix = "callreg-%d-" % os.getpid()
-    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))
+
+def staged_left():
+    """Descriptors and mappings of staged payloads this process holds."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink("/proc/self/fd/" + fd)
+        except OSError:
+            continue  # closed meanwhile (e.g. the listing's own descriptor)
+        if STAGED in link:
+            held.append("fd %s -> %s" % (fd, link))
+    with open("/proc/self/maps") as maps:
+        held.extend("mapped: " + line.strip() for line in maps if STAGED in line)
+    return held
 
 
 def children():
@@ -30,5 +44,5 @@ def nothing_left():
     before = children()
     yield
     gc.collect()
-    assert shm_left() == []
+    assert staged_left() == []
     assert children() - before == set()

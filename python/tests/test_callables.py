@@ -125,14 +125,28 @@ def test_an_async_function_is_refused_at_register():
 
 
 def test_register_refuses_non_callables_and_bad_arguments():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="^targets must be an int, not str$"):
         callreg.Worker("4")
-    with pytest.raises(ValueError):
+    # What the Worker cannot run is its builder's to refuse.
+    with pytest.raises(callreg.LifecycleError) as info:
         callreg.Worker(0)
-    with pytest.raises(ValueError):
+    assert str(info.value) == "LIFECYCLE_INVALID: a Worker needs at least one target and one slot (operation start)"
+    with pytest.raises(
+        callreg.LifecycleError, match="^LIFECYCLE_INVALID: a Worker needs at least one target and one slot"
+    ):
+        callreg.Worker(1, slot_capacity=0)
+    with pytest.raises(
+        callreg.LifecycleError, match="^LIFECYCLE_INVALID: the maximum frame size must be at least 256 bytes"
+    ):
+        callreg.Worker(1, max_frame_bytes=255)
+    with pytest.raises(ValueError, match="^control_timeout must be positive, got 0$"):
         callreg.Worker(1, control_timeout=0)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="^slot_capacity must be an int, not float$"):
         callreg.Worker(1, slot_capacity=1.5)
+    with pytest.raises(ValueError, match="^slot_capacity must be between 0 and 65535, got 65536$"):
+        callreg.Worker(1, slot_capacity=65536)
+    with pytest.raises(ValueError, match="^targets must be between 0 and 65535, got -1$"):
+        callreg.Worker(-1)
     with callreg.Worker(1) as w:
         with pytest.raises(TypeError):
             w.register(42)
@@ -435,27 +449,48 @@ def test_map_and_call_all():
             list(w.map(slow, [2], timeout=0.2))
 
 
-def test_the_type_stubs_export_what_the_package_exports():
+def test_the_package_exports_its_names_and_types_its_extension():
     import ast
-    import inspect
 
-    stub_path = os.path.join(os.path.dirname(callreg.__file__), "__init__.pyi")
-    with open(stub_path) as f:
-        stub = ast.parse(f.read())
-    exported = [
-        ast.literal_eval(node.value)
-        for node in stub.body
-        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]
+    from callreg import _callreg
+
+    assert callreg.__all__ == [
+        "Executor",
+        "Worker",
+        "NextLevel",
+        "Context",
+        "context",
+        "Handle",
+        "pack",
+        "hashid",
+        "CallregError",
+        "RegisterError",
+        "HandleError",
+        "TargetLostError",
+        "LifecycleError",
+        "EnvelopeError",
+        "TaskError",
+        "RemoteTraceback",
+        "DEFAULT_MAX_FRAME_BYTES",
     ]
-    assert exported == [callreg.__all__]
-    # Every public class and function of the package has a stub.
+    # Every public class and function is known by its name in the package
+    # (reprs, tracebacks, pickles), whichever module defines it.
+    named = {name: getattr(getattr(callreg, name), "__module__", None) for name in callreg.__all__}
+    assert named == dict.fromkeys(callreg.__all__[:-1], "callreg") | {"DEFAULT_MAX_FRAME_BYTES": None}
+    assert (callreg.KIND, callreg.NAMESPACE, callreg.DEFAULT_MAX_FRAME_BYTES) == (
+        "PYTHON_SERIALIZED",
+        "LOCAL_PYTHON",
+        256 * 1024 * 1024,
+    )
+    package = os.path.dirname(callreg.__file__)
+    assert os.path.exists(os.path.join(package, "py.typed"))
+    # The extension's stub names everything the extension defines.
+    with open(os.path.join(package, "_callreg.pyi")) as f:
+        stub = ast.parse(f.read())
     stubbed = {node.name for node in stub.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
-    public = {
-        name
-        for name in callreg.__all__
-        if inspect.isclass(getattr(callreg, name)) or inspect.isfunction(getattr(callreg, name))
-    }
-    assert public - stubbed == set()
+    stubbed |= {node.target.id for node in stub.body if isinstance(node, ast.AnnAssign)}
+    defined = {name for name in vars(_callreg) if not name.startswith("__")}
+    assert stubbed - {"_ErrorFields"} == defined
 
 
 def slow_increment(x):

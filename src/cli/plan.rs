@@ -43,7 +43,7 @@
 //! A register's callable metadata (`specs/metadata.md`) is its `metadata`
 //! field — an inline JSON object, or a string: the path of a metadata JSON
 //! file relative to the plan file — else the side-car `ENVELOPE.json`
-//! (`NAME.spyc.json`, written by `python/callreg_envelope.py`) when it
+//! (`NAME.spyc.json`, written by `python/tools/callreg_envelope.py`) when it
 //! exists next to the envelope, else none. It is parsed strictly
 //! (`CallableMetadata::from_json`) when the plan is read. In its hooks
 //! (`call_before` / `call_after`) a plan may write `"name": LABEL` instead
@@ -51,8 +51,10 @@
 //! by the hashid of that step's envelope (hashids of cloudpickled code
 //! depend on the packing interpreter, so a plan should not spell them out).
 //!
-//! Parsing is strict, like serde's `deny_unknown_fields`: an unknown field,
-//! a field of the wrong type, a missing required field, a `name` used
+//! Parsing is strict: the text is decoded into serde types with
+//! `deny_unknown_fields` (an unknown field, a field of the wrong type or out
+//! of range, a missing required field is refused with its JSON path), then
+//! one checking pass refuses a `name` used
 //! before it is registered (or registered again while it labels a handle),
 //! a `target` outside `0..targets`, a call before the Worker can be started
 //! or a second `start` is a [`PlanError`] naming the step index and field.
@@ -68,7 +70,6 @@ use serde_json::{Map, Value};
 
 use callreg::descriptor::python_serialized_digest;
 use callreg::envelope::Envelope;
-use callreg::json::value_type;
 use callreg::metadata::{sidecar_path, CallableMetadata};
 
 /// The most targets a plan may ask for.
@@ -87,7 +88,7 @@ pub const DEFAULT_RESPAWN_BACKOFF_S: f64 =
 
 /// The shortest control timeout a plan may set: 1 ms (a zero timeout
 /// would fail every operation; the Worker refuses it).
-const MIN_CONTROL_TIMEOUT: Duration = Duration::from_millis(1);
+const MIN_CONTROL_TIMEOUT_MICROS: u64 = 1000;
 
 /// The longest control timeout a plan may set: one day, in seconds.
 const MAX_CONTROL_TIMEOUT_S: f64 = 86_400.0;
@@ -214,123 +215,25 @@ impl std::fmt::Display for PlanError {
 /// Parses and checks the plan text `text`; envelope paths are read relative
 /// to `plan_dir` (the plan file's directory).
 ///
+/// The text is decoded into the serde types of [`file`] (strict: unknown
+/// fields, wrong types and values out of range are refused with the JSON
+/// path of the field), then one pass checks what depends on the order of
+/// the steps (labels, the start, target indices) and reads the envelopes
+/// and metadata.
+///
 /// # Errors
 /// A [`PlanError`] when the text is not JSON, when a field is unknown,
 /// missing or of the wrong type, when names or targets do not check (see
-/// the module documentation), or when an envelope file cannot be read.
+/// the module documentation), or when metadata cannot be read.
 pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
-    let value: Value = serde_json::from_str(text)
-        .map_err(|e| PlanError::plan(format!("the plan is not valid JSON: {e}")))?;
-    let Value::Object(mut top) = value else {
-        return Err(PlanError::plan(format!(
-            "the plan must be a JSON object, got {}",
-            value_type(&value)
-        )));
-    };
-    refuse_unknown(
-        &top,
-        &[
-            "targets",
-            "control_timeout_s",
-            "respawn_limit",
-            "respawn_backoff_s",
-            "probe_first",
-            "steps",
-        ],
-        "the plan",
-    )?;
-    let top_field = |field: &str, why: String| PlanError {
-        message: format!("field {field:?}: {why}"),
-        step: None,
-        field: Some(field.to_owned()),
-    };
-    let targets = match top.get("targets") {
-        None => {
-            return Err(top_field(
-                "targets",
-                "missing (the number of targets to fork)".into(),
-            ))
-        }
-        Some(v) => v
-            .as_u64()
-            .filter(|n| (1..=u64::from(MAX_TARGETS)).contains(n))
-            .and_then(|n| u16::try_from(n).ok())
-            .ok_or_else(|| {
-                top_field(
-                    "targets",
-                    format!("expected an integer from 1 to {MAX_TARGETS}, got {v}"),
-                )
-            })?,
-    };
-    // The converted Duration is checked, not the float: a tiny positive
-    // number such as 1e-10 would become a zero timeout.
-    let control_timeout = match top.get("control_timeout_s") {
-        None => Duration::from_secs_f64(DEFAULT_CONTROL_TIMEOUT_S),
-        Some(v) => v
-            .as_f64()
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .filter(|d| *d >= MIN_CONTROL_TIMEOUT && d.as_secs_f64() <= MAX_CONTROL_TIMEOUT_S)
-            .ok_or_else(|| {
-                top_field(
-                    "control_timeout_s",
-                    format!(
-                        "expected seconds, from {} to {MAX_CONTROL_TIMEOUT_S}, got {v}",
-                        MIN_CONTROL_TIMEOUT.as_secs_f64()
-                    ),
-                )
-            })?,
-    };
-    let respawn_limit = match top.get("respawn_limit") {
-        None => DEFAULT_RESPAWN_LIMIT,
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| u16::try_from(n).ok())
-            .ok_or_else(|| {
-                top_field(
-                    "respawn_limit",
-                    format!("expected an integer from 0 to {}, got {v}", u16::MAX),
-                )
-            })?,
-    };
-    let respawn_backoff = match top.get("respawn_backoff_s") {
-        None => Duration::from_secs_f64(DEFAULT_RESPAWN_BACKOFF_S),
-        Some(v) => v
-            .as_f64()
-            .filter(|s| (0.0..=MAX_CONTROL_TIMEOUT_S).contains(s))
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .ok_or_else(|| {
-                top_field(
-                    "respawn_backoff_s",
-                    format!("expected seconds, from 0 to {MAX_CONTROL_TIMEOUT_S}, got {v}"),
-                )
-            })?,
-    };
-    let probe_first = match top.get("probe_first") {
-        None => true,
-        Some(Value::Bool(probe)) => *probe,
-        Some(v) => {
-            return Err(top_field(
-                "probe_first",
-                format!("expected true or false, got {}", value_type(v)),
-            ))
-        }
-    };
-    let steps = match top.remove("steps") {
-        None => return Err(top_field("steps", "missing (a list of steps)".into())),
-        Some(Value::Array(steps)) => steps,
-        Some(v) => {
-            return Err(top_field(
-                "steps",
-                format!("expected an array, got {}", value_type(&v)),
-            ))
-        }
-    };
+    let file = file::PlanFile::decode(text)?;
     // Without a start step the Worker starts before the first step.
-    let explicit_start = steps
+    let explicit_start = file
+        .steps
         .iter()
-        .any(|step| step.get("op").and_then(Value::as_str) == Some("start"));
+        .any(|(_, step)| matches!(step, file::StepFile::Start(_)));
     let mut checker = Checker {
-        targets,
+        targets: file.targets.0,
         plan_dir,
         labels: BTreeMap::new(),
         started: !explicit_start,
@@ -338,21 +241,456 @@ pub fn parse(text: &str, plan_dir: &Path) -> Result<Plan, PlanError> {
         unreadable: BTreeMap::new(),
         hashids: BTreeMap::new(),
     };
-    let steps = steps
+    let steps = file
+        .steps
         .into_iter()
         .enumerate()
-        .map(|(index, step)| checker.step(index, step))
+        .map(|(index, (op, step))| checker.step(index, &op, step))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Plan {
-        targets,
-        control_timeout,
-        respawn_limit,
-        respawn_backoff,
-        probe_first,
+        targets: checker.targets,
+        control_timeout: file.control_timeout_s.0,
+        respawn_limit: file.respawn_limit.0,
+        respawn_backoff: file.respawn_backoff_s.0,
+        probe_first: file.probe_first,
         steps,
         envelopes: checker.envelopes,
         unreadable: checker.unreadable,
     })
+}
+
+/// The plan file as written: serde types that refuse unknown fields, wrong
+/// types and values out of range, naming the field's JSON path.
+mod file {
+    use std::fmt;
+    use std::marker::PhantomData;
+    use std::time::Duration;
+
+    use serde::de::{self, DeserializeOwned, Deserializer, Unexpected, Visitor};
+    use serde::Deserialize;
+    use serde_json::{Map, Number, Value};
+
+    use callreg::json::value_type;
+
+    use super::{PlanError, MAX_CONTROL_TIMEOUT_S, MAX_TARGETS, MIN_CONTROL_TIMEOUT_MICROS};
+
+    /// The plan object (`specs/plan.md` §1). `steps` holds each step's
+    /// `op` with its decoded fields.
+    #[derive(Debug)]
+    pub(super) struct PlanFile {
+        pub targets: Int<1, { MAX_TARGETS as u64 }, u16>,
+        pub control_timeout_s: Seconds<MIN_CONTROL_TIMEOUT_MICROS>,
+        pub respawn_limit: Int<0, { u16::MAX as u64 }, u16>,
+        pub respawn_backoff_s: Seconds<0>,
+        pub probe_first: bool,
+        pub steps: Vec<(String, StepFile)>,
+    }
+
+    /// The top-level fields; `steps` are decoded one by one afterwards so
+    /// that their errors name the step index and its `op`.
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct TopFile {
+        targets: Int<1, { MAX_TARGETS as u64 }, u16>,
+        #[serde(default = "default_control_timeout")]
+        control_timeout_s: Seconds<MIN_CONTROL_TIMEOUT_MICROS>,
+        #[serde(default = "default_respawn_limit")]
+        respawn_limit: Int<0, { u16::MAX as u64 }, u16>,
+        #[serde(default = "default_respawn_backoff")]
+        respawn_backoff_s: Seconds<0>,
+        #[serde(default = "default_probe_first")]
+        probe_first: bool,
+        steps: Vec<Value>,
+    }
+
+    fn default_control_timeout() -> Seconds<MIN_CONTROL_TIMEOUT_MICROS> {
+        Seconds(Duration::from_secs_f64(super::DEFAULT_CONTROL_TIMEOUT_S))
+    }
+
+    fn default_respawn_limit() -> Int<0, { u16::MAX as u64 }, u16> {
+        Int(super::DEFAULT_RESPAWN_LIMIT)
+    }
+
+    fn default_respawn_backoff() -> Seconds<0> {
+        Seconds(Duration::from_secs_f64(super::DEFAULT_RESPAWN_BACKOFF_S))
+    }
+
+    fn default_probe_first() -> bool {
+        true
+    }
+
+    /// One step: the variant is its `op`, the fields are the variant's
+    /// (each refuses the fields of other operations).
+    #[derive(Debug, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    pub(super) enum StepFile {
+        Register(RegisterFile),
+        Start(StartFile),
+        Unregister(UnregisterFile),
+        Call(CallFile),
+        CallAll(CallAllFile),
+        KillTarget(KillTargetFile),
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub(super) struct RegisterFile {
+        pub name: NonEmpty,
+        pub envelope: NonEmpty,
+        #[serde(default, deserialize_with = "present")]
+        pub metadata: Option<MetadataFile>,
+        #[serde(default, deserialize_with = "present")]
+        pub expect_error: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub(super) struct StartFile {
+        #[serde(default, deserialize_with = "present")]
+        pub expect_error: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub(super) struct UnregisterFile {
+        pub name: NonEmpty,
+        #[serde(default, deserialize_with = "present")]
+        pub expect_error: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub(super) struct CallFile {
+        pub name: NonEmpty,
+        #[serde(default, deserialize_with = "present")]
+        pub target: Option<TargetIndex>,
+        #[serde(default)]
+        pub args: Vec<Value>,
+        #[serde(default)]
+        pub kwargs: Map<String, Value>,
+        #[serde(default, deserialize_with = "present")]
+        pub expect: Option<Value>,
+        #[serde(default, deserialize_with = "present")]
+        pub expect_error: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub(super) struct CallAllFile {
+        pub name: NonEmpty,
+        #[serde(default)]
+        pub args: Vec<Value>,
+        #[serde(default)]
+        pub kwargs: Map<String, Value>,
+        #[serde(default, deserialize_with = "present")]
+        pub expect: Option<Value>,
+        #[serde(default, deserialize_with = "present")]
+        pub expect_error: Option<String>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub(super) struct KillTargetFile {
+        pub target: TargetIndex,
+        #[serde(default, deserialize_with = "present")]
+        pub expect_error: Option<String>,
+    }
+
+    /// An optional field that, when present, holds a `T` (`null` included:
+    /// `"expect": null` expects `None`, and `"expect_error": null` is
+    /// refused as not a string).
+    fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        d: D,
+    ) -> Result<Option<T>, D::Error> {
+        T::deserialize(d).map(Some)
+    }
+
+    impl PlanFile {
+        /// Decodes the plan text.
+        pub fn decode(text: &str) -> Result<PlanFile, PlanError> {
+            let value: Value = serde_json::from_str(text)
+                .map_err(|e| PlanError::plan(format!("the plan is not valid JSON: {e}")))?;
+            if !value.is_object() {
+                return Err(PlanError::plan(format!(
+                    "the plan must be a JSON object, got {}",
+                    value_type(&value)
+                )));
+            }
+            let top: TopFile = decode(value).map_err(|(path, why)| PlanError {
+                message: match &path {
+                    Some(path) if !names_its_field(&why) => format!("field {path:?}: {why}"),
+                    _ => format!("the plan: {why}"),
+                },
+                step: None,
+                field: path,
+            })?;
+            let steps = top
+                .steps
+                .into_iter()
+                .enumerate()
+                .map(|(index, step)| decode_step(index, step))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(PlanFile {
+                targets: top.targets,
+                control_timeout_s: top.control_timeout_s,
+                respawn_limit: top.respawn_limit,
+                respawn_backoff_s: top.respawn_backoff_s,
+                probe_first: top.probe_first,
+                steps,
+            })
+        }
+    }
+
+    /// Decodes one step: an object whose `op` names the variant.
+    fn decode_step(index: usize, step: Value) -> Result<(String, StepFile), PlanError> {
+        let at = |op: Option<&str>, field: Option<String>, why: String| PlanError {
+            message: match (op, &field) {
+                (Some(op), Some(field)) if !names_its_field(&why) => {
+                    format!("step {index} ({op}): field {field:?}: {why}")
+                }
+                (Some(op), _) => format!("step {index} ({op}): {why}"),
+                (None, Some(field)) => format!("step {index}: field {field:?}: {why}"),
+                (None, None) => format!("step {index}: {why}"),
+            },
+            step: Some(index),
+            field,
+        };
+        let Value::Object(mut fields) = step else {
+            return Err(at(
+                None,
+                None,
+                format!(
+                    "expected an object with an \"op\" field, got {}",
+                    value_type(&step)
+                ),
+            ));
+        };
+        let op = match fields.remove("op") {
+            Some(Value::String(op)) => op,
+            Some(v) => {
+                return Err(at(
+                    None,
+                    Some("op".into()),
+                    format!("expected a string, got {}", value_type(&v)),
+                ))
+            }
+            None => return Err(at(None, Some("op".into()), "missing".into())),
+        };
+        // The externally tagged form {op: fields} keeps the field paths
+        // (an internally tagged enum buffers the fields and loses them).
+        let tagged = Value::Object(Map::from_iter([(op.clone(), Value::Object(fields))]));
+        match decode::<StepFile>(tagged) {
+            Ok(step) => Ok((op, step)),
+            // Not a field of the variant: the op itself is unknown.
+            Err((None, why)) if why.starts_with("unknown variant") => Err(at(
+                Some(&op),
+                Some("op".into()),
+                format!(
+                    "unknown operation {op:?} (expected register, start, unregister, call, call_all or kill_target)"
+                ),
+            )),
+            Err((path, why)) => Err(at(Some(&op), path, why)),
+        }
+    }
+
+    /// Decodes `value` as `T`: on failure the path of the offending field
+    /// (below the variant of a step; `None` for the object itself) and
+    /// serde's reason.
+    fn decode<T: DeserializeOwned>(value: Value) -> Result<T, (Option<String>, String)> {
+        serde_path_to_error::deserialize(value).map_err(|err| {
+            let segments: Vec<String> = err
+                .path()
+                .iter()
+                .filter_map(|segment| match segment {
+                    serde_path_to_error::Segment::Map { key } => Some(key.clone()),
+                    serde_path_to_error::Segment::Seq { index } => Some(format!("[{index}]")),
+                    // The step's variant: its op, named apart.
+                    serde_path_to_error::Segment::Enum { .. } => None,
+                    serde_path_to_error::Segment::Unknown => Some("?".into()),
+                })
+                .collect();
+            let path = segments.iter().fold(String::new(), |mut path, segment| {
+                if !path.is_empty() && !segment.starts_with('[') {
+                    path.push('.');
+                }
+                path.push_str(segment);
+                path
+            });
+            let why = err.into_inner().to_string();
+            // A missing field is reported at its object: name the field.
+            let missing = why
+                .strip_prefix("missing field `")
+                .and_then(|rest| rest.strip_suffix('`'));
+            match missing {
+                Some(field) if path.is_empty() => (Some(field.to_owned()), why),
+                _ => ((!path.is_empty()).then_some(path), why),
+            }
+        })
+    }
+
+    /// Whether serde's message names the field itself (``unknown field
+    /// `colour`, expected ...``, ``missing field `name` ``).
+    fn names_its_field(why: &str) -> bool {
+        why.starts_with("unknown field `") || why.starts_with("missing field `")
+    }
+
+    /// An integer from `MIN` to `MAX`, as a `T`.
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    pub(super) struct Int<const MIN: u64, const MAX: u64, T>(pub T);
+
+    impl<'de, const MIN: u64, const MAX: u64, T: TryFrom<u64>> Deserialize<'de> for Int<MIN, MAX, T> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct IntVisitor<const MIN: u64, const MAX: u64, T>(PhantomData<T>);
+            impl<const MIN: u64, const MAX: u64, T: TryFrom<u64>> Visitor<'_> for IntVisitor<MIN, MAX, T> {
+                type Value = Int<MIN, MAX, T>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    write!(f, "an integer from {MIN} to {MAX}")
+                }
+                fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                    (MIN..=MAX)
+                        .contains(&v)
+                        .then(|| T::try_from(v).ok())
+                        .flatten()
+                        .map(Int)
+                        .ok_or_else(|| E::invalid_value(Unexpected::Unsigned(v), &self))
+                }
+                fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                    match u64::try_from(v) {
+                        Ok(v) => self.visit_u64(v),
+                        Err(_) => Err(E::invalid_value(Unexpected::Signed(v), &self)),
+                    }
+                }
+            }
+            d.deserialize_u64(IntVisitor::<MIN, MAX, T>(PhantomData))
+        }
+    }
+
+    /// A target index: an integer from 0 (the plan's `targets` bounds it).
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    pub(super) struct TargetIndex(pub u64);
+
+    impl<'de> Deserialize<'de> for TargetIndex {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct IndexVisitor;
+            impl Visitor<'_> for IndexVisitor {
+                type Value = TargetIndex;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a target index (an integer from 0)")
+                }
+                fn visit_u64<E: de::Error>(self, v: u64) -> Result<TargetIndex, E> {
+                    Ok(TargetIndex(v))
+                }
+                fn visit_i64<E: de::Error>(self, v: i64) -> Result<TargetIndex, E> {
+                    u64::try_from(v)
+                        .map(TargetIndex)
+                        .map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+                }
+            }
+            d.deserialize_u64(IndexVisitor)
+        }
+    }
+
+    /// Seconds from `MIN_MICROS` µs to one day, as a [`Duration`] (the
+    /// converted duration is checked, not the float: a tiny positive number
+    /// such as 1e-10 would become a zero duration).
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    pub(super) struct Seconds<const MIN_MICROS: u64>(pub Duration);
+
+    impl<'de, const MIN_MICROS: u64> Deserialize<'de> for Seconds<MIN_MICROS> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            #[derive(Clone, Copy)]
+            struct SecondsVisitor<const MIN_MICROS: u64>;
+            impl<const MIN_MICROS: u64> Visitor<'_> for SecondsVisitor<MIN_MICROS> {
+                type Value = Seconds<MIN_MICROS>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    write!(
+                        f,
+                        "seconds, from {} to {MAX_CONTROL_TIMEOUT_S}",
+                        Duration::from_micros(MIN_MICROS).as_secs_f64()
+                    )
+                }
+                fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
+                    Duration::try_from_secs_f64(v)
+                        .ok()
+                        .filter(|d| {
+                            *d >= Duration::from_micros(MIN_MICROS)
+                                && d.as_secs_f64() <= MAX_CONTROL_TIMEOUT_S
+                        })
+                        .map(Seconds)
+                        .ok_or_else(|| {
+                            // Written as JSON writes it (1e-10, not 0.0000000001).
+                            let shown = Number::from_f64(v)
+                                .map_or_else(|| v.to_string(), |n| n.to_string());
+                            E::invalid_value(Unexpected::Other(&shown), &self)
+                        })
+                }
+                fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                    // Exact for any number of seconds in range.
+                    self.visit_f64::<E>(v as f64)
+                        .map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+                }
+                fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                    self.visit_f64::<E>(v as f64)
+                        .map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+                }
+            }
+            d.deserialize_f64(SecondsVisitor::<MIN_MICROS>)
+        }
+    }
+
+    /// A string that is not empty (a label or a path).
+    #[derive(Clone, PartialEq, Debug)]
+    pub(super) struct NonEmpty(pub String);
+
+    impl<'de> Deserialize<'de> for NonEmpty {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let s = String::deserialize(d)?;
+            if s.is_empty() {
+                return Err(de::Error::invalid_value(
+                    Unexpected::Str(""),
+                    &"a non-empty string",
+                ));
+            }
+            Ok(NonEmpty(s))
+        }
+    }
+
+    /// A register's `metadata` field: an inline object, or the path of a
+    /// metadata JSON file relative to the plan file.
+    #[derive(Clone, PartialEq, Debug)]
+    pub(super) enum MetadataFile {
+        Inline(Map<String, Value>),
+        Path(String),
+    }
+
+    impl<'de> Deserialize<'de> for MetadataFile {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct MetadataVisitor;
+            impl<'de> Visitor<'de> for MetadataVisitor {
+                type Value = MetadataFile;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("an object or a file path")
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<MetadataFile, E> {
+                    if v.is_empty() {
+                        return Err(E::invalid_value(
+                            Unexpected::Str(""),
+                            &"a non-empty file path",
+                        ));
+                    }
+                    Ok(MetadataFile::Path(v.to_owned()))
+                }
+                fn visit_map<A: de::MapAccess<'de>>(
+                    self,
+                    map: A,
+                ) -> Result<MetadataFile, A::Error> {
+                    Map::deserialize(de::value::MapAccessDeserializer::new(map))
+                        .map(MetadataFile::Inline)
+                }
+            }
+            d.deserialize_any(MetadataVisitor)
+        }
+    }
 }
 
 /// Whether a label names a handle at a point of the plan.
@@ -364,7 +702,7 @@ enum Label {
     Unregistered(usize),
 }
 
-/// Checks steps in order, tracking labels and the start.
+/// The checking pass: steps in order, tracking labels and the start.
 struct Checker<'a> {
     targets: u16,
     plan_dir: &'a Path,
@@ -377,59 +715,25 @@ struct Checker<'a> {
 }
 
 impl Checker<'_> {
-    fn step(&mut self, index: usize, step: Value) -> Result<Step, PlanError> {
-        let Value::Object(fields) = step else {
-            return Err(PlanError {
-                message: format!(
-                    "step {index}: expected an object with an \"op\" field, got {}",
-                    value_type(&step)
-                ),
-                step: Some(index),
-                field: None,
-            });
-        };
-        let op = match fields.get("op") {
-            Some(Value::String(op)) => op.clone(),
-            Some(v) => {
-                return Err(PlanError {
-                    message: format!(
-                        "step {index}: field \"op\": expected a string, got {}",
-                        value_type(v)
-                    ),
-                    step: Some(index),
-                    field: Some("op".to_owned()),
-                })
-            }
-            None => {
-                return Err(PlanError {
-                    message: format!("step {index}: field \"op\" is missing"),
-                    step: Some(index),
-                    field: Some("op".to_owned()),
-                })
-            }
-        };
-        let at = StepFields {
-            index,
-            op: &op,
-            fields: &fields,
-        };
-        let expect_error = at.optional_string("expect_error")?;
-        let op = match op.as_str() {
-            "register" => {
-                at.allow(&["name", "envelope", "metadata", "expect_error"])?;
-                let name = at.name()?;
+    fn step(&mut self, index: usize, op: &str, step: file::StepFile) -> Result<Step, PlanError> {
+        use file::StepFile;
+        let at = At { index, op };
+        let (op, expect_error) = match step {
+            StepFile::Register(register) => {
+                let name = register.name.0;
                 if let Some(Label::Registered(earlier)) = self.labels.get(&name) {
                     return Err(at.field_error(
                         "name",
                         format!("{name:?} already labels the handle of step {earlier}; unregister it first"),
                     ));
                 }
-                let envelope = at.required_string("envelope")?;
+                let envelope = register.envelope.0;
                 self.read_envelope(&envelope);
-                let (metadata, metadata_source) = match self.read_metadata(&at, &envelope)? {
-                    Some((metadata, source)) => (Some(Box::new(metadata)), Some(source)),
-                    None => (None, None),
-                };
+                let (metadata, metadata_source) =
+                    match self.read_metadata(&at, register.metadata, &envelope)? {
+                        Some((metadata, source)) => (Some(Box::new(metadata)), Some(source)),
+                        None => (None, None),
+                    };
                 self.labels.insert(name.clone(), Label::Registered(index));
                 if let Some(hashid) = self
                     .envelopes
@@ -439,24 +743,25 @@ impl Checker<'_> {
                 {
                     self.hashids.insert(name.clone(), hashid);
                 }
-                Op::Register(RegisterStep {
+                let op = Op::Register(RegisterStep {
                     name,
                     envelope,
                     metadata,
                     metadata_source,
-                })
+                });
+                (op, register.expect_error)
             }
-            "start" => {
-                at.allow(&["expect_error"])?;
+            StepFile::Start(start) => {
                 if self.started {
-                    return Err(at.error("the Worker is already started (one start per plan)".into()));
+                    return Err(
+                        at.error("the Worker is already started (one start per plan)".into())
+                    );
                 }
                 self.started = true;
-                Op::Start
+                (Op::Start, start.expect_error)
             }
-            "unregister" => {
-                at.allow(&["name", "expect_error"])?;
-                let name = at.name()?;
+            StepFile::Unregister(unregister) => {
+                let name = unregister.name.0;
                 // Unregistering a label a second time is a step that fails
                 // when it runs (HANDLE_STALE), like killing a target twice.
                 match self.labels.get(&name) {
@@ -466,82 +771,85 @@ impl Checker<'_> {
                     Some(Label::Unregistered(_)) => {}
                     None => return Err(at.unknown_name(&name)),
                 }
-                Op::Unregister { name }
+                (Op::Unregister { name }, unregister.expect_error)
             }
-            "call" | "call_all" => {
-                let all = op == "call_all";
-                if all {
-                    at.allow(&["name", "args", "kwargs", "expect", "expect_error"])?;
-                } else {
-                    at.allow(&["name", "target", "args", "kwargs", "expect", "expect_error"])?;
-                }
-                let name = at.name()?;
-                if !self.labels.contains_key(&name) {
-                    return Err(at.unknown_name(&name));
-                }
-                let target = if all { None } else { at.optional_target(self.targets)? };
-                let args = match fields.get("args") {
-                    None => Vec::new(),
-                    Some(Value::Array(args)) => args.clone(),
-                    Some(v) => {
-                        return Err(at.field_error(
-                            "args",
-                            format!("expected an array, got {}", value_type(v)),
-                        ))
-                    }
-                };
-                let kwargs = match fields.get("kwargs") {
-                    None => Map::new(),
-                    Some(Value::Object(kwargs)) => kwargs.clone(),
-                    Some(v) => {
-                        return Err(at.field_error(
-                            "kwargs",
-                            format!("expected an object, got {}", value_type(v)),
-                        ))
-                    }
-                };
-                let expect = fields.get("expect").cloned();
-                if expect.is_some() && expect_error.is_some() {
-                    return Err(at.error(
-                        "\"expect\" and \"expect_error\" exclude each other".into(),
-                    ));
-                }
-                self.require_started(&at)?;
-                let step = CallStep {
-                    name,
+            StepFile::Call(call) => {
+                let target = call.target.map(|t| self.target(&at, t)).transpose()?;
+                let step = self.call(
+                    &at,
+                    call.name,
                     target,
-                    args,
-                    kwargs,
-                    expect,
-                };
-                if all {
-                    Op::CallAll(step)
-                } else {
-                    Op::Call(step)
-                }
+                    (call.args, call.kwargs),
+                    call.expect,
+                    call.expect_error.as_deref(),
+                )?;
+                (Op::Call(step), call.expect_error)
             }
-            "kill_target" => {
-                at.allow(&["target", "expect_error"])?;
-                let target = at
-                    .optional_target(self.targets)?
-                    .ok_or_else(|| at.field_error("target", "missing (the target to kill)".into()))?;
+            StepFile::CallAll(call) => {
+                let step = self.call(
+                    &at,
+                    call.name,
+                    None,
+                    (call.args, call.kwargs),
+                    call.expect,
+                    call.expect_error.as_deref(),
+                )?;
+                (Op::CallAll(step), call.expect_error)
+            }
+            StepFile::KillTarget(kill) => {
+                let target = self.target(&at, kill.target)?;
                 self.require_started(&at)?;
-                Op::KillTarget { target }
-            }
-            other => {
-                return Err(at.field_error(
-                    "op",
-                    format!(
-                        "unknown operation {other:?} (expected register, start, unregister, call, call_all or kill_target)"
-                    ),
-                ))
+                (Op::KillTarget { target }, kill.expect_error)
             }
         };
         Ok(Step { op, expect_error })
     }
 
+    /// Checks a `call` or `call_all` step.
+    fn call(
+        &self,
+        at: &At<'_>,
+        name: file::NonEmpty,
+        target: Option<u16>,
+        (args, kwargs): (Vec<Value>, Map<String, Value>),
+        expect: Option<Value>,
+        expect_error: Option<&str>,
+    ) -> Result<CallStep, PlanError> {
+        let name = name.0;
+        if !self.labels.contains_key(&name) {
+            return Err(at.unknown_name(&name));
+        }
+        if expect.is_some() && expect_error.is_some() {
+            return Err(at.error("\"expect\" and \"expect_error\" exclude each other".into()));
+        }
+        self.require_started(at)?;
+        Ok(CallStep {
+            name,
+            target,
+            args,
+            kwargs,
+            expect,
+        })
+    }
+
+    /// A `target` field inside `0..targets`.
+    fn target(&self, at: &At<'_>, target: file::TargetIndex) -> Result<u16, PlanError> {
+        u16::try_from(target.0)
+            .ok()
+            .filter(|t| *t < self.targets)
+            .ok_or_else(|| {
+                at.field_error(
+                    "target",
+                    format!(
+                        "{} is not a target of this plan (targets: {}, numbered from 0)",
+                        target.0, self.targets
+                    ),
+                )
+            })
+    }
+
     /// Refuses a step that needs running targets before the start step.
-    fn require_started(&self, at: &StepFields<'_>) -> Result<(), PlanError> {
+    fn require_started(&self, at: &At<'_>) -> Result<(), PlanError> {
         if self.started {
             Ok(())
         } else {
@@ -557,7 +865,8 @@ impl Checker<'_> {
     /// envelope's side-car when it exists.
     fn read_metadata(
         &self,
-        at: &StepFields<'_>,
+        at: &At<'_>,
+        field: Option<file::MetadataFile>,
         envelope: &str,
     ) -> Result<Option<(CallableMetadata, String)>, PlanError> {
         let parse = |text: &str, source: &str| {
@@ -565,22 +874,17 @@ impl Checker<'_> {
             CallableMetadata::from_json(&text)
                 .map_err(|e| at.field_error("metadata", format!("{source}: {e}")))
         };
-        match at.fields.get("metadata") {
-            Some(Value::Object(object)) => {
-                let text = Value::Object(object.clone()).to_string();
+        match field {
+            Some(file::MetadataFile::Inline(object)) => {
+                let text = Value::Object(object).to_string();
                 Ok(Some((parse(&text, "inline")?, "inline".to_owned())))
             }
-            Some(Value::String(path)) if !path.is_empty() => {
-                let text = super::input::read_text(self.plan_dir.join(path)).map_err(|why| {
+            Some(file::MetadataFile::Path(path)) => {
+                let text = super::input::read_text(self.plan_dir.join(&path)).map_err(|why| {
                     at.field_error("metadata", format!("cannot read {path}: {why}"))
                 })?;
-                Ok(Some((parse(&text, path)?, path.clone())))
+                Ok(Some((parse(&text, &path)?, path)))
             }
-            Some(Value::String(_)) => Err(at.field_error("metadata", "must not be empty".into())),
-            Some(v) => Err(at.field_error(
-                "metadata",
-                format!("expected an object or a file path, got {}", value_type(v)),
-            )),
             None => {
                 let relative = sidecar_path(Path::new(envelope));
                 let full = self.plan_dir.join(&relative);
@@ -603,7 +907,7 @@ impl Checker<'_> {
     /// else is left for strict parsing.
     fn resolve_hook_names(
         &self,
-        at: &StepFields<'_>,
+        at: &At<'_>,
         text: &str,
         source: &str,
     ) -> Result<String, PlanError> {
@@ -669,14 +973,13 @@ impl Checker<'_> {
     }
 }
 
-/// One step's fields, for reading them with errors that name the step.
-struct StepFields<'a> {
+/// Where a step is, for errors that name its index and op.
+struct At<'a> {
     index: usize,
     op: &'a str,
-    fields: &'a Map<String, Value>,
 }
 
-impl StepFields<'_> {
+impl At<'_> {
     fn error(&self, why: String) -> PlanError {
         PlanError {
             message: format!("step {} ({}): {why}", self.index, self.op),
@@ -697,85 +1000,6 @@ impl StepFields<'_> {
             "name",
             format!("{name:?} is not the name of any earlier register step"),
         )
-    }
-
-    /// Refuses fields other than `op` and `allowed`.
-    fn allow(&self, allowed: &[&str]) -> Result<(), PlanError> {
-        let mut known = vec!["op"];
-        known.extend_from_slice(allowed);
-        refuse_unknown(
-            self.fields,
-            &known,
-            &format!("step {} ({})", self.index, self.op),
-        )
-        .map_err(|e| PlanError {
-            step: Some(self.index),
-            ..e
-        })
-    }
-
-    fn optional_string(&self, field: &str) -> Result<Option<String>, PlanError> {
-        match self.fields.get(field) {
-            None => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(v) => {
-                Err(self.field_error(field, format!("expected a string, got {}", value_type(v))))
-            }
-        }
-    }
-
-    fn required_string(&self, field: &str) -> Result<String, PlanError> {
-        match self.optional_string(field)? {
-            Some(s) if !s.is_empty() => Ok(s),
-            Some(_) => Err(self.field_error(field, "must not be empty".into())),
-            None => Err(self.field_error(field, "missing".into())),
-        }
-    }
-
-    fn name(&self) -> Result<String, PlanError> {
-        self.required_string("name")
-    }
-
-    fn optional_target(&self, targets: u16) -> Result<Option<u16>, PlanError> {
-        match self.fields.get("target") {
-            None => Ok(None),
-            Some(v) => match v.as_u64() {
-                Some(t) if t < u64::from(targets) => Ok(u16::try_from(t).ok()),
-                Some(t) => Err(self.field_error(
-                    "target",
-                    format!(
-                        "{t} is not a target of this plan (targets: {targets}, numbered from 0)"
-                    ),
-                )),
-                None => Err(self.field_error(
-                    "target",
-                    format!("expected a target index (an integer from 0), got {v}"),
-                )),
-            },
-        }
-    }
-}
-
-/// Refuses any key of `object` not in `known`.
-fn refuse_unknown(
-    object: &Map<String, Value>,
-    known: &[&str],
-    what: &str,
-) -> Result<(), PlanError> {
-    match object.keys().find(|k| !known.contains(&k.as_str())) {
-        None => Ok(()),
-        Some(unknown) => Err(PlanError {
-            message: format!(
-                "{what}: unknown field {unknown:?} (expected one of {})",
-                known
-                    .iter()
-                    .map(|k| format!("{k:?}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-            step: None,
-            field: Some(unknown.clone()),
-        }),
     }
 }
 
@@ -885,7 +1109,7 @@ mod tests {
         );
         assert_eq!(
             results.3.unwrap_err().message,
-            r#"step 0 (register): field "metadata": expected an object or a file path, got a number"#
+            r#"step 0 (register): field "metadata": invalid type: integer `3`, expected an object or a file path"#
         );
     }
 
@@ -966,15 +1190,15 @@ mod tests {
     fn errors_name_the_step_and_field() {
         assert_eq!(
             error(r#"{"targets": 1, "control_timeout_s": -1, "steps": []}"#),
-            r#"field "control_timeout_s": expected seconds, from 0.001 to 86400, got -1"#
+            r#"field "control_timeout_s": invalid value: integer `-1`, expected seconds, from 0.001 to 86400"#
         );
         assert_eq!(
             error(r#"{"targets": 1, "control_timeout_s": 1e-10, "steps": []}"#),
-            r#"field "control_timeout_s": expected seconds, from 0.001 to 86400, got 1e-10"#
+            r#"field "control_timeout_s": invalid value: 1e-10, expected seconds, from 0.001 to 86400"#
         );
         assert_eq!(
             error(r#"{"targets": 1, "control_timeout_s": 86400.5, "steps": []}"#),
-            r#"field "control_timeout_s": expected seconds, from 0.001 to 86400, got 86400.5"#
+            r#"field "control_timeout_s": invalid value: 86400.5, expected seconds, from 0.001 to 86400"#
         );
         assert_eq!(
             parse(
@@ -989,7 +1213,7 @@ mod tests {
             error(
                 r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "register", "name": "f", "envelope": 3}]}"#
             ),
-            r#"step 1 (register): field "envelope": expected a string, got a number"#
+            r#"step 1 (register): field "envelope": invalid type: integer `3`, expected a string"#
         );
         assert_eq!(
             error(
@@ -999,7 +1223,7 @@ mod tests {
         );
         assert_eq!(
             error(r#"{"targets": 2, "steps": [{"op": "start", "name": "x"}]}"#),
-            r#"step 0 (start): unknown field "name" (expected one of "op", "expect_error")"#
+            r#"step 0 (start): unknown field `name`, expected `expect_error`"#
         );
         assert_eq!(
             error(r#"{"targets": 2, "steps": [{"op": "kill_target", "target": 2}]}"#),
@@ -1019,27 +1243,27 @@ mod tests {
         );
         assert_eq!(
             error(r#"{"targets": 0, "steps": []}"#),
-            r#"field "targets": expected an integer from 1 to 1024, got 0"#
+            r#"field "targets": invalid value: integer `0`, expected an integer from 1 to 1024"#
         );
         assert_eq!(
             error(r#"{"targets": 1, "steps": [], "extra": 1}"#),
-            r#"the plan: unknown field "extra" (expected one of "targets", "control_timeout_s", "respawn_limit", "respawn_backoff_s", "probe_first", "steps")"#
+            r#"the plan: unknown field `extra`, expected one of `targets`, `control_timeout_s`, `respawn_limit`, `respawn_backoff_s`, `probe_first`, `steps`"#
         );
         assert_eq!(
             error(r#"{"targets": 1, "respawn_limit": 65536, "steps": []}"#),
-            r#"field "respawn_limit": expected an integer from 0 to 65535, got 65536"#
+            r#"field "respawn_limit": invalid value: integer `65536`, expected an integer from 0 to 65535"#
         );
         assert_eq!(
             error(r#"{"targets": 1, "respawn_limit": -1, "steps": []}"#),
-            r#"field "respawn_limit": expected an integer from 0 to 65535, got -1"#
+            r#"field "respawn_limit": invalid value: integer `-1`, expected an integer from 0 to 65535"#
         );
         assert_eq!(
             error(r#"{"targets": 1, "respawn_limit": 1.5, "steps": []}"#),
-            r#"field "respawn_limit": expected an integer from 0 to 65535, got 1.5"#
+            r#"field "respawn_limit": invalid type: floating point `1.5`, expected an integer from 0 to 65535"#
         );
         assert_eq!(
             error(r#"{"targets": 1, "probe_first": "no", "steps": []}"#),
-            r#"field "probe_first": expected true or false, got a string"#
+            r#"field "probe_first": invalid type: string "no", expected a boolean"#
         );
         let plan =
             parse_text(r#"{"targets": 1, "respawn_limit": 0, "probe_first": false, "steps": []}"#)
@@ -1051,16 +1275,50 @@ mod tests {
                 .respawn_backoff,
             Duration::ZERO
         );
-        for bad in ["-1", "86400.5", "\"1\"", "true"] {
+        for (bad, why) in [
+            ("-1", "invalid value: integer `-1`"),
+            ("86400.5", "invalid value: 86400.5"),
+            ("\"1\"", "invalid type: string \"1\""),
+            ("true", "invalid type: boolean `true`"),
+        ] {
             assert_eq!(
                 error(&format!(
                     r#"{{"targets": 1, "respawn_backoff_s": {bad}, "steps": []}}"#
                 )),
-                format!(
-                    r#"field "respawn_backoff_s": expected seconds, from 0 to 86400, got {bad}"#
-                )
+                format!(r#"field "respawn_backoff_s": {why}, expected seconds, from 0 to 86400"#)
             );
         }
+        assert_eq!(
+            error(
+                r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "call", "name": "f", "target": "x"}]}"#
+            ),
+            r#"step 1 (call): field "target": invalid type: string "x", expected a target index (an integer from 0)"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "kill_target"}]}"#),
+            "step 1 (kill_target): missing field `target`"
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "call", "name": ""}]}"#),
+            r#"step 1 (call): field "name": invalid value: string "", expected a non-empty string"#
+        );
+        // Present optional fields hold their type: null is not a string.
+        assert_eq!(
+            error(r#"{"targets": 1, "steps": [{"op": "start", "expect_error": null}]}"#),
+            r#"step 0 (start): field "expect_error": invalid type: null, expected a string"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "steps": [{}]}"#),
+            r#"step 0: field "op": missing"#
+        );
+        assert_eq!(
+            error(r#"{"targets": 1, "steps": [3]}"#),
+            r#"step 0: expected an object with an "op" field, got a number"#
+        );
+        assert_eq!(
+            error(r#"{"steps": []}"#),
+            "the plan: missing field `targets`"
+        );
         let plan = parse_text(r#"{"targets": 1, "respawn_limit": 65535, "steps": []}"#)
             .expect("a valid plan");
         assert_eq!(plan.respawn_limit, 65535);
@@ -1097,6 +1355,15 @@ mod tests {
             (error.step, error.field.as_deref()),
             (Some(1), Some("name"))
         );
+        let error = parse(
+            r#"{"targets": 1, "steps": [{"op": "start"}, {"op": "kill_target"}]}"#,
+            Path::new("."),
+        )
+        .unwrap_err();
+        assert_eq!(
+            (error.step, error.field.as_deref()),
+            (Some(1), Some("target"))
+        );
         let error = parse(r#"{"targets": 0, "steps": []}"#, Path::new(".")).unwrap_err();
         assert_eq!(
             (error.step, error.field.as_deref()),
@@ -1104,5 +1371,27 @@ mod tests {
         );
         let error = parse("[]", Path::new(".")).unwrap_err();
         assert_eq!((error.step, error.field), (None, None));
+    }
+
+    #[test]
+    fn an_expect_of_null_expects_none() {
+        let dir = std::env::temp_dir().join(format!("callreg-plan-null-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let plan = parse(
+            r#"{"targets": 1, "steps": [{"op": "register", "name": "f", "envelope": "f.spyc"},
+                {"op": "call", "name": "f", "expect": null}, {"op": "call", "name": "f"}]}"#,
+            &dir,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let expects: Vec<Option<Value>> = plan
+            .expect("a valid plan")
+            .steps
+            .iter()
+            .filter_map(|step| match &step.op {
+                Op::Call(call) => Some(call.expect.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(expects, vec![Some(Value::Null), None]);
     }
 }

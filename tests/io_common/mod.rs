@@ -3,15 +3,15 @@
 //! checks every test ends with.
 //!
 //! Why a runner of its own: these tests fork, and forking is only safe in a
-//! single-threaded process. The runner runs each test on the main thread,
-//! one after the other, and after each one checks that no staged payload
-//! (a sealed `memfd` descriptor of this process, or a `/dev/shm/callreg-*`
-//! name) and no child process (running or zombie) is left. It speaks enough of libtest's command line for `cargo test`
-//! (`[FILTER] [--exact]`) and `cargo nextest` (`--list --format terse`,
-//! `NAME --exact`), which runs each test in its own process.
+//! single-threaded process. [`run`] runs each test on the main thread, one
+//! after the other (libtest-mimic with one test thread), and after each one
+//! checks that no staged payload (a sealed memfd: a descriptor of this
+//! process or a mapping) and no child process (running or zombie) is left.
+//! libtest-mimic speaks libtest's command line, for `cargo test` and for
+//! `cargo nextest` (which runs each test in its own process).
 #![allow(dead_code)]
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::panic::catch_unwind;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,66 +28,35 @@ use nix::unistd::Pid;
 /// One test: its name and body.
 pub type Test = (&'static str, fn());
 
-/// Runs the selected tests; exits 1 if any failed.
-pub fn run(tests: &[Test]) {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--list") {
-        if !args.iter().any(|a| a == "--ignored") {
-            for (name, _) in tests {
-                println!("{name}: test");
-            }
-        }
-        return;
-    }
-    let exact = args.iter().any(|a| a == "--exact");
-    let mut skip_value = false;
-    let mut filters = Vec::new();
-    for arg in &args {
-        if skip_value {
-            skip_value = false;
-            continue;
-        }
-        match arg.as_str() {
-            "--format" | "--test-threads" | "--color" | "-Z" => skip_value = true,
-            a if a.starts_with('-') => {}
-            a => filters.push(a.to_owned()),
-        }
-    }
-    let selected: Vec<&Test> = tests
+/// Runs the selected tests with libtest's command line (`cargo test`'s
+/// `[FILTER] [--exact] [--skip]`, `cargo nextest`'s `--list --format
+/// terse` and `NAME --exact`) and exits with its status.
+///
+/// Every test runs on the main thread, one after the other, whatever
+/// `--test-threads` says: forking is only safe in a single-threaded
+/// process, and each test checks that it is on the main thread. After each
+/// test (passed or not) the leftover checks of [`leftovers`] run.
+pub fn run(tests: &[Test]) -> ! {
+    let mut args = libtest_mimic::Arguments::from_args();
+    // libtest-mimic runs the tests on the calling thread with one thread.
+    args.test_threads = Some(1);
+    let trials = tests
         .iter()
-        .filter(|(name, _)| {
-            filters.is_empty()
-                || filters.iter().any(|f| {
-                    if exact {
-                        name == f
-                    } else {
-                        name.contains(f.as_str())
-                    }
-                })
+        .map(|&(name, body)| {
+            libtest_mimic::Trial::test(name, move || {
+                if nix::unistd::gettid() != nix::unistd::getpid() {
+                    return Err("the test does not run on the main thread".into());
+                }
+                let outcome = catch_unwind(body).map_err(|p| panic_text(&*p));
+                match (outcome, leftovers()) {
+                    (Ok(()), Ok(())) => Ok(()),
+                    (Err(why), Ok(())) | (Ok(()), Err(why)) => Err(why.into()),
+                    (Err(why), Err(left)) => Err(format!("{why}\nand after it: {left}").into()),
+                }
+            })
         })
         .collect();
-    println!("\nrunning {} tests", selected.len());
-    let mut failed = Vec::new();
-    for (name, body) in &selected {
-        let outcome = catch_unwind(AssertUnwindSafe(body)).map_err(|p| panic_text(&*p));
-        let outcome = outcome.and_then(|()| leftovers());
-        match outcome {
-            Ok(()) => println!("test {name} ... ok"),
-            Err(why) => {
-                println!("test {name} ... FAILED\n  {why}");
-                failed.push(*name);
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        selected.len() - failed.len(),
-        failed.len()
-    );
-    if !failed.is_empty() {
-        std::process::exit(1);
-    }
+    libtest_mimic::run(&args, trials).exit()
 }
 
 fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
@@ -98,17 +67,19 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic".to_owned())
 }
 
-/// No staged payload of this process (no descriptor of one, nothing of
-/// ours in `/dev/shm`) and no child (running or zombie).
-fn leftovers() -> Result<(), String> {
+/// What a test left behind in this process: descriptors of staged payloads
+/// (sealed memfds named [`staging::MEMFD_NAME`]), mappings of one, and
+/// children (running, or exited and not reaped; these are reaped here so
+/// that the next test starts clean).
+pub fn leftovers() -> Result<(), String> {
     let mut problems = Vec::new();
     let fds = staging::open_payloads().map_err(|e| e.to_string())?;
     if !fds.is_empty() {
         problems.push(format!("staged payload descriptors left open: {fds:?}"));
     }
-    let names = shm_names_of(std::process::id())?;
-    if !names.is_empty() {
-        problems.push(format!("names left in /dev/shm: {names:?}"));
+    let maps = payload_mappings()?;
+    if !maps.is_empty() {
+        problems.push(format!("staged payloads left mapped: {maps:?}"));
     }
     loop {
         match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
@@ -131,14 +102,20 @@ fn leftovers() -> Result<(), String> {
     }
 }
 
-/// The `/dev/shm` entries named `callreg-<pid>-*` (the names earlier
-/// versions gave staged payloads of parent `pid`; none is made now).
-pub fn shm_names_of(pid: u32) -> Result<Vec<String>, String> {
-    let dir = std::fs::read_dir("/dev/shm").map_err(|e| format!("/dev/shm: {e}"))?;
-    let prefix = format!("callreg-{pid}-");
-    Ok(dir
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.starts_with(&prefix))
+/// The lines of `/proc/self/maps` that map a staged payload (a memfd named
+/// [`staging::MEMFD_NAME`]).
+pub fn payload_mappings() -> Result<Vec<String>, String> {
+    let maps =
+        std::fs::read_to_string("/proc/self/maps").map_err(|e| format!("/proc/self/maps: {e}"))?;
+    let memfd = format!("/memfd:{}", staging::MEMFD_NAME);
+    Ok(maps
+        .lines()
+        .filter(|line| {
+            line.split_whitespace()
+                .nth(5)
+                .is_some_and(|path| path.starts_with(&memfd))
+        })
+        .map(str::to_owned)
         .collect())
 }
 

@@ -5,7 +5,7 @@
 //! and helpers for JSON tasks.
 //!
 //! Payloads: every name of `examples/callables.py` (packed by
-//! `python/callreg_envelope.py`, side-cars included), plus the hooks of
+//! `python/tools/callreg_envelope.py`, side-cars included), plus the hooks of
 //! [`EXTRA_PAYLOADS`]. They are written to a temporary directory, read, and
 //! the directory is removed before any test runs.
 #![allow(dead_code)]
@@ -93,7 +93,7 @@ pub fn pack_payloads(
         let out = dir.join("payloads");
         run_python(
             Command::new(&python)
-                .arg(repo.join("python/callreg_envelope.py"))
+                .arg(repo.join("python/tools/callreg_envelope.py"))
                 .arg(repo.join("examples/callables.py"))
                 .arg("--out")
                 .arg(&out),
@@ -103,7 +103,7 @@ pub fn pack_payloads(
                 .arg("-c")
                 .arg(extra_script)
                 .arg(&out)
-                .arg(repo.join("python"))
+                .arg(repo.join("python/tools"))
                 .args(extra_args),
         )?;
         let mut envelopes = BTreeMap::new();

@@ -111,7 +111,7 @@ fn pack(dir: &Path) {
         .arg("-c")
         .arg(PAYLOADS)
         .arg(dir)
-        .arg(repo().join("python"))
+        .arg(repo().join("python/tools"))
         .arg(dir.join("first-unpickle-marker"))
         .output()
         .expect("python runs");

@@ -2,8 +2,8 @@
 //! parent keeps, deadlines on every wait, and truthful reports.
 //!
 //! A `harness = false` binary (see `tests/io_common/mod.rs`): each test
-//! runs on the main thread; every test ends with no staged payload in
-//! `/dev/shm` and no child left (checked by the runner).
+//! runs on the main thread; every test ends with no staged payload
+//! (memfd descriptor or mapping) and no child left (checked by the runner).
 
 mod io_common;
 

@@ -8,7 +8,7 @@
 //! `PYO3_PYTHON` (else `python3`), which must have cloudpickle.
 //!
 //! Run: `PYO3_PYTHON=$(python3 -c 'import sys; print(sys.executable)')
-//! cargo test --features python --test python_hardening [-- FILTER]`.
+//! cargo test --features python --test python_target_faults [-- FILTER]`.
 
 mod io_common;
 mod python_common;

@@ -16,7 +16,7 @@ Formats (specs/design.md §3, specs/formats.md):
 
 Command::
 
-    python3 python/callreg_envelope.py FILE.py[:NAME] --out DIR
+    python3 python/tools/callreg_envelope.py FILE.py[:NAME] --out DIR
 
 imports FILE.py as a module, registers it with
 ``cloudpickle.register_pickle_by_value`` (so its functions and classes are
@@ -114,9 +114,10 @@ def descriptor(envelope):
     """Return the 52-byte PYTHON_SERIALIZED descriptor (bytes) of a SPYC
     envelope. Raises ``ValueError`` for an invalid envelope (see ``parse``)."""
     version, serializer, payload = parse(envelope)
-    return struct.pack(
-        "<IIIII", SCHEMA_VERSION, KIND_PYTHON_SERIALIZED, version, serializer, 32
-    ) + hashlib.sha256(payload).digest()
+    return (
+        struct.pack("<IIIII", SCHEMA_VERSION, KIND_PYTHON_SERIALIZED, version, serializer, 32)
+        + hashlib.sha256(payload).digest()
+    )
 
 
 def hashid(envelope):
@@ -262,9 +263,7 @@ def pack(path, out_dir, name=None):
 def main(argv=None):
     """The command line (see the module docstring). Returns the exit status:
     0 on success, 1 with a one-line message on standard error otherwise."""
-    parser = argparse.ArgumentParser(
-        description="Pack the callables of a Python file into SPYC envelopes (.spyc)."
-    )
+    parser = argparse.ArgumentParser(description="Pack the callables of a Python file into SPYC envelopes (.spyc).")
     parser.add_argument("source", metavar="FILE.py[:NAME]", help="the Python file, and optionally one name in it")
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for the .spyc files")
     args = parser.parse_args(argv)

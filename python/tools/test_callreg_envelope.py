@@ -1,7 +1,7 @@
 """Tests of callreg_envelope: the specs/design.md §3.1/§3.2 known vector, envelope
 checks, and a pack round trip through the command.
 
-Run: ``python3 -m unittest python/test_callreg_envelope.py`` (needs
+Run: ``python3 -m unittest python/tools/test_callreg_envelope.py`` (needs
 cloudpickle; ``cargo test --test python_envelope_tool`` runs it too).
 """
 
@@ -119,7 +119,7 @@ class PackRoundTrip(unittest.TestCase):
             sorted([n + ".spyc" for n in names] + [n + ".spyc.json" for n in names]),
         )
         self.assertEqual(len(lines), len(names))
-        for name, line in zip(names, lines):
+        for name, line in zip(names, lines, strict=True):
             path = os.path.join(self.out, name + ".spyc")
             with open(path, "rb") as file:
                 envelope = file.read()
@@ -149,8 +149,9 @@ class PackRoundTrip(unittest.TestCase):
         self.assertEqual(lines, ["%s  %s" % (callreg_envelope.hashid(envelope), os.path.join(self.out, "LIMIT.spyc"))])
 
     def test_sidecar_metadata_has_the_versions_filled_in(self):
-        import cloudpickle
         import platform
+
+        import cloudpickle
 
         callreg_envelope.pack(self.source, self.out, "add")
         with open(os.path.join(self.out, "add.spyc.json"), encoding="utf-8") as file:

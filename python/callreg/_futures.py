@@ -1,0 +1,274 @@
+"""The futures of tasks: each waits for its result inline, or is handed to
+its Worker's dispatcher thread (``specs/python.md`` §3)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures._base import RUNNING
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from callreg import _callreg
+from callreg._errors import LifecycleError
+from callreg._raw_errors import error
+
+if TYPE_CHECKING:
+    from callreg._callreg import _ErrorFields
+
+_LOGGER = logging.getLogger("callreg")
+
+_T = TypeVar("_T")
+
+# RawPending.wait's answers besides a result: 0, another thread holds
+# the task (or it was armed); 1, the time was up.
+_PENDING_TIMED_OUT = 1
+# How long a waiter sleeps while another thread holds the pending task
+# (seconds), before it looks again.
+_HELD_SLICE = 0.005
+
+
+def _resolve(resolve: Callable[[_T], None], value: _T) -> None:
+    """Resolves a future in the dispatcher thread. ``concurrent.futures``
+    logs an ``Exception`` raised by a done-callback; a ``BaseException``
+    (``SystemExit``, ``KeyboardInterrupt``) would end the dispatcher and
+    strand every later future, so it is reported the same way and the
+    dispatcher goes on."""
+    try:
+        resolve(value)
+    except BaseException:  # a done-callback's SystemExit or KeyboardInterrupt
+        _LOGGER.exception("a done-callback of a callreg future raised")
+
+
+class Dispatch:
+    """Armed futures waiting for results (:meth:`TaskFuture._arm`), and
+    the thread that resolves them. Holds no reference to its Worker (so the
+    Worker can be garbage-collected)."""
+
+    def __init__(self, raw: _callreg.RawWorker) -> None:
+        self.raw = raw
+        self.lock = threading.Lock()
+        self.futures: dict[int, TaskFuture] = {}
+        self.thread: threading.Thread | None = None
+        self.closed = False
+
+    def start(self) -> None:
+        """Starts the thread once (at the first arm)."""
+        with self.lock:
+            if self.thread is None and not self.closed:
+                self.thread = threading.Thread(target=self.run, name="callreg-dispatch", daemon=True)
+                self.thread.start()
+
+    def run(self) -> None:
+        while self.serve(0.5):
+            pass
+        self.fail_remaining()
+
+    def serve(self, timeout: float) -> bool:
+        """Resolves the futures of the completions there within
+        ``timeout`` seconds; ``False`` once the Worker closed and every
+        completion was served."""
+        batch = self.raw.next_completions(timeout)
+        if batch is None:
+            return False
+        for task, output, failure in batch:
+            with self.lock:
+                future = self.futures.pop(task, None)
+            if future is not None:
+                future._resolve(output, failure)
+        return True
+
+    def serve_until(self, future: TaskFuture, timeout: float | None) -> None:
+        """On the dispatcher thread (a done-callback waiting on another
+        armed future): serves completions until ``future`` is done or
+        ``timeout`` seconds passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not future.done():
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left < 0 or not self.serve(left):
+                return
+
+    def fail_remaining(self) -> None:
+        with self.lock:
+            left = list(self.futures.values())
+            self.futures.clear()
+        for future in left:
+            if not future.done():
+                _resolve(
+                    future.set_exception,
+                    LifecycleError(
+                        "the Worker closed before the task's result arrived",
+                        code="LIFECYCLE_INVALID",
+                        operation="task",
+                    ),
+                )
+
+
+def shutdown(raw: _callreg.RawWorker, dispatch: Dispatch) -> None:
+    """Closes a Worker: at :meth:`Worker.close`, garbage collection or exit."""
+    with dispatch.lock:
+        dispatch.closed = True
+    raw.close()
+    thread = dispatch.thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+    dispatch.fail_remaining()
+
+
+class _ArmingList(list[Any]):
+    """A future's waiter list (``concurrent.futures.wait`` and
+    ``as_completed`` append to it): a waiter added arms the future, whose
+    result must then arrive without an inline wait."""
+
+    __slots__ = ("future",)
+
+    future: weakref.ref[TaskFuture]
+
+    def append(self, waiter: Any) -> None:
+        super().append(waiter)
+        future = self.future()  # a weak reference: no cycle to collect
+        if future is not None:
+            future._arm()
+
+
+class TaskFuture(concurrent.futures.Future[Any]):
+    """The :class:`concurrent.futures.Future` of a task (running from its
+    submit). Its first waiter (:meth:`result`, :meth:`exception`) waits for
+    the result inline, reading the targets' replies itself, with no other
+    thread woken (a second concurrent waiter sleeps in short slices until
+    the first resolves it or gives the task back, and looks again); a
+    done-callback, a ``concurrent.futures.wait`` or ``as_completed`` on it
+    hands it to the Worker's dispatcher thread instead. ``done()`` reads a
+    result already there without waiting."""
+
+    _pending: _callreg.RawPending | None
+
+    def __init__(self, pending: _callreg.RawPending, dispatch: Dispatch) -> None:
+        super().__init__()
+        self._state = RUNNING
+        waiters = _ArmingList()
+        waiters.future = weakref.ref(self)
+        self._waiters = waiters
+        self._pending = pending
+        self._dispatch = dispatch
+
+    def _resolve(self, output: bytes | None, failure: _ErrorFields | None) -> None:
+        """Sets the result (``output``: pickled bytes) or the error (a
+        ``RawError`` field dict); done-callbacks run in this thread."""
+        self._pending = None
+        if failure is None:
+            try:
+                value = pickle.loads(output)  # type: ignore[arg-type]  # a result without error has its output
+            except BaseException as exc:  # an unpicklable result
+                _resolve(self.set_exception, exc)
+            else:
+                _resolve(self.set_result, value)
+        else:
+            _resolve(self.set_exception, error(failure))
+
+    def _arm(self) -> None:
+        """Hands the result to the dispatcher thread (once; a no-op when
+        another thread waits inline or it is done)."""
+        pending = self._pending
+        if pending is None:
+            return
+        dispatch = self._dispatch
+        # Under the lock the dispatcher pops under: a result sent at once
+        # finds the future there.
+        with dispatch.lock:
+            armed = dispatch.raw.arm(pending)
+            if armed:
+                dispatch.futures[pending.id] = self
+        if armed:
+            self._pending = None
+            dispatch.start()
+            return
+        # Another thread waits inline (it resolves), or the Worker closed
+        # (the result, LIFECYCLE_INVALID, is there at once).
+        outcome = pending.wait(0)
+        if isinstance(outcome, tuple):
+            self._resolve(*outcome)
+
+    def _wait_inline(self, deadline: float | None) -> None:
+        """Waits until the result is there or ``deadline`` (a
+        ``time.monotonic()`` instant, ``None``: no limit) passes: in this
+        thread, reading the targets' replies, when no other thread holds
+        the pending task; while another does (its own wait, or a look),
+        in short slices until it resolves the future or gives the task
+        back. On the dispatcher thread itself (a done-callback waiting on
+        an armed future) it resolves completions until this one is done."""
+        while self._state == RUNNING:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            pending = self._pending
+            if pending is None:  # armed: the dispatcher resolves it
+                if self._dispatch.thread is threading.current_thread():
+                    self._dispatch.serve_until(self, left)
+                return
+            outcome = pending.wait(left)
+            if isinstance(outcome, tuple):
+                self._resolve(*outcome)
+                return
+            if outcome == _PENDING_TIMED_OUT:
+                return
+            # Held by another thread for now.
+            with self._condition:
+                if self._state == RUNNING:
+                    self._condition.wait(_HELD_SLICE if left is None else min(_HELD_SLICE, left))
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+
+    def result(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait_inline(deadline)
+        return super().result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._wait_inline(deadline)
+        return super().exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[Any]], object]) -> None:
+        super().add_done_callback(fn)
+        self._arm()
+
+    def done(self) -> bool:
+        # A look without waiting: reads a reply already there (no other
+        # thread may be reading the targets' replies for it).
+        pending = self._pending
+        if pending is not None and self._state == RUNNING:
+            outcome = pending.wait(0)
+            if isinstance(outcome, tuple):
+                self._resolve(*outcome)
+        return super().done()
+
+    def running(self) -> bool:
+        return not self.done() and super().running()
+
+    def __repr__(self) -> str:
+        self.done()
+        return super().__repr__()
+
+
+def in_order(futures: list[concurrent.futures.Future[Any]], deadline: float | None, chunked: bool) -> Iterator[Any]:
+    """The results of ``futures`` in order (each a list of results when
+    ``chunked``), each waited for until ``deadline`` (a
+    ``time.monotonic()`` instant, ``None``: no limit); futures not reached
+    are dropped when the iterator is closed."""
+    try:
+        futures.reverse()
+        while futures:
+            future = futures.pop()
+            if deadline is None:
+                value = future.result()
+            else:
+                value = future.result(max(0.0, deadline - time.monotonic()))
+            if chunked:
+                yield from value
+            else:
+                yield value
+    finally:
+        futures.clear()

@@ -1,0 +1,405 @@
+"""The Worker: a parent of forked targets, its registrations and its
+tasks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+import pickle
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Literal, ParamSpec, TypeVar, cast
+
+from callreg import _callreg
+from callreg._callables import callable_name, check_registrable, default_metadata, merge_metadata, metadata_json
+from callreg._codes import CODES
+from callreg._envelope import chunk_input, hashid, pack, task_input
+from callreg._errors import HandleError, RegisterError
+from callreg._futures import Dispatch, TaskFuture, in_order, shutdown
+from callreg._handle import Handle, raw_handle
+from callreg._inspection import Inspection
+from callreg._options import (
+    DEFAULT_CONTROL_TIMEOUT,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_RESPAWN_BACKOFF,
+    DEFAULT_RESPAWN_LIMIT,
+    DEFAULT_SLOT_CAPACITY,
+    raw_worker,
+)
+from callreg._raw_errors import error, raise_error
+from callreg._tree import NextLevel, counts, initialize_target
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class Worker(Inspection):
+    """A parent with ``targets`` forked child processes (``None``: one per
+    CPU, ``os.cpu_count()``), not started until :meth:`start`::
+
+        with callreg.Worker(4) as w:
+            w.start()
+            h = w.register(lambda x: x * 3)   # installed in every target
+            w.call(h, 14)                     # 42, on one target
+            w.call_all(h, 1)                  # {0: 3, 1: 3, 2: 3, 3: 3}
+            w.submit(h, 2).result()           # 6, a concurrent.futures.Future
+
+    For a drop-in ``concurrent.futures.Executor`` (callables given with
+    each task, registered once), see :class:`Executor`.
+
+    ``control_timeout`` (seconds): how long a target may stay silent about
+    a register or unregister it has not answered yet (a live target reports
+    each alive on receipt and every quarter of this while it is queued or
+    running, even while a task holds the GIL), and how long it has to be
+    ready at start. ``operation_timeout`` (seconds; ``None``: 10 times
+    ``control_timeout``): how long a register or unregister may take in
+    all, even from a target that keeps reporting alive (an unpickle that
+    never ends); past either the target is killed and lost. ``slot_capacity``:
+    callables a target holds at once. ``max_frame_bytes``: bound on one
+    task's pickled arguments and on its pickled result
+    (:data:`DEFAULT_MAX_FRAME_BYTES`). ``probe_first`` (default ``True``):
+    a callable no target has installed yet goes to one target first and to
+    the others once that target installed it, so a callable whose
+    unpickling kills its process (``os._exit``, a segfault) costs one
+    target; it is then refused for the Worker's life with a
+    :class:`RegisterError` of code ``"REGISTER_POISONED"`` naming the target
+    and how it died. ``False``: every register goes to every target at once
+    (one round trip less for a new callable).
+
+    Replacement targets: a target that is lost (it crashed, was killed, or
+    missed a deadline) is replaced by a new process with the same id and
+    the next incarnation (:meth:`target_incarnation`), forked from a
+    template process made at :meth:`start`; it is given every live
+    callable and serves (is in :attr:`targets` again) once it installed
+    them all. ``respawn_limit`` (default 3; 0: no replacements) is how many
+    replacements of one slot in a row may be lost before they join (a
+    callable that kills every new process); after that the slot stays lost
+    and :meth:`slot_events` says so. ``respawn_backoff`` (seconds, default
+    0.1) is the wait before the second replacement in a row, doubling for
+    each further one; the first comes at once.
+    The template process is a child of this process: killing it kills
+    every replacement it forked and ends replacements for the Worker's
+    life (the targets forked at start serve on).
+
+    Next-level targets: with ``next_level`` (a :class:`NextLevel`), the
+    Worker also has ``next_level_targets`` (default 1) next-level targets:
+    ids ``0 .. targets-1`` are SUB targets (``targets`` may then be 0),
+    ids ``targets .. targets+next_level_targets-1`` next-level targets.
+    Each next-level target is a child process that builds its own inner
+    Worker as ``next_level`` says, runs its ``setup``, starts it, then
+    serves this Worker like any target: a callable registered here is
+    installed in every live target of both kinds (one operation, one
+    scope, rolled back everywhere when any target fails), and on a
+    next-level target it is called as ``fn(ctx, *args, **kwargs)`` with
+    its :class:`Context` (``ctx.inner``, ``ctx.handles``). A register here
+    never reaches an inner Worker's registry. A task with ``target=None``
+    goes to any live target of either kind: pass ``target=`` (see
+    :attr:`sub_targets`, :attr:`next_level_targets`) when both kinds run
+    different callables. When a next-level target dies, its inner
+    targets die with it (the kernel's parent-death signal) and it is a
+    lost target here; an inner target's death is the inner Worker's
+    (a :class:`TargetLostError` in the orchestration callable).
+
+    ``initializer(*initargs)`` (as :class:`concurrent.futures.ProcessPoolExecutor`'s)
+    runs in every target, and in every replacement, at its start, before
+    it serves (with next-level targets: before their ``setup``); if it
+    raises, that target is lost at start (:meth:`start` raises
+    :class:`TargetLostError`; a replacement is retried as for any loss).
+
+    Thread-safe: any number of threads may submit at once. A context
+    manager: leaving a ``with`` block closes it."""
+
+    def __init__(
+        self,
+        targets: int | None = None,
+        *,
+        next_level: NextLevel | None = None,
+        next_level_targets: int | None = None,
+        control_timeout: float = DEFAULT_CONTROL_TIMEOUT,
+        slot_capacity: int = DEFAULT_SLOT_CAPACITY,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        operation_timeout: float | None = None,
+        probe_first: bool = True,
+        respawn_limit: int = DEFAULT_RESPAWN_LIMIT,
+        respawn_backoff: float = DEFAULT_RESPAWN_BACKOFF,
+        initializer: Callable[..., object] | None = None,
+        initargs: Iterable[Any] = (),
+    ) -> None:
+        sub, total = counts(targets, next_level, next_level_targets)
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable or None, not %s" % type(initializer).__name__)
+        initargs = tuple(initargs)
+        target_initializer = None
+        if initializer is not None or next_level is not None:
+            target_initializer = functools.partial(initialize_target, initializer, initargs, sub, next_level)
+        self._raw = raw_worker(
+            total,
+            control_timeout=control_timeout,
+            slot_capacity=slot_capacity,
+            max_frame_bytes=max_frame_bytes,
+            operation_timeout=operation_timeout,
+            probe_first=probe_first,
+            respawn_limit=respawn_limit,
+            respawn_backoff=respawn_backoff,
+            target_initializer=target_initializer,
+        )
+        self._count = int(total)
+        self._slot_capacity = int(slot_capacity)
+        self._control_timeout = float(control_timeout)
+        self._sub = int(sub)
+        # Handles registered before start (None once started).
+        self._prestart: list[Handle[..., Any]] | None = []
+        self._dispatch = Dispatch(self._raw)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, shutdown, self._raw, self._dispatch)
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> Literal[False]:
+        self.close()
+        return False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "targets %s" % (self.targets,)
+        return "<callreg.Worker of %d targets, %s>" % (self._count, state)
+
+    # -- registration --------------------------------------------------
+
+    def register(self, fn: Callable[_P, _R], *, metadata: Mapping[str, Any] | None = None) -> Handle[_P, _R]:
+        """Registers ``fn`` (any callable cloudpickle can pickle) and returns
+        its :class:`Handle`. The side-car metadata (this interpreter's and
+        cloudpickle's versions, the callable's name) is filled in and
+        ``metadata`` (a dict in the ``specs/metadata.md`` form: ``name``,
+        ``executor``, ``executor_data``, ``deps``, ``call_before``,
+        ``call_after``; a hook's ``"hashid"`` may be a :class:`Handle`) is
+        merged over it. Before :meth:`start` it joins the startup snapshot;
+        after, it returns once every live target installed it.
+
+        A callable registered again with the same metadata gets a second
+        handle; while it is registered, a register of it with other
+        metadata is refused (:class:`CallregError`, ``METADATA_CONFLICT``,
+        naming both): unregister every handle of it first.
+
+        Raises ``TypeError`` for a non-callable or an ``async def``
+        function, :class:`RegisterError` (``.outcomes`` per target) when a
+        target failed to install it (rolled back), :class:`CallregError`
+        (``METADATA_INVALID``) for bad metadata or (``METADATA_CONFLICT``)
+        for other metadata than it is registered with,
+        :class:`LifecycleError` once closed."""
+        check_registrable(fn, "register")
+        envelope = pack(fn)
+        meta = merge_metadata(default_metadata(callable_name(fn)), metadata)
+        # The handle of a callable of this signature.
+        handle = cast("Handle[_P, _R]", self._register(envelope, meta))
+        CODES.record(fn)
+        return handle
+
+    def register_envelope(
+        self, data: bytes | bytearray | memoryview, *, metadata: Mapping[str, Any] | None = None
+    ) -> Handle[..., Any]:
+        """Registers a pre-packed SPYC envelope (e.g. from ``callreg pack``
+        or :func:`pack`) with ``metadata`` (a dict, or ``None`` for none:
+        nothing is filled in, the packer's versions are unknown here).
+
+        Raises ``TypeError`` unless ``data`` is bytes-like,
+        :class:`EnvelopeError` for invalid bytes, then as :meth:`register`."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError("register_envelope() takes bytes, not %s" % type(data).__name__)
+        return self._register(bytes(data), merge_metadata(None, metadata))
+
+    def _register(self, envelope: bytes, meta: Mapping[str, Any] | None) -> Handle[..., Any]:
+        text = None if meta is None else metadata_json(meta)
+        try:
+            raw = self._raw.register(envelope, text)
+        except _callreg.RawError as failure:
+            raise_error(failure)
+        handle = Handle._of(raw)
+        if self._prestart is not None:
+            # Before start: start() maps failed snapshot entries back to it.
+            self._prestart.append(handle)
+        return handle
+
+    def unregister(self, handle: Handle[..., Any]) -> None:
+        """Unregisters ``handle``; returns once every target dropped it.
+        Raises :class:`HandleError` for a foreign or stale handle,
+        :class:`RegisterError` when a target failed to drop it."""
+        raw = raw_handle(handle)
+        try:
+            self._raw.unregister(raw)
+        except _callreg.RawError as failure:
+            raise_error(failure)
+
+    def forgive(
+        self, callable_or_hashid: str | bytes | bytearray | memoryview | Handle[..., Any] | Callable[..., Any]
+    ) -> bool:
+        """Clears the poison of a callable (its hashid, a :class:`Handle`,
+        envelope bytes or the callable itself): its next :meth:`register`
+        tries it again on one target (``specs/protocol.md`` §2.8). A
+        callable is poisoned when the target that tried it first died
+        while installing it, or was still busy with it at the operation
+        bound; forgive it when that was not its fault (an external kill,
+        memory pressure). Returns whether it was poisoned. Raises
+        ``ValueError`` for a string that is not a hashid."""
+        if isinstance(callable_or_hashid, str):
+            name = callable_or_hashid
+        else:
+            name = hashid(callable_or_hashid)
+        return self._raw.forgive(name)
+
+    # -- lifecycle -----------------------------------------------------
+
+    def start(self) -> dict[Handle[..., Any], RegisterError]:
+        """Forks the targets from this interpreter (see the module docs) and
+        waits until each installed the startup snapshot.
+
+        Returns the pre-start registrations that failed, as a dict
+        ``{Handle: RegisterError}`` (empty when every one was installed): a
+        callable of the startup snapshot that some target could not install
+        (it failed to unpickle, or its version or dependency check refused
+        it) fails its registration only. Its handle is no longer live
+        (:class:`HandleError`, ``HANDLE_STALE``), every target that did
+        install it drops it, the error's ``outcomes`` give each failing
+        target's reason (code, Python type and message), and the Worker
+        starts with the rest.
+
+        Raises :class:`LifecycleError` unless new, :class:`RegisterError`
+        or :class:`TargetLostError` when a target did not start (the Worker
+        then serves with the others)."""
+        prestart, self._prestart = self._prestart, None
+        try:
+            failed = self._raw.start()
+        except _callreg.RawError as failure:
+            raise_error(failure)
+        by_id = {h._raw.handle_id: h for h in prestart or ()}
+        # Each a REGISTER_PARTIAL_FAILURE: a RegisterError.
+        return {
+            by_id[handle_id]: cast(RegisterError, error(fields)) for handle_id, fields in failed if handle_id in by_id
+        }
+
+    def close(self) -> None:
+        """Closes the Worker: pending futures fail with
+        :class:`LifecycleError`, targets are stopped and reaped, staged
+        payloads are removed. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+    # -- tasks ---------------------------------------------------------
+
+    # The target= keyword cannot join a ParamSpec: arguments are checked
+    # by call_all and Executor.submit, the result type everywhere.
+    def submit(
+        self, handle: Handle[..., _R], /, *args: Any, target: int | None = None, **kwargs: Any
+    ) -> concurrent.futures.Future[_R]:
+        """Runs ``handle(*args, **kwargs)`` on ``target`` (any live target
+        when ``None``, in turn) and returns a
+        :class:`concurrent.futures.Future` of its result (running at once;
+        it cannot be cancelled). The future fails with :class:`TaskError`,
+        :class:`TargetLostError`, :class:`HandleError` or
+        :class:`LifecycleError`.
+
+        The first thread that waits on the future (``result()``,
+        ``exception()``) reads the result itself, as :meth:`call` does;
+        done-callbacks run in the thread that resolves the future (that
+        waiter, or the Worker's dispatcher thread for a future with
+        done-callbacks or in ``concurrent.futures.wait`` that nobody waits
+        on)."""
+        if not isinstance(handle, Handle) and callable(handle):
+            raise HandleError(
+                "submit() takes a Handle; register %s first (h = w.register(fn)), or use "
+                "callreg.Executor, whose submit takes the callable" % callable_name(handle),
+                code="HANDLE_FOREIGN",
+                operation="resolve",
+            )
+        return self._submit(raw_handle(handle), self._target(target), task_input(args, kwargs))
+
+    def _submit(self, raw: _callreg.RawHandle, target: int | None, data: bytes) -> concurrent.futures.Future[Any]:
+        """The future of a task of raw handle ``raw`` with pickled input
+        ``data`` on ``target`` (checked; ``None``: any)."""
+        try:
+            pending = self._raw.submit(raw, target, data)
+        except _callreg.RawError as failure:
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()
+            future.set_exception(error(failure))
+            return future
+        return TaskFuture(pending, self._dispatch)
+
+    def call(self, handle: Handle[..., _R], /, *args: Any, target: int | None = None, **kwargs: Any) -> _R:
+        """``submit(handle, *args, target=target, **kwargs).result()``, waiting
+        without the dispatcher thread. Ctrl-C while it waits raises
+        :class:`KeyboardInterrupt` here; the Worker stays usable."""
+        raw = raw_handle(handle)
+        target = self._target(target)
+        data = task_input(args, kwargs)
+        try:
+            output = self._raw.call(raw, target, data)
+        except _callreg.RawError as failure:
+            raise_error(failure)
+        result: _R = pickle.loads(output)
+        return result
+
+    def call_all(self, handle: Handle[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> dict[int, _R]:
+        """Runs the task on every live target; returns ``{target id:
+        result}`` in target order. Raises the first failure (in target
+        order) once every target answered; :class:`TargetLostError`
+        (``NO_LIVE_TARGET``) when no target is live."""
+        raw = raw_handle(handle)
+        data = task_input(args, kwargs)
+        targets = self.targets
+        if not targets:
+            # Raises what a call raises then: NO_LIVE_TARGET once started,
+            # LIFECYCLE_INVALID before start or after close.
+            try:
+                self._raw.call(raw, None, data)
+            except _callreg.RawError as failure:
+                raise_error(failure)
+        futures = {t: self._submit(raw, t, data) for t in targets}
+        results: dict[int, _R] = {}
+        first: BaseException | None = None
+        for target, future in futures.items():
+            try:
+                results[target] = future.result()
+            except BaseException as error:
+                if first is None:
+                    first = error
+        if first is not None:
+            raise first
+        return results
+
+    def map(
+        self, handle: Handle[..., _R], /, *iterables: Iterable[Any], timeout: float | None = None, chunksize: int = 1
+    ) -> Iterator[_R]:
+        """Like :meth:`concurrent.futures.Executor.map`: submits
+        ``handle(*items)`` for each tuple of items at once, spread over the
+        live targets, and returns an iterator of the results in order;
+        ``timeout`` (seconds from this call) raises
+        :class:`concurrent.futures.TimeoutError` for a result not there in
+        time. ``chunksize`` items go in one task (one frame each way, the
+        calls run in turn in one target, ``specs/python.md`` §3): a call
+        that raises fails its chunk, and the iterator raises that error
+        when it reaches the chunk. Raises ``ValueError`` unless
+        ``chunksize >= 1``."""
+        return self._map(raw_handle(handle), iterables, timeout, chunksize)
+
+    def _map(
+        self, raw: _callreg.RawHandle, iterables: Iterable[Iterable[Any]], timeout: float | None, chunksize: int
+    ) -> Iterator[Any]:
+        if isinstance(chunksize, bool) or not isinstance(chunksize, int):
+            raise TypeError("chunksize must be an int, not %s" % type(chunksize).__name__)
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1, got %d" % chunksize)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        calls = zip(*iterables, strict=False)  # as map: the shortest ends it
+        if chunksize == 1:
+            futures = [self._submit(raw, None, task_input(items, {})) for items in calls]
+        else:
+            futures = []
+            while True:
+                chunk = list(itertools.islice(calls, chunksize))
+                if not chunk:
+                    break
+                futures.append(self._submit(raw, None, chunk_input(chunk)))
+        return in_order(futures, deadline, chunksize != 1)
