@@ -79,8 +79,9 @@ from callreg._errors import (
     RemoteTraceback,
     TargetLostError,
     TaskError,
+    TaskTimeoutError,
 )
-from callreg._executor import Executor
+from callreg._executor import Executor, TaskOptions, options
 from callreg._handle import KIND as KIND
 from callreg._handle import NAMESPACE as NAMESPACE
 from callreg._handle import Handle
@@ -90,6 +91,8 @@ from callreg._worker import Worker
 
 __all__ = [
     "Executor",
+    "options",
+    "TaskOptions",
     "Worker",
     "NextLevel",
     "Context",
@@ -104,6 +107,7 @@ __all__ = [
     "LifecycleError",
     "EnvelopeError",
     "TaskError",
+    "TaskTimeoutError",
     "RemoteTraceback",
     "DEFAULT_MAX_FRAME_BYTES",
 ]
@@ -115,6 +119,9 @@ __version__: str = _callreg.VERSION
 # tracebacks and pickles), wherever it is defined.
 for _public in (
     Executor,
+    options,
+    TaskOptions,
+    TaskTimeoutError,
     Worker,
     NextLevel,
     Context,

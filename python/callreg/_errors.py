@@ -89,6 +89,16 @@ class LifecycleError(CallregError):
     ``"LIFECYCLE_INVALID"``."""
 
 
+class TaskTimeoutError(CallregError, TimeoutError):
+    """A task passed its deadline (``timeout=`` of :meth:`Worker.submit`,
+    :meth:`Worker.call`, ``task_timeout=`` of :meth:`Worker.map`, or
+    :func:`callreg.options` with the Executor): ``code``
+    ``"TASK_DEADLINE"``. Its target was killed (and is replaced, with
+    replacements on), so every other task running or queued there fails
+    with :class:`TargetLostError` (``specs/protocol.md`` §2.12). Also a
+    :class:`TimeoutError`."""
+
+
 class EnvelopeError(CallregError):
     """Bytes are not a valid SPYC envelope (``code`` ``"ENVELOPE_INVALID"``)."""
 

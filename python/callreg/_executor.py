@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from callreg import _callreg
 from callreg._callables import callable_name, check_registrable, default_metadata
@@ -26,6 +26,37 @@ if TYPE_CHECKING:
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
+
+
+class TaskOptions(Generic[_P, _T]):
+    """A callable with task options, for :class:`Executor` (made by
+    :func:`options`): calling it calls the callable."""
+
+    __slots__ = ("fn", "timeout")
+
+    def __init__(self, fn: Callable[_P, _T], timeout: float | None) -> None:
+        self.fn = fn
+        self.timeout = timeout
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return "callreg.options(%r, timeout=%r)" % (self.fn, self.timeout)
+
+
+def options(fn: Callable[_P, _T], /, *, timeout: float | None = None) -> TaskOptions[_P, _T]:
+    """``fn`` with task options, for :meth:`Executor.submit` and
+    :meth:`Executor.map` (whose keyword arguments are all ``fn``'s, as
+    ``ProcessPoolExecutor``'s are)::
+
+        ex.submit(callreg.options(slow, timeout=2.0), x)
+
+    ``timeout`` (seconds, ``None``: none) is each task's deadline: past it
+    the task fails with :class:`TaskTimeoutError` and its target is killed
+    and replaced (``specs/protocol.md`` §2.12). Raises ``ValueError`` at
+    submit for a ``timeout`` that is not a positive number of seconds."""
+    return TaskOptions(fn, timeout)
 
 
 class Executor(concurrent.futures.Executor):
@@ -63,10 +94,12 @@ class Executor(concurrent.futures.Executor):
     too, or the register waits for them, at most ``control_timeout``), and
     every one at :meth:`shutdown`.
 
-    Futures are running from :meth:`submit` (the task is sent at once), so
-    :meth:`concurrent.futures.Future.cancel` returns ``False`` and
-    ``shutdown(cancel_futures=True)`` has nothing to cancel. A task's
-    exception is raised by ``result()`` as :meth:`Worker.submit`'s are.
+    Futures are running from :meth:`submit` (the task is sent at once);
+    :meth:`concurrent.futures.Future.cancel` still stops a task that has
+    not started in its target (it waits there behind others) and returns
+    ``True``, as do ``shutdown(cancel_futures=True)`` and a ``map``
+    iterator left early. A task's exception is raised by ``result()`` as
+    :meth:`Worker.submit`'s are. A deadline per task: :func:`options`.
 
     Raises ``ValueError`` when ``max_workers`` is not positive,
     ``TypeError`` for ``next_level`` or a non-callable ``initializer``,
@@ -179,15 +212,20 @@ class Executor(concurrent.futures.Executor):
     def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> concurrent.futures.Future[_T]:
         """Runs ``fn(*args, **kwargs)`` in a target and returns its
         :class:`concurrent.futures.Future` (every keyword argument is
-        ``fn``'s, ``target`` included). Raises ``RuntimeError`` after
-        :meth:`shutdown`, ``TypeError`` for a non-callable or async
-        ``fn``, what cloudpickle raises for a callable it cannot pickle,
-        and :class:`RegisterError` when a target could not install it."""
+        ``fn``'s, ``target`` and ``timeout`` included; ``fn`` may be
+        :func:`options` of a callable, for a deadline). Raises
+        ``RuntimeError`` after :meth:`shutdown`, ``TypeError`` for a
+        non-callable or async ``fn``, what cloudpickle raises for a
+        callable it cannot pickle, and :class:`RegisterError` when a
+        target could not install it."""
+        timeout = None
+        if isinstance(fn, TaskOptions):
+            fn, timeout = fn.fn, fn.timeout
         data = task_input(args, kwargs)
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            future = self._worker._submit(self._raw_for(fn), None, data)
+            future = self._worker._submit(self._raw_for(fn), None, data, timeout)
             self._futures.add(future)
         return future
 
@@ -201,25 +239,35 @@ class Executor(concurrent.futures.Executor):
         each way; a call that raises fails its chunk, as
         ``ProcessPoolExecutor``'s do). ``timeout`` (seconds from this
         call) raises :class:`concurrent.futures.TimeoutError` for a result
-        not there in time."""
+        not there in time; the calls not started when the iterator stops
+        early (a result raised, it was closed, Ctrl-C) are cancelled.
+        ``fn`` may be :func:`options` of a callable: each task (each
+        chunk) then has its deadline."""
+        task_timeout = None
+        if isinstance(fn, TaskOptions):
+            fn, task_timeout = fn.fn, fn.timeout
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             raw = self._raw_for(fn)
-            return self._worker._map(raw, iterables, timeout, chunksize)
+            return self._worker._map(raw, iterables, timeout, chunksize, task_timeout)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No new task after this. ``wait=True``: waits for every task
         submitted, then unregisters every callable and closes the Worker
         (its targets are reaped). ``wait=False``: returns at once; the same
         happens in a background thread once the tasks finished.
-        ``cancel_futures`` is accepted for compatibility: every task was
-        sent at its submit, so there is nothing left to cancel.
-        Idempotent."""
+        ``cancel_futures=True``: first cancels every task that has not
+        started in its target (those never run; their futures are
+        cancelled). Idempotent."""
         with self._lock:
             first = not self._shutdown
             self._shutdown = True
             futures = list(self._futures)
+        if cancel_futures:
+            for future in futures:
+                if not future.done():
+                    future.cancel()
         if not first:
             if wait:
                 self._finished.wait()

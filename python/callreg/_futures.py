@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures._base import RUNNING
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, RUNNING
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from callreg import _callreg
@@ -143,7 +143,8 @@ class TaskFuture(concurrent.futures.Future[Any]):
     the first resolves it or gives the task back, and looks again); a
     done-callback, a ``concurrent.futures.wait`` or ``as_completed`` on it
     hands it to the Worker's dispatcher thread instead. ``done()`` reads a
-    result already there without waiting."""
+    result already there without waiting. :meth:`cancel` stops a task that
+    has not started in its target (``specs/protocol.md`` §2.11)."""
 
     _pending: _callreg.RawPending | None
 
@@ -154,13 +155,58 @@ class TaskFuture(concurrent.futures.Future[Any]):
         waiters.future = weakref.ref(self)
         self._waiters = waiters
         self._pending = pending
+        # Kept for cancel() while another thread (or the dispatcher) holds
+        # the pending task.
+        self._task = pending
         self._dispatch = dispatch
+
+    def cancel(self) -> bool:
+        """Cancels the task if it has not started in its target: ``True``
+        when it will never run (the future is then cancelled:
+        ``result()`` raises :class:`concurrent.futures.CancelledError`,
+        done-callbacks run, ``concurrent.futures.wait`` counts it done);
+        ``False`` when it already started or finished (it runs to its end
+        and its result comes as usual). Waits for the target's answer (a
+        round trip; at most about ``control_timeout`` for a target that
+        stopped answering, which is then killed)."""
+        with self._condition:
+            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED):
+                return True
+            if self._state != RUNNING:
+                return False
+        if self.done():
+            return self.cancelled()
+        try:
+            cancelled = self._dispatch.raw.cancel(self._task)
+        except _callreg.RawError:
+            return False  # from a completion callback, or another process
+        if not cancelled:
+            return False
+        self._set_cancelled()
+        return True
+
+    def _set_cancelled(self) -> None:
+        """Cancelled (once): notifies ``concurrent.futures.wait`` waiters
+        and runs the done-callbacks in this thread."""
+        with self._condition:
+            if self._state != RUNNING:
+                return
+            self._state = CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            self._condition.notify_all()
+        self._pending = None
+        _resolve(lambda _: self._invoke_callbacks(), None)
 
     def _resolve(self, output: bytes | None, failure: _ErrorFields | None) -> None:
         """Sets the result (``output``: pickled bytes) or the error (a
-        ``RawError`` field dict); done-callbacks run in this thread."""
+        ``RawError`` field dict); done-callbacks run in this thread. A
+        task cancelled before it started (``TASK_CANCELLED``) leaves the
+        future cancelled."""
         self._pending = None
-        if failure is None:
+        if failure is not None and failure["code"] == "TASK_CANCELLED":
+            self._set_cancelled()
+        elif failure is None:
             try:
                 value = pickle.loads(output)  # type: ignore[arg-type]  # a result without error has its output
             except BaseException as exc:  # an unpicklable result
@@ -257,7 +303,8 @@ def in_order(futures: list[concurrent.futures.Future[Any]], deadline: float | No
     """The results of ``futures`` in order (each a list of results when
     ``chunked``), each waited for until ``deadline`` (a
     ``time.monotonic()`` instant, ``None``: no limit); futures not reached
-    are dropped when the iterator is closed."""
+    are cancelled when the iterator stops early (it is closed, a result
+    raised, Ctrl-C, the time was up): those not started never run."""
     try:
         futures.reverse()
         while futures:
@@ -271,4 +318,8 @@ def in_order(futures: list[concurrent.futures.Future[Any]], deadline: float | No
             else:
                 yield value
     finally:
+        # The last submitted first: they are the least likely to have
+        # started.
+        for future in futures:
+            future.cancel()
         futures.clear()

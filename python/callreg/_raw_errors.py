@@ -21,6 +21,7 @@ from callreg._errors import (
     RemoteTraceback,
     TargetLostError,
     TaskError,
+    TaskTimeoutError,
 )
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ _BY_CODE: dict[str, type[CallregError]] = {
     "LIFECYCLE_INVALID": LifecycleError,
     "ENVELOPE_INVALID": EnvelopeError,
     "TASK_FAILED": TaskError,
+    "TASK_DEADLINE": TaskTimeoutError,
     "REGISTER_PARTIAL_FAILURE": RegisterError,
     "REGISTER_CLEANUP_UNCERTAIN": RegisterError,
     "REGISTER_POISONED": RegisterError,

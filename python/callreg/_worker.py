@@ -291,12 +291,26 @@ class Worker(Inspection):
     # The target= keyword cannot join a ParamSpec: arguments are checked
     # by call_all and Executor.submit, the result type everywhere.
     def submit(
-        self, handle: Handle[..., _R], /, *args: Any, target: int | None = None, **kwargs: Any
+        self,
+        handle: Handle[..., _R],
+        /,
+        *args: Any,
+        target: int | None = None,
+        timeout: float | None = None,
+        **kwargs: Any,
     ) -> concurrent.futures.Future[_R]:
         """Runs ``handle(*args, **kwargs)`` on ``target`` (any live target
         when ``None``, in turn) and returns a
-        :class:`concurrent.futures.Future` of its result (running at once;
-        it cannot be cancelled). The future fails with :class:`TaskError`,
+        :class:`concurrent.futures.Future` of its result (running at once:
+        its ``cancel()`` stops it only until it starts in its target,
+        ``specs/protocol.md`` §2.11). ``timeout`` (seconds, ``None``: none)
+        is the task's deadline: past it the task fails with
+        :class:`TaskTimeoutError` and its target is killed (and replaced),
+        failing the other tasks there with :class:`TargetLostError`
+        (§2.12). ``target`` and ``timeout`` are the task's options, never
+        the callable's: register ``functools.partial(fn, timeout=...)``
+        for a callable that takes keywords of those names. The future
+        fails with :class:`TaskError`, :class:`TaskTimeoutError`,
         :class:`TargetLostError`, :class:`HandleError` or
         :class:`LifecycleError`.
 
@@ -313,13 +327,17 @@ class Worker(Inspection):
                 code="HANDLE_FOREIGN",
                 operation="resolve",
             )
-        return self._submit(raw_handle(handle), self._target(target), task_input(args, kwargs))
+        return self._submit(raw_handle(handle), self._target(target), task_input(args, kwargs), timeout)
 
-    def _submit(self, raw: _callreg.RawHandle, target: int | None, data: bytes) -> concurrent.futures.Future[Any]:
+    def _submit(
+        self, raw: _callreg.RawHandle, target: int | None, data: bytes, timeout: float | None = None
+    ) -> concurrent.futures.Future[Any]:
         """The future of a task of raw handle ``raw`` with pickled input
-        ``data`` on ``target`` (checked; ``None``: any)."""
+        ``data`` on ``target`` (checked; ``None``: any), with deadline
+        ``timeout`` (seconds; ``None``: none). Raises ``ValueError`` for a
+        ``timeout`` that is not a positive number of seconds."""
         try:
-            pending = self._raw.submit(raw, target, data)
+            pending = self._raw.submit(raw, target, data, timeout)
         except _callreg.RawError as failure:
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             future.set_running_or_notify_cancel()
@@ -327,15 +345,24 @@ class Worker(Inspection):
             return future
         return TaskFuture(pending, self._dispatch)
 
-    def call(self, handle: Handle[..., _R], /, *args: Any, target: int | None = None, **kwargs: Any) -> _R:
-        """``submit(handle, *args, target=target, **kwargs).result()``, waiting
-        without the dispatcher thread. Ctrl-C while it waits raises
-        :class:`KeyboardInterrupt` here; the Worker stays usable."""
+    def call(
+        self,
+        handle: Handle[..., _R],
+        /,
+        *args: Any,
+        target: int | None = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> _R:
+        """``submit(handle, *args, target=target, timeout=timeout,
+        **kwargs).result()``, waiting without the dispatcher thread. Ctrl-C
+        while it waits raises :class:`KeyboardInterrupt` here; the Worker
+        stays usable (the task runs on)."""
         raw = raw_handle(handle)
         target = self._target(target)
         data = task_input(args, kwargs)
         try:
-            output = self._raw.call(raw, target, data)
+            output = self._raw.call(raw, target, data, timeout)
         except _callreg.RawError as failure:
             raise_error(failure)
         result: _R = pickle.loads(output)
@@ -370,7 +397,13 @@ class Worker(Inspection):
         return results
 
     def map(
-        self, handle: Handle[..., _R], /, *iterables: Iterable[Any], timeout: float | None = None, chunksize: int = 1
+        self,
+        handle: Handle[..., _R],
+        /,
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+        task_timeout: float | None = None,
     ) -> Iterator[_R]:
         """Like :meth:`concurrent.futures.Executor.map`: submits
         ``handle(*items)`` for each tuple of items at once, spread over the
@@ -380,12 +413,20 @@ class Worker(Inspection):
         time. ``chunksize`` items go in one task (one frame each way, the
         calls run in turn in one target, ``specs/python.md`` §3): a call
         that raises fails its chunk, and the iterator raises that error
-        when it reaches the chunk. Raises ``ValueError`` unless
-        ``chunksize >= 1``."""
-        return self._map(raw_handle(handle), iterables, timeout, chunksize)
+        when it reaches the chunk. ``task_timeout`` is each task's (each
+        chunk's) deadline, as :meth:`submit`'s ``timeout``. When the
+        iterator stops early (a result raised, it was closed, Ctrl-C, the
+        time was up) the tasks not yet started are cancelled and never
+        run. Raises ``ValueError`` unless ``chunksize >= 1``."""
+        return self._map(raw_handle(handle), iterables, timeout, chunksize, task_timeout)
 
     def _map(
-        self, raw: _callreg.RawHandle, iterables: Iterable[Iterable[Any]], timeout: float | None, chunksize: int
+        self,
+        raw: _callreg.RawHandle,
+        iterables: Iterable[Iterable[Any]],
+        timeout: float | None,
+        chunksize: int,
+        task_timeout: float | None = None,
     ) -> Iterator[Any]:
         if isinstance(chunksize, bool) or not isinstance(chunksize, int):
             raise TypeError("chunksize must be an int, not %s" % type(chunksize).__name__)
@@ -394,12 +435,12 @@ class Worker(Inspection):
         deadline = None if timeout is None else time.monotonic() + timeout
         calls = zip(*iterables, strict=False)  # as map: the shortest ends it
         if chunksize == 1:
-            futures = [self._submit(raw, None, task_input(items, {})) for items in calls]
+            futures = [self._submit(raw, None, task_input(items, {}), task_timeout) for items in calls]
         else:
             futures = []
             while True:
                 chunk = list(itertools.islice(calls, chunksize))
                 if not chunk:
                     break
-                futures.append(self._submit(raw, None, chunk_input(chunk)))
+                futures.append(self._submit(raw, None, chunk_input(chunk), task_timeout))
         return in_order(futures, deadline, chunksize != 1)

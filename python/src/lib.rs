@@ -34,7 +34,7 @@ use callreg::descriptor::python_serialized_digest;
 use callreg::envelope::Envelope;
 use callreg::error::{Error, ErrorCode, OperationKind};
 use callreg::io::worker::{
-    outcome_text, registration_failure_text, OperationError, PendingTask, TaskError,
+    outcome_text, registration_failure_text, OperationError, PendingTask, TaskError, TaskKey,
 };
 use callreg::io::Worker;
 use callreg::metadata::CallableMetadata;
@@ -105,6 +105,8 @@ impl RawHandle {
 struct RawPending {
     /// The task's id in the completion channel.
     id: u64,
+    /// The key to cancel it by ([`RawWorker::cancel`]).
+    key: TaskKey,
     /// `None` while a thread waits on it, or once armed or waited.
     pending: Mutex<Option<PendingTask>>,
 }
@@ -359,11 +361,16 @@ impl RawWorker {
         handle: &RawHandle,
         target: Option<u16>,
         input: &[u8],
+        deadline: Option<Duration>,
     ) -> Result<PendingTask, Error> {
         let target = self.pick_target(target)?;
-        Ok(self
-            .worker
-            .submit_async(&handle.handle, target, TaskEncoding::Pickle, input))
+        Ok(self.worker.submit_async_with_deadline(
+            &handle.handle,
+            target,
+            TaskEncoding::Pickle,
+            input,
+            deadline,
+        ))
     }
 }
 
@@ -514,33 +521,43 @@ impl RawWorker {
     }
 
     /// Starts a task (the caller sends its frame itself) and returns it
-    /// pending; `input` is pickled `(args, kwargs)`. Refusals (a bad
-    /// handle, no live target, a closed Worker, an input too large) are
-    /// the pending's result, not raised.
-    #[pyo3(signature = (handle, target, input))]
+    /// pending; `input` is pickled `(args, kwargs)`; `timeout`: its
+    /// deadline in seconds from now (`specs/protocol.md` §2.12), `None`
+    /// for none. Refusals (a bad handle, no live target, a closed Worker,
+    /// an input too large) are the pending's result, not raised; a bad
+    /// `timeout` raises `ValueError`.
+    #[pyo3(signature = (handle, target, input, timeout=None))]
     fn submit(
         &self,
         py: Python<'_>,
         handle: &RawHandle,
         target: Option<u16>,
         input: &[u8],
+        timeout: Option<f64>,
     ) -> PyResult<RawPending> {
+        let deadline = timeout.map(|t| duration("timeout", t, false)).transpose()?;
         let id = self.next_task.fetch_add(1, Ordering::Relaxed);
-        let pending = py.detach(|| match self.pick_target(target) {
-            Ok(target) => {
-                Ok(self
-                    .worker
-                    .submit_async(&handle.handle, target, TaskEncoding::Pickle, input))
-            }
-            Err(error) => Err(error),
-        });
+        let pending = py.detach(|| self.start_task(handle, target, input, deadline));
         match pending {
             Ok(pending) => Ok(RawPending {
                 id,
+                key: pending.key(),
                 pending: Mutex::new(Some(pending)),
             }),
             Err(error) => Err(plain_err(py, &error)),
         }
+    }
+
+    /// Cancels the task of `pending` if it has not started in its target
+    /// (`specs/protocol.md` §2.11), waiting (GIL released) for the
+    /// target's answer: `True` when it will never run (its result is then
+    /// the `TASK_CANCELLED` error); `False` when it started, ended, or was
+    /// refused at submit. Raises `LIFECYCLE_INVALID` (as an error dict)
+    /// from another process or inside a completion callback.
+    fn cancel(&self, py: Python<'_>, pending: &RawPending) -> PyResult<bool> {
+        let key = pending.key;
+        py.detach(|| self.worker.cancel(key))
+            .map_err(|e| plain_err(py, &e))
     }
 
     /// Hands `pending`'s result to the completion channel
@@ -572,16 +589,18 @@ impl RawWorker {
     /// Runs a task and waits for its pickled result, GIL released, checking
     /// for signals every [`SIGNAL_CHECK_INTERVAL`] (a `KeyboardInterrupt`
     /// abandons the wait, not the Worker).
-    #[pyo3(signature = (handle, target, input))]
+    #[pyo3(signature = (handle, target, input, timeout=None))]
     fn call<'py>(
         &self,
         py: Python<'py>,
         handle: &RawHandle,
         target: Option<u16>,
         input: &[u8],
+        timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        let deadline = timeout.map(|t| duration("timeout", t, false)).transpose()?;
         let mut pending = py
-            .detach(|| self.start_task(handle, target, input))
+            .detach(|| self.start_task(handle, target, input, deadline))
             .map_err(|e| plain_err(py, &e))?;
         loop {
             match py.detach(|| pending.wait_timeout(SIGNAL_CHECK_INTERVAL)) {

@@ -456,6 +456,8 @@ def test_the_package_exports_its_names_and_types_its_extension():
 
     assert callreg.__all__ == [
         "Executor",
+        "options",
+        "TaskOptions",
         "Worker",
         "NextLevel",
         "Context",
@@ -470,6 +472,7 @@ def test_the_package_exports_its_names_and_types_its_extension():
         "LifecycleError",
         "EnvelopeError",
         "TaskError",
+        "TaskTimeoutError",
         "RemoteTraceback",
         "DEFAULT_MAX_FRAME_BYTES",
     ]
