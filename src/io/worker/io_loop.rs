@@ -19,7 +19,7 @@ use super::pending::{operation_error, OperationError, TargetTable, TaskError};
 use super::respawn::{Kept, SlotEvent, Spawned};
 #[cfg(doc)]
 use super::Worker;
-use super::{check_hooks_live, metadata_identity, now_since, refuse, Core, Request};
+use super::{metadata_identity, now_since, refuse, Core, Request};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::io::handoff::Completer;
@@ -502,7 +502,7 @@ impl IoLoop {
                 // Checked here, in request order: an unregister of a hook
                 // queued before this register has taken effect.
                 let checked = match &metadata {
-                    Some(metadata) => check_hooks_live(&core.machine, digest, metadata),
+                    Some(metadata) => core.machine.check_hooks(digest, metadata),
                     None => Ok(()),
                 };
                 let identity = metadata.as_deref().map(metadata_identity);

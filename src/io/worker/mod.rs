@@ -320,7 +320,8 @@ impl<R: Runtime> Worker<R> {
             Lifecycle::New => {
                 let digest = python_serialized_digest(&parsed);
                 if let Some(metadata) = metadata {
-                    check_hooks_live(&core.machine, digest, metadata)
+                    core.machine
+                        .check_hooks(digest, metadata)
                         .map_err(OperationError::new)?;
                 }
                 let handle = core
@@ -1028,43 +1029,4 @@ impl Core {
         self.envelopes = BTreeMap::new();
         self.metadata = BTreeMap::new();
     }
-}
-
-/// Checks that every hook hashid of `metadata` has a live handle in
-/// `LOCAL_PYTHON` (a hook runs in the same namespace, resolved
-/// by digest in each target), before a register of `digest` is broadcast.
-///
-/// # Errors
-/// `METADATA_INVALID` naming the first hook that is not live.
-fn check_hooks_live(
-    machine: &Parent,
-    digest: Digest,
-    metadata: &CallableMetadata,
-) -> Result<(), Error> {
-    let hooks = metadata
-        .call_before
-        .iter()
-        .map(|h| ("call_before", h))
-        .chain(metadata.call_after.iter().map(|h| ("call_after", h)));
-    for (index, (list, hook)) in hooks.enumerate() {
-        let hook_digest = hook.hashid.0;
-        if !machine.is_live(hook_digest, Namespace::LocalPython) {
-            let position = if list == "call_before" {
-                index
-            } else {
-                index - metadata.call_before.len()
-            };
-            return Err(Error::new(
-                ErrorCode::METADATA_INVALID,
-                OperationKind::Register,
-                format!(
-                    "{list}[{position}] names {}, which has no live registration in LOCAL_PYTHON (register it first)",
-                    hook.hashid
-                ),
-            )
-            .with_namespace(Namespace::LocalPython)
-            .with_digest(digest));
-        }
-    }
-    Ok(())
 }

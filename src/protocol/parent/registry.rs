@@ -9,6 +9,7 @@ use super::{Effect, ParentConfig};
 use super::{FailedRegistration, Handle, HandleRecord, Lifecycle, OpKind, Parent, Poison};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
+use crate::metadata::CallableMetadata;
 #[cfg(doc)]
 use crate::protocol::ControlFrame;
 #[cfg(feature = "mutants")]
@@ -83,6 +84,42 @@ impl Parent {
                 .ops
                 .values()
                 .any(|op| op.digest == digest && matches!(op.kind, OpKind::Register { .. }))
+    }
+
+    /// The hook rule (`specs/protocol.md` §2.10): every hook `metadata`
+    /// names (`call_before`, then `call_after`) must be a live handle in
+    /// `LOCAL_PYTHON` when a register of `digest` with that metadata is
+    /// given to the machine (a hook runs in the callable's namespace,
+    /// resolved by digest in each target). Called by the IO layer in
+    /// request order, right before `register_with_metadata` or
+    /// `register_before_start_with_metadata`, so an unregister of a hook
+    /// requested before the register has taken effect.
+    ///
+    /// # Errors
+    /// `METADATA_INVALID` naming the first hook that is not live, by its
+    /// list and position (`call_before[0]`), with `digest`.
+    pub fn check_hooks(&self, digest: Digest, metadata: &CallableMetadata) -> Result<(), Error> {
+        let lists = [
+            ("call_before", &metadata.call_before),
+            ("call_after", &metadata.call_after),
+        ];
+        for (list, hooks) in lists {
+            for (position, hook) in hooks.iter().enumerate() {
+                if !self.is_live(hook.hashid.0, Namespace::LocalPython) {
+                    return Err(Error::new(
+                        ErrorCode::METADATA_INVALID,
+                        OperationKind::Register,
+                        format!(
+                            "{list}[{position}] names {}, which has no live registration in LOCAL_PYTHON (register it first)",
+                            hook.hashid
+                        ),
+                    )
+                    .with_namespace(Namespace::LocalPython)
+                    .with_digest(digest));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `METADATA_CONFLICT` when `digest` is held with another metadata

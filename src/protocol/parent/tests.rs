@@ -1101,3 +1101,34 @@ fn replies_before_start_and_for_unknown_targets_are_refused() {
         ErrorCode::FRAME_INVALID
     );
 }
+
+#[test]
+fn every_hook_a_register_names_must_be_live_in_local_python() {
+    use crate::descriptor::HashId;
+    use crate::metadata::{CallableMetadata, HookCall};
+    let hook = |n: u8| HookCall {
+        hashid: HashId(digest(n)),
+        args: Vec::new(),
+        kwargs: serde_json::Map::new(),
+        retval_keyword: None,
+    };
+    let mut p = new_parent(1);
+    let ns = Namespace::LocalPython;
+    p.register_before_start(digest(1), ns).unwrap();
+    let mut metadata = CallableMetadata::named("task");
+    metadata.call_before = vec![hook(1)];
+    assert_eq!(p.check_hooks(digest(5), &metadata), Ok(()));
+    metadata.call_after = vec![hook(1), hook(2)];
+    let e = p.check_hooks(digest(5), &metadata).unwrap_err();
+    assert_eq!(
+        (e.code, e.message),
+        (
+            ErrorCode::METADATA_INVALID,
+            format!(
+                "call_after[1] names {}, which has no live registration in LOCAL_PYTHON (register it first)",
+                HashId(digest(2))
+            )
+        )
+    );
+    assert_eq!(e.hashid, Some(HashId(digest(5))));
+}
