@@ -243,6 +243,25 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
             ..quiet(2, "duplicate-register")
         },
         Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished => replacing(),
+        Mutant::CancelStarted => ModelConfig {
+            tasks: 1,
+            cancels: 1,
+            ..quiet(1, "single-register")
+        },
+        Mutant::DeadlineWithoutCompletion => ModelConfig {
+            tasks: 1,
+            task_deadline: true,
+            deadlines: 1,
+            ..quiet(1, "single-register")
+        },
+        Mutant::AcceptStaleResult => ModelConfig {
+            tasks: 2,
+            task_deadline: true,
+            deadlines: 1,
+            stale_results: 1,
+            respawn_limit: 1,
+            ..quiet(1, "single-register")
+        },
     };
     // In name order, as `violated` lists them.
     let broken = match mutant {
@@ -259,6 +278,9 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
         Mutant::PoisonSilence => vec![SILENCE_POISONS_NOTHING],
         Mutant::JoinBeforeReplay => vec![INV11, INV2, INV8, FENCED_CERTAIN],
         Mutant::SkipReplayOfPublished => vec![INV11],
+        Mutant::CancelStarted => vec![TASK_CANCELLED_NOT_RUN, QUERIES],
+        Mutant::DeadlineWithoutCompletion => vec![TASK_DEADLINE_FENCES],
+        Mutant::AcceptStaleResult => vec![INV10_TERMINAL, INV13, TASK_RESULT_FROM_RUNNER],
     };
     config.mutant = Some(mutant);
     (config, broken)
@@ -306,11 +328,21 @@ fn mutants_are_also_caught_by_one_shared_fault_rich_configuration() {
     for mutant in Mutant::ALL {
         let replaces = matches!(
             mutant,
-            Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished
+            Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished | Mutant::AcceptStaleResult
+        );
+        // The task mutants need what reaches their code: a cancel, task
+        // deadlines, a second task and a stale result.
+        let tasks = matches!(
+            mutant,
+            Mutant::CancelStarted | Mutant::DeadlineWithoutCompletion | Mutant::AcceptStaleResult
         );
         let config = ModelConfig {
             mutant: Some(*mutant),
-            heartbeats: 1,
+            heartbeats: u8::from(!tasks),
+            tasks: if tasks { 2 } else { 1 },
+            cancels: u8::from(tasks),
+            task_deadline: tasks,
+            stale_results: u8::from(tasks),
             respawn_limit: u16::from(replaces),
             ..faulty(
                 "register-unregister-same-digest",
