@@ -1311,13 +1311,14 @@ impl RegistrationModel {
                         state.seen |= seen::FOREIGN_RESULT;
                     }
                     if (target, incarnation) != sent_to {
-                        state.breach("a task ended naming another target or incarnation than it was sent to");
+                        state.breach(
+                            "a task ended naming another target or incarnation than it was sent to",
+                        );
                     }
                 }
                 Effect::CancelRefused { seq, failure } => {
                     state.seen |= seen::CANCEL_REFUSED;
-                    if failure.code != ErrorCode::TASK_RUNNING || state.parent.task(seq).is_none()
-                    {
+                    if failure.code != ErrorCode::TASK_RUNNING || state.parent.task(seq).is_none() {
                         state.breach("a cancel was refused with another error than TASK_RUNNING, or for a task not in flight");
                     }
                 }
@@ -1787,7 +1788,9 @@ impl RegistrationModel {
             Ok(false) => {
                 state.seen |= seen::RUN_SKIPPED;
                 if !state.note(seq).is_some_and(|n| n.cancel_ok) {
-                    state.breach("a run was skipped at its start although no cancel of it was answered OK");
+                    state.breach(
+                        "a run was skipped at its start although no cancel of it was answered OK",
+                    );
                 }
                 self.end_run(state, id, seq)?;
             }

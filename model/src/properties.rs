@@ -586,10 +586,7 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
             return fail("Parent::task or awaits_cancel disagrees with the task as it was submitted and cancelled");
         }
     }
-    let cancels = s
-        .task_log
-        .iter()
-        .any(|n| p.awaits_cancel(n.target, n.seq));
+    let cancels = s.task_log.iter().any(|n| p.awaits_cancel(n.target, n.seq));
     let tasks_idle = p.tasks_in_flight().is_empty() && !cancels;
     if machine != in_flight
         || (p.is_idle() != (p.in_flight().is_empty() && tasks_idle && !replacing))

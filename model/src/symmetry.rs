@@ -123,11 +123,7 @@ impl State {
             .map(|(t, r)| (map(*t), r.clone()))
             .collect();
         replies.sort_by_key(|(t, _)| *t);
-        let mut results: Vec<_> = self
-            .results
-            .iter()
-            .map(|(t, r)| (map(*t), *r))
-            .collect();
+        let mut results: Vec<_> = self.results.iter().map(|(t, r)| (map(*t), *r)).collect();
         results.sort_by_key(|(t, _)| *t);
         let mut stale: Vec<_> = self.stale.iter().map(|(t, r)| (map(*t), *r)).collect();
         stale.sort();
