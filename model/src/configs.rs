@@ -118,6 +118,31 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
             expected.push(SOMETIMES_POISON_REFUSED);
         }
     }
+    // Tasks (specs/protocol.md §2.11, §2.12): a task submitted for a live
+    // handle ends with its result; with cancels, one is cancelled before
+    // it starts (its run then skipped) and one refused once it runs; with
+    // task deadlines and a deadline to pass, one ends at its deadline, and
+    // with stale results the fenced process's result is refused.
+    let handles = registers
+        || config
+            .script
+            .before_start
+            .iter()
+            .any(|s| matches!(s, crate::script::BeforeStart::Register(_)));
+    if config.tasks > 0 && handles {
+        expected.push(SOMETIMES_TASK_RESULT);
+        if config.cancels > 0 {
+            expected.push(SOMETIMES_TASK_CANCELLED);
+            expected.push(SOMETIMES_CANCEL_REFUSED);
+            expected.push(SOMETIMES_RUN_SKIPPED);
+        }
+        if config.task_deadline && config.deadlines > 0 {
+            expected.push(SOMETIMES_TASK_DEADLINE);
+            if config.stale_results > 0 {
+                expected.push(SOMETIMES_STALE_REFUSED);
+            }
+        }
+    }
     let loses = config.crashes > 0 || config.poison_kills > 0;
     if config.respawn_limit > 0 && registers && loses {
         expected.push(SOMETIMES_JOINED);
@@ -378,6 +403,32 @@ pub fn all() -> Vec<Named> {
                 SOMETIMES_ABANDONED,
                 SOMETIMES_BACKOFF,
             ],
+        },
+        Named {
+            name: "tasks-cancel",
+            description: "1 target, single-register, 2 tasks, 1 cancel, no fault (specs/protocol.md §2.11): a cancel races the start of a run (cancelled while queued and skipped, or refused once running or ended), the answer races the result",
+            config: ModelConfig {
+                tasks: 2,
+                cancels: 1,
+                ..ModelConfig::fault_free(1, script("single-register"))
+            },
+            symmetry: false,
+            expected: &[],
+        },
+        Named {
+            name: "tasks-deadline",
+            description: "1 target, single-register, 2 tasks with deadlines, a cancel, a deadline, a stale result, replacement targets with a rate limit of 1 (specs/protocol.md §2.11, §2.12): the first deadline ends its task and fences the target (the other task ends lost), a replacement joins, the fenced process's result arrives late and is refused",
+            config: ModelConfig {
+                tasks: 2,
+                cancels: 1,
+                task_deadline: true,
+                deadlines: 1,
+                stale_results: 1,
+                respawn_limit: 1,
+                ..ModelConfig::fault_free(1, script("single-register"))
+            },
+            symmetry: false,
+            expected: &[SOMETIMES_TARGET_LOST, SOMETIMES_JOINED],
         },
         Named {
             name: "standard",

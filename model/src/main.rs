@@ -50,7 +50,7 @@ struct Cli {
 
 /// The configuration flags a named configuration (`--config`, `--all`)
 /// replaces; `--mutant` combines with both.
-const CONFIG_FLAGS: [&str; 19] = [
+const CONFIG_FLAGS: [&str; 22] = [
     "targets",
     "script",
     "crashes",
@@ -61,6 +61,9 @@ const CONFIG_FLAGS: [&str; 19] = [
     "poison_kills",
     "no_probe",
     "tasks",
+    "cancels",
+    "task_deadline",
+    "stale_results",
     "heartbeats",
     "no_fence",
     "slots",
@@ -149,6 +152,17 @@ struct ConfigArgs {
     /// Tasks the client may dispatch.
     #[arg(long, default_value_t = 1)]
     tasks: u8,
+    /// Cancels of tasks in flight the client may send.
+    #[arg(long, default_value_t = 0)]
+    cancels: u8,
+    /// Submit every task with a deadline (a control timeout after its
+    /// submit); it passes like any deadline (--deadlines).
+    #[arg(long)]
+    task_deadline: bool,
+    /// Task results of a fenced process that may still reach the parent
+    /// later, tagged with the old incarnation (stale results).
+    #[arg(long, default_value_t = 0)]
+    stale_results: u8,
     /// Heartbeats targets may send (each reports alive every control the
     /// parent awaits from its target, just before the earliest deadline).
     #[arg(long, default_value_t = 0)]
@@ -221,6 +235,9 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         corruptions: args.corruptions,
         deadlines: args.deadlines,
         tasks: args.tasks,
+        cancels: args.cancels,
+        task_deadline: args.task_deadline,
+        stale_results: args.stale_results,
         heartbeats: args.heartbeats,
         fence_on_timeout: !args.no_fence,
         slot_capacity: args.slots,

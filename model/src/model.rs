@@ -19,7 +19,7 @@ use callreg::protocol::Mutant;
 use callreg::protocol::{
     Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
     Parent, ParentConfig, Reply, Seq, Slot, SlotPhase, StagingId, Target, TargetConfig,
-    TargetEffect, TargetId, TargetOutcome, Time,
+    TargetEffect, TargetId, TargetOutcome, TaskEnd, Time,
 };
 
 use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Script, CORRUPTED};
@@ -48,6 +48,11 @@ pub const RESPAWN_BACKOFF: u64 = 100;
 /// (`Parent::target_died` for a slot waiting for `Parent::target_spawned`).
 pub const SPAWN_FAILURE_CAUSE: &str = "its process could not be started";
 
+/// How long after its submit a task's deadline is, with
+/// [`ModelConfig::task_deadline`] (model time units): as a control's, so
+/// that deadlines stay in issue order.
+pub const TASK_DEADLINE: u64 = CONTROL_TIMEOUT;
+
 /// The owner token of the modelled Worker.
 pub const OWNER: OwnerToken = OwnerToken(0x5eed);
 
@@ -75,6 +80,18 @@ pub struct ModelConfig {
     /// How many tasks the client may dispatch (for live handles, to
     /// targets that confirmed them).
     pub tasks: u8,
+    /// How many times the client may cancel a task in flight
+    /// (`Parent::cancel`, `specs/protocol.md` §2.11).
+    pub cancels: u8,
+    /// Whether every task is submitted with a deadline [`TASK_DEADLINE`]
+    /// after its submit (`Parent::submit_with_deadline`, §2.12); it passes
+    /// like any deadline ([`Action::DeadlinePasses`], from the `deadlines`
+    /// budget).
+    pub task_deadline: bool,
+    /// How many task results of a lost process may still reach the parent
+    /// after the loss, tagged with that process's incarnation (a stale
+    /// result: the channel fault of [`Action::ReceiveStale`]).
+    pub stale_results: u8,
     /// How many heartbeats targets may send, each an alive report for every
     /// control the parent awaits from the target, just before the earliest
     /// pending deadline (`specs/protocol.md` §2.7). Not a fault: every real
@@ -141,6 +158,9 @@ impl ModelConfig {
             corruptions: 1,
             deadlines: 1,
             tasks: 1,
+            cancels: 0,
+            task_deadline: false,
+            stale_results: 0,
             heartbeats: 0,
             fence_on_timeout: true,
             slot_capacity: 2,
@@ -263,6 +283,11 @@ pub struct TargetSide {
     /// Task seqs whose run is in progress, oldest first, with the slot
     /// `begin_task` returned and the digest the task named.
     pub runs: Vec<(Seq, Slot, Digest)>,
+    /// The runs of `runs` whose task started (`Target::start_task` said
+    /// `true`), in start order.
+    pub started: Vec<Seq>,
+    /// The incarnation of the slot this process is (0 for the original).
+    pub incarnation: u32,
     /// Bit `s` set: slot `s` was tombstoned and then freed.
     pub freed_tombstones: u64,
     /// The alive reports this target sent: control seq and model time of
@@ -289,6 +314,10 @@ pub struct Budgets {
     pub deadlines: u8,
     /// Tasks left.
     pub tasks: u8,
+    /// Cancels left.
+    pub cancels: u8,
+    /// Stale results that may still be kept and delivered.
+    pub stale_results: u8,
     /// Deserializations that may still kill their target.
     pub poison_kills: u8,
     /// Alive reports left.
@@ -303,76 +332,146 @@ pub mod seen {
     /// A machine refused an input that the driving rule produced (an
     /// `Err` from `handle_reply`, `target_lost`, `on_deserialized`,
     /// `end_task`, or a completion for no known operation).
-    pub const DRIVER_ERROR: u32 = 1;
+    pub const DRIVER_ERROR: u64 = 1;
     /// A task for a handle that was live at its arrival reached a live
     /// target lacking its digest (invariant 8 observed directly).
-    pub const DISPATCH_UNSAFE: u32 = 2;
+    pub const DISPATCH_UNSAFE: u64 = 2;
     /// A slot was reserved for a deserialization after it had been
     /// tombstoned and freed.
-    pub const SLOT_REUSED_AFTER_TOMBSTONE: u32 = 4;
+    pub const SLOT_REUSED_AFTER_TOMBSTONE: u64 = 4;
     /// A reply reached the parent after its operation stopped waiting for
     /// that target (a late reply).
-    pub const LATE_REPLY: u32 = 8;
+    pub const LATE_REPLY: u64 = 8;
     /// A fault happened on this path: a crash, a corrupted payload, a
     /// failed deserialization or staging, a passed deadline, a close or a
     /// reply naming a wrong digest.
-    pub const FAULT: u32 = 16;
+    pub const FAULT: u64 = 16;
     /// An operation failed, or was refused, on a path with no fault, other
     /// than a register some target refused for want of a free slot.
-    pub const UNFORCED_FAILURE: u32 = 32;
+    pub const UNFORCED_FAILURE: u64 = 32;
     /// A machine answered a call otherwise than its documentation says:
     /// a forged or out-of-range input accepted or answered with another
     /// error, a call after close or before start not refused, a completion
     /// whose result disagrees with its outcomes or whose outcomes do not
     /// cover its scope. [`crate::properties::explain`] names which.
-    pub const CONTRACT: u32 = 64;
+    pub const CONTRACT: u64 = 64;
     /// A reply naming a wrong digest reached the parent (a misbehaving
     /// target: with it even a fenced Worker has an uncertain digest).
-    pub const WRONG_DIGEST: u32 = 128;
+    pub const WRONG_DIGEST: u64 = 128;
     /// The Worker closed with an operation in flight.
-    pub const CLOSED_IN_FLIGHT: u32 = 256;
+    pub const CLOSED_IN_FLIGHT: u64 = 256;
     /// Staging a register's payload failed.
-    pub const STAGE_FAILED: u32 = 512;
+    pub const STAGE_FAILED: u64 = 512;
     /// A pre-start step was refused because the Worker had started.
-    pub const PRE_START_AFTER_START: u32 = 1024;
+    pub const PRE_START_AFTER_START: u64 = 1024;
     /// A completed unregister failed (some target refused it or timed out).
-    pub const UNREGISTER_FAILED: u32 = 4096;
+    pub const UNREGISTER_FAILED: u64 = 4096;
     /// A passed deadline ended the wait for a target that had reported
     /// alive for every control it owed within the control timeout, before
     /// any of those controls' operation bound.
-    pub const FENCED_WHILE_HEARD: u32 = 2048;
+    pub const FENCED_WHILE_HEARD: u64 = 2048;
     /// A passed operation bound ended the wait for a target that had
     /// reported alive within the control timeout.
-    pub const BOUND_ENDED_HEARD: u32 = 8192;
+    pub const BOUND_ENDED_HEARD: u64 = 8192;
     /// A passed deadline ended the wait for some target while a target
     /// heard from within the control timeout about every control it owed
     /// stayed awaited.
-    pub const SPARED_HEARD: u32 = 16384;
+    pub const SPARED_HEARD: u64 = 16384;
     /// A silence deadline (before any bound) ended the wait for a target
     /// that had reported alive for a control it owed, but not within the
     /// control timeout: a target that stops reporting is still fenced.
-    pub const SILENT_AFTER_HEARD: u32 = 32768;
+    pub const SILENT_AFTER_HEARD: u64 = 32768;
     /// A register that must probe first sent its frame to a second target
     /// before any target confirmed it.
-    pub const PROBE_BROADCAST_EARLY: u32 = 1 << 16;
+    pub const PROBE_BROADCAST_EARLY: u64 = 1 << 16;
     /// A register frame of a poisoned digest was sent.
-    pub const POISON_SENT: u32 = 1 << 17;
+    pub const POISON_SENT: u64 = 1 << 17;
     /// A register was refused with `REGISTER_POISONED`.
-    pub const POISON_REFUSED: u32 = 1 << 18;
+    pub const POISON_REFUSED: u64 = 1 << 18;
     /// A replacement joined (`Effect::Joined`, `specs/protocol.md` §2.9).
-    pub const JOINED: u32 = 1 << 19;
+    pub const JOINED: u64 = 1 << 19;
     /// A replacement joined while a client operation was in flight.
-    pub const JOINED_IN_FLIGHT: u32 = 1 << 20;
+    pub const JOINED_IN_FLIGHT: u64 = 1 << 20;
     /// A joining replacement refused a replay or did not answer it in time
     /// (`Effect::JoinFailed`, then its fence).
-    pub const JOIN_FAILED: u32 = 1 << 21;
+    pub const JOIN_FAILED: u64 = 1 << 21;
     /// A slot was given up (`Effect::Abandoned`: the rate limit).
-    pub const ABANDONED: u32 = 1 << 22;
+    pub const ABANDONED: u64 = 1 << 22;
     /// A replacement could not be started ([`super::Action::SpawnFails`]).
-    pub const SPAWN_FAILED: u32 = 1 << 23;
+    pub const SPAWN_FAILED: u64 = 1 << 23;
     /// A back-off before a replacement passed (`Parent::handle_timeout`
     /// with no operation's deadline due).
-    pub const BACKOFF_PASSED: u32 = 1 << 24;
+    pub const BACKOFF_PASSED: u64 = 1 << 24;
+    /// A task ended ([`callreg::protocol::Effect::TaskDone`]) a second time.
+    pub const TASK_DONE_TWICE: u64 = 1 << 25;
+    /// A task ended cancelled although its run had started, or a run
+    /// started after the target answered a cancel of it OK.
+    pub const CANCELLED_AND_RUN: u64 = 1 << 26;
+    /// A task's run started twice (on any target or incarnation).
+    pub const RUN_TWICE: u64 = 1 << 27;
+    /// A task ended with a result that did not come, live, from the
+    /// incarnation of its target that ran it (a stale result, or none).
+    pub const FOREIGN_RESULT: u64 = 1 << 28;
+    /// A task past its deadline at a passed deadline did not end
+    /// `Deadline`, or its target was not fenced.
+    pub const DEADLINE_MISSED: u64 = 1 << 29;
+    /// The parent reported a cancel refused (`Effect::CancelRefused`).
+    pub const CANCEL_REFUSED: u64 = 1 << 30;
+    /// A stale result (from a lost process) was delivered and refused.
+    pub const STALE_REFUSED: u64 = 1 << 31;
+    /// A run cancelled while queued reached its start and was skipped
+    /// (`Target::start_task` said `false`).
+    pub const RUN_SKIPPED: u64 = 1 << 32;
+}
+
+/// A task result in transit target → parent: the task and the
+/// incarnation of the process that ran it (how the IO layer tags it).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct TaskResult {
+    /// The task.
+    pub seq: Seq,
+    /// The incarnation of the slot whose process sent it.
+    pub incarnation: u32,
+}
+
+/// How a task ended, as the driver records it (`TaskEnd` without the
+/// loss's cause).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Ended {
+    /// With its result.
+    Result,
+    /// Cancelled before it started.
+    Cancelled,
+    /// At its deadline.
+    Deadline,
+    /// With its target's process.
+    Lost,
+    /// At close.
+    Closed,
+}
+
+/// What the driver recorded about one submitted task (its history, for the
+/// task properties).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct TaskNote {
+    /// The task.
+    pub seq: Seq,
+    /// The target it was submitted to.
+    pub target: TargetId,
+    /// The incarnation of that target's slot at submit.
+    pub incarnation: u32,
+    /// Its deadline (model time), if any.
+    pub deadline: Option<u64>,
+    /// When the last cancel of it was sent (model time), if any.
+    pub cancelled_at: Option<u64>,
+    /// Its run started (`Target::start_task` said `true`).
+    pub started: bool,
+    /// Its target answered a cancel of it OK.
+    pub cancel_ok: bool,
+    /// How many `TaskDone` effects named it.
+    pub ends: u8,
+    /// How the first of them ended it.
+    pub end: Option<Ended>,
 }
 
 /// One state of the whole system.
@@ -400,13 +499,26 @@ pub struct State {
     pub client: Vec<StepStatus>,
     /// Task frames in transit: task seq → handle id it was submitted for.
     pub tasks: Vec<(Seq, u64)>,
+    /// Task results in transit target → parent, ordered like `frames`
+    /// (one FIFO per target, read beside the replies).
+    pub results: Vec<(TargetId, TaskResult)>,
+    /// Task results that were in transit when their process was fenced,
+    /// kept (while the `stale_results` budget lasts) to reach the parent
+    /// late, tagged with the lost process's incarnation.
+    pub stale: Vec<(TargetId, TaskResult)>,
+    /// Every task submitted, in seq order, with its history.
+    pub task_log: Vec<TaskNote>,
+    /// While a task result is handed to the parent: its seq and whether it
+    /// comes, live, from the incarnation that ran it (always `None` between
+    /// actions).
+    pub delivering: Option<(Seq, bool)>,
     /// Model time (advances by one per issued operation, and to a
     /// deadline when it passes).
     pub now: u64,
     /// Fault budgets left.
     pub budgets: Budgets,
     /// Bits of [`seen`].
-    pub seen: u32,
+    pub seen: u64,
     /// Why the first [`seen::CONTRACT`] bit was set (for the
     /// counterexample), empty otherwise.
     pub contract: &'static str,
@@ -449,6 +561,7 @@ impl State {
     fn has_traffic(&self) -> bool {
         !self.frames.is_empty()
             || !self.replies.is_empty()
+            || !self.results.is_empty()
             || self.eof.iter().any(|e| *e)
             || self
                 .sides
@@ -468,6 +581,22 @@ impl State {
             .iter()
             .find(|(t, _)| *t == target)
             .map(|(_, r)| r)
+    }
+
+    fn head_result(&self, target: TargetId) -> Option<TaskResult> {
+        self.results
+            .iter()
+            .find(|(t, _)| *t == target)
+            .map(|(_, r)| *r)
+    }
+
+    /// The record of task `seq`, if it was submitted.
+    pub fn note(&self, seq: Seq) -> Option<&TaskNote> {
+        self.task_log.iter().find(|n| n.seq == seq)
+    }
+
+    fn note_mut(&mut self, seq: Seq) -> Option<&mut TaskNote> {
+        self.task_log.iter_mut().find(|n| n.seq == seq)
     }
 }
 
@@ -498,7 +627,17 @@ pub enum Action {
         /// Whether the runtime deserialized the payload.
         ok: bool,
     },
-    /// Task `seq`'s run on `target` ends.
+    /// The task thread of `target` is about to run task `seq`
+    /// (`Target::start_task`): it runs, or (cancelled while queued) it is
+    /// ended at once without a result.
+    StartRun {
+        /// The target.
+        target: TargetId,
+        /// The task.
+        seq: Seq,
+    },
+    /// Task `seq`'s run on `target`, which started, ends (`end_task`) and
+    /// its result is sent to the parent.
     EndRun {
         /// The target.
         target: TargetId,
@@ -506,8 +645,23 @@ pub enum Action {
         seq: Seq,
     },
     /// The parent reads the next thing from `target`'s pipe: a reply, or
-    /// end of file after a crash.
+    /// end of file after a crash (once no result is left either).
     Receive(TargetId),
+    /// The parent reads the next task result from `target`
+    /// (`Parent::handle_task_result`).
+    ReceiveResult(TargetId),
+    /// A kept result of task `seq` from a lost process of `target`'s slot
+    /// reaches the parent after the loss, with that process's incarnation
+    /// (bounded: `stale_results`).
+    ReceiveStale {
+        /// The slot.
+        target: TargetId,
+        /// The task.
+        seq: Seq,
+    },
+    /// The client cancels task `seq`, in flight (`Parent::cancel`;
+    /// bounded: `cancels`).
+    Cancel(Seq),
     /// The target crashes: it holds nothing, frames to it are lost, and the
     /// parent will read end of file after its queued replies.
     Crash(TargetId),
@@ -726,6 +880,10 @@ impl RegistrationModel {
             pre: vec![PreStatus::Waiting; config.script.before_start.len()],
             client: vec![StepStatus::Waiting; config.script.operations.len()],
             tasks: Vec::new(),
+            results: Vec::new(),
+            stale: Vec::new(),
+            task_log: Vec::new(),
+            delivering: None,
             now: 0,
             budgets: Budgets {
                 crashes: config.crashes,
@@ -736,6 +894,8 @@ impl RegistrationModel {
                 wrong_digests: config.wrong_digests,
                 deadlines: config.deadlines,
                 tasks: config.tasks,
+                cancels: config.cancels,
+                stale_results: config.stale_results,
                 poison_kills: config.poison_kills,
                 heartbeats: config.heartbeats,
                 spawn_failures: config.spawn_failures,
@@ -996,6 +1156,7 @@ impl RegistrationModel {
                     let clean = state.targets.get(index).is_some_and(Option::is_none)
                         && !state.frames.iter().any(|(t, _)| *t == target)
                         && !state.replies.iter().any(|(t, _)| *t == target)
+                        && !state.results.iter().any(|(t, _)| *t == target)
                         && !state.eof[index]
                         && state.sides[index] == TargetSide::default()
                         && state.spawns[index].is_none();
@@ -1051,7 +1212,10 @@ impl RegistrationModel {
                 }
                 Effect::Send { target, frame } => {
                     // The operation's scope, as the driver sees it.
-                    if !matches!(frame, ControlFrame::Task { .. }) {
+                    if !matches!(
+                        frame,
+                        ControlFrame::Task { .. } | ControlFrame::Cancel { .. }
+                    ) {
                         let seq = frame.seq().0;
                         let mut early = false;
                         for step in &mut state.client {
@@ -1096,6 +1260,16 @@ impl RegistrationModel {
                     // ends: nothing more is read from it.
                     state.kill(target);
                     state.replies.retain(|(t, _)| *t != target);
+                    // Its results in transit are dropped, or (the channel
+                    // fault, while its budget lasts) kept to arrive late.
+                    let keep = state.budgets.stale_results > 0;
+                    let (gone, rest): (Vec<_>, Vec<_>) =
+                        state.results.drain(..).partition(|(t, _)| *t == target);
+                    state.results = rest;
+                    if keep {
+                        state.stale.extend(gone);
+                        state.stale.sort();
+                    }
                     if let Some(eof) = state.eof.get_mut(usize::from(target.0)) {
                         *eof = false;
                     }
@@ -1105,6 +1279,49 @@ impl RegistrationModel {
                     result,
                     outcomes,
                 } => self.complete(state, op, result, &outcomes),
+                Effect::TaskDone {
+                    seq,
+                    target,
+                    incarnation,
+                    end,
+                    ..
+                } => {
+                    let delivering = state.delivering;
+                    let Some(note) = state.note_mut(seq) else {
+                        state.breach("a task that was never submitted ended");
+                        continue;
+                    };
+                    note.ends = note.ends.saturating_add(1);
+                    let (sent_to, started) = ((note.target, note.incarnation), note.started);
+                    let ended = match end {
+                        TaskEnd::Result => Ended::Result,
+                        TaskEnd::Cancelled => Ended::Cancelled,
+                        TaskEnd::Deadline => Ended::Deadline,
+                        TaskEnd::Lost { .. } => Ended::Lost,
+                        TaskEnd::Closed => Ended::Closed,
+                    };
+                    note.end.get_or_insert(ended);
+                    if note.ends > 1 {
+                        state.seen |= seen::TASK_DONE_TWICE;
+                    }
+                    if ended == Ended::Cancelled && started {
+                        state.seen |= seen::CANCELLED_AND_RUN;
+                    }
+                    if ended == Ended::Result && delivering != Some((seq, true)) {
+                        state.seen |= seen::FOREIGN_RESULT;
+                    }
+                    if (target, incarnation) != sent_to {
+                        state.breach(
+                            "a task ended naming another target or incarnation than it was sent to",
+                        );
+                    }
+                }
+                Effect::CancelRefused { seq, failure } => {
+                    state.seen |= seen::CANCEL_REFUSED;
+                    if failure.code != ErrorCode::TASK_RUNNING || state.parent.task(seq).is_none() {
+                        state.breach("a cancel was refused with another error than TASK_RUNNING, or for a task not in flight");
+                    }
+                }
             }
         }
         if fence_due.is_some() {
@@ -1167,6 +1384,7 @@ impl RegistrationModel {
                 None => target,
             };
             state.targets[index] = Some(target);
+            state.sides[index].incarnation = incarnation;
             if state.parent.target_spawned(id, incarnation, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
@@ -1524,8 +1742,142 @@ impl RegistrationModel {
                     }
                 }
             }
+            ControlFrame::Cancel { seq, digest } => {
+                target.on_cancel(seq, digest);
+                self.drain_target(state, id);
+                // The answer is the last reply from this target.
+                let ok = state
+                    .replies
+                    .iter()
+                    .rev()
+                    .find(|(t, _)| *t == id)
+                    .is_some_and(|(_, r)| r.seq == seq && r.result.is_ok());
+                if let Some(note) = state.note_mut(seq) {
+                    note.cancel_ok |= ok;
+                }
+                return Some(());
+            }
         }
         self.drain_target(state, id);
+        Some(())
+    }
+
+    /// The task thread of target `id` reaches task `seq`
+    /// (`Target::start_task`): it runs, or, cancelled while queued, it is
+    /// ended at once without a result.
+    fn start_run(&self, state: &mut State, id: TargetId, seq: Seq) -> Option<()> {
+        let index = usize::from(id.0);
+        let side = state.sides.get(index)?;
+        if !side.runs.iter().any(|(s, _, _)| *s == seq) || side.started.contains(&seq) {
+            return None;
+        }
+        let target = state.targets.get_mut(index)?.as_mut()?;
+        match target.start_task(seq) {
+            Ok(true) => {
+                state.sides[index].started.push(seq);
+                let note = state.note_mut(seq)?;
+                let (twice, after_cancel) = (note.started, note.cancel_ok);
+                note.started = true;
+                if twice {
+                    state.seen |= seen::RUN_TWICE;
+                }
+                if after_cancel {
+                    state.seen |= seen::CANCELLED_AND_RUN;
+                }
+            }
+            Ok(false) => {
+                state.seen |= seen::RUN_SKIPPED;
+                if !state.note(seq).is_some_and(|n| n.cancel_ok) {
+                    state.breach(
+                        "a run was skipped at its start although no cancel of it was answered OK",
+                    );
+                }
+                self.end_run(state, id, seq)?;
+            }
+            Err(_) => state.seen |= seen::DRIVER_ERROR,
+        }
+        Some(())
+    }
+
+    /// Run `seq` on target `id` ends (`end_task`): its slot is unpinned,
+    /// a tombstoned slot freed at its last run.
+    fn end_run(&self, state: &mut State, id: TargetId, seq: Seq) -> Option<()> {
+        let index = usize::from(id.0);
+        let side = state.sides.get_mut(index)?;
+        let at = side.runs.iter().position(|(s, _, _)| *s == seq)?;
+        side.runs.remove(at);
+        side.started.retain(|s| *s != seq);
+        let target = state.targets.get_mut(index)?.as_mut()?;
+        let before = target.tombstoned_slots();
+        if target.end_task(seq).is_err() {
+            state.seen |= seen::DRIVER_ERROR;
+        }
+        let after = target.tombstoned_slots();
+        let mut freed_but_used = false;
+        for slot in before.iter().filter(|s| !after.contains(s)) {
+            freed_but_used |= target.is_slot_used(*slot);
+            state.sides[index].freed_tombstones |= 1u64 << slot.0;
+        }
+        if freed_but_used {
+            // The IO layer drops a callable when its slot turns free.
+            state.breach(
+                "a tombstoned slot left the tombstones at its last run's end but is still used",
+            );
+        }
+        Some(())
+    }
+
+    /// The parent gets a task result from `id`: the head of its results
+    /// (`stale`: `None`), or the kept result of task `stale` of a lost
+    /// process of the slot. A result refused changes nothing; one from the
+    /// process that ran a task in flight must end it.
+    fn receive_result(&self, state: &mut State, id: TargetId, stale: Option<Seq>) -> Option<()> {
+        let result = match stale {
+            None => take_head(&mut state.results, id)?,
+            Some(seq) => {
+                let at = state
+                    .stale
+                    .iter()
+                    .position(|(t, r)| *t == id && r.seq == seq)?;
+                state.stale.remove(at).1
+            }
+        };
+        let before = state.parent.clone();
+        let open = before.lifecycle() == Lifecycle::Started;
+        let sent_to = state.note(result.seq).map(|n| (n.target, n.incarnation));
+        let genuine = stale.is_none() && sent_to == Some((id, result.incarnation));
+        let in_flight = before.task(result.seq).is_some();
+        state.delivering = Some((result.seq, genuine));
+        match state
+            .parent
+            .handle_task_result(id, result.incarnation, result.seq)
+        {
+            Ok(true) => {}
+            Ok(false) => {
+                if stale.is_some() {
+                    state.seen |= seen::STALE_REFUSED;
+                }
+                if state.parent != before || (open && genuine && in_flight) {
+                    state.breach("a task result was refused but changed the parent, or the result of a task in flight from the process that ran it was refused");
+                }
+            }
+            Err(_) => state.seen |= seen::DRIVER_ERROR,
+        }
+        self.drain_parent(state);
+        state.delivering = None;
+        Some(())
+    }
+
+    /// The client cancels task `seq` (in flight, no cancel of it awaiting
+    /// its answer).
+    fn cancel(&self, state: &mut State, seq: Seq) -> Option<()> {
+        state.budgets.cancels = state.budgets.cancels.checked_sub(1)?;
+        let now = state.now;
+        if state.parent.cancel(seq, Time(now)).is_err() {
+            state.breach("a cancel of a task in flight was refused");
+        }
+        state.note_mut(seq)?.cancelled_at = Some(now);
+        self.drain_parent(state);
         Some(())
     }
 
@@ -1542,7 +1894,8 @@ impl RegistrationModel {
                 reply.digest = CORRUPTED;
             }
             let awaited = state.parent.awaits_reply(id, reply.seq);
-            if state.parent.is_target_live(id) && !awaited {
+            let cancel = state.parent.awaits_cancel(id, reply.seq);
+            if state.parent.is_target_live(id) && !awaited && !cancel {
                 state.seen |= seen::LATE_REPLY;
             }
             let refusal = reply.result.is_err() || wrong_digest;
@@ -1576,7 +1929,7 @@ impl RegistrationModel {
             if state.parent.handle_reply(id, reply, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
-        } else if state.eof[index] && !wrong_digest {
+        } else if state.eof[index] && !wrong_digest && state.head_result(id).is_none() {
             state.eof[index] = false;
             if state.parent.target_died(id, LOSS_CAUSE, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
@@ -2012,19 +2365,49 @@ impl stateright::Model for RegistrationModel {
                 }
             }
             for (seq, _, _) in &side.runs {
-                actions.push(Action::EndRun {
-                    target: id,
-                    seq: *seq,
-                });
+                // Without cancels a start decides nothing (it always
+                // runs): the run starts and ends in one step.
+                let action = if side.started.contains(seq) || self.config.cancels == 0 {
+                    Action::EndRun {
+                        target: id,
+                        seq: *seq,
+                    }
+                } else {
+                    Action::StartRun {
+                        target: id,
+                        seq: *seq,
+                    }
+                };
+                actions.push(action);
             }
-            if state.head_reply(id).is_some() || state.eof[index] {
+            let results = state.head_result(id).is_some();
+            if state.head_reply(id).is_some() || (state.eof[index] && !results) {
                 actions.push(Action::Receive(id));
+            }
+            if results {
+                actions.push(Action::ReceiveResult(id));
             }
             if state.budgets.wrong_digests > 0 && state.head_reply(id).is_some() {
                 actions.push(Action::ReceiveWrongDigest(id));
             }
             if state.budgets.crashes > 0 && active && state.target(id).is_some() {
                 actions.push(Action::Crash(id));
+            }
+        }
+        if state.budgets.stale_results > 0 {
+            for (target, result) in &state.stale {
+                actions.push(Action::ReceiveStale {
+                    target: *target,
+                    seq: result.seq,
+                });
+            }
+        }
+        if state.budgets.cancels > 0 && lifecycle == Lifecycle::Started {
+            for seq in state.parent.tasks_in_flight() {
+                let target = state.parent.task(seq).map(|t| t.target);
+                if target.is_some_and(|t| !state.parent.awaits_cancel(t, seq)) {
+                    actions.push(Action::Cancel(seq));
+                }
             }
         }
         for id in self.target_ids() {
@@ -2073,12 +2456,41 @@ impl stateright::Model for RegistrationModel {
                     .into_iter()
                     .find(|h| h.handle_id == handle_id)?
                     .digest();
+                // With task deadlines a submit is issuing an operation with
+                // a deadline: time advances as for an issue, never onto a
+                // pending deadline (without them the submit's time is read
+                // by nothing, and staying merges states).
+                let next = state.now + 1;
+                if self.config.task_deadline
+                    && state.parent.poll_timeout().is_none_or(|d| next < d.0)
+                {
+                    state.now = next;
+                }
+                let deadline = self
+                    .config
+                    .task_deadline
+                    .then_some(state.now + TASK_DEADLINE);
                 let seq = state
                     .parent
-                    .submit(&handle_for(digest, handle_id), target)
+                    .submit_with_deadline(
+                        &handle_for(digest, handle_id),
+                        target,
+                        deadline.map(Time),
+                    )
                     .ok()?;
                 state.budgets.tasks -= 1;
                 state.tasks.push((seq, handle_id));
+                state.task_log.push(TaskNote {
+                    seq,
+                    target,
+                    incarnation: state.parent.incarnation(target),
+                    deadline,
+                    cancelled_at: None,
+                    started: false,
+                    cancel_ok: false,
+                    ends: 0,
+                    end: None,
+                });
                 self.drain_parent(&mut state);
             }
             Action::Deliver(id) => self.deliver(&mut state, id, false)?,
@@ -2113,27 +2525,32 @@ impl stateright::Model for RegistrationModel {
                 }
                 self.drain_target(&mut state, id);
             }
+            Action::StartRun { target: id, seq } => self.start_run(&mut state, id, seq)?,
             Action::EndRun { target: id, seq } => {
                 let index = usize::from(id.0);
-                let side = state.sides.get_mut(index)?;
-                let at = side.runs.iter().position(|(s, _, _)| *s == seq)?;
-                side.runs.remove(at);
-                let target = state.targets.get_mut(index)?.as_mut()?;
-                let before = target.tombstoned_slots();
-                if target.end_task(seq).is_err() {
-                    state.seen |= seen::DRIVER_ERROR;
+                if !state.sides.get(index)?.started.contains(&seq) {
+                    if self.config.cancels > 0 {
+                        return None;
+                    }
+                    self.start_run(&mut state, id, seq)?;
+                    if !state.sides[index].started.contains(&seq) {
+                        return None;
+                    }
                 }
-                let after = target.tombstoned_slots();
-                let mut freed_but_used = false;
-                for slot in before.iter().filter(|s| !after.contains(s)) {
-                    freed_but_used |= target.is_slot_used(*slot);
-                    state.sides[index].freed_tombstones |= 1u64 << slot.0;
-                }
-                if freed_but_used {
-                    // The IO layer drops a callable when its slot turns free.
-                    state.breach("a tombstoned slot left the tombstones at its last run's end but is still used");
+                let incarnation = state.sides[index].incarnation;
+                self.end_run(&mut state, id, seq)?;
+                insert_ordered(&mut state.results, id, TaskResult { seq, incarnation });
+            }
+            Action::ReceiveResult(id) => self.receive_result(&mut state, id, None)?,
+            Action::ReceiveStale { target, seq } => {
+                state.budgets.stale_results = state.budgets.stale_results.checked_sub(1)?;
+                state.seen |= seen::FAULT;
+                self.receive_result(&mut state, target, Some(seq))?;
+                if state.budgets.stale_results == 0 {
+                    state.stale.clear();
                 }
             }
+            Action::Cancel(seq) => self.cancel(&mut state, seq)?,
             Action::Receive(id) => self.receive(&mut state, id, false)?,
             Action::ReceiveWrongDigest(id) => {
                 state.budgets.wrong_digests = state.budgets.wrong_digests.checked_sub(1)?;
@@ -2166,12 +2583,33 @@ impl stateright::Model for RegistrationModel {
                 let deadline = state.parent.poll_timeout()?;
                 state.now = state.now.max(deadline.0);
                 let now = state.now;
+                // Tasks in flight past their deadline (by the driver's
+                // record): each must end `Deadline` here, its target
+                // fenced (§2.12).
+                let due: Vec<(Seq, TargetId, u32)> = state
+                    .task_log
+                    .iter()
+                    .filter(|n| n.ends == 0 && n.deadline.is_some_and(|d| d <= now))
+                    .map(|n| (n.seq, n.target, n.incarnation))
+                    .collect();
+                // Targets a task deadline or an unanswered cancel may fence:
+                // the rule for heard targets is about controls.
+                let exempt: Vec<TargetId> = state
+                    .task_log
+                    .iter()
+                    .filter(|n| {
+                        (n.ends == 0 && n.deadline.is_some())
+                            || state.parent.awaits_cancel(n.target, n.seq)
+                    })
+                    .map(|n| n.target)
+                    .collect();
                 // Targets heard from within the control timeout about every
                 // control they owe, with whether one of those controls'
                 // bounds has passed (`specs/protocol.md` §2.7): only a bound
                 // may end the wait for them.
                 let heard: Vec<(TargetId, Vec<Seq>, bool)> = self
                     .target_ids()
+                    .filter(|id| !exempt.contains(id))
                     .filter_map(|id| {
                         let awaited = state.parent.awaited_controls(id);
                         let alive = &state.sides[usize::from(id.0)].alive;
@@ -2189,6 +2627,7 @@ impl stateright::Model for RegistrationModel {
                 // not within the control timeout, before any bound.
                 let lapsed: Vec<(TargetId, Vec<Seq>)> = self
                     .target_ids()
+                    .filter(|id| !exempt.contains(id))
                     .filter_map(|id| {
                         let awaited = state.parent.awaited_controls(id);
                         let alive = &state.sides[usize::from(id.0)].alive;
@@ -2233,6 +2672,17 @@ impl stateright::Model for RegistrationModel {
                     }
                 }
                 self.drain_parent(&mut state);
+                for (seq, target, incarnation) in due {
+                    let ended = state
+                        .note(seq)
+                        .is_some_and(|n| n.end == Some(Ended::Deadline));
+                    let fenced = state.target(target).is_none()
+                        && (!state.parent.is_target_live(target)
+                            || state.parent.incarnation(target) != incarnation);
+                    if !ended || !fenced {
+                        state.seen |= seen::DEADLINE_MISSED;
+                    }
+                }
             }
             Action::PreStart(i) => self.pre_start(&mut state, i)?,
             Action::Start => {
@@ -2305,6 +2755,9 @@ impl RegistrationModel {
                 format!("unregister {} ({seq})", name_of(digest))
             }
             ControlFrame::Task { seq, digest } => format!("task on {} ({seq})", name_of(digest)),
+            ControlFrame::Cancel { seq, digest } => {
+                format!("cancel of the task on {} ({seq})", name_of(digest))
+            }
         };
         match action {
             Action::Issue(i) => {
@@ -2349,7 +2802,33 @@ impl RegistrationModel {
                     None => format!("{target}: no deserialization"),
                 }
             }
-            Action::EndRun { target, seq } => format!("{target}: run of task {seq} ends"),
+            Action::StartRun { target, seq } => {
+                let cancelled = state.target(*target).is_some_and(|t| t.is_cancelled(*seq));
+                if cancelled {
+                    format!("{target}: task {seq} reaches its start, CANCELLED: it is skipped")
+                } else {
+                    format!("{target}: run of task {seq} starts")
+                }
+            }
+            Action::EndRun { target, seq } => {
+                format!("{target}: run of task {seq} ends and sends its result")
+            }
+            Action::ReceiveResult(t) => match state.head_result(*t) {
+                Some(r) => format!(
+                    "parent receives from {t}: result of task {} (incarnation {})",
+                    r.seq, r.incarnation
+                ),
+                None => format!("parent reads no result from {t}"),
+            },
+            Action::ReceiveStale { target, seq } => {
+                let incarnation = state
+                    .stale
+                    .iter()
+                    .find(|(t, r)| t == target && r.seq == *seq)
+                    .map_or(0, |(_, r)| r.incarnation);
+                format!("a STALE result of task {seq} from {target} (incarnation {incarnation}, lost) reaches the parent")
+            }
+            Action::Cancel(seq) => format!("client cancels task {seq}"),
             Action::Receive(t) => match state.head_reply(*t) {
                 Some(r) => {
                     let late = if state.parent.is_target_live(*t)
@@ -2498,7 +2977,7 @@ impl RegistrationModel {
         out.join("\n")
     }
 
-    /// The first invariant (1–9, 11, 12) `state` breaks, with what was seen.
+    /// The first invariant (1–9, 11–13) `state` breaks, with what was seen.
     ///
     /// # Errors
     /// The [`Violation`] from the library's predicates.

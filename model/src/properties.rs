@@ -1,7 +1,7 @@
 //! The properties checked on every reachable state (`specs/model.md`).
 //!
-//! * `always` — specs/design.md §4.4 invariants 1–9 and `specs/protocol.md`
-//!   §2.9's invariants 11 and 12, each through the library's
+//! * `always` — specs/design.md §4.4 invariants 1–9, `specs/protocol.md`
+//!   §2.9's invariants 11 and 12 and §2.11's invariant 13, each through the library's
 //!   own predicate in `callreg::protocol::invariants` (invariant 8 also
 //!   through the driver's direct observation of a task arriving at a target
 //!   lacking its digest), the driving rule (no machine refuses an input the
@@ -27,8 +27,8 @@ use callreg::protocol::{
 };
 
 use crate::model::{
-    seen, RegistrationModel, State, StepResult, StepStatus, CONTROL_TIMEOUT, OPERATION_TIMEOUT,
-    OWNER, RESPAWN_BACKOFF,
+    seen, Ended, RegistrationModel, State, StepResult, StepStatus, CONTROL_TIMEOUT,
+    OPERATION_TIMEOUT, OWNER, RESPAWN_BACKOFF,
 };
 use crate::script::{digest_of, name_of, CORRUPTED};
 
@@ -56,6 +56,9 @@ pub const INV11: &str = "11 joined targets hold the registry";
 /// Name of the `always` property for invariant 12 (`specs/protocol.md`
 /// §2.9).
 pub const INV12: &str = "12 no task before join";
+/// Name of the `always` property for invariant 13 (`specs/protocol.md`
+/// §2.11).
+pub const INV13: &str = "13 tasks run on live incarnations";
 /// Name of the `always` property for invariant 10 on terminal states.
 pub const INV10_TERMINAL: &str = "10 liveness (terminal states)";
 /// Name of the `eventually` property for invariant 10.
@@ -162,6 +165,39 @@ pub const SOMETIMES_POISON_REFUSED: &str = "sometimes: a register of a poisoned 
 pub const SOMETIMES_PROBED_THEN_BROADCAST: &str =
     "sometimes: a probed register reaches every target";
 
+/// Name of the `always` property that no task ends twice and, whenever
+/// the parent is idle (so at every terminal state), every task submitted
+/// has ended (`specs/protocol.md` §2.11).
+pub const TASK_ONCE: &str = "every task completes exactly once";
+/// Name of the `always` property that a task that ended cancelled never
+/// started its run, and no run starts after its target answered a cancel
+/// of it OK (§2.11).
+pub const TASK_CANCELLED_NOT_RUN: &str = "a task is never both cancelled and run";
+/// Name of the `always` property that no task's run starts twice.
+pub const TASK_RUN_ONCE: &str = "a task never runs twice";
+/// Name of the `always` property that a task ends with a result only when
+/// the result came, while the parent counted it live, from the target and
+/// incarnation the task was sent to (§2.11).
+pub const TASK_RESULT_FROM_RUNNER: &str = "results only from the incarnation that ran the task";
+/// Name of the `always` property that at a passed deadline every task in
+/// flight past its deadline ends `Deadline` and its target is fenced
+/// (§2.12).
+pub const TASK_DEADLINE_FENCES: &str =
+    "a task past its deadline ends Deadline and its target is fenced";
+/// Witness: a task ends with its result.
+pub const SOMETIMES_TASK_RESULT: &str = "sometimes: a task ends with its result";
+/// Witness: a task is cancelled before it started (it ends cancelled).
+pub const SOMETIMES_TASK_CANCELLED: &str = "sometimes: a task is cancelled before it starts";
+/// Witness: a cancel is refused because its task started (or ended).
+pub const SOMETIMES_CANCEL_REFUSED: &str = "sometimes: a cancel is refused because the task runs";
+/// Witness: a run cancelled while queued reaches its start and is
+/// skipped.
+pub const SOMETIMES_RUN_SKIPPED: &str = "sometimes: a cancelled run is skipped at its start";
+/// Witness: a task ends at its deadline.
+pub const SOMETIMES_TASK_DEADLINE: &str = "sometimes: a task ends at its deadline";
+/// Witness: a stale result (of a lost process) is refused.
+pub const SOMETIMES_STALE_REFUSED: &str = "sometimes: a stale result is refused";
+
 /// Name of the `always` property that the machines' pure queries agree
 /// with their state and with each other.
 pub const QUERIES: &str = "queries agree with the machines";
@@ -202,6 +238,49 @@ fn inv11(_: &RegistrationModel, s: &State) -> bool {
 }
 fn inv12(_: &RegistrationModel, s: &State) -> bool {
     holds(invariants::inv12_no_task_before_join, s)
+}
+fn inv13(_: &RegistrationModel, s: &State) -> bool {
+    holds(invariants::inv13_tasks_on_live_incarnations, s)
+}
+
+/// No task ended twice, and whenever the parent is idle (quiescence: at
+/// every terminal state, by invariant 10) every task submitted has ended.
+fn task_once(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::TASK_DONE_TWICE == 0
+        && (!s.parent.is_idle() || s.task_log.iter().all(|n| n.ends == 1))
+}
+fn task_cancelled_not_run(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::CANCELLED_AND_RUN == 0
+}
+fn task_run_once(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::RUN_TWICE == 0
+}
+fn task_result_from_runner(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::FOREIGN_RESULT == 0
+}
+fn task_deadline_fences(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::DEADLINE_MISSED == 0
+}
+fn ended(s: &State, how: Ended) -> bool {
+    s.task_log.iter().any(|n| n.end == Some(how))
+}
+fn task_result(_: &RegistrationModel, s: &State) -> bool {
+    ended(s, Ended::Result)
+}
+fn task_cancelled(_: &RegistrationModel, s: &State) -> bool {
+    ended(s, Ended::Cancelled)
+}
+fn task_deadline(_: &RegistrationModel, s: &State) -> bool {
+    ended(s, Ended::Deadline)
+}
+fn cancel_refused(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::CANCEL_REFUSED != 0
+}
+fn run_skipped(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::RUN_SKIPPED != 0
+}
+fn stale_refused(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::STALE_REFUSED != 0
 }
 
 /// Invariant 10's goal: every script operation finished and the parent
@@ -484,7 +563,34 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         && phases
             .iter()
             .any(|ph| matches!(ph, SlotPhase::Spawning | SlotPhase::BackingOff(_)));
-    if machine != in_flight || (p.is_idle() != (p.in_flight().is_empty() && !replacing)) {
+    // The tasks in flight are those the driver saw submitted and not
+    // ended, each as it was sent; a cancel awaits its answer only for a
+    // task it was sent (§2.11).
+    let open_tasks: Vec<Seq> = s
+        .task_log
+        .iter()
+        .filter(|n| n.ends == 0)
+        .map(|n| n.seq)
+        .collect();
+    if lifecycle == Lifecycle::Started && p.tasks_in_flight() != open_tasks {
+        return fail("Parent::tasks_in_flight disagrees with the tasks the driver saw submitted and not ended");
+    }
+    for note in &s.task_log {
+        let info = p.task(note.seq);
+        let cancelling = p.awaits_cancel(note.target, note.seq);
+        if info.is_some_and(|t| {
+            (t.target, t.incarnation, t.cancelling) != (note.target, note.incarnation, cancelling)
+                || t.deadline.map(|d| d.0) != note.deadline
+        }) || (cancelling && note.cancelled_at.is_none())
+        {
+            return fail("Parent::task or awaits_cancel disagrees with the task as it was submitted and cancelled");
+        }
+    }
+    let cancels = s.task_log.iter().any(|n| p.awaits_cancel(n.target, n.seq));
+    let tasks_idle = p.tasks_in_flight().is_empty() && !cancels;
+    if machine != in_flight
+        || (p.is_idle() != (p.in_flight().is_empty() && tasks_idle && !replacing))
+    {
         return fail(
             "Parent::in_flight or is_idle disagrees with the operations the client has in flight and the replacements asked for",
         );
@@ -537,7 +643,27 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         return fail("a back-off before a replacement is not ahead, or longer than its doubling");
     }
     let backoff = backoff.map(|(until, _)| until);
-    let op_deadline = p.poll_timeout().filter(|d| Some(*d) != backoff);
+    // The earliest task deadline and, with fencing, silence deadline of an
+    // unanswered cancel (§2.11, §2.12), by the driver's record.
+    let tasks_due = s
+        .task_log
+        .iter()
+        .filter_map(|n| {
+            let deadline = n.deadline.filter(|_| p.task(n.seq).is_some());
+            let silence = n
+                .cancelled_at
+                .filter(|_| m.config.fence_on_timeout && p.awaits_cancel(n.target, n.seq))
+                .map(|at| at + CONTROL_TIMEOUT);
+            deadline.into_iter().chain(silence).min()
+        })
+        .min()
+        .map(Time);
+    if tasks_due.is_some_and(|due| due.0 <= s.now || p.poll_timeout().is_none_or(|d| d > due)) {
+        return fail("a task deadline or a cancel's silence deadline is not ahead, or Parent::poll_timeout is after it");
+    }
+    let op_deadline = p
+        .poll_timeout()
+        .filter(|d| Some(*d) != backoff && Some(*d) != tasks_due);
     if let Some(deadline) = p.poll_timeout() {
         if backoff.is_some_and(|b| b < deadline) {
             return fail("Parent::poll_timeout is after a back-off before a replacement");
@@ -584,9 +710,13 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         }
     }
     let bound = p.poll_bound();
+    let other = match (backoff, tasks_due) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
     if bound != bounds.iter().min().copied()
-        || (bound.is_some() != p.poll_timeout().is_some() && backoff.is_none())
-        || (bound.is_none() && p.poll_timeout() != backoff)
+        || (bound.is_some() && p.poll_timeout().is_none())
+        || (bound.is_none() && p.poll_timeout() != other)
         || bound.zip(p.poll_timeout()).is_some_and(|(b, d)| b < d)
         || bounds
             .iter()
@@ -596,6 +726,10 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
     }
     for (t, reply) in &s.replies {
         let awaited = p.awaits_reply(*t, reply.seq);
+        if p.awaits_cancel(*t, reply.seq) {
+            // The answer to a cancel: handled by the task rules (§2.11).
+            continue;
+        }
         if lifecycle != Lifecycle::Started {
             if awaited {
                 return fail("Parent::awaits_reply is true after close");
@@ -670,6 +804,14 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         }
         if target.is_deserializing() == side.deserializing.is_empty()
             || target.runs_in_progress() != side.runs.len()
+            || side
+                .runs
+                .iter()
+                .any(|(seq, _, _)| target.is_started(*seq) != side.started.contains(seq))
+            || side
+                .runs
+                .iter()
+                .any(|(seq, _, _)| target.is_started(*seq) && target.is_cancelled(*seq))
         {
             return fail("Target::is_deserializing or runs_in_progress disagrees with the driver");
         }
@@ -709,6 +851,7 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(INV9, inv9),
         Property::always(INV11, inv11),
         Property::always(INV12, inv12),
+        Property::always(INV13, inv13),
         Property::always(DRIVING_RULE, driving_rule),
         Property::always(HEARD_NOT_FENCED, heard_not_fenced),
         Property::always(INV10_TERMINAL, inv10_terminal),
@@ -720,6 +863,11 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(POISON_NOT_PUBLISHED, poison_not_published),
         Property::always(POISON_NOT_SENT, poison_not_sent),
         Property::always(SILENCE_POISONS_NOTHING, silence_poisons_nothing),
+        Property::always(TASK_ONCE, task_once),
+        Property::always(TASK_CANCELLED_NOT_RUN, task_cancelled_not_run),
+        Property::always(TASK_RUN_ONCE, task_run_once),
+        Property::always(TASK_RESULT_FROM_RUNNER, task_result_from_runner),
+        Property::always(TASK_DEADLINE_FENCES, task_deadline_fences),
         Property::eventually(INV10_EVENTUALLY, inv10_eventually),
         Property::sometimes(SOMETIMES_PUBLISH, publishes),
         Property::sometimes(SOMETIMES_ROLLBACK, rolls_back),
@@ -748,11 +896,17 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_ABANDONED, abandoned),
         Property::sometimes(SOMETIMES_SPAWN_FAILED, spawn_failed),
         Property::sometimes(SOMETIMES_BACKOFF, backoff_passed),
+        Property::sometimes(SOMETIMES_TASK_RESULT, task_result),
+        Property::sometimes(SOMETIMES_TASK_CANCELLED, task_cancelled),
+        Property::sometimes(SOMETIMES_CANCEL_REFUSED, cancel_refused),
+        Property::sometimes(SOMETIMES_RUN_SKIPPED, run_skipped),
+        Property::sometimes(SOMETIMES_TASK_DEADLINE, task_deadline),
+        Property::sometimes(SOMETIMES_STALE_REFUSED, stale_refused),
     ]
 }
 
 /// Why `state` breaks property `name`, for a counterexample's last state:
-/// the library's violation text for invariants 1–9, 11 and 12, a fixed explanation
+/// the library's violation text for invariants 1–9 and 11–13, a fixed explanation
 /// for the others; `None` if it does not break it.
 pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<String> {
     let by_number = |n: u8| {
@@ -768,7 +922,7 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
             "invariant 8 (dispatch safety) violated: a task for a live handle reached a live target lacking its digest"
                 .to_owned(),
         ),
-        Some(n @ (1..=9 | 11 | 12)) => by_number(n),
+        Some(n @ (1..=9 | 11..=13)) => by_number(n),
         Some(10) => (!all_complete(state)).then(|| {
             let waiting: Vec<String> = (0..model.config.targets)
                 .map(TargetId)
@@ -780,9 +934,15 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
                 })
                 .map(|t| t.to_string())
                 .collect();
+            let tasks = state.parent.tasks_in_flight();
             format!(
-                "invariant 10 (liveness) violated: no action is possible but operations {:?} did not complete{}",
+                "invariant 10 (liveness) violated: no action is possible but operations {:?}{} did not complete{}",
                 state.parent.in_flight(),
+                if tasks.is_empty() {
+                    String::new()
+                } else {
+                    format!(" and tasks {tasks:?}")
+                },
                 if waiting.is_empty() {
                     String::new()
                 } else {
@@ -816,6 +976,29 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
         ),
         _ if name == SILENCE_POISONS_NOTHING && !silence_poisons_nothing(model, state) => Some(
             "a probe target fenced for silence (no alive report for a control timeout) poisoned the digest it probed".to_owned(),
+        ),
+        _ if name == TASK_ONCE && !task_once(model, state) => Some(if state.seen & seen::TASK_DONE_TWICE != 0 {
+            "a task ended twice (see the last step)".to_owned()
+        } else {
+            let open: Vec<String> = state
+                .task_log
+                .iter()
+                .filter(|n| n.ends == 0)
+                .map(|n| n.seq.to_string())
+                .collect();
+            format!("the parent is idle but tasks [{}] never ended", open.join(", "))
+        }),
+        _ if name == TASK_CANCELLED_NOT_RUN && !task_cancelled_not_run(model, state) => Some(
+            "a task ended cancelled although its run started, or its run started after its cancel was answered OK (see the last step)".to_owned(),
+        ),
+        _ if name == TASK_RUN_ONCE && !task_run_once(model, state) => Some(
+            "a task's run started a second time".to_owned(),
+        ),
+        _ if name == TASK_RESULT_FROM_RUNNER && !task_result_from_runner(model, state) => Some(
+            "a task ended with a result that did not come, live, from the target and incarnation it was sent to (see the last step)".to_owned(),
+        ),
+        _ if name == TASK_DEADLINE_FENCES && !task_deadline_fences(model, state) => Some(
+            "at a passed deadline a task past its deadline did not end Deadline, or its target was not fenced".to_owned(),
         ),
         _ => None,
     }

@@ -6,8 +6,8 @@
 //! explore only one of them. [`State::representative`] renumbers targets in
 //! the order of a key made of what the model sees of each target (its
 //! installed digests with refcounts, tombstoned slots, slot, run and
-//! deserialization counts, the frames to it, the replies from it, its end
-//! of file, the driver's bookkeeping, whether the parent counts it live and
+//! deserialization counts, the frames to it, the replies and task results
+//! from it, its end of file, the driver's bookkeeping, whether the parent counts it live and
 //! which of its in-transit answers the parent awaits, its slot's
 //! replacement phase, incarnation and failed joins, and a replacement the
 //! driver was asked for), ties broken by id.
@@ -24,7 +24,7 @@ use std::hash::{Hash, Hasher};
 use callreg::protocol::TargetId;
 use stateright::Representative;
 
-use crate::model::{State, StepStatus};
+use crate::model::{State, StepStatus, TaskNote};
 
 /// A small multiplicative hasher for the sort keys: their quality only
 /// affects how many symmetric states get merged, never soundness, and
@@ -79,6 +79,11 @@ impl State {
                 self.parent.awaits_reply(id, reply.seq).hash(&mut hasher);
             }
         }
+        for (t, result) in &self.results {
+            if *t == id {
+                result.hash(&mut hasher);
+            }
+        }
         self.eof[index].hash(&mut hasher);
         self.sides[index].hash(&mut hasher);
         self.parent.is_target_live(id).hash(&mut hasher);
@@ -118,6 +123,18 @@ impl State {
             .map(|(t, r)| (map(*t), r.clone()))
             .collect();
         replies.sort_by_key(|(t, _)| *t);
+        let mut results: Vec<_> = self.results.iter().map(|(t, r)| (map(*t), *r)).collect();
+        results.sort_by_key(|(t, _)| *t);
+        let mut stale: Vec<_> = self.stale.iter().map(|(t, r)| (map(*t), *r)).collect();
+        stale.sort();
+        let task_log = self
+            .task_log
+            .iter()
+            .map(|n| TaskNote {
+                target: map(n.target),
+                ..*n
+            })
+            .collect();
         let client = self
             .client
             .iter()
@@ -162,6 +179,10 @@ impl State {
             pre: self.pre.clone(),
             client,
             tasks: self.tasks.clone(),
+            results,
+            stale,
+            task_log,
+            delivering: self.delivering,
             now: self.now,
             budgets: self.budgets,
             seen: self.seen,

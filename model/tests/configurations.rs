@@ -55,22 +55,24 @@ fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.
     let expected = [
-        ("forged", 3_648, 15),
+        ("forged", 3_816, 16),
         ("refused-unregister", 334, 23),
         ("staging", 2_686, 18),
-        ("close", 12_829, 26),
-        ("two-deserializations", 7_552, 21),
-        ("pre-start", 55_809, 23),
-        ("snapshot-failure", 4_442, 17),
+        ("close", 32_397, 28),
+        ("two-deserializations", 10_872, 23),
+        ("pre-start", 131_522, 24),
+        ("snapshot-failure", 10_152, 19),
         ("poison", 1_912, 33),
-        ("heartbeat-no-fence", 14_697, 16),
+        ("heartbeat-no-fence", 14_825, 16),
         ("heartbeat", 16_158, 19),
-        ("respawn", 28_159, 29),
+        ("respawn", 57_418, 32),
         ("respawn-no-fence", 32_300, 33),
         ("respawn-spawn-failure", 24_562, 26),
-        ("standard", 50_959, 36),
-        ("no-probe", 48_846, 36),
-        ("no-fence", 194_215, 39),
+        ("tasks-cancel", 229, 18),
+        ("tasks-deadline", 1_406, 23),
+        ("standard", 109_441, 37),
+        ("no-probe", 107_282, 37),
+        ("no-fence", 407_354, 40),
     ];
     let names: Vec<&str> = configs::all().iter().map(|n| n.name).collect();
     assert_eq!(

@@ -104,10 +104,10 @@ fn a_staging_failure_fails_the_register_before_any_target_sees_it() {
 #[test]
 fn faulty_configurations_pass_with_pinned_state_counts() {
     let expected = [
-        ("single-register", true, 166),
-        ("single-register", false, 304),
-        ("register-unregister-same-digest", true, 14304),
-        ("snapshot-then-operations", true, 8232),
+        ("single-register", true, 185),
+        ("single-register", false, 323),
+        ("register-unregister-same-digest", true, 29623),
+        ("snapshot-then-operations", true, 20363),
     ];
     let mut counted = Vec::new();
     for (name, fence, _) in expected {
@@ -243,6 +243,25 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
             ..quiet(2, "duplicate-register")
         },
         Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished => replacing(),
+        Mutant::CancelStarted => ModelConfig {
+            tasks: 1,
+            cancels: 1,
+            ..quiet(1, "single-register")
+        },
+        Mutant::DeadlineWithoutCompletion => ModelConfig {
+            tasks: 1,
+            task_deadline: true,
+            deadlines: 1,
+            ..quiet(1, "single-register")
+        },
+        Mutant::AcceptStaleResult => ModelConfig {
+            tasks: 2,
+            task_deadline: true,
+            deadlines: 1,
+            stale_results: 1,
+            respawn_limit: 1,
+            ..quiet(1, "single-register")
+        },
     };
     // In name order, as `violated` lists them.
     let broken = match mutant {
@@ -259,6 +278,9 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
         Mutant::PoisonSilence => vec![SILENCE_POISONS_NOTHING],
         Mutant::JoinBeforeReplay => vec![INV11, INV2, INV8, FENCED_CERTAIN],
         Mutant::SkipReplayOfPublished => vec![INV11],
+        Mutant::CancelStarted => vec![TASK_CANCELLED_NOT_RUN, QUERIES],
+        Mutant::DeadlineWithoutCompletion => vec![TASK_DEADLINE_FENCES],
+        Mutant::AcceptStaleResult => vec![INV10_TERMINAL, INV13, TASK_RESULT_FROM_RUNNER],
     };
     config.mutant = Some(mutant);
     (config, broken)
@@ -306,11 +328,21 @@ fn mutants_are_also_caught_by_one_shared_fault_rich_configuration() {
     for mutant in Mutant::ALL {
         let replaces = matches!(
             mutant,
-            Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished
+            Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished | Mutant::AcceptStaleResult
+        );
+        // The task mutants need what reaches their code: a cancel, task
+        // deadlines, a second task and a stale result.
+        let tasks = matches!(
+            mutant,
+            Mutant::CancelStarted | Mutant::DeadlineWithoutCompletion | Mutant::AcceptStaleResult
         );
         let config = ModelConfig {
             mutant: Some(*mutant),
-            heartbeats: 1,
+            heartbeats: u8::from(!tasks),
+            tasks: if tasks { 2 } else { 1 },
+            cancels: u8::from(tasks),
+            task_deadline: tasks,
+            stale_results: u8::from(tasks),
             respawn_limit: u16::from(replaces),
             ..faulty(
                 "register-unregister-same-digest",
@@ -383,7 +415,7 @@ fn symmetry_gives_the_same_verdicts_as_the_full_state_space() {
     }
     let full = run(configs[0].1.clone(), false);
     let reduced = run(configs[0].1.clone(), true);
-    assert_eq!((full.unique_states, reduced.unique_states), (1125, 453));
+    assert_eq!((full.unique_states, reduced.unique_states), (1172, 462));
     for (what, config) in configs {
         let full = run(config.clone(), false);
         let reduced = run(config.clone(), true);
@@ -686,7 +718,7 @@ fn check_a_named_configuration_as_one_json_document() {
     let stdout = String::from_utf8(out.stdout).unwrap();
     let document: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(document["name"], "forged");
-    assert_eq!(document["unique_states"], 3648);
+    assert_eq!(document["unique_states"], 3816);
     assert_eq!(document["complete"], true);
     assert_eq!(document["missing_witnesses"], serde_json::json!([]));
     let stderr = String::from_utf8(out.stderr).unwrap();

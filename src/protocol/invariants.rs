@@ -77,7 +77,7 @@ impl<'a> View<'a> {
 /// was seen.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct Violation {
-    /// The invariant's number (1–9, 11 or 12).
+    /// The invariant's number (1–9, 11, 12 or 13).
     pub number: u8,
     /// The invariant's name, e.g. `"publish after all"`.
     pub name: &'static str,
@@ -108,9 +108,9 @@ fn violation(number: u8, name: &'static str, description: String) -> Result<(), 
 /// A named invariant predicate.
 pub type Predicate = fn(&View<'_>) -> Result<(), Violation>;
 
-/// Invariants 1–9, 11 and 12 with their numbers and names, in order
+/// Invariants 1–9, 11, 12 and 13 with their numbers and names, in order
 /// (10, liveness, is a property of runs).
-pub const ALL: [(u8, &str, Predicate); 11] = [
+pub const ALL: [(u8, &str, Predicate); 12] = [
     (1, "publish after all", inv1_publish_after_all),
     (2, "no orphan installs", inv2_no_orphan_installs),
     (3, "uncertain is sticky", inv3_uncertain_is_sticky),
@@ -126,6 +126,11 @@ pub const ALL: [(u8, &str, Predicate); 11] = [
         inv11_joined_hold_registry,
     ),
     (12, "no task before join", inv12_no_task_before_join),
+    (
+        13,
+        "tasks run on live incarnations",
+        inv13_tasks_on_live_incarnations,
+    ),
 ];
 
 /// Every invariant of [`ALL`], stopping at the first violation.
@@ -586,6 +591,38 @@ pub fn inv12_no_task_before_join(view: &View<'_>) -> Result<(), Violation> {
                     ),
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// Invariant 13, tasks run on live incarnations (`specs/protocol.md`
+/// §2.11): while the Worker is started, every task in flight names a
+/// target the parent counts live, at the incarnation of its slot that the
+/// parent records now (a task whose target's process was lost ended with
+/// it, so a replacement never inherits it and no earlier process's result
+/// can end it).
+///
+/// # Errors
+/// A [`Violation`] naming the task, its target and the incarnations.
+pub fn inv13_tasks_on_live_incarnations(view: &View<'_>) -> Result<(), Violation> {
+    if view.parent.lifecycle != Lifecycle::Started {
+        return Ok(());
+    }
+    for (seq, task) in &view.parent.tasks {
+        let live = view.parent.is_target_live(task.target);
+        let current = view.parent.incarnation(task.target);
+        if !live || current != task.incarnation {
+            return violation(
+                13,
+                "tasks run on live incarnations",
+                format!(
+                    "task {seq} is in flight on {} (incarnation {}), which is {} at incarnation {current}",
+                    task.target,
+                    task.incarnation,
+                    if live { "live" } else { "lost" }
+                ),
+            );
         }
     }
     Ok(())
@@ -1209,6 +1246,40 @@ mod tests {
             },
         )];
         assert_eq!(check(8, &parent, &targets, &frames), Ok(()));
+    }
+
+    #[test]
+    fn inv13_catches_a_task_on_a_lost_target_or_an_earlier_incarnation() {
+        let (mut parent, targets) = system();
+        let handle = parent.live_handles().remove(0);
+        let seq = parent.submit(&handle, TargetId(1)).unwrap();
+        while parent.poll_effect().is_some() {}
+        assert_eq!(check(13, &parent, &targets, &[]), Ok(()));
+        // The correct machine ends the task with its target's loss.
+        let mut lost = parent.clone();
+        lost.target_died(TargetId(1), "gone", crate::protocol::Time(1))
+            .unwrap();
+        assert_eq!(lost.tasks_in_flight(), vec![]);
+        assert_eq!(check(13, &lost, &targets, &[]), Ok(()));
+        // A task left in flight on a lost target.
+        let mut kept = parent.clone();
+        kept.lost.insert(TargetId(1));
+        let v = check(13, &kept, &targets, &[]).unwrap_err();
+        assert_eq!(
+            v.to_string(),
+            format!("invariant 13 (tasks run on live incarnations) violated: task {seq} is in flight on target 1 (incarnation 0), which is lost at incarnation 0")
+        );
+        // A task of an earlier incarnation of a live slot.
+        let mut earlier = parent.clone();
+        earlier.tasks.get_mut(&seq).unwrap().incarnation = 1;
+        let v = check(13, &earlier, &targets, &[]).unwrap_err();
+        assert_eq!(
+            v.description,
+            format!("task {seq} is in flight on target 1 (incarnation 1), which is live at incarnation 0")
+        );
+        // After close nothing is in flight to check.
+        kept.close().unwrap();
+        assert_eq!(check(13, &kept, &targets, &[]), Ok(()));
     }
 
     #[test]

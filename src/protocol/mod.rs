@@ -302,11 +302,14 @@ pub enum Mutant {
     /// cancelled and run").
     CancelStarted,
     /// Parent: a task's deadline fences its target without completing the
-    /// task (caught by the model's "every task completes exactly once").
+    /// task there (the fence then ends it `lost`; caught by the model's
+    /// "a task past its deadline ends Deadline and its target is fenced").
     DeadlineWithoutCompletion,
     /// Parent: a task result from a previous incarnation of the task's
-    /// target slot is accepted (caught by the model's "results only from
-    /// the incarnation that ran the task").
+    /// target slot is accepted: a lost target's tasks stay in flight, and a
+    /// result from any incarnation ends them (caught by the model's
+    /// "results only from the incarnation that ran the task", "every task
+    /// completes exactly once" and invariant 13).
     AcceptStaleResult,
     /// Parent: a replacement joins as soon as it is spawned, before its
     /// replayed registrations are confirmed (caught by invariant 11).
