@@ -430,6 +430,8 @@ pub mod seen {
 pub struct TaskResult {
     /// The task.
     pub seq: Seq,
+    /// The callable it ran (the result frame names it).
+    pub digest: Digest,
     /// The incarnation of the slot whose process sent it.
     pub incarnation: u32,
 }
@@ -1850,7 +1852,7 @@ impl RegistrationModel {
         state.delivering = Some((result.seq, genuine));
         match state
             .parent
-            .handle_task_result(id, result.incarnation, result.seq)
+            .handle_task_result(id, result.incarnation, result.seq, result.digest)
         {
             Ok(true) => {}
             Ok(false) => {
@@ -2538,8 +2540,21 @@ impl stateright::Model for RegistrationModel {
                     }
                 }
                 let incarnation = state.sides[index].incarnation;
+                let digest = state.sides[index]
+                    .runs
+                    .iter()
+                    .find(|(s, _, _)| *s == seq)
+                    .map(|(_, _, d)| *d)?;
                 self.end_run(&mut state, id, seq)?;
-                insert_ordered(&mut state.results, id, TaskResult { seq, incarnation });
+                insert_ordered(
+                    &mut state.results,
+                    id,
+                    TaskResult {
+                        seq,
+                        digest,
+                        incarnation,
+                    },
+                );
             }
             Action::ReceiveResult(id) => self.receive_result(&mut state, id, None)?,
             Action::ReceiveStale { target, seq } => {
