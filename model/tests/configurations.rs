@@ -7,8 +7,9 @@
 //! (`scripts/mutants --model-only`): it asserts the checker's verdict only,
 //! never a state count, so a mutant it catches is caught by a property or
 //! a missing witness. `pinned_state_counts` notices any change of the
-//! state space. Run in release (`cargo test --release -p callreg-model
-//! --test configurations`): about half a minute on one core.
+//! state space. Both run in release only (`cargo test --release -p
+//! callreg-model --test configurations`, a step of `.ci/run`): a debug
+//! build explores the set about twenty times slower, minutes per test.
 
 use callreg_model::configs;
 use callreg_model::run::{check_named, SearchOptions};
@@ -21,6 +22,10 @@ fn options() -> SearchOptions {
 }
 
 #[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "release only: cargo test --release -p callreg-model --test configurations"
+)]
 fn verdicts() {
     let mut failed = Vec::new();
     for named in configs::all() {
@@ -51,6 +56,10 @@ fn verdicts() {
 }
 
 #[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "release only: cargo test --release -p callreg-model --test configurations"
+)]
 fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.

@@ -119,7 +119,8 @@ pub use forms::{
 };
 pub use parent::{
     Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, Poison,
-    SlotPhase, TargetOutcome, TaskEnd, TaskInfo, BOUND_FENCE_CAUSE, SILENT_FENCE_CAUSE,
+    SlotPhase, TargetOutcome, TaskEnd, TaskInfo, BOUND_FENCE_CAUSE, NOT_READY_CAUSE,
+    SILENT_FENCE_CAUSE,
 };
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
 

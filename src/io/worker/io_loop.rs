@@ -290,7 +290,7 @@ pub(super) struct IoLoop {
     pub(super) spawned: Arc<Mutex<VecDeque<Spawned>>>,
     /// Replacements started and not yet ready, by index: the incarnation
     /// and the time by which its ready report must come.
-    pub(super) starting: BTreeMap<usize, (u32, Instant)>,
+    pub(super) starting: BTreeMap<usize, u32>,
     /// Why the machine will fence a target next (a failed join), if not
     /// for a deadline.
     pub(super) fence_reasons: BTreeMap<TargetId, String>,
@@ -375,7 +375,6 @@ impl IoLoop {
         machine
             .into_iter()
             .chain(self.inspects.iter().map(|w| w.deadline))
-            .chain(self.starting.values().map(|(_, deadline)| *deadline))
             .min()
     }
 
@@ -438,7 +437,6 @@ impl IoLoop {
             self.drain(core, &mut Context::default());
         }
         self.expire_inspects();
-        self.expire_starting(core);
     }
 
     /// Reads what the pipes `events` reported ready hold, and handles the
@@ -1014,7 +1012,7 @@ impl IoLoop {
             }
             Frame::Ready { snapshot, .. } => {
                 let index = usize::from(target.0);
-                let Some((incarnation, _)) = self.starting.remove(&index) else {
+                let Some(incarnation) = self.starting.remove(&index) else {
                     return Err("it sent a second ready report".to_owned());
                 };
                 if !snapshot.is_empty() {

@@ -47,8 +47,9 @@
 //!    requests left in the queue ([`Worker::submit_then`]), draining
 //!    effects after each; carry out a close.
 //! 2. Read the clock; if the machine's `poll_timeout` has passed, call
-//!    `handle_timeout(now)`; drain effects. Inspections and starting
-//!    replacements past their deadline are given up.
+//!    `handle_timeout(now)`; drain effects (a replacement not ready in
+//!    time is one the machine fences). Inspections past their deadline are
+//!    given up.
 //! 3. Build the poll set: the wake pipe, every live target's pidfd, its
 //!    reply socket when a reply is expected and no leader reads it, and the
 //!    control socket of every target with unsent bytes; the poll timeout

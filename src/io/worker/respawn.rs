@@ -5,7 +5,6 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
 
 use serde::Serialize;
 
@@ -305,8 +304,8 @@ impl IoLoop {
                         incarnation,
                     });
                 }
-                self.starting
-                    .insert(index, (incarnation, Instant::now() + self.control_timeout));
+                // Its ready deadline is the machine's (§2.9).
+                self.starting.insert(index, incarnation);
                 core.record(SlotEvent::Spawned {
                     target,
                     incarnation,
@@ -324,21 +323,5 @@ impl IoLoop {
             }
         }
         self.drain(core, &mut Context::default());
-    }
-
-    /// Gives up every replacement that did not report ready in time.
-    pub(super) fn expire_starting(&mut self, core: &mut Core) {
-        let now = Instant::now();
-        let late: Vec<usize> = self
-            .starting
-            .iter()
-            .filter(|(_, (_, deadline))| *deadline <= now)
-            .map(|(index, _)| *index)
-            .collect();
-        for index in late {
-            self.starting.remove(&index);
-            let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
-            self.lose(core, target, "its replacement was not ready in time");
-        }
     }
 }

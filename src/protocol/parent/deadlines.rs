@@ -11,6 +11,11 @@ use crate::error::{Error, ErrorCode, OperationKind};
 use crate::protocol::Mutant;
 use crate::protocol::{Failure, OpId, Seq, TargetId, Time};
 
+/// The cause [`Parent::handle_timeout`] gives a replacement it fences
+/// because it did not report ready within the control timeout of its
+/// [`Effect::Spawn`] (`specs/protocol.md` §2.9).
+pub const NOT_READY_CAUSE: &str = "its replacement was not ready in time";
+
 /// The cause of a target fenced for silence: no alive report for a whole
 /// control timeout (§2.7); no evidence against a digest it probed (§2.8).
 pub const SILENT_FENCE_CAUSE: &str = "it sent no alive report for a control timeout and was fenced";
@@ -59,7 +64,20 @@ impl Parent {
             .map(|(t, _)| *t)
             .collect();
         for target in due {
-            self.spawn(target);
+            self.spawn(target, now);
+        }
+        // A replacement asked for and not ready within the control timeout
+        // (§2.9: the template is stopped or gone, the process hangs before
+        // its ready report) is fenced: lost before it joined.
+        let unready: Vec<TargetId> = self
+            .slots
+            .iter()
+            .filter(|(_, r)| r.phase == SlotPhase::Spawning && r.ready_by <= now)
+            .map(|(t, _)| *t)
+            .collect();
+        for target in unready {
+            self.effects.push_back(Effect::Fence { target });
+            self.lose(target, Progress::Fenced, NOT_READY_CAUSE, now, false);
         }
         // Task deadlines fence whatever `fence_on_timeout` says (§2.12);
         // a deadline is no evidence against a probed digest (§2.8).

@@ -46,7 +46,7 @@ mod tasks;
 #[cfg(test)]
 mod tests;
 
-pub use deadlines::{BOUND_FENCE_CAUSE, SILENT_FENCE_CAUSE};
+pub use deadlines::{BOUND_FENCE_CAUSE, NOT_READY_CAUSE, SILENT_FENCE_CAUSE};
 pub use tasks::{TaskEnd, TaskInfo};
 
 /// How a [`Parent`] is set up. Every field is chosen by the embedder.
@@ -368,6 +368,11 @@ pub(crate) struct SlotRecord {
     /// Replacements in a row lost before they joined.
     pub(crate) failed_joins: u16,
     pub(crate) phase: SlotPhase,
+    /// While [`SlotPhase::Spawning`]: when the replacement asked for must
+    /// have reported ready (the [`Effect::Spawn`] plus the control
+    /// timeout, §2.9); past it, it is fenced and counts as lost before it
+    /// joined.
+    pub(crate) ready_by: Time,
 }
 
 /// A live handle's record in the registry.
@@ -720,6 +725,7 @@ impl Parent {
     pub fn poll_timeout(&self) -> Option<Time> {
         let respawns = self.slots.values().filter_map(|r| match r.phase {
             SlotPhase::BackingOff(until) if self.lifecycle == Lifecycle::Started => Some(until),
+            SlotPhase::Spawning if self.lifecycle == Lifecycle::Started => Some(r.ready_by),
             _ => None,
         });
         self.ops

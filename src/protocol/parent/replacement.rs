@@ -131,6 +131,7 @@ impl Parent {
             incarnation: 0,
             failed_joins: 0,
             phase: SlotPhase::Joined,
+            ready_by: Time(0),
         });
         record.failed_joins = match record.phase {
             SlotPhase::Joined => 0,
@@ -153,18 +154,20 @@ impl Parent {
                 .saturating_mul(1u64 << u32::from(n - 1).min(32)),
         };
         if delay == 0 {
-            self.spawn(target);
+            self.spawn(target, now);
         } else {
             record.phase = SlotPhase::BackingOff(now.saturating_add_micros(delay));
         }
     }
 
-    pub(super) fn spawn(&mut self, target: TargetId) {
+    pub(super) fn spawn(&mut self, target: TargetId, now: Time) {
+        let control_timeout = self.config.control_timeout;
         let Some(record) = self.slots.get_mut(&target) else {
             return;
         };
         record.incarnation = record.incarnation.saturating_add(1);
         record.phase = SlotPhase::Spawning;
+        record.ready_by = now.saturating_add_micros(control_timeout);
         self.effects.push_back(Effect::Spawn {
             target,
             incarnation: record.incarnation,

@@ -1132,3 +1132,64 @@ fn every_hook_a_register_names_must_be_live_in_local_python() {
     );
     assert_eq!(e.hashid, Some(HashId(digest(5))));
 }
+
+#[test]
+fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_failed_join() {
+    let mut p = Parent::new(ParentConfig {
+        respawn_limit: 2,
+        respawn_backoff: 10,
+        ..new_parent(1).config
+    });
+    p.start().unwrap();
+    p.target_died(TargetId(0), "killed", Time(5)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        vec![Effect::Spawn {
+            target: TargetId(0),
+            incarnation: 1
+        }]
+    );
+    // control_timeout is 100: ready by 105.
+    assert_eq!(p.poll_timeout(), Some(Time(105)));
+    p.handle_timeout(Time(104));
+    assert!(drain(&mut p).is_empty());
+    p.handle_timeout(Time(105));
+    assert_eq!(
+        drain(&mut p),
+        vec![Effect::Fence {
+            target: TargetId(0)
+        }]
+    );
+    assert_eq!(p.slot_phase(TargetId(0)), SlotPhase::BackingOff(Time(115)));
+    assert_eq!(p.failed_joins(TargetId(0)), 1);
+    // The late report of the fenced incarnation is refused.
+    assert_eq!(
+        p.target_spawned(TargetId(0), 1, Time(106))
+            .unwrap_err()
+            .code,
+        ErrorCode::FRAME_INVALID
+    );
+    p.handle_timeout(Time(115));
+    assert_eq!(
+        drain(&mut p),
+        vec![Effect::Spawn {
+            target: TargetId(0),
+            incarnation: 2
+        }]
+    );
+    p.handle_timeout(Time(215));
+    assert_eq!(
+        drain(&mut p),
+        vec![
+            Effect::Fence {
+                target: TargetId(0)
+            },
+            Effect::Abandoned {
+                target: TargetId(0),
+                failed_joins: 2
+            }
+        ]
+    );
+    assert_eq!(p.slot_phase(TargetId(0)), SlotPhase::Lost);
+    assert_eq!(p.poll_timeout(), None);
+}
