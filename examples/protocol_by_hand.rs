@@ -54,7 +54,10 @@ impl World {
                 Effect::TaskDone { seq, end, .. } => {
                     println!("  parent: task {seq} ended: {end:?}")
                 }
-                Effect::CancelRefused { .. } => {}
+                // This example neither cancels nor inspects.
+                Effect::CancelRefused { .. }
+                | Effect::Inspect { .. }
+                | Effect::InspectDone { .. } => {}
                 completed @ Effect::Completed { .. } => self.completed.push(completed),
             }
         }

@@ -179,6 +179,8 @@ pub enum OperationKind {
     Stage,
     /// Decoding a frame, an envelope or a hashid.
     Decode,
+    /// Asking the targets for their tables.
+    Inspect,
 }
 
 impl OperationKind {
@@ -195,6 +197,7 @@ impl OperationKind {
             OperationKind::Reply => "reply",
             OperationKind::Stage => "stage",
             OperationKind::Decode => "decode",
+            OperationKind::Inspect => "inspect",
         }
     }
 }

@@ -37,6 +37,8 @@ fn effect(e: &Effect) -> String {
         },
         Effect::TaskDone { seq, end, .. } => format!("task {} done {end:?}", seq.0),
         Effect::CancelRefused { seq, .. } => format!("cancel {} refused", seq.0),
+        Effect::Inspect { target, seq } => format!("inspect {} to {}", seq.0, target.0),
+        Effect::InspectDone { seq, .. } => format!("inspect {} done", seq.0),
         Effect::ReleaseStaged { staging } => format!("release {}", staging.0),
         Effect::Fence { target } => format!("fence {}", target.0),
         Effect::Restage { staging, .. } => format!("restage {}", staging.0),

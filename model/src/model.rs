@@ -1324,6 +1324,11 @@ impl RegistrationModel {
                         state.breach("a cancel was refused with another error than TASK_RUNNING, or for a task not in flight");
                     }
                 }
+                // The client never inspects (a diagnostic that changes no
+                // state the properties read): none is ever emitted.
+                Effect::Inspect { .. } | Effect::InspectDone { .. } => {
+                    state.breach("an inspection nobody asked for");
+                }
             }
         }
         if fence_due.is_some() {

@@ -435,7 +435,8 @@ impl Sim {
                     "task {seq} ended twice"
                 );
             }
-            Effect::CancelRefused { .. } => {}
+            // The scenarios never inspect.
+            Effect::CancelRefused { .. } | Effect::Inspect { .. } | Effect::InspectDone { .. } => {}
             Effect::Stage { staging, digest } | Effect::Restage { staging, digest } => {
                 assert!(
                     self.staged.insert(staging, digest).is_none(),

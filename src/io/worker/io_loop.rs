@@ -213,12 +213,9 @@ pub(super) struct TaskWaiter {
     done: Completer<Result<Vec<u8>, TaskError>>,
 }
 
+/// Who waits for an inspection, and the tables that came (the machine
+/// decides whom it asks and when it ends, `specs/protocol.md` §2.13).
 pub(super) struct InspectWaiter {
-    seq: u64,
-    /// When the targets still waited for are given up (`None` in the
-    /// answer): the control timeout after the inspect was sent.
-    deadline: Instant,
-    waiting: Vec<TargetId>,
     tables: BTreeMap<TargetId, Option<TargetTable>>,
     done: Completer<Vec<(TargetId, Option<TargetTable>)>>,
 }
@@ -265,13 +262,8 @@ pub(super) struct IoLoop {
     pub(super) task_keys: BTreeMap<u64, u64>,
     /// Callers waiting for the answer to a cancel, by task seq.
     pub(super) cancels: BTreeMap<u64, Vec<Completer<bool>>>,
-    pub(super) inspects: Vec<InspectWaiter>,
-    /// Inspections a target did not answer before their deadline, by seq
-    /// and target: its table, if it comes, is dropped (it is not out of
-    /// protocol).
-    pub(super) late_tables: std::collections::BTreeSet<(u64, TargetId)>,
-    pub(super) next_inspect: u64,
-    pub(super) control_timeout: Duration,
+    /// Waiters of the inspections in flight, by seq.
+    pub(super) inspects: BTreeMap<u64, InspectWaiter>,
     pub(super) clock: Instant,
     pub(super) max_frame_bytes: usize,
     /// Completions decided under the state lock, handed to their callers
@@ -372,10 +364,7 @@ impl IoLoop {
             .machine
             .poll_timeout()
             .map(|deadline| self.clock + Duration::from_micros(deadline.0));
-        machine
-            .into_iter()
-            .chain(self.inspects.iter().map(|w| w.deadline))
-            .min()
+        machine.into_iter().min()
     }
 
     /// Links with control bytes not yet written: (index, pid).
@@ -436,7 +425,6 @@ impl IoLoop {
             core.machine.handle_timeout(now);
             self.drain(core, &mut Context::default());
         }
-        self.expire_inspects();
     }
 
     /// Reads what the pipes `events` reported ready hold, and handles the
@@ -571,37 +559,16 @@ impl IoLoop {
                     Err(_) => self.defer(done, false),
                 }
             }
-            Request::Inspect { done } => {
-                let seq = self.next_inspect;
-                self.next_inspect += 1;
-                let mut waiting = Vec::new();
-                for (index, link) in self.links.iter_mut().enumerate() {
-                    let Some(link) = link else { continue };
-                    let frame = Frame::Inspect { seq };
-                    if frame
-                        .encode_into(&mut link.outbox, self.max_frame_bytes)
-                        .is_ok()
-                    {
-                        waiting.push(TargetId(u16::try_from(index).unwrap_or(u16::MAX)));
-                    }
+            Request::Inspect { done } => match core.machine.inspect(now) {
+                Ok(seq) => {
+                    let waiter = InspectWaiter {
+                        tables: BTreeMap::new(),
+                        done,
+                    };
+                    self.inspects.insert(seq.0, waiter);
                 }
-                let mut waiter = InspectWaiter {
-                    seq,
-                    deadline: Instant::now() + self.control_timeout,
-                    waiting: waiting.clone(),
-                    tables: BTreeMap::new(),
-                    done,
-                };
-                if waiting.is_empty() {
-                    finish_inspect(&mut waiter);
-                    waiter.done.complete(Vec::new());
-                } else {
-                    self.inspects.push(waiter);
-                    for target in waiting {
-                        self.flush(core, usize::from(target.0));
-                    }
-                }
-            }
+                Err(_) => self.defer(done, Vec::new()),
+            },
             #[cfg(feature = "failpoints")]
             Request::RawControl { target, bytes } => {
                 if let Some(Some(link)) = self.links.get_mut(usize::from(target.0)) {
@@ -716,6 +683,27 @@ impl IoLoop {
                     digest,
                     end,
                 } => self.task_done(seq, target, incarnation, digest, end, context),
+                Effect::Inspect { target, seq } => {
+                    let index = usize::from(target.0);
+                    if let Some(Some(link)) = self.links.get_mut(index) {
+                        let frame = Frame::Inspect { seq: seq.0 };
+                        if frame
+                            .encode_into(&mut link.outbox, self.max_frame_bytes)
+                            .is_ok()
+                        {
+                            self.flush(core, index);
+                        }
+                    }
+                }
+                Effect::InspectDone { seq, missing } => {
+                    if let Some(mut waiter) = self.inspects.remove(&seq.0) {
+                        for target in missing {
+                            waiter.tables.insert(target, None);
+                        }
+                        let tables = std::mem::take(&mut waiter.tables).into_iter().collect();
+                        self.defer(waiter.done, tables);
+                    }
+                }
                 Effect::CancelRefused { seq, .. } => {
                     for done in self.cancels.remove(&seq.0).unwrap_or_default() {
                         self.defer(done, false);
@@ -970,40 +958,34 @@ impl IoLoop {
                 tombstones,
                 entries,
             } => {
-                let Some(position) = self
-                    .inspects
-                    .iter()
-                    .position(|w| w.seq == seq && w.waiting.contains(&target))
-                else {
-                    if self.late_tables.remove(&(seq, target)) {
-                        return Ok(());
-                    }
-                    return Err(format!("it sent a table for unknown inspect seq {seq}"));
+                // The machine says whether the inspection waited for it; a
+                // late table is dropped (§2.13).
+                let waited = match core.machine.handle_table(target, Seq(seq)) {
+                    Ok(waited) => waited,
+                    Err(e) => return Err(format!("it sent a table out of protocol: {e}")),
                 };
-                let incarnation = self
-                    .links
-                    .get(usize::from(target.0))
-                    .and_then(Option::as_ref)
-                    .map_or(0, |link| link.incarnation);
-                let waiter = &mut self.inspects[position];
-                waiter.waiting.retain(|t| *t != target);
-                let installed = entries
-                    .into_iter()
-                    .map(|e| (e.digest, e.refcount))
-                    .collect();
-                waiter.tables.insert(
-                    target,
-                    Some(TargetTable {
-                        installed,
-                        tombstones,
-                        incarnation,
-                    }),
-                );
-                if waiter.waiting.is_empty() {
-                    let mut waiter = self.inspects.remove(position);
-                    let tables = finish_inspect(&mut waiter);
-                    waiter.done.complete(tables);
+                if waited {
+                    let incarnation = self
+                        .links
+                        .get(usize::from(target.0))
+                        .and_then(Option::as_ref)
+                        .map_or(0, |link| link.incarnation);
+                    let installed = entries
+                        .into_iter()
+                        .map(|e| (e.digest, e.refcount))
+                        .collect();
+                    if let Some(waiter) = self.inspects.get_mut(&seq) {
+                        waiter.tables.insert(
+                            target,
+                            Some(TargetTable {
+                                installed,
+                                tombstones,
+                                incarnation,
+                            }),
+                        );
+                    }
                 }
+                self.drain(core, &mut Context::default());
                 Ok(())
             }
             Frame::Alive { seq } => {
@@ -1064,28 +1046,8 @@ impl IoLoop {
         }
     }
 
-    /// Answers every inspection whose deadline passed: a target that has
-    /// not sent its table is `None` in the answer (it stays live; its table
-    /// is dropped if it comes later).
-    fn expire_inspects(&mut self) {
-        let now = Instant::now();
-        let mut index = 0;
-        while index < self.inspects.len() {
-            if self.inspects[index].deadline > now {
-                index += 1;
-                continue;
-            }
-            let mut waiter = self.inspects.remove(index);
-            for target in &waiter.waiting {
-                self.late_tables.insert((waiter.seq, *target));
-            }
-            let tables = finish_inspect(&mut waiter);
-            waiter.done.complete(tables);
-        }
-    }
-
-    /// Kills and reaps a target, and fails the inspections that wait for
-    /// it (the machine ends its tasks when it is told of the loss).
+    /// Kills and reaps a target (the machine ends its tasks and the
+    /// inspections' waits for it when it is told of the loss).
     ///
     /// `grace`: how long a target that is ending on its own may take to
     /// exit before SIGKILL (its exit status then says why it ended).
@@ -1112,23 +1074,7 @@ impl IoLoop {
                 cause: reason.clone(),
             });
         }
-        core.losses.insert(target, reason.clone());
-        self.late_tables.retain(|(_, t)| *t != target);
-        let mut index = 0;
-        while index < self.inspects.len() {
-            let waiter = &mut self.inspects[index];
-            if waiter.waiting.contains(&target) {
-                waiter.waiting.retain(|t| *t != target);
-                waiter.tables.insert(target, None);
-            }
-            if waiter.waiting.is_empty() {
-                let mut waiter = self.inspects.remove(index);
-                let tables = finish_inspect(&mut waiter);
-                waiter.done.complete(tables);
-            } else {
-                index += 1;
-            }
-        }
+        core.losses.insert(target, reason);
     }
 
     /// A target died or broke the protocol: kill, reap, tell the machine.
@@ -1189,10 +1135,8 @@ impl IoLoop {
         self.tasks.clear();
         self.task_keys.clear();
         self.cancels.clear();
-        for mut waiter in std::mem::take(&mut self.inspects) {
-            let tables = finish_inspect(&mut waiter);
-            waiter.done.complete(tables);
-        }
+        // The machine's close ended every inspection (drained above).
+        self.inspects.clear();
         self.staged.clear();
         // Ops still waiting were completed by the machine's close; any left
         // are dropped here, which wakes their callers as abandoned.
@@ -1203,11 +1147,4 @@ impl IoLoop {
             refuse(request, false);
         }
     }
-}
-
-fn finish_inspect(waiter: &mut InspectWaiter) -> Vec<(TargetId, Option<TargetTable>)> {
-    for target in std::mem::take(&mut waiter.waiting) {
-        waiter.tables.insert(target, None);
-    }
-    std::mem::take(&mut waiter.tables).into_iter().collect()
 }

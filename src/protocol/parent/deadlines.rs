@@ -79,6 +79,7 @@ impl Parent {
             self.effects.push_back(Effect::Fence { target });
             self.lose(target, Progress::Fenced, NOT_READY_CAUSE, now, false);
         }
+        self.expire_inspections(now);
         // Task deadlines fence whatever `fence_on_timeout` says (§2.12);
         // a deadline is no evidence against a probed digest (§2.8).
         for (target, cause) in self.expire_tasks(now) {

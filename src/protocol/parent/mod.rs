@@ -39,6 +39,7 @@ macro_rules! mutant {
 pub(crate) use mutant;
 
 mod deadlines;
+mod inspect;
 mod operations;
 mod registry;
 mod replacement;
@@ -279,6 +280,23 @@ pub enum Effect {
         target: TargetId,
         /// Replacements in a row lost before they joined.
         failed_joins: u16,
+    },
+    /// Ask `target` for its table under `seq` (§2.13); its answer goes to
+    /// [`Parent::handle_table`].
+    Inspect {
+        /// The target to ask.
+        target: TargetId,
+        /// The inspection's seq.
+        seq: Seq,
+    },
+    /// Inspection `seq` ended (§2.13): every target asked answered, except
+    /// `missing` (lost, or silent for the control timeout), in target
+    /// order.
+    InspectDone {
+        /// The inspection.
+        seq: Seq,
+        /// The targets whose table will not come.
+        missing: Vec<TargetId>,
     },
     /// Task `seq` ended (`specs/protocol.md` §2.11), once: with a result
     /// (hand the result frame the IO layer holds to its caller), or with
@@ -573,6 +591,8 @@ pub struct Parent {
     pub(crate) tasks: BTreeMap<Seq, tasks::TaskRecord>,
     /// Cancels sent and not yet answered, by target and task seq.
     pub(crate) cancels: BTreeMap<(TargetId, Seq), tasks::PendingCancel>,
+    /// Inspections in flight, by seq (§2.13).
+    pub(crate) inspections: BTreeMap<Seq, inspect::Inspection>,
     pub(crate) effects: VecDeque<Effect>,
     #[cfg(feature = "mutants")]
     pub(crate) mutant: Option<Mutant>,
@@ -597,6 +617,7 @@ impl Parent {
             slots: BTreeMap::new(),
             tasks: BTreeMap::new(),
             cancels: BTreeMap::new(),
+            inspections: BTreeMap::new(),
             effects: VecDeque::new(),
             #[cfg(feature = "mutants")]
             mutant: None,
@@ -678,6 +699,7 @@ impl Parent {
         }
         self.lifecycle = Lifecycle::Closed;
         self.close_tasks();
+        self.close_inspections();
         for (id, op) in std::mem::take(&mut self.ops) {
             if let OpKind::Register {
                 staging: Some(staging),
@@ -734,6 +756,7 @@ impl Parent {
             .map(|(_, deadline)| deadline)
             .chain(respawns)
             .chain(self.task_timeout())
+            .chain(self.inspection_timeout())
             .min()
     }
 
@@ -891,6 +914,10 @@ impl Parent {
                 (seq, task)
             })
             .collect();
+        for inspection in copy.inspections.values_mut() {
+            inspection.waiting = inspection.waiting.iter().map(map).collect();
+            inspection.missing = inspection.missing.iter().map(map).collect();
+        }
         copy.cancels = std::mem::take(&mut copy.cancels)
             .into_iter()
             .map(|((t, seq), c)| ((map(&t), seq), c))
@@ -899,6 +926,7 @@ impl Parent {
             match effect {
                 Effect::Send { target, .. }
                 | Effect::TaskDone { target, .. }
+                | Effect::Inspect { target, .. }
                 | Effect::Fence { target }
                 | Effect::Spawn { target, .. }
                 | Effect::Joined { target, .. }
@@ -914,6 +942,12 @@ impl Parent {
                 | Effect::Restage { .. }
                 | Effect::ReleaseStaged { .. }
                 | Effect::CancelRefused { .. } => {}
+                Effect::InspectDone { missing, .. } => {
+                    for target in missing.iter_mut() {
+                        *target = map(target);
+                    }
+                    missing.sort();
+                }
             }
         }
         copy

@@ -102,6 +102,7 @@ impl Parent {
         }
         self.lost.insert(target);
         self.tasks_lost(target, cause);
+        self.inspections_lost(target);
         let mut touched = Vec::new();
         for (id, op) in self.ops.iter_mut() {
             if let Some(progress) = op.scope.get_mut(&target) {

@@ -416,7 +416,7 @@ impl Parent {
     }
 
     /// `FRAME_INVALID` unless `seq` was issued by this parent.
-    fn check_issued(&self, target: TargetId, seq: Seq, what: &str) -> Result<(), Error> {
+    pub(super) fn check_issued(&self, target: TargetId, seq: Seq, what: &str) -> Result<(), Error> {
         if seq.0 == 0 || seq.0 >= self.next_seq {
             return Err(Error::new(
                 ErrorCode::FRAME_INVALID,
