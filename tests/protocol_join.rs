@@ -127,6 +127,13 @@ fn a_lost_target_is_replaced_replayed_and_joins() {
             }
         )]
     );
+    // The task is in flight until its result comes.
+    assert!(!p.is_idle() && p.in_flight().is_empty());
+    assert_eq!(
+        p.handle_task_result(TargetId(1), 1, Seq(3), digest(1)),
+        Ok(true)
+    );
+    drain(&mut p);
     assert!(p.is_idle());
 }
 

@@ -535,6 +535,10 @@ pub struct State {
     /// `spawns[i]`: the incarnation an `Effect::Spawn` asked for in slot
     /// *i* that the driver has not started yet (`specs/protocol.md` §2.9).
     pub spawns: Vec<Option<u32>>,
+    /// `spawn_due[i]`: while a replacement asked for in slot *i* is not
+    /// started, the time by which it must be (its `Effect::Spawn` plus
+    /// [`CONTROL_TIMEOUT`]): past it the parent fences it (§2.9).
+    pub spawn_due: Vec<Option<u64>>,
     /// The replays (`Effect::Restage`, then a register frame to a joining
     /// replacement) still in flight: operations no client step waits for.
     pub replays: Vec<OpId>,
@@ -907,6 +911,7 @@ impl RegistrationModel {
             settling: 0,
             proven: Vec::new(),
             spawns: vec![None; n],
+            spawn_due: vec![None; n],
             replays: Vec::new(),
         };
         let mut model = RegistrationModel { config, init };
@@ -1170,6 +1175,7 @@ impl RegistrationModel {
                         state.breach("a replacement was asked for a slot whose process is not gone, or with another incarnation than the parent's");
                     }
                     state.spawns[index] = Some(incarnation);
+                    state.spawn_due[index] = Some(state.now + CONTROL_TIMEOUT);
                 }
                 Effect::Joined {
                     target,
@@ -1258,6 +1264,13 @@ impl RegistrationModel {
                     state.staged.remove(&staging);
                 }
                 Effect::Fence { target } => {
+                    // A replacement not ready in time (§2.9): the driver
+                    // will not start it.
+                    let index = usize::from(target.0);
+                    if state.spawns.get_mut(index).and_then(Option::take).is_some() {
+                        state.spawn_due[index] = None;
+                        continue;
+                    }
                     // Fencing kills and reaps the child and closes both pipe
                     // ends: nothing more is read from it.
                     state.kill(target);
@@ -1369,6 +1382,7 @@ impl RegistrationModel {
     fn spawn(&self, state: &mut State, id: TargetId, starts: bool) -> Option<()> {
         let index = usize::from(id.0);
         let incarnation = state.spawns.get_mut(index)?.take()?;
+        state.spawn_due[index] = None;
         // Starting a process and replaying to it is issuing operations:
         // time advances as for an issue, never onto a pending deadline.
         let next = state.now + 1;

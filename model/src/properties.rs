@@ -661,9 +661,24 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
     if tasks_due.is_some_and(|due| due.0 <= s.now || p.poll_timeout().is_none_or(|d| d > due)) {
         return fail("a task deadline or a cancel's silence deadline is not ahead, or Parent::poll_timeout is after it");
     }
+    // The earliest ready deadline of a replacement asked for and not
+    // started (§2.9), by the driver's record.
+    let ready_due = s
+        .spawn_due
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| phases.get(*i) == Some(&SlotPhase::Spawning))
+        .filter_map(|(_, due)| *due)
+        .min()
+        .map(Time);
+    if ready_due.is_some_and(|due| due.0 <= s.now || p.poll_timeout().is_none_or(|d| d > due)) {
+        return fail(
+            "a replacement's ready deadline is not ahead, or Parent::poll_timeout is after it",
+        );
+    }
     let op_deadline = p
         .poll_timeout()
-        .filter(|d| Some(*d) != backoff && Some(*d) != tasks_due);
+        .filter(|d| Some(*d) != backoff && Some(*d) != tasks_due && Some(*d) != ready_due);
     if let Some(deadline) = p.poll_timeout() {
         if backoff.is_some_and(|b| b < deadline) {
             return fail("Parent::poll_timeout is after a back-off before a replacement");
@@ -710,10 +725,7 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         }
     }
     let bound = p.poll_bound();
-    let other = match (backoff, tasks_due) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
+    let other = [backoff, tasks_due, ready_due].into_iter().flatten().min();
     if bound != bounds.iter().min().copied()
         || (bound.is_some() && p.poll_timeout().is_none())
         || (bound.is_none() && p.poll_timeout() != other)

@@ -92,6 +92,7 @@ impl State {
         self.parent.incarnation(id).hash(&mut hasher);
         self.parent.failed_joins(id).hash(&mut hasher);
         self.spawns[index].hash(&mut hasher);
+        self.spawn_due[index].hash(&mut hasher);
         hasher.finish()
     }
 
@@ -103,12 +104,14 @@ impl State {
         let mut eof = vec![false; n];
         let mut sides = vec![Default::default(); n];
         let mut spawns = vec![None; n];
+        let mut spawn_due = vec![None; n];
         for (old, renamed) in permutation.iter().enumerate().take(n) {
             let new = usize::from(renamed.0);
             targets[new] = self.targets[old].as_ref().map(|t| t.relabeled(*renamed));
             eof[new] = self.eof[old];
             sides[new] = self.sides[old].clone();
             spawns[new] = self.spawns[old];
+            spawn_due[new] = self.spawn_due[old];
         }
         let mut frames: Vec<_> = self
             .frames
@@ -190,6 +193,7 @@ impl State {
             settling: self.settling,
             proven: self.proven.clone(),
             spawns,
+            spawn_due,
             replays: self.replays.clone(),
         }
     }

@@ -182,7 +182,7 @@ fn replacing() -> ModelConfig {
 fn replacement_targets_pass_with_pinned_state_counts() {
     let outcome = run(replacing(), false);
     assert_passes(&outcome);
-    assert_eq!(outcome.unique_states, 2_574);
+    assert_eq!(outcome.unique_states, 4_010);
     let witnessed = |name: &str| outcome.witnessed.iter().any(|w| w == name);
     assert!(witnessed(SOMETIMES_JOINED));
     assert!(witnessed(SOMETIMES_JOINED_IN_FLIGHT));

@@ -815,10 +815,15 @@ impl Parent {
         self.staged.iter().copied().collect()
     }
 
-    /// Whether no operation is in flight, no effect waits to be polled and
-    /// no replacement is being asked for (backing off or spawning).
+    /// Whether no operation is in flight, no effect waits to be polled,
+    /// no replacement is being asked for (backing off or spawning), no
+    /// task is in flight (nor a cancel of one unanswered) and no
+    /// inspection waits.
     pub fn is_idle(&self) -> bool {
         self.ops.is_empty()
+            && self.tasks.is_empty()
+            && self.cancels.is_empty()
+            && self.inspections.is_empty()
             && self.effects.is_empty()
             && !self.slots.values().any(|r| {
                 self.lifecycle == Lifecycle::Started
