@@ -127,7 +127,7 @@ pub trait Locked<P: Poller> {
 
 /// Known bugs of the rule, each a switch in this code, for the loom model
 /// to show that it catches them (`tests/loom_lead.rs`). Only a loom build
-/// can select one ([`StateLock::mutation`] exists under `cfg(loom)`
+/// can select one (`StateLock::mutation` exists under `cfg(loom)`
 /// alone): every other build runs the rule.
 #[doc(hidden)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
