@@ -622,9 +622,12 @@ fn a_caller_leads_twice_in_a_row() {
 
 const MUTATION: &str = "CALLREG_LOOM_LEAD_MUTATION";
 
+/// A scenario, run with the rule or with a mutation.
+type Scenario = fn(Option<Mutation>);
+
 /// The library's known bugs, each with a scenario in which it strands a
 /// caller.
-const MUTATIONS: [(Mutation, fn(Option<Mutation>)); 4] = [
+const MUTATIONS: [(Mutation, Scenario); 4] = [
     (Mutation::NoWakeAtStepDown, two_leading_callers),
     (Mutation::WakeLeaderBeforeHandOver, one_leading_caller),
     (Mutation::NeverWakeLeader, one_leading_caller),
