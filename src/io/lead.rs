@@ -33,11 +33,28 @@
 //! polls. (Woken before the hand-over, a leader could find its hand-off
 //! incomplete and poll again for a reply already read.)
 //!
-//! The state lock guards a `Watch`; it has no IO of its own. Checked with loom
-//! (`tests/loom_lead.rs`), with a model of `poll` over level-triggered
-//! pipes.
+//! The state lock guards a `Watch`; it has no IO of its own. The rule
+//! itself, the leader's wait ([`lead`]), stepping down ([`step_down`]),
+//! leaving the lock ([`release`]) and what is owed after it ([`finish`]),
+//! is code generic over the state lock ([`StateLock`], [`Locked`]) and the
+//! OS pieces ([`Poller`]: `poll`, a wake pipe's drain and ring). The
+//! Worker runs it with `poll(2)` over its pipes and sockets; loom checks
+//! the same functions (`tests/loom_lead.rs`) with a model of `poll` over
+//! level-triggered pipes.
+//!
+//! Every thread's part in each event (submit, reply, deadline, loss,
+//! close, callback, cancel), with its locks and wake-ups: `specs/threads.md`.
 
 use std::time::Instant;
+
+pub(crate) mod os;
+mod run;
+
+#[doc(hidden)]
+pub use run::Mutation;
+pub use run::{
+    finish, lead, release, step_down, Locked, Owed, PollFailed, Poller, Readiness, StateLock,
+};
 
 /// What the IO thread and the leader each watch. Link indices are target
 /// indices; a link is named by its index and process id, so a link lost

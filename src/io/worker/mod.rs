@@ -4,6 +4,8 @@
 //!
 //! # Threads
 //!
+//! Every thread's part in each event, with its locks and wake-ups: `specs/threads.md`.
+//!
 //! * Caller threads (any number): validate an envelope and stage it (copy
 //!   and hash in one pass). Before start, registrations go straight to the
 //!   machine's registry and the startup snapshot (with their callable

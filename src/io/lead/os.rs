@@ -1,0 +1,86 @@
+//! The OS pieces of the rule as the Worker runs it: `poll(2)` over its
+//! reply sockets and pipes, and its wake pipes.
+
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::Instant;
+
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+
+use super::run::{PollFailed, Poller, Readiness};
+use crate::io::process::TrackedFd;
+
+/// `poll(2)` and pipes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Os;
+
+impl Poller for Os {
+    type Fd = Arc<TrackedFd>;
+    type Pipe = TrackedFd;
+
+    fn poll(
+        &self,
+        fds: &[&Arc<TrackedFd>],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Readiness>, PollFailed> {
+        let mut polled: Vec<PollFd<'_>> = fds
+            .iter()
+            .map(|fd| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
+            .collect();
+        let (result, events) = poll_events(&mut polled, deadline);
+        if matches!(result, Err(errno) if errno != Errno::EINTR) {
+            return Err(PollFailed);
+        }
+        Ok(events
+            .into_iter()
+            .map(|event| {
+                if event.is_empty() {
+                    Readiness::Idle
+                } else if event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR) {
+                    Readiness::HungUp
+                } else {
+                    Readiness::Readable
+                }
+            })
+            .collect())
+    }
+
+    fn drain(&self, fd: &Arc<TrackedFd>) {
+        // Until a short read: the pipe is then empty.
+        let mut sink = [0u8; 64];
+        while matches!(nix::unistd::read(fd.as_fd(), &mut sink), Ok(n) if n == sink.len()) {}
+    }
+
+    fn ring(&self, pipe: &TrackedFd) {
+        // A full pipe already guarantees a wake-up.
+        let _ = nix::unistd::write(pipe, &[1]);
+    }
+}
+
+/// `poll` over `fds` until an event or `deadline`: its result, and the
+/// events each descriptor returned.
+pub fn poll_events(
+    fds: &mut [PollFd<'_>],
+    deadline: Option<Instant>,
+) -> (nix::Result<i32>, Vec<PollFlags>) {
+    let polled = nix::poll::poll(fds, poll_timeout(deadline));
+    let events = fds
+        .iter()
+        .map(|fd| fd.revents().unwrap_or(PollFlags::empty()))
+        .collect();
+    (polled, events)
+}
+
+/// A `poll` timeout that ends no earlier than `deadline` (`None`: block).
+fn poll_timeout(deadline: Option<Instant>) -> PollTimeout {
+    match deadline {
+        None => PollTimeout::NONE,
+        Some(deadline) => {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let millis = left.as_micros().div_ceil(1000);
+            PollTimeout::try_from(u64::try_from(millis).unwrap_or(u64::MAX))
+                .unwrap_or(PollTimeout::MAX)
+        }
+    }
+}
