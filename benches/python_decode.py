@@ -1,7 +1,7 @@
 """The Python calls a target makes to decode a small task input and encode
-its result (`src/runtime/python.rs`), each beside the calls it made before,
-interleaved round by round in one process; CPU time per call
-(`time.process_time`), medians over the rounds.
+its result (`src/runtime/python/input.rs`, `src/runtime/python/output.rs`),
+each beside the calls it made before, interleaved round by round in one
+process; CPU time per call (`time.process_time`), medians over the rounds.
 
 | step | now | before (the peer) |
 |---|---|---|

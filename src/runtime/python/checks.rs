@@ -10,7 +10,8 @@ use std::process::{Command, Stdio};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use super::{describe_exception, PythonFunctions};
+use super::exceptions::describe_exception;
+use super::interpreter::PythonFunctions;
 use crate::error::ErrorCode;
 use crate::metadata::pip::Requirement;
 use crate::metadata::{leading_major, python_major_minor, PythonVersions, SERIALIZER_CLOUDPICKLE};
@@ -63,7 +64,7 @@ fn helper<'py, T: FromPyObjectOwned<'py>>(
 
 /// Checks the producer's interpreter (major.minor) and serializer (name and
 /// major version) against this target's, as read once at the target's
-/// start ([`TargetVersions`](super::TargetVersions); never per install).
+/// start ([`TargetVersions`](super::interpreter::TargetVersions); never per install).
 ///
 /// # Errors
 /// `PYTHON_VERSION_MISMATCH` naming both sides: kind

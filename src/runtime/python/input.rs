@@ -1,5 +1,6 @@
-//! Pickled task inputs (`specs/python.md` §3): one call `(args, kwargs)`
-//! or a chunk `([args, ...],)` of calls run in turn in one task.
+//! Task inputs (`specs/python.md` §3): a JSON object `{"args": [...],
+//! "kwargs": {...}}`, or a pickled one call `(args, kwargs)` or chunk
+//! `([args, ...],)` of calls run in turn in one task.
 
 use super::*;
 
@@ -143,4 +144,96 @@ pub(super) fn pickle_input<'py>(
     };
     let kwargs = kwargs.cast_into::<PyDict>().map_err(|_| shape_error())?;
     Ok(PickleInput::Call(args, kwargs))
+}
+
+/// Decodes a JSON document as `json.loads(text)` does: the document
+/// after the leading JSON whitespace through `raw_decode`, then only
+/// JSON whitespace may follow. Whatever that path refuses is decoded
+/// again by `json.loads`, so an invalid input fails with its exact error.
+fn json_decode<'py>(
+    py: Python<'py>,
+    functions: &PythonFunctions,
+    text: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let is_space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+    // Whitespace is ASCII: its byte counts are character counts.
+    let leading = text.bytes().take_while(is_space).count();
+    let trailing = text[leading..].bytes().rev().take_while(is_space).count();
+    let string = PyString::new(py, text);
+    let fast = functions
+        .json_raw_decode
+        .bind(py)
+        .call1((&string, leading))
+        .ok()
+        .and_then(|pair| {
+            let (object, end): (Bound<'py, PyAny>, usize) = pair.extract().ok()?;
+            let chars = string.len().ok()?;
+            (end + trailing == chars).then_some(object)
+        });
+    match fast {
+        Some(object) => Ok(object),
+        None => functions.json_loads.bind(py).call1((string,)),
+    }
+}
+
+/// Decodes a JSON task input into positional and keyword arguments.
+pub(super) fn json_input<'py>(
+    py: Python<'py>,
+    functions: &PythonFunctions,
+    input: &[u8],
+) -> Result<(Bound<'py, PyTuple>, Bound<'py, PyDict>), RuntimeError> {
+    let invalid = |message: String| RuntimeError {
+        code: ErrorCode::TASK_FAILED,
+        kind: KIND_INPUT_INVALID.to_owned(),
+        message,
+        exception: Vec::new(),
+    };
+    let text = std::str::from_utf8(input)
+        .map_err(|err| invalid(format!("the task input is not UTF-8: {err}")))?;
+    let decoded = json_decode(py, functions, text).map_err(|err| {
+        let (_, message) = describe_exception(py, &err);
+        invalid(format!("the task input is not JSON: {message}"))
+    })?;
+    let object = decoded.cast::<PyDict>().map_err(|_| {
+        invalid(format!(
+            "the task input must be a JSON object {{\"args\": [...], \"kwargs\": {{...}}}}, got {}",
+            type_name(&decoded.get_type())
+        ))
+    })?;
+    let mut args = PyTuple::empty(py);
+    let mut kwargs = None;
+    for (key, value) in object.iter() {
+        // JSON object keys are always `str`; compared without a copy.
+        let key = key.cast_into::<PyString>().ok();
+        match key
+            .as_ref()
+            .and_then(|k| k.to_str().ok())
+            .unwrap_or_default()
+        {
+            "args" => {
+                let list = value.cast::<PyList>().map_err(|_| {
+                    invalid(format!(
+                        "the task input's \"args\" must be a JSON array, got {}",
+                        type_name(&value.get_type())
+                    ))
+                })?;
+                args = list.to_tuple();
+            }
+            "kwargs" => {
+                kwargs = Some(value.cast_into::<PyDict>().map_err(|err| {
+                    invalid(format!(
+                        "the task input's \"kwargs\" must be a JSON object, got {}",
+                        type_name(&err.into_inner().get_type())
+                    ))
+                })?);
+            }
+            other => {
+                return Err(invalid(format!(
+                    "the task input has an unknown key {other:?} (expected \"args\" and \"kwargs\")"
+                )))
+            }
+        }
+    }
+    let kwargs = kwargs.unwrap_or_else(|| PyDict::new(py));
+    Ok((args, kwargs))
 }

@@ -1,0 +1,490 @@
+//! The reader, heartbeat and control threads: frames read from the
+//! control socket in order, every register and unregister control
+//! reported alive on receipt and while unanswered, and each frame handled
+//! by the control thread through the slot table (a register's staged
+//! payload verified and installed, its replies written).
+
+use std::collections::{BTreeSet, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+
+use nix::errno::Errno;
+
+use super::reply::{reply_error, ReplyWriter};
+use super::runs::{Hooks, Pinning};
+use super::{abrupt_exit, install, report_finalizers, TargetSetup, FRAME_EXIT_CODE};
+use crate::descriptor::{python_serialized_digest, Digest};
+use crate::envelope::Envelope;
+use crate::error::ErrorCode;
+use crate::io::failpoints;
+use crate::io::process::{exit_unless_target, receive_control};
+use crate::io::slots::{ControlGate, Effects, SlotTable};
+use crate::io::staging::StagedView;
+use crate::metadata::CallableMetadata;
+use crate::protocol::{Failure, Reply, Seq, Slot, TargetEffect, TargetId};
+use crate::runtime::Runtime;
+use crate::wire::{Frame, FrameBuffer, ReplyError, TaskFailure};
+
+/// Bytes read from the control socket per `recvmsg` call.
+const READ_CHUNK_BYTES: usize = 64 * 1024;
+
+/// Checks a staged payload's seals and size and maps it read-only
+/// ([`StagedView::open`]), validates the envelope against the mapped size
+/// and recomputes its digest over that mapping (`specs/staging.md`); the
+/// same mapping is what the runtime later deserializes.
+///
+/// # Errors
+/// `IO_FAILED` when no descriptor came with the register control; the
+/// view's errors (`ENVELOPE_INVALID` for missing seals or another size);
+/// the envelope's errors.
+fn open_and_verify(payload: Option<OwnedFd>, size: u64) -> Result<(StagedView, Digest), Failure> {
+    let payload = payload.ok_or_else(|| {
+        Failure::new(
+            ErrorCode::IO_FAILED,
+            "no staged payload came with the register control",
+        )
+    })?;
+    let view =
+        StagedView::open(payload, size).map_err(|e| Failure::new(e.code(), e.to_string()))?;
+    let digest = {
+        let envelope =
+            Envelope::parse(view.bytes()).map_err(|e| Failure::new(e.code(), e.message()))?;
+        python_serialized_digest(&envelope)
+    };
+    Ok((view, digest))
+}
+
+pub(super) struct Control<'a, R: Runtime> {
+    pub(super) id: TargetId,
+    pub(super) runtime: &'a R,
+    pub(super) table: Arc<SlotTable<R::Callable>>,
+    pub(super) writer: Arc<ReplyWriter>,
+    pub(super) pinning: Arc<Pinning<R::Callable>>,
+    /// Frames handed to this thread and not yet handled (the reader's
+    /// [`ControlGate::hand`], this thread's [`ControlGate::done`]).
+    pub(super) idle: Arc<ControlGate>,
+}
+
+/// Register and unregister controls received and not yet answered, by
+/// seq: the reader adds one on receipt, the control thread removes it once
+/// it answered, and the heartbeat thread reports each alive meanwhile.
+#[derive(Default)]
+struct Outstanding {
+    seqs: Mutex<BTreeSet<u64>>,
+    changed: Condvar,
+}
+
+impl Outstanding {
+    fn insert(&self, seq: u64) {
+        self.seqs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(seq);
+        self.changed.notify_all();
+    }
+
+    fn remove(&self, seq: u64) {
+        self.seqs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&seq);
+    }
+}
+
+/// What the reader hands the control thread, in arrival order.
+enum Incoming {
+    /// A frame, with the staged payload received with it (registers).
+    Frame(Frame, Option<OwnedFd>),
+    /// The reader stopped: the target ends with this status once every
+    /// frame before it was handled.
+    End(i32),
+}
+
+/// The seq of a frame that owes a [`Frame::Reply`] (a register or an
+/// unregister control).
+fn control_seq(frame: &Frame) -> Option<u64> {
+    match frame {
+        Frame::Register { seq, .. } | Frame::Unregister { seq, .. } | Frame::Cancel { seq, .. } => {
+            Some(*seq)
+        }
+        _ => None,
+    }
+}
+
+/// The reader thread: reads frames from the control socket, reports each
+/// control alive on receipt and queues it for the control thread; never
+/// touches the runtime. A task that finds no frame queued for the control
+/// thread or being handled there is pinned here and handed to the task
+/// thread directly (one thread fewer to wake); a task that cannot start
+/// goes to the control thread like any frame, which fails it.
+fn read_controls<C>(
+    control: &OwnedFd,
+    max_frame_bytes: usize,
+    writer: &ReplyWriter,
+    outstanding: &Outstanding,
+    direct: (&Pinning<C>, &ControlGate),
+    frames: &mpsc::Sender<Incoming>,
+) -> i32 {
+    let (pinning, idle) = direct;
+    let Ok(mut buffer) = FrameBuffer::new(max_frame_bytes) else {
+        return FRAME_EXIT_CODE;
+    };
+    let mut chunk = vec![0u8; READ_CHUNK_BYTES];
+    // Staged payloads received with register controls, in arrival order:
+    // each comes with its frame's first byte, so it is here by the time
+    // the frame is whole, and the k-th register takes the k-th descriptor.
+    let mut payloads = VecDeque::new();
+    loop {
+        let received = receive_control(control.as_fd(), &mut chunk, &mut payloads);
+        // A process forked inside the target never serves its controls.
+        exit_unless_target();
+        let n = match received {
+            Ok(0) => return 0,
+            Ok(n) => n,
+            Err(Errno::EINTR) => continue,
+            Err(Errno::ENOBUFS) => return FRAME_EXIT_CODE,
+            Err(_) => return 0,
+        };
+        buffer.extend(&chunk[..n]);
+        loop {
+            match buffer.next_frame() {
+                Ok(Some(frame)) => {
+                    let frame = match frame {
+                        Frame::Task {
+                            seq,
+                            digest,
+                            encoding,
+                            input,
+                        } if idle.is_idle() => match pinning.begin(seq, digest, encoding, input) {
+                            Ok(()) => continue,
+                            Err(unstarted) => Frame::Task {
+                                seq,
+                                digest,
+                                encoding,
+                                input: unstarted.input,
+                            },
+                        },
+                        other => other,
+                    };
+                    let payload = match frame {
+                        Frame::Register { .. } => payloads.pop_front(),
+                        _ => None,
+                    };
+                    if let Some(seq) = control_seq(&frame) {
+                        outstanding.insert(seq);
+                        writer.send_alive(seq);
+                    }
+                    idle.hand();
+                    if frames.send(Incoming::Frame(frame, payload)).is_err() {
+                        return 0;
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => return FRAME_EXIT_CODE,
+            }
+        }
+    }
+}
+
+/// The heartbeat thread: every `every`, reports each outstanding control
+/// alive; sleeps while none is outstanding. Never touches the runtime.
+fn beat(writer: &ReplyWriter, outstanding: &Outstanding, every: std::time::Duration) {
+    let mut seqs = outstanding.seqs.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        seqs = if seqs.is_empty() {
+            outstanding
+                .changed
+                .wait(seqs)
+                .unwrap_or_else(|p| p.into_inner())
+        } else {
+            let (guard, _) = outstanding
+                .changed
+                .wait_timeout(seqs, every)
+                .unwrap_or_else(|p| p.into_inner());
+            let due: Vec<u64> = guard.iter().copied().collect();
+            drop(guard);
+            for seq in due {
+                writer.send_alive(seq);
+            }
+            outstanding.seqs.lock().unwrap_or_else(|p| p.into_inner())
+        };
+    }
+}
+
+pub(super) fn serve<R: Runtime>(
+    control: OwnedFd,
+    setup: &TargetSetup<R>,
+    writer: &Arc<ReplyWriter>,
+    this: &Control<'_, R>,
+) -> i32 {
+    let outstanding = Arc::new(Outstanding::default());
+    let (frames, incoming) = mpsc::channel::<Incoming>();
+    {
+        let writer = writer.clone();
+        let outstanding = outstanding.clone();
+        let pinning = this.pinning.clone();
+        let idle = this.idle.clone();
+        let max_frame_bytes = setup.max_frame_bytes;
+        std::thread::spawn(move || {
+            // Never closed before the process ends: a parent that sees the
+            // channel close then always finds an exit status, not a target
+            // still exiting.
+            let control = std::mem::ManuallyDrop::new(control);
+            let end = read_controls(
+                &control,
+                max_frame_bytes,
+                &writer,
+                &outstanding,
+                (&pinning, &idle),
+                &frames,
+            );
+            let _ = frames.send(Incoming::End(end));
+        });
+    }
+    {
+        let writer = writer.clone();
+        let outstanding = outstanding.clone();
+        let every = setup.heartbeat.max(std::time::Duration::from_millis(1));
+        std::thread::spawn(move || beat(&writer, &outstanding, every));
+    }
+    loop {
+        match incoming.recv() {
+            Ok(Incoming::Frame(frame, payload)) => {
+                let seq = control_seq(&frame);
+                if !this.handle(frame, payload) {
+                    return FRAME_EXIT_CODE;
+                }
+                if let Some(seq) = seq {
+                    outstanding.remove(seq);
+                }
+                this.idle.done();
+            }
+            Ok(Incoming::End(code)) => return code,
+            Err(mpsc::RecvError) => return 0,
+        }
+    }
+}
+
+impl<R: Runtime> Control<'_, R> {
+    /// Handles one frame (a register with the staged payload received
+    /// with it); `false` for a frame a target never receives.
+    fn handle(&self, frame: Frame, payload: Option<OwnedFd>) -> bool {
+        match frame {
+            Frame::Register {
+                seq,
+                digest,
+                staged_size,
+                metadata,
+            } => {
+                let metadata = parse_metadata(&metadata);
+                let opened = open_and_verify(payload, staged_size);
+                let failpoint = failpoints::hit(failpoints::TARGET_BEFORE_INSTALL);
+                let verified = match (&opened, failpoint, &metadata) {
+                    (_, Err(message), _) => Err(Failure::new(ErrorCode::IO_FAILED, message)),
+                    (Err(failure), Ok(()), _) => Err(failure.clone()),
+                    (Ok(_), Ok(()), Err(failure)) => Err(failure.clone()),
+                    (Ok((_, verified)), Ok(()), Ok(_)) => Ok(*verified),
+                };
+                let effects = self.table.on_register(Seq(seq), digest, verified);
+                let view = opened.ok().map(|(view, _)| view);
+                let metadata = metadata.ok().flatten();
+                let mut replies = Vec::new();
+                self.carry_out(effects, view.as_ref(), metadata.as_ref(), &mut replies);
+                // The mapping goes before the answer (`specs/staging.md`):
+                // once the parent has every answer, no target holds any of
+                // the payload, so nothing that comes later (an unregister
+                // behind it in this socket) waits for its unmapping, and the
+                // cost of a payload's size stays in its register.
+                let staged = view.is_some();
+                drop(view);
+                self.send_replies(replies, staged);
+            }
+            Frame::Unregister { seq, digest } => {
+                if let Err(message) = failpoints::hit(failpoints::TARGET_BEFORE_UNREGISTER) {
+                    // A target refusing the control changes nothing.
+                    let result = Err(ReplyError {
+                        code: ErrorCode::IO_FAILED,
+                        message,
+                    });
+                    self.writer.send(Frame::Reply {
+                        seq,
+                        digest,
+                        result,
+                    });
+                } else {
+                    let effects = self.table.on_unregister(Seq(seq), digest);
+                    // The last reference's callable was released (its
+                    // finalizer ran) before this unregister is answered.
+                    report_finalizers(&self.table, self.id, || {
+                        format!("the unregister (seq {seq}) of {}", digest.hashid())
+                    });
+                    let mut replies = Vec::new();
+                    self.carry_out(effects, None, None, &mut replies);
+                    self.send_replies(replies, false);
+                }
+            }
+            Frame::Task {
+                seq,
+                digest,
+                encoding,
+                input,
+            } => {
+                if let Err(unstarted) = self.pinning.begin(seq, digest, encoding, input) {
+                    self.task_failed(seq, digest, unstarted.code, &unstarted.message);
+                }
+            }
+            Frame::Cancel { seq, digest } => {
+                // Decided against the task thread's start under the
+                // table's lock (`specs/protocol.md` §2.11): a run
+                // cancelled here never starts.
+                let effects = self.table.on_cancel(Seq(seq), digest);
+                let mut replies = Vec::new();
+                self.carry_out(effects, None, None, &mut replies);
+                self.send_replies(replies, false);
+            }
+            Frame::Inspect { seq } => {
+                let (installed, tombstones) = self.table.table();
+                let entries = installed
+                    .into_iter()
+                    .map(|(digest, refcount)| crate::wire::TableEntry { digest, refcount })
+                    .collect();
+                let tombstones = u32::try_from(tombstones).unwrap_or(u32::MAX);
+                self.writer.send(Frame::Table {
+                    seq,
+                    tombstones,
+                    entries,
+                });
+            }
+            Frame::Reply { .. }
+            | Frame::TaskResult { .. }
+            | Frame::Ready { .. }
+            | Frame::Table { .. }
+            | Frame::Alive { .. } => {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn task_failed(&self, seq: u64, digest: Digest, code: ErrorCode, message: &str) {
+        self.writer.send(Frame::TaskResult {
+            seq,
+            digest,
+            result: Err(TaskFailure {
+                code,
+                kind: String::new(),
+                message: message.to_owned(),
+                exception: Vec::new(),
+            }),
+        });
+    }
+
+    /// Carries out the machine's effects in order: replies are collected
+    /// into `replies` (sent by [`Control::send_replies`] once the staged
+    /// view is gone); a deserialization runs from the staged view and its
+    /// result goes back to the machine, whose new effects are carried out
+    /// in turn.
+    fn carry_out(
+        &self,
+        effects: Effects,
+        view: Option<&StagedView>,
+        metadata: Option<&CallableMetadata>,
+        replies: &mut Vec<Reply>,
+    ) {
+        for effect in effects {
+            match effect {
+                TargetEffect::Reply(reply) => replies.push(reply),
+                TargetEffect::Deserialize { seq, digest, slot } => {
+                    let more = self.deserialize_into(seq, digest, slot, view, metadata);
+                    self.carry_out(more, view, metadata, replies);
+                }
+            }
+        }
+    }
+
+    /// Writes the replies in order; an OK reply to a register whose staged
+    /// payload was opened (`staged`) passes `target.after_install` first.
+    fn send_replies(&self, replies: Vec<Reply>, staged: bool) {
+        for reply in replies {
+            if reply.result.is_ok()
+                && staged
+                && failpoints::hit(failpoints::TARGET_AFTER_INSTALL).is_err()
+            {
+                abrupt_exit();
+            }
+            self.writer.send(Frame::Reply {
+                seq: reply.seq.0,
+                digest: reply.digest,
+                result: reply.result.map_err(reply_error),
+            });
+        }
+    }
+
+    fn deserialize_into(
+        &self,
+        seq: Seq,
+        digest: Digest,
+        slot: Slot,
+        view: Option<&StagedView>,
+        metadata: Option<&CallableMetadata>,
+    ) -> Effects {
+        let result = match view.map(|v| Envelope::parse(v.bytes())) {
+            Some(Ok(envelope)) => install(self.runtime, envelope.payload(), metadata),
+            // The machine asks to deserialize only after a verified open.
+            Some(Err(e)) => Err(Failure::new(e.code(), e.message())),
+            None => Err(Failure::new(
+                ErrorCode::IO_FAILED,
+                "no staged payload is open",
+            )),
+        };
+        // The hooks of the registration that installed the digest apply to
+        // its tasks from now on (a reference added later keeps them).
+        if result.is_ok() {
+            let mut hooks = self.pinning.hooks.lock().unwrap_or_else(|p| p.into_inner());
+            match Hooks::of(metadata) {
+                Some(found) => hooks.insert(digest, found),
+                None => hooks.remove(&digest),
+            };
+        }
+        // Only a deserialization nobody waits for is refused; its callable
+        // is dropped by the table and there is nothing to reply.
+        self.table
+            .on_deserialized(seq, slot, result)
+            .unwrap_or_default()
+    }
+}
+
+/// Parses a register control's metadata field: `Ok(None)` when empty.
+///
+/// # Errors
+/// `METADATA_INVALID` with the decoding error naming the field.
+fn parse_metadata(text: &str) -> Result<Option<CallableMetadata>, Failure> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    CallableMetadata::from_json(text)
+        .map(Some)
+        .map_err(|e| Failure::new(ErrorCode::METADATA_INVALID, format!("metadata: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn register_metadata_is_parsed_strictly_and_empty_means_none() {
+        assert_eq!(parse_metadata(""), Ok(None));
+        assert_eq!(
+            parse_metadata(r#"{"name":"f"}"#),
+            Ok(Some(CallableMetadata::named("f")))
+        );
+        assert_eq!(
+            parse_metadata(r#"{"name":"f","deps":{"pip":{"packages":[1]}}}"#),
+            Err(Failure::new(
+                ErrorCode::METADATA_INVALID,
+                "metadata: at deps.pip.packages[0]: invalid type: integer `1`, expected a string"
+            ))
+        );
+    }
+}

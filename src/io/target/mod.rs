@@ -1,0 +1,325 @@
+//! The target process: installs its startup snapshot, then serves control
+//! frames on one thread and runs tasks on another (specs/design.md §4.2, §5).
+//!
+//! A reader thread, which never touches the runtime (no GIL), reads
+//! frames from the control socket in order, reports every register and
+//! unregister control [`Frame::Alive`] on receipt, and queues the frames
+//! for the control thread; a heartbeat thread (no GIL either) reports
+//! every control received and not yet answered alive again every
+//! [`TargetSetup::heartbeat`], so a target that is busy (a slow unpickle,
+//! controls queued behind it, a task holding the GIL) is never taken for
+//! a silent one (`specs/protocol.md`, "Deadlines"). The control thread
+//! takes the frames in order and drives the protocol's [`Target`] machine
+//! (through the [`SlotTable`]);
+//! it carries out the machine's effects: it checks the seals of each
+//! staged payload received with a register, maps it read-only, verifies
+//! its digest, installs it from that same mapping through the runtime (checks, then
+//! deserialization), and writes replies. A task frame pins its slot in
+//! frame order and is handed to the task thread, so a long task never
+//! delays a register into a timeout. Where it is pinned: a task that finds
+//! no frame queued for the control thread or being handled there
+//! ([`ControlGate`]: the reader counts the frames it hands over, the control
+//! thread counts them done) is pinned by the reader itself and goes
+//! straight to the task thread, so a task round trip on an idle target
+//! wakes two threads (reader, task thread) instead of three; pinning only
+//! takes the slot table's lock, never the runtime's. Any other task, and
+//! a task the reader could not start (it does not resolve, a hook does
+//! not), is queued behind the frames before it, and the control thread
+//! pins it (or fails it) in its turn (`specs/wire.md`).
+//! Every thread writes whole frames to the reply socket under one lock.
+//!
+//! Callable metadata (`specs/metadata.md`): a register control
+//! carries it as JSON; the target parses it and installs through
+//! [`Runtime::install`], which makes the version, dependency and executor
+//! checks before anything is deserialized. The hooks of the registration
+//! that installed a digest are kept by digest; around each task of that
+//! digest the task thread runs the `call_before` hooks, the task (with a
+//! `retval_keyword` result merged into its JSON kwargs), then the
+//! `call_after` hooks. The thread that pins the task resolves and pins
+//! every hook with
+//! the task, like any run, under target-local run seqs counted down from
+//! `u64::MAX` (a parent's seqs count up from 1 and never reach them).
+//!
+//! The target ends (with `_exit`, from [`super::process`]) when the control
+//! socket reports EOF (the parent closed it or died), when a frame cannot be
+//! decoded or is out of protocol ([`FRAME_EXIT_CODE`]), or when the reply
+//! pipe is gone ([`REPLY_EXIT_CODE`]). A process forked inside the target
+//! by user code (during a deserialization or a task) ends with
+//! [`super::process::FORKED_EXIT_CODE`] as soon as it is back in this
+//! code: before it reads a control, reports an install or a task result,
+//! or writes any reply.
+//!
+//! Layout: this file holds the target's start (runtime, startup snapshot)
+//! and what its threads share; `reply` the reply socket's writer;
+//! `control` the reader, heartbeat and control threads; `runs` the
+//! pinning of tasks and the task thread.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use super::failpoints::{self, ABRUPT_EXIT_CODE};
+use super::process::{exit_unless_target, TargetEnds};
+use super::slots::{ControlGate, SlotTable};
+use crate::descriptor::Digest;
+use crate::envelope::Envelope;
+use crate::error::ErrorCode;
+use crate::metadata::CallableMetadata;
+use crate::protocol::{Failure, Target, TargetConfig, TargetId};
+use crate::runtime::{Runtime, RuntimeError};
+use crate::wire::{Frame, ReplyError};
+
+mod control;
+mod reply;
+mod runs;
+
+use control::{serve, Control};
+use reply::{reply_error, ReplyWriter};
+use runs::{run_tasks, Hooks, Pinning, RunQueue};
+
+/// Exit status: the runtime failed to start.
+pub const START_EXIT_CODE: i32 = 103;
+/// Exit status: the startup snapshot does not fit the target's slots
+/// (after a [`Frame::Ready`] failing every entry). An entry that fails to
+/// install does not end the target: it reports it and serves without it.
+pub const SNAPSHOT_EXIT_CODE: i32 = 104;
+/// Exit status: a control frame could not be decoded or was out of protocol.
+pub const FRAME_EXIT_CODE: i32 = 105;
+/// Exit status: a reply could not be written (the parent is gone).
+pub const REPLY_EXIT_CODE: i32 = 106;
+
+/// What a target inherits from the parent through `fork`.
+pub struct TargetSetup<R: Runtime> {
+    /// The runtime, started once in the target.
+    pub runtime: Arc<R>,
+    /// The startup snapshot: distinct digests with their refcounts, in
+    /// digest order (as from the parent machine's `startup_snapshot`).
+    pub snapshot: Vec<(Digest, u32)>,
+    /// The envelope bytes of every snapshot digest (validated by the parent
+    /// when it computed the digest).
+    pub envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
+    /// The callable metadata of snapshot digests registered with metadata,
+    /// installed with them ([`Runtime::install`]).
+    pub metadata: BTreeMap<Digest, CallableMetadata>,
+    /// Slots per target.
+    pub slot_capacity: u16,
+    /// Maximum frame size in bytes, both directions.
+    pub max_frame_bytes: usize,
+    /// How often the heartbeat thread reports each control received and
+    /// not yet answered alive ([`Frame::Alive`]); the parent uses a
+    /// quarter of its control timeout.
+    pub heartbeat: std::time::Duration,
+}
+
+/// Ends the target at once: a fault injected after a decision was made
+/// (installed, or about to reply) cannot be turned into an error reply
+/// without lying to the parent, so any `return(…)` there is a crash.
+fn abrupt_exit() -> ! {
+    // SAFETY: `_exit` ends the process without destructors: a crash.
+    unsafe { libc::_exit(ABRUPT_EXIT_CODE) }
+}
+
+fn runtime_failure(error: RuntimeError) -> Failure {
+    Failure::new(error.code, format!("{}: {}", error.kind, error.message))
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
+/// Installs `payload` with its registration's metadata through the
+/// runtime ([`Runtime::install`]: checks first, then deserializes),
+/// honouring the `target.deserialize` fail point; a panic in the runtime is
+/// a failure.
+fn install<R: Runtime>(
+    runtime: &R,
+    payload: &[u8],
+    metadata: Option<&CallableMetadata>,
+) -> Result<R::Callable, Failure> {
+    if let Err(message) = failpoints::hit(failpoints::TARGET_DESERIALIZE) {
+        return Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, message));
+    }
+    let installed = catch_unwind(AssertUnwindSafe(|| runtime.install(payload, metadata)));
+    // Deserializing ran user code, which may have forked: only the target
+    // goes on.
+    exit_unless_target();
+    match installed {
+        Ok(result) => result.map_err(runtime_failure),
+        Err(panic) => Err(Failure::new(
+            ErrorCode::DESERIALIZE_FAILED,
+            format!(
+                "the runtime panicked while deserializing: {}",
+                panic_message(&*panic)
+            ),
+        )),
+    }
+}
+
+/// Runs a target until its control socket closes; returns its exit status.
+///
+/// Order: start the runtime ([`Runtime::start_target`] with this
+/// target's id); install the startup snapshot (each entry from the
+/// inherited envelope, with its metadata); send [`Frame::Ready`] with
+/// every entry's outcome; then serve frames, holding the entries that
+/// installed (`Target::with_snapshot_failures`: the parent unregisters a
+/// failed entry's digest where it was installed, `specs/protocol.md`);
+/// when serving ends, [`Runtime::stop`]. Exits with [`SNAPSHOT_EXIT_CODE`]
+/// only when the snapshot does not fit the slots.
+pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
+    let TargetEnds {
+        index,
+        control,
+        reply,
+    } = ends;
+    let writer = Arc::new(ReplyWriter {
+        pipe: Mutex::new(File::from(reply)),
+        max_frame_bytes: setup.max_frame_bytes,
+    });
+    let config = TargetConfig {
+        id: TargetId(u16::try_from(index).unwrap_or(u16::MAX)),
+        slot_capacity: setup.slot_capacity,
+    };
+    if let Err(error) = setup.runtime.start_target(config.id) {
+        // The parent sees only the exit status: the reason goes to stderr,
+        // in one write so that targets failing together do not interleave.
+        let line = format!("callreg target {index}: the runtime did not start: {error}\n");
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+        return START_EXIT_CODE;
+    }
+    let Some(table) = install_snapshot(config, setup, &writer) else {
+        return SNAPSHOT_EXIT_CODE;
+    };
+    let table = Arc::new(table);
+    let runs = Arc::new(RunQueue::new());
+    {
+        let table = table.clone();
+        let writer = writer.clone();
+        let runtime = setup.runtime.clone();
+        let id = config.id;
+        let queue = runs.clone();
+        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, &queue));
+    }
+    let hooks = setup
+        .metadata
+        .iter()
+        .filter_map(|(digest, metadata)| Hooks::of(Some(metadata)).map(|h| (*digest, h)))
+        .collect();
+    let pinning = Arc::new(Pinning {
+        table: table.clone(),
+        runs,
+        hooks: Mutex::new(hooks),
+        next_hook_seq: AtomicU64::new(u64::MAX),
+    });
+    let control_thread = Control {
+        id: config.id,
+        runtime: &*setup.runtime,
+        table,
+        writer: writer.clone(),
+        pinning,
+        idle: Arc::new(ControlGate::new()),
+    };
+    let status = serve(control, setup, &writer, &control_thread);
+    setup.runtime.stop();
+    status
+}
+
+fn install_snapshot<R: Runtime>(
+    config: TargetConfig,
+    setup: &TargetSetup<R>,
+    writer: &ReplyWriter,
+) -> Option<SlotTable<R::Callable>> {
+    let pid = std::process::id();
+    let entries: Vec<Digest> = setup
+        .snapshot
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(d, _)| *d)
+        .collect();
+    if let Err(error) = Target::new(config, &setup.snapshot) {
+        let failure = ReplyError {
+            code: error.code,
+            message: error.message,
+        };
+        let snapshot = entries.iter().map(|d| (*d, Err(failure.clone()))).collect();
+        writer.send(Frame::Ready { pid, snapshot });
+        return None;
+    }
+    let mut callables = Vec::with_capacity(entries.len());
+    let mut outcomes = Vec::with_capacity(entries.len());
+    let mut failed = Vec::new();
+    for digest in entries {
+        let result = install_one(setup, digest);
+        outcomes.push((
+            digest,
+            result
+                .as_ref()
+                .map(|_| ())
+                .map_err(|f| reply_error(f.clone())),
+        ));
+        match result {
+            Ok(callable) => callables.push(callable),
+            Err(_) => failed.push(digest),
+        }
+    }
+    // The failed entries' slots stay free: the callables fill slots `0..`
+    // in snapshot order, as the machine does.
+    let machine = Target::with_snapshot_failures(config, &setup.snapshot, &failed).ok()?;
+    writer.send(Frame::Ready {
+        pid,
+        snapshot: outcomes,
+    });
+    let runtime = setup.runtime.clone();
+    Some(
+        SlotTable::new(machine, callables).with_finalizer(Box::new(move |release| {
+            runtime
+                .finalize(release)
+                .map_err(|e| format!("{}: {}", e.kind, e.message))
+        })),
+    )
+}
+
+fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::Callable, Failure> {
+    let bytes = setup.envelopes.get(&digest).ok_or_else(|| {
+        Failure::new(
+            ErrorCode::IO_FAILED,
+            format!("no envelope was inherited for {digest}"),
+        )
+    })?;
+    let envelope = Envelope::parse(bytes).map_err(|e| Failure::new(e.code(), e.message()))?;
+    failpoints::hit(failpoints::TARGET_BEFORE_INSTALL)
+        .map_err(|m| Failure::new(ErrorCode::IO_FAILED, m))?;
+    let callable = install(
+        &*setup.runtime,
+        envelope.payload(),
+        setup.metadata.get(&digest),
+    )?;
+    if failpoints::hit(failpoints::TARGET_AFTER_INSTALL).is_err() {
+        abrupt_exit();
+    }
+    Ok(callable)
+}
+
+/// Writes one line on the target's stderr for each failure a finalizer
+/// reported since the last call, naming the target and `what` freed the
+/// callable (the operation it belongs to); nothing else in the target's
+/// protocol changes: the slot is free all the same.
+fn report_finalizers<C>(table: &SlotTable<C>, id: TargetId, what: impl FnOnce() -> String) {
+    let failures = table.take_finalizer_failures();
+    if failures.is_empty() {
+        return;
+    }
+    let what = what();
+    for failure in failures {
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "callreg {id}: {what} released a callable whose finalizer failed: {failure}"
+        );
+    }
+}
