@@ -14,12 +14,13 @@ mkdir -p "$work"
 
 # The wheel: built once with maturin from a venv of its own (maturin and
 # auditwheel pinned exactly; the venv is rebuilt when a pin changes) and
-# reused by every later run in this checkout unless the sources changed.
+# reused by every later run in this checkout unless its sources changed
+# (the README too: it is the wheel's description).
 # maturin tags it manylinux_2_X from the glibc symbols the module uses
 # (its default auto detection); auditwheel must agree that it is.
 maturin_pin='maturin==1.16.0'
 auditwheel_pin='auditwheel==6.8.2'
-stamp="$(cd "$here/.." && cat Cargo.toml Cargo.lock src/**/*.rs src/*.rs python/Cargo.toml python/Cargo.lock python/pyproject.toml python/src/*.rs python/callreg/* 2>/dev/null | sha256sum | cut -c1-16)"
+stamp="$(cd "$here/.." && cat Cargo.toml Cargo.lock src/**/*.rs src/*.rs python/Cargo.toml python/Cargo.lock python/pyproject.toml python/README.md python/src/*.rs python/callreg/* 2>/dev/null | sha256sum | cut -c1-16)"
 wheels="$work/wheels-$stamp"
 builder="$work/build-venv"
 if ! compgen -G "$wheels/callreg-*.whl" >/dev/null; then
