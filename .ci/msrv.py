@@ -4,7 +4,7 @@ Only one toolchain is at hand, so the claim is checked the way cargo's own
 resolver would: every package reachable through normal and build
 dependencies (all features, this host's platform) must declare a
 `rust-version` no newer than the workspace package's. Dev-dependencies are
-not part of the claim (the test suite needs a newer toolchain; README).
+not part of the claim (the test suite needs a newer toolchain; docs/development.md).
 
 Usage: python3 .ci/msrv.py (prints one line per workspace package; exits 1
 on a dependency that needs more, naming it).

@@ -13,19 +13,39 @@ here="$(cd "$(dirname "$0")" && pwd)"
 work="${CALLREG_CI_DIR:-$here/target/ci}"
 mkdir -p "$work"
 
-# The wheel: built once with maturin from a venv of its own; reused by
-# every later run in this checkout unless the sources changed.
-stamp="$(cd "$here/.." && cat Cargo.toml Cargo.lock src/**/*.rs src/*.rs python/Cargo.toml python/Cargo.lock python/pyproject.toml python/src/*.rs python/callreg/*.py python/callreg/*.pyi python/callreg/py.typed 2>/dev/null | sha256sum | cut -c1-16)"
+# The wheel: built once with maturin from a venv of its own (maturin and
+# auditwheel pinned exactly; the venv is rebuilt when a pin changes) and
+# reused by every later run in this checkout unless its sources changed
+# (the README too: it is the wheel's description).
+# maturin tags it manylinux_2_X from the glibc symbols the module uses
+# (its default auto detection); auditwheel must agree that it is.
+maturin_pin='maturin==1.16.0'
+auditwheel_pin='auditwheel==6.8.2'
+stamp="$(cd "$here/.." && cat Cargo.toml Cargo.lock src/**/*.rs src/*.rs python/Cargo.toml python/Cargo.lock python/pyproject.toml python/README.md python/src/*.rs python/callreg/*.py python/callreg/*.pyi python/callreg/py.typed 2>/dev/null | sha256sum | cut -c1-16)"
 wheels="$work/wheels-$stamp"
+builder="$work/build-venv"
 if ! compgen -G "$wheels/callreg-*.whl" >/dev/null; then
-  builder="$work/build-venv"
-  [ -x "$builder/bin/maturin" ] || {
+  if [ "$(cat "$builder/pins" 2>/dev/null)" != "$maturin_pin $auditwheel_pin" ]; then
+    rm -rf "$builder"
     python3 -m venv "$builder"
-    "$builder/bin/pip" install --quiet --disable-pip-version-check 'maturin>=1.9,<2'
-  }
-  "$builder/bin/maturin" build --release --quiet --manifest-path "$here/Cargo.toml" -o "$wheels"
+    "$builder/bin/pip" install --quiet --disable-pip-version-check "$maturin_pin" "$auditwheel_pin"
+    echo "$maturin_pin $auditwheel_pin" >"$builder/pins"
+  fi
+  "$builder/bin/maturin" build --release --quiet --manifest-path "$here/Cargo.toml" -o "$wheels.tmp"
+  mv "$wheels.tmp" "$wheels"
 fi
 wheel="$(ls "$wheels"/callreg-*.whl | head -n1)"
+# A manylinux wheel: its file name's platform tag is manylinux_2_X, and
+# auditwheel finds it consistent with a manylinux tag no newer than that.
+"$builder/bin/python" - "$wheel" "$("$builder/bin/auditwheel" show "$wheel" 2>&1)" <<'PY'
+import re, sys
+wheel, report = sys.argv[1], " ".join(sys.argv[2].split())
+tag = re.fullmatch(r".*-(manylinux_(\d+)_(\d+)_\w+)\.whl", wheel)
+found = re.search(r'consistent with the following platform tag: "(manylinux_(\d+)_(\d+)_\w+)"', report)
+if tag is None or found is None or tuple(map(int, found.groups()[1:])) > tuple(map(int, tag.groups()[1:])):
+    sys.exit("not a manylinux wheel: %s\nauditwheel show: %s" % (wheel, report))
+print("wheel %s: auditwheel finds it consistent with %s" % (wheel.rsplit("/", 1)[-1], found.group(1)))
+PY
 
 version="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 venv="$work/venv-$version-$(printf '%s' "$cloudpickle" | tr -c 'A-Za-z0-9.' '_')"

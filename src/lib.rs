@@ -77,3 +77,9 @@ pub mod fuzzing;
 #[cfg(all(doctest, feature = "io"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The Rust snippets of the documentation site's page on the library and
+/// the IO layer, compiled and run by `cargo test --doc`.
+#[cfg(all(doctest, feature = "io"))]
+#[doc = include_str!("../docs/rust.md")]
+pub struct RustGuideDoctests;

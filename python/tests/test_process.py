@@ -392,6 +392,17 @@ def test_lifecycle_errors_before_start_and_double_start():
 
 def test_keyboard_interrupt_during_call_leaves_the_worker_usable():
     assert threading.current_thread() is threading.main_thread()
+    # Python keeps SIGINT ignored when it started ignored (a shell's
+    # `trap '' INT`, a background job): Ctrl-C's handler is installed for
+    # this test, whatever the process was started with.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_a_call()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_a_call():
     with callreg.Worker(2) as w:
         w.start()
         slow = w.register(sleep_then)
