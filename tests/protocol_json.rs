@@ -480,7 +480,7 @@ fn error_json_rejects_each_fault_naming_the_field() {
         Error::from_json(&good.replace(r#""operation":"task""#, r#""operation":"fly""#)),
         Err(JsonError::at(
             "operation",
-            "unknown variant `fly`, expected one of `register`, `unregister`, `cleanup`, `resolve`, `task`, `start`, `close`, `reply`, `stage`, `decode`"
+            "unknown variant `fly`, expected one of `register`, `unregister`, `cleanup`, `resolve`, `task`, `start`, `close`, `reply`, `stage`, `decode`, `inspect`"
         ))
     );
     assert_eq!(
