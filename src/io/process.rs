@@ -169,7 +169,10 @@ pub enum ThreadPolicy {
     AcceptRisk,
 }
 
-/// The number of threads of this process, from `/proc/self/task`.
+/// The number of live threads of this process, from `/proc/self/task`:
+/// a thread that ended (joined, or exiting) can stay listed for a moment
+/// after `pthread_join` returned, as a zombie or dead task; those are not
+/// counted, nor one that vanished while it was read.
 ///
 /// # Errors
 /// [`ProcessError::Os`] when the directory cannot be read.
@@ -178,7 +181,21 @@ pub fn thread_count() -> Result<usize, ProcessError> {
         operation: "/proc/self/task",
         errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
     })?;
-    Ok(entries.count())
+    Ok(entries
+        .filter_map(Result::ok)
+        .filter(|entry| {
+            std::fs::read_to_string(entry.path().join("stat"))
+                .ok()
+                .and_then(|stat| task_state(&stat))
+                .is_some_and(|state| !matches!(state, 'Z' | 'X' | 'x'))
+        })
+        .count())
+}
+
+/// The state letter of a `/proc/PID/task/TID/stat` line: the first field
+/// after the command, which is parenthesised and may hold any byte.
+fn task_state(stat: &str) -> Option<char> {
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 /// The target's ends of its two channels, handed to the target body.
@@ -759,4 +776,15 @@ pub fn receive_control(
         }
     }
     Ok(message.bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_task_state_is_read_after_the_command_whatever_it_holds() {
+        assert_eq!(super::task_state("12 (callreg) S 1 2 3"), Some('S'));
+        assert_eq!(super::task_state("12 (a) b) Z 1 2"), Some('Z'));
+        assert_eq!(super::task_state("12 (x"), None);
+        assert!(super::thread_count().unwrap() >= 1);
+    }
 }

@@ -277,6 +277,8 @@ impl Sim {
                     });
                     assert!(!live, "invariant 8: task {seq:?} for live handle {handle:?} reached {t} lacking it: {e}");
                     assert_eq!(e.code, ErrorCode::DIGEST_NOT_INSTALLED);
+                    // The target answers the task with that failure.
+                    self.send_result(t, seq);
                 }
             },
         }
@@ -336,10 +338,29 @@ impl Sim {
             return false;
         };
         if let Some(target) = self.targets[i].as_mut() {
+            let run = target.start_task(seq).expect("run in progress");
             target.end_task(seq).expect("run in progress");
+            if run {
+                self.send_result(t, seq);
+            }
         }
         self.settle();
         true
+    }
+
+    /// Target `t`'s result for task `seq` reaches the parent at once (a
+    /// result or a failure alike: the machine only ends the task).
+    fn send_result(&mut self, t: u16, seq: Seq) {
+        let Some(handle) = self.tasks.get(&seq).copied() else {
+            return;
+        };
+        let target = TargetId(t);
+        let incarnation = self.parent.incarnation(target);
+        let accepted = self
+            .parent
+            .handle_task_result(target, incarnation, seq, handle.digest())
+            .expect("a result of a task the parent sent");
+        assert!(accepted, "the result of {seq} on {target} was refused");
     }
 
     /// Target `t` dies; the parent hears of it with [`Sim::notice`].
