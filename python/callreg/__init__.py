@@ -47,10 +47,12 @@ Process model (Linux):
 * Every wait releases the GIL. Ctrl-C while :meth:`Worker.call` waits
   raises :class:`KeyboardInterrupt` in the caller and leaves the Worker
   usable (the task still finishes in its target; its result is dropped).
-* Tasks are sent at submit, so they cannot be cancelled, and have no
-  deadline of their own; a task ends when its target answers, is lost
-  (e.g. killed: :class:`TargetLostError`) or the Worker closes
-  (:class:`LifecycleError`).
+* Tasks are sent at submit; a future's ``cancel()`` still stops a task
+  that has not started in its target (it then never runs), and a task
+  may have a deadline (``timeout=``; :class:`TaskTimeoutError`, its
+  target killed and replaced). Otherwise a task ends when its target
+  answers, is lost (e.g. killed: :class:`TargetLostError`) or the Worker
+  closes (:class:`LifecycleError`).
 * :meth:`Worker.close` (also on leaving a ``with`` block, when the Worker
   is garbage-collected, and at interpreter exit) stops and reaps the
   targets; staged payloads are sealed anonymous memory files that the

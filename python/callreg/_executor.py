@@ -220,7 +220,8 @@ class Executor(concurrent.futures.Executor):
         target could not install it."""
         timeout = None
         if isinstance(fn, TaskOptions):
-            fn, timeout = fn.fn, fn.timeout
+            timeout = fn.timeout
+            fn = fn.fn
         data = task_input(args, kwargs)
         with self._lock:
             if self._shutdown:
@@ -245,7 +246,8 @@ class Executor(concurrent.futures.Executor):
         chunk) then has its deadline."""
         task_timeout = None
         if isinstance(fn, TaskOptions):
-            fn, task_timeout = fn.fn, fn.timeout
+            task_timeout = fn.timeout
+            fn = fn.fn
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")

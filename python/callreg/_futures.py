@@ -196,7 +196,8 @@ class TaskFuture(concurrent.futures.Future[Any]):
                 waiter.add_cancelled(self)
             self._condition.notify_all()
         self._pending = None
-        _resolve(lambda _: self._invoke_callbacks(), None)
+        # concurrent.futures' own step after a cancel (not in its stubs).
+        _resolve(lambda _: self._invoke_callbacks(), None)  # type: ignore[attr-defined]
 
     def _resolve(self, output: bytes | None, failure: _ErrorFields | None) -> None:
         """Sets the result (``output``: pickled bytes) or the error (a
