@@ -161,28 +161,9 @@ impl Parent {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{drain, started};
     use crate::error::ErrorCode;
-    use crate::protocol::{Effect, OwnerToken, Parent, ParentConfig, Seq, TargetId, Time};
-
-    fn started(targets: u16) -> Parent {
-        let mut p = Parent::new(ParentConfig {
-            targets,
-            control_timeout: 100,
-            operation_timeout: 1_000,
-            fence_on_timeout: true,
-            owner: OwnerToken(9),
-            slot_capacity: 64,
-            probe_first: false,
-            respawn_limit: 0,
-            respawn_backoff: 0,
-        });
-        p.start().unwrap();
-        p
-    }
-
-    fn drain(p: &mut Parent) -> Vec<Effect> {
-        std::iter::from_fn(|| p.poll_effect()).collect()
-    }
+    use crate::protocol::{Effect, Parent, Seq, TargetId, Time};
 
     #[test]
     fn an_inspection_asks_every_live_target_and_ends_with_the_missing_ones() {

@@ -432,26 +432,16 @@ impl Parent {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{digest, drain, new_parent};
     use super::*;
-    use crate::protocol::{Failure, OwnerToken, ParentConfig};
-
-    fn digest(n: u8) -> Digest {
-        Digest([n; 32])
-    }
+    use crate::protocol::{Failure, ParentConfig};
 
     /// A started parent of `targets` targets (replacements after
     /// `respawn_limit` > 0) holding a handle of digest 1 on every target.
     fn with_handle(targets: u16, respawn_limit: u16) -> (Parent, Handle) {
         let mut p = Parent::new(ParentConfig {
-            targets,
-            control_timeout: 100,
-            operation_timeout: 1_000,
-            fence_on_timeout: true,
-            owner: OwnerToken(9),
-            slot_capacity: 64,
-            probe_first: false,
             respawn_limit,
-            respawn_backoff: 0,
+            ..*new_parent(targets).config()
         });
         let handle = p
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -459,10 +449,6 @@ mod tests {
         p.start().unwrap();
         drain(&mut p);
         (p, handle)
-    }
-
-    fn drain(p: &mut Parent) -> Vec<Effect> {
-        std::iter::from_fn(|| p.poll_effect()).collect()
     }
 
     fn done(seq: Seq, target: u16, incarnation: u32, end: TaskEnd) -> Effect {

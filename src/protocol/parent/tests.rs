@@ -1,27 +1,21 @@
 use super::*;
 use crate::protocol::Reply;
 
-fn digest(n: u8) -> Digest {
+// The helpers below are shared with the unit tests of the machine's other
+// files (tasks, inspections).
+
+pub(super) fn digest(n: u8) -> Digest {
     Digest([n; 32])
 }
 
-fn started(targets: u16) -> Parent {
-    let mut p = Parent::new(ParentConfig {
-        targets,
-        control_timeout: 100,
-        operation_timeout: 1_000,
-        fence_on_timeout: true,
-        owner: OwnerToken(9),
-        slot_capacity: 64,
-        probe_first: false,
-        respawn_limit: 0,
-        respawn_backoff: 0,
-    });
+/// A started parent of `targets` targets, without replacements.
+pub(super) fn started(targets: u16) -> Parent {
+    let mut p = new_parent(targets);
     p.start().unwrap();
     p
 }
 
-fn drain(p: &mut Parent) -> Vec<Effect> {
+pub(super) fn drain(p: &mut Parent) -> Vec<Effect> {
     std::iter::from_fn(|| p.poll_effect()).collect()
 }
 
@@ -33,7 +27,9 @@ fn ok(seq: u64, n: u8) -> Reply {
     }
 }
 
-fn new_parent(targets: u16) -> Parent {
+/// A new parent of `targets` targets (control timeout 100, operation
+/// timeout 1,000, fencing on, no probe, no replacements).
+pub(super) fn new_parent(targets: u16) -> Parent {
     Parent::new(ParentConfig {
         targets,
         control_timeout: 100,
