@@ -48,6 +48,10 @@ fn main() {
             target_fail_points_inject_errors,
         ),
         (
+            "a_start_right_after_a_worker_with_a_crash_closed_forks",
+            a_start_right_after_a_worker_with_a_crash_closed_forks,
+        ),
+        (
             "target_fail_points_end_the_target",
             target_fail_points_end_the_target,
         ),
@@ -152,6 +156,19 @@ fn target_fail_points_inject_errors() {
         for scenario in SCENARIOS {
             run_case(point, scenario, false);
         }
+    }
+}
+
+/// A Worker whose target crashed closes, and the next one starts at once:
+/// the closed Worker's threads were joined, though the kernel may list
+/// one for a moment longer, which must not count as a running thread.
+fn a_start_right_after_a_worker_with_a_crash_closed_forks() {
+    for _ in 0..40 {
+        run_case(
+            failpoints::TARGET_BEFORE_INSTALL,
+            Scenario::PreStartRegister,
+            true,
+        );
     }
 }
 

@@ -499,13 +499,29 @@ where
     Ok(targets)
 }
 
+/// How long [`check_threads`] lets a count above one settle before it
+/// refuses: a thread that `pthread_join` already returned for is still
+/// listed, as a running task, until the kernel finishes its exit (its
+/// thread-id word is cleared, waking the joiner, before it is unlisted).
+/// Such a thread vanishes within microseconds; a live one stays.
+pub(crate) const THREAD_SETTLE: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Refuses with [`ProcessError::Threaded`] when `policy` does and this
-/// process runs other threads.
+/// process runs other threads. A count above one is read again (every
+/// millisecond, for up to [`THREAD_SETTLE`]) before the refusal, so that a
+/// thread just joined does not count.
 pub(crate) fn check_threads(policy: ThreadPolicy) -> Result<(), ProcessError> {
     if policy == ThreadPolicy::RefuseIfThreaded {
-        let threads = thread_count()?;
-        if threads > 1 {
-            return Err(ProcessError::Threaded { threads });
+        let started = std::time::Instant::now();
+        loop {
+            let threads = thread_count()?;
+            if threads <= 1 {
+                break;
+            }
+            if started.elapsed() >= THREAD_SETTLE {
+                return Err(ProcessError::Threaded { threads });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
     Ok(())
