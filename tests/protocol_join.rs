@@ -761,6 +761,49 @@ fn a_failed_replay_staging_fails_the_join() {
     assert!(p.staged().is_empty());
 }
 
+#[test]
+fn a_failed_replay_staging_withdraws_every_frame_queued_for_the_target() {
+    let mut p = started(2, true, 3);
+    registered(&mut p, 1, &[0, 1], 0);
+    registered(&mut p, 2, &[0, 1], 0);
+    p.target_lost(TargetId(1), Time(0)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(1), 1, Time(5)).unwrap();
+    assert_eq!(
+        p.poll_effect(),
+        Some(Effect::Restage {
+            staging: StagingId(3),
+            digest: digest(1)
+        })
+    );
+    let failure = Failure::new(ErrorCode::IO_FAILED, "memfd_create: ENOMEM");
+    p.stage_failed(StagingId(3), failure.clone()).unwrap();
+    // Neither replay's frame goes: the second replay's payload, already
+    // asked for, is staged and released at once.
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::Restage {
+                staging: StagingId(4),
+                digest: digest(2)
+            },
+            Effect::JoinFailed {
+                target: TargetId(1),
+                incarnation: 1,
+                failure
+            },
+            Effect::Fence {
+                target: TargetId(1)
+            },
+            Effect::ReleaseStaged {
+                staging: StagingId(4)
+            },
+        ]
+    );
+    assert!(p.staged().is_empty());
+    assert!(p.in_flight().is_empty());
+}
+
 /// A whole system (`common::sim`, every invariant checked at every step)
 /// with replacements on.
 fn system(targets: u16, before_start: &[u8]) -> common::sim::Sim {

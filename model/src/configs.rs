@@ -149,6 +149,9 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
         if config.spawn_failures > 0 {
             expected.push(SOMETIMES_SPAWN_FAILED);
         }
+        if config.restage_failures > 0 {
+            expected.push(SOMETIMES_RESTAGE_FAILED);
+        }
     }
     order(expected)
 }
@@ -385,10 +388,11 @@ pub fn all() -> Vec<Named> {
         },
         Named {
             name: "respawn-spawn-failure",
-            description: "2 targets, duplicate-register, replacement targets with a rate limit of 2, a replacement that fails to start, a crash, a deadline, fencing on: registers issued while a replacement joins, a silent replacement fenced, back-offs, abandoned slots",
+            description: "2 targets, duplicate-register, replacement targets with a rate limit of 2, a replacement that fails to start, a replay that fails to stage, a crash, a deadline, fencing on: registers issued while a replacement joins, a silent replacement fenced, a replay withdrawn, back-offs, abandoned slots",
             config: ModelConfig {
                 respawn_limit: 2,
                 spawn_failures: 1,
+                restage_failures: 1,
                 corruptions: 0,
                 deserialize_failures: 0,
                 tasks: 0,

@@ -50,7 +50,7 @@ struct Cli {
 
 /// The configuration flags a named configuration (`--config`, `--all`)
 /// replaces; `--mutant` combines with both.
-const CONFIG_FLAGS: [&str; 22] = [
+const CONFIG_FLAGS: [&str; 23] = [
     "targets",
     "script",
     "crashes",
@@ -73,6 +73,7 @@ const CONFIG_FLAGS: [&str; 22] = [
     "wrong_digests",
     "respawn_limit",
     "spawn_failures",
+    "restage_failures",
 ];
 
 #[derive(Subcommand, Debug)]
@@ -203,6 +204,10 @@ struct ConfigArgs {
     /// Replacements that may fail to start.
     #[arg(long, default_value_t = 0)]
     spawn_failures: u8,
+    /// Replays that may fail to stage their payload for a joining
+    /// replacement (its join then fails).
+    #[arg(long, default_value_t = 0)]
+    restage_failures: u8,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -250,6 +255,7 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         poison_kills: args.poison_kills,
         respawn_limit: args.respawn_limit,
         spawn_failures: args.spawn_failures,
+        restage_failures: args.restage_failures,
         #[cfg(feature = "mutants")]
         mutant: None,
     })

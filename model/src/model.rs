@@ -137,6 +137,9 @@ pub struct ModelConfig {
     pub respawn_limit: u16,
     /// How many replacements may fail to start ([`Action::SpawnFails`]).
     pub spawn_failures: u8,
+    /// How many replays may fail to stage their payload again for a
+    /// joining replacement ([`Action::SpawnRestageFails`]).
+    pub restage_failures: u8,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -173,6 +176,7 @@ impl ModelConfig {
             poison_kills: 0,
             respawn_limit: 0,
             spawn_failures: 0,
+            restage_failures: 0,
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -324,6 +328,8 @@ pub struct Budgets {
     pub heartbeats: u8,
     /// Replacements that may still fail to start.
     pub spawn_failures: u8,
+    /// Replays whose payload may still fail to stage again.
+    pub restage_failures: u8,
 }
 
 /// Something the driver saw happen on this path (history the properties
@@ -422,6 +428,9 @@ pub mod seen {
     /// A run cancelled while queued reached its start and was skipped
     /// (`Target::start_task` said `false`).
     pub const RUN_SKIPPED: u64 = 1 << 32;
+    /// A replay's payload could not be staged again for its joining
+    /// replacement ([`super::Action::SpawnRestageFails`]).
+    pub const RESTAGE_FAILED: u64 = 1 << 33;
 }
 
 /// A task result in transit target → parent: the task and the
@@ -706,6 +715,12 @@ pub enum Action {
     /// The replacement asked for in `target`'s slot cannot be started
     /// (bounded): `Parent::target_died`.
     SpawnFails(TargetId),
+    /// As [`Action::Spawn`], but the first replay's payload cannot be
+    /// staged again (bounded; only when the replacement has a registration
+    /// to replay): the driver answers its `Effect::Restage` with
+    /// `Parent::stage_failed` while draining, before the replay's frame is
+    /// sent (§2.9: the replay is withdrawn and the join fails).
+    SpawnRestageFails(TargetId),
 }
 
 /// The forged and out-of-range inputs of [`Action::Forge`].
@@ -905,6 +920,7 @@ impl RegistrationModel {
                 poison_kills: config.poison_kills,
                 heartbeats: config.heartbeats,
                 spawn_failures: config.spawn_failures,
+                restage_failures: config.restage_failures,
             },
             seen: 0,
             contract: "",
@@ -1126,6 +1142,14 @@ impl RegistrationModel {
 
     /// Carries out the parent's effects, in order (the driving rule).
     fn drain_parent(&self, state: &mut State) {
+        self.drain(state, false);
+    }
+
+    /// [`Self::drain_parent`]; with `fail_restage`, the first
+    /// `Effect::Restage` cannot be carried out and is answered with
+    /// `Parent::stage_failed`. Whether that happened.
+    fn drain(&self, state: &mut State, mut fail_restage: bool) -> bool {
+        let mut restage_failed = false;
         // A failed join is followed by its target's fence (§2.9).
         let mut fence_due: Option<TargetId> = None;
         while let Some(effect) = state.parent.poll_effect() {
@@ -1137,6 +1161,17 @@ impl RegistrationModel {
             match effect {
                 Effect::Stage { staging, digest } => {
                     state.staged.insert(staging, digest);
+                }
+                Effect::Restage { staging, .. } if fail_restage => {
+                    fail_restage = false;
+                    restage_failed = true;
+                    let failure = Failure::new(
+                        ErrorCode::IO_FAILED,
+                        "shared memory for the replayed payload could not be created",
+                    );
+                    if state.parent.stage_failed(staging, failure).is_err() {
+                        state.seen |= seen::DRIVER_ERROR;
+                    }
                 }
                 Effect::Restage { staging, digest } => {
                     // The kept envelope of a live registration, staged
@@ -1219,6 +1254,19 @@ impl RegistrationModel {
                     }
                 }
                 Effect::Send { target, frame } => {
+                    // A register or unregister frame is sent only for an
+                    // operation that awaits its reply: a withdrawn one
+                    // (a staging failure, an operation ended in the same
+                    // input) never reaches a target.
+                    if matches!(
+                        frame,
+                        ControlFrame::Register { .. } | ControlFrame::Unregister { .. }
+                    ) && !state.parent.awaits_reply(target, frame.seq())
+                    {
+                        state.breach(
+                            "a register or unregister frame was sent that no operation awaits",
+                        );
+                    }
                     // The operation's scope, as the driver sees it.
                     if !matches!(
                         frame,
@@ -1261,7 +1309,9 @@ impl RegistrationModel {
                     }
                 }
                 Effect::ReleaseStaged { staging } => {
-                    state.staged.remove(&staging);
+                    if state.staged.remove(&staging).is_none() {
+                        state.breach("a payload was released that was not staged");
+                    }
                 }
                 Effect::Fence { target } => {
                     // A replacement not ready in time (§2.9): the driver
@@ -1351,6 +1401,7 @@ impl RegistrationModel {
             let in_flight = state.parent.in_flight();
             state.replays.retain(|op| in_flight.contains(op));
         }
+        restage_failed
     }
 
     /// Whether the earliest pending deadline is only a replacement's
@@ -1378,8 +1429,16 @@ impl RegistrationModel {
     }
 
     /// Starts the replacement asked for in slot `id` (`spawn`), or reports
-    /// that it could not be started.
-    fn spawn(&self, state: &mut State, id: TargetId, starts: bool) -> Option<()> {
+    /// that it could not be started; with `restage_fails`, the first replay
+    /// to it fails to stage its payload (no next state when it has nothing
+    /// to replay).
+    fn spawn(
+        &self,
+        state: &mut State,
+        id: TargetId,
+        starts: bool,
+        restage_fails: bool,
+    ) -> Option<()> {
         let index = usize::from(id.0);
         let incarnation = state.spawns.get_mut(index)?.take()?;
         state.spawn_due[index] = None;
@@ -1419,7 +1478,14 @@ impl RegistrationModel {
                 state.seen |= seen::DRIVER_ERROR;
             }
         }
-        self.drain_parent(state);
+        let restage_failed = self.drain(state, restage_fails);
+        if restage_fails {
+            // The fault applies only where a replay is staged.
+            if !restage_failed {
+                return None;
+            }
+            state.seen |= seen::FAULT | seen::RESTAGE_FAILED;
+        }
         Some(())
     }
 
@@ -2437,6 +2503,9 @@ impl stateright::Model for RegistrationModel {
                 if state.budgets.spawn_failures > 0 {
                     actions.push(Action::SpawnFails(id));
                 }
+                if state.budgets.restage_failures > 0 {
+                    actions.push(Action::SpawnRestageFails(id));
+                }
             }
         }
         if state.parent.poll_timeout().is_some()
@@ -2727,10 +2796,14 @@ impl stateright::Model for RegistrationModel {
             }
             Action::Close => self.close(&mut state)?,
             Action::Forge(forged) => return self.forge(last, forged),
-            Action::Spawn(id) => self.spawn(&mut state, id, true)?,
+            Action::Spawn(id) => self.spawn(&mut state, id, true, false)?,
             Action::SpawnFails(id) => {
                 state.budgets.spawn_failures = state.budgets.spawn_failures.checked_sub(1)?;
-                self.spawn(&mut state, id, false)?;
+                self.spawn(&mut state, id, false, false)?;
+            }
+            Action::SpawnRestageFails(id) => {
+                state.budgets.restage_failures = state.budgets.restage_failures.checked_sub(1)?;
+                self.spawn(&mut state, id, true, true)?;
             }
             Action::Heartbeat(id) => {
                 state.budgets.heartbeats = state.budgets.heartbeats.checked_sub(1)?;
@@ -2928,6 +3001,10 @@ impl RegistrationModel {
             ),
             Action::SpawnFails(t) => format!(
                 "replacement incarnation {} of {t} FAILS to start",
+                state.spawns[usize::from(t.0)].unwrap_or_default()
+            ),
+            Action::SpawnRestageFails(t) => format!(
+                "the driver starts replacement incarnation {} of {t}; staging its first replay's payload again FAILS",
                 state.spawns[usize::from(t.0)].unwrap_or_default()
             ),
             Action::DeadlinePasses => match state.parent.poll_timeout() {

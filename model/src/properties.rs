@@ -126,6 +126,9 @@ pub const SOMETIMES_JOIN_FAILED: &str = "sometimes: a join fails and its replace
 pub const SOMETIMES_ABANDONED: &str = "sometimes: a slot is abandoned";
 /// Witness: a replacement could not be started.
 pub const SOMETIMES_SPAWN_FAILED: &str = "sometimes: a replacement fails to start";
+/// Witness: a replay's payload could not be staged again, and the join
+/// it was for failed.
+pub const SOMETIMES_RESTAGE_FAILED: &str = "sometimes: a replay fails to stage and its join fails";
 /// Witness: the back-off before a replacement passed.
 pub const SOMETIMES_BACKOFF: &str = "sometimes: a back-off before a replacement passes";
 /// Witness: the Worker started (trivial unless start is an action).
@@ -434,6 +437,9 @@ fn abandoned(_: &RegistrationModel, s: &State) -> bool {
 }
 fn spawn_failed(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::SPAWN_FAILED != 0
+}
+fn restage_failed(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::RESTAGE_FAILED != 0 && s.seen & seen::JOIN_FAILED != 0
 }
 fn backoff_passed(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::BACKOFF_PASSED != 0
@@ -907,6 +913,7 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_JOIN_FAILED, join_failed),
         Property::sometimes(SOMETIMES_ABANDONED, abandoned),
         Property::sometimes(SOMETIMES_SPAWN_FAILED, spawn_failed),
+        Property::sometimes(SOMETIMES_RESTAGE_FAILED, restage_failed),
         Property::sometimes(SOMETIMES_BACKOFF, backoff_passed),
         Property::sometimes(SOMETIMES_TASK_RESULT, task_result),
         Property::sometimes(SOMETIMES_TASK_CANCELLED, task_cancelled),

@@ -76,7 +76,7 @@ fn pinned_state_counts() {
         ("heartbeat", 16_158, 19),
         ("respawn", 93_301, 32),
         ("respawn-no-fence", 55_419, 33),
-        ("respawn-spawn-failure", 42_170, 26),
+        ("respawn-spawn-failure", 81_984, 28),
         ("tasks-cancel", 229, 18),
         ("tasks-deadline", 1_406, 23),
         ("standard", 109_441, 37),

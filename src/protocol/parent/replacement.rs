@@ -101,6 +101,10 @@ impl Parent {
             });
         }
         self.lost.insert(target);
+        // Frames queued for it by this same input are withdrawn (§2.9):
+        // they would reach a process being fenced, or none.
+        self.effects
+            .retain(|e| !matches!(e, Effect::Send { target: t, .. } if *t == target));
         self.tasks_lost(target, cause);
         self.inspections_lost(target);
         let mut touched = Vec::new();
@@ -353,15 +357,15 @@ impl Parent {
                 format!("the replay staged as {} was already sent", id.0),
             ));
         }
-        let seq = op.seq;
         let Some((target, sent)) = op.heard.iter().next().map(|(t, h)| (*t, *h)) else {
             return Ok(());
         };
         self.ops.remove(&id);
         self.staged.remove(&StagingId(id.0));
-        self.effects.retain(|e| !matches!(e, Effect::Send { frame: ControlFrame::Register { seq: s, .. }, .. } if *s == seq));
         // Staging is carried out while the input that sent the replay is
-        // drained, so its send time is the time now.
+        // drained, so its send time is the time now. The failed join loses
+        // the target, which withdraws the replay's frame with every other
+        // frame queued for it.
         self.fail_join(target, failure, sent);
         self.settle_joins();
         Ok(())
