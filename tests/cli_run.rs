@@ -518,8 +518,11 @@ fn steps_after_a_failed_start_are_not_run() {
     let stdout = text(&output.stdout);
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 5, "{stdout}");
+    // The error names the snapshot's only entry: the target died
+    // installing it.
+    let bad = hashid_of(&callreg::envelope::encode(b"cos\n_exit\n(I3\ntR."));
     assert!(
-        lines[1].starts_with("step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON) [target 0 failed ("),
+        lines[1].starts_with(&format!("step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON, hashid {bad}) [target 0 failed (")),
         "{stdout}"
     );
     // Its replacements load the snapshot by replay and die too: after
@@ -653,9 +656,10 @@ fn messages_agree_in_number_and_voice() {
             ),
         );
         assert_eq!(code, Some(1));
+        let hashid = hashid_of(&bad().1);
         assert!(
             lines[1].starts_with(&format!(
-                "step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: {stopped} (operation start, target 0, namespace LOCAL_PYTHON) [target 0 failed ("
+                "step 1 start: FAILED: REGISTER_PARTIAL_FAILURE: {stopped} (operation start, target 0, namespace LOCAL_PYTHON, hashid {hashid}) [target 0 failed ("
             )),
             "{lines:?}"
         );
@@ -929,7 +933,7 @@ fn a_target_lost_at_start_is_replaced() {
         let output = callreg(&args);
         let stdout = text(&output.stdout);
         assert_eq!(output.status.code(), Some(0), "{stdout}");
-        let error = "REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON)";
+        let error = format!("REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped (operation start, target 0, namespace LOCAL_PYTHON, hashid {hashid})");
         let lost = "TARGET_LOST: the target exited with status 3 before it was ready";
         if !json {
             let lines: Vec<&str> = stdout.lines().map(without_duration).collect();

@@ -642,6 +642,33 @@ def test_without_replacements_a_killed_target_stays_lost():
         assert w.target_incarnation(1) == 0
 
 
+def test_a_start_failed_by_a_pre_start_callable_names_the_snapshot():
+    killer = callreg._callreg.encode_envelope(pickle.dumps(ExitsAtUnpickle()))
+    killer_hashid = callreg.hashid(killer)
+    # One entry: the error names it (the target died installing it).
+    with callreg.Worker(1, respawn_limit=0) as w:
+        w.register_envelope(killer)
+        with pytest.raises(callreg.RegisterError) as info:
+            w.start()
+        assert info.value.hashid == killer_hashid
+        assert str(info.value) == (
+            "REGISTER_PARTIAL_FAILURE: target 0 could not install the startup snapshot and was stopped "
+            "(operation start, target 0, namespace LOCAL_PYTHON, hashid %s); "
+            "outcomes: target 0: failed (TARGET_LOST: the target exited with status 5 before it was ready)"
+            % killer_hashid
+        )
+    # Several: which one killed the target is unknown; the message names
+    # them all.
+    with callreg.Worker(1, respawn_limit=0) as w:
+        h = w.register(abs)
+        w.register_envelope(killer)
+        with pytest.raises(callreg.RegisterError) as info:
+            w.start()
+        assert info.value.hashid is None
+        held = str(info.value).split("(the snapshot held ", 1)[1].split(")", 1)[0]
+        assert sorted(held.split(", ")) == sorted([h.hashid, killer_hashid])
+
+
 def test_a_callable_that_kills_every_new_process_stops_at_the_rate_limit():
     envelope = callreg._callreg.encode_envelope(pickle.dumps(ExitsAtUnpickle()))
     with callreg.Worker(1, respawn_limit=2, respawn_backoff=0.01) as w:

@@ -346,11 +346,21 @@ impl<R: Runtime> Worker<R> {
             )
         };
         let mut message = format!("{subject} {} {what} and {verb} stopped", failed.join(", "));
+        // Which entry a target died installing is not known (it could
+        // not say): the error names the snapshot's only entry (its
+        // hashid), or the message names them all, in order.
+        if snapshot.len() > 1 {
+            let names: Vec<String> = snapshot.iter().map(|(d, _)| d.hashid().to_string()).collect();
+            message.push_str(&format!(" (the snapshot held {})", names.join(", ")));
+        }
         for registration in &report.failed {
             message.push_str(&format!("; {}", registration_failure_text(registration)));
         }
         let mut error =
             Error::new(code, OperationKind::Start, message).with_namespace(Namespace::LocalPython);
+        if let [(digest, _)] = snapshot.as_slice() {
+            error = error.with_digest(*digest);
+        }
         if let Some((target, _)) = report
             .outcomes
             .iter()

@@ -1,0 +1,120 @@
+"""Two builds of the package side by side: round trip and small register.
+
+Each build is an interpreter (a venv) with its own ``callreg`` installed,
+e.g. one built from an older commit and one from this tree. The builds run
+alternately, one process per round each (the order flips every round), and
+each process measures, with the scenarios of ``peers.py``:
+
+* ``echo``: the floor, a forked child echoing 8 bytes over two pipes;
+* ``round_trip``: ``Worker.call`` of a trivial registered function, one at
+  a time (``--calls`` per round);
+* ``register_small``: ``Worker.register`` of a new closure over 16 bytes
+  after start (``--registers`` per round).
+
+Every figure is also given as a ratio to the echo floor measured in the
+same process, so that the builds are compared through ratios taken under
+the same load. Wall and CPU time per operation (the parent's, all threads,
+plus every target's, from /proc); the median of the rounds.
+
+Run: ``python ab.py --before OLD/bin/python --after NEW/bin/python
+[--rounds 7] [--workers 2]``.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = ("round_trip", "register_small")
+
+
+def measure_here(args):
+    """One round in this interpreter: {scenario: [wall, cpu]} per op."""
+    sys.path.insert(0, HERE)
+    import peers
+
+    out = {"echo": list(peers.echo_floor(args.calls))}
+    for scenario in SCENARIOS:
+        out[scenario] = list(peers.run_scenario(peers.Callreg, scenario, args.workers, args))
+    return out
+
+
+def run_build(python, args):
+    command = [
+        python,
+        os.path.abspath(__file__),
+        "--measure",
+        "--workers",
+        str(args.workers),
+        "--calls",
+        str(args.calls),
+        "--registers",
+        str(args.registers),
+    ]
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", help="interpreter with the first build")
+    parser.add_argument("--after", help="interpreter with the second build")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2000, help="round trips per round")
+    parser.add_argument("--registers", type=int, default=20, help="registers per round")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        # Attributes run_scenario reads that this benchmark does not vary.
+        args.batches, args.closure_calls = 1, 1
+        json.dump(measure_here(args), sys.stdout)
+        return
+    if not (args.before and args.after):
+        parser.error("--before and --after are required")
+    builds = {"before": args.before, "after": args.after}
+    samples = {name: [] for name in builds}
+    load_before = os.getloadavg()
+    for i in range(args.rounds):
+        order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
+        for name in order:
+            samples[name].append(run_build(builds[name], args))
+    load_after = os.getloadavg()
+
+    def median(name, scenario, index):
+        return statistics.median(s[scenario][index] for s in samples[name])
+
+    def floor_ratio(name, scenario, index):
+        return statistics.median(s[scenario][index] / s["echo"][index] for s in samples[name])
+
+    print("command: %s %s" % (os.path.basename(sys.executable), " ".join(sys.argv)))
+    print("load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f" % (load_before + load_after))
+    print("workers: %d; rounds: %d (median shown)" % (args.workers, args.rounds))
+    print()
+    print("| scenario | build | wall | CPU | wall / echo | CPU / echo |")
+    print("|---|---|---:|---:|---:|---:|")
+    for scenario in ("echo",) + SCENARIOS:
+        for name in builds:
+            print(
+                "| %s | %s | %.1f µs | %.1f µs | %.2f× | %.2f× |"
+                % (
+                    scenario,
+                    name,
+                    median(name, scenario, 0) * 1e6,
+                    median(name, scenario, 1) * 1e6,
+                    floor_ratio(name, scenario, 0),
+                    floor_ratio(name, scenario, 1),
+                )
+            )
+    print()
+    for scenario in SCENARIOS:
+        wall = floor_ratio("after", scenario, 0) / floor_ratio("before", scenario, 0)
+        cpu = floor_ratio("after", scenario, 1) / floor_ratio("before", scenario, 1)
+        print("%s: after / before, as ratios to the floor: wall %.2f×, CPU %.2f×" % (scenario, wall, cpu))
+
+
+if __name__ == "__main__":
+    main()
