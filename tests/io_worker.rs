@@ -156,6 +156,7 @@ fn the_leftover_checks_see_payloads_mappings_and_children() {
     // SAFETY: the test runs on the main thread of a single-threaded
     // process (the runner checks it); the child only calls _exit.
     let child = match unsafe { nix::unistd::fork() }.unwrap() {
+        // SAFETY: _exit is async-signal-safe and ends the child at once.
         nix::unistd::ForkResult::Child => unsafe { nix::libc::_exit(0) },
         nix::unistd::ForkResult::Parent { child } => child,
     };

@@ -228,14 +228,13 @@ impl IoLoop {
         let queue = self.spawned.clone();
         // The spawning thread's own end of the wake pipe.
         let wake = core.wake.as_ref().map(|wake| {
-            nix::fcntl::fcntl(&**wake, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(0))
+            nix::fcntl::fcntl(&**wake, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(0)).map(|fd| {
                 // SAFETY: F_DUPFD_CLOEXEC returned a new descriptor that
                 // nothing else owns.
-                .map(|fd| {
-                    TrackedFd::new(unsafe {
-                        <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
-                    })
-                })
+                let owned =
+                    unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+                TrackedFd::new(owned)
+            })
         });
         let asked = std::thread::Builder::new()
             .name("callreg-spawn".to_owned())

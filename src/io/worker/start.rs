@@ -350,7 +350,10 @@ impl<R: Runtime> Worker<R> {
         // not say): the error names the snapshot's only entry (its
         // hashid), or the message names them all, in order.
         if snapshot.len() > 1 {
-            let names: Vec<String> = snapshot.iter().map(|(d, _)| d.hashid().to_string()).collect();
+            let names: Vec<String> = snapshot
+                .iter()
+                .map(|(d, _)| d.hashid().to_string())
+                .collect();
             message.push_str(&format!(" (the snapshot held {})", names.join(", ")));
         }
         for registration in &report.failed {
