@@ -4,7 +4,7 @@
 //!
 //! | offset | size | field | rule |
 //! |---|---|---|---|
-//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (5) |
+//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (6) |
 //! | 1 | 1 | kind (u8) | a [`FrameKind`] value |
 //! | 2 | 2 | flags (u16) | 0, or [`FLAG_TASK_EXCEPTION`] on a failed task result |
 //! | 4 | 4 | body length (u32, bytes) | `8 + body length <= maximum frame size` |
@@ -28,13 +28,14 @@
 use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 
-/// The only wire version this implementation reads and writes. Version 5
+/// The only wire version this implementation reads and writes. Version 6
+/// added the target's [`Frame::StartFailed`] report; version 5
 /// added the parent's [`Frame::Cancel`] control; version 4
 /// added the target's [`Frame::Alive`] report; version 3 replaced the register control's staged shm name by a sealed descriptor
 /// passed beside the frame (`specs/staging.md`); version 2 added the
-/// register control's metadata field. Frames of versions 1 to 4 are
+/// register control's metadata field. Frames of versions 1 to 5 are
 /// refused.
-pub const WIRE_VERSION: u8 = 5;
+pub const WIRE_VERSION: u8 = 6;
 
 /// Header flag of a [`Frame::TaskResult`] with an error status whose
 /// failure carries a serialized exception ([`TaskFailure::exception`]):
@@ -104,6 +105,8 @@ pub enum FrameKind {
     Table = 19,
     /// Target → parent: [`Frame::Alive`].
     Alive = 20,
+    /// Target → parent: [`Frame::StartFailed`].
+    StartFailed = 21,
 }
 
 impl FrameKind {
@@ -120,6 +123,7 @@ impl FrameKind {
             18 => FrameKind::Ready,
             19 => FrameKind::Table,
             20 => FrameKind::Alive,
+            21 => FrameKind::StartFailed,
             _ => return None,
         })
     }
@@ -265,6 +269,17 @@ pub enum Frame {
     Alive {
         /// The control's sequence number.
         seq: u64,
+    },
+    /// The target's runtime could not start (an initializer or a setup
+    /// raised, say): sent instead of [`Frame::Ready`], as the target's last
+    /// frame before it exits. Body: string kind (the runtime's name for
+    /// the failure, e.g. a Python exception type), string message (for
+    /// Python: with the traceback's lines).
+    StartFailed {
+        /// The runtime's name for the failure.
+        kind: String,
+        /// The full message.
+        message: String,
     },
 }
 
@@ -489,6 +504,10 @@ fn decode_body(kind: FrameKind, flags: u16, body: &[u8]) -> Result<Frame, WireEr
             }
         }
         FrameKind::Alive => Frame::Alive { seq: r.u64("seq")? },
+        FrameKind::StartFailed => Frame::StartFailed {
+            kind: r.string("failure kind")?,
+            message: r.string("message")?,
+        },
     };
     if !r.rest.is_empty() {
         return Err(WireError::Trailing(r.rest.len()));
@@ -590,6 +609,7 @@ impl Frame {
             Frame::Ready { .. } => FrameKind::Ready,
             Frame::Table { .. } => FrameKind::Table,
             Frame::Alive { .. } => FrameKind::Alive,
+            Frame::StartFailed { .. } => FrameKind::StartFailed,
         }
     }
 
@@ -696,6 +716,10 @@ impl Frame {
                         }
                     }
                 }
+            }
+            Frame::StartFailed { kind, message } => {
+                put_bytes(out, kind.as_bytes())?;
+                put_bytes(out, message.as_bytes())?;
             }
             Frame::Ready { pid, snapshot } => {
                 out.extend_from_slice(&pid.to_le_bytes());
@@ -926,6 +950,7 @@ mod tests {
                     entries
                 }),
             any::<u64>().prop_map(|seq| Frame::Alive { seq }),
+            (".*", ".*").prop_map(|(kind, message)| Frame::StartFailed { kind, message }),
         ]
     }
 
@@ -1210,11 +1235,25 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![5, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![6, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xcd; 32]);
         expected.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0]);
         expected.extend_from_slice(&[12, 0, 0, 0]);
         expected.extend_from_slice(br#"{"name":"f"}"#);
+        assert_eq!(bytes, expected);
+    }
+
+    #[test]
+    fn known_encoding_of_a_start_failure() {
+        let bytes = Frame::StartFailed {
+            kind: "E".to_owned(),
+            message: "no".to_owned(),
+        }
+        .encode(MAX)
+        .unwrap();
+        let expected = vec![
+            6, 21, 0, 0, 11, 0, 0, 0, 1, 0, 0, 0, b'E', 2, 0, 0, 0, b'n', b'o',
+        ];
         assert_eq!(bytes, expected);
     }
 
@@ -1226,7 +1265,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![5, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![6, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xab; 32]);
         assert_eq!(bytes, expected);
     }

@@ -23,7 +23,7 @@ fn wire_corpus_replays() {
         callreg::fuzzing::wire(&std::fs::read(entry.unwrap().path()).unwrap());
         count += 1;
     }
-    assert!(count >= 15, "wire seeds missing: {count}");
+    assert!(count >= 16, "wire seeds missing: {count}");
 }
 
 #[test]
@@ -36,6 +36,7 @@ fn named_seeds_decode_to_their_kind() {
         ("cancel", FrameKind::Cancel),
         ("inspect", FrameKind::Inspect),
         ("alive", FrameKind::Alive),
+        ("start_failed", FrameKind::StartFailed),
         ("reply_ok", FrameKind::Reply),
         ("reply_err", FrameKind::Reply),
         ("task_result_ok", FrameKind::TaskResult),

@@ -145,10 +145,39 @@ def test_a_failing_initializer_fails_the_start(capfd):
     def broken():
         raise RuntimeError("no init")
 
-    with pytest.raises(callreg.TargetLostError, match="the target exited with status 103 before it was ready"):
+    with pytest.raises(callreg.TargetLostError) as info:
         callreg.Executor(1, initializer=broken, respawn_limit=0)
-    # The initializer's traceback is on the target's stderr.
+    # The error says why, with the initializer's innermost frames.
+    outcome = info.value.outcomes[0]
+    assert outcome.startswith(
+        "failed (TARGET_LOST: the target could not start: RuntimeError: the target initializer failed: no init\n"
+        "Traceback (most recent call last):\n"
+    ), outcome
+    assert 'raise RuntimeError("no init")' in outcome
+    # The traceback is on the target's stderr too.
     assert "RuntimeError: no init" in capfd.readouterr().err
+
+
+def _fails_once_marked(marker):
+    if os.path.exists(marker):
+        raise RuntimeError("marked")
+
+
+def test_a_replacement_whose_initializer_raises_is_lost_with_the_reason(tmp_path):
+    marker = str(tmp_path / "marker")
+    with callreg.Executor(1, initializer=_fails_once_marked, initargs=(marker,), respawn_limit=1) as ex:
+        open(marker, "w").close()
+        os.kill(ex.worker.target_pid(0), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not any(e["event"] == "abandoned" for e in ex.worker.slot_events()):
+            assert time.monotonic() < deadline, ex.worker.slot_events()
+            time.sleep(0.01)
+        causes = [e["cause"] for e in ex.worker.slot_events() if e["event"] == "lost"]
+        assert len(causes) == 2, causes
+        assert causes[1].startswith(
+            "the target could not start: RuntimeError: the target initializer failed: marked\n"
+            "Traceback (most recent call last):\n"
+        ), causes[1]
 
 
 def test_asyncio_run_in_executor():

@@ -249,7 +249,10 @@ mod tests {
             assert_eq!(error.text, bad);
             assert!(!error.reason.is_empty(), "{bad}");
         }
-        let error = Requirement::parse("x>=1").unwrap().unmet("banana").unwrap_err();
+        let error = Requirement::parse("x>=1")
+            .unwrap()
+            .unmet("banana")
+            .unwrap_err();
         assert_eq!(error.text, "banana");
     }
 }

@@ -64,7 +64,7 @@ mod input;
 mod interpreter;
 mod output;
 
-use exceptions::{describe_exception, task_failure, type_name};
+use exceptions::{describe_exception, task_failure, traceback_tail, type_name};
 use executor::InstalledExecutor;
 use input::{json_input, pickle_input, PickleInput};
 use interpreter::{
@@ -393,7 +393,17 @@ impl Runtime for PythonRuntime {
                 .and_then(|module| module.getattr("initialize")),
             };
             let context = function.and_then(|f| f.call1((target.0,))).map_err(|err| {
-                let (kind, message) = describe_exception(py, &err);
+                let (kind, mut message) = describe_exception(py, &err);
+                // With the innermost frames, as a task failure's: the
+                // parent receives it (`Frame::StartFailed`).
+                if let Some(frames) = self
+                    .functions()
+                    .ok()
+                    .and_then(|functions| traceback_tail(py, functions, &err))
+                {
+                    message.push('\n');
+                    message.push_str(&frames);
+                }
                 RuntimeError {
                     code: ErrorCode::TARGET_LOST,
                     kind,

@@ -360,7 +360,8 @@ impl<R: Runtime> Control<'_, R> {
             | Frame::TaskResult { .. }
             | Frame::Ready { .. }
             | Frame::Table { .. }
-            | Frame::Alive { .. } => {
+            | Frame::Alive { .. }
+            | Frame::StartFailed { .. } => {
                 return false;
             }
         }

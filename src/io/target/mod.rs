@@ -187,8 +187,13 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         slot_capacity: setup.slot_capacity,
     };
     if let Err(error) = setup.runtime.start_target(config.id) {
-        // The parent sees only the exit status: the reason goes to stderr,
-        // in one write so that targets failing together do not interleave.
+        // The parent learns why from the target's last frame; the reason
+        // also goes to stderr, in one write so that targets failing
+        // together do not interleave.
+        writer.send(Frame::StartFailed {
+            kind: error.kind.clone(),
+            message: error.message.clone(),
+        });
         let line = format!("callreg target {index}: the runtime did not start: {error}\n");
         let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
         return START_EXIT_CODE;

@@ -125,6 +125,14 @@ fn fit(frame: Frame, max: usize) -> Frame {
                 result: Err(failure),
             }
         }
+        Frame::StartFailed {
+            mut kind,
+            mut message,
+        } => {
+            truncate(&mut kind, 64);
+            truncate(&mut message, room(max, 4 + kind.len() + 4));
+            Frame::StartFailed { kind, message }
+        }
         Frame::Ready { pid, snapshot } => Frame::Ready {
             pid,
             snapshot: snapshot
@@ -176,6 +184,25 @@ mod tests {
                 assert!(failure
                     .message
                     .starts_with("the task's result of 10000 bytes"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_long_start_failure_is_cut_to_fit() {
+        let frame = Frame::StartFailed {
+            kind: "K".repeat(100),
+            message: "m".repeat(10_000),
+        };
+        let fitted = fit(frame, MIN_MAX_FRAME_BYTES);
+        let bytes = fitted.encode(MIN_MAX_FRAME_BYTES).unwrap();
+        assert_eq!(bytes.len(), MIN_MAX_FRAME_BYTES);
+        match fitted {
+            Frame::StartFailed { kind, message } => {
+                assert_eq!(kind, "K".repeat(64));
+                // 256 - 8 (header) - 4 - 64 - 4.
+                assert_eq!(message, "m".repeat(176));
             }
             other => panic!("{other:?}"),
         }

@@ -1007,6 +1007,14 @@ impl IoLoop {
                 self.drain(core, &mut Context::default());
                 spawned.map_err(|e| format!("it reported ready out of protocol: {e}"))
             }
+            Frame::StartFailed { kind, message } => {
+                if !self.starting.contains_key(&usize::from(target.0)) {
+                    return Err("it reported a failed start after it was ready".to_owned());
+                }
+                // A replacement that cannot start is lost with the reason
+                // it gave (it exits next).
+                Err(super::start::start_failed_text(&kind, &message))
+            }
             other => Err(format!(
                 "it sent a {:?} frame, which only a parent sends",
                 other.kind()

@@ -532,6 +532,10 @@ fn wait_ready(
                         Some(TargetOutcome::Ok)
                     }
                 }
+                Ok(Some(Frame::StartFailed { kind, message })) => Some(failed_outcome(
+                    ErrorCode::TARGET_LOST,
+                    start_failed_text(&kind, &message),
+                )),
                 Ok(Some(other)) => Some(failed_outcome(
                     ErrorCode::FRAME_INVALID,
                     format!("sent a {:?} frame before it was ready", other.kind()),
@@ -553,6 +557,13 @@ fn wait_ready(
         })
         .collect();
     (links, outcomes, failures)
+}
+
+/// How a target's [`Frame::StartFailed`] is told: the runtime's kind of
+/// failure and its message (with the innermost traceback frames, for
+/// Python).
+pub(super) fn start_failed_text(kind: &str, message: &str) -> String {
+    format!("the target could not start: {kind}: {message}")
 }
 
 fn failed_outcome(code: ErrorCode, message: String) -> TargetOutcome {

@@ -59,7 +59,11 @@ pub(super) fn task_failure(
 /// The last [`TRACEBACK_FRAMES_KEPT`] frames of `err`'s traceback, formatted
 /// by `traceback.format_tb` with each file shown by its name only, or `None`
 /// when it has none or cannot be formatted.
-fn traceback_tail(py: Python<'_>, functions: &PythonFunctions, err: &PyErr) -> Option<String> {
+pub(super) fn traceback_tail(
+    py: Python<'_>,
+    functions: &PythonFunctions,
+    err: &PyErr,
+) -> Option<String> {
     let traceback = err.traceback(py)?;
     let frames = functions.format_tb.bind(py).call1((traceback,)).ok()?;
     let frames: Vec<String> = frames.extract().ok()?;
