@@ -33,7 +33,8 @@
 //! Options after `--`: `--rounds N` (default 7), `--respawn-limit N`
 //! (the Workers' `respawn_limit`; default: the builder's, replacements
 //! on; 0 switches them off), a word to run only the scenarios whose name
-//! contains it. Results in `BENCHMARKS.md`.
+//! contains it. Results in `BENCHMARKS.md`, every run in
+//! `benchmarks/HISTORY.md`.
 
 mod common;
 

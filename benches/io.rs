@@ -14,7 +14,8 @@
 //! * after criterion: CPU ticks used by 4 idle targets and the IO thread
 //!   over one second (must be 0: they block, never spin).
 //!
-//! Run: `cargo bench --features io --bench io` (results in `BENCHMARKS.md`).
+//! Run: `cargo bench --features io --bench io` (results in `BENCHMARKS.md`,
+//! every run in `benchmarks/HISTORY.md`).
 
 mod common;
 

@@ -15,7 +15,7 @@
 //! unregister pair; then the probe / broadcast ratios.
 //!
 //! Run: `cargo bench --features io --bench probe` (results in
-//! `BENCHMARKS.md`).
+//! `BENCHMARKS.md`, every run in `benchmarks/HISTORY.md`).
 
 mod common;
 

@@ -16,7 +16,8 @@
 //! `PYO3_PYTHON` (else `python3`) with cloudpickle.
 //!
 //! Run: `cargo bench --features io,python --bench python -- --noplot`
-//! (results in `BENCHMARKS.md`).
+//! (results in `benchmarks/HISTORY.md`, "Python targets vs the reference
+//! implementation").
 
 mod common;
 

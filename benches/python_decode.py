@@ -13,7 +13,7 @@ The inputs are those of `benches/floors.rs`'s Python round trip
 (`{"args":[7]}`) and a pickled `((7,), {})`.
 
 Run: `python3 benches/python_decode.py [ROUNDS]` (default 9). Results in
-BENCHMARKS.md.
+benchmarks/HISTORY.md ("A task that finds the target idle").
 """
 
 import json

@@ -20,12 +20,13 @@
 //! peer / floor.
 //!
 //! Run: `cargo bench --features io --bench respawn` (results in
-//! `BENCHMARKS.md`). Options after `--`: `--steady N` (rounds per
-//! steady-state row, default 400), `--starts N` (default 40),
-//! `--replacements N` (default 100); `--python` (cargo feature `python`
-//! too) runs `replace/K` only, for the test runtime and then with Python
-//! targets (live registrations: distinct cloudpickled closures made by
-//! `PYO3_PYTHON`; the floor a 1-target Python start).
+//! `BENCHMARKS.md`, every run in `benchmarks/HISTORY.md`). Options after
+//! `--`: `--steady N` (rounds per steady-state row, default 400),
+//! `--starts N` (default 40), `--replacements N` (default 100);
+//! `--python` (cargo feature `python` too) runs `replace/K` only, for the
+//! test runtime and then with Python targets (live registrations: distinct
+//! cloudpickled closures made by `PYO3_PYTHON`; the floor a 1-target
+//! Python start).
 
 mod common;
 

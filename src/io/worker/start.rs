@@ -117,7 +117,7 @@ impl<R: Runtime> Worker<R> {
     /// the reply socket, a pidfd),
     /// so the soft `RLIMIT_NOFILE` bounds the count (checked first); each
     /// Python target costs about 11.5 MB PSS (19 MB RSS; CPython 3.11 with
-    /// cloudpickle, nothing registered; `BENCHMARKS.md`).
+    /// cloudpickle, nothing registered; `benchmarks/HISTORY.md`).
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless new; `IO_FAILED` when the process already
