@@ -15,12 +15,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use callreg::envelope::encode;
+use callreg::error::ErrorCode;
 use callreg::io::process::{
     send_control, spawn_targets, thread_count, Exit, ProcessError, TargetEnds, TargetProcess,
     ThreadPolicy,
 };
 use callreg::io::target::{self, TargetSetup};
-use callreg::io::zygote::{Zygote, DEFAULT_SPAWN_TIMEOUT};
+use callreg::io::zygote::{ExecTemplate, TemplateCommand, Zygote, DEFAULT_SPAWN_TIMEOUT};
+use callreg::io::{StartMethod, Worker};
+use callreg::protocol::{SlotPhase, TargetId, TargetOutcome};
 use callreg::runtime::testing::{TestCallable, TestRuntime};
 use callreg::runtime::{Runtime, RuntimeError, TaskEncoding};
 use callreg::wire::{Frame, FrameBuffer, DEFAULT_MAX_FRAME_BYTES};
@@ -29,8 +33,27 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, signal, SigHandler, Signal};
 use nix::unistd::Pid;
 
+/// The argument that makes this binary a template of [`Zygote::exec`]
+/// (the forkserver tests run it as their template command).
+const TEMPLATE_ARG: &str = "--callreg-exec-template";
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some(TEMPLATE_ARG) {
+        std::process::exit(exec_template_main());
+    }
     io_common::run(&[
+        (
+            "an_exec_template_forks_every_target_and_replacement",
+            an_exec_template_forks_every_target_and_replacement,
+        ),
+        (
+            "an_exec_template_that_fails_is_a_start_error",
+            an_exec_template_that_fails_is_a_start_error,
+        ),
+        (
+            "an_exec_template_without_replacements_serves_until_close",
+            an_exec_template_without_replacements_serves_until_close,
+        ),
         (
             "replacements_exchange_bytes_and_report_their_exits",
             replacements_exchange_bytes_and_report_their_exits,
@@ -571,4 +594,158 @@ fn spawn_latency() {
         .unwrap_or("VmRSS: ?");
     println!("template {rss}");
     assert_eq!(zygote.close().expect("close"), Exit::Code(0));
+}
+
+/// This binary as a template ([`ExecTemplate`]) with the test runtime; the
+/// runtime data `fail` makes it refuse to start.
+fn exec_template_main() -> i32 {
+    let template = match ExecTemplate::open() {
+        Ok(template) => template,
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    if template.runtime_data() == b"fail" {
+        return template.fail("the runtime data says fail");
+    }
+    template.serve(Arc::new(TestRuntime))
+}
+
+fn template_command() -> TemplateCommand {
+    TemplateCommand::new(std::env::current_exe().unwrap()).arg(TEMPLATE_ARG)
+}
+
+/// The parent pid of `pid`, from `/proc/PID/stat`.
+fn parent_of(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let (_, rest) = stat.rsplit_once(')').unwrap();
+    rest.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// The forkserver start method: the template is this binary run anew;
+/// the targets of the start are its children and install the startup
+/// snapshot (one envelope larger than a socket message), and a killed
+/// target is replaced from it and given the registry.
+fn an_exec_template_forks_every_target_and_replacement() {
+    let worker = Worker::builder(Arc::new(TestRuntime))
+        .targets(2)
+        .control_timeout(Duration::from_secs(10))
+        .start_method(StartMethod::Forkserver(template_command()))
+        .build()
+        .unwrap();
+    let add = worker.register(&encode(b"add")).unwrap();
+    let mut big = b"echo#".to_vec();
+    big.resize(3 << 20, b'x');
+    let big = worker.register(&encode(&big)).unwrap();
+    let report = worker.start().unwrap();
+    assert_eq!(
+        report.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Ok),
+            (TargetId(1), TargetOutcome::Ok)
+        ]
+    );
+    assert!(report.failed.is_empty());
+    let pids: Vec<i32> = (0..2)
+        .map(|t| worker.target_pid(TargetId(t)).unwrap())
+        .collect();
+    let template = parent_of(pids[0]);
+    assert_ne!(template, std::process::id() as i32);
+    assert_eq!(parent_of(pids[1]), template);
+    assert_eq!(parent_of(template), std::process::id() as i32);
+    let input = br#"{"args": [40, 2], "kwargs": {}}"#;
+    for t in 0..2 {
+        let target = TargetId(t);
+        assert_eq!(
+            worker
+                .submit(&add, target, TaskEncoding::Json, input)
+                .unwrap(),
+            b"42"
+        );
+        assert_eq!(
+            worker
+                .submit(&big, target, TaskEncoding::Json, b"3")
+                .unwrap(),
+            b"3"
+        );
+    }
+    let echo = worker.register(&encode(b"echo")).unwrap();
+    kill(Pid::from_raw(pids[0]), Signal::SIGKILL).unwrap();
+    io_common::wait_for_slot(&worker, 0, SlotPhase::Joined, 1);
+    let replacement = worker.target_pid(TargetId(0)).unwrap();
+    assert_ne!(replacement, pids[0]);
+    assert_eq!(parent_of(replacement), template);
+    for handle in [&add, &big] {
+        assert!(worker
+            .submit(handle, TargetId(0), TaskEncoding::Json, input)
+            .is_ok());
+    }
+    assert_eq!(
+        worker
+            .submit(&echo, TargetId(0), TaskEncoding::Json, b"5")
+            .unwrap(),
+        b"5"
+    );
+    worker.close();
+    assert!(worker.live_targets().is_empty());
+}
+
+/// A template that refuses to start (its runtime could not be built)
+/// fails the start with its reason; nothing is left running.
+fn an_exec_template_that_fails_is_a_start_error() {
+    let worker = Worker::builder(Arc::new(TestRuntime))
+        .targets(2)
+        .start_method(StartMethod::Forkserver(
+            template_command().runtime_data(b"fail".to_vec()),
+        ))
+        .build()
+        .unwrap();
+    let failed = worker.start().unwrap_err();
+    assert_eq!(failed.error.code, ErrorCode::IO_FAILED);
+    assert_eq!(
+        failed.error.message,
+        "the template process did not start: the runtime data says fail"
+    );
+    worker.close();
+    // A program that is no template ends before it is ready.
+    let worker = Worker::builder(Arc::new(TestRuntime))
+        .start_method(StartMethod::Forkserver(
+            TemplateCommand::new("/bin/sh").arg("-c").arg("exit 7"),
+        ))
+        .build()
+        .unwrap();
+    let failed = worker.start().unwrap_err();
+    assert_eq!(
+        failed.error.message,
+        "the template process did not start: it exited with status 7 before it was ready"
+    );
+    worker.close();
+}
+
+/// With replacements off the template is made all the same (it is the
+/// targets' parent): the Worker serves, and a lost target stays lost.
+fn an_exec_template_without_replacements_serves_until_close() {
+    let worker = Worker::builder(Arc::new(TestRuntime))
+        .targets(2)
+        .respawn_limit(0)
+        .start_method(StartMethod::Forkserver(template_command()))
+        .build()
+        .unwrap();
+    worker.start().unwrap();
+    let echo = worker.register(&encode(b"echo")).unwrap();
+    let results = worker.submit_to_every(&echo, TaskEncoding::Json, b"1");
+    assert_eq!(results.len(), 2);
+    for (_, result) in results {
+        assert_eq!(result.unwrap(), b"1");
+    }
+    let pid = worker.target_pid(TargetId(1)).unwrap();
+    kill(Pid::from_raw(pid), Signal::SIGKILL).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while worker.live_targets() != vec![TargetId(0)] {
+        assert!(Instant::now() < deadline, "{:?}", worker.live_targets());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(worker.slot_events().is_empty());
+    worker.close();
 }

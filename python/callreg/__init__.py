@@ -26,9 +26,14 @@ Process model (Linux):
   the process runs other threads: only the calling thread exists in a
   target, and a lock another thread held at that moment stays held there
   (an idle extra thread is harmless; CPython itself warns about this
-  since 3.12). Any thread may call it: the forks run on a thread the
-  Worker owns, so the targets live until the Worker closes (or this
-  process dies), whether or not the calling thread ends first.
+  since 3.12, and so does ``start()``, with a ``RuntimeWarning``). Any
+  thread may call it: the forks run on a thread the Worker owns, so the
+  targets live until the Worker closes (or this process dies), whether or
+  not the calling thread ends first.
+* ``start_method="forkserver"`` (and ``preload``, modules to import
+  first) starts a fresh interpreter instead, which forks every target:
+  nothing of this process's threads, locks or memory reaches a target
+  (:class:`Worker`; ``specs/python.md``, "Start methods").
 * A target keeps the interpreter it inherited: the modules imported and
   the globals set before ``start()`` are there. Every callable, whether
   registered before or after ``start()``, is installed in the target from

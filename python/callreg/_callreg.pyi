@@ -12,6 +12,7 @@ __all__ = [
     "encode_envelope",
     "envelope_hashid",
     "envelope_header",
+    "_template_main",
     "VERSION",
     "DEFAULT_MAX_FRAME_BYTES",
 ]
@@ -69,6 +70,7 @@ class RawWorker:
         probe_first: bool = True,
         respawn_limit: int = ...,  # the crate's DEFAULT_RESPAWN_LIMIT (3)
         respawn_backoff: float = 0.1,
+        template: tuple[str, list[str], bytes] | None = None,
     ) -> RawWorker: ...
     def register(self, envelope: bytes, metadata: str | None = None) -> RawHandle: ...
     def unregister(self, handle: RawHandle) -> None: ...
@@ -94,3 +96,11 @@ class RawWorker:
 def encode_envelope(payload: bytes) -> bytes: ...
 def envelope_header(payload_size: int) -> bytes: ...
 def envelope_hashid(envelope: bytes) -> str: ...
+def _template_main(prepare: Callable[[bytes], Callable[[int], object] | None]) -> int:
+    """The template process of a ``start_method="forkserver"`` Worker
+    (``callreg._forkserver.main``): reads the setup the parent passed,
+    calls ``prepare(runtime_data)`` (imports the preload modules, returns
+    the target initializer), then forks every target until the parent
+    closes; returns the exit status. When ``prepare`` raises, the parent's
+    start fails with ``str()`` of its exception. Raises ``RuntimeError``
+    in a process not started as a template."""

@@ -73,7 +73,11 @@ class Executor(concurrent.futures.Executor):
     main thread). ``initializer(*initargs)`` runs in every target and
     replacement before it serves. ``worker_options`` are the
     :class:`Worker`'s (``control_timeout``, ``slot_capacity``,
-    ``max_frame_bytes``, ...; not ``next_level``).
+    ``max_frame_bytes``, ``start_method``, ``preload``, ...; not
+    ``next_level``). ``start_method="forkserver"`` is what
+    ``ProcessPoolExecutor(mp_context=multiprocessing.get_context("forkserver"))``
+    gives: the targets are forked by a fresh interpreter, not this one
+    (:class:`Worker`).
 
     Each callable is pickled and registered once, at its first use, and
     its handle reused for every later task (looked up by the callable
@@ -85,7 +89,9 @@ class Executor(concurrent.futures.Executor):
     defined at the top level of ``__main__`` before the Executor was built
     are pickled by name, as ``ProcessPoolExecutor`` pickles them: every
     target, forked then, has them, and they see the target's own module
-    globals (what ``initializer`` set there). Others (lambdas, closures,
+    globals (what ``initializer`` set there); not under
+    ``start_method="forkserver"``, whose targets have a ``__main__`` of
+    their own: everything is pickled by value there. Others (lambdas, closures,
     functions defined later) are pickled by value, with a copy of the
     globals they use. At most
     ``slot_capacity`` callables stay registered; the least recently used
@@ -127,10 +133,13 @@ class Executor(concurrent.futures.Executor):
         self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         self._shutdown = False
         self._finished = threading.Event()
-        # Every target's __main__ holds these (forked next): pickled by name.
-        self._pickler = type("_Pickler", (InheritingPickler,), {"inherited": main_objects()})
+        # Every target's __main__ holds these (forked next): pickled by
+        # name. A forkserver target's __main__ is not this one's: nothing.
+        inherited = main_objects() if self._worker._start_method == "fork" else {}
+        self._pickler = type("_Pickler", (InheritingPickler,), {"inherited": inherited})
         try:
-            self._worker.start()
+            # A warning about threads under fork names the caller's line.
+            self._worker._start(2)
         except BaseException:
             self._worker.close()
             raise

@@ -10,14 +10,15 @@ operation timeout shorter than the control timeout:
 :class:`LifecycleError`). Checked here is only what the extension's
 arguments cannot take, named after the option (its conversion errors do
 not name it): the type of each option, and the range of the integers it
-takes as unsigned numbers.
+takes as unsigned numbers, and the start method with its preload
+modules.
 
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Final, TypedDict
+from collections.abc import Callable, Iterable
+from typing import Final, Literal, TypedDict
 
 from callreg import _callreg
 from callreg._raw_errors import raise_error
@@ -31,6 +32,9 @@ DEFAULT_SLOT_CAPACITY: Final = 64
 DEFAULT_RESPAWN_LIMIT: Final = 3
 DEFAULT_RESPAWN_BACKOFF: Final = 0.1
 
+# How a Worker makes its targets (``specs/python.md``, "Start methods").
+START_METHODS: Final = ("fork", "forkserver")
+
 
 class WorkerOptions(TypedDict, total=False):
     """The options of a :class:`Worker` that an :class:`Executor` passes
@@ -43,6 +47,8 @@ class WorkerOptions(TypedDict, total=False):
     probe_first: bool
     respawn_limit: int
     respawn_backoff: float
+    start_method: Literal["fork", "forkserver"]
+    preload: Iterable[str]
 
 
 def raw_worker(
@@ -56,10 +62,15 @@ def raw_worker(
     respawn_limit: int,
     respawn_backoff: float,
     target_initializer: Callable[[int], object] | None = None,
+    start_method: str = "fork",
+    preload: Iterable[str] = (),
 ) -> _callreg.RawWorker:
     """The extension's Worker of ``targets`` targets with these options,
     not started; raises what the extension and the builder raise for an
-    option they refuse (the module docs)."""
+    option they refuse (the module docs), ``ValueError`` for a start
+    method other than ``"fork"`` and ``"forkserver"`` or preload modules
+    without ``"forkserver"``, ``TypeError`` for a preload entry that is
+    not a str."""
     _check_int("targets", targets, _U16)
     _check_seconds("control_timeout", control_timeout)
     _check_int("slot_capacity", slot_capacity, _U16)
@@ -70,6 +81,10 @@ def raw_worker(
         raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
     _check_int("respawn_limit", respawn_limit, _U16)
     _check_seconds("respawn_backoff", respawn_backoff)
+    template = _template(start_method, preload, target_initializer)
+    if template is not None:
+        # The template's runtime data carries it.
+        target_initializer = None
     try:
         return _callreg.RawWorker(
             targets,
@@ -81,9 +96,40 @@ def raw_worker(
             probe_first,
             respawn_limit,
             respawn_backoff,
+            template,
         )
     except _callreg.RawError as raw:
         raise_error(raw)
+
+
+def check_start_method(start_method: str, preload: Iterable[str]) -> tuple[str, ...]:
+    """The preload module names, once ``start_method`` and ``preload`` are
+    checked (the errors of :func:`raw_worker`)."""
+    if start_method not in START_METHODS:
+        raise ValueError("start_method must be 'fork' or 'forkserver', not %r" % (start_method,))
+    if isinstance(preload, str):
+        raise TypeError("preload must be an iterable of module names, not a str")
+    names = tuple(preload)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError("preload must hold module names (str), not %s" % type(name).__name__)
+    if names and start_method != "forkserver":
+        raise ValueError(
+            "preload needs start_method='forkserver' (under 'fork' targets inherit this interpreter's modules)"
+        )
+    return names
+
+
+def _template(
+    start_method: str, preload: Iterable[str], target_initializer: Callable[[int], object] | None
+) -> tuple[str, list[str], bytes] | None:
+    """The extension's ``template`` argument: ``None`` under ``"fork"``."""
+    names = check_start_method(start_method, preload)
+    if start_method != "forkserver":
+        return None
+    from callreg._forkserver import template_command  # imports cloudpickle
+
+    return template_command(names, target_initializer)
 
 
 # The largest values of the extension's unsigned arguments.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from callreg._handle import Handle
 from callreg._options import (
@@ -16,6 +16,7 @@ from callreg._options import (
     DEFAULT_RESPAWN_BACKOFF,
     DEFAULT_RESPAWN_LIMIT,
     DEFAULT_SLOT_CAPACITY,
+    check_start_method,
     raw_worker,
 )
 
@@ -33,11 +34,14 @@ class NextLevel:
     handles (``None`` for none), given to orchestration callables as
     ``ctx.handles``. ``control_timeout``, ``operation_timeout``,
     ``slot_capacity``, ``max_frame_bytes``, ``probe_first``,
-    ``respawn_limit`` and ``respawn_backoff`` are the inner Worker's, as in
-    :class:`Worker`, and are checked here as the inner Worker checks them.
+    ``respawn_limit``, ``respawn_backoff``, ``start_method`` and ``preload``
+    are the inner Worker's, as in :class:`Worker`, and are checked here as
+    the inner Worker checks them.
 
-    The objects are inherited by ``fork``, not pickled: ``setup`` may be any
-    callable, a lambda or a closure included."""
+    Under the outer Worker's ``start_method="fork"`` the objects are
+    inherited by ``fork``, not pickled; under ``"forkserver"`` they are
+    pickled with cloudpickle: ``setup`` may be any callable, a lambda or a
+    closure included, either way."""
 
     __slots__ = (
         "targets",
@@ -51,6 +55,8 @@ class NextLevel:
         "probe_first",
         "respawn_limit",
         "respawn_backoff",
+        "start_method",
+        "preload",
     )
 
     targets: int | None
@@ -64,6 +70,8 @@ class NextLevel:
     probe_first: bool
     respawn_limit: int
     respawn_backoff: float
+    start_method: Literal["fork", "forkserver"]
+    preload: tuple[str, ...]
 
     def __init__(
         self,
@@ -79,6 +87,8 @@ class NextLevel:
         probe_first: bool = True,
         respawn_limit: int = DEFAULT_RESPAWN_LIMIT,
         respawn_backoff: float = DEFAULT_RESPAWN_BACKOFF,
+        start_method: Literal["fork", "forkserver"] = "fork",
+        preload: Iterable[str] = (),
     ) -> None:
         if setup is not None and not callable(setup):
             raise TypeError("setup must be a callable or None, not %s" % type(setup).__name__)
@@ -95,6 +105,7 @@ class NextLevel:
             respawn_limit=respawn_limit,
             respawn_backoff=respawn_backoff,
         ).close()
+        preload = check_start_method(start_method, preload)
         self.targets = targets
         self.setup = setup
         self.next_level = next_level
@@ -106,6 +117,8 @@ class NextLevel:
         self.probe_first = probe_first
         self.respawn_limit = respawn_limit
         self.respawn_backoff = respawn_backoff
+        self.start_method = start_method
+        self.preload = preload
 
     def __repr__(self) -> str:
         return "<callreg.NextLevel targets=%r next_level_targets=%r next_level=%r>" % (
@@ -244,6 +257,8 @@ def _start_target(sub_targets: int, level: NextLevel, target: int) -> Context | 
             probe_first=level.probe_first,
             respawn_limit=level.respawn_limit,
             respawn_backoff=level.respawn_backoff,
+            start_method=level.start_method,
+            preload=level.preload,
         )
         handles = level.setup(inner) if level.setup is not None else None
         if handles is None:

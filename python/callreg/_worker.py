@@ -7,7 +7,9 @@ import concurrent.futures
 import functools
 import itertools
 import pickle
+import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, ParamSpec, TypeVar, cast
@@ -33,6 +35,14 @@ from callreg._tree import NextLevel, counts, initialize_target
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+
+
+def _other_threads() -> int:
+    """The Python threads of this process but the calling one and
+    callreg's own (the dispatcher and shutdown threads of Workers, which
+    hold no lock a target uses, ``specs/python.md`` §2)."""
+    current = threading.current_thread()
+    return sum(1 for t in threading.enumerate() if t is not current and not t.name.startswith("callreg-"))
 
 
 class Worker(Inspection):
@@ -108,6 +118,20 @@ class Worker(Inspection):
     raises, that target is lost at start (:meth:`start` raises
     :class:`TargetLostError`; a replacement is retried as for any loss).
 
+    ``start_method`` (``specs/python.md``, "Start methods"): ``"fork"``
+    (the default) forks the targets from this interpreter at
+    :meth:`start`: they inherit its imported modules and state, and also
+    any lock another thread of this process holds at that moment, which
+    stays held in every target (a deadlock there); :meth:`start` warns
+    (``RuntimeWarning``) when other threads run. ``"forkserver"`` starts
+    a fresh interpreter (``sys.executable``, with this process's
+    ``sys.path``, working directory and environment) that imports each
+    module named in ``preload`` and then forks every target, those of the
+    start and every replacement: nothing of this process's threads, locks
+    or memory reaches a target. The ``initializer`` (with ``initargs``)
+    and ``next_level`` are then pickled with cloudpickle into that
+    interpreter. ``preload`` needs ``"forkserver"``.
+
     Thread-safe: any number of threads may submit at once. A context
     manager: leaving a ``with`` block closes it."""
 
@@ -126,6 +150,8 @@ class Worker(Inspection):
         respawn_backoff: float = DEFAULT_RESPAWN_BACKOFF,
         initializer: Callable[..., object] | None = None,
         initargs: Iterable[Any] = (),
+        start_method: Literal["fork", "forkserver"] = "fork",
+        preload: Iterable[str] = (),
     ) -> None:
         sub, total = counts(targets, next_level, next_level_targets)
         if initializer is not None and not callable(initializer):
@@ -144,7 +170,10 @@ class Worker(Inspection):
             respawn_limit=respawn_limit,
             respawn_backoff=respawn_backoff,
             target_initializer=target_initializer,
+            start_method=start_method,
+            preload=preload,
         )
+        self._start_method = start_method
         self._count = int(total)
         self._slot_capacity = int(slot_capacity)
         self._control_timeout = float(control_timeout)
@@ -252,8 +281,10 @@ class Worker(Inspection):
     # -- lifecycle -----------------------------------------------------
 
     def start(self) -> dict[Handle[..., Any], RegisterError]:
-        """Forks the targets from this interpreter (see the module docs) and
-        waits until each installed the startup snapshot.
+        """Forks the targets from this interpreter (see the module docs), or
+        under ``start_method="forkserver"`` starts the template interpreter
+        and has it fork them, and waits until each installed the startup
+        snapshot.
 
         Returns the pre-start registrations that failed, as a dict
         ``{Handle: RegisterError}`` (empty when every one was installed): a
@@ -265,9 +296,31 @@ class Worker(Inspection):
         target's reason (code, Python type and message), and the Worker
         starts with the rest.
 
+        Under ``start_method="fork"`` with other threads running in this
+        process (Python threads but the caller and callreg's own) it warns
+        first
+        (``RuntimeWarning``): a lock such a thread holds now stays held in
+        every target; ``start_method="forkserver"`` has no such hazard.
+
         Raises :class:`LifecycleError` unless new, :class:`RegisterError`
         or :class:`TargetLostError` when a target did not start (the Worker
-        then serves with the others)."""
+        then serves with the others), :class:`CallregError` (``IO_FAILED``)
+        when the template process of ``"forkserver"`` did not start (its
+        message names a ``preload`` module that failed to import and its
+        exception)."""
+        return self._start(2)
+
+    def _start(self, stacklevel: int) -> dict[Handle[..., Any], RegisterError]:
+        """:meth:`start`, warning at ``stacklevel`` (the caller's frame)."""
+        threads = _other_threads()
+        if self._start_method == "fork" and self._prestart is not None and threads:
+            warnings.warn(
+                "callreg.Worker.start() forks its targets while this process runs %d other threads: a "
+                "lock another thread holds now stays held in every target; start the Worker before any "
+                'thread, or use start_method="forkserver"' % threads,
+                RuntimeWarning,
+                stacklevel=stacklevel + 1,
+            )
         prestart, self._prestart = self._prestart, None
         try:
             failed = self._raw.start()

@@ -36,12 +36,13 @@ use callreg::error::{Error, ErrorCode, OperationKind};
 use callreg::io::worker::{
     outcome_text, registration_failure_text, OperationError, PendingTask, TaskError, TaskKey,
 };
-use callreg::io::Worker;
+use callreg::io::zygote::{ExecTemplate, TemplateCommand};
+use callreg::io::{StartMethod, Worker};
 use callreg::metadata::CallableMetadata;
 use callreg::protocol::{Handle, TargetId, TargetOutcome};
 use callreg::runtime::python::PythonRuntime;
 use callreg::runtime::TaskEncoding;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::IntoPyObjectExt;
@@ -390,11 +391,16 @@ impl RawWorker {
     /// yet goes to one target first ([`WorkerBuilder::probe_first`]).
     /// `respawn_limit` and `respawn_backoff` (seconds): replacement targets
     /// ([`WorkerBuilder::respawn_limit`], `specs/protocol.md` §2.9).
+    /// `template`, when given, is the forkserver start method
+    /// ([`StartMethod::Forkserver`]): `(program, args, runtime_data)` of
+    /// the template process, which forks every target (the program runs
+    /// [`_template_main`]; `runtime_data` is its `prepare`'s, and carries
+    /// the target initializer: `target_initializer` must then be `None`).
     ///
     /// [`WorkerBuilder::probe_first`]: callreg::io::WorkerBuilder::probe_first
     /// [`WorkerBuilder::respawn_limit`]: callreg::io::WorkerBuilder::respawn_limit
     #[new]
-    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true, respawn_limit=callreg::protocol::DEFAULT_RESPAWN_LIMIT, respawn_backoff=0.1))]
+    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true, respawn_limit=callreg::protocol::DEFAULT_RESPAWN_LIMIT, respawn_backoff=0.1, template=None))]
     // One argument per keyword of the Python constructor.
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -408,12 +414,18 @@ impl RawWorker {
         probe_first: bool,
         respawn_limit: u16,
         respawn_backoff: f64,
+        template: Option<(String, Vec<String>, Vec<u8>)>,
     ) -> PyResult<RawWorker> {
         let respawn_backoff = duration("respawn_backoff", respawn_backoff, true)?;
         let control_timeout = duration("control_timeout", control_timeout, false)?;
         let operation_timeout = operation_timeout
             .map(|seconds| duration("operation_timeout", seconds, false))
             .transpose()?;
+        if template.is_some() && target_initializer.is_some() {
+            return Err(PyValueError::new_err(
+                "a forkserver Worker's target initializer is in its template's runtime data",
+            ));
+        }
         let mut runtime = PythonRuntime::inherited();
         if let Some(initializer) = target_initializer {
             runtime = runtime.with_target_initializer(initializer);
@@ -421,6 +433,13 @@ impl RawWorker {
         let mut builder = Worker::builder(Arc::new(runtime))
             .targets(targets)
             .control_timeout(control_timeout);
+        if let Some((program, args, data)) = template {
+            let command = args
+                .into_iter()
+                .fold(TemplateCommand::new(program), TemplateCommand::arg)
+                .runtime_data(data);
+            builder = builder.start_method(StartMethod::Forkserver(command));
+        }
         if let Some(timeout) = operation_timeout {
             builder = builder.operation_timeout(timeout);
         }
@@ -789,6 +808,40 @@ fn envelope_hashid(py: Python<'_>, envelope: &[u8]) -> PyResult<String> {
         .map_err(|e| plain_err(py, &e))
 }
 
+/// The template process of a forkserver Worker (run by
+/// `callreg._forkserver`, in a fresh interpreter the parent started with
+/// the template's descriptors, [`ExecTemplate`]): reads its setup, calls
+/// `prepare(runtime_data)` (it imports the preload modules and returns the
+/// target initializer, or `None`), then serves the parent, GIL released,
+/// forking every target until the parent closes; returns the exit status.
+/// When `prepare` raises, the parent's start fails with the exception's
+/// message (its `str()`) and this returns at once.
+///
+/// # Errors
+/// `RuntimeError` when this process was not started as a template.
+#[pyfunction]
+fn _template_main(py: Python<'_>, prepare: Bound<'_, PyAny>) -> PyResult<i32> {
+    let template = ExecTemplate::open().map_err(PyRuntimeError::new_err)?;
+    let data = PyBytes::new(py, template.runtime_data());
+    let initializer = match prepare.call1((data,)) {
+        Ok(initializer) => initializer,
+        Err(error) => {
+            let reason = error
+                .value(py)
+                .str()
+                .map(|text| text.to_string())
+                .unwrap_or_else(|_| error.to_string());
+            return Ok(py.detach(|| template.fail(&reason)));
+        }
+    };
+    let mut runtime = PythonRuntime::inherited();
+    if !initializer.is_none() {
+        runtime = runtime.with_target_initializer(initializer.unbind());
+    }
+    let runtime = Arc::new(runtime);
+    Ok(py.detach(|| template.serve(runtime)))
+}
+
 #[pymodule]
 fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RawWorker>()?;
@@ -798,6 +851,7 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_envelope, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_hashid, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_header, m)?)?;
+    m.add_function(wrap_pyfunction!(_template_main, m)?)?;
     m.add("VERSION", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "DEFAULT_MAX_FRAME_BYTES",

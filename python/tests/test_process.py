@@ -486,12 +486,15 @@ def test_start_with_an_idle_extra_thread_does_not_deadlock():
     thread.start()
     try:
         with callreg.Worker(2) as w:
-            w.start()
+            # It forks all the same, with a warning about the thread.
+            with pytest.warns(RuntimeWarning, match="forkserver"):
+                w.start()
             h = w.register(square)
             assert w.call_all(h, 7) == {0: 49, 1: 49}
             # A second Worker forks while the first one's threads run.
             with callreg.Worker(2) as second:
-                second.start()
+                with pytest.warns(RuntimeWarning, match="forkserver"):
+                    second.start()
                 assert second.call_all(second.register(square), 3) == {0: 9, 1: 9}
     finally:
         stop.set()

@@ -12,7 +12,8 @@
 //! * [`target`] — the target process: snapshot, control and task threads;
 //! * [`worker`] — the [`Worker`]: builder, operations, the IO thread;
 //! * [`zygote`] — a thread-free template process that forks replacement
-//!   targets after start;
+//!   targets after start (and, started by `exec` for
+//!   [`StartMethod::Forkserver`], every target);
 //! * [`failpoints`] — fault injection points (cargo feature `failpoints`).
 //!
 //! The IO layer moves bytes and time into the protocol's state machines and
@@ -75,6 +76,6 @@ pub mod zygote;
 mod zygote_link;
 
 pub use worker::{
-    OperationError, PendingOperation, PendingTask, StartReport, TargetTable, TaskError, TaskKey,
-    Worker, WorkerBuilder,
+    OperationError, PendingOperation, PendingTask, StartMethod, StartReport, TargetTable,
+    TaskError, TaskKey, Worker, WorkerBuilder,
 };

@@ -108,6 +108,14 @@ pub enum ProcessError {
         /// The replacement's pid.
         pid: i32,
     },
+    /// The template process of [`super::zygote::Zygote::exec`] did not
+    /// become ready: it said why (e.g. a module it was to import failed),
+    /// or it ended first.
+    #[error("the template process did not start: {message}")]
+    TemplateStart {
+        /// What the template reported, or how it ended.
+        message: String,
+    },
 }
 
 /// How a target process ended.

@@ -36,7 +36,7 @@
 //!
 //! | bytes | field |
 //! |---|---|
-//! | 0 | `b'S'`: fork a target |
+//! | 0 | `b'S'`: fork a replacement; `b'I'`: fork a target of the start ([`Zygote::spawn_startup`]) |
 //! | 1..9 | serial (u64), unique per request of this zygote |
 //! | 9..17 | the target's index (u64), passed to `before_body` and in [`TargetEnds`] |
 //!
@@ -93,9 +93,8 @@
 //!   that arrives after its spawn gave up is discarded, its target killed
 //!   through the pidfd that came with it.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::io::IoSlice;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -118,6 +117,10 @@ use super::zygote_link::{decode_request, LinkState, Message, ZygoteLink, REQUEST
 use crate::runtime::Runtime;
 
 pub use super::zygote_link::{ENDED_REPORT_GRACE, OPERATIONS, REPORT_TIMEOUT};
+
+pub mod exec;
+
+pub use exec::{ExecTemplate, TemplateCommand};
 
 /// How long [`Zygote::spawn`] waits for the template's reply unless set
 /// otherwise ([`Zygote::set_spawn_timeout`]).
@@ -203,10 +206,10 @@ impl Zygote {
             // about.
             let _ = unsafe { signal::signal(Signal::SIGCHLD, signal::SigHandler::SigDfl) };
             Template {
-                socket: template_end,
+                socket: TrackedFd::new(template_end),
                 runtime,
                 before_body: &before_body,
-                body: &body,
+                body: &|ends, _startup| body(ends),
                 children: Vec::new(),
             }
             .run()
@@ -214,16 +217,7 @@ impl Zygote {
         Ok(Zygote {
             pid,
             link: Arc::new(ZygoteLink {
-                state: Mutex::new(LinkState {
-                    socket: parent_end,
-                    eof: false,
-                    closed: false,
-                    next_serial: 0,
-                    awaiting: BTreeSet::new(),
-                    replies: BTreeMap::new(),
-                    live: BTreeSet::new(),
-                    exits: BTreeMap::new(),
-                }),
+                state: Mutex::new(LinkState::new(parent_end)),
             }),
             spawn_timeout: DEFAULT_SPAWN_TIMEOUT,
             exit: None,
@@ -257,6 +251,22 @@ impl Zygote {
     /// the request socket failed; [`ProcessError::ZygoteTimeout`] when no
     /// reply came within the spawn timeout.
     pub fn spawn(&self, index: usize) -> Result<TargetProcess, ProcessError> {
+        self.request(index, false)
+    }
+
+    /// As [`Zygote::spawn`], for a target of the start: the template of
+    /// [`Zygote::exec`] forks it with the startup setup it was given (the
+    /// snapshot installed at once) instead of the empty one of
+    /// replacements. The template of [`Zygote::fork`] has one body only:
+    /// this is [`Zygote::spawn`] there.
+    ///
+    /// # Errors
+    /// As [`Zygote::spawn`].
+    pub fn spawn_startup(&self, index: usize) -> Result<TargetProcess, ProcessError> {
+        self.request(index, true)
+    }
+
+    fn request(&self, index: usize, startup: bool) -> Result<TargetProcess, ProcessError> {
         let mut state = self.link.lock();
         if state.closed || state.eof {
             return Err(ProcessError::ZygoteGone);
@@ -265,7 +275,7 @@ impl Zygote {
         state.next_serial += 1;
         state.awaiting.insert(serial);
         let deadline = Instant::now() + self.spawn_timeout;
-        let outcome = state.request(serial, index, deadline, self.spawn_timeout);
+        let outcome = state.request(serial, index, startup, deadline, self.spawn_timeout);
         state.awaiting.remove(&serial);
         let (pid, [control, reply, pidfd]) = outcome?;
         let forked = Forked {
@@ -361,9 +371,10 @@ struct Child {
     pidfd: TrackedFd,
 }
 
-/// The template process's state (it runs only in the template).
+/// The template process's state (it runs only in the template). `body`
+/// is given whether the target is one of the start (`b'I'`).
 struct Template<'a, R: ?Sized, B, F> {
-    socket: OwnedFd,
+    socket: TrackedFd,
     runtime: &'a R,
     before_body: &'a B,
     body: &'a F,
@@ -373,7 +384,7 @@ struct Template<'a, R: ?Sized, B, F> {
 impl<R, B, F> Template<'_, R, B, F>
 where
     R: Runtime + ?Sized,
-    F: Fn(TargetEnds) -> i32,
+    F: Fn(TargetEnds, bool) -> i32,
     B: Fn(usize),
 {
     /// Serves requests until EOF of the request socket (or a failure of
@@ -423,7 +434,7 @@ where
             if request {
                 let mut bytes = [0u8; REQUEST_LEN + 1];
                 let len = match nix::sys::socket::recv(
-                    self.socket.as_raw_fd(),
+                    self.socket.as_fd().as_raw_fd(),
                     &mut bytes,
                     MsgFlags::empty(),
                 ) {
@@ -432,10 +443,10 @@ where
                     Err(Errno::EINTR | Errno::EAGAIN) => continue,
                     Err(_) => return TEMPLATE_ERROR_EXIT_CODE,
                 };
-                let Some((serial, index)) = decode_request(&bytes[..len]) else {
+                let Some((serial, index, startup)) = decode_request(&bytes[..len]) else {
                     return TEMPLATE_ERROR_EXIT_CODE;
                 };
-                if self.spawn(serial, index).is_err() {
+                if self.spawn(serial, index, startup).is_err() {
                     return TEMPLATE_ERROR_EXIT_CODE;
                 }
             }
@@ -444,8 +455,8 @@ where
 
     /// Forks the target `index` and answers the request `serial`; fails
     /// only when the answer cannot be sent.
-    fn spawn(&mut self, serial: u64, index: usize) -> Result<(), Errno> {
-        match self.fork(index) {
+    fn spawn(&mut self, serial: u64, index: usize, startup: bool) -> Result<(), Errno> {
+        match self.fork(index, startup) {
             Ok((forked, pidfd)) => {
                 let reply = Message {
                     tag: b'R',
@@ -492,8 +503,9 @@ where
     }
 
     /// Forks one target and opens its pidfd (before anything can reap it).
-    fn fork(&mut self, index: usize) -> Result<(Forked, TrackedFd), ProcessError> {
-        let forked = fork_target(index, self.runtime, self.before_body, self.body)?;
+    fn fork(&mut self, index: usize, startup: bool) -> Result<(Forked, TrackedFd), ProcessError> {
+        let body = |ends| (self.body)(ends, startup);
+        let forked = fork_target(index, self.runtime, self.before_body, &body)?;
         match pidfd_open(forked.pid) {
             Some(pidfd) => Ok((forked, TrackedFd::new(pidfd))),
             None => {
@@ -519,7 +531,7 @@ where
         };
         loop {
             match sendmsg::<UnixAddr>(
-                self.socket.as_raw_fd(),
+                self.socket.as_fd().as_raw_fd(),
                 &[IoSlice::new(&bytes)],
                 &cmsgs,
                 MsgFlags::MSG_NOSIGNAL,

@@ -97,22 +97,36 @@ impl Message {
     }
 }
 
-fn encode_request(serial: u64, index: usize) -> [u8; REQUEST_LEN] {
+/// A request's tag: `b'I'` for a target of the start (it installs the
+/// startup snapshot), `b'S'` for a replacement.
+fn request_tag(startup: bool) -> u8 {
+    if startup {
+        b'I'
+    } else {
+        b'S'
+    }
+}
+
+fn encode_request(serial: u64, index: usize, startup: bool) -> [u8; REQUEST_LEN] {
     let mut bytes = [0u8; REQUEST_LEN];
-    bytes[0] = b'S';
+    bytes[0] = request_tag(startup);
     bytes[1..9].copy_from_slice(&serial.to_le_bytes());
     bytes[9..17].copy_from_slice(&(index as u64).to_le_bytes());
     bytes
 }
 
-pub(super) fn decode_request(bytes: &[u8]) -> Option<(u64, usize)> {
+/// A request's serial, target index and whether it asks for a target of
+/// the start (`b'I'`) rather than a replacement (`b'S'`).
+pub(super) fn decode_request(bytes: &[u8]) -> Option<(u64, usize, bool)> {
     let bytes: &[u8; REQUEST_LEN] = bytes.try_into().ok()?;
-    if bytes[0] != b'S' {
-        return None;
-    }
+    let startup = match bytes[0] {
+        b'S' => false,
+        b'I' => true,
+        _ => return None,
+    };
     let serial = u64::from_le_bytes(bytes[1..9].try_into().ok()?);
     let index = usize::try_from(u64::from_le_bytes(bytes[9..17].try_into().ok()?)).ok()?;
-    Some((serial, index))
+    Some((serial, index, startup))
 }
 
 /// The parent's side of a zygote, shared by the
@@ -226,15 +240,30 @@ impl ZygoteLink {
 }
 
 impl LinkState {
+    /// The state of a new link over the parent's end `socket`.
+    pub(super) fn new(socket: TrackedFd) -> LinkState {
+        LinkState {
+            socket,
+            eof: false,
+            closed: false,
+            next_serial: 0,
+            awaiting: BTreeSet::new(),
+            replies: BTreeMap::new(),
+            live: BTreeSet::new(),
+            exits: BTreeMap::new(),
+        }
+    }
+
     /// Sends the request `serial` and waits for its reply until `deadline`.
     pub(super) fn request(
         &mut self,
         serial: u64,
         index: usize,
+        startup: bool,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Reply, ProcessError> {
-        let request = encode_request(serial, index);
+        let request = encode_request(serial, index, startup);
         let timed_out = || ProcessError::ZygoteTimeout {
             what: "a spawn request",
             waited: timeout,
@@ -428,10 +457,15 @@ mod tests {
         assert_eq!(message.encode()[0], b'X');
         assert_eq!(Message::decode(&message.encode()[..17]), None);
         assert_eq!(
-            decode_request(&encode_request(u64::MAX, 3)),
-            Some((u64::MAX, 3))
+            decode_request(&encode_request(u64::MAX, 3, false)),
+            Some((u64::MAX, 3, false))
         );
-        let mut wrong = encode_request(1, 2);
+        assert_eq!(
+            decode_request(&encode_request(5, 0, true)),
+            Some((5, 0, true))
+        );
+        assert_eq!(encode_request(5, 0, true)[0], b'I');
+        let mut wrong = encode_request(1, 2, false);
         wrong[0] = b'Q';
         assert_eq!(decode_request(&wrong), None);
     }

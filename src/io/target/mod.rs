@@ -162,6 +162,21 @@ fn install<R: Runtime>(
     }
 }
 
+/// Runs in each new target of a Worker right after its fork, before
+/// [`run`] (the `before_body` of [`super::process::spawn_targets`] and of
+/// a zygote's template): in a build with fail points, configures this
+/// target's from its variable ([`failpoints::target_env_var`]), ending the
+/// target with [`START_EXIT_CODE`] when they are malformed. Does nothing
+/// otherwise.
+pub fn before_body(index: usize) {
+    if cfg!(feature = "failpoints")
+        && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
+    {
+        // SAFETY: ends the freshly forked target before it runs.
+        unsafe { libc::_exit(START_EXIT_CODE) }
+    }
+}
+
 /// Runs a target until its control socket closes; returns its exit status.
 ///
 /// Order: start the runtime ([`Runtime::start_target`] with this

@@ -12,6 +12,7 @@ use super::leader::Shared;
 use super::{Core, Worker};
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::io::process::ThreadPolicy;
+use crate::io::zygote::TemplateCommand;
 use crate::protocol::{
     OwnerToken, Parent, ParentConfig, DEFAULT_RESPAWN_BACKOFF, DEFAULT_RESPAWN_LIMIT,
     DEFAULT_SLOT_CAPACITY,
@@ -30,6 +31,23 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 /// ([`WorkerBuilder::operation_timeout`]).
 pub const OPERATION_TIMEOUT_FACTOR: u32 = 10;
 
+/// How [`Worker::start`] makes its targets ([`WorkerBuilder::start_method`]).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum StartMethod {
+    /// Fork the targets from this process, and the template of
+    /// replacements too (the default): fast, and targets inherit this
+    /// process's memory, but also any lock another thread holds at the
+    /// fork (it stays held in every target).
+    #[default]
+    Fork,
+    /// Run a fresh template process with this command
+    /// ([`crate::io::zygote::Zygote::exec`]), which forks every target,
+    /// those of the start and every replacement: nothing of this
+    /// process's threads, locks or memory reaches a target. Safe from a
+    /// threaded process (the thread policy does not apply).
+    Forkserver(TemplateCommand),
+}
+
 /// Builds a [`Worker`].
 pub struct WorkerBuilder<R: Runtime> {
     runtime: Arc<R>,
@@ -43,6 +61,7 @@ pub struct WorkerBuilder<R: Runtime> {
     respawn_limit: u16,
     respawn_backoff: Duration,
     thread_policy: ThreadPolicy,
+    start_method: StartMethod,
 }
 
 impl<R: Runtime> WorkerBuilder<R> {
@@ -62,6 +81,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             respawn_limit: DEFAULT_RESPAWN_LIMIT,
             respawn_backoff: Duration::from_micros(DEFAULT_RESPAWN_BACKOFF),
             thread_policy: ThreadPolicy::RefuseIfThreaded,
+            start_method: StartMethod::Fork,
         }
     }
 
@@ -161,6 +181,15 @@ impl<R: Runtime> WorkerBuilder<R> {
         self
     }
 
+    /// How [`Worker::start`] makes the targets (default
+    /// [`StartMethod::Fork`]). With [`StartMethod::Forkserver`] the
+    /// template process is always made (also with replacements off:
+    /// `respawn_limit(0)`), since it is the targets' parent.
+    pub fn start_method(mut self, method: StartMethod) -> Self {
+        self.start_method = method;
+        self
+    }
+
     /// The Worker, not started: registrations go into the startup snapshot.
     ///
     /// # Errors
@@ -245,6 +274,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
             thread_policy: self.thread_policy,
+            start_method: self.start_method,
             respawn: self.respawn_limit > 0,
             clock: Instant::now(),
             config,

@@ -271,8 +271,11 @@ pub(super) struct IoLoop {
     /// the lock would block on it at once (one more sleep and wake-up).
     pub(super) handovers: Vec<Handover>,
     /// The template process replacements are forked from (`None` with
-    /// replacements off).
+    /// replacements off, unless the start method is forkserver: then it
+    /// forked every target and lives as long as they do).
     pub(super) zygote: Option<Arc<Zygote>>,
+    /// Whether replacements are on (slot events are recorded).
+    pub(super) respawn: bool,
     /// The threads asking the template for replacements (a spawn waits
     /// for the template's answer; the IO thread never does).
     pub(super) spawners: Vec<JoinHandle<()>>,
@@ -1075,7 +1078,7 @@ impl IoLoop {
             .get(&target)
             .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
         let reason = format!("{why}; it {how}");
-        if self.zygote.is_some() {
+        if self.respawn {
             core.record(SlotEvent::Lost {
                 target,
                 incarnation: link.incarnation,

@@ -28,7 +28,9 @@
 //!   one template process ([`super::zygote`]), forked at start right after
 //!   the targets and before the IO thread: the parent never forks once it
 //!   runs threads, so every replacement is forked by the template, on the
-//!   IO thread's request.
+//!   IO thread's request. With [`StartMethod::Forkserver`] the template is
+//!   a fresh process (`exec`), made first, and forks the targets of the
+//!   start too.
 //!
 //! Whichever thread drives the machine holds the state lock, which guards
 //! the machine and the IO state (links, staged payloads, waiters) alike:
@@ -121,7 +123,9 @@ mod pending;
 mod respawn;
 mod start;
 
-pub use builder::{WorkerBuilder, DEFAULT_CONTROL_TIMEOUT, MAX_TIMEOUT, OPERATION_TIMEOUT_FACTOR};
+pub use builder::{
+    StartMethod, WorkerBuilder, DEFAULT_CONTROL_TIMEOUT, MAX_TIMEOUT, OPERATION_TIMEOUT_FACTOR,
+};
 pub use pending::{
     outcome_text, registration_failure_text, OperationError, PendingOperation, PendingTask,
     StartReport, TargetTable, TaskError, TaskKey,
@@ -151,6 +155,7 @@ pub struct Worker<R: Runtime> {
     slot_capacity: u16,
     max_frame_bytes: usize,
     thread_policy: ThreadPolicy,
+    start_method: StartMethod,
     respawn: bool,
     clock: Instant,
     /// The parent machine's configuration (a closed machine of it is the

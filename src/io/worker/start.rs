@@ -10,6 +10,7 @@ use nix::errno::Errno;
 use nix::fcntl::OFlag;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
+use super::builder::StartMethod;
 use super::io_loop::{
     io_thread, read_available, Context, IoLoop, Link, ReadOutcome, LOST_GRACE, READ_CHUNK_BYTES,
 };
@@ -19,9 +20,9 @@ use super::{lifecycle_error, now_since, Worker};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::io::lead::Watch;
-use crate::io::process::{TargetProcess, ThreadPolicy, TrackedFd};
+use crate::io::process::{ProcessError, TargetProcess, ThreadPolicy, TrackedFd};
 use crate::io::target::TargetSetup;
-use crate::io::zygote::Zygote;
+use crate::io::zygote::{TemplateCommand, Zygote};
 use crate::io::{failpoints, process, target};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{Failure, Lifecycle, Namespace, TargetId, TargetOutcome};
@@ -150,7 +151,11 @@ impl<R: Runtime> Worker<R> {
                 .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         }
         ignore_sigpipe();
-        check_descriptor_room(self.targets, self.respawn)
+        let forkserver = match &self.start_method {
+            StartMethod::Fork => None,
+            StartMethod::Forkserver(command) => Some(command.clone()),
+        };
+        check_descriptor_room(self.targets, self.respawn || forkserver.is_some())
             .map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         // One deadline for the whole start, from before the first fork:
         // every target must be ready by then (forking under load, and every
@@ -167,9 +172,12 @@ impl<R: Runtime> Worker<R> {
             heartbeat: self.control_timeout / 4,
         };
         // The process's threads are counted before the forking thread
-        // exists: that thread is the Worker's own.
-        process::check_threads(self.thread_policy)
-            .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
+        // exists: that thread is the Worker's own. A forkserver start
+        // forks nothing here (the template is a fresh process).
+        if forkserver.is_none() {
+            process::check_threads(self.thread_policy)
+                .map_err(|e| start_error(ErrorCode::IO_FAILED, e.to_string()))?;
+        }
         let empty = TargetSetup {
             runtime: self.runtime.clone(),
             snapshot: Vec::new(),
@@ -181,14 +189,12 @@ impl<R: Runtime> Worker<R> {
         };
         let (targets, respawn, runtime) = (self.targets, self.respawn, self.runtime.clone());
         let forks = move || -> Result<(Vec<TargetProcess>, Option<Zygote>), OperationError> {
-            let before_body = |index| {
-                if cfg!(feature = "failpoints")
-                    && failpoints::configure_from_env(&failpoints::target_env_var(index)).is_err()
-                {
-                    // SAFETY: ends the freshly forked target before it runs.
-                    unsafe { libc::_exit(target::START_EXIT_CODE) }
-                }
-            };
+            if let Some(command) = forkserver {
+                return forkserver_start(&command, &setup, targets, deadline)
+                    .map(|(processes, zygote)| (processes, Some(zygote)))
+                    .map_err(|m| start_error(ErrorCode::IO_FAILED, m));
+            }
+            let before_body = target::before_body;
             let processes = process::spawn_targets(
                 usize::from(targets),
                 ThreadPolicy::AcceptRisk,
@@ -222,8 +228,9 @@ impl<R: Runtime> Worker<R> {
             Ok((processes, zygote))
         };
         let (processes, zygote) = self.forker_run(forks)?;
-        // Every target inherited the snapshot's bytes through `fork`; the
-        // parent sends them again only to replacements.
+        // Every target inherited the snapshot's bytes through `fork` (or
+        // its template's setup); the parent sends them again only to
+        // replacements.
         if self.respawn {
             let envelopes = std::mem::take(&mut core.envelopes);
             for (digest, bytes) in envelopes {
@@ -305,6 +312,7 @@ impl<R: Runtime> Worker<R> {
             max_frame_bytes: self.max_frame_bytes,
             handovers: Vec::new(),
             zygote: zygote.map(Arc::new),
+            respawn: self.respawn,
             spawners: Vec::new(),
             spawned: Arc::new(Mutex::new(VecDeque::new())),
             starting: BTreeMap::new(),
@@ -376,6 +384,41 @@ impl<R: Runtime> Worker<R> {
             outcomes: report.outcomes,
         })
     }
+}
+
+/// The forks of a forkserver start: runs the template process
+/// ([`Zygote::exec`], given the startup `setup`), then asks it for each
+/// target of the start. On a failure every target forked so far is
+/// killed and reaped, and the template closed.
+///
+/// # Errors
+/// The message saying what failed.
+fn forkserver_start<R: Runtime>(
+    command: &TemplateCommand,
+    setup: &TargetSetup<R>,
+    targets: u16,
+    deadline: Instant,
+) -> Result<(Vec<TargetProcess>, Zygote), String> {
+    let zygote = Zygote::exec(command, setup, deadline).map_err(|e| match e {
+        ProcessError::TemplateStart { .. } => e.to_string(),
+        other => format!("starting the template process: {other}"),
+    })?;
+    let mut processes = Vec::with_capacity(usize::from(targets));
+    for index in 0..usize::from(targets) {
+        match zygote.spawn_startup(index) {
+            Ok(process) => processes.push(process),
+            Err(e) => {
+                for mut process in processes {
+                    let _ = process.kill();
+                    let _ = process.reap(LOST_GRACE);
+                }
+                return Err(format!(
+                    "forking target {index} from the template process: {e}"
+                ));
+            }
+        }
+    }
+    Ok((processes, zygote))
 }
 
 /// Checks that the parent can hold its three descriptors per target (and the
