@@ -44,6 +44,10 @@ fn main() {
             "closing_with_the_template_stopped_takes_no_report_timeouts",
             closing_with_the_template_stopped_takes_no_report_timeouts,
         ),
+        (
+            "a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once",
+            a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once,
+        ),
     ]);
 }
 
@@ -508,5 +512,72 @@ fn closing_with_the_template_stopped_takes_no_report_timeouts() {
     // Now: the template is killed at once, and each ended replacement's
     // report is given up after `zygote::ENDED_REPORT_GRACE` (250 ms).
     assert!(took < Duration::from_secs(2), "close took {took:?}");
+    assert!(children().is_empty(), "{:?}", children());
+}
+
+/// A killed template is reaped when its loss is seen (not left a zombie
+/// until close), recorded as an event, and every slot lost from then on is
+/// abandoned at once, without back-offs or spawns that cannot succeed
+/// (`specs/protocol.md` §2.9, "Replacements ended").
+fn a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once() {
+    let worker = builder(3)
+        .respawn_backoff(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    worker.start().unwrap();
+    kill(&worker, 0);
+    wait_for_slot(&worker, 0, SlotPhase::Joined, 1);
+    // Targets 1 and 2 are this process's children, and so is the
+    // template, the parent of target 0's replacement.
+    let live: Vec<i32> = (0..3)
+        .map(|t| worker.target_pid(TargetId(t)).unwrap())
+        .collect();
+    let template: Vec<i32> = children()
+        .into_iter()
+        .filter(|p| !live.contains(p))
+        .collect();
+    assert_eq!(template.len(), 1, "{template:?} beside {live:?}");
+    let template = template[0];
+    let before = worker.slot_events().len();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(template),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // The replacement dies with its template (its parent-death signal);
+    // the next spawn finds the template gone.
+    wait_for_slot(&worker, 0, SlotPhase::Lost, 2);
+    let events: Vec<String> = worker.slot_events()[before..]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        events[events.len() - 3..],
+        [
+            "replacements ended: template process lost (it was killed by signal 9)".to_owned(),
+            "target 0: incarnation 2 could not be started: the template process of replacement targets is gone: no more targets can be forked from it".to_owned(),
+            "target 0: given up after 1 replacements in a row were lost before they joined".to_owned(),
+        ],
+        "{events:?}"
+    );
+    assert!(!children().contains(&template), "{template} not reaped");
+    // A later loss is abandoned at once: no spawn, no back-off.
+    let before = worker.slot_events().len();
+    kill(&worker, 1);
+    wait_for_slot(&worker, 1, SlotPhase::Lost, 0);
+    let events: Vec<String> = worker.slot_events()[before..]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert!(
+        events[0].starts_with("target 1: incarnation 0 lost ("),
+        "{events:?}"
+    );
+    assert_eq!(
+        events[1],
+        "target 1: given up after 0 replacements in a row were lost before they joined"
+    );
+    worker.close();
     assert!(children().is_empty(), "{:?}", children());
 }

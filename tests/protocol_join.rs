@@ -762,6 +762,59 @@ fn a_failed_replay_staging_fails_the_join() {
 }
 
 #[test]
+fn once_replacements_ended_every_slot_lost_or_backing_off_is_abandoned() {
+    let mut p = started(3, true, 3);
+    // Slot 1 backs off after a replacement that could not be started.
+    p.target_lost(TargetId(1), Time(0)).unwrap();
+    drain(&mut p);
+    p.target_died(TargetId(1), "the template process is gone", Time(1))
+        .unwrap();
+    assert_eq!(drain(&mut p), []);
+    assert_eq!(
+        p.slot_phase(TargetId(1)),
+        SlotPhase::BackingOff(Time(1 + BACKOFF))
+    );
+    // Slot 2 waits for its replacement.
+    p.target_lost(TargetId(2), Time(2)).unwrap();
+    drain(&mut p);
+    assert_eq!(p.slot_phase(TargetId(2)), SlotPhase::Spawning);
+    p.replacements_ended();
+    assert!(p.are_replacements_ended());
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Abandoned {
+            target: TargetId(1),
+            failed_joins: 1
+        }]
+    );
+    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Lost);
+    // The replacement being spawned fails: abandoned, no back-off.
+    p.target_died(TargetId(2), "the template process is gone", Time(3))
+        .unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Abandoned {
+            target: TargetId(2),
+            failed_joins: 1
+        }]
+    );
+    // A later loss asks for no replacement.
+    p.target_lost(TargetId(0), Time(4)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [Effect::Abandoned {
+            target: TargetId(0),
+            failed_joins: 0
+        }]
+    );
+    assert!(p.is_idle());
+    assert_eq!(p.poll_timeout(), None);
+    // Idempotent.
+    p.replacements_ended();
+    assert_eq!(drain(&mut p), []);
+}
+
+#[test]
 fn a_failed_replay_staging_withdraws_every_frame_queued_for_the_target() {
     let mut p = started(2, true, 3);
     registered(&mut p, 1, &[0, 1], 0);

@@ -152,6 +152,9 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
         if config.restage_failures > 0 {
             expected.push(SOMETIMES_RESTAGE_FAILED);
         }
+        if config.template_losses > 0 {
+            expected.push(SOMETIMES_ABANDONED_WITHOUT_TEMPLATE);
+        }
     }
     order(expected)
 }
@@ -367,9 +370,10 @@ pub fn all() -> Vec<Named> {
         },
         Named {
             name: "respawn-no-fence",
-            description: "2 targets, register-unregister-same-digest, replacement targets with a rate limit of 2, a crash, a failed deserialization, a deadline, fencing off (a joining replacement is fenced all the same): a failed join backs off, its successor joins or the slot is abandoned",
+            description: "2 targets, register-unregister-same-digest, replacement targets with a rate limit of 2, a crash, a failed deserialization, a deadline, a lost template, fencing off (a joining replacement is fenced all the same): a failed join backs off, its successor joins or the slot is abandoned, at once when the template is gone",
             config: ModelConfig {
                 respawn_limit: 2,
+                template_losses: 1,
                 fence_on_timeout: false,
                 corruptions: 0,
                 tasks: 0,

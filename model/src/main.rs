@@ -50,7 +50,7 @@ struct Cli {
 
 /// The configuration flags a named configuration (`--config`, `--all`)
 /// replaces; `--mutant` combines with both.
-const CONFIG_FLAGS: [&str; 23] = [
+const CONFIG_FLAGS: [&str; 24] = [
     "targets",
     "script",
     "crashes",
@@ -74,6 +74,7 @@ const CONFIG_FLAGS: [&str; 23] = [
     "respawn_limit",
     "spawn_failures",
     "restage_failures",
+    "template_losses",
 ];
 
 #[derive(Subcommand, Debug)]
@@ -208,6 +209,9 @@ struct ConfigArgs {
     /// replacement (its join then fails).
     #[arg(long, default_value_t = 0)]
     restage_failures: u8,
+    /// Template process losses (no replacement starts after one).
+    #[arg(long, default_value_t = 0)]
+    template_losses: u8,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -256,6 +260,7 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         respawn_limit: args.respawn_limit,
         spawn_failures: args.spawn_failures,
         restage_failures: args.restage_failures,
+        template_losses: args.template_losses,
         #[cfg(feature = "mutants")]
         mutant: None,
     })

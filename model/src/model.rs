@@ -140,6 +140,9 @@ pub struct ModelConfig {
     /// How many replays may fail to stage their payload again for a
     /// joining replacement ([`Action::SpawnRestageFails`]).
     pub restage_failures: u8,
+    /// How many times the template process may be lost
+    /// ([`Action::TemplateLost`]; once ends replacements for good).
+    pub template_losses: u8,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -177,6 +180,7 @@ impl ModelConfig {
             respawn_limit: 0,
             spawn_failures: 0,
             restage_failures: 0,
+            template_losses: 0,
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -330,6 +334,8 @@ pub struct Budgets {
     pub spawn_failures: u8,
     /// Replays whose payload may still fail to stage again.
     pub restage_failures: u8,
+    /// Template losses left.
+    pub template_losses: u8,
 }
 
 /// Something the driver saw happen on this path (history the properties
@@ -431,6 +437,12 @@ pub mod seen {
     /// A replay's payload could not be staged again for its joining
     /// replacement ([`super::Action::SpawnRestageFails`]).
     pub const RESTAGE_FAILED: u64 = 1 << 33;
+    /// The template process was lost ([`super::Action::TemplateLost`]).
+    pub const TEMPLATE_LOST: u64 = 1 << 34;
+    /// A slot was abandoned after the template was lost.
+    pub const ABANDONED_WITHOUT_TEMPLATE: u64 = 1 << 35;
+    /// A replacement was asked for after the template was lost.
+    pub const SPAWN_WITHOUT_TEMPLATE: u64 = 1 << 36;
 }
 
 /// A task result in transit target → parent: the task and the
@@ -721,6 +733,11 @@ pub enum Action {
     /// `Parent::stage_failed` while draining, before the replay's frame is
     /// sent (§2.9: the replay is withdrawn and the join fails).
     SpawnRestageFails(TargetId),
+    /// The template process that forks replacements is lost (bounded):
+    /// the driver calls `Parent::replacements_ended`; a replacement asked
+    /// for but not yet started will not start (its next `Spawn`/
+    /// `SpawnFails` choice is only `SpawnFails`).
+    TemplateLost,
 }
 
 /// The forged and out-of-range inputs of [`Action::Forge`].
@@ -921,6 +938,7 @@ impl RegistrationModel {
                 heartbeats: config.heartbeats,
                 spawn_failures: config.spawn_failures,
                 restage_failures: config.restage_failures,
+                template_losses: config.template_losses,
             },
             seen: 0,
             contract: "",
@@ -1192,6 +1210,9 @@ impl RegistrationModel {
                     target,
                     incarnation,
                 } => {
+                    if state.seen & seen::TEMPLATE_LOST != 0 {
+                        state.seen |= seen::SPAWN_WITHOUT_TEMPLATE;
+                    }
                     let index = usize::from(target.0);
                     // The slot's old process is gone with everything it
                     // had: no frame, reply, end of file or pending work.
@@ -1246,7 +1267,14 @@ impl RegistrationModel {
                     failed_joins,
                 } => {
                     state.seen |= seen::ABANDONED;
-                    if failed_joins != self.config.respawn_limit
+                    // At the rate limit, or at any count once the template
+                    // is gone (§2.9, "Replacements ended").
+                    let template_gone = state.seen & seen::TEMPLATE_LOST != 0;
+                    if template_gone {
+                        state.seen |= seen::ABANDONED_WITHOUT_TEMPLATE;
+                    }
+                    if (failed_joins != self.config.respawn_limit && !template_gone)
+                        || failed_joins > self.config.respawn_limit
                         || state.parent.failed_joins(target) != failed_joins
                         || state.parent.is_target_live(target)
                     {
@@ -2497,8 +2525,18 @@ impl stateright::Model for RegistrationModel {
                 }
             }
         }
+        if state.budgets.template_losses > 0
+            && self.config.respawn_limit > 0
+            && lifecycle == Lifecycle::Started
+        {
+            actions.push(Action::TemplateLost);
+        }
+        let template_gone = state.seen & seen::TEMPLATE_LOST != 0;
         for id in self.target_ids() {
-            if state.spawns[usize::from(id.0)].is_some() {
+            if state.spawns[usize::from(id.0)].is_some() && template_gone {
+                // Nothing can start it now: its spawn fails.
+                actions.push(Action::SpawnFails(id));
+            } else if state.spawns[usize::from(id.0)].is_some() {
                 actions.push(Action::Spawn(id));
                 if state.budgets.spawn_failures > 0 {
                     actions.push(Action::SpawnFails(id));
@@ -2798,8 +2836,20 @@ impl stateright::Model for RegistrationModel {
             Action::Forge(forged) => return self.forge(last, forged),
             Action::Spawn(id) => self.spawn(&mut state, id, true, false)?,
             Action::SpawnFails(id) => {
-                state.budgets.spawn_failures = state.budgets.spawn_failures.checked_sub(1)?;
+                // Without a template every spawn fails, at no budget.
+                if state.seen & seen::TEMPLATE_LOST == 0 {
+                    state.budgets.spawn_failures = state.budgets.spawn_failures.checked_sub(1)?;
+                }
                 self.spawn(&mut state, id, false, false)?;
+            }
+            Action::TemplateLost => {
+                state.budgets.template_losses = state.budgets.template_losses.checked_sub(1)?;
+                state.seen |= seen::FAULT | seen::TEMPLATE_LOST;
+                state.parent.replacements_ended();
+                if !state.parent.are_replacements_ended() {
+                    state.breach("replacements_ended did not end replacements");
+                }
+                self.drain_parent(&mut state);
             }
             Action::SpawnRestageFails(id) => {
                 state.budgets.restage_failures = state.budgets.restage_failures.checked_sub(1)?;
@@ -3003,6 +3053,7 @@ impl RegistrationModel {
                 "replacement incarnation {} of {t} FAILS to start",
                 state.spawns[usize::from(t.0)].unwrap_or_default()
             ),
+            Action::TemplateLost => "the template process is LOST: no replacement can start".to_owned(),
             Action::SpawnRestageFails(t) => format!(
                 "the driver starts replacement incarnation {} of {t}; staging its first replay's payload again FAILS",
                 state.spawns[usize::from(t.0)].unwrap_or_default()

@@ -129,6 +129,13 @@ pub const SOMETIMES_SPAWN_FAILED: &str = "sometimes: a replacement fails to star
 /// Witness: a replay's payload could not be staged again, and the join
 /// it was for failed.
 pub const SOMETIMES_RESTAGE_FAILED: &str = "sometimes: a replay fails to stage and its join fails";
+/// Witness: a slot was abandoned after the template process was lost.
+pub const SOMETIMES_ABANDONED_WITHOUT_TEMPLATE: &str =
+    "sometimes: a slot is abandoned after the template is lost";
+/// Name of the `always` property that no replacement is asked for once
+/// the template process is lost (`specs/protocol.md` §2.9).
+pub const ALWAYS_NO_SPAWN_WITHOUT_TEMPLATE: &str =
+    "no replacement is asked for after the template is lost";
 /// Witness: the back-off before a replacement passed.
 pub const SOMETIMES_BACKOFF: &str = "sometimes: a back-off before a replacement passes";
 /// Witness: the Worker started (trivial unless start is an action).
@@ -441,6 +448,12 @@ fn spawn_failed(_: &RegistrationModel, s: &State) -> bool {
 fn restage_failed(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::RESTAGE_FAILED != 0 && s.seen & seen::JOIN_FAILED != 0
 }
+fn abandoned_without_template(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::ABANDONED_WITHOUT_TEMPLATE != 0
+}
+fn no_spawn_without_template(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::SPAWN_WITHOUT_TEMPLATE == 0
+}
 fn backoff_passed(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::BACKOFF_PASSED != 0
 }
@@ -622,8 +635,12 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
             || (*phase == SlotPhase::Lost
                 && respawn > 0
                 && p.failed_joins(id) != respawn
+                && !p.are_replacements_ended()
                 && lifecycle == Lifecycle::Started
                 && p.incarnation(id) > 0)
+            || (*phase == SlotPhase::Lost
+                && p.failed_joins(id) > respawn
+                && lifecycle == Lifecycle::Started)
         {
             return fail("Parent::slot_phase, incarnation, failed_joins or is_target_joined disagree with each other, with is_target_live or with the replacements the driver was asked for");
         }
@@ -914,6 +931,11 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_ABANDONED, abandoned),
         Property::sometimes(SOMETIMES_SPAWN_FAILED, spawn_failed),
         Property::sometimes(SOMETIMES_RESTAGE_FAILED, restage_failed),
+        Property::sometimes(
+            SOMETIMES_ABANDONED_WITHOUT_TEMPLATE,
+            abandoned_without_template,
+        ),
+        Property::always(ALWAYS_NO_SPAWN_WITHOUT_TEMPLATE, no_spawn_without_template),
         Property::sometimes(SOMETIMES_BACKOFF, backoff_passed),
         Property::sometimes(SOMETIMES_TASK_RESULT, task_result),
         Property::sometimes(SOMETIMES_TASK_CANCELLED, task_cancelled),

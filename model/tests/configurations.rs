@@ -75,7 +75,7 @@ fn pinned_state_counts() {
         ("heartbeat-no-fence", 14_825, 16),
         ("heartbeat", 16_158, 19),
         ("respawn", 93_301, 32),
-        ("respawn-no-fence", 55_419, 33),
+        ("respawn-no-fence", 122_038, 34),
         ("respawn-spawn-failure", 81_984, 28),
         ("tasks-cancel", 229, 18),
         ("tasks-deadline", 1_406, 23),

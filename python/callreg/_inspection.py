@@ -75,8 +75,10 @@ class Inspection:
         ``{"event": "spawned", "target", "incarnation", "pid"}``, ``{"event": "spawn_failed", "target", "incarnation",
         "reason"}``, ``{"event": "joined", "target", "incarnation"}``,
         ``{"event": "join_failed", "target", "incarnation", "failure":
-        {"code", "message"}}``, ``{"event": "abandoned", "target",
-        "failed_joins"}``."""
+        {"code", "message"}}``, ``{"event": "template_lost", "cause"}``
+        (the process that starts replacements is gone: every slot lost
+        from then on is abandoned at once), ``{"event": "abandoned",
+        "target", "failed_joins"}``."""
         events: list[dict[str, Any]] = json.loads(self._raw.slot_events_json())
         return events
 

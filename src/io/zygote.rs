@@ -149,7 +149,9 @@ pub struct Zygote {
     pid: Pid,
     link: Arc<ZygoteLink>,
     spawn_timeout: Duration,
-    exit: Option<Exit>,
+    /// How the template ended, once reaped ([`Zygote::reap_if_ended`] or
+    /// [`Zygote::close`]).
+    exit: Mutex<Option<Exit>>,
 }
 
 impl Zygote {
@@ -220,7 +222,7 @@ impl Zygote {
                 state: Mutex::new(LinkState::new(parent_end)),
             }),
             spawn_timeout: DEFAULT_SPAWN_TIMEOUT,
-            exit: None,
+            exit: Mutex::new(None),
         })
     }
 
@@ -295,6 +297,35 @@ impl Zygote {
         ))
     }
 
+    /// Reaps the template if it ends within `within` (checked every
+    /// millisecond; it is not killed), so that a template that died is not
+    /// left a zombie until [`Zygote::close`]: how it ended, or `None` while
+    /// it runs (or when `waitpid` fails). Its request socket reads end of
+    /// file a moment before it can be reaped: give it a few milliseconds.
+    pub fn reap_if_ended(&self, within: Duration) -> Option<Exit> {
+        let deadline = Instant::now() + within;
+        let mut exit = self.exit.lock().unwrap_or_else(|p| p.into_inner());
+        while exit.is_none() {
+            match waitpid(self.pid, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(_, code)) => *exit = Some(Exit::Code(code)),
+                Ok(WaitStatus::Signaled(_, sig, _)) => *exit = Some(Exit::Signal(sig as i32)),
+                Ok(_) | Err(Errno::EINTR) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                _ => break,
+            }
+        }
+        *exit
+    }
+
+    fn ended(&self, exit: Exit) -> Exit {
+        *self
+            .exit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(exit)
+    }
+
     /// Ends the template: shuts the parent's sending side of the request
     /// socket (the template reads EOF), which kills, reaps and reports
     /// every replacement still running, then exits; waits (at most
@@ -307,7 +338,7 @@ impl Zygote {
     /// # Errors
     /// [`ProcessError::Os`] when `waitpid` or `kill` of the template fails.
     pub fn close(&mut self) -> Result<Exit, ProcessError> {
-        if let Some(exit) = self.exit {
+        if let Some(exit) = *self.exit.lock().unwrap_or_else(|p| p.into_inner()) {
             return Ok(exit);
         }
         {
@@ -328,9 +359,9 @@ impl Zygote {
             let _ = self.link.lock().drain();
             let flags = (!killed).then_some(WaitPidFlag::WNOHANG);
             match waitpid(self.pid, flags) {
-                Ok(WaitStatus::Exited(_, code)) => return Ok(*self.exit.insert(Exit::Code(code))),
+                Ok(WaitStatus::Exited(_, code)) => return Ok(self.ended(Exit::Code(code))),
                 Ok(WaitStatus::Signaled(_, sig, _)) => {
-                    return Ok(*self.exit.insert(Exit::Signal(sig as i32)))
+                    return Ok(self.ended(Exit::Signal(sig as i32)))
                 }
                 Ok(_) | Err(Errno::EINTR) => {}
                 Err(errno) => {

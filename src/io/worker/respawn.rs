@@ -15,7 +15,7 @@ use super::Worker;
 use crate::descriptor::Digest;
 use crate::envelope::HEADER_LEN;
 use crate::error::ErrorCode;
-use crate::io::process::{TargetProcess, TrackedFd};
+use crate::io::process::{ProcessError, TargetProcess, TrackedFd};
 use crate::io::staging::StagedPayload;
 use crate::protocol::{Failure, Lifecycle, SlotPhase, StagingId, TargetId};
 use crate::wire::FrameBuffer;
@@ -26,7 +26,15 @@ pub(super) struct Spawned {
     target: TargetId,
     incarnation: u32,
     result: Result<TargetProcess, String>,
+    /// The spawn failed because the template process is gone.
+    template_gone: bool,
 }
+
+/// How long the IO thread waits to reap a template whose request socket
+/// closed (it is reaped by [`Zygote::close`] otherwise).
+///
+/// [`Zygote::close`]: crate::io::zygote::Zygote::close
+const TEMPLATE_REAP_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How many slot events a Worker keeps ([`Worker::slot_events`]).
 pub const SLOT_EVENTS_KEPT: usize = 1024;
@@ -103,8 +111,16 @@ pub enum SlotEvent {
         /// Its answer or the passed deadline.
         failure: Failure,
     },
+    /// The template process that forks replacements is gone (it was
+    /// killed, or exited): no replacement can be started any more, and
+    /// every slot lost from now on is abandoned at once
+    /// (`specs/protocol.md` §2.9, "Replacements ended").
+    TemplateLost {
+        /// How it ended (`killed by signal 9`, ...), when known.
+        cause: String,
+    },
     /// The slot stays lost: `failed_joins` replacements in a row were lost
-    /// before they joined.
+    /// before they joined, or the template process is gone.
     Abandoned {
         /// The slot.
         target: TargetId,
@@ -140,6 +156,9 @@ impl std::fmt::Display for SlotEvent {
                 incarnation,
                 failure,
             } => write!(f, "{target}: incarnation {incarnation} failed to join ({failure})"),
+            SlotEvent::TemplateLost { cause } => {
+                write!(f, "replacements ended: template process lost ({cause})")
+            }
             SlotEvent::Abandoned {
                 target,
                 failed_joins,
@@ -222,6 +241,7 @@ impl IoLoop {
                     target,
                     incarnation,
                     result: Err("this Worker has no template process".to_owned()),
+                    template_gone: false,
                 },
             );
         };
@@ -239,16 +259,16 @@ impl IoLoop {
         let asked = std::thread::Builder::new()
             .name("callreg-spawn".to_owned())
             .spawn(move || {
-                let result = zygote
-                    .spawn(usize::from(target.0))
-                    .map_err(|e| e.to_string());
+                let result = zygote.spawn(usize::from(target.0));
+                let template_gone = matches!(result, Err(ProcessError::ZygoteGone));
                 queue
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push_back(Spawned {
                         target,
                         incarnation,
-                        result,
+                        result: result.map_err(|e| e.to_string()),
+                        template_gone,
                     });
                 if let Some(Ok(wake)) = &wake {
                     let _ = nix::unistd::write(wake, &[1]);
@@ -262,9 +282,29 @@ impl IoLoop {
                     target,
                     incarnation,
                     result: Err(format!("starting a spawning thread: {e}")),
+                    template_gone: false,
                 },
             ),
         }
+    }
+
+    /// The template process is gone: it is reaped (not left a zombie until
+    /// close), the event recorded, and the machine told that no
+    /// replacement can start any more (§2.9), once.
+    pub(super) fn template_lost(&mut self, core: &mut Core) {
+        if core.machine.are_replacements_ended() {
+            return;
+        }
+        let reaped = self
+            .zygote
+            .as_ref()
+            .and_then(|z| z.reap_if_ended(TEMPLATE_REAP_WAIT));
+        let cause = match reaped {
+            Some(exit) => format!("it {exit}"),
+            None => "its request socket closed".to_owned(),
+        };
+        core.record(SlotEvent::TemplateLost { cause });
+        core.machine.replacements_ended();
     }
 
     /// Links a replacement the template forked, or tells the machine it
@@ -275,7 +315,11 @@ impl IoLoop {
             target,
             incarnation,
             result,
+            template_gone,
         } = spawned;
+        if template_gone {
+            self.template_lost(core);
+        }
         let index = usize::from(target.0);
         let awaited = core.machine.lifecycle() == Lifecycle::Started
             && core.machine.slot_phase(target) == SlotPhase::Spawning

@@ -471,7 +471,7 @@ impl Zygote {
                 state: Mutex::new(LinkState::new(parent_end)),
             }),
             spawn_timeout: DEFAULT_SPAWN_TIMEOUT,
-            exit: None,
+            exit: std::sync::Mutex::new(None),
         })
     }
 }

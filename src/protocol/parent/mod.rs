@@ -587,6 +587,9 @@ pub struct Parent {
     /// replacements are on (§2.9); a slot without a record is its original
     /// process, joined unless lost.
     pub(crate) slots: BTreeMap<TargetId, SlotRecord>,
+    /// No replacement can be started any more (the template process is
+    /// gone, §2.9): a slot lost from now on is abandoned at once.
+    pub(crate) replacements_ended: bool,
     /// Tasks in flight, by seq (`specs/protocol.md` §2.11).
     pub(crate) tasks: BTreeMap<Seq, tasks::TaskRecord>,
     /// Cancels sent and not yet answered, by target and task seq.
@@ -615,6 +618,7 @@ impl Parent {
             poisoned: BTreeMap::new(),
             metadata: BTreeMap::new(),
             slots: BTreeMap::new(),
+            replacements_ended: false,
             tasks: BTreeMap::new(),
             cancels: BTreeMap::new(),
             inspections: BTreeMap::new(),
@@ -797,6 +801,11 @@ impl Parent {
     /// original, one more for each replacement asked for (§2.9).
     pub fn incarnation(&self, target: TargetId) -> u32 {
         self.slots.get(&target).map_or(0, |r| r.incarnation)
+    }
+
+    /// Whether replacements ended ([`Parent::replacements_ended`]).
+    pub fn are_replacements_ended(&self) -> bool {
+        self.replacements_ended
     }
 
     /// Replacements of `target`'s slot in a row that were lost before they

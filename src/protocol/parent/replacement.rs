@@ -143,7 +143,8 @@ impl Parent {
             _ => record.failed_joins.saturating_add(1),
         };
         let failed_joins = record.failed_joins;
-        if failed_joins >= limit {
+        // At the rate limit, or with no template left to start another.
+        if failed_joins >= limit || self.replacements_ended {
             record.phase = SlotPhase::Lost;
             self.effects.push_back(Effect::Abandoned {
                 target,
@@ -162,6 +163,31 @@ impl Parent {
             self.spawn(target, now);
         } else {
             record.phase = SlotPhase::BackingOff(now.saturating_add_micros(delay));
+        }
+    }
+
+    /// No replacement can be started any more: the template process that
+    /// forks them is gone (§2.9). Every slot backing off is abandoned at
+    /// once ([`Effect::Abandoned`]), and so is every slot lost from now on,
+    /// without a [`Effect::Spawn`]; a slot whose replacement is being
+    /// spawned or joins meets its own end (a failed spawn, a loss, or the
+    /// join). Idempotent; ignored unless started with replacements on.
+    pub fn replacements_ended(&mut self) {
+        if self.config.respawn_limit == 0
+            || self.lifecycle != Lifecycle::Started
+            || self.replacements_ended
+        {
+            return;
+        }
+        self.replacements_ended = true;
+        for (target, record) in self.slots.iter_mut() {
+            if matches!(record.phase, SlotPhase::BackingOff(_)) {
+                record.phase = SlotPhase::Lost;
+                self.effects.push_back(Effect::Abandoned {
+                    target: *target,
+                    failed_joins: record.failed_joins,
+                });
+            }
         }
     }
 
