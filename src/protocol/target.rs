@@ -754,6 +754,7 @@ mod tests {
             t.begin_task(Seq(seq), digest(1)).unwrap();
         }
         assert_eq!(t.start_task(Seq(1)), Ok(true));
+        assert!(t.is_started(Seq(1)) && !t.is_cancelled(Seq(1)));
         t.on_cancel(Seq(1), digest(1)); // running
         t.on_cancel(Seq(2), digest(1)); // queued: cancelled
         t.on_cancel(Seq(2), digest(1)); // again: still cancelled

@@ -176,6 +176,7 @@ mod tests {
             seq,
         };
         assert_eq!(drain(&mut p), vec![ask(0), ask(1)]);
+        assert_eq!(p.inspections_in_flight(), vec![seq]);
         assert_eq!(p.poll_timeout(), Some(Time(110)));
         assert_eq!(p.handle_table(TargetId(0), seq), Ok(true));
         // A duplicate, and a target never asked: refused, nothing changes.

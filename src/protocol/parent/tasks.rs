@@ -671,6 +671,50 @@ mod tests {
     }
 
     #[test]
+    fn one_timeout_fences_every_target_past_a_task_deadline_or_silent_on_a_cancel_once() {
+        let (mut p, h) = with_handle(4, 0);
+        let a = p
+            .submit_with_deadline(&h, TargetId(0), Some(Time(50)))
+            .unwrap();
+        let b = p
+            .submit_with_deadline(&h, TargetId(1), Some(Time(60)))
+            .unwrap();
+        let heard = p.submit(&h, TargetId(2)).unwrap();
+        let silent = p.submit(&h, TargetId(3)).unwrap();
+        p.cancel(silent, Time(0)).unwrap();
+        p.cancel(heard, Time(150)).unwrap();
+        drain(&mut p);
+        assert!(p.awaits_cancel(TargetId(2), heard) && p.awaits_cancel(TargetId(3), silent));
+        // Past both deadlines and the silent cancel's (100); the other
+        // cancel's target was heard from at 150 (silent at 250).
+        p.handle_timeout(Time(200));
+        let fence = |t| Effect::Fence {
+            target: TargetId(t),
+        };
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                done(a, 0, 0, TaskEnd::Deadline),
+                done(b, 1, 0, TaskEnd::Deadline),
+                fence(0),
+                fence(1),
+                fence(3),
+                done(
+                    silent,
+                    3,
+                    0,
+                    TaskEnd::Lost {
+                        cause: format!("no answer to the cancel of {silent}")
+                    }
+                ),
+            ]
+        );
+        assert_eq!(p.tasks_in_flight(), vec![heard]);
+        assert!(p.awaits_cancel(TargetId(2), heard) && !p.awaits_cancel(TargetId(3), silent));
+        assert_eq!(p.poll_timeout(), Some(Time(250)));
+    }
+
+    #[test]
     fn a_task_sent_to_an_earlier_incarnation_is_not_ended_by_the_replacement() {
         let (mut p, h) = with_handle(1, 3);
         let seq = p.submit(&h, TargetId(0)).unwrap();

@@ -1147,6 +1147,10 @@ fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_
     );
     // control_timeout is 100: ready by 105.
     assert_eq!(p.poll_timeout(), Some(Time(105)));
+    // After close no replacement's deadline is awaited.
+    let mut closed = p.clone();
+    closed.close().unwrap();
+    assert_eq!(closed.poll_timeout(), None);
     p.handle_timeout(Time(104));
     assert!(drain(&mut p).is_empty());
     p.handle_timeout(Time(105));
@@ -1158,6 +1162,10 @@ fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_
     );
     assert_eq!(p.slot_phase(TargetId(0)), SlotPhase::BackingOff(Time(115)));
     assert_eq!(p.failed_joins(TargetId(0)), 1);
+    assert_eq!(p.poll_timeout(), Some(Time(115)));
+    let mut closed = p.clone();
+    closed.close().unwrap();
+    assert_eq!(closed.poll_timeout(), None);
     // The late report of the fenced incarnation is refused.
     assert_eq!(
         p.target_spawned(TargetId(0), 1, Time(106))
