@@ -146,7 +146,8 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
     let loses = config.crashes > 0 || config.poison_kills > 0;
     if config.respawn_limit > 0 && registers && loses {
         expected.push(SOMETIMES_JOINED);
-        if config.spawn_failures > 0 {
+        // Once the template is lost, every spawn fails.
+        if config.spawn_failures > 0 || config.template_losses > 0 {
             expected.push(SOMETIMES_SPAWN_FAILED);
         }
         if config.restage_failures > 0 {

@@ -591,9 +591,19 @@ def test_default_targets_are_one_per_cpu_and_with_closes():
 # Replacement targets
 
 
+def _slot_is(worker, target, phase, incarnation):
+    """Whether ``target``'s slot is at ``phase`` in ``incarnation``: the
+    incarnation is read before and after the phase, so that the phase is
+    that incarnation's (the two are separate queries; a loss between them
+    would pair the old process's phase with the new incarnation)."""
+    before = worker.target_incarnation(target)
+    now = worker.slot_phase(target)
+    return before == incarnation and now == phase and worker.target_incarnation(target) == incarnation
+
+
 def _wait_for_slot(w, target, phase, incarnation, timeout=20):
     deadline = time.monotonic() + timeout
-    while (w.slot_phase(target), w.target_incarnation(target)) != (phase, incarnation):
+    while not _slot_is(w, target, phase, incarnation):
         assert time.monotonic() < deadline, (w.slot_phase(target), w.target_incarnation(target), w.slot_events())
         time.sleep(0.005)
 

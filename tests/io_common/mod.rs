@@ -169,7 +169,15 @@ pub fn wait_for_slot<R: callreg::runtime::Runtime>(
 ) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let id = TargetId(target);
-    while (worker.slot_phase(id), worker.target_incarnation(id)) != (phase, incarnation) {
+    // The incarnation is read before and after the phase, so that the
+    // phase is that incarnation's (separate queries: a loss between them
+    // would pair the old process's phase with the new incarnation).
+    let at = || {
+        let before = worker.target_incarnation(id);
+        let now = worker.slot_phase(id);
+        before == incarnation && now == phase && worker.target_incarnation(id) == incarnation
+    };
+    while !at() {
         assert!(
             std::time::Instant::now() < deadline,
             "{id} is {:?} at incarnation {}, not {phase:?} at {incarnation}; events {:?}",
