@@ -68,6 +68,16 @@ class Inspection:
         is on its way), or ``"lost"`` (for good)."""
         return self._raw.slot_phase(self._target_id(target))
 
+    def slot_state(self, target: int) -> tuple[str, int]:
+        """``(slot_phase(target), target_incarnation(target))`` read
+        together: the phase is that incarnation's. Two separate calls can
+        pair a lost process's phase with its replacement's incarnation;
+        poll this one to wait for a replacement, e.g. until it returns
+        ``("joined", 1)``. Raises ``ValueError`` for a target that does
+        not exist."""
+        phase, incarnation = self._raw.slot_state(self._target_id(target))
+        return phase, incarnation
+
     def slot_events(self) -> list[dict[str, Any]]:
         """What happened to target slots since start, oldest first (the
         last 1024), as dicts: ``{"event": "lost", "target", "incarnation",

@@ -717,13 +717,13 @@ impl RawWorker {
     /// Where a target slot stands: `"joined"`, `"backing_off"`,
     /// `"spawning"`, `"joining"` or `"lost"`.
     fn slot_phase(&self, target: u16) -> &'static str {
-        match self.worker.slot_phase(TargetId(target)) {
-            callreg::protocol::SlotPhase::Joined => "joined",
-            callreg::protocol::SlotPhase::BackingOff(_) => "backing_off",
-            callreg::protocol::SlotPhase::Spawning => "spawning",
-            callreg::protocol::SlotPhase::Joining => "joining",
-            callreg::protocol::SlotPhase::Lost => "lost",
-        }
+        phase_name(self.worker.slot_phase(TargetId(target)))
+    }
+
+    /// `(slot_phase, target_incarnation)` of a target slot, read together.
+    fn slot_state(&self, target: u16) -> (&'static str, u32) {
+        let (phase, incarnation) = self.worker.slot_state(TargetId(target));
+        (phase_name(phase), incarnation)
     }
 
     /// What happened to replaced slots, oldest first, as JSON (a list of
@@ -858,4 +858,15 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
         callreg::wire::DEFAULT_MAX_FRAME_BYTES,
     )?;
     Ok(())
+}
+
+/// The Python name of a slot phase.
+fn phase_name(phase: callreg::protocol::SlotPhase) -> &'static str {
+    match phase {
+        callreg::protocol::SlotPhase::Joined => "joined",
+        callreg::protocol::SlotPhase::BackingOff(_) => "backing_off",
+        callreg::protocol::SlotPhase::Spawning => "spawning",
+        callreg::protocol::SlotPhase::Joining => "joining",
+        callreg::protocol::SlotPhase::Lost => "lost",
+    }
 }

@@ -49,19 +49,9 @@ def callreg_shm():
     return sorted(name for name in os.listdir("/dev/shm") if "callreg" in name)
 
 
-def _slot_is(worker, target, phase, incarnation):
-    """Whether ``target``'s slot is at ``phase`` in ``incarnation``: the
-    incarnation is read before and after the phase, so that the phase is
-    that incarnation's (the two are separate queries; a loss between them
-    would pair the old process's phase with the new incarnation)."""
-    before = worker.target_incarnation(target)
-    now = worker.slot_phase(target)
-    return before == incarnation and now == phase and worker.target_incarnation(target) == incarnation
-
-
 def wait_for_slot(worker, target, phase, incarnation, timeout=20.0):
     deadline = time.monotonic() + timeout
-    while not _slot_is(worker, target, phase, incarnation):
+    while worker.slot_state(target) != (phase, incarnation):
         assert time.monotonic() < deadline, worker.slot_events()
         time.sleep(0.005)
 

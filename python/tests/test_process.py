@@ -591,19 +591,9 @@ def test_default_targets_are_one_per_cpu_and_with_closes():
 # Replacement targets
 
 
-def _slot_is(worker, target, phase, incarnation):
-    """Whether ``target``'s slot is at ``phase`` in ``incarnation``: the
-    incarnation is read before and after the phase, so that the phase is
-    that incarnation's (the two are separate queries; a loss between them
-    would pair the old process's phase with the new incarnation)."""
-    before = worker.target_incarnation(target)
-    now = worker.slot_phase(target)
-    return before == incarnation and now == phase and worker.target_incarnation(target) == incarnation
-
-
 def _wait_for_slot(w, target, phase, incarnation, timeout=20):
     deadline = time.monotonic() + timeout
-    while not _slot_is(w, target, phase, incarnation):
+    while w.slot_state(target) != (phase, incarnation):
         assert time.monotonic() < deadline, (w.slot_phase(target), w.target_incarnation(target), w.slot_events())
         time.sleep(0.005)
 
@@ -640,6 +630,20 @@ def test_a_killed_target_is_replaced_and_holds_every_callable():
         installed = {t: sorted((e["hashid"], e["refcount"]) for e in tables[t]["installed"]) for t in (0, 1)}
         assert installed[0] == installed[1] == sorted([(before.hashid, 1), (after.hashid, 1)])
         assert w.target_incarnation(0) == 0 and w.slot_phase(0) == "joined"
+
+
+def test_slot_state_reads_the_phase_and_incarnation_together():
+    with callreg.Worker(2) as w:
+        assert w.slot_state(1) == ("joined", 0)
+        w.start()
+        assert w.slot_state(1) == ("joined", 0)
+        os.kill(w.target_pid(1), signal.SIGKILL)
+        _wait_for_slot(w, 1, "joined", 1)
+        assert w.slot_state(1) == (w.slot_phase(1), w.target_incarnation(1)) == ("joined", 1)
+        assert w.slot_state(0) == ("joined", 0)
+        with pytest.raises(ValueError):
+            w.slot_state(2)
+    assert w.slot_state(0) == ("lost", 0)
 
 
 def test_without_replacements_a_killed_target_stays_lost():

@@ -169,15 +169,9 @@ pub fn wait_for_slot<R: callreg::runtime::Runtime>(
 ) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let id = TargetId(target);
-    // The incarnation is read before and after the phase, so that the
-    // phase is that incarnation's (separate queries: a loss between them
-    // would pair the old process's phase with the new incarnation).
-    let at = || {
-        let before = worker.target_incarnation(id);
-        let now = worker.slot_phase(id);
-        before == incarnation && now == phase && worker.target_incarnation(id) == incarnation
-    };
-    while !at() {
+    // One read of both: separate queries could pair a lost process's
+    // phase with its replacement's incarnation.
+    while worker.slot_state(id) != (phase, incarnation) {
         assert!(
             std::time::Instant::now() < deadline,
             "{id} is {:?} at incarnation {}, not {phase:?} at {incarnation}; events {:?}",

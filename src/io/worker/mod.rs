@@ -689,6 +689,22 @@ impl<R: Runtime> Worker<R> {
         self.shared.lock().machine.incarnation(target)
     }
 
+    /// [`Worker::slot_phase`] and [`Worker::target_incarnation`] read
+    /// together, under one lock: the phase is that incarnation's (two
+    /// separate calls can pair a lost process's phase with its
+    /// replacement's incarnation).
+    pub fn slot_state(&self, target: TargetId) -> (SlotPhase, u32) {
+        if self.shared.foreign() {
+            return (SlotPhase::Lost, 0);
+        }
+        let core = self.shared.lock();
+        let phase = match core.machine.lifecycle() {
+            Lifecycle::Closed => SlotPhase::Lost,
+            _ => core.machine.slot_phase(target),
+        };
+        (phase, core.machine.incarnation(target))
+    }
+
     /// Where `target`'s slot stands: serving (`Joined`), being replaced
     /// (`BackingOff`, `Spawning`, `Joining`) or `Lost` for good (every
     /// slot, once closed).
