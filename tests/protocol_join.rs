@@ -726,24 +726,31 @@ fn without_replacements_a_lost_target_stays_lost() {
 }
 
 #[test]
-fn a_failed_replay_staging_fails_the_join() {
+fn a_failed_replay_staging_fails_the_join_and_withdraws_every_frame_queued_for_the_target() {
     let mut p = started(2, true, 3);
     registered(&mut p, 1, &[0, 1], 0);
+    registered(&mut p, 2, &[0, 1], 0);
     p.target_lost(TargetId(1), Time(0)).unwrap();
     drain(&mut p);
     p.target_spawned(TargetId(1), 1, Time(5)).unwrap();
     assert_eq!(
         p.poll_effect(),
         Some(Effect::Restage {
-            staging: StagingId(2),
+            staging: StagingId(3),
             digest: digest(1)
         })
     );
     let failure = Failure::new(ErrorCode::IO_FAILED, "memfd_create: ENOMEM");
-    p.stage_failed(StagingId(2), failure.clone()).unwrap();
+    p.stage_failed(StagingId(3), failure.clone()).unwrap();
+    // Neither replay's frame goes: the second replay's payload, already
+    // asked for, is staged and released at once.
     assert_eq!(
         drain(&mut p),
         [
+            Effect::Restage {
+                staging: StagingId(4),
+                digest: digest(2)
+            },
             Effect::JoinFailed {
                 target: TargetId(1),
                 incarnation: 1,
@@ -752,6 +759,9 @@ fn a_failed_replay_staging_fails_the_join() {
             Effect::Fence {
                 target: TargetId(1)
             },
+            Effect::ReleaseStaged {
+                staging: StagingId(4)
+            },
         ]
     );
     assert_eq!(
@@ -759,6 +769,7 @@ fn a_failed_replay_staging_fails_the_join() {
         SlotPhase::BackingOff(Time(5 + BACKOFF))
     );
     assert!(p.staged().is_empty());
+    assert!(p.in_flight().is_empty());
 }
 
 #[test]
@@ -812,49 +823,6 @@ fn once_replacements_ended_every_slot_lost_or_backing_off_is_abandoned() {
     // Idempotent.
     p.replacements_ended();
     assert_eq!(drain(&mut p), []);
-}
-
-#[test]
-fn a_failed_replay_staging_withdraws_every_frame_queued_for_the_target() {
-    let mut p = started(2, true, 3);
-    registered(&mut p, 1, &[0, 1], 0);
-    registered(&mut p, 2, &[0, 1], 0);
-    p.target_lost(TargetId(1), Time(0)).unwrap();
-    drain(&mut p);
-    p.target_spawned(TargetId(1), 1, Time(5)).unwrap();
-    assert_eq!(
-        p.poll_effect(),
-        Some(Effect::Restage {
-            staging: StagingId(3),
-            digest: digest(1)
-        })
-    );
-    let failure = Failure::new(ErrorCode::IO_FAILED, "memfd_create: ENOMEM");
-    p.stage_failed(StagingId(3), failure.clone()).unwrap();
-    // Neither replay's frame goes: the second replay's payload, already
-    // asked for, is staged and released at once.
-    assert_eq!(
-        drain(&mut p),
-        [
-            Effect::Restage {
-                staging: StagingId(4),
-                digest: digest(2)
-            },
-            Effect::JoinFailed {
-                target: TargetId(1),
-                incarnation: 1,
-                failure
-            },
-            Effect::Fence {
-                target: TargetId(1)
-            },
-            Effect::ReleaseStaged {
-                staging: StagingId(4)
-            },
-        ]
-    );
-    assert!(p.staged().is_empty());
-    assert!(p.in_flight().is_empty());
 }
 
 /// A whole system (`common::sim`, every invariant checked at every step)
