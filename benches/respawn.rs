@@ -7,15 +7,15 @@
 //! |---|---|---|
 //! | `steady/N/SIZE` | one post-start register, then its unregister, of a fresh SIZE (64 B or 1 MiB) payload on a started N-target Worker with replacements on (default limit: template process, kept staged payloads) | the same on a Worker with `respawn_limit(0)`, side by side, alternating which goes first each round |
 //! | `start/N` | `start()` of a fresh N-target Worker with replacements on (forks the template process too) | `start()` of one with replacements off |
-//! | `replace/K` | `kill -9` of the only target of a started 1-target Worker holding K live registrations (64 B payloads) until its slot is `Joined` again (a new incarnation that was replayed all K) | `start()` of a fresh 1-target Worker with replacements off |
+//! | `replace/K` | `kill -9` of the only target of a started 1-target Worker holding K live registrations (64 B payloads) until it is `Joined` again (a new incarnation that was replayed all K) | `start()` of a fresh 1-target Worker with replacements off |
 //!
 //! Wall time is per operation; CPU time (user + system) is that of this
 //! process (`getrusage`; for `replace/K`, less the polling thread's own,
 //! `RUSAGE_THREAD`) and of the Worker's child processes (targets and
 //! template; for `replace/K`, the new target and the template) from
-//! `/proc/PID/task/TID/schedstat`. `replace/K` polls the slot every
+//! `/proc/PID/task/TID/schedstat`. `replace/K` polls the target every
 //! `POLL` (its wall time is late by up to that); it also reports when
-//! the slot was first seen replaying (`Joining`). Tables: median and
+//! the target was first seen replaying (`Joining`). Tables: median and
 //! 90th percentile over the rounds, and the ratio of the medians to the
 //! peer / floor.
 //!
@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use callreg::io::Worker;
-use callreg::protocol::{SlotPhase, TargetId};
+use callreg::protocol::{TargetId, TargetPhase};
 use callreg::runtime::testing::TestRuntime;
 use callreg::runtime::Runtime;
 
@@ -362,7 +362,7 @@ fn replaced<R: Runtime>(runtime: &Arc<R>, envelopes: &[Vec<u8>]) -> Replaced<R> 
     }
 }
 
-/// Kills the target and polls until its slot joined again; with `record`,
+/// Kills the target and polls until it joined again; with `record`,
 /// adds the sample, reading the new target's CPU from `/proc` (which
 /// makes its reap, in the next round, cost the template milliseconds of
 /// kernel time: `d_invalidate` of its `/proc` entries; so that next round
@@ -389,21 +389,21 @@ fn one_replacement<R: Runtime>(
         // one is the new one's (read the other way round, it could be
         // the old one's, before its loss was noticed).
         let replaced = worker.target_incarnation(t) > incarnation;
-        let phase = worker.slot_phase(t);
+        let phase = worker.target_phase(t);
         let now = started.elapsed();
         if replaced {
-            if phase == SlotPhase::Joined {
+            if phase == TargetPhase::Joined {
                 break now;
             }
-            if phase == SlotPhase::Joining && seen_joining.is_none() {
+            if phase == TargetPhase::Joining && seen_joining.is_none() {
                 seen_joining = Some(now);
             }
         }
         assert!(
-            phase != SlotPhase::Lost && now < REPLACEMENT_DEADLINE,
+            phase != TargetPhase::Lost && now < REPLACEMENT_DEADLINE,
             "no replacement: {:?}; events {:?}",
             phase,
-            worker.slot_events()
+            worker.target_events()
         );
         std::thread::sleep(POLL);
     };

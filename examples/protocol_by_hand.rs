@@ -167,6 +167,7 @@ fn main() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     };
     let mut world = World {
         parent: Parent::new(config),

@@ -165,7 +165,7 @@ impl FromStr for HashId {
         }
         let mut out = [0u8; 32];
         let bytes = hex.as_bytes();
-        for (i, slot) in out.iter_mut().enumerate() {
+        for (i, byte) in out.iter_mut().enumerate() {
             let mut v = 0u8;
             for k in 0..2 {
                 let pos = 2 * i + k;
@@ -181,7 +181,7 @@ impl FromStr for HashId {
                 };
                 v = (v << 4) | nibble;
             }
-            *slot = v;
+            *byte = v;
         }
         Ok(HashId(Digest(out)))
     }

@@ -213,6 +213,14 @@ fn is_identifier(text: &str) -> bool {
 }
 
 impl CallableMetadata {
+    /// The identity a parent machine holds this metadata by
+    /// (`specs/protocol.md` §2.10): the SHA-256 of its JSON form
+    /// ([`CallableMetadata::to_json`]).
+    pub fn identity(&self) -> crate::descriptor::Digest {
+        use sha2::Digest as _;
+        crate::descriptor::Digest(sha2::Sha256::digest(self.to_json().as_bytes()).into())
+    }
+
     /// Metadata with only a name: no version check, the default executor,
     /// no deps, no hooks.
     pub fn named(name: &str) -> Self {

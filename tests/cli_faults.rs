@@ -484,7 +484,7 @@ fn run_reports_a_target_lost_during_a_step() {
     );
     let target = &lost[0]["target"];
     assert_eq!(
-        lines[2]["slots"][2],
+        lines[2]["target_events"][2],
         json!({"event": "joined", "target": target, "incarnation": 1}),
         "{}",
         lines[2]

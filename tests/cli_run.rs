@@ -121,12 +121,12 @@ fn the_example_plan_meets_every_expectation() {
         "{kill}"
     );
     assert_eq!(
-        kill["slots"][0],
+        kill["target_events"][0],
         serde_json::json!({"event": "lost", "target": 3, "incarnation": 0,
             "cause": "its reply socket closed; it was killed by signal 9"})
     );
     assert_eq!(
-        kill["slots"][2],
+        kill["target_events"][2],
         serde_json::json!({"event": "joined", "target": 3, "incarnation": 1})
     );
     let after_kill = lines
@@ -526,7 +526,7 @@ fn steps_after_a_failed_start_are_not_run() {
         "{stdout}"
     );
     // Its replacements load the snapshot by replay and die too: after
-    // three in a row the slot is given up, and no target serves.
+    // three in a row the target is given up, and no target serves.
     assert!(
         without_duration(lines[1]).ends_with(
             "; not replaced] [target 0: incarnation 1 lost (its reply socket closed; it exited with status 3); \
@@ -778,12 +778,12 @@ fn hashid_of(envelope: &[u8]) -> String {
 const ABS: &[u8] = b"cbuiltins\nabs\n.";
 
 /// `line` (a `--json` step line) with its duration and the pids of its
-/// slot events set to 0: the rest is the same on every run.
+/// target events set to 0: the rest is the same on every run.
 fn stable(mut line: Value) -> Value {
     if line.get("micros").is_some() {
         line["micros"] = 0.into();
     }
-    if let Some(Value::Array(events)) = line.get_mut("slots") {
+    if let Some(Value::Array(events)) = line.get_mut("target_events") {
         for event in events {
             if event.get("pid").is_some() {
                 event["pid"] = 0.into();
@@ -796,7 +796,7 @@ fn stable(mut line: Value) -> Value {
 /// A killed target is replaced (same target id, the next incarnation)
 /// before the next step runs: the step waits until the replacement
 /// joined, says so, and the replacement serves what was registered before
-/// the kill. `--json` lists the slot events (with the replacement's pid).
+/// the kill. `--json` lists the target events (with the replacement's pid).
 #[test]
 fn a_killed_target_is_replaced_before_the_next_step() {
     let abs = callreg::envelope::encode(ABS);
@@ -829,7 +829,7 @@ fn a_killed_target_is_replaced_before_the_next_step() {
             "name": null, "ok": true, "hashid": null,
             "targets": [{"target": 0, "outcome": "killed", "detail": "it was killed by signal 9",
                 "replacement": format!("replaced by incarnation {incarnation}")}],
-            "slots": [
+            "target_events": [
                 {"event": "lost", "target": 0, "incarnation": incarnation - 1,
                     "cause": "its reply socket closed; it was killed by signal 9"},
                 {"event": "spawned", "target": 0, "incarnation": incarnation, "pid": 0},
@@ -839,11 +839,11 @@ fn a_killed_target_is_replaced_before_the_next_step() {
     assert_eq!(stable(lines[2].clone()), killed(1));
     assert_eq!(stable(lines[4].clone()), killed(2));
     // The pid is the replacement's: a new process each time.
-    let pid = |line: &Value| line["slots"][1]["pid"].as_i64().expect("a pid");
+    let pid = |line: &Value| line["target_events"][1]["pid"].as_i64().expect("a pid");
     assert_ne!(pid(&lines[2]), pid(&lines[4]));
-    // No other step had slot events.
+    // No other step had target events.
     for line in [&lines[0], &lines[1], &lines[3], &lines[5]] {
-        assert_eq!(line.get("slots"), None, "{line}");
+        assert_eq!(line.get("target_events"), None, "{line}");
     }
 }
 
@@ -864,12 +864,12 @@ fn loader_killer(marker: &Path, first: bool) -> Vec<u8> {
     callreg::envelope::encode(pickle.as_bytes())
 }
 
-/// A slot whose replacements all die (they load, by replay, a callable
+/// A target whose replacements all die (they load, by replay, a callable
 /// that ends every process but the first to load it) is given up after
 /// `respawn_limit` of them in a row: the kill says so, and the target
 /// cannot be killed again.
 #[test]
-fn a_slot_whose_replacements_die_is_given_up() {
+fn a_target_whose_replacements_die_is_given_up() {
     let dir = TempDir::new("given-up");
     std::fs::write(
         dir.0.join("later.spyc"),
@@ -954,7 +954,7 @@ fn a_target_lost_at_start_is_replaced() {
             serde_json::json!({"step": 1, "op": "start", "name": null, "ok": true, "hashid": null,
                 "targets": [{"target": 0, "outcome": "failed", "detail": lost,
                     "replacement": "replaced by incarnation 1"}],
-                "slots": [
+                "target_events": [
                     {"event": "lost", "target": 0, "incarnation": 0,
                         "cause": format!("at start: failed ({lost})")},
                     {"event": "spawned", "target": 0, "incarnation": 1, "pid": 0},

@@ -1,5 +1,5 @@
 //! Replacement targets over real processes (`specs/protocol.md` §2.9):
-//! a lost target's slot gets a new process from the template, with the
+//! a lost target gets a new process from the template, with the
 //! same id and the next incarnation, holding exactly the registry once it
 //! joined; a callable that kills every new process stops at the rate
 //! limit. Every test ends with no staged payload (memfd descriptor or mapping) and
@@ -10,11 +10,11 @@ mod io_common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use callreg::io::worker::{SlotEvent, Worker};
-use callreg::protocol::{SlotPhase, TargetId};
+use callreg::io::worker::{TargetEvent, Worker};
+use callreg::protocol::{TargetId, TargetPhase};
 use callreg::runtime::testing::TestRuntime;
 use callreg::runtime::TaskEncoding;
-use io_common::{builder, check_invariants, envelope, wait_for_slot};
+use io_common::{builder, check_invariants, envelope, wait_for_target};
 
 const ADD_INPUT: &[u8] = br#"{"args": [40, 2], "kwargs": {}}"#;
 
@@ -37,8 +37,8 @@ fn main() {
             the_parent_keeps_one_sealed_payload_per_live_digest_for_replays,
         ),
         (
-            "a_hundred_kills_under_load_leave_every_slot_holding_the_registry",
-            a_hundred_kills_under_load_leave_every_slot_holding_the_registry,
+            "a_hundred_kills_under_load_leave_every_target_holding_the_registry",
+            a_hundred_kills_under_load_leave_every_target_holding_the_registry,
         ),
         (
             "closing_with_the_template_stopped_takes_no_report_timeouts",
@@ -67,24 +67,24 @@ fn a_killed_target_is_replaced_and_serves_the_registry() {
     worker.start().unwrap();
     let post = worker.register(&envelope("echo")).unwrap();
     let old = kill(&worker, 0);
-    wait_for_slot(&worker, 0, SlotPhase::Joined, 1);
+    wait_for_target(&worker, 0, TargetPhase::Joined, 1);
     let new = worker.target_pid(TargetId(0)).unwrap();
     assert_ne!(new, old);
-    let events = worker.slot_events();
+    let events = worker.target_events();
     assert_eq!(
         events,
         [
-            SlotEvent::Lost {
+            TargetEvent::Lost {
                 target: TargetId(0),
                 incarnation: 0,
                 cause: "its reply socket closed; it was killed by signal 9".to_owned()
             },
-            SlotEvent::Spawned {
+            TargetEvent::Spawned {
                 target: TargetId(0),
                 incarnation: 1,
                 pid: new
             },
-            SlotEvent::Joined {
+            TargetEvent::Joined {
                 target: TargetId(0),
                 incarnation: 1
             },
@@ -92,7 +92,7 @@ fn a_killed_target_is_replaced_and_serves_the_registry() {
     );
     for (target, table) in worker.inspect().unwrap() {
         let table = table.unwrap();
-        // The replacement in slot 0 reports as incarnation 1.
+        // The replacement of target 0 reports as incarnation 1.
         assert_eq!(table.incarnation, u32::from(target == TargetId(0)));
         let mut installed = table.installed;
         installed.sort();
@@ -116,7 +116,7 @@ fn a_killed_target_is_replaced_and_serves_the_registry() {
     // The other target was never touched.
     assert_eq!(worker.target_incarnation(TargetId(1)), 0);
     std::thread::sleep(Duration::from_millis(100));
-    assert_eq!(worker.slot_events(), events, "nothing else happened");
+    assert_eq!(worker.target_events(), events, "nothing else happened");
     // A task lost with a replacement names its incarnation.
     let sleep = worker.register(&envelope("sleep 5000")).unwrap();
     let pending = worker.submit_async(&sleep, TargetId(0), TaskEncoding::Json, b"1");
@@ -131,7 +131,7 @@ fn a_killed_target_is_replaced_and_serves_the_registry() {
         "{}",
         lost.error.message
     );
-    wait_for_slot(&worker, 0, SlotPhase::Joined, 2);
+    wait_for_target(&worker, 0, TargetPhase::Joined, 2);
     worker.close();
 }
 
@@ -146,32 +146,32 @@ fn a_replacement_killed_while_it_joins_is_replaced_after_the_back_off() {
     let slow = worker.register(&envelope("slow 400")).unwrap();
     worker.start().unwrap();
     kill(&worker, 1);
-    wait_for_slot(&worker, 1, SlotPhase::Joining, 1);
+    wait_for_target(&worker, 1, TargetPhase::Joining, 1);
     let first = kill(&worker, 1);
-    wait_for_slot(&worker, 1, SlotPhase::Joined, 2);
+    wait_for_target(&worker, 1, TargetPhase::Joined, 2);
     let second = worker.target_pid(TargetId(1)).unwrap();
-    let killed = |incarnation| SlotEvent::Lost {
+    let killed = |incarnation| TargetEvent::Lost {
         target: TargetId(1),
         incarnation,
         cause: "its reply socket closed; it was killed by signal 9".to_owned(),
     };
-    let events = worker.slot_events();
+    let events = worker.target_events();
     assert_eq!(
         events,
         [
             killed(0),
-            SlotEvent::Spawned {
+            TargetEvent::Spawned {
                 target: TargetId(1),
                 incarnation: 1,
                 pid: first
             },
             killed(1),
-            SlotEvent::Spawned {
+            TargetEvent::Spawned {
                 target: TargetId(1),
                 incarnation: 2,
                 pid: second
             },
-            SlotEvent::Joined {
+            TargetEvent::Joined {
                 target: TargetId(1),
                 incarnation: 2
             },
@@ -190,7 +190,7 @@ fn a_replacement_killed_while_it_joins_is_replaced_after_the_back_off() {
 
 /// A pre-start callable whose deserialization ends its process: every
 /// target dies at start, and every replacement dies replaying it, until
-/// `respawn_limit` of them in a row were lost; then each slot stays lost,
+/// `respawn_limit` of them in a row were lost; then each target stays lost,
 /// and says why.
 fn a_callable_that_kills_every_new_process_stops_at_the_rate_limit() {
     let worker = builder(2)
@@ -205,20 +205,20 @@ fn a_callable_that_kills_every_new_process_stops_at_the_rate_limit() {
         callreg::error::ErrorCode::REGISTER_PARTIAL_FAILURE
     );
     for target in 0..2 {
-        wait_for_slot(&worker, target, SlotPhase::Lost, 3);
+        wait_for_target(&worker, target, TargetPhase::Lost, 3);
     }
-    let events = worker.slot_events();
+    let events = worker.target_events();
     for target in [TargetId(0), TargetId(1)] {
         let of_target: Vec<String> = events
             .iter()
             .filter(|e| match e {
-                SlotEvent::Spawned { target: t, .. }
-                | SlotEvent::Lost { target: t, .. }
-                | SlotEvent::Abandoned { target: t, .. } => *t == target,
+                TargetEvent::Spawned { target: t, .. }
+                | TargetEvent::Lost { target: t, .. }
+                | TargetEvent::Abandoned { target: t, .. } => *t == target,
                 other => panic!("{other:?}"),
             })
             .map(|e| match e {
-                SlotEvent::Spawned { incarnation, .. } => format!("spawned {incarnation}"),
+                TargetEvent::Spawned { incarnation, .. } => format!("spawned {incarnation}"),
                 other => other.to_string(),
             })
             .collect();
@@ -315,9 +315,9 @@ impl Choices {
 /// killed twice) while other threads register,
 /// unregister and call: every call on a live handle eventually succeeds
 /// (retried on another target when its target was lost under it), and
-/// once the kills stop every slot serves again holding exactly the
+/// once the kills stop every target serves again holding exactly the
 /// registry, with every invariant.
-fn a_hundred_kills_under_load_leave_every_slot_holding_the_registry() {
+fn a_hundred_kills_under_load_leave_every_target_holding_the_registry() {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     const TARGETS: u16 = 3;
     let worker = Arc::new(
@@ -405,7 +405,7 @@ fn a_hundred_kills_under_load_leave_every_slot_holding_the_registry() {
     let mut killed = std::collections::BTreeSet::new();
     for _ in 0..100 {
         // A serving target (a kill during its join would count against
-        // the slot's rate limit).
+        // the target's rate limit).
         let live = loop {
             let live = worker.live_targets();
             if !live.is_empty() {
@@ -444,7 +444,7 @@ fn a_hundred_kills_under_load_leave_every_slot_holding_the_registry() {
     assert!(killed.len() >= 50, "only {} processes killed", killed.len());
     for target in 0..TARGETS {
         let incarnation = worker.target_incarnation(TargetId(target));
-        wait_for_slot(&worker, target, SlotPhase::Joined, incarnation);
+        wait_for_target(&worker, target, TargetPhase::Joined, incarnation);
     }
     let mut registry: Vec<_> = kept.iter().map(|h| (h.digest(), 1)).collect();
     registry.push((add.digest(), 1));
@@ -489,7 +489,7 @@ fn closing_with_the_template_stopped_takes_no_report_timeouts() {
     let echo = worker.register(&envelope("echo")).unwrap();
     for target in 0..3 {
         kill(&worker, target);
-        wait_for_slot(&worker, target, SlotPhase::Joined, 1);
+        wait_for_target(&worker, target, TargetPhase::Joined, 1);
     }
     // Every target is now a replacement, a child of the template: the
     // template is this process's only child.
@@ -516,7 +516,7 @@ fn closing_with_the_template_stopped_takes_no_report_timeouts() {
 }
 
 /// A killed template is reaped when its loss is seen (not left a zombie
-/// until close), recorded as an event, and every slot lost from then on is
+/// until close), recorded as an event, and every target lost from then on is
 /// abandoned at once, without back-offs or spawns that cannot succeed
 /// (`specs/protocol.md` §2.9, "Replacements ended").
 fn a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once() {
@@ -526,7 +526,7 @@ fn a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once() {
         .unwrap();
     worker.start().unwrap();
     kill(&worker, 0);
-    wait_for_slot(&worker, 0, SlotPhase::Joined, 1);
+    wait_for_target(&worker, 0, TargetPhase::Joined, 1);
     // Targets 1 and 2 are this process's children, and so is the
     // template, the parent of target 0's replacement.
     let live: Vec<i32> = (0..3)
@@ -538,7 +538,7 @@ fn a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once() {
         .collect();
     assert_eq!(template.len(), 1, "{template:?} beside {live:?}");
     let template = template[0];
-    let before = worker.slot_events().len();
+    let before = worker.target_events().len();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(template),
         nix::sys::signal::Signal::SIGKILL,
@@ -546,8 +546,8 @@ fn a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once() {
     .unwrap();
     // The replacement dies with its template (its parent-death signal);
     // the next spawn finds the template gone.
-    wait_for_slot(&worker, 0, SlotPhase::Lost, 2);
-    let events: Vec<String> = worker.slot_events()[before..]
+    wait_for_target(&worker, 0, TargetPhase::Lost, 2);
+    let events: Vec<String> = worker.target_events()[before..]
         .iter()
         .map(ToString::to_string)
         .collect();
@@ -562,10 +562,10 @@ fn a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once() {
     );
     assert!(!children().contains(&template), "{template} not reaped");
     // A later loss is abandoned at once: no spawn, no back-off.
-    let before = worker.slot_events().len();
+    let before = worker.target_events().len();
     kill(&worker, 1);
-    wait_for_slot(&worker, 1, SlotPhase::Lost, 0);
-    let events: Vec<String> = worker.slot_events()[before..]
+    wait_for_target(&worker, 1, TargetPhase::Lost, 0);
+    let events: Vec<String> = worker.target_events()[before..]
         .iter()
         .map(ToString::to_string)
         .collect();

@@ -1,4 +1,4 @@
-//! A zygote's template process forking replacement targets, over real
+//! The template process (zygote) forking replacement targets, over real
 //! processes: channels, exit reports, kill, close, a dead template, a
 //! template whose fork fails, and spawns from a threaded parent.
 //!
@@ -24,7 +24,7 @@ use callreg::io::process::{
 use callreg::io::target::{self, TargetSetup};
 use callreg::io::zygote::{ExecTemplate, TemplateCommand, Zygote, DEFAULT_SPAWN_TIMEOUT};
 use callreg::io::{StartMethod, Worker};
-use callreg::protocol::{SlotPhase, TargetId, TargetOutcome};
+use callreg::protocol::{TargetId, TargetOutcome, TargetPhase};
 use callreg::runtime::testing::{TestCallable, TestRuntime};
 use callreg::runtime::{Runtime, RuntimeError, TaskEncoding};
 use callreg::wire::{Frame, FrameBuffer, DEFAULT_MAX_FRAME_BYTES};
@@ -246,7 +246,7 @@ fn spawns_from_a_threaded_parent() {
         let _ = stopped.recv();
     });
     assert!(thread_count().expect("threads") >= 2);
-    // Forking from here is refused; the zygote forks instead.
+    // Forking from here is refused; the template process forks instead.
     assert!(matches!(
         spawn_targets(
             1,
@@ -394,7 +394,7 @@ fn a_dropped_replacement_is_killed_and_reaped() {
     drop(target);
     assert_eq!(stat(pid), None);
     assert_eq!(children_of(template), Vec::<i32>::new());
-    // The zygote still serves.
+    // The template process still serves.
     let mut again = zygote.spawn(1).expect("another replacement");
     send(&again, "exit 0");
     assert_eq!(
@@ -498,7 +498,7 @@ fn a_replacement_runs_the_target_loop_with_an_empty_snapshot() {
 }
 
 /// Inside a target (which guards its channels in every process it forks,
-/// `process` module docs), a zygote's replacements still get working
+/// `process` module docs), the template process's replacements still get working
 /// channels: the template is no target, so the guard leaves the numbers
 /// it reuses alone. The target reports through its exit status: 0 when
 /// its replacement echoed, 1 when the reply was wrong.
@@ -541,7 +541,7 @@ fn a_zygote_inside_a_target_gives_working_channels() {
     );
 }
 
-/// A parent that ignores SIGCHLD when it forks the zygote (inherited by
+/// A parent that ignores SIGCHLD when it forks the template process (inherited by
 /// the template) still gets its replacements' exit statuses.
 fn an_inherited_ignored_sigchld_hides_no_exit() {
     // SAFETY: SIG_IGN and SIG_DFL have no handler code.
@@ -672,7 +672,7 @@ fn an_exec_template_forks_every_target_and_replacement() {
     }
     let echo = worker.register(&encode(b"echo")).unwrap();
     kill(Pid::from_raw(pids[0]), Signal::SIGKILL).unwrap();
-    io_common::wait_for_slot(&worker, 0, SlotPhase::Joined, 1);
+    io_common::wait_for_target(&worker, 0, TargetPhase::Joined, 1);
     let replacement = worker.target_pid(TargetId(0)).unwrap();
     assert_ne!(replacement, pids[0]);
     assert_eq!(parent_of(replacement), template);
@@ -746,6 +746,6 @@ fn an_exec_template_without_replacements_serves_until_close() {
         assert!(Instant::now() < deadline, "{:?}", worker.live_targets());
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert!(worker.slot_events().is_empty());
+    assert!(worker.target_events().is_empty());
     worker.close();
 }

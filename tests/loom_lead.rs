@@ -40,10 +40,11 @@
 
 use callreg::io::handoff::{channel, Completer, Pending};
 use callreg::io::lead::{
-    self, Left, Locked, Mutation, Owed, PollFailed, Poller, Readiness, StateLock, Watch,
+    self, Left, LinkId, Locked, Mutation, Owed, PollFailed, Poller, Readiness, StateLock, Watch,
 };
 use loom::sync::{Condvar, Mutex, MutexGuard};
 use loom::thread::{self, ThreadId};
+use nix::unistd::Pid;
 use std::collections::VecDeque;
 use std::time::Instant;
 // The world is shared by a std `Arc`: its reference count is not what is
@@ -51,7 +52,7 @@ use std::time::Instant;
 use std::sync::Arc;
 
 /// The one target: index 0, process 100.
-const LIVE: &[(usize, i32)] = &[(0, 100)];
+const LIVE: &[LinkId] = &[LinkId::new(0, Pid::from_raw(100))];
 
 /// A request's result: what the target answers to request `id`.
 fn answer(id: u32) -> u32 {
@@ -297,14 +298,14 @@ impl Locked<Pipes> for Held<'_> {
         &mut self.state.watch
     }
 
-    fn live(&self) -> Vec<(usize, i32)> {
+    fn live(&self) -> Vec<LinkId> {
         LIVE.to_vec()
     }
 
-    fn pid_at(&self, index: usize) -> Option<i32> {
+    fn pid_at(&self, index: usize) -> Option<Pid> {
         LIVE.iter()
-            .find(|(at, _)| *at == index)
-            .map(|&(_, pid)| pid)
+            .find(|link| link.index == index)
+            .map(|link| link.pid)
     }
 
     fn reply_socket(&self, index: usize) -> Option<PipeId> {
@@ -437,9 +438,9 @@ impl World {
             let expecting = !held.state.outstanding.is_empty();
             let reads = held.state.watch.plan_io(LIVE, expecting, &[], None);
             note(format!("plans (expecting {expecting}) to read {reads:?}"));
-            for &(index, pid) in &reads {
+            for &link in &reads {
                 assert!(
-                    !held.state.watch.leader_reads(index, pid),
+                    !held.state.watch.leader_reads(link),
                     "the IO thread plans to read a pipe the leader reads"
                 );
             }

@@ -8,7 +8,7 @@ mod common;
 use callreg::error::ErrorCode;
 use callreg::protocol::{
     Completion, ControlFrame, Effect, Failure, Handle, Namespace, Parent, ParentConfig, Reply, Seq,
-    SlotPhase, StagingId, TargetId, TargetOutcome, Time,
+    StagingId, TargetId, TargetOutcome, TargetPhase, Time,
 };
 use common::sim::{digest, drain, ok, parent_config, send};
 
@@ -18,6 +18,7 @@ fn started(targets: u16, fence_on_timeout: bool, respawn_limit: u16) -> Parent {
     let mut p = Parent::new(ParentConfig {
         respawn_limit,
         respawn_backoff: BACKOFF,
+        unbounded_spawn: false,
         ..parent_config(targets, fence_on_timeout)
     });
     p.start().unwrap();
@@ -74,7 +75,7 @@ fn a_lost_target_is_replaced_replayed_and_joins() {
             incarnation: 1
         }]
     );
-    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Spawning);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Spawning);
     assert!(!p.is_target_live(TargetId(1)));
     assert!(!p.is_idle(), "a replacement is being asked for");
 
@@ -89,7 +90,7 @@ fn a_lost_target_is_replaced_replayed_and_joins() {
             send(1, register_frame(2, 1)),
         ]
     );
-    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Joining);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Joining);
     assert!(p.is_target_live(TargetId(1)) && !p.is_target_joined(TargetId(1)));
     let refused = p.submit(&h, TargetId(1)).unwrap_err();
     assert_eq!(refused.code, ErrorCode::TARGET_LOST);
@@ -111,7 +112,7 @@ fn a_lost_target_is_replaced_replayed_and_joins() {
             },
         ]
     );
-    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Joined);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Joined);
     assert_eq!(
         (p.incarnation(TargetId(1)), p.failed_joins(TargetId(1))),
         (1, 0)
@@ -174,7 +175,7 @@ fn a_register_in_flight_skips_the_joining_target_and_is_replayed_to_it_when_publ
     p.target_spawned(TargetId(1), 1, Time(2)).unwrap();
     // Nothing live to replay, but a register is in flight: no join yet.
     assert_eq!(drain(&mut p), []);
-    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Joining);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Joining);
     // A register issued while it joins does not include it either.
     let op2 = p
         .register(digest(2), Namespace::LocalPython, Time(3))
@@ -344,7 +345,7 @@ fn an_unregister_waiting_for_a_replay_that_fails_counts_the_replacement_fenced()
     }));
 }
 
-/// A register in flight that the slot's previous process confirmed before
+/// A register in flight that the target's previous process confirmed before
 /// it was lost: the confirmation went with that process.
 fn confirmed_then_replaced(p: &mut Parent) -> callreg::protocol::OpId {
     let op = p
@@ -363,7 +364,7 @@ fn confirmed_then_replaced(p: &mut Parent) -> callreg::protocol::OpId {
     p.target_spawned(TargetId(1), 1, Time(4)).unwrap();
     // Nothing live to replay, but a register is in flight: no join yet.
     assert_eq!(drain(p), []);
-    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Joining);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Joining);
     op
 }
 
@@ -435,6 +436,53 @@ fn a_confirmation_by_a_replaced_process_does_not_count_for_its_replacement() {
 }
 
 #[test]
+fn a_reply_of_a_replaced_process_changes_nothing_for_its_replacement() {
+    let mut p = started(2, true, 3);
+    registered(&mut p, 1, &[0, 1], 0);
+    respawned(&mut p, 1, 10, 20);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Joining);
+    // The lost process's replies to seq 1 (issued before the replacement
+    // was started), delivered late by the transport, OK or refused: the
+    // replacement is still joining, its replay (seq 2) still awaited, and
+    // nothing turns uncertain (before, such a reply was taken for a late
+    // answer of the replacement and marked the digest uncertain).
+    let refused = Reply {
+        result: Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, "late")),
+        ..ok(1, 1)
+    };
+    for stale in [ok(1, 1), refused.clone()] {
+        let before = p.clone();
+        assert_eq!(p.handle_reply(TargetId(1), stale, Time(21)), Ok(()));
+        assert_eq!(drain(&mut p), []);
+        assert_eq!(p, before);
+    }
+    assert!(p.awaits_reply(TargetId(1), Seq(2)));
+    assert_eq!(p.uncertain_digests(), []);
+    p.handle_reply(TargetId(1), ok(2, 1), Time(30)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        [
+            Effect::ReleaseStaged {
+                staging: StagingId(2)
+            },
+            Effect::Joined {
+                target: TargetId(1),
+                incarnation: 1
+            },
+        ]
+    );
+    // Once it joined, the same.
+    let before = p.clone();
+    assert_eq!(p.handle_reply(TargetId(1), refused, Time(31)), Ok(()));
+    assert_eq!(p, before);
+    // A duplicate answer of the replacement itself is still a late reply:
+    // its digest is uncertain.
+    assert_eq!(p.handle_reply(TargetId(1), ok(2, 1), Time(32)), Ok(()));
+    assert_eq!(drain(&mut p), []);
+    assert_eq!(p.uncertain_digests(), [digest(1)]);
+}
+
+#[test]
 fn a_failed_register_sends_no_cleanup_to_the_replacement_of_a_target_that_confirmed_it() {
     let mut p = started(2, true, 3);
     let op = confirmed_then_replaced(&mut p);
@@ -490,7 +538,7 @@ fn a_failed_register_sends_no_cleanup_to_the_replacement_of_a_target_that_confir
 }
 
 #[test]
-fn a_refused_replay_fences_the_replacement_and_the_rate_limit_gives_the_slot_up() {
+fn a_refused_replay_fences_the_replacement_and_the_rate_limit_gives_the_target_up() {
     let mut p = started(2, true, 2);
     let h = registered(&mut p, 1, &[0, 1], 0);
     respawned(&mut p, 1, 100, 100);
@@ -524,8 +572,8 @@ fn a_refused_replay_fences_the_replacement_and_the_rate_limit_gives_the_slot_up(
     // Lost before it joined: the next one waits for the back-off.
     assert_eq!(p.failed_joins(TargetId(1)), 1);
     assert_eq!(
-        p.slot_phase(TargetId(1)),
-        SlotPhase::BackingOff(Time(110 + BACKOFF))
+        p.target_phase(TargetId(1)),
+        TargetPhase::BackingOff(Time(110 + BACKOFF))
     );
     assert_eq!(p.poll_timeout(), Some(Time(110 + BACKOFF)));
     p.handle_timeout(Time(109 + BACKOFF));
@@ -548,7 +596,7 @@ fn a_refused_replay_fences_the_replacement_and_the_rate_limit_gives_the_slot_up(
             failed_joins: 2
         }]
     );
-    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Lost);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Lost);
     assert_eq!(p.poll_timeout(), None);
     assert!(p.is_idle());
     // The other target serves on.
@@ -581,8 +629,8 @@ fn the_back_off_doubles_for_each_replacement_lost_before_it_joined() {
             }]
         );
         assert_eq!(
-            p.slot_phase(TargetId(0)),
-            SlotPhase::BackingOff(Time(now + backoff))
+            p.target_phase(TargetId(0)),
+            TargetPhase::BackingOff(Time(now + backoff))
         );
         now += backoff;
         p.handle_timeout(Time(now));
@@ -641,8 +689,8 @@ fn a_silent_replacement_is_fenced_even_without_fencing() {
     );
     assert!(p.uncertain_digests().is_empty(), "nothing became uncertain");
     assert_eq!(
-        p.slot_phase(TargetId(1)),
-        SlotPhase::BackingOff(Time(1_000 + BACKOFF))
+        p.target_phase(TargetId(1)),
+        TargetPhase::BackingOff(Time(1_000 + BACKOFF))
     );
 }
 
@@ -721,7 +769,7 @@ fn without_replacements_a_lost_target_stays_lost() {
     let mut p = started(2, true, 0);
     p.target_lost(TargetId(1), Time(0)).unwrap();
     assert_eq!(drain(&mut p), []);
-    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Lost);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Lost);
     assert_eq!(p.incarnation(TargetId(1)), 0);
 }
 
@@ -765,30 +813,30 @@ fn a_failed_replay_staging_fails_the_join_and_withdraws_every_frame_queued_for_t
         ]
     );
     assert_eq!(
-        p.slot_phase(TargetId(1)),
-        SlotPhase::BackingOff(Time(5 + BACKOFF))
+        p.target_phase(TargetId(1)),
+        TargetPhase::BackingOff(Time(5 + BACKOFF))
     );
     assert!(p.staged().is_empty());
     assert!(p.in_flight().is_empty());
 }
 
 #[test]
-fn once_replacements_ended_every_slot_lost_or_backing_off_is_abandoned() {
+fn once_replacements_ended_every_target_lost_or_backing_off_is_abandoned() {
     let mut p = started(3, true, 3);
-    // Slot 1 backs off after a replacement that could not be started.
+    // Target 1 backs off after a replacement that could not be started.
     p.target_lost(TargetId(1), Time(0)).unwrap();
     drain(&mut p);
     p.target_died(TargetId(1), "the template process is gone", Time(1))
         .unwrap();
     assert_eq!(drain(&mut p), []);
     assert_eq!(
-        p.slot_phase(TargetId(1)),
-        SlotPhase::BackingOff(Time(1 + BACKOFF))
+        p.target_phase(TargetId(1)),
+        TargetPhase::BackingOff(Time(1 + BACKOFF))
     );
-    // Slot 2 waits for its replacement.
+    // Target 2 waits for its replacement.
     p.target_lost(TargetId(2), Time(2)).unwrap();
     drain(&mut p);
-    assert_eq!(p.slot_phase(TargetId(2)), SlotPhase::Spawning);
+    assert_eq!(p.target_phase(TargetId(2)), TargetPhase::Spawning);
     p.replacements_ended();
     assert!(p.are_replacements_ended());
     assert_eq!(
@@ -798,7 +846,7 @@ fn once_replacements_ended_every_slot_lost_or_backing_off_is_abandoned() {
             failed_joins: 1
         }]
     );
-    assert_eq!(p.slot_phase(TargetId(1)), SlotPhase::Lost);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Lost);
     // The replacement being spawned fails: abandoned, no back-off.
     p.target_died(TargetId(2), "the template process is gone", Time(3))
         .unwrap();
@@ -833,6 +881,7 @@ fn system(targets: u16, before_start: &[u8]) -> common::sim::Sim {
             probe_first: true,
             respawn_limit: 3,
             respawn_backoff: BACKOFF,
+            unbounded_spawn: false,
             ..parent_config(targets, true)
         },
         before_start,
@@ -904,4 +953,130 @@ mod mutants {
     fn skipping_the_replay_of_a_registration_published_during_the_join_is_caught() {
         assert_eq!(broken_by(Mutant::SkipReplayOfPublished), 11);
     }
+}
+
+/// Arrivals (§2.9, `unbounded_spawn`): an open target has no ready deadline,
+/// waits for as long as it takes without a failed join, and the process
+/// that arrives is replayed the registry and joins as a spawned one does.
+#[test]
+fn an_open_target_waits_for_an_arrival_without_a_deadline() {
+    let mut p = Parent::new(ParentConfig {
+        respawn_limit: 3,
+        respawn_backoff: BACKOFF,
+        unbounded_spawn: true,
+        ..parent_config(2, true)
+    });
+    p.start().unwrap();
+    let handle = registered(&mut p, 1, &[0, 1], 10);
+    p.target_lost(TargetId(1), Time(20)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        vec![Effect::Spawn {
+            target: TargetId(1),
+            incarnation: 1
+        }]
+    );
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Spawning);
+    assert_eq!(p.poll_timeout(), None);
+    // Far past any control timeout: nothing is fenced, nothing counted.
+    p.handle_timeout(Time(u64::MAX / 2));
+    assert_eq!(drain(&mut p), vec![]);
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Spawning);
+    assert_eq!(p.failed_joins(TargetId(1)), 0);
+    let now = u64::MAX / 2 + 1;
+    p.target_spawned(TargetId(1), 1, Time(now)).unwrap();
+    let seq = match drain(&mut p).as_slice() {
+        [Effect::Restage { staging, digest: d }, Effect::Send { target, frame }]
+            if *d == digest(1)
+                && *target == TargetId(1)
+                && *frame == register_frame(staging.0, 1) =>
+        {
+            staging.0
+        }
+        other => panic!("expected one replay of digest 1 to target 1, got {other:?}"),
+    };
+    p.handle_reply(TargetId(1), ok(seq, 1), Time(now)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        vec![
+            Effect::ReleaseStaged {
+                staging: StagingId(seq)
+            },
+            Effect::Joined {
+                target: TargetId(1),
+                incarnation: 1
+            }
+        ]
+    );
+    assert_eq!(p.target_phase(TargetId(1)), TargetPhase::Joined);
+    assert_eq!(p.live_handles(), vec![handle]);
+}
+
+/// Arrivals: a process that arrives and refuses a replay is fenced and
+/// counts a failed join; the target opens again after the back-off, and the
+/// rate limit still ends it.
+#[test]
+fn an_arrival_that_refuses_its_replay_reopens_the_target_after_the_back_off() {
+    let mut p = Parent::new(ParentConfig {
+        respawn_limit: 2,
+        respawn_backoff: BACKOFF,
+        unbounded_spawn: true,
+        ..parent_config(1, true)
+    });
+    p.start().unwrap();
+    registered(&mut p, 1, &[0], 10);
+    p.target_lost(TargetId(0), Time(20)).unwrap();
+    drain(&mut p);
+    p.target_spawned(TargetId(0), 1, Time(30)).unwrap();
+    let seq = match drain(&mut p).as_slice() {
+        [Effect::Restage { staging, .. }, Effect::Send { .. }] => staging.0,
+        other => panic!("expected one replay, got {other:?}"),
+    };
+    let refused = Failure::new(ErrorCode::DESERIALIZE_FAILED, "no module named x");
+    p.handle_reply(
+        TargetId(0),
+        Reply {
+            seq: Seq(seq),
+            digest: digest(1),
+            result: Err(refused.clone()),
+        },
+        Time(40),
+    )
+    .unwrap();
+    let effects = drain(&mut p);
+    assert!(
+        effects.contains(&Effect::JoinFailed {
+            target: TargetId(0),
+            incarnation: 1,
+            failure: refused
+        }) && effects.contains(&Effect::Fence {
+            target: TargetId(0)
+        }),
+        "{effects:?}"
+    );
+    assert_eq!(
+        p.target_phase(TargetId(0)),
+        TargetPhase::BackingOff(Time(40 + BACKOFF))
+    );
+    assert_eq!(p.poll_timeout(), Some(Time(40 + BACKOFF)));
+    p.handle_timeout(Time(40 + BACKOFF));
+    assert_eq!(
+        drain(&mut p),
+        vec![Effect::Spawn {
+            target: TargetId(0),
+            incarnation: 2
+        }]
+    );
+    // The second arrival is lost before it joins: the limit of 2 ends the target.
+    p.target_spawned(TargetId(0), 2, Time(50 + BACKOFF))
+        .unwrap();
+    drain(&mut p);
+    p.target_lost(TargetId(0), Time(60 + BACKOFF)).unwrap();
+    assert_eq!(
+        drain(&mut p).last(),
+        Some(&Effect::Abandoned {
+            target: TargetId(0),
+            failed_joins: 2
+        })
+    );
 }

@@ -83,6 +83,7 @@ fn driven_parent() -> (Parent, OpId, Effect) {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     parent
         .register_before_start(digest(SERIALIZED), Namespace::LocalPython)
@@ -341,6 +342,7 @@ fn registry_snapshot_of_a_driven_parent() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     assert_eq!(
         fresh.registry_snapshot().to_json(),

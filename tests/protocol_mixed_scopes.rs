@@ -43,7 +43,7 @@ proptest! {
     fn a_register_failing_on_one_kind_is_rolled_back_on_both(
         (targets, sub, deaths, order) in scenario()
     ) {
-        let mut sim = Sim::new(targets, true, 2, &[]);
+        let mut sim = Sim::setup(targets).fence_on_timeout(true).slot_capacity(2).build();
         let kept = sim.register_ok(0);
         let op = sim.register(1).expect("register starts");
         let is_next_level = |t: u16| t >= sub;

@@ -36,7 +36,12 @@ fn caught(
 fn publish_before_all_replies_breaks_invariant_1() {
     let v = caught(
         Mutant::PublishBeforeAllReplies,
-        || Sim::new(2, true, 4, &[]),
+        || {
+            Sim::setup(2)
+                .fence_on_timeout(true)
+                .slot_capacity(4)
+                .build()
+        },
         |sim| {
             sim.register(1).unwrap();
             sim.deliver_frame(0, None);
@@ -52,7 +57,12 @@ fn publish_before_all_replies_breaks_invariant_1() {
 fn skip_cleanup_breaks_invariant_2() {
     let v = caught(
         Mutant::SkipCleanup,
-        || Sim::new(2, true, 4, &[]),
+        || {
+            Sim::setup(2)
+                .fence_on_timeout(true)
+                .slot_capacity(4)
+                .build()
+        },
         |sim| {
             sim.register(1).unwrap();
             sim.deliver_frame(0, None);
@@ -72,7 +82,13 @@ fn skip_cleanup_breaks_invariant_2() {
 fn cleanup_of_unconfirmed_targets_breaks_invariant_8() {
     let v = caught(
         Mutant::CleanupUnconfirmedTargets,
-        || Sim::new(2, true, 4, &[1]),
+        || {
+            Sim::setup(2)
+                .fence_on_timeout(true)
+                .slot_capacity(4)
+                .before_start(&[1])
+                .build()
+        },
         |sim| {
             sim.register(1).unwrap();
             sim.deliver_frame(0, None);
@@ -89,7 +105,12 @@ fn cleanup_of_unconfirmed_targets_breaks_invariant_8() {
 fn forgetting_uncertain_breaks_invariant_2() {
     let v = caught(
         Mutant::ForgetUncertain,
-        || Sim::new(2, false, 4, &[]),
+        || {
+            Sim::setup(2)
+                .fence_on_timeout(false)
+                .slot_capacity(4)
+                .build()
+        },
         |sim| {
             sim.register(1).unwrap();
             sim.deliver_frame(0, None);
@@ -109,7 +130,12 @@ fn forgetting_uncertain_breaks_invariant_2() {
 fn releasing_the_staged_payload_early_breaks_invariant_7() {
     let v = caught(
         Mutant::ReleaseStagedEarly,
-        || Sim::new(2, true, 4, &[]),
+        || {
+            Sim::setup(2)
+                .fence_on_timeout(true)
+                .slot_capacity(4)
+                .build()
+        },
         |sim| {
             sim.register(1).unwrap();
             sim.deliver_frame(0, None);
@@ -125,7 +151,12 @@ fn releasing_the_staged_payload_early_breaks_invariant_7() {
 fn skipping_digest_verification_breaks_invariant_5() {
     let v = caught(
         Mutant::SkipDigestVerification,
-        || Sim::new(1, true, 4, &[]),
+        || {
+            Sim::setup(1)
+                .fence_on_timeout(true)
+                .slot_capacity(4)
+                .build()
+        },
         |sim| {
             sim.register(1).unwrap();
             sim.deliver_frame(0, Some(digest(200)));
@@ -139,7 +170,13 @@ fn skipping_digest_verification_breaks_invariant_5() {
 fn freeing_a_slot_held_by_a_run_breaks_invariant_4() {
     let v = caught(
         Mutant::FreeSlotHeldByRun,
-        || Sim::new(1, true, 4, &[1]),
+        || {
+            Sim::setup(1)
+                .fence_on_timeout(true)
+                .slot_capacity(4)
+                .before_start(&[1])
+                .build()
+        },
         |sim| {
             let h = sim.live_handles()[0];
             sim.submit(&h, 0).unwrap();
@@ -171,6 +208,7 @@ fn ignoring_alive_reports_fences_a_target_that_was_heard_from() {
             probe_first: false,
             respawn_limit: 0,
             respawn_backoff: 0,
+            unbounded_spawn: false,
         });
         if let Some(mutant) = mutant {
             parent = parent.with_mutant(mutant);

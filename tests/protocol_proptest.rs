@@ -143,7 +143,12 @@ proptest! {
         (targets, fence, capacity, before, steps, probe) in scenario()
     ) {
         let capacity = capacity.max(before.len() as u16);
-        let mut sim = Sim::with_probe(targets, fence, capacity, &before, probe);
+        let mut sim = Sim::setup(targets)
+            .fence_on_timeout(fence)
+            .slot_capacity(capacity)
+            .before_start(&before)
+            .probe_first(probe)
+            .build();
         sim.check().map_err(|v| TestCaseError::fail(v.to_string()))?;
         for s in &steps {
             apply(&mut sim, s);

@@ -40,7 +40,10 @@ fn handle(id: u64, n: u8) -> Handle {
 
 #[test]
 fn same_callable_twice_gives_two_handles_and_one_unregister_keeps_the_other() {
-    let mut sim = Sim::new(2, true, 4, &[]);
+    let mut sim = Sim::setup(2)
+        .fence_on_timeout(true)
+        .slot_capacity(4)
+        .build();
     let a = sim.register_ok(1);
     let b = sim.register_ok(1);
     assert_ne!(a.handle_id, b.handle_id);
@@ -75,7 +78,10 @@ fn same_callable_twice_gives_two_handles_and_one_unregister_keeps_the_other() {
 
 #[test]
 fn forged_stale_mutated_foreign_and_wrong_namespace_handles_are_rejected() {
-    let mut sim = Sim::new(1, true, 4, &[]);
+    let mut sim = Sim::setup(1)
+        .fence_on_timeout(true)
+        .slot_capacity(4)
+        .build();
     let live = sim.register_ok(1);
     let gone = sim.register_ok(2);
     sim.unregister(&gone).unwrap();
@@ -147,6 +153,7 @@ fn pre_start_registrations_appear_in_the_snapshot_with_counts() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     let a = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -406,6 +413,7 @@ fn unregister_of_an_unknown_digest_is_reported() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     let h = p
         .register_before_start(digest(7), Namespace::LocalPython)
@@ -429,7 +437,10 @@ fn unregister_of_an_unknown_digest_is_reported() {
 
 #[test]
 fn final_unregister_while_a_run_holds_the_slot_frees_it_only_when_the_run_completes() {
-    let mut sim = Sim::new(1, true, 1, &[]);
+    let mut sim = Sim::setup(1)
+        .fence_on_timeout(true)
+        .slot_capacity(1)
+        .build();
     let h = sim.register_ok(1);
     let task = sim.submit(&h, 0).unwrap();
     assert!(sim.deliver_frame(0, None));
@@ -461,7 +472,11 @@ fn final_unregister_while_a_run_holds_the_slot_frees_it_only_when_the_run_comple
 
 #[test]
 fn register_and_unregister_of_the_same_digest_in_flight_together() {
-    let mut sim = Sim::new(2, true, 2, &[1]);
+    let mut sim = Sim::setup(2)
+        .fence_on_timeout(true)
+        .slot_capacity(2)
+        .before_start(&[1])
+        .build();
     let old = sim.live_handles()[0];
     let reg = sim.register(1).unwrap();
     let unreg = sim.unregister(&old).unwrap();
@@ -708,6 +723,7 @@ fn an_unregister_whose_target_timed_out_without_fencing_fails() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     let h = p
         .register_before_start(digest(1), Namespace::LocalPython)

@@ -23,6 +23,7 @@ fn config(fence_on_timeout: bool) -> ParentConfig {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     }
 }
 

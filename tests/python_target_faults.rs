@@ -21,7 +21,7 @@ use std::time::Duration;
 use callreg::error::ErrorCode;
 use callreg::io::process::Exit;
 use callreg::io::Worker;
-use callreg::protocol::{SlotPhase, TargetId, TargetOutcome};
+use callreg::protocol::{TargetId, TargetOutcome, TargetPhase};
 use callreg::runtime::python::PythonRuntime;
 use callreg::runtime::TaskEncoding;
 use serde_json::{json, Value};
@@ -499,9 +499,9 @@ fn poison_costs_one_target(payload: &str, exit: Exit) {
     assert!(again.error.message.contains(death), "{again}");
     assert_eq!(again.outcomes, vec![]);
     // The lost target is replaced (specs/protocol.md §2.9): a new process
-    // in slot 0, given what is live (never the poisoned digest), and the
+    // for target 0, given what is live (never the poisoned digest), and the
     // Worker keeps all its targets.
-    io_common::wait_for_slot(&worker, 0, SlotPhase::Joined, 1);
+    io_common::wait_for_target(&worker, 0, TargetPhase::Joined, 1);
     assert_eq!(
         worker.live_targets(),
         vec![TargetId(0), TargetId(1), TargetId(2)]

@@ -56,7 +56,9 @@ fn order(mut names: Vec<&'static str>) -> Vec<&'static str> {
 /// each witnessed when their budget allows them; with probe-first on, a
 /// register on more than one target probes then broadcasts, and a way to
 /// lose the probe target (a poison kill, a crash, fencing at a bound while
-/// heartbeats report it alive) poisons a digest, and a later register of that digest is refused; with
+/// heartbeats report it alive, a refusal as poisoned) poisons a digest, and a later register of that digest is refused;
+/// a refusal as poisoned comes from the probe and, with more than one
+/// target, from a target that was not probing; with
 /// replacement targets on, a way to lose a target makes a replacement
 /// join, and a spawn failure in the budget happens.
 pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
@@ -96,9 +98,22 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
     // poison payload, a crash, or fencing at an operation's bound while it
     // reported alive (heartbeats); fencing for silence poisons nothing
     // (specs/protocol.md §2.8).
-    let kills = config.poison_kills > 0
-        || config.crashes > 0
+    // A probe refused as poisoned by a target that is itself a registry
+    // poisons it too (§2.8 "A nested refusal").
+    // A departure is no evidence (§2.8 "A departure"): with every loss one,
+    // only a nested refusal or a bound fence poisons.
+    let deaths = !config.departures && (config.poison_kills > 0 || config.crashes > 0);
+    let kills = deaths
+        || config.poison_refusals > 0
         || (config.fence_on_timeout && config.deadlines > 0 && config.heartbeats > 0);
+    if config.poison_refusals > 0 && registers {
+        if config.probe_first {
+            expected.push(SOMETIMES_PROBE_REFUSED_POISONED);
+        }
+        if config.targets > 1 || !config.probe_first {
+            expected.push(SOMETIMES_REFUSAL_OUTSIDE_PROBE);
+        }
+    }
     if config.probe_first && registers && kills {
         expected.push(SOMETIMES_POISONED);
         // A later register of the same digest is then refused.
@@ -162,6 +177,22 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
 
 fn script(name: &str) -> Script {
     Script::named(name).unwrap_or_else(|| Script::builtin().remove(0))
+}
+
+/// The `poison` configuration: 3 targets, the poison script, one
+/// install that kills its target, one deadline, no other fault.
+fn poison_config() -> ModelConfig {
+    ModelConfig {
+        targets: 3,
+        script: poison_script(),
+        crashes: 0,
+        deserialize_failures: 0,
+        corruptions: 0,
+        deadlines: 1,
+        tasks: 0,
+        poison_kills: 1,
+        ..ModelConfig::standard()
+    }
 }
 
 /// The poison configuration's script: two concurrent registers of `A`
@@ -294,22 +325,43 @@ pub fn all() -> Vec<Named> {
         Named {
             name: "poison",
             description: "3 targets, two concurrent registers of A then a third, the first install of A killing its target (a poison payload, specs/protocol.md §2.8), a deadline",
+            config: poison_config(),
+            symmetry: true,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_INTERLEAVE,
+            ],
+        },
+        Named {
+            name: "poison-departures",
+            description: "poison with every loss a departure (specs/protocol.md §2.8 \"A departure\", as a cluster's registry reports a worker that left or was killed): the probe target killed while deserializing A poisons nothing, and A is probed again",
+            config: ModelConfig {
+                departures: true,
+                ..poison_config()
+            },
+            symmetry: true,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_POISON_DEPARTED,
+            ],
+        },
+        Named {
+            name: "poison-nested",
+            description: "3 targets, two concurrent registers of A then a third, the first install of A refused as poisoned by its target, itself a registry whose own probe lost a process (a nested refusal, specs/protocol.md §2.8), no other fault: a probe's refusal poisons the digest, a broadcast target's poisons nothing",
             config: ModelConfig {
                 targets: 3,
                 script: poison_script(),
                 crashes: 0,
                 deserialize_failures: 0,
                 corruptions: 0,
-                deadlines: 1,
+                deadlines: 0,
                 tasks: 0,
-                poison_kills: 1,
+                poison_refusals: 1,
                 ..ModelConfig::standard()
             },
             symmetry: true,
-            expected: &[
-                SOMETIMES_ROLLBACK,
-                SOMETIMES_INTERLEAVE,
-            ],
+            expected: &[SOMETIMES_ROLLBACK, SOMETIMES_INTERLEAVE],
         },
         Named {
             name: "heartbeat-no-fence",
@@ -411,6 +463,49 @@ pub fn all() -> Vec<Named> {
                 SOMETIMES_JOIN_FAILED,
                 SOMETIMES_ABANDONED,
                 SOMETIMES_BACKOFF,
+            ],
+        },
+        Named {
+            name: "respawn-stale-replies",
+            description: "2 targets, register-unregister-same-digest, replacement targets with a rate limit of 1, a stale reply, a crash, a deadline, fencing on, no task: a reply a lost process wrote (or would have written) reaches the parent after the loss, before its target's replacement started, while it joins or after it joined, and changes nothing",
+            config: ModelConfig {
+                respawn_limit: 1,
+                stale_replies: 1,
+                corruptions: 0,
+                deserialize_failures: 0,
+                tasks: 0,
+                ..two("register-unregister-same-digest")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_JOINED_IN_FLIGHT,
+                SOMETIMES_JOIN_FAILED,
+                SOMETIMES_ABANDONED,
+                SOMETIMES_STALE_REPLY_JOINING,
+                SOMETIMES_STALE_REPLY_JOINED,
+            ],
+        },
+        Named {
+            name: "respawn-arrivals",
+            description: "2 targets, register-unregister-same-digest, replacement targets that are arrivals (no ready deadline, specs/protocol.md §2.9 \"Arrivals\") with a rate limit of 2, a crash, a deadline, fencing on, no other fault: an open target waits for its arrival while a deadline passes far beyond a control timeout, is never fenced for it, and joins",
+            config: ModelConfig {
+                respawn_limit: 2,
+                arrivals: true,
+                deserialize_failures: 0,
+                corruptions: 0,
+                tasks: 0,
+                ..two("register-unregister-same-digest")
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_INTERLEAVE,
+                SOMETIMES_JOINED_IN_FLIGHT,
+                SOMETIMES_JOIN_FAILED,
+                SOMETIMES_BACKOFF,
+                SOMETIMES_LATE_ARRIVAL,
             ],
         },
         Named {

@@ -50,7 +50,7 @@ struct Cli {
 
 /// The configuration flags a named configuration (`--config`, `--all`)
 /// replaces; `--mutant` combines with both.
-const CONFIG_FLAGS: [&str; 24] = [
+const CONFIG_FLAGS: [&str; 25] = [
     "targets",
     "script",
     "crashes",
@@ -64,6 +64,7 @@ const CONFIG_FLAGS: [&str; 24] = [
     "cancels",
     "task_deadline",
     "stale_results",
+    "stale_replies",
     "heartbeats",
     "no_fence",
     "slots",
@@ -165,6 +166,11 @@ struct ConfigArgs {
     /// later, tagged with the old incarnation (stale results).
     #[arg(long, default_value_t = 0)]
     stale_results: u8,
+    /// Control replies of a lost process that may still reach the parent
+    /// after the loss, before or after its target's replacement started or
+    /// joined (stale replies).
+    #[arg(long, default_value_t = 0)]
+    stale_replies: u8,
     /// Heartbeats targets may send (each reports alive every control the
     /// parent awaits from its target, just before the earliest deadline).
     #[arg(long, default_value_t = 0)]
@@ -194,11 +200,16 @@ struct ConfigArgs {
     /// Deserializations that may kill their target (a poison payload).
     #[arg(long, default_value_t = 0)]
     poison_kills: u8,
+    /// Deserializations that may end refused as poisoned (REGISTER_POISONED:
+    /// a target that is itself a registry whose own probe lost a process);
+    /// the target stays alive.
+    #[arg(long, default_value_t = 0)]
+    poison_refusals: u8,
     /// Send every register to every live target at once (probe-first off).
     #[arg(long)]
     no_probe: bool,
     /// Replacement targets (specs/protocol.md §2.9): 0 = off; otherwise a
-    /// lost slot gets a new process, and this many replacements of one slot
+    /// lost target gets a new process, and this many replacements of one target
     /// in a row may be lost before they join.
     #[arg(long, default_value_t = 0)]
     respawn_limit: u16,
@@ -212,6 +223,14 @@ struct ConfigArgs {
     /// Template process losses (no replacement starts after one).
     #[arg(long, default_value_t = 0)]
     template_losses: u8,
+    /// Replacements are arrivals (specs/protocol.md §2.9 "Arrivals"): a
+    /// target asked for waits for its process with no ready deadline.
+    #[arg(long)]
+    arrivals: bool,
+    /// Every loss is a departure (specs/protocol.md §2.8 "A departure"):
+    /// end of file is reported with `target_left`, never evidence.
+    #[arg(long)]
+    departures: bool,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -247,6 +266,7 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         cancels: args.cancels,
         task_deadline: args.task_deadline,
         stale_results: args.stale_results,
+        stale_replies: args.stale_replies,
         heartbeats: args.heartbeats,
         fence_on_timeout: !args.no_fence,
         slot_capacity: args.slots,
@@ -257,10 +277,13 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         wrong_digests: args.wrong_digests,
         probe_first: !args.no_probe,
         poison_kills: args.poison_kills,
+        poison_refusals: args.poison_refusals,
         respawn_limit: args.respawn_limit,
         spawn_failures: args.spawn_failures,
         restage_failures: args.restage_failures,
         template_losses: args.template_losses,
+        arrivals: args.arrivals,
+        departures: args.departures,
         #[cfg(feature = "mutants")]
         mutant: None,
     })
@@ -281,7 +304,8 @@ fn with_mutant(mut config: ModelConfig, mutant: Option<&str>) -> Result<ModelCon
     #[cfg(feature = "mutants")]
     {
         use callreg_model::model::{
-            mutant_name, mutant_named, mutant_needs_no_fence, mutant_needs_respawn,
+            mutant_name, mutant_named, mutant_needs_no_fence, mutant_needs_poison_refusals,
+            mutant_needs_respawn,
         };
         let mutant = mutant_named(name)
             .ok_or_else(|| format!("unknown mutant {name:?}; `callreg-model list` shows them"))?;
@@ -306,6 +330,13 @@ fn with_mutant(mut config: ModelConfig, mutant: Option<&str>) -> Result<ModelCon
                 mutant_name(mutant)
             );
             config.respawn_limit = 1;
+        }
+        if mutant_needs_poison_refusals(mutant) && config.poison_refusals == 0 {
+            eprintln!(
+                "callreg-model: notice: --mutant {} implies --poison-refusals 1 (only a target's refusal as poisoned reaches it)",
+                mutant_name(mutant)
+            );
+            config.poison_refusals = 1;
         }
         config.mutant = Some(mutant);
         Ok(config)
@@ -420,6 +451,8 @@ fn main() -> ExitCode {
                 let name = callreg_model::model::mutant_name(*mutant);
                 if callreg_model::model::mutant_needs_respawn(*mutant) {
                     println!("mutant {name} (reachable only with --respawn-limit 1 or more and a way to lose a target; --mutant {name} implies --respawn-limit 1)");
+                } else if callreg_model::model::mutant_needs_poison_refusals(*mutant) {
+                    println!("mutant {name} (reachable only with --poison-refusals 1 or more and probe-first on; --mutant {name} implies --poison-refusals 1)");
                 } else if callreg_model::model::mutant_needs_no_fence(*mutant) {
                     println!("mutant {name} (reachable only with --no-fence and --deadlines 1 or more; --mutant {name} implies --no-fence)");
                 } else {

@@ -18,8 +18,8 @@ use callreg::protocol::invariants::{self, View, Violation};
 use callreg::protocol::Mutant;
 use callreg::protocol::{
     Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
-    Parent, ParentConfig, Reply, Seq, Slot, SlotPhase, StagingId, Target, TargetConfig,
-    TargetEffect, TargetId, TargetOutcome, TaskEnd, Time,
+    Parent, ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig, TargetEffect,
+    TargetId, TargetOutcome, TargetPhase, TaskEnd, Time,
 };
 
 use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Script, CORRUPTED};
@@ -39,14 +39,20 @@ pub const LOSS_CAUSE: &str = "its reply socket closed";
 pub const OPERATION_TIMEOUT: u64 = 2 * CONTROL_TIMEOUT + CONTROL_TIMEOUT / 2;
 
 /// The back-off (model time units) before the second replacement in a
-/// row of one slot (`ParentConfig::respawn_backoff`; it doubles for each
+/// row of one target (`ParentConfig::respawn_backoff`; it doubles for each
 /// further one): well below [`CONTROL_TIMEOUT`], so a back-off after a
 /// loss ends before the deadlines of the operations then in flight.
 pub const RESPAWN_BACKOFF: u64 = 100;
 
 /// How the driver says a replacement could not be started
-/// (`Parent::target_died` for a slot waiting for `Parent::target_spawned`).
+/// (`Parent::target_died` for a target waiting for `Parent::target_spawned`).
 pub const SPAWN_FAILURE_CAUSE: &str = "its process could not be started";
+
+/// The message of a nested refusal ([`Action::PoisonRefused`]): a
+/// target that is itself a registry refuses a register with
+/// `REGISTER_POISONED` because its own probe lost a process.
+pub const NESTED_POISON_CAUSE: &str =
+    "installing it killed a process of this target's own registry, which refuses it";
 
 /// How long after its submit a task's deadline is, with
 /// [`ModelConfig::task_deadline`] (model time units): as a control's, so
@@ -92,6 +98,14 @@ pub struct ModelConfig {
     /// after the loss, tagged with that process's incarnation (a stale
     /// result: the channel fault of [`Action::ReceiveStale`]).
     pub stale_results: u8,
+    /// How many control replies of a lost process may still reach the
+    /// parent after the loss (a stale reply: the channel fault of
+    /// [`Action::ReceiveStaleReply`]): at each loss, while this budget
+    /// lasts, the replies the process had written and the parent had not
+    /// read are kept, with those its deserializations in progress would
+    /// have written, to arrive later, before or after the slot's
+    /// replacement was started or joined.
+    pub stale_replies: u8,
     /// How many heartbeats targets may send, each an alive report for every
     /// control the parent awaits from the target, just before the earliest
     /// pending deadline (`specs/protocol.md` §2.7). Not a fault: every real
@@ -130,10 +144,15 @@ pub struct ModelConfig {
     /// How many deserializations may kill their target instead of ending
     /// (a poison payload: the target dies while deserializing).
     pub poison_kills: u8,
+    /// How many deserializations may end with a refusal as poisoned
+    /// ([`Action::PoisonRefused`]: a target that is itself a registry,
+    /// whose own probe lost a process; `specs/protocol.md` §2.8 "A nested
+    /// refusal"); the target stays alive.
+    pub poison_refusals: u8,
     /// Replacement targets (`ParentConfig::respawn_limit`,
     /// `specs/protocol.md` §2.9): 0 switches them off; otherwise a lost
-    /// slot gets a new process ([`Action::Spawn`]), and this many
-    /// replacements of one slot in a row may be lost before they join.
+    /// target gets a new process ([`Action::Spawn`]), and this many
+    /// replacements of one target in a row may be lost before they join.
     pub respawn_limit: u16,
     /// How many replacements may fail to start ([`Action::SpawnFails`]).
     pub spawn_failures: u8,
@@ -143,6 +162,17 @@ pub struct ModelConfig {
     /// How many times the template process may be lost
     /// ([`Action::TemplateLost`]; once ends replacements for good).
     pub template_losses: u8,
+    /// Replacements are arrivals (`ParentConfig::unbounded_spawn`,
+    /// `specs/protocol.md` §2.9 "Arrivals"): a target asked for by an
+    /// `Effect::Spawn` is open, with no ready deadline, until
+    /// [`Action::Spawn`] starts it, however late.
+    pub arrivals: bool,
+    /// Every loss is a departure (`Parent::target_left`,
+    /// `specs/protocol.md` §2.8 "A departure"): the driver reports end of
+    /// file as a target that left, as a cluster's registry reports a
+    /// worker that left or was killed; no loss is evidence against a
+    /// digest being probed.
+    pub departures: bool,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -167,6 +197,7 @@ impl ModelConfig {
             cancels: 0,
             task_deadline: false,
             stale_results: 0,
+            stale_replies: 0,
             heartbeats: 0,
             fence_on_timeout: true,
             slot_capacity: 2,
@@ -177,10 +208,13 @@ impl ModelConfig {
             wrong_digests: 0,
             probe_first: true,
             poison_kills: 0,
+            poison_refusals: 0,
             respawn_limit: 0,
             spawn_failures: 0,
             restage_failures: 0,
             template_losses: 0,
+            arrivals: false,
+            departures: false,
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -294,13 +328,17 @@ pub struct TargetSide {
     /// The runs of `runs` whose task started (`Target::start_task` said
     /// `true`), in start order.
     pub started: Vec<Seq>,
-    /// The incarnation of the slot this process is (0 for the original).
+    /// The incarnation of the target this process is (0 for the original).
     pub incarnation: u32,
     /// Bit `s` set: slot `s` was tombstoned and then freed.
     pub freed_tombstones: u64,
     /// The alive reports this target sent: control seq and model time of
     /// the latest report for it.
     pub alive: Vec<(Seq, u64)>,
+    /// With [`ModelConfig::arrivals`]: this process arrived (was started)
+    /// at or after the time an ordinary replacement's ready deadline would
+    /// have fenced it.
+    pub late_arrival: bool,
 }
 
 /// Fault budgets left.
@@ -326,8 +364,12 @@ pub struct Budgets {
     pub cancels: u8,
     /// Stale results that may still be kept and delivered.
     pub stale_results: u8,
+    /// Stale replies that may still be kept and delivered.
+    pub stale_replies: u8,
     /// Deserializations that may still kill their target.
     pub poison_kills: u8,
+    /// Deserializations that may still end refused as poisoned.
+    pub poison_refusals: u8,
     /// Alive reports left.
     pub heartbeats: u8,
     /// Replacements that may still fail to start.
@@ -407,7 +449,7 @@ pub mod seen {
     /// A joining replacement refused a replay or did not answer it in time
     /// (`Effect::JoinFailed`, then its fence).
     pub const JOIN_FAILED: u64 = 1 << 21;
-    /// A slot was given up (`Effect::Abandoned`: the rate limit).
+    /// A target was given up (`Effect::Abandoned`: the rate limit).
     pub const ABANDONED: u64 = 1 << 22;
     /// A replacement could not be started ([`super::Action::SpawnFails`]).
     pub const SPAWN_FAILED: u64 = 1 << 23;
@@ -439,10 +481,40 @@ pub mod seen {
     pub const RESTAGE_FAILED: u64 = 1 << 33;
     /// The template process was lost ([`super::Action::TemplateLost`]).
     pub const TEMPLATE_LOST: u64 = 1 << 34;
-    /// A slot was abandoned after the template was lost.
+    /// A target was abandoned after the template was lost.
     pub const ABANDONED_WITHOUT_TEMPLATE: u64 = 1 << 35;
     /// A replacement was asked for after the template was lost.
     pub const SPAWN_WITHOUT_TEMPLATE: u64 = 1 << 36;
+    /// A stale reply (of a lost process) changed the parent.
+    pub const STALE_REPLY_CHANGED: u64 = 1 << 37;
+    /// A stale reply reached the parent while a later process of its slot
+    /// was joining.
+    pub const STALE_REPLY_JOINING: u64 = 1 << 38;
+    /// A stale reply reached the parent after a later process of its slot
+    /// joined.
+    pub const STALE_REPLY_JOINED: u64 = 1 << 39;
+    /// With arrivals on, an open target (waiting for its arrival) was
+    /// fenced, or left its wait at a passed deadline.
+    pub const ARRIVAL_FENCED: u64 = 1 << 40;
+    /// An arrival that came at or after the time an ordinary
+    /// replacement's ready deadline would have fenced it joined.
+    pub const LATE_ARRIVAL_JOINED: u64 = 1 << 41;
+    /// A register frame of a digest whose probe was refused as poisoned
+    /// ([`super::State::refused_probes`]) was sent after the refusal.
+    pub const REFUSED_PROBE_SENT: u64 = 1 << 42;
+    /// A probe's refusal as poisoned reached the parent.
+    pub const PROBE_REFUSED_POISONED: u64 = 1 << 43;
+    /// A refusal as poisoned from a target that was not probing reached
+    /// the parent and poisoned nothing.
+    pub const REFUSAL_OUTSIDE_PROBE: u64 = 1 << 44;
+    /// A refusal as poisoned from a target that was not probing poisoned
+    /// a digest.
+    pub const REFUSAL_OUTSIDE_PROBE_POISONED: u64 = 1 << 45;
+    /// With departures on, a target killed while deserializing departed
+    /// (a witness).
+    pub const POISON_DEPARTED: u64 = 1 << 46;
+    /// With departures on, a departure poisoned a digest (a violation).
+    pub const DEPARTURE_POISONED: u64 = 1 << 47;
 }
 
 /// A task result in transit target → parent: the task and the
@@ -453,7 +525,7 @@ pub struct TaskResult {
     pub seq: Seq,
     /// The callable it ran (the result frame names it).
     pub digest: Digest,
-    /// The incarnation of the slot whose process sent it.
+    /// The incarnation of the target whose process sent it.
     pub incarnation: u32,
 }
 
@@ -481,7 +553,7 @@ pub struct TaskNote {
     pub seq: Seq,
     /// The target it was submitted to.
     pub target: TargetId,
-    /// The incarnation of that target's slot at submit.
+    /// The incarnation of that target at submit.
     pub incarnation: u32,
     /// Its deadline (model time), if any.
     pub deadline: Option<u64>,
@@ -529,6 +601,11 @@ pub struct State {
     /// kept (while the `stale_results` budget lasts) to reach the parent
     /// late, tagged with the lost process's incarnation.
     pub stale: Vec<(TargetId, TaskResult)>,
+    /// Control replies of lost processes, kept (while the `stale_replies`
+    /// budget lasts) to reach the parent after the loss: the slot, the
+    /// incarnation of the process that wrote (or would have written) the
+    /// reply, and the reply; ordered by slot, incarnation and seq.
+    pub stale_replies: Vec<(TargetId, u32, Reply)>,
     /// Every task submitted, in seq order, with its history.
     pub task_log: Vec<TaskNote>,
     /// While a task result is handed to the parent: its seq and whether it
@@ -553,16 +630,20 @@ pub struct State {
     /// snapshot's, and each one an OK reply to a register of it brought
     /// to the parent (the driver's own record of what needs no probe).
     pub proven: Vec<Digest>,
-    /// `spawns[i]`: the incarnation an `Effect::Spawn` asked for in slot
+    /// `spawns[i]`: the incarnation an `Effect::Spawn` asked for target
     /// *i* that the driver has not started yet (`specs/protocol.md` §2.9).
     pub spawns: Vec<Option<u32>>,
-    /// `spawn_due[i]`: while a replacement asked for in slot *i* is not
+    /// `spawn_due[i]`: while a replacement asked for target *i* is not
     /// started, the time by which it must be (its `Effect::Spawn` plus
     /// [`CONTROL_TIMEOUT`]): past it the parent fences it (§2.9).
     pub spawn_due: Vec<Option<u64>>,
     /// The replays (`Effect::Restage`, then a register frame to a joining
     /// replacement) still in flight: operations no client step waits for.
     pub replays: Vec<OpId>,
+    /// The digests whose probe a target refused as poisoned
+    /// (`REGISTER_POISONED`, `specs/protocol.md` §2.8 "A nested refusal"),
+    /// by the driver's own record: none may be sent again.
+    pub refused_probes: Vec<Digest>,
 }
 
 impl State {
@@ -677,13 +758,23 @@ pub enum Action {
     /// The parent reads the next task result from `target`
     /// (`Parent::handle_task_result`).
     ReceiveResult(TargetId),
-    /// A kept result of task `seq` from a lost process of `target`'s slot
+    /// A kept result of task `seq` from a lost process of `target`
     /// reaches the parent after the loss, with that process's incarnation
     /// (bounded: `stale_results`).
     ReceiveStale {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// The task.
+        seq: Seq,
+    },
+    /// A kept control reply to `seq` from a lost process of `target`'s
+    /// slot reaches the parent once it counts that process lost
+    /// (`Parent::handle_reply`; bounded: `stale_replies`), before or after
+    /// the target's replacement was started or joined.
+    ReceiveStaleReply {
+        /// The slot.
+        target: TargetId,
+        /// The control the reply answers.
         seq: Seq,
     },
     /// The client cancels task `seq`, in flight (`Parent::cancel`;
@@ -695,6 +786,12 @@ pub enum Action {
     /// The target's oldest deserialization kills it (a poison payload): it
     /// dies as in `Crash`, while deserializing.
     PoisonKills(TargetId),
+    /// The target's oldest deserialization ends with a failure of code
+    /// `REGISTER_POISONED` instead of `DESERIALIZE_FAILED` (bounded:
+    /// `poison_refusals`): a target that is itself a registry whose own
+    /// probe lost a process (`specs/protocol.md` §2.8 "A nested
+    /// refusal"). The target stays alive.
+    PoisonRefused(TargetId),
     /// The earliest pending deadline (a target's silence deadline or an
     /// operation's bound) passes.
     DeadlinePasses,
@@ -720,11 +817,11 @@ pub enum Action {
     /// arrival), just before the earliest pending deadline (model time
     /// moves there).
     Heartbeat(TargetId),
-    /// The driver starts the replacement an `Effect::Spawn` asked for in
-    /// `target`'s slot: a fresh target holding nothing, with empty
+    /// The driver starts the replacement an `Effect::Spawn` asked for
+    /// `target`: a fresh target holding nothing, with empty
     /// channels; then `Parent::target_spawned` (`specs/protocol.md` §2.9).
     Spawn(TargetId),
-    /// The replacement asked for in `target`'s slot cannot be started
+    /// The replacement asked for `target` cannot be started
     /// (bounded): `Parent::target_died`.
     SpawnFails(TargetId),
     /// As [`Action::Spawn`], but the first replay's payload cannot be
@@ -901,6 +998,7 @@ impl RegistrationModel {
             probe_first: config.probe_first,
             respawn_limit: config.respawn_limit,
             respawn_backoff: RESPAWN_BACKOFF,
+            unbounded_spawn: config.arrivals,
         });
         #[cfg(feature = "mutants")]
         if let Some(mutant) = config.mutant {
@@ -920,6 +1018,7 @@ impl RegistrationModel {
             tasks: Vec::new(),
             results: Vec::new(),
             stale: Vec::new(),
+            stale_replies: Vec::new(),
             task_log: Vec::new(),
             delivering: None,
             now: 0,
@@ -934,7 +1033,9 @@ impl RegistrationModel {
                 tasks: config.tasks,
                 cancels: config.cancels,
                 stale_results: config.stale_results,
+                stale_replies: config.stale_replies,
                 poison_kills: config.poison_kills,
+                poison_refusals: config.poison_refusals,
                 heartbeats: config.heartbeats,
                 spawn_failures: config.spawn_failures,
                 restage_failures: config.restage_failures,
@@ -947,6 +1048,7 @@ impl RegistrationModel {
             spawns: vec![None; n],
             spawn_due: vec![None; n],
             replays: Vec::new(),
+            refused_probes: Vec::new(),
         };
         let mut model = RegistrationModel { config, init };
         if !model.config.interleave_start {
@@ -1214,7 +1316,7 @@ impl RegistrationModel {
                         state.seen |= seen::SPAWN_WITHOUT_TEMPLATE;
                     }
                     let index = usize::from(target.0);
-                    // The slot's old process is gone with everything it
+                    // The target's old process is gone with everything it
                     // had: no frame, reply, end of file or pending work.
                     let clean = state.targets.get(index).is_some_and(Option::is_none)
                         && !state.frames.iter().any(|(t, _)| *t == target)
@@ -1228,7 +1330,7 @@ impl RegistrationModel {
                         || incarnation != state.parent.incarnation(target)
                         || incarnation == 0
                     {
-                        state.breach("a replacement was asked for a slot whose process is not gone, or with another incarnation than the parent's");
+                        state.breach("a replacement was asked for a target whose process is not gone, or with another incarnation than the parent's");
                     }
                     state.spawns[index] = Some(incarnation);
                     state.spawn_due[index] = Some(state.now + CONTROL_TIMEOUT);
@@ -1239,6 +1341,13 @@ impl RegistrationModel {
                 } => {
                     state.seen |= seen::JOINED;
                     if state
+                        .sides
+                        .get(usize::from(target.0))
+                        .is_some_and(|side| side.late_arrival)
+                    {
+                        state.seen |= seen::LATE_ARRIVAL_JOINED;
+                    }
+                    if state
                         .client
                         .iter()
                         .any(|c| matches!(c, StepStatus::InFlight { .. }))
@@ -1248,7 +1357,9 @@ impl RegistrationModel {
                     // (The same input may have lost it again since: the
                     // parent's state is the one after the whole input.)
                     if incarnation == 0 || incarnation > state.parent.incarnation(target) {
-                        state.breach("a replacement joined with an incarnation the slot never had");
+                        state.breach(
+                            "a replacement joined with an incarnation the target never had",
+                        );
                     }
                 }
                 Effect::JoinFailed {
@@ -1258,7 +1369,7 @@ impl RegistrationModel {
                 } => {
                     state.seen |= seen::JOIN_FAILED;
                     if incarnation == 0 || incarnation > state.parent.incarnation(target) {
-                        state.breach("a failed join names another incarnation than the slot's");
+                        state.breach("a failed join names another incarnation than the target's");
                     }
                     fence_due = Some(target);
                 }
@@ -1278,7 +1389,7 @@ impl RegistrationModel {
                         || state.parent.failed_joins(target) != failed_joins
                         || state.parent.is_target_live(target)
                     {
-                        state.breach("a slot was given up before its rate limit, or while live");
+                        state.breach("a target was given up before its rate limit, or while live");
                     }
                 }
                 Effect::Send { target, frame } => {
@@ -1329,6 +1440,9 @@ impl RegistrationModel {
                         if state.parent.is_poisoned(digest) {
                             state.seen |= seen::POISON_SENT;
                         }
+                        if state.refused_probes.contains(&digest) {
+                            state.seen |= seen::REFUSED_PROBE_SENT;
+                        }
                     }
                     // Writing to a dead child's pipe fails; the parent learns
                     // of the death from end of file, not from the write.
@@ -1346,11 +1460,18 @@ impl RegistrationModel {
                     // will not start it.
                     let index = usize::from(target.0);
                     if state.spawns.get_mut(index).and_then(Option::take).is_some() {
+                        // An arrival has no ready deadline (§2.9
+                        // "Arrivals"): nothing fences an open target.
+                        if self.config.arrivals {
+                            state.seen |= seen::ARRIVAL_FENCED;
+                        }
                         state.spawn_due[index] = None;
                         continue;
                     }
                     // Fencing kills and reaps the child and closes both pipe
-                    // ends: nothing more is read from it.
+                    // ends: nothing more is read from it (its replies are
+                    // dropped, or, the channel fault, kept to arrive late).
+                    state.keep_stale_replies(target, true);
                     state.kill(target);
                     state.replies.retain(|(t, _)| *t != target);
                     // Its results in transit are dropped, or (the channel
@@ -1441,7 +1562,7 @@ impl RegistrationModel {
         };
         if !self
             .target_ids()
-            .any(|t| state.parent.slot_phase(t) == SlotPhase::BackingOff(deadline))
+            .any(|t| state.parent.target_phase(t) == TargetPhase::BackingOff(deadline))
         {
             return false;
         }
@@ -1456,7 +1577,7 @@ impl RegistrationModel {
         })
     }
 
-    /// Starts the replacement asked for in slot `id` (`spawn`), or reports
+    /// Starts the replacement asked for target `id` (`spawn`), or reports
     /// that it could not be started; with `restage_fails`, the first replay
     /// to it fails to stage its payload (no next state when it has nothing
     /// to replay).
@@ -1469,7 +1590,7 @@ impl RegistrationModel {
     ) -> Option<()> {
         let index = usize::from(id.0);
         let incarnation = state.spawns.get_mut(index)?.take()?;
-        state.spawn_due[index] = None;
+        let due = state.spawn_due[index].take();
         // Starting a process and replaying to it is issuing operations:
         // time advances as for an issue, never onto a pending deadline.
         let next = state.now + 1;
@@ -1493,6 +1614,10 @@ impl RegistrationModel {
             };
             state.targets[index] = Some(target);
             state.sides[index].incarnation = incarnation;
+            // An arrival at or after the time an ordinary replacement
+            // would have been fenced for not being ready (§2.9).
+            state.sides[index].late_arrival =
+                self.config.arrivals && due.is_some_and(|due| due <= state.now);
             if state.parent.target_spawned(id, incarnation, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
@@ -1645,11 +1770,21 @@ impl RegistrationModel {
                 let code_ok = if stage {
                     outcomes.is_empty()
                 } else if poisoned {
-                    // The probe target was lost: no target kept it.
+                    // The probe target was lost, or refused it as poisoned
+                    // (§2.8 "A nested refusal"), or confirmed it after
+                    // another register's probe was refused as poisoned and
+                    // was rolled back: no target kept it.
                     error.code == ErrorCode::REGISTER_POISONED
-                        && outcomes
-                            .iter()
-                            .all(|(_, o)| matches!(o, TargetOutcome::Lost | TargetOutcome::Fenced))
+                        && outcomes.iter().all(|(_, o)| match o {
+                            TargetOutcome::Lost
+                            | TargetOutcome::Fenced
+                            | TargetOutcome::RolledBack
+                            | TargetOutcome::CleanupUnconfirmed { .. } => true,
+                            TargetOutcome::Failed { failure } => {
+                                failure.code == ErrorCode::REGISTER_POISONED
+                            }
+                            _ => false,
+                        })
                 } else if confirmed_everywhere && uncertain {
                     error.code == ErrorCode::REGISTER_CLEANUP_UNCERTAIN
                 } else {
@@ -1877,6 +2012,28 @@ impl RegistrationModel {
         Some(())
     }
 
+    /// Target `id`'s oldest deserialization ends with `result`
+    /// (`Target::on_deserialized`); `None` when none is in progress.
+    fn deserialized(
+        &self,
+        state: &mut State,
+        id: TargetId,
+        result: Result<(), Failure>,
+    ) -> Option<()> {
+        let index = usize::from(id.0);
+        let side = state.sides.get_mut(index)?;
+        if side.deserializing.is_empty() {
+            return None;
+        }
+        let (seq, _) = side.deserializing.remove(0);
+        let target = state.targets.get_mut(index)?.as_mut()?;
+        if target.on_deserialized(seq, result).is_err() {
+            state.seen |= seen::DRIVER_ERROR;
+        }
+        self.drain_target(state, id);
+        Some(())
+    }
+
     /// The task thread of target `id` reaches task `seq`
     /// (`Target::start_task`): it runs, or, cancelled while queued, it is
     /// ended at once without a result.
@@ -1944,7 +2101,7 @@ impl RegistrationModel {
 
     /// The parent gets a task result from `id`: the head of its results
     /// (`stale`: `None`), or the kept result of task `stale` of a lost
-    /// process of the slot. A result refused changes nothing; one from the
+    /// process of the target. A result refused changes nothing; one from the
     /// process that ran a task in flight must end it.
     fn receive_result(&self, state: &mut State, id: TargetId, stale: Option<Seq>) -> Option<()> {
         let result = match stale {
@@ -1980,6 +2137,35 @@ impl RegistrationModel {
         }
         self.drain_parent(state);
         state.delivering = None;
+        Some(())
+    }
+
+    /// The parent gets the kept reply to `seq` of a lost process of slot
+    /// `id` (`Parent::handle_reply`). That process is gone and the parent
+    /// already settled everything it owed: whatever the parent answers (an
+    /// error, or ignoring it), the reply must change nothing.
+    fn receive_stale_reply(&self, state: &mut State, id: TargetId, seq: Seq) -> Option<()> {
+        let at = state
+            .stale_replies
+            .iter()
+            .position(|(t, _, r)| *t == id && r.seq == seq)?;
+        let (_, incarnation, reply) = state.stale_replies.remove(at);
+        if !state.loss_known(id, incarnation) {
+            return None;
+        }
+        let before = state.parent.clone();
+        if before.is_target_live(id) && before.incarnation(id) != incarnation {
+            state.seen |= match before.target_phase(id) {
+                TargetPhase::Joining => seen::STALE_REPLY_JOINING,
+                _ => seen::STALE_REPLY_JOINED,
+            };
+        }
+        // An error is an answer too: only a change is wrong.
+        let _ = state.parent.handle_reply(id, reply, Time(state.now));
+        if state.parent != before {
+            state.seen |= seen::STALE_REPLY_CHANGED;
+        }
+        self.drain_parent(state);
         Some(())
     }
 
@@ -2023,6 +2209,19 @@ impl RegistrationModel {
                     }
                 }
             }
+            // A refusal as poisoned (§2.8 "A nested refusal"): from the
+            // probe of a client register (probing, nothing confirmed yet:
+            // its frame went to the probe target alone) it must poison the
+            // digest; from any other target it must poison nothing.
+            let nested = awaited
+                && !wrong_digest
+                && matches!(&reply.result, Err(f) if f.code == ErrorCode::REGISTER_POISONED);
+            let probe_refused = nested
+                && state.client.iter().any(|step| {
+                    matches!(step, StepStatus::InFlight { op, probing: true, confirmed: false, .. } if op.0 == reply.seq.0)
+                });
+            let poisoned_before = state.parent.poisoned_digests().len();
+            let refused_digest = reply.digest;
             if awaited && !refusal {
                 let mut register = false;
                 for (i, step) in state.client.iter_mut().enumerate() {
@@ -2036,7 +2235,11 @@ impl RegistrationModel {
                         }
                     }
                 }
-                if register && !state.proven.contains(&reply.digest) {
+                // A poisoned digest is never proven (§2.8).
+                if register
+                    && !state.proven.contains(&reply.digest)
+                    && !state.parent.is_poisoned(reply.digest)
+                {
                     state.proven.push(reply.digest);
                     state.proven.sort();
                 }
@@ -2044,9 +2247,29 @@ impl RegistrationModel {
             if state.parent.handle_reply(id, reply, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
+            if probe_refused {
+                state.seen |= seen::PROBE_REFUSED_POISONED;
+                if !state.refused_probes.contains(&refused_digest) {
+                    state.refused_probes.push(refused_digest);
+                    state.refused_probes.sort();
+                }
+            } else if nested {
+                state.seen |= seen::REFUSAL_OUTSIDE_PROBE;
+                if state.parent.poisoned_digests().len() != poisoned_before {
+                    state.seen |= seen::REFUSAL_OUTSIDE_PROBE_POISONED;
+                }
+            }
         } else if state.eof[index] && !wrong_digest && state.head_result(id).is_none() {
             state.eof[index] = false;
-            if state.parent.target_died(id, LOSS_CAUSE, now).is_err() {
+            if self.config.departures {
+                let poisoned = state.parent.poisoned_digests().len();
+                if state.parent.target_left(id, LOSS_CAUSE, now).is_err() {
+                    state.seen |= seen::DRIVER_ERROR;
+                }
+                if state.parent.poisoned_digests().len() != poisoned {
+                    state.seen |= seen::DEPARTURE_POISONED;
+                }
+            } else if state.parent.target_died(id, LOSS_CAUSE, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
         } else {
@@ -2392,12 +2615,53 @@ impl State {
         self.seen |= seen::CONTRACT;
     }
 
+    /// Whether the parent counts the process `incarnation` of slot `id`
+    /// lost: the slot is not live, or a later process holds it.
+    fn loss_known(&self, id: TargetId, incarnation: u32) -> bool {
+        !self.parent.is_target_live(id) || self.parent.incarnation(id) != incarnation
+    }
+
+    /// Target `id`'s process is about to be lost: while the
+    /// `stale_replies` budget lasts, the replies it wrote that the parent
+    /// has not read are kept as stale replies (taken out of its reply
+    /// FIFO) and, with `finishing`, so are the replies its deserializations
+    /// in progress would write, had they finished (a process whose
+    /// connection dropped may still have answered).
+    fn keep_stale_replies(&mut self, id: TargetId, finishing: bool) {
+        let index = usize::from(id.0);
+        if self.budgets.stale_replies == 0 {
+            return;
+        }
+        let Some(mut target) = self.targets.get(index).cloned().flatten() else {
+            return;
+        };
+        let incarnation = self.sides[index].incarnation;
+        let (gone, rest): (Vec<_>, Vec<_>) = self.replies.drain(..).partition(|(t, _)| *t == id);
+        self.replies = rest;
+        let mut kept: Vec<Reply> = gone.into_iter().map(|(_, r)| r).collect();
+        if finishing {
+            for (seq, _) in &self.sides[index].deserializing {
+                if target.on_deserialized(*seq, Ok(())).is_ok() {
+                    while let Some(effect) = target.poll_effect() {
+                        if let TargetEffect::Reply(reply) = effect {
+                            kept.push(reply);
+                        }
+                    }
+                }
+            }
+        }
+        self.stale_replies
+            .extend(kept.into_iter().map(|r| (id, incarnation, r)));
+        self.stale_replies
+            .sort_by_key(|(t, incarnation, r)| (*t, *incarnation, r.seq));
+    }
+
     /// Target `id` dies: its machine, the frames to it, its deserializations
     /// and runs are gone (replies already written stay readable).
     fn kill(&mut self, id: TargetId) {
         let index = usize::from(id.0);
-        if let Some(slot) = self.targets.get_mut(index) {
-            *slot = None;
+        if let Some(entry) = self.targets.get_mut(index) {
+            *entry = None;
         }
         let frames = &mut self.frames;
         frames.retain(|(t, _)| *t != id);
@@ -2472,6 +2736,9 @@ impl stateright::Model for RegistrationModel {
                 if state.budgets.poison_kills > 0 {
                     actions.push(Action::PoisonKills(id));
                 }
+                if state.budgets.poison_refusals > 0 {
+                    actions.push(Action::PoisonRefused(id));
+                }
                 if state.budgets.deserialize_failures > 0 {
                     actions.push(Action::Deserialized {
                         target: id,
@@ -2515,6 +2782,16 @@ impl stateright::Model for RegistrationModel {
                     target: *target,
                     seq: result.seq,
                 });
+            }
+        }
+        if state.budgets.stale_replies > 0 {
+            for (target, incarnation, reply) in &state.stale_replies {
+                if state.loss_known(*target, *incarnation) {
+                    actions.push(Action::ReceiveStaleReply {
+                        target: *target,
+                        seq: reply.seq,
+                    });
+                }
             }
         }
         if state.budgets.cancels > 0 && lifecycle == Lifecycle::Started {
@@ -2628,30 +2905,24 @@ impl stateright::Model for RegistrationModel {
                 self.deliver(&mut state, id, true)?;
             }
             Action::Deserialized { target: id, ok } => {
-                let index = usize::from(id.0);
-                if !ok {
-                    state.budgets.deserialize_failures =
-                        state.budgets.deserialize_failures.checked_sub(1)?;
-                    state.seen |= seen::FAULT;
-                }
-                let side = state.sides.get_mut(index)?;
-                if side.deserializing.is_empty() {
-                    return None;
-                }
-                let (seq, _) = side.deserializing.remove(0);
                 let result = if ok {
                     Ok(())
                 } else {
+                    state.budgets.deserialize_failures =
+                        state.budgets.deserialize_failures.checked_sub(1)?;
+                    state.seen |= seen::FAULT;
                     Err(Failure::new(
                         ErrorCode::DESERIALIZE_FAILED,
                         "the runtime failed to deserialize the payload",
                     ))
                 };
-                let target = state.targets.get_mut(index)?.as_mut()?;
-                if target.on_deserialized(seq, result).is_err() {
-                    state.seen |= seen::DRIVER_ERROR;
-                }
-                self.drain_target(&mut state, id);
+                self.deserialized(&mut state, id, result)?;
+            }
+            Action::PoisonRefused(id) => {
+                state.budgets.poison_refusals = state.budgets.poison_refusals.checked_sub(1)?;
+                state.seen |= seen::FAULT;
+                let refusal = Failure::new(ErrorCode::REGISTER_POISONED, NESTED_POISON_CAUSE);
+                self.deserialized(&mut state, id, Err(refusal))?;
             }
             Action::StartRun { target: id, seq } => self.start_run(&mut state, id, seq)?,
             Action::EndRun { target: id, seq } => {
@@ -2691,6 +2962,14 @@ impl stateright::Model for RegistrationModel {
                     state.stale.clear();
                 }
             }
+            Action::ReceiveStaleReply { target, seq } => {
+                state.budgets.stale_replies = state.budgets.stale_replies.checked_sub(1)?;
+                state.seen |= seen::FAULT;
+                self.receive_stale_reply(&mut state, target, seq)?;
+                if state.budgets.stale_replies == 0 {
+                    state.stale_replies.clear();
+                }
+            }
             Action::Cancel(seq) => self.cancel(&mut state, seq)?,
             Action::Receive(id) => self.receive(&mut state, id, false)?,
             Action::ReceiveWrongDigest(id) => {
@@ -2702,6 +2981,7 @@ impl stateright::Model for RegistrationModel {
                 state.budgets.crashes = state.budgets.crashes.checked_sub(1)?;
                 state.target(id)?;
                 state.seen |= seen::FAULT;
+                state.keep_stale_replies(id, true);
                 state.kill(id);
                 state.eof[usize::from(id.0)] = true;
             }
@@ -2711,6 +2991,11 @@ impl stateright::Model for RegistrationModel {
                     return None;
                 }
                 state.seen |= seen::FAULT;
+                if self.config.departures {
+                    state.seen |= seen::POISON_DEPARTED;
+                }
+                // The deserialization that kills it answers nothing.
+                state.keep_stale_replies(id, false);
                 state.kill(id);
                 state.eof[usize::from(id.0)] = true;
             }
@@ -2791,7 +3076,24 @@ impl stateright::Model for RegistrationModel {
                             .map(move |(seq, _)| (id, seq))
                     })
                     .collect();
+                // Arrivals (§2.9): a target open before the deadline is
+                // still open after it, its failed joins unchanged.
+                let open: Vec<(TargetId, u32, u16)> = self
+                    .target_ids()
+                    .filter(|t| state.parent.target_phase(*t) == TargetPhase::Spawning)
+                    .map(|t| (t, state.parent.incarnation(t), state.parent.failed_joins(t)))
+                    .collect();
                 state.parent.handle_timeout(Time(now));
+                if self.config.arrivals
+                    && state.parent.lifecycle() == Lifecycle::Started
+                    && open.iter().any(|(t, incarnation, failed)| {
+                        state.parent.target_phase(*t) != TargetPhase::Spawning
+                            || state.parent.incarnation(*t) != *incarnation
+                            || state.parent.failed_joins(*t) != *failed
+                    })
+                {
+                    state.seen |= seen::ARRIVAL_FENCED;
+                }
                 let some_ended = awaited_before
                     .iter()
                     .any(|(id, seq)| !state.parent.awaits_reply(*id, *seq));
@@ -2985,6 +3287,20 @@ impl RegistrationModel {
                     .map_or(0, |(_, r)| r.incarnation);
                 format!("a STALE result of task {seq} from {target} (incarnation {incarnation}, lost) reaches the parent")
             }
+            Action::ReceiveStaleReply { target, seq } => {
+                let (incarnation, result) = state
+                    .stale_replies
+                    .iter()
+                    .find(|(t, _, r)| t == target && r.seq == *seq)
+                    .map_or((0, String::new()), |(_, i, r)| {
+                        let result = match &r.result {
+                            Ok(()) => "OK".to_owned(),
+                            Err(f) => f.code.to_string(),
+                        };
+                        (*i, format!(" {result} for {}", name_of(&r.digest)))
+                    });
+                format!("a STALE reply{result} to {seq} from {target} (incarnation {incarnation}, lost) reaches the parent")
+            }
             Action::Cancel(seq) => format!("client cancels task {seq}"),
             Action::Receive(t) => match state.head_reply(*t) {
                 Some(r) => {
@@ -3014,6 +3330,14 @@ impl RegistrationModel {
                 .and_then(|s| s.deserializing.first())
             {
                 Some((seq, _)) => format!("{t} DIES while deserializing for {seq} (a poison payload)"),
+                None => format!("{t}: no deserialization"),
+            },
+            Action::PoisonRefused(t) => match state
+                .sides
+                .get(usize::from(t.0))
+                .and_then(|s| s.deserializing.first())
+            {
+                Some((seq, _)) => format!("{t}: deserialization for {seq} is REFUSED as poisoned (a nested registry's own probe lost a process)"),
                 None => format!("{t}: no deserialization"),
             },
             Action::ReceiveWrongDigest(t) => match state.head_reply(*t) {
@@ -3130,7 +3454,7 @@ impl RegistrationModel {
                 }
             };
             let id = TargetId(u16::try_from(i).unwrap_or(u16::MAX));
-            let phase = match state.parent.slot_phase(id) {
+            let phase = match state.parent.target_phase(id) {
                 _ if self.config.respawn_limit == 0 => String::new(),
                 phase => format!(" (incarnation {}, {phase:?})", state.parent.incarnation(id)),
             };
@@ -3193,6 +3517,14 @@ pub fn mutant_needs_respawn(mutant: Mutant) -> bool {
         mutant,
         Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished
     )
+}
+
+/// Whether `mutant`'s code path is reachable only with refusals as
+/// poisoned (`poison_refusals` 1 or more, `--poison-refusals`): a probe's
+/// nested refusal (`specs/protocol.md` §2.8).
+#[cfg(feature = "mutants")]
+pub fn mutant_needs_poison_refusals(mutant: Mutant) -> bool {
+    mutant == Mutant::IgnoreNestedPoison
 }
 
 /// Every mutant's command-line name (none without the `mutants` feature).

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 
 use callreg::descriptor::Digest;
 use callreg::protocol::{
-    DigestCount, Lifecycle, Namespace, OpId, Seq, Slot, SlotPhase, TargetId, Time,
+    DigestCount, Lifecycle, Namespace, OpId, Seq, Slot, TargetId, TargetPhase, Time,
 };
 
 use crate::model::{
@@ -122,16 +122,16 @@ pub const SOMETIMES_JOINED_IN_FLIGHT: &str =
 /// Witness: a joining replacement refused a replay or did not answer it
 /// in time, and was fenced.
 pub const SOMETIMES_JOIN_FAILED: &str = "sometimes: a join fails and its replacement is fenced";
-/// Witness: a slot was given up at the rate limit.
-pub const SOMETIMES_ABANDONED: &str = "sometimes: a slot is abandoned";
+/// Witness: a target was given up at the rate limit.
+pub const SOMETIMES_ABANDONED: &str = "sometimes: a target is abandoned";
 /// Witness: a replacement could not be started.
 pub const SOMETIMES_SPAWN_FAILED: &str = "sometimes: a replacement fails to start";
 /// Witness: a replay's payload could not be staged again, and the join
 /// it was for failed.
 pub const SOMETIMES_RESTAGE_FAILED: &str = "sometimes: a replay fails to stage and its join fails";
-/// Witness: a slot was abandoned after the template process was lost.
+/// Witness: a target was abandoned after the template process was lost.
 pub const SOMETIMES_ABANDONED_WITHOUT_TEMPLATE: &str =
-    "sometimes: a slot is abandoned after the template is lost";
+    "sometimes: a target is abandoned after the template is lost";
 /// Name of the `always` property that no replacement is asked for once
 /// the template process is lost (`specs/protocol.md` §2.9).
 pub const ALWAYS_NO_SPAWN_WITHOUT_TEMPLATE: &str =
@@ -170,6 +170,37 @@ pub const SILENCE_POISONS_NOTHING: &str = "silence poisons nothing";
 pub const SOMETIMES_POISONED: &str = "sometimes: a digest is poisoned";
 /// Witness: a register is refused with `REGISTER_POISONED`.
 pub const SOMETIMES_POISON_REFUSED: &str = "sometimes: a register of a poisoned digest is refused";
+/// Name of the `always` property that a digest whose probe a target
+/// refused as poisoned (`specs/protocol.md` §2.8 "A nested refusal") is
+/// never sent again (by the driver's own record of the refusals).
+pub const REFUSED_PROBE_NOT_SENT: &str =
+    "a digest whose probe was refused as poisoned is never sent again";
+/// Name of the `always` property that a refusal as poisoned from a target
+/// that was not probing poisons nothing (§2.8 "A nested refusal").
+pub const REFUSAL_OUTSIDE_PROBE_POISONS_NOTHING: &str =
+    "a refusal as poisoned outside a probe poisons nothing";
+/// Witness: a probe target refuses a register as poisoned.
+pub const SOMETIMES_PROBE_REFUSED_POISONED: &str = "sometimes: a probe is refused as poisoned";
+/// Witness: a target that was not probing refuses a register as poisoned.
+pub const SOMETIMES_REFUSAL_OUTSIDE_PROBE: &str =
+    "sometimes: a refusal as poisoned comes from a target that was not probing";
+/// Name of the `always` property that with arrivals on
+/// (`specs/protocol.md` §2.9 "Arrivals") an open target is never fenced
+/// for not being ready: no `Fence` of a target waiting for its arrival,
+/// and no passed deadline ends its wait.
+pub const ARRIVAL_NOT_FENCED: &str = "an open target is never fenced for not being ready";
+/// Name of the `always` property that with departures on
+/// (`specs/protocol.md` §2.8 "A departure") a lost target poisons
+/// nothing, whatever it was probing.
+pub const DEPARTURE_POISONS_NOTHING: &str = "a departure poisons nothing";
+/// Witness: with departures on, a target killed while it deserialized (a
+/// poison payload) is reported as a departure.
+pub const SOMETIMES_POISON_DEPARTED: &str =
+    "sometimes: a target killed while deserializing departs";
+/// Witness: with arrivals on, a replacement started at or after the time
+/// an ordinary one would have been fenced for not being ready joins.
+pub const SOMETIMES_LATE_ARRIVAL: &str =
+    "sometimes: an arrival joins after its target was open for a control timeout";
 /// Witness: a probed register is published with another target still
 /// live (the probe confirmed, then the broadcast confirmed).
 pub const SOMETIMES_PROBED_THEN_BROADCAST: &str =
@@ -207,6 +238,18 @@ pub const SOMETIMES_RUN_SKIPPED: &str = "sometimes: a cancelled run is skipped a
 pub const SOMETIMES_TASK_DEADLINE: &str = "sometimes: a task ends at its deadline";
 /// Witness: a stale result (of a lost process) is refused.
 pub const SOMETIMES_STALE_REFUSED: &str = "sometimes: a stale result is refused";
+/// Name of the `always` property that a control reply of a lost process
+/// reaching the parent after the loss (a stale reply) changes nothing,
+/// whatever the parent answers.
+pub const STALE_REPLY_CHANGES_NOTHING: &str = "a stale reply changes nothing";
+/// Witness: a stale reply reaches the parent while a later process of its
+/// slot joins (`specs/protocol.md` §2.9).
+pub const SOMETIMES_STALE_REPLY_JOINING: &str =
+    "sometimes: a stale reply arrives while its target's replacement joins";
+/// Witness: a stale reply reaches the parent after a later process of its
+/// slot joined.
+pub const SOMETIMES_STALE_REPLY_JOINED: &str =
+    "sometimes: a stale reply arrives after its target's replacement joined";
 
 /// Name of the `always` property that the machines' pure queries agree
 /// with their state and with each other.
@@ -292,10 +335,19 @@ fn run_skipped(_: &RegistrationModel, s: &State) -> bool {
 fn stale_refused(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::STALE_REFUSED != 0
 }
+fn stale_reply_changes_nothing(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::STALE_REPLY_CHANGED == 0
+}
+fn stale_reply_joining(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::STALE_REPLY_JOINING != 0
+}
+fn stale_reply_joined(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::STALE_REPLY_JOINED != 0
+}
 
 /// Invariant 10's goal: every script operation finished and the parent
 /// is idle: no operation (replays included) in flight, and no replacement
-/// being asked for (`specs/protocol.md` §2.9: a slot backing off or
+/// being asked for (`specs/protocol.md` §2.9: a target backing off or
 /// spawning still has work to do).
 fn all_complete(s: &State) -> bool {
     s.script_done() && s.parent.is_idle()
@@ -425,6 +477,30 @@ fn poisoned(_: &RegistrationModel, s: &State) -> bool {
 fn poison_refused(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::POISON_REFUSED != 0
 }
+fn refused_probe_not_sent(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::REFUSED_PROBE_SENT == 0
+}
+fn refusal_outside_probe_poisons_nothing(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::REFUSAL_OUTSIDE_PROBE_POISONED == 0
+}
+fn probe_refused_poisoned(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::PROBE_REFUSED_POISONED != 0
+}
+fn refusal_outside_probe(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::REFUSAL_OUTSIDE_PROBE != 0
+}
+fn arrival_not_fenced(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::ARRIVAL_FENCED == 0
+}
+fn departure_poisons_nothing(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::DEPARTURE_POISONED == 0
+}
+fn poison_departed(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::POISON_DEPARTED != 0
+}
+fn late_arrival(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::LATE_ARRIVAL_JOINED != 0
+}
 fn probed_then_broadcast(_: &RegistrationModel, s: &State) -> bool {
     s.client.iter().any(|c| {
         matches!(c, StepStatus::InFlight { probing: true, scope, .. } if scope.count_ones() >= 2)
@@ -489,6 +565,7 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         || config.probe_first != m.config.probe_first
         || config.respawn_limit != m.config.respawn_limit
         || config.respawn_backoff != RESPAWN_BACKOFF
+        || config.unbounded_spawn != m.config.arrivals
         || config.owner != OWNER
         || config.control_timeout != CONTROL_TIMEOUT
         || config.operation_timeout != OPERATION_TIMEOUT
@@ -575,13 +652,13 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         .into_iter()
         .filter(|op| op.0 > s.settling && !s.replays.contains(op))
         .collect();
-    let phases: Vec<SlotPhase> = (0..m.config.targets)
-        .map(|t| p.slot_phase(TargetId(t)))
+    let phases: Vec<TargetPhase> = (0..m.config.targets)
+        .map(|t| p.target_phase(TargetId(t)))
         .collect();
     let replacing = lifecycle == Lifecycle::Started
         && phases
             .iter()
-            .any(|ph| matches!(ph, SlotPhase::Spawning | SlotPhase::BackingOff(_)));
+            .any(|ph| matches!(ph, TargetPhase::Spawning | TargetPhase::BackingOff(_)));
     // The tasks in flight are those the driver saw submitted and not
     // ended, each as it was sent; a cancel awaits its answer only for a
     // task it was sent (§2.11).
@@ -618,31 +695,31 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         let id = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
         let live = p.is_target_live(id);
         let consistent = match phase {
-            SlotPhase::Joined => live || lifecycle != Lifecycle::Started,
-            SlotPhase::Joining => live,
-            SlotPhase::Spawning | SlotPhase::BackingOff(_) | SlotPhase::Lost => !live,
+            TargetPhase::Joined => live || lifecycle != Lifecycle::Started,
+            TargetPhase::Joining => live,
+            TargetPhase::Spawning | TargetPhase::BackingOff(_) | TargetPhase::Lost => !live,
         };
-        let spawning = *phase == SlotPhase::Spawning && lifecycle == Lifecycle::Started;
+        let spawning = *phase == TargetPhase::Spawning && lifecycle == Lifecycle::Started;
         let respawn = m.config.respawn_limit;
         if !consistent
-            || p.is_target_joined(id) != (live && *phase != SlotPhase::Joining)
+            || p.is_target_joined(id) != (live && *phase != TargetPhase::Joining)
             || s.spawns[index].is_some() != spawning
             || s.spawns[index].is_some_and(|i| i != p.incarnation(id))
             || (respawn == 0
                 && (p.incarnation(id) != 0
-                    || !matches!(phase, SlotPhase::Joined | SlotPhase::Lost)))
-            || (*phase != SlotPhase::Lost && p.failed_joins(id) >= respawn.max(1))
-            || (*phase == SlotPhase::Lost
+                    || !matches!(phase, TargetPhase::Joined | TargetPhase::Lost)))
+            || (*phase != TargetPhase::Lost && p.failed_joins(id) >= respawn.max(1))
+            || (*phase == TargetPhase::Lost
                 && respawn > 0
                 && p.failed_joins(id) != respawn
                 && !p.are_replacements_ended()
                 && lifecycle == Lifecycle::Started
                 && p.incarnation(id) > 0)
-            || (*phase == SlotPhase::Lost
+            || (*phase == TargetPhase::Lost
                 && p.failed_joins(id) > respawn
                 && lifecycle == Lifecycle::Started)
         {
-            return fail("Parent::slot_phase, incarnation, failed_joins or is_target_joined disagree with each other, with is_target_live or with the replacements the driver was asked for");
+            return fail("Parent::target_phase, incarnation, failed_joins or is_target_joined disagree with each other, with is_target_live or with the replacements the driver was asked for");
         }
     }
     if p.staged() != s.staged.keys().copied().collect::<Vec<_>>() {
@@ -654,7 +731,7 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         .iter()
         .enumerate()
         .filter_map(|(index, ph)| match ph {
-            SlotPhase::BackingOff(until) if lifecycle == Lifecycle::Started => {
+            TargetPhase::BackingOff(until) if lifecycle == Lifecycle::Started => {
                 let id = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
                 let n = u32::from(p.failed_joins(id)).saturating_sub(1).min(32);
                 Some((*until, RESPAWN_BACKOFF << n))
@@ -690,7 +767,10 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
         .spawn_due
         .iter()
         .enumerate()
-        .filter(|(i, _)| phases.get(*i) == Some(&SlotPhase::Spawning))
+        .filter(|(i, _)| phases.get(*i) == Some(&TargetPhase::Spawning))
+        // An arrival has none (§2.9 "Arrivals"): `poll_timeout` must not
+        // name one.
+        .filter(|_| !m.config.arrivals)
         .filter_map(|(_, due)| *due)
         .min()
         .map(Time);
@@ -758,6 +838,15 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
             .any(|b| b.0 <= OPERATION_TIMEOUT || b.0 > s.now + OPERATION_TIMEOUT)
     {
         return fail("Parent::poll_bound is not the earliest bound of an awaited control, is before poll_timeout, or is not OPERATION_TIMEOUT after its phase began");
+    }
+    // A lost process's replies answer nothing the parent awaits from its
+    // slot once it counts that process lost (a later process is sent only
+    // seqs issued after it was started).
+    if s.stale_replies.iter().any(|(t, incarnation, reply)| {
+        let lost = !p.is_target_live(*t) || p.incarnation(*t) != *incarnation;
+        lost && (p.awaits_reply(*t, reply.seq) || p.awaits_cancel(*t, reply.seq))
+    }) {
+        return fail("Parent::awaits_reply or awaits_cancel is true for a reply of a process the parent counts lost");
     }
     for (t, reply) in &s.replies {
         let awaited = p.awaits_reply(*t, reply.seq);
@@ -898,11 +987,19 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(POISON_NOT_PUBLISHED, poison_not_published),
         Property::always(POISON_NOT_SENT, poison_not_sent),
         Property::always(SILENCE_POISONS_NOTHING, silence_poisons_nothing),
+        Property::always(REFUSED_PROBE_NOT_SENT, refused_probe_not_sent),
+        Property::always(
+            REFUSAL_OUTSIDE_PROBE_POISONS_NOTHING,
+            refusal_outside_probe_poisons_nothing,
+        ),
+        Property::always(ARRIVAL_NOT_FENCED, arrival_not_fenced),
+        Property::always(DEPARTURE_POISONS_NOTHING, departure_poisons_nothing),
         Property::always(TASK_ONCE, task_once),
         Property::always(TASK_CANCELLED_NOT_RUN, task_cancelled_not_run),
         Property::always(TASK_RUN_ONCE, task_run_once),
         Property::always(TASK_RESULT_FROM_RUNNER, task_result_from_runner),
         Property::always(TASK_DEADLINE_FENCES, task_deadline_fences),
+        Property::always(STALE_REPLY_CHANGES_NOTHING, stale_reply_changes_nothing),
         Property::eventually(INV10_EVENTUALLY, inv10_eventually),
         Property::sometimes(SOMETIMES_PUBLISH, publishes),
         Property::sometimes(SOMETIMES_ROLLBACK, rolls_back),
@@ -922,6 +1019,8 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_POISONED, poisoned),
         Property::sometimes(SOMETIMES_POISON_REFUSED, poison_refused),
         Property::sometimes(SOMETIMES_PROBED_THEN_BROADCAST, probed_then_broadcast),
+        Property::sometimes(SOMETIMES_PROBE_REFUSED_POISONED, probe_refused_poisoned),
+        Property::sometimes(SOMETIMES_REFUSAL_OUTSIDE_PROBE, refusal_outside_probe),
         Property::sometimes(SOMETIMES_BOUND, bound_ends_heard),
         Property::sometimes(SOMETIMES_SPARED, spared_heard),
         Property::sometimes(SOMETIMES_SILENT_AFTER_HEARD, silent_after_heard),
@@ -937,12 +1036,16 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         ),
         Property::always(ALWAYS_NO_SPAWN_WITHOUT_TEMPLATE, no_spawn_without_template),
         Property::sometimes(SOMETIMES_BACKOFF, backoff_passed),
+        Property::sometimes(SOMETIMES_LATE_ARRIVAL, late_arrival),
+        Property::sometimes(SOMETIMES_POISON_DEPARTED, poison_departed),
         Property::sometimes(SOMETIMES_TASK_RESULT, task_result),
         Property::sometimes(SOMETIMES_TASK_CANCELLED, task_cancelled),
         Property::sometimes(SOMETIMES_CANCEL_REFUSED, cancel_refused),
         Property::sometimes(SOMETIMES_RUN_SKIPPED, run_skipped),
         Property::sometimes(SOMETIMES_TASK_DEADLINE, task_deadline),
         Property::sometimes(SOMETIMES_STALE_REFUSED, stale_refused),
+        Property::sometimes(SOMETIMES_STALE_REPLY_JOINING, stale_reply_joining),
+        Property::sometimes(SOMETIMES_STALE_REPLY_JOINED, stale_reply_joined),
     ]
 }
 
@@ -969,8 +1072,8 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
                 .map(TargetId)
                 .filter(|t| {
                     matches!(
-                        state.parent.slot_phase(*t),
-                        SlotPhase::Spawning | SlotPhase::BackingOff(_)
+                        state.parent.target_phase(*t),
+                        TargetPhase::Spawning | TargetPhase::BackingOff(_)
                     )
                 })
                 .map(|t| t.to_string())
@@ -987,7 +1090,7 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
                 if waiting.is_empty() {
                     String::new()
                 } else {
-                    format!(", and slots [{}] wait for a replacement", waiting.join(", "))
+                    format!(", and targets [{}] wait for a replacement", waiting.join(", "))
                 }
             )
         }),
@@ -1018,6 +1121,19 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
         _ if name == SILENCE_POISONS_NOTHING && !silence_poisons_nothing(model, state) => Some(
             "a probe target fenced for silence (no alive report for a control timeout) poisoned the digest it probed".to_owned(),
         ),
+        _ if name == REFUSED_PROBE_NOT_SENT && !refused_probe_not_sent(model, state) => Some(
+            "a register frame of a digest whose probe was refused as poisoned was sent after the refusal reached the parent".to_owned(),
+        ),
+        _ if name == REFUSAL_OUTSIDE_PROBE_POISONS_NOTHING
+            && !refusal_outside_probe_poisons_nothing(model, state) => Some(
+            "a refusal as poisoned from a target that was not probing poisoned a digest (see the last step)".to_owned(),
+        ),
+        _ if name == DEPARTURE_POISONS_NOTHING && !departure_poisons_nothing(model, state) => Some(
+            "with departures on, a target that left while probing poisoned the digest it probed (see the last step)".to_owned(),
+        ),
+        _ if name == ARRIVAL_NOT_FENCED && !arrival_not_fenced(model, state) => Some(
+            "with arrivals on, a target waiting for its arrival was fenced, or a passed deadline ended its wait (see the last step)".to_owned(),
+        ),
         _ if name == TASK_ONCE && !task_once(model, state) => Some(if state.seen & seen::TASK_DONE_TWICE != 0 {
             "a task ended twice (see the last step)".to_owned()
         } else {
@@ -1040,6 +1156,9 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
         ),
         _ if name == TASK_DEADLINE_FENCES && !task_deadline_fences(model, state) => Some(
             "at a passed deadline a task past its deadline did not end Deadline, or its target was not fenced".to_owned(),
+        ),
+        _ if name == STALE_REPLY_CHANGES_NOTHING && !stale_reply_changes_nothing(model, state) => Some(
+            "a reply of a lost process, reaching the parent after the loss, changed the parent (see the last step)".to_owned(),
         ),
         _ => None,
     }

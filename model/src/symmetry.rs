@@ -8,7 +8,7 @@
 //! installed digests with refcounts, tombstoned slots, slot, run and
 //! deserialization counts, the frames to it, the replies and task results
 //! from it, its end of file, the driver's bookkeeping, whether the parent counts it live and
-//! which of its in-transit answers the parent awaits, its slot's
+//! which of its in-transit answers the parent awaits, its
 //! replacement phase, incarnation and failed joins, and a replacement the
 //! driver was asked for), ties broken by id.
 //!
@@ -84,11 +84,18 @@ impl State {
                 result.hash(&mut hasher);
             }
         }
+        for (t, incarnation, reply) in &self.stale_replies {
+            if *t == id {
+                incarnation.hash(&mut hasher);
+                reply.seq.hash(&mut hasher);
+                reply.result.is_ok().hash(&mut hasher);
+            }
+        }
         self.eof[index].hash(&mut hasher);
         self.sides[index].hash(&mut hasher);
         self.parent.is_target_live(id).hash(&mut hasher);
-        // Its slot's replacement state (`specs/protocol.md` §2.9).
-        self.parent.slot_phase(id).hash(&mut hasher);
+        // Its replacement state (`specs/protocol.md` §2.9).
+        self.parent.target_phase(id).hash(&mut hasher);
         self.parent.incarnation(id).hash(&mut hasher);
         self.parent.failed_joins(id).hash(&mut hasher);
         self.spawns[index].hash(&mut hasher);
@@ -130,6 +137,12 @@ impl State {
         results.sort_by_key(|(t, _)| *t);
         let mut stale: Vec<_> = self.stale.iter().map(|(t, r)| (map(*t), *r)).collect();
         stale.sort();
+        let mut stale_replies: Vec<_> = self
+            .stale_replies
+            .iter()
+            .map(|(t, i, r)| (map(*t), *i, r.clone()))
+            .collect();
+        stale_replies.sort_by_key(|(t, i, r)| (*t, *i, r.seq));
         let task_log = self
             .task_log
             .iter()
@@ -184,6 +197,7 @@ impl State {
             tasks: self.tasks.clone(),
             results,
             stale,
+            stale_replies,
             task_log,
             delivering: self.delivering,
             now: self.now,
@@ -195,6 +209,7 @@ impl State {
             spawns,
             spawn_due,
             replays: self.replays.clone(),
+            refused_probes: self.refused_probes.clone(),
         }
     }
 }

@@ -68,7 +68,7 @@ def callreg_round(workers, method):
     deadline = time.monotonic() + 30
     while True:
         try:
-            if w.target_incarnation(0) > 0 and w.slot_phase(0) == "joined":
+            if w.target_incarnation(0) > 0 and w.target_phase(0) == "joined":
                 w.call(h, 3, target=0)
                 break
         except callreg.CallregError:

@@ -1,9 +1,10 @@
 """What a Worker tells of its targets: which serve, their processes,
-their slots' history, their tables."""
+their replacement history, their tables."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 from callreg import _callreg
@@ -62,35 +63,53 @@ class Inspection:
         the one forked at start, one more for each replacement."""
         return self._raw.target_incarnation(self._target_id(target))
 
-    def slot_phase(self, target: int) -> str:
-        """Where ``target``'s slot stands: ``"joined"`` (it serves),
+    def target_phase(self, target: int) -> str:
+        """Where ``target`` stands: ``"joined"`` (it serves),
         ``"backing_off"``, ``"spawning"`` or ``"joining"`` (a replacement
         is on its way), or ``"lost"`` (for good)."""
-        return self._raw.slot_phase(self._target_id(target))
+        return self._raw.target_phase(self._target_id(target))
 
-    def slot_state(self, target: int) -> tuple[str, int]:
-        """``(slot_phase(target), target_incarnation(target))`` read
+    def target_state(self, target: int) -> tuple[str, int]:
+        """``(target_phase(target), target_incarnation(target))`` read
         together: the phase is that incarnation's. Two separate calls can
         pair a lost process's phase with its replacement's incarnation;
         poll this one to wait for a replacement, e.g. until it returns
         ``("joined", 1)``. Raises ``ValueError`` for a target that does
         not exist."""
-        phase, incarnation = self._raw.slot_state(self._target_id(target))
+        phase, incarnation = self._raw.target_state(self._target_id(target))
         return phase, incarnation
 
-    def slot_events(self) -> list[dict[str, Any]]:
-        """What happened to target slots since start, oldest first (the
+    def target_events(self) -> list[dict[str, Any]]:
+        """What happened to targets since start, oldest first (the
         last 1024), as dicts: ``{"event": "lost", "target", "incarnation",
         "cause"}`` (a process was lost, and why),
         ``{"event": "spawned", "target", "incarnation", "pid"}``, ``{"event": "spawn_failed", "target", "incarnation",
         "reason"}``, ``{"event": "joined", "target", "incarnation"}``,
         ``{"event": "join_failed", "target", "incarnation", "failure":
         {"code", "message"}}``, ``{"event": "template_lost", "cause"}``
-        (the process that starts replacements is gone: every slot lost
+        (the process that starts replacements is gone: every target lost
         from then on is abandoned at once), ``{"event": "abandoned",
         "target", "failed_joins"}``."""
-        events: list[dict[str, Any]] = json.loads(self._raw.slot_events_json())
+        events: list[dict[str, Any]] = json.loads(self._raw.target_events_json())
         return events
+
+    def slot_phase(self, target: int) -> str:
+        """Deprecated alias of :meth:`target_phase` (warns
+        ``DeprecationWarning``)."""
+        _deprecated("slot_phase", "target_phase")
+        return self.target_phase(target)
+
+    def slot_state(self, target: int) -> tuple[str, int]:
+        """Deprecated alias of :meth:`target_state` (warns
+        ``DeprecationWarning``)."""
+        _deprecated("slot_state", "target_state")
+        return self.target_state(target)
+
+    def slot_events(self) -> list[dict[str, Any]]:
+        """Deprecated alias of :meth:`target_events` (warns
+        ``DeprecationWarning``)."""
+        _deprecated("slot_events", "target_events")
+        return self.target_events()
 
     def inspect(self) -> dict[str, Any]:
         """The parent's registry and every live target's table, as dicts
@@ -106,3 +125,9 @@ class Inspection:
                 raise_error(failure)
             tables = {entry["target"]: entry["table"] for entry in listed}
         return {"registry": registry, "targets": tables}
+
+
+def _deprecated(old: str, new: str) -> None:
+    """Warns that ``Worker.old`` is deprecated in favour of ``Worker.new``,
+    pointing at the caller of the deprecated method."""
+    warnings.warn("Worker.%s is deprecated; use Worker.%s" % (old, new), DeprecationWarning, stacklevel=3)

@@ -84,9 +84,9 @@ class Worker(Inspection):
     template process made at :meth:`start`; it is given every live
     callable and serves (is in :attr:`targets` again) once it installed
     them all. ``respawn_limit`` (default 3; 0: no replacements) is how many
-    replacements of one slot in a row may be lost before they join (a
-    callable that kills every new process); after that the slot stays lost
-    and :meth:`slot_events` says so. ``respawn_backoff`` (seconds, default
+    replacements of one target in a row may be lost before they join (a
+    callable that kills every new process); after that the target stays lost
+    and :meth:`target_events` says so. ``respawn_backoff`` (seconds, default
     0.1) is the wait before the second replacement in a row, doubling for
     each further one; the first comes at once.
     The template process is a child of this process: killing it kills

@@ -70,6 +70,8 @@ struct RawHandle {
     handle: Handle,
 }
 
+mod parent;
+
 #[pymethods]
 impl RawHandle {
     /// `"sha256:"` and 64 lowercase hex digits.
@@ -94,6 +96,23 @@ impl RawHandle {
     #[getter]
     fn handle_id(&self) -> u64 {
         self.handle.handle_id
+    }
+
+    /// The handle's JSON form (`specs/design.md` §4.1: namespace, hashid,
+    /// handle id, owner), to carry it between processes of one registry.
+    fn to_json(&self) -> String {
+        self.handle.to_json()
+    }
+
+    /// The handle of a JSON form made by [`RawHandle::to_json`].
+    ///
+    /// # Errors
+    /// `ValueError` for any other text.
+    #[staticmethod]
+    fn from_json(text: &str) -> PyResult<RawHandle> {
+        Handle::from_json(text)
+            .map(|handle| RawHandle { handle })
+            .map_err(|e| PyValueError::new_err(format!("not a handle: {e}")))
     }
 }
 
@@ -708,28 +727,28 @@ impl RawWorker {
         self.worker.target_loss(TargetId(target))
     }
 
-    /// The incarnation of a target slot's current (or next) process: 0
+    /// The incarnation of a target's current (or next) process: 0
     /// for the one forked at start, one more per replacement.
     fn target_incarnation(&self, target: u16) -> u32 {
         self.worker.target_incarnation(TargetId(target))
     }
 
-    /// Where a target slot stands: `"joined"`, `"backing_off"`,
+    /// Where a target stands: `"joined"`, `"backing_off"`,
     /// `"spawning"`, `"joining"` or `"lost"`.
-    fn slot_phase(&self, target: u16) -> &'static str {
-        phase_name(self.worker.slot_phase(TargetId(target)))
+    fn target_phase(&self, target: u16) -> &'static str {
+        phase_name(self.worker.target_phase(TargetId(target)))
     }
 
-    /// `(slot_phase, target_incarnation)` of a target slot, read together.
-    fn slot_state(&self, target: u16) -> (&'static str, u32) {
-        let (phase, incarnation) = self.worker.slot_state(TargetId(target));
+    /// `(target_phase, target_incarnation)` of a target, read together.
+    fn target_state(&self, target: u16) -> (&'static str, u32) {
+        let (phase, incarnation) = self.worker.target_state(TargetId(target));
         (phase_name(phase), incarnation)
     }
 
-    /// What happened to replaced slots, oldest first, as JSON (a list of
+    /// What happened to replaced targets, oldest first, as JSON (a list of
     /// `{"event": …, "target": …, …}`).
-    fn slot_events_json(&self) -> String {
-        serde_json::to_string(&self.worker.slot_events()).unwrap_or_else(|_| "[]".to_owned())
+    fn target_events_json(&self) -> String {
+        serde_json::to_string(&self.worker.target_events()).unwrap_or_else(|_| "[]".to_owned())
     }
 
     /// The parent's registry snapshot, JSON (`specs/metadata.md` §7).
@@ -847,6 +866,7 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RawWorker>()?;
     m.add_class::<RawHandle>()?;
     m.add_class::<RawPending>()?;
+    m.add_class::<parent::RawParent>()?;
     m.add("RawError", m.py().get_type::<RawError>())?;
     m.add_function(wrap_pyfunction!(encode_envelope, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_hashid, m)?)?;
@@ -860,13 +880,13 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The Python name of a slot phase.
-fn phase_name(phase: callreg::protocol::SlotPhase) -> &'static str {
+/// The Python name of a target phase.
+fn phase_name(phase: callreg::protocol::TargetPhase) -> &'static str {
     match phase {
-        callreg::protocol::SlotPhase::Joined => "joined",
-        callreg::protocol::SlotPhase::BackingOff(_) => "backing_off",
-        callreg::protocol::SlotPhase::Spawning => "spawning",
-        callreg::protocol::SlotPhase::Joining => "joining",
-        callreg::protocol::SlotPhase::Lost => "lost",
+        callreg::protocol::TargetPhase::Joined => "joined",
+        callreg::protocol::TargetPhase::BackingOff(_) => "backing_off",
+        callreg::protocol::TargetPhase::Spawning => "spawning",
+        callreg::protocol::TargetPhase::Joining => "joining",
+        callreg::protocol::TargetPhase::Lost => "lost",
     }
 }

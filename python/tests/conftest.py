@@ -46,3 +46,10 @@ def nothing_left():
     gc.collect()
     assert staged_left() == []
     assert children() - before == set()
+
+
+def pytest_collection_modifyitems(items):
+    """callreg.dask's tests run last: distributed starts threads (its event
+    loop, its offload pool) that live as long as this process, and earlier
+    tests fork with no other thread running."""
+    items.sort(key=lambda item: item.module.__name__.endswith("test_dask"))

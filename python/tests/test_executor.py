@@ -133,7 +133,7 @@ def test_initializer_runs_in_every_target_and_replacement():
         old = ex.worker.target_pid(0)
         os.kill(old, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while ex.worker.target_incarnation(0) == 0 or ex.worker.slot_phase(0) != "joined":
+        while ex.worker.target_incarnation(0) == 0 or ex.worker.target_phase(0) != "joined":
             assert time.monotonic() < deadline
             time.sleep(0.01)
         value, pid = ex.worker.call(h, target=0)
@@ -169,10 +169,10 @@ def test_a_replacement_whose_initializer_raises_is_lost_with_the_reason(tmp_path
         open(marker, "w").close()
         os.kill(ex.worker.target_pid(0), signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while not any(e["event"] == "abandoned" for e in ex.worker.slot_events()):
-            assert time.monotonic() < deadline, ex.worker.slot_events()
+        while not any(e["event"] == "abandoned" for e in ex.worker.target_events()):
+            assert time.monotonic() < deadline, ex.worker.target_events()
             time.sleep(0.01)
-        causes = [e["cause"] for e in ex.worker.slot_events() if e["event"] == "lost"]
+        causes = [e["cause"] for e in ex.worker.target_events() if e["event"] == "lost"]
         assert len(causes) == 2, causes
         assert causes[1].startswith(
             "the target could not start: RuntimeError: the target initializer failed: marked\n"

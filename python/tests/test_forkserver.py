@@ -49,10 +49,10 @@ def callreg_shm():
     return sorted(name for name in os.listdir("/dev/shm") if "callreg" in name)
 
 
-def wait_for_slot(worker, target, phase, incarnation, timeout=20.0):
+def wait_for_target(worker, target, phase, incarnation, timeout=20.0):
     deadline = time.monotonic() + timeout
-    while worker.slot_state(target) != (phase, incarnation):
-        assert time.monotonic() < deadline, worker.slot_events()
+    while worker.target_state(target) != (phase, incarnation):
+        assert time.monotonic() < deadline, worker.target_events()
         time.sleep(0.005)
 
 
@@ -125,7 +125,7 @@ def test_forkserver_serves_registers_calls_maps_and_replaces_a_killed_target():
         assert list(w.map(before, range(6))) == [0, 1, 4, 9, 16, 25]
         assert w.submit(after, 3).result() == 27
         os.kill(pids[1], signal.SIGKILL)
-        wait_for_slot(w, 1, "joined", 1)
+        wait_for_target(w, 1, "joined", 1)
         new = w.target_pid(1)
         assert new != pids[1]
         assert parent_of(new) == template

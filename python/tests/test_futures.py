@@ -277,7 +277,7 @@ def test_a_target_out_of_range_is_a_value_error(worker):
         lambda: worker.submit(h, 1, target=2),
         lambda: worker.call(h, 1, target=-1),
         lambda: worker.target_pid(5),
-        lambda: worker.slot_phase(2),
+        lambda: worker.target_phase(2),
         lambda: worker.target_incarnation(9),
     ):
         with pytest.raises(ValueError, match=r"target must be in 0\.\.1 \(the Worker's 2 target ids\), got "):

@@ -176,7 +176,7 @@ def test_a_callable_that_kills_its_target_at_unpickle_costs_one_target():
         assert [w.target_pid(t) for t in (1, 2)] == pids
         # The lost target is replaced (given what is live, never the
         # poisoned callable): the Worker keeps all its targets.
-        _wait_for_slot(w, 0, "joined", 1)
+        _wait_for_target(w, 0, "joined", 1)
         assert w.targets == [0, 1, 2]
         assert w.call_all(good, 3) == {0: 9, 1: 9, 2: 9}
         late = w.register(lambda x: x + 1)
@@ -591,10 +591,10 @@ def test_default_targets_are_one_per_cpu_and_with_closes():
 # Replacement targets
 
 
-def _wait_for_slot(w, target, phase, incarnation, timeout=20):
+def _wait_for_target(w, target, phase, incarnation, timeout=20):
     deadline = time.monotonic() + timeout
-    while w.slot_state(target) != (phase, incarnation):
-        assert time.monotonic() < deadline, (w.slot_phase(target), w.target_incarnation(target), w.slot_events())
+    while w.target_state(target) != (phase, incarnation):
+        assert time.monotonic() < deadline, (w.target_phase(target), w.target_incarnation(target), w.target_events())
         time.sleep(0.005)
 
 
@@ -609,11 +609,11 @@ def test_a_killed_target_is_replaced_and_holds_every_callable():
         after = w.register(cube)
         old = w.target_pid(1)
         os.kill(old, signal.SIGKILL)
-        _wait_for_slot(w, 1, "joined", 1)
+        _wait_for_target(w, 1, "joined", 1)
         new = w.target_pid(1)
         assert new != old
         assert w.targets == [0, 1]
-        assert w.slot_events() == [
+        assert w.target_events() == [
             {
                 "event": "lost",
                 "target": 1,
@@ -629,21 +629,36 @@ def test_a_killed_target_is_replaced_and_holds_every_callable():
         assert [tables[t]["incarnation"] for t in (0, 1)] == [0, 1]
         installed = {t: sorted((e["hashid"], e["refcount"]) for e in tables[t]["installed"]) for t in (0, 1)}
         assert installed[0] == installed[1] == sorted([(before.hashid, 1), (after.hashid, 1)])
-        assert w.target_incarnation(0) == 0 and w.slot_phase(0) == "joined"
+        assert w.target_incarnation(0) == 0 and w.target_phase(0) == "joined"
 
 
-def test_slot_state_reads_the_phase_and_incarnation_together():
+def test_target_state_reads_the_phase_and_incarnation_together():
     with callreg.Worker(2) as w:
-        assert w.slot_state(1) == ("joined", 0)
+        assert w.target_state(1) == ("joined", 0)
         w.start()
-        assert w.slot_state(1) == ("joined", 0)
+        assert w.target_state(1) == ("joined", 0)
         os.kill(w.target_pid(1), signal.SIGKILL)
-        _wait_for_slot(w, 1, "joined", 1)
-        assert w.slot_state(1) == (w.slot_phase(1), w.target_incarnation(1)) == ("joined", 1)
-        assert w.slot_state(0) == ("joined", 0)
+        _wait_for_target(w, 1, "joined", 1)
+        assert w.target_state(1) == (w.target_phase(1), w.target_incarnation(1)) == ("joined", 1)
+        assert w.target_state(0) == ("joined", 0)
         with pytest.raises(ValueError):
-            w.slot_state(2)
-    assert w.slot_state(0) == ("lost", 0)
+            w.target_state(2)
+    assert w.target_state(0) == ("lost", 0)
+
+
+def test_the_slot_names_are_deprecated_aliases_of_the_target_names():
+    with callreg.Worker(2) as w:
+        w.start()
+        os.kill(w.target_pid(1), signal.SIGKILL)
+        _wait_for_target(w, 1, "joined", 1)
+        with pytest.warns(DeprecationWarning, match=r"^Worker\.slot_phase is deprecated; use Worker\.target_phase$"):
+            assert w.slot_phase(1) == w.target_phase(1) == "joined"
+        with pytest.warns(DeprecationWarning, match=r"^Worker\.slot_state is deprecated; use Worker\.target_state$"):
+            assert w.slot_state(1) == w.target_state(1) == ("joined", 1)
+        with pytest.warns(DeprecationWarning, match=r"^Worker\.slot_events is deprecated; use Worker\.target_events$"):
+            events = w.slot_events()
+        assert events == w.target_events()
+        assert [e["event"] for e in events] == ["lost", "spawned", "joined"]
 
 
 def test_without_replacements_a_killed_target_stays_lost():
@@ -651,11 +666,11 @@ def test_without_replacements_a_killed_target_stays_lost():
         w.start()
         os.kill(w.target_pid(1), signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while w.slot_phase(1) != "lost":
+        while w.target_phase(1) != "lost":
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert w.targets == [0]
-        assert w.slot_events() == []
+        assert w.target_events() == []
         assert w.target_incarnation(1) == 0
 
 
@@ -695,8 +710,8 @@ def test_a_callable_that_kills_every_new_process_stops_at_the_rate_limit():
             w.start()
         assert info.value.code == "REGISTER_PARTIAL_FAILURE"
         assert info.value.outcomes == {0: "failed (TARGET_LOST: the target exited with status 5 before it was ready)"}
-        _wait_for_slot(w, 0, "lost", 2)
-        events = [(e["event"], e.get("incarnation", e.get("failed_joins"))) for e in w.slot_events()]
+        _wait_for_target(w, 0, "lost", 2)
+        events = [(e["event"], e.get("incarnation", e.get("failed_joins"))) for e in w.target_events()]
         assert events == [
             ("lost", 0),
             ("spawned", 1),
@@ -705,7 +720,7 @@ def test_a_callable_that_kills_every_new_process_stops_at_the_rate_limit():
             ("lost", 2),
             ("abandoned", 2),
         ]
-        causes = [e["cause"] for e in w.slot_events() if e["event"] == "lost"]
+        causes = [e["cause"] for e in w.target_events() if e["event"] == "lost"]
         assert causes == [
             "at start: failed (TARGET_LOST: the target exited with status 5 before it was ready)",
             "its reply socket closed; it exited with status 5",

@@ -19,13 +19,13 @@
 //!   30): how long a target
 //!   has to answer a register or unregister, and to be ready at start.
 //! * `respawn_limit` (optional, an integer from 0 to 65535, default 3, the
-//!   Worker's): how many replacements of one target slot in a row may be
-//!   lost before they join before the slot is given up
+//!   Worker's): how many replacements of one target in a row may be
+//!   lost before they join before the target is given up
 //!   (`WorkerBuilder::respawn_limit`, `specs/protocol.md` §2.9); 0: a lost
 //!   target is not replaced.
 //! * `respawn_backoff_s` (optional, seconds from 0 to 86400, default 0.1,
 //!   the Worker's): the wait before the second replacement in a row of one
-//!   slot, doubling for each further one (`WorkerBuilder::respawn_backoff`).
+//!   target, doubling for each further one (`WorkerBuilder::respawn_backoff`).
 //! * `probe_first` (optional, a boolean, default true): whether a register
 //!   of a callable no target has installed goes to one target first
 //!   (`WorkerBuilder::probe_first`, `specs/protocol.md` §2.8).
@@ -100,7 +100,7 @@ pub struct Plan {
     pub targets: u16,
     /// The Worker's control timeout.
     pub control_timeout: Duration,
-    /// Replacements of one slot in a row that may be lost before they
+    /// Replacements of one target in a row that may be lost before they
     /// join (0: no replacements); passed to `WorkerBuilder::respawn_limit`.
     pub respawn_limit: u16,
     /// Passed to `WorkerBuilder::respawn_backoff`.

@@ -3,7 +3,7 @@
 //! [`super::lead`]) gives its result to the caller thread waiting for it.
 //!
 //! One [`Completer`] (kept with the IO state) and one [`Pending`] (kept by
-//! the caller) share a slot guarded by a mutex and a condition variable.
+//! the caller) share a state guarded by a mutex and a condition variable.
 //! Completing twice is impossible (the completer is consumed); a completer
 //! dropped without completing (the Worker closed) wakes the caller with
 //! [`Abandoned`] instead of leaving it blocked forever.
@@ -83,7 +83,7 @@ pub fn channel<T>() -> (Completer<T>, Pending<T>) {
 
 impl<T> Completer<T> {
     /// Stores `value` and wakes the waiting caller (or runs its callback,
-    /// in this thread, after the slot's lock is released).
+    /// in this thread, after the shared state's lock is released).
     pub fn complete(mut self, value: T) {
         if let Some(shared) = self.shared.take() {
             finish(&shared, Ok(value));
@@ -180,8 +180,8 @@ impl<T> Pending<T> {
     /// Hands the result to `callback` instead of waiting for it: the
     /// callback runs exactly once, with the result or [`Abandoned`], in the
     /// thread that completes (or abandons) the operation, or at once in
-    /// this thread when that already happened. It runs without the slot's
-    /// lock held; it must not block for long (in a Worker it runs on the
+    /// this thread when that already happened. It runs without the shared
+    /// state's lock held; it must not block for long (in a Worker it runs on the
     /// thread that read the reply: hand the value on, e.g. into a channel).
     /// A panic in it is contained when another thread runs it (the panic
     /// hook reports it; that thread goes on), and unwinds this thread's

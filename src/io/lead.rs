@@ -47,6 +47,8 @@
 
 use std::time::Instant;
 
+use nix::unistd::Pid;
+
 pub(crate) mod os;
 mod run;
 
@@ -56,17 +58,37 @@ pub use run::{
     finish, lead, release, step_down, Locked, Owed, PollFailed, Poller, Readiness, StateLock,
 };
 
-/// What the IO thread and the leader each watch. Link indices are target
-/// indices; a link is named by its index and process id, so a link lost
-/// and replaced (a new process in the same slot) is a different link.
+/// A link to one target's process, named by the target's index and the
+/// process id: a link lost and replaced (a new process for the same
+/// target) is a different link.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct LinkId {
+    /// The target's index.
+    pub index: usize,
+    /// The process id of the target's current process.
+    pub pid: Pid,
+}
+
+impl LinkId {
+    /// The link to process `pid` of the target at `index`.
+    pub const fn new(index: usize, pid: Pid) -> Self {
+        LinkId { index, pid }
+    }
+}
+
+/// Per target index: the process whose socket is watched, if any.
+type Watched = Vec<Option<Pid>>;
+
+/// What the IO thread and the leader each watch, per target index: the
+/// process (the link, [`LinkId`]) whose socket is watched, if any.
 #[derive(Debug, Default)]
 pub struct Watch {
-    /// Per index: the pid whose reply socket the IO thread's current `poll`
-    /// reads, or 0.
-    io_replies: Vec<i32>,
-    /// Per index: the pid whose control socket the IO thread's current
-    /// `poll` waits to write, or 0.
-    io_controls: Vec<i32>,
+    /// Per index: the process whose reply socket the IO thread's current
+    /// `poll` reads, if any.
+    io_replies: Watched,
+    /// Per index: the process whose control socket the IO thread's current
+    /// `poll` waits to write, if any.
+    io_controls: Watched,
     /// When the IO thread's current `poll` returns at the latest (`None`:
     /// only an event ends it).
     io_deadline: Option<Instant>,
@@ -75,8 +97,8 @@ pub struct Watch {
 
 #[derive(Debug)]
 struct Leader {
-    /// Per index: the pid whose reply socket the leader reads, or 0.
-    replies: Vec<i32>,
+    /// Per index: the process whose reply socket the leader reads, if any.
+    replies: Watched,
     /// When the leader's current `poll` returns at the latest.
     deadline: Option<Instant>,
 }
@@ -84,13 +106,13 @@ struct Leader {
 /// What a thread leaving the state lock leaves for others to watch.
 #[derive(Clone, Copy, Debug)]
 pub struct Left<'a> {
-    /// Every live link: (index, pid).
-    pub live: &'a [(usize, i32)],
+    /// Every live link.
+    pub live: &'a [LinkId],
     /// Whether any reply is expected from any target (a task, a control,
     /// an inspection, a ready report).
     pub expecting: bool,
-    /// Links with control bytes not yet written: (index, pid).
-    pub unsent: &'a [(usize, i32)],
+    /// Links with control bytes not yet written.
+    pub unsent: &'a [LinkId],
     /// The earliest deadline anything waits on.
     pub deadline: Option<Instant>,
     /// Whether the IO thread has work of its own queued (payloads to free
@@ -98,15 +120,17 @@ pub struct Left<'a> {
     pub chores: bool,
 }
 
-fn pid_at(pids: &[i32], index: usize) -> i32 {
-    pids.get(index).copied().unwrap_or(0)
+/// Whether `watched` watches `link` (its index, with its process).
+fn watches(watched: &[Option<Pid>], link: LinkId) -> bool {
+    watched.get(link.index).copied().flatten() == Some(link.pid)
 }
 
-fn set_at(pids: &mut Vec<i32>, index: usize, pid: i32) {
-    if pids.len() <= index {
-        pids.resize(index + 1, 0);
+/// `watched` watches `link` (in place of any other process at its index).
+fn watch(watched: &mut Watched, link: LinkId) {
+    if watched.len() <= link.index {
+        watched.resize(link.index + 1, None);
     }
-    pids[index] = pid;
+    watched[link.index] = Some(link.pid);
 }
 
 fn earlier(a: Option<Instant>, than: Option<Instant>) -> bool {
@@ -118,30 +142,30 @@ fn earlier(a: Option<Instant>, than: Option<Instant>) -> bool {
 }
 
 impl Watch {
-    /// Whether a leader reads the reply socket of link (`index`, `pid`).
-    pub fn leader_reads(&self, index: usize, pid: i32) -> bool {
+    /// Whether a leader reads the reply socket of `link`.
+    pub fn leader_reads(&self, link: LinkId) -> bool {
         self.leader
             .as_ref()
-            .is_some_and(|l| pid != 0 && pid_at(&l.replies, index) == pid)
+            .is_some_and(|l| watches(&l.replies, link))
     }
 
-    /// Whether the IO thread's current `poll` reads the reply socket of link
-    /// (`index`, `pid`).
-    pub fn io_reads(&self, index: usize, pid: i32) -> bool {
-        pid != 0 && pid_at(&self.io_replies, index) == pid
+    /// Whether the IO thread's current `poll` reads the reply socket of
+    /// `link`.
+    pub fn io_reads(&self, link: LinkId) -> bool {
+        watches(&self.io_replies, link)
     }
 
     /// Whether the IO thread's current `poll` reads the reply socket of every
     /// link of `live` (and there is one): a caller then follows rather
     /// than lead, or both would be woken by every reply.
-    pub fn io_reads_all(&self, live: &[(usize, i32)]) -> bool {
-        !live.is_empty() && live.iter().all(|&(index, pid)| self.io_reads(index, pid))
+    pub fn io_reads_all(&self, live: &[LinkId]) -> bool {
+        !live.is_empty() && live.iter().all(|&link| self.io_reads(link))
     }
 
     /// Whether someone (the IO thread's current `poll` or the leader)
-    /// reads the reply socket of link (`index`, `pid`).
-    pub fn reads(&self, index: usize, pid: i32) -> bool {
-        self.io_reads(index, pid) || self.leader_reads(index, pid)
+    /// reads the reply socket of `link`.
+    pub fn reads(&self, link: LinkId) -> bool {
+        self.io_reads(link) || self.leader_reads(link)
     }
 
     /// Whether a leader leads.
@@ -155,24 +179,24 @@ impl Watch {
     /// `deadline` at the latest. Returns which links' reply sockets to read.
     pub fn plan_io(
         &mut self,
-        live: &[(usize, i32)],
+        live: &[LinkId],
         expecting: bool,
-        unsent: &[(usize, i32)],
+        unsent: &[LinkId],
         deadline: Option<Instant>,
-    ) -> Vec<(usize, i32)> {
-        self.io_replies.iter_mut().for_each(|p| *p = 0);
-        self.io_controls.iter_mut().for_each(|p| *p = 0);
+    ) -> Vec<LinkId> {
+        self.io_replies.fill(None);
+        self.io_controls.fill(None);
         let mut reads = Vec::new();
         if expecting {
-            for &(index, pid) in live {
-                if !self.leader_reads(index, pid) {
-                    set_at(&mut self.io_replies, index, pid);
-                    reads.push((index, pid));
+            for &link in live {
+                if !self.leader_reads(link) {
+                    watch(&mut self.io_replies, link);
+                    reads.push(link);
                 }
             }
         }
-        for &(index, pid) in unsent {
-            set_at(&mut self.io_controls, index, pid);
+        for &link in unsent {
+            watch(&mut self.io_controls, link);
         }
         self.io_deadline = deadline;
         reads
@@ -180,7 +204,7 @@ impl Watch {
 
     /// Makes the calling thread the leader, reading every link of `live`,
     /// unless a leader leads already (`false`: follow).
-    pub fn try_lead(&mut self, live: &[(usize, i32)]) -> bool {
+    pub fn try_lead(&mut self, live: &[LinkId]) -> bool {
         if self.leader.is_some() {
             return false;
         }
@@ -194,25 +218,22 @@ impl Watch {
 
     /// The leader's links changed (one lost, one replaced): it now reads
     /// every link of `live`.
-    pub fn relead(&mut self, live: &[(usize, i32)]) {
+    pub fn relead(&mut self, live: &[LinkId]) {
         if let Some(leader) = &mut self.leader {
-            leader.replies.iter_mut().for_each(|p| *p = 0);
-            for &(index, pid) in live {
-                set_at(&mut leader.replies, index, pid);
+            leader.replies.fill(None);
+            for &link in live {
+                watch(&mut leader.replies, link);
             }
         }
     }
 
     /// Whether the leader reads exactly the links of `live`.
-    pub fn leads_over(&self, live: &[(usize, i32)]) -> bool {
+    pub fn leads_over(&self, live: &[LinkId]) -> bool {
         let Some(leader) = &self.leader else {
             return false;
         };
-        let count = leader.replies.iter().filter(|p| **p != 0).count();
-        count == live.len()
-            && live
-                .iter()
-                .all(|&(index, pid)| pid_at(&leader.replies, index) == pid)
+        let count = leader.replies.iter().flatten().count();
+        count == live.len() && live.iter().all(|&link| watches(&leader.replies, link))
     }
 
     /// The leader's next `poll` returns by `deadline` at the latest.
@@ -236,13 +257,13 @@ impl Watch {
         if left.chores {
             return true;
         }
-        if left.expecting && left.live.iter().any(|&(i, pid)| !self.reads(i, pid)) {
+        if left.expecting && left.live.iter().any(|&link| !self.reads(link)) {
             return true;
         }
         if left
             .unsent
             .iter()
-            .any(|&(i, pid)| pid_at(&self.io_controls, i) != pid)
+            .any(|&link| !watches(&self.io_controls, link))
         {
             return true;
         }
@@ -270,7 +291,12 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    const LIVE: &[(usize, i32)] = &[(0, 100), (1, 101)];
+    /// The link to process `pid` of target `index`.
+    const fn link(index: usize, pid: i32) -> LinkId {
+        LinkId::new(index, Pid::from_raw(pid))
+    }
+
+    const LIVE: &[LinkId] = &[link(0, 100), link(1, 101)];
 
     fn left(expecting: bool, deadline: Option<Instant>) -> Left<'static> {
         Left {
@@ -307,8 +333,8 @@ mod tests {
         assert!(!watch.io_must_wake(left(true, None)));
         // The IO thread leaves the leader's links alone.
         assert_eq!(watch.plan_io(LIVE, true, &[], None), vec![]);
-        // A replacement in slot 1 is a link the leader does not read.
-        let replaced = [(0, 100), (1, 202)];
+        // A replacement for target 1 is a link the leader does not read.
+        let replaced = [link(0, 100), link(1, 202)];
         let after = Left {
             live: &replaced,
             ..left(true, None)
@@ -343,7 +369,7 @@ mod tests {
     #[test]
     fn unsent_bytes_wake_the_io_thread_unless_it_waits_to_write_them() {
         let mut watch = Watch::default();
-        let unsent = [(1, 101)];
+        let unsent = [link(1, 101)];
         let with_unsent = Left {
             unsent: &unsent,
             ..left(false, None)
@@ -351,8 +377,8 @@ mod tests {
         assert!(watch.io_must_wake(with_unsent));
         watch.plan_io(LIVE, false, &unsent, None);
         assert!(!watch.io_must_wake(with_unsent));
-        // Another process in that slot is another socket.
-        let other = [(1, 202)];
+        // Another process for that target is another socket.
+        let other = [link(1, 202)];
         assert!(watch.io_must_wake(Left {
             unsent: &other,
             ..left(false, None)
@@ -367,7 +393,7 @@ mod tests {
         assert!(watch.io_reads_all(LIVE));
         assert!(!watch.io_reads_all(&[]));
         // A link it does not read (a replacement) is one to lead for.
-        assert!(!watch.io_reads_all(&[(0, 100), (1, 202)]));
+        assert!(!watch.io_reads_all(&[link(0, 100), link(1, 202)]));
         watch.plan_io(LIVE, false, &[], None);
         assert!(!watch.io_reads_all(LIVE));
     }

@@ -11,7 +11,7 @@
 //! * [`slots`] — a target's slot table shared by its two threads;
 //! * [`target`] — the target process: snapshot, control and task threads;
 //! * [`worker`] — the [`Worker`]: builder, operations, the IO thread;
-//! * [`zygote`] — a thread-free template process that forks replacement
+//! * [`zygote`] — the template process: thread-free, it forks replacement
 //!   targets after start (and, started by `exec` for
 //!   [`StartMethod::Forkserver`], every target);
 //! * [`failpoints`] — fault injection points (cargo feature `failpoints`).

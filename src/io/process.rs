@@ -39,7 +39,7 @@
 //! [`TrackedFd`]), not the interpreter's open files.
 //!
 //! After start the parent runs threads and never forks again: a target
-//! forked later comes from a zygote's template process
+//! forked later comes from the template process
 //! ([`super::zygote`]), which forks it with the same per-fork code as
 //! [`spawn_targets`] and reaps it; [`TargetProcess`] hides the difference.
 //!
@@ -134,7 +134,7 @@ extern "C" fn after_fork_in_child() {
     }
 }
 
-/// Runs in a zygote's template right after fork: it is no target, so
+/// Runs in the template process right after fork: it is no target, so
 /// the at-fork handler of a target it was forked from (a Worker built
 /// inside a target) must leave alone the descriptors it forks with, which
 /// may reuse the numbers of that target's (closed) channels.
@@ -215,8 +215,8 @@ pub struct TargetEnds {
 /// SIGKILL and reaps it, so no zombie is left.
 ///
 /// A target is either the parent's own child ([`spawn_targets`]) or a
-/// zygote's replacement ([`super::zygote::Zygote::spawn`]), a child of
-/// the zygote's template process: the methods mean the same for both (for
+/// replacement ([`super::zygote::Zygote::spawn`]), a child of the
+/// template process: the methods mean the same for both (for
 /// a replacement, the template reaps it and reports how it ended, see
 /// [`super::zygote`]).
 #[derive(Debug)]
@@ -237,10 +237,10 @@ pub struct TargetProcess {
 pub(crate) enum Origin {
     /// This process: it reaps the target with `waitpid`.
     Direct,
-    /// A zygote's template: the template reaps it and reports its exit
-    /// over the zygote's request socket, under this spawn serial.
+    /// The template process: it reaps the target and reports its exit
+    /// over its request socket, under this spawn serial.
     Zygote {
-        /// The parent's side of the zygote.
+        /// The parent's side of the template process's request socket.
         link: std::sync::Arc<super::zygote_link::ZygoteLink>,
         /// The spawn request's serial, which the exit report names.
         serial: u64,
@@ -289,7 +289,7 @@ impl TargetProcess {
 
     /// A pidfd of the target process, readable once it has ended (whoever
     /// else holds its channels), or `None` where the kernel has none
-    /// (always `Some` for a zygote's replacement).
+    /// (always `Some` for a replacement from the template process).
     pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
         self.pidfd.as_ref().map(|fd| fd.as_fd())
     }
@@ -325,7 +325,7 @@ impl TargetProcess {
 
     /// Sends SIGKILL (fencing: a killed target is certain to hold nothing).
     /// A target already reaped is left alone (its pid may be reused); a
-    /// zygote's replacement is signalled through its pidfd
+    /// replacement from the template process is signalled through its pidfd
     /// (`pidfd_send_signal`), which never reaches another process.
     ///
     /// # Errors
@@ -349,13 +349,14 @@ impl TargetProcess {
     }
 
     /// Reaps the target if it has ended, without blocking; returns how it
-    /// ended, or `None` while it runs (for a zygote's replacement: until
+    /// ended, or `None` while it runs (for a replacement from the template
+    /// process: until
     /// the template's report of its exit has arrived, a moment after its
     /// pidfd turned readable).
     ///
     /// # Errors
     /// [`ProcessError::Os`] when `waitpid` fails (a replacement: when
-    /// reading the zygote's socket fails); for a replacement,
+    /// reading the template process's socket fails); for a replacement,
     /// [`ProcessError::ExitLost`] when the template died before reporting
     /// the ended target's exit.
     pub fn try_reap(&mut self) -> Result<Option<Exit>, ProcessError> {
@@ -366,8 +367,8 @@ impl TargetProcess {
     /// with SIGKILL if it is still running, and reaps it.
     ///
     /// # Errors
-    /// [`ProcessError::Os`] when `waitpid` or `kill` fails; for a zygote's
-    /// replacement also [`ProcessError::ExitLost`] (as
+    /// [`ProcessError::Os`] when `waitpid` or `kill` fails; for a
+    /// replacement from the template process also [`ProcessError::ExitLost`] (as
     /// [`TargetProcess::try_reap`]) and [`ProcessError::ZygoteTimeout`]
     /// when the template has not reported the killed target's exit within
     /// [`super::zygote::REPORT_TIMEOUT`].
@@ -547,7 +548,7 @@ pub(crate) struct Forked {
 /// Forks one target with index `index`: makes its control socket and
 /// reply socket, forks ([`fork_child`]), and in the child records its
 /// channels ([`guard_channels`]), runs `before_body(index)` then
-/// `body(ends)`. Used by [`spawn_targets`] and by a zygote's template
+/// `body(ends)`. Used by [`spawn_targets`] and by the template process
 /// (`super::zygote`), so a target is the same whoever forked it.
 pub(crate) fn fork_target<R, F, B>(
     index: usize,
@@ -646,8 +647,8 @@ where
             // The parent's descriptors leave the set (closed below) and
             // this child's own ones join it, so that a process this child
             // forks closes them in turn; the lock is released before
-            // `child`, which may fork (a Worker of its own, a zygote's
-            // targets).
+            // `child`, which may fork (a Worker of its own, the targets of
+            // a template process).
             let owned: Vec<RawFd> = match owned.take() {
                 Some(mut set) => {
                     let parents = set.iter().copied().collect();

@@ -72,7 +72,8 @@ pub enum ProcessError {
         /// Threads counted in `/proc/self/task`.
         threads: usize,
     },
-    /// An OS call failed (for a zygote, in the parent or in its template:
+    /// An OS call failed (for the template process, in the parent or in
+    /// the template:
     /// the template reports its own failures, e.g. `fork`, `socketpair`).
     #[error("{operation} failed: {errno}")]
     Os {
@@ -81,13 +82,13 @@ pub enum ProcessError {
         /// The OS error.
         errno: Errno,
     },
-    /// A zygote's template process is gone: [`super::zygote::Zygote::close`]
+    /// The template process is gone: [`super::zygote::Zygote::close`]
     /// ended it, or it died (killed, or its parent thread ended). It forks
     /// no more targets.
     #[error("the template process of replacement targets is gone: no more targets can be forked from it")]
     ZygoteGone,
-    /// A zygote's template did not answer in time: no reply to a spawn
-    /// request within the zygote's spawn timeout, or no exit report of a
+    /// The template process did not answer in time: no reply to a spawn
+    /// request within its spawn timeout, or no exit report of a
     /// killed replacement within [`super::zygote::REPORT_TIMEOUT`] (the
     /// template is stopped or overloaded).
     #[error("the template process of replacement targets did not answer {what} within {waited:?}")]
@@ -97,7 +98,8 @@ pub enum ProcessError {
         /// How long it was awaited.
         waited: Duration,
     },
-    /// A zygote's replacement has ended but its exit status is lost: the
+    /// A replacement from the template process has ended but its exit
+    /// status is lost: the
     /// template died before it could report it (the replacement itself was
     /// killed by `PR_SET_PDEATHSIG` if it outlived the template), or its
     /// `waitpid` failed.

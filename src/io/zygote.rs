@@ -1,5 +1,6 @@
-//! A zygote: a thread-free template process that forks replacement
-//! targets for a parent that now runs threads.
+//! The template process (zygote): a thread-free process that forks
+//! replacement targets for a parent that now runs threads; the parent
+//! holds it by a [`Zygote`].
 //!
 //! Why: `fork` is only safe in a single-threaded process (a thread that
 //! held a lock at fork time, the allocator's say, leaves it held forever
@@ -37,14 +38,14 @@
 //! | bytes | field |
 //! |---|---|
 //! | 0 | `b'S'`: fork a replacement; `b'I'`: fork a target of the start ([`Zygote::spawn_startup`]) |
-//! | 1..9 | serial (u64), unique per request of this zygote |
+//! | 1..9 | serial (u64), unique per request to this template process |
 //! | 9..17 | the target's index (u64), passed to `before_body` and in [`TargetEnds`] |
 //!
 //! Template to parent, 18 bytes each: a tag, the request's serial (u64,
-//! bytes 1..9), then three fields `a` (i32, 9..13), `b` (u8, 13), `c`
-//! (i32, 14..18):
+//! bytes 1..9), then three fields `pid_or_errno` (i32, 9..13),
+//! `exit_kind_or_operation` (u8, 13), `code_or_signal` (i32, 14..18):
 //!
-//! | tag | meaning | a | b | c | descriptors (`SCM_RIGHTS`) |
+//! | tag | meaning | `pid_or_errno` | `exit_kind_or_operation` | `code_or_signal` | descriptors (`SCM_RIGHTS`) |
 //! |---|---|---|---|---|---|
 //! | `b'R'` | forked | pid | 0 | 0 | control socket end, reply socket read end, pidfd |
 //! | `b'E'` | the fork failed | errno | operation ([`OPERATIONS`] index) | 0 | none |
@@ -82,13 +83,13 @@
 //!   [`Zygote::close`] (or dropping the [`Zygote`]) ends the template,
 //!   which first kills every replacement still running (SIGKILL), reaps
 //!   them and reports each (`Exit::Signal(9)` for those it killed), then
-//!   exits; the parent reaps the template (its own child). Keep the zygote
-//!   for as long as its replacements should serve.
+//!   exits; the parent reaps the template (its own child). Keep the
+//!   [`Zygote`] for as long as its replacements should serve.
 //! * A template that dies abruptly (killed) reports nothing more: its
 //!   replacements are killed by their parent-death signal, and a held
 //!   replacement whose report never came answers `try_reap` with
 //!   [`ProcessError::ExitLost`] once its pidfd shows it ended.
-//! * A spawn waits at most the zygote's spawn timeout
+//! * A spawn waits at most the spawn timeout
 //!   ([`Zygote::set_spawn_timeout`], [`DEFAULT_SPAWN_TIMEOUT`]); a reply
 //!   that arrives after its spawn gave up is discarded, its target killed
 //!   through the pidfd that came with it.
@@ -170,7 +171,7 @@ impl Zygote {
     /// template, around each replacement's fork. Standard output and error
     /// are flushed first. The template receives SIGKILL when the calling
     /// thread ends (`PR_SET_PDEATHSIG`): call it from a thread that lives
-    /// as long as the zygote should.
+    /// as long as the template process should.
     ///
     /// # Errors
     /// [`ProcessError::Threaded`] when the process runs other threads and
@@ -492,9 +493,9 @@ where
                 let reply = Message {
                     tag: b'R',
                     serial,
-                    a: forked.pid.as_raw(),
-                    b: 0,
-                    c: 0,
+                    pid_or_errno: forked.pid.as_raw(),
+                    exit_kind_or_operation: 0,
+                    code_or_signal: 0,
                 };
                 let fds = [
                     forked.control.as_fd().as_raw_fd(),
@@ -507,7 +508,7 @@ where
                 drop(forked);
                 self.children.push(Child {
                     serial,
-                    pid: Pid::from_raw(reply.a),
+                    pid: Pid::from_raw(reply.pid_or_errno),
                     pidfd,
                 });
                 sent
@@ -517,16 +518,16 @@ where
                     ProcessError::Os { operation, errno } => (operation, errno),
                     _ => ("template", Errno::EINVAL),
                 };
-                let b = OPERATIONS
+                let operation = OPERATIONS
                     .iter()
                     .position(|o| *o == operation)
                     .unwrap_or(OPERATIONS.len() - 1);
                 let message = Message {
                     tag: b'E',
                     serial,
-                    a: errno as i32,
-                    b: u8::try_from(b).unwrap_or(u8::MAX),
-                    c: 0,
+                    pid_or_errno: errno as i32,
+                    exit_kind_or_operation: u8::try_from(operation).unwrap_or(u8::MAX),
+                    code_or_signal: 0,
                 };
                 self.send(&message, &[])
             }

@@ -1,4 +1,5 @@
-//! The parent's side of a zygote's request socket ([`ZygoteLink`]): spawn
+//! The parent's side of the template process's request socket
+//! ([`ZygoteLink`]): spawn
 //! requests and their replies, the exit reports of replacements (which a
 //! [`TargetProcess`](super::process::TargetProcess) of a replacement reads
 //! through it), and the socket's message format (see [`super::zygote`]).
@@ -30,7 +31,8 @@ pub const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// would otherwise cost every replacement the whole [`REPORT_TIMEOUT`].
 pub const ENDED_REPORT_GRACE: Duration = Duration::from_millis(250);
 
-/// The operations a template reports a failure of (`b'E'`, field `b`),
+/// The operations a template reports a failure of (`b'E'`, field
+/// `exit_kind_or_operation`),
 /// by index; an operation not listed is reported as the last, `"template"`.
 pub const OPERATIONS: [&str; 6] = [
     "socketpair",
@@ -50,11 +52,18 @@ const MESSAGE_LEN: usize = 18;
 /// A message from the template (see the module documentation).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) struct Message {
+    /// `b'R'` forked, `b'E'` the fork failed, `b'X'` the target ended.
     pub(super) tag: u8,
+    /// The serial of the request it answers.
     pub(super) serial: u64,
-    pub(super) a: i32,
-    pub(super) b: u8,
-    pub(super) c: i32,
+    /// The target's pid (`b'R'`, `b'X'`) or the fork's errno (`b'E'`).
+    pub(super) pid_or_errno: i32,
+    /// How the target ended (`b'X'`: 0 exited, 1 killed, 2 unknown) or
+    /// which operation failed (`b'E'`: an [`OPERATIONS`] index); 0 for
+    /// `b'R'`.
+    pub(super) exit_kind_or_operation: u8,
+    /// The exit status or the killing signal (`b'X'`); 0 otherwise.
+    pub(super) code_or_signal: i32,
 }
 
 impl Message {
@@ -62,9 +71,9 @@ impl Message {
         let mut bytes = [0u8; MESSAGE_LEN];
         bytes[0] = self.tag;
         bytes[1..9].copy_from_slice(&self.serial.to_le_bytes());
-        bytes[9..13].copy_from_slice(&self.a.to_le_bytes());
-        bytes[13] = self.b;
-        bytes[14..18].copy_from_slice(&self.c.to_le_bytes());
+        bytes[9..13].copy_from_slice(&self.pid_or_errno.to_le_bytes());
+        bytes[13] = self.exit_kind_or_operation;
+        bytes[14..18].copy_from_slice(&self.code_or_signal.to_le_bytes());
         bytes
     }
 
@@ -73,16 +82,16 @@ impl Message {
         Some(Message {
             tag: bytes[0],
             serial: u64::from_le_bytes(bytes[1..9].try_into().ok()?),
-            a: i32::from_le_bytes(bytes[9..13].try_into().ok()?),
-            b: bytes[13],
-            c: i32::from_le_bytes(bytes[14..18].try_into().ok()?),
+            pid_or_errno: i32::from_le_bytes(bytes[9..13].try_into().ok()?),
+            exit_kind_or_operation: bytes[13],
+            code_or_signal: i32::from_le_bytes(bytes[14..18].try_into().ok()?),
         })
     }
 
     /// The exit report of `pid`; `None` when the template could not learn
     /// how it ended (`waitpid` failed).
     pub(super) fn exit(serial: u64, pid: Pid, exit: Option<Exit>) -> Message {
-        let (b, c) = match exit {
+        let (exit_kind, code_or_signal) = match exit {
             Some(Exit::Code(code)) => (0, code),
             Some(Exit::Signal(signal)) => (1, signal),
             None => (2, 0),
@@ -90,9 +99,9 @@ impl Message {
         Message {
             tag: b'X',
             serial,
-            a: pid.as_raw(),
-            b,
-            c,
+            pid_or_errno: pid.as_raw(),
+            exit_kind_or_operation: exit_kind,
+            code_or_signal,
         }
     }
 }
@@ -129,7 +138,7 @@ pub(super) fn decode_request(bytes: &[u8]) -> Option<(u64, usize, bool)> {
     Some((serial, index, startup))
 }
 
-/// The parent's side of a zygote, shared by the
+/// The parent's side of the template process, shared by the
 /// [`Zygote`](super::zygote::Zygote) and the replacements it forked (which
 /// read their exit reports through it).
 #[derive(Debug)]
@@ -385,7 +394,7 @@ impl LinkState {
                     // same read.
                     self.live.insert(serial);
                     self.replies
-                        .insert(serial, Ok((Pid::from_raw(message.a), fds)));
+                        .insert(serial, Ok((Pid::from_raw(message.pid_or_errno), fds)));
                 } else {
                     // Its spawn gave up: the target is not wanted.
                     let _ = pidfd_send_signal(fds[2].as_fd(), Signal::SIGKILL);
@@ -393,17 +402,17 @@ impl LinkState {
             }
             b'E' if self.awaiting.remove(&serial) => {
                 let operation = OPERATIONS
-                    .get(usize::from(message.b))
+                    .get(usize::from(message.exit_kind_or_operation))
                     .copied()
                     .unwrap_or("template");
-                let errno = Errno::from_raw(message.a);
+                let errno = Errno::from_raw(message.pid_or_errno);
                 self.replies
                     .insert(serial, Err(ProcessError::Os { operation, errno }));
             }
             b'X' if self.live.contains(&serial) => {
-                let exit = match message.b {
-                    0 => Some(Exit::Code(message.c)),
-                    1 => Some(Exit::Signal(message.c)),
+                let exit = match message.exit_kind_or_operation {
+                    0 => Some(Exit::Code(message.code_or_signal)),
+                    1 => Some(Exit::Signal(message.code_or_signal)),
                     _ => None,
                 };
                 self.exits.insert(serial, exit);
@@ -449,10 +458,16 @@ mod tests {
     #[test]
     fn messages_round_trip() {
         let message = Message::exit(7, Pid::from_raw(1234), Some(Exit::Signal(9)));
-        assert_eq!((message.b, message.c), (1, 9));
+        assert_eq!(
+            (message.exit_kind_or_operation, message.code_or_signal),
+            (1, 9)
+        );
         let unknown = Message::exit(8, Pid::from_raw(1), None);
         assert_eq!(Message::decode(&unknown.encode()), Some(unknown));
-        assert_eq!((unknown.b, unknown.c), (2, 0));
+        assert_eq!(
+            (unknown.exit_kind_or_operation, unknown.code_or_signal),
+            (2, 0)
+        );
         assert_eq!(Message::decode(&message.encode()), Some(message));
         assert_eq!(message.encode()[0], b'X');
         assert_eq!(Message::decode(&message.encode()[..17]), None);

@@ -598,8 +598,8 @@ pub fn inv12_no_task_before_join(view: &View<'_>) -> Result<(), Violation> {
 
 /// Invariant 13, tasks run on live incarnations (`specs/protocol.md`
 /// §2.11): while the Worker is started, every task in flight names a
-/// target the parent counts live, at the incarnation of its slot that the
-/// parent records now (a task whose target's process was lost ended with
+/// target the parent counts live, at the incarnation the parent records
+/// for that target now (a task whose target's process was lost ended with
 /// it, so a replacement never inherits it and no earlier process's result
 /// can end it).
 ///
@@ -691,6 +691,7 @@ mod tests {
             probe_first: false,
             respawn_limit: 0,
             respawn_backoff: 0,
+            unbounded_spawn: false,
         });
         parent
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -977,6 +978,7 @@ mod tests {
             probe_first: false,
             respawn_limit: 0,
             respawn_backoff: 0,
+            unbounded_spawn: false,
         });
         for n in [1, 2] {
             parent
@@ -1147,6 +1149,7 @@ mod tests {
                 probe_first: false,
                 respawn_limit: 0,
                 respawn_backoff: 0,
+                unbounded_spawn: false,
             });
             parent
                 .register_before_start(digest(1), Namespace::LocalPython)
@@ -1210,6 +1213,7 @@ mod tests {
             probe_first: false,
             respawn_limit: 0,
             respawn_backoff: 0,
+            unbounded_spawn: false,
         });
         parent.start().unwrap();
         let targets = vec![Some(
@@ -1269,7 +1273,7 @@ mod tests {
             v.to_string(),
             format!("invariant 13 (tasks run on live incarnations) violated: task {seq} is in flight on target 1 (incarnation 0), which is lost at incarnation 0")
         );
-        // A task of an earlier incarnation of a live slot.
+        // A task of an earlier incarnation of a live target.
         let mut earlier = parent.clone();
         earlier.tasks.get_mut(&seq).unwrap().incarnation = 1;
         let v = check(13, &earlier, &targets, &[]).unwrap_err();

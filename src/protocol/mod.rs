@@ -49,6 +49,7 @@
 //!     probe_first: true,
 //!     respawn_limit: 0,
 //!     respawn_backoff: 0,
+//!     unbounded_spawn: false,
 //! });
 //! parent.start()?;
 //! let mut target = Target::new(TargetConfig::new(TargetId(0)), &parent.startup_snapshot())?;
@@ -119,7 +120,7 @@ pub use forms::{
 };
 pub use parent::{
     Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, Poison,
-    SlotPhase, TargetOutcome, TaskEnd, TaskInfo, BOUND_FENCE_CAUSE, NOT_READY_CAUSE,
+    TargetOutcome, TargetPhase, TaskEnd, TaskInfo, BOUND_FENCE_CAUSE, NOT_READY_CAUSE,
     SILENT_FENCE_CAUSE,
 };
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
@@ -129,7 +130,7 @@ pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY
 pub use crate::ids::{Namespace, OpId, OwnerToken, Seq, StagingId, TargetId, Time};
 
 /// The usual [`ParentConfig::respawn_limit`]: up to 3 replacements of one
-/// slot in a row may be lost before they join.
+/// target in a row may be lost before they join.
 pub const DEFAULT_RESPAWN_LIMIT: u16 = 3;
 
 /// The usual [`ParentConfig::respawn_backoff`]: 100 ms before the second
@@ -289,6 +290,11 @@ pub enum Mutant {
     /// poisons the digest it probed (caught by the model's `silence
     /// poisons nothing` property).
     PoisonSilence,
+    /// Parent: a probe target's refusal with `REGISTER_POISONED` (a target
+    /// that is itself a registry, §2.8 "A nested refusal") fails the
+    /// register but poisons nothing here (caught by the model's "a digest
+    /// whose probe was refused as poisoned is never sent again").
+    IgnoreNestedPoison,
     /// Target: install or add a reference without comparing the recomputed
     /// digest with the requested one (caught by invariant 5).
     SkipDigestVerification,
@@ -307,7 +313,7 @@ pub enum Mutant {
     /// "a task past its deadline ends Deadline and its target is fenced").
     DeadlineWithoutCompletion,
     /// Parent: a task result from a previous incarnation of the task's
-    /// target slot is accepted: a lost target's tasks stay in flight, and a
+    /// target is accepted: a lost target's tasks stay in flight, and a
     /// result from any incarnation ends them (caught by the model's
     /// "results only from the incarnation that ran the task", "every task
     /// completes exactly once" and invariant 13).
@@ -332,6 +338,7 @@ impl Mutant {
         Mutant::BroadcastBeforeProbe,
         Mutant::RetryPoisoned,
         Mutant::PoisonSilence,
+        Mutant::IgnoreNestedPoison,
         Mutant::SkipDigestVerification,
         Mutant::FreeSlotHeldByRun,
         Mutant::IgnoreAlive,

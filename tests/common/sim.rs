@@ -31,6 +31,7 @@ pub fn parent_config(targets: u16, fence_on_timeout: bool) -> ParentConfig {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     }
 }
 
@@ -104,7 +105,7 @@ pub struct Sim {
     pub scopes: BTreeMap<OpId, BTreeSet<TargetId>>,
     /// Digests that were uncertain after some step (to check stickiness).
     pub ever_uncertain: BTreeSet<Digest>,
-    /// Replacements the parent asked for and not yet started: slot ->
+    /// Replacements the parent asked for and not yet started: target ->
     /// incarnation.
     pub spawning: BTreeMap<TargetId, u32>,
     /// Every join report (`Joined`, `JoinFailed`, `Abandoned`), in order.
@@ -114,33 +115,55 @@ pub struct Sim {
     pub now: Time,
 }
 
-impl Sim {
-    /// A started system of `targets` targets with `slot_capacity` slots
-    /// each, after registering `before_start` digests (by number) before
-    /// start.
-    pub fn new(
-        targets: u16,
-        fence_on_timeout: bool,
-        slot_capacity: u16,
-        before_start: &[u8],
-    ) -> Sim {
-        Sim::with_probe(
+/// How a started [`Sim`] is set up ([`Sim::setup`]): its number of
+/// targets, whether the parent fences on timeout, the slots per target,
+/// the digests (by number) registered before start and the parent's
+/// probe-first policy. Unless set: fencing off, 64 slots, nothing before
+/// start, probe-first off.
+#[derive(Clone, Copy, Debug)]
+pub struct SimSetup<'a> {
+    targets: u16,
+    fence_on_timeout: bool,
+    slot_capacity: u16,
+    before_start: &'a [u8],
+    probe_first: bool,
+}
+
+impl<'a> SimSetup<'a> {
+    /// Whether the parent fences a target whose deadline passed.
+    pub fn fence_on_timeout(mut self, on: bool) -> Self {
+        self.fence_on_timeout = on;
+        self
+    }
+
+    /// Slots per target.
+    pub fn slot_capacity(mut self, slots: u16) -> Self {
+        self.slot_capacity = slots;
+        self
+    }
+
+    /// Digests (by number) registered before start: the targets hold
+    /// them as their startup snapshot.
+    pub fn before_start(mut self, digests: &'a [u8]) -> Self {
+        self.before_start = digests;
+        self
+    }
+
+    /// The parent's probe-first policy.
+    pub fn probe_first(mut self, on: bool) -> Self {
+        self.probe_first = on;
+        self
+    }
+
+    /// The started system.
+    pub fn build(self) -> Sim {
+        let SimSetup {
             targets,
             fence_on_timeout,
             slot_capacity,
             before_start,
-            false,
-        )
-    }
-
-    /// [`Sim::new`] with the parent's probe-first policy chosen.
-    pub fn with_probe(
-        targets: u16,
-        fence_on_timeout: bool,
-        slot_capacity: u16,
-        before_start: &[u8],
-        probe_first: bool,
-    ) -> Sim {
+            probe_first,
+        } = self;
         let config = ParentConfig {
             targets,
             control_timeout: 1_000,
@@ -151,8 +174,23 @@ impl Sim {
             probe_first,
             respawn_limit: 0,
             respawn_backoff: 0,
+            unbounded_spawn: false,
         };
         Sim::with_config(config, before_start)
+    }
+}
+
+impl Sim {
+    /// The setup of a started system of `targets` targets (see
+    /// [`SimSetup`] for what else can be set).
+    pub fn setup<'a>(targets: u16) -> SimSetup<'a> {
+        SimSetup {
+            targets,
+            fence_on_timeout: false,
+            slot_capacity: callreg::protocol::DEFAULT_SLOT_CAPACITY,
+            before_start: &[],
+            probe_first: false,
+        }
     }
 
     /// A system whose parent has `config`, with `before_start` registered
@@ -388,7 +426,7 @@ impl Sim {
         true
     }
 
-    /// Starts the replacement the parent asked for in slot `t`: a fresh
+    /// Starts the replacement the parent asked for target `t`: a fresh
     /// target holding nothing, with empty queues. Returns `false` if none
     /// was asked for.
     pub fn spawn(&mut self, t: u16) -> bool {
@@ -650,8 +688,8 @@ impl Sim {
         use callreg::protocol::Mutant;
         match mutant {
             Mutant::SkipDigestVerification | Mutant::FreeSlotHeldByRun => {
-                for slot in self.targets.iter_mut() {
-                    *slot = slot.take().map(|t| t.with_mutant(mutant));
+                for entry in self.targets.iter_mut() {
+                    *entry = entry.take().map(|t| t.with_mutant(mutant));
                 }
             }
             _ => self.parent = self.parent.clone().with_mutant(mutant),

@@ -158,26 +158,26 @@ pub fn payload_holders(identity: (u64, u64)) -> Vec<String> {
     holders
 }
 
-/// Waits (at most 20 s) until `target`'s slot is `phase` at incarnation
-/// `incarnation` (`specs/protocol.md` §2.9); panics with the slot's events
+/// Waits (at most 20 s) until `target` is `phase` at incarnation
+/// `incarnation` (`specs/protocol.md` §2.9); panics with the target events
 /// otherwise.
-pub fn wait_for_slot<R: callreg::runtime::Runtime>(
+pub fn wait_for_target<R: callreg::runtime::Runtime>(
     worker: &Worker<R>,
     target: u16,
-    phase: callreg::protocol::SlotPhase,
+    phase: callreg::protocol::TargetPhase,
     incarnation: u32,
 ) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let id = TargetId(target);
     // One read of both: separate queries could pair a lost process's
     // phase with its replacement's incarnation.
-    while worker.slot_state(id) != (phase, incarnation) {
+    while worker.target_state(id) != (phase, incarnation) {
         assert!(
             std::time::Instant::now() < deadline,
             "{id} is {:?} at incarnation {}, not {phase:?} at {incarnation}; events {:?}",
-            worker.slot_phase(id),
+            worker.target_phase(id),
             worker.target_incarnation(id),
-            worker.slot_events()
+            worker.target_events()
         );
         std::thread::sleep(Duration::from_millis(5));
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use callreg::error::ErrorCode;
 use callreg::io::Worker;
-use callreg::protocol::{Handle, SlotPhase, TargetId, TargetOutcome, DEFAULT_RESPAWN_BACKOFF};
+use callreg::protocol::{Handle, TargetId, TargetOutcome, TargetPhase, DEFAULT_RESPAWN_BACKOFF};
 use callreg::runtime::python::PythonRuntime;
 use serde_json::{json, Value};
 
@@ -208,7 +208,7 @@ impl<'a> Runner<'a> {
             return report;
         }
         let started = Instant::now();
-        let events_before = self.worker.slot_events().len();
+        let events_before = self.worker.target_events().len();
         let mut report = match &step.op {
             Op::Start => self.start(Some(index), step.expect_error.as_deref()),
             Op::Register(register) => self.register(index, register),
@@ -217,9 +217,9 @@ impl<'a> Runner<'a> {
             Op::CallAll(call) => self.call_all(index, call),
             Op::KillTarget { target } => self.kill_target(index, *target),
         };
-        // The start settles and collects its slot events itself.
+        // The start settles and collects its target events itself.
         if step.op != Op::Start && self.started {
-            self.finish_slots(&mut report, events_before);
+            self.finish_target_events(&mut report, events_before);
         }
         report.micros = micros(started.elapsed());
         report.unmet = unmet(step, &report.outcome);
@@ -262,18 +262,18 @@ impl<'a> Runner<'a> {
             .collect()
     }
 
-    /// Waits until no slot is being replaced: each target serves
+    /// Waits until no target is being replaced: each target serves
     /// (`Joined`) or is lost for good (`Lost`), so that the next step
     /// sees the same targets on every run. Each replacement is bounded
     /// by the Worker (its start and each replay by the control
     /// timeout, `specs/protocol.md` §2.9); this waits for at most the
     /// control timeout plus the back-off of the next replacement in a
-    /// row after the last slot event.
+    /// row after the last target event.
     ///
     /// # Errors
-    /// `DEADLINE_EXCEEDED: …` naming the first slot still being replaced.
+    /// `DEADLINE_EXCEEDED: …` naming the first target still being replaced.
     pub(super) fn settle(&self) -> Result<(), String> {
-        let events_at = |worker: &Worker<PythonRuntime>| worker.slot_events().len();
+        let events_at = |worker: &Worker<PythonRuntime>| worker.target_events().len();
         let mut seen = events_at(&self.worker);
         let mut in_a_row: u32 = 0;
         let bound = |in_a_row: u32| {
@@ -284,8 +284,8 @@ impl<'a> Runner<'a> {
         let mut deadline = Instant::now() + bound(0);
         loop {
             let busy = (0..self.plan.targets).map(TargetId).find_map(|t| {
-                match self.worker.slot_phase(t) {
-                    SlotPhase::Joined | SlotPhase::Lost => None,
+                match self.worker.target_phase(t) {
+                    TargetPhase::Joined | TargetPhase::Lost => None,
                     phase => Some((t, phase)),
                 }
             });
@@ -300,8 +300,8 @@ impl<'a> Runner<'a> {
             }
             if Instant::now() >= deadline {
                 let phase = match phase {
-                    SlotPhase::BackingOff(_) => "backing off",
-                    SlotPhase::Spawning => "being started",
+                    TargetPhase::BackingOff(_) => "backing off",
+                    TargetPhase::Spawning => "being started",
                     _ => "joining",
                 };
                 return Err(format!(
@@ -314,20 +314,20 @@ impl<'a> Runner<'a> {
     }
 
     /// Waits for the replacements to settle ([`Runner::settle`]), then
-    /// puts the slot events since `events_before` into the report and
-    /// says in each target's part what became of a lost slot.
-    pub(super) fn finish_slots(&self, report: &mut StepReport, events_before: usize) {
+    /// puts the target events since `events_before` into the report and
+    /// says in each target's part what became of a lost target.
+    pub(super) fn finish_target_events(&self, report: &mut StepReport, events_before: usize) {
         if let Err(e) = self.settle() {
             if report.outcome.is_ok() {
                 report.outcome = Err(e);
                 report.code = Some(ErrorCode::DEADLINE_EXCEEDED);
             }
         }
-        let events = self.worker.slot_events();
-        report.slots = events.get(events_before..).unwrap_or_default().to_vec();
+        let events = self.worker.target_events();
+        report.target_events = events.get(events_before..).unwrap_or_default().to_vec();
         for target in &mut report.targets {
             if target.outcome != "ok" && target.replacement.is_none() {
-                target.replacement = replacement(&report.slots, TargetId(target.target));
+                target.replacement = replacement(&report.target_events, TargetId(target.target));
             }
         }
     }
@@ -358,7 +358,7 @@ impl<'a> Runner<'a> {
             outcome: Ok(None),
             code: None,
             unmet: None,
-            slots: Vec::new(),
+            target_events: Vec::new(),
             micros: 0,
         }
     }

@@ -9,9 +9,9 @@
 //! Output: one line per step on stdout, then a summary. Text lines read
 //! `step 3 call add [target 0]: ok -> 5 (74 µs)`; with `--json`, each line
 //! is an object `{"step", "op", "name", "ok", "hashid", "targets":
-//! [{"target", "outcome", "replacement"?}], "slots"?, "result" | "error",
+//! [{"target", "outcome", "replacement"?}], "target_events"?, "result" | "error",
 //! "micros"}` (`"result"` only when the step produced a value, i.e. a call;
-//! `"error"` only on error; `"slots"`: the Worker's slot events during the
+//! `"error"` only on error; `"target_events"`: the Worker's target events during the
 //! step, when there were any) and
 //! the summary is `{"summary": {"steps", "ok", "failed", "micros"}}`, counting
 //! the plan's steps only; a plan without a `start` step gets an implicit
@@ -23,11 +23,11 @@
 //! step lines.
 //!
 //! Replaced targets (`specs/protocol.md` §2.9, `specs/plan.md` §1): each
-//! step from the start on ends only once no target slot is being replaced
+//! step from the start on ends only once no target is being replaced
 //! (each serves or was given up), so later steps see the same targets on
 //! every run; a text line shows what became of a lost target (`[target 0
 //! killed (it was killed by signal 9); replaced by incarnation 1]`) and the
-//! step's slot events (`[target 0: incarnation 1 joined]`; a replacement's
+//! step's target events (`[target 0: incarnation 1 joined]`; a replacement's
 //! start, whose pid differs on every run, only with `--json`). After a
 //! start that fails, no later step runs (each fails with `not run: the
 //! Worker did not start`) unless every target serves once its

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use callreg::error::{Error, ErrorCode};
-use callreg::io::worker::SlotEvent;
+use callreg::io::worker::TargetEvent;
 use callreg::io::{OperationError, TaskError};
 use callreg::protocol::{TargetId, TargetOutcome};
 use serde::Serialize;
@@ -26,7 +26,7 @@ pub(super) struct TargetReport {
     pub(super) detail: Option<String>,
     /// The call's result on this target (`call_all`).
     pub(super) result: Option<Value>,
-    /// What became of the slot of a target lost during the step:
+    /// What became of a target lost during the step:
     /// `replaced by incarnation N`, or `not replaced`.
     pub(super) replacement: Option<String>,
 }
@@ -46,22 +46,22 @@ pub(super) struct StepReport {
     pub(super) code: Option<ErrorCode>,
     /// The step's expectation, when it was not met.
     pub(super) unmet: Option<String>,
-    /// What happened to replaced target slots during the step
-    /// (`Worker::slot_events`, `specs/protocol.md` §2.9).
-    pub(super) slots: Vec<SlotEvent>,
+    /// What happened to replaced targets during the step
+    /// (`Worker::target_events`, `specs/protocol.md` §2.9).
+    pub(super) target_events: Vec<TargetEvent>,
     pub(super) micros: u64,
 }
 
-/// What became of `target`'s slot, from the slot events of a step: the
+/// What became of `target`, from the target events of a step: the
 /// last join (`replaced by incarnation N`) or abandonment (`not
 /// replaced`; the `Abandoned` event says why) of it, if any.
-pub(super) fn replacement(events: &[SlotEvent], target: TargetId) -> Option<String> {
+pub(super) fn replacement(events: &[TargetEvent], target: TargetId) -> Option<String> {
     events.iter().rev().find_map(|event| match event {
-        SlotEvent::Joined {
+        TargetEvent::Joined {
             target: t,
             incarnation,
         } if *t == target => Some(format!("replaced by incarnation {incarnation}")),
-        SlotEvent::Abandoned {
+        TargetEvent::Abandoned {
             target: t,
             failed_joins,
         } if *t == target => Some("not replaced".to_owned()),
@@ -239,9 +239,9 @@ struct JsonLine<'r> {
     #[serde(skip_serializing_if = "Option::is_none")]
     metadata: Option<&'r str>,
     targets: Vec<JsonTarget<'r>>,
-    /// The slot events of the step (`Worker::slot_events`), if any.
+    /// The target events of the step (`Worker::target_events`), if any.
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    slots: &'r [SlotEvent],
+    target_events: &'r [TargetEvent],
     #[serde(skip_serializing_if = "Option::is_none")]
     result: Option<&'r Value>,
     /// The failed step's error code, e.g. `"HANDLE_STALE"`.
@@ -264,7 +264,7 @@ struct JsonTarget<'r> {
     detail: Option<&'r str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     result: Option<&'r Value>,
-    /// What became of the slot of a target lost during the step.
+    /// What became of a target lost during the step.
     #[serde(skip_serializing_if = "Option::is_none")]
     replacement: Option<&'r str>,
 }
@@ -288,7 +288,7 @@ pub(super) fn json_line(report: &StepReport, ok: bool) -> String {
                 replacement: t.replacement.as_deref(),
             })
             .collect(),
-        slots: &report.slots,
+        target_events: &report.target_events,
         // Only a step that produced a value has a result (a call's
         // `None` is the JSON `null` it returned); register, unregister,
         // start and kill_target have none.
@@ -366,12 +366,12 @@ pub(super) fn text_line(report: &StepReport, ok: bool) -> String {
         .filter(|t| t.outcome != "ok")
         .map(|t| t.target)
         .collect();
-    let slots: Vec<String> = report
-        .slots
+    let events: Vec<String> = report
+        .target_events
         .iter()
         .filter(|event| match event {
-            SlotEvent::Spawned { .. } => false,
-            SlotEvent::Lost { target, .. } => match named.iter().position(|t| *t == target.0) {
+            TargetEvent::Spawned { .. } => false,
+            TargetEvent::Lost { target, .. } => match named.iter().position(|t| *t == target.0) {
                 Some(at) => {
                     named.remove(at);
                     false
@@ -382,8 +382,8 @@ pub(super) fn text_line(report: &StepReport, ok: bool) -> String {
         })
         .map(|event| one_line(&event.to_string()))
         .collect();
-    if !slots.is_empty() {
-        line.push_str(&format!(" [{}]", slots.join("; ")));
+    if !events.is_empty() {
+        line.push_str(&format!(" [{}]", events.join("; ")));
     }
     if let Some(unmet) = &report.unmet {
         line.push_str(&format!(" -- {unmet}"));

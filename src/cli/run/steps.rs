@@ -75,13 +75,13 @@ impl Runner<'_> {
         };
         report.targets = outcomes.iter().map(|o| self.target_report(o)).collect();
         // A target lost at start is replaced (`specs/protocol.md`
-        // §2.9): the step waits until each slot serves or is given up.
+        // §2.9): the step waits until each target serves or is given up.
         // A failed start stops the plan unless every target serves now.
         let serving = report.outcome.is_ok() || {
             let _ = self.settle();
             self.worker.live_targets().len() == usize::from(self.plan.targets)
         };
-        self.finish_slots(&mut report, 0);
+        self.finish_target_events(&mut report, 0);
         self.start_failed = report.outcome.is_err() && !serving;
         if step.is_none() {
             report.micros = micros(started.elapsed());
@@ -341,7 +341,7 @@ impl Runner<'_> {
         // The IO thread notices the closed pipe and reaps the target;
         // the Worker noticed when the process it counts live is no
         // longer this one (a replacement may even have joined already).
-        // Then the step waits for the replacement, in `finish_slots`.
+        // Then the step waits for the replacement, in `finish_target_events`.
         let deadline = Instant::now() + self.plan.control_timeout;
         while self.worker.target_incarnation(id) == incarnation
             && self.worker.live_targets().contains(&id)

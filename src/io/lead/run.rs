@@ -11,7 +11,9 @@
 
 use std::time::Instant;
 
-use super::Watch;
+use nix::unistd::Pid;
+
+use super::{LinkId, Watch};
 use crate::io::handoff::{Abandoned, Pending};
 
 /// What `poll` reported for one descriptor.
@@ -93,7 +95,7 @@ pub trait StateLock {
 }
 
 /// The state lock held, with the IO state: what the rule reads and does
-/// under it. Links are named by index and process id ([`Watch`]).
+/// under it. Links are named by index and process id ([`LinkId`]).
 pub trait Locked<P: Poller> {
     /// What leaving the lock owes ([`StateLock::Owed`]).
     type Owed;
@@ -101,10 +103,10 @@ pub trait Locked<P: Poller> {
     fn watch(&self) -> &Watch;
     /// Who reads which reply socket, to change.
     fn watch_mut(&mut self) -> &mut Watch;
-    /// Every live link: (index, pid).
-    fn live(&self) -> Vec<(usize, i32)>;
+    /// Every live link.
+    fn live(&self) -> Vec<LinkId>;
     /// The process id of the link at `index`, if live.
-    fn pid_at(&self, index: usize) -> Option<i32>;
+    fn pid_at(&self, index: usize) -> Option<Pid>;
     /// The reply socket of the link at `index`, if live.
     fn reply_socket(&self, index: usize) -> Option<P::Fd>;
     /// The read end of the leader wake pipe.
@@ -246,8 +248,10 @@ pub fn lead<S: StateLock, T>(
     pending: Pending<T>,
     until: Option<Instant>,
 ) -> Result<Result<T, Abandoned>, Pending<T>> {
-    let mut replies: Vec<(usize, i32, <S::Poller as Poller>::Fd)> = Vec::new();
-    let mut ready: Vec<(usize, i32, bool)> = Vec::new();
+    let mut replies: Vec<(LinkId, <S::Poller as Poller>::Fd)> = Vec::new();
+    // The links whose reply socket the last poll found ready, and whether
+    // it hung up.
+    let mut ready: Vec<(LinkId, bool)> = Vec::new();
     let mut woken = false;
     let mut leading = Leading::<S> { state, wake: None };
     // A wait whose time is already up still reads what is there once
@@ -262,9 +266,9 @@ pub fn lead<S: StateLock, T>(
             if std::mem::take(&mut woken) {
                 state.poller().drain(wake);
             }
-            for (index, pid, hung_up) in ready.drain(..) {
-                if locked.pid_at(index) == Some(pid) {
-                    locked.read_replies(index, hung_up);
+            for (link, hung_up) in ready.drain(..) {
+                if locked.pid_at(link.index) == Some(link.pid) {
+                    locked.read_replies(link.index, hung_up);
                 }
             }
             locked.handle_deadlines();
@@ -288,7 +292,7 @@ pub fn lead<S: StateLock, T>(
             locked.watch_mut().relead(&live);
             replies = live
                 .iter()
-                .filter_map(|&(index, pid)| locked.reply_socket(index).map(|fd| (index, pid, fd)))
+                .filter_map(|&link| locked.reply_socket(link.index).map(|fd| (link, fd)))
                 .collect();
         }
         let deadline = locked.next_deadline().into_iter().chain(until).min();
@@ -308,7 +312,7 @@ pub fn lead<S: StateLock, T>(
             return Err(pending);
         };
         let fds: Vec<&<S::Poller as Poller>::Fd> = std::iter::once(wake)
-            .chain(replies.iter().map(|(_, _, fd)| fd))
+            .chain(replies.iter().map(|(_, fd)| fd))
             .collect();
         let polled_now = state.poller().poll(&fds, deadline);
         drop(fds);
@@ -319,9 +323,9 @@ pub fn lead<S: StateLock, T>(
             return Err(pending);
         };
         woken = events.first().is_some_and(|e| *e != Readiness::Idle);
-        for ((index, pid, _), event) in replies.iter().zip(events.iter().skip(1)) {
+        for ((link, _), event) in replies.iter().zip(events.iter().skip(1)) {
             if *event != Readiness::Idle {
-                ready.push((*index, *pid, *event == Readiness::HungUp));
+                ready.push((*link, *event == Readiness::HungUp));
             }
         }
     }

@@ -1,53 +1,64 @@
 //! The target process: installs its startup snapshot, then serves control
-//! frames on one thread and runs tasks on another (specs/design.md §4.2, §5).
+//! frames and runs tasks (specs/design.md §4.2, §5).
 //!
-//! A reader thread, which never touches the runtime (no GIL), reads
-//! frames from the control socket in order, reports every register and
-//! unregister control [`Frame::Alive`] on receipt, and queues the frames
-//! for the control thread; a heartbeat thread (no GIL either) reports
-//! every control received and not yet answered alive again every
-//! [`TargetSetup::heartbeat`], so a target that is busy (a slow unpickle,
-//! controls queued behind it, a task holding the GIL) is never taken for
-//! a silent one (`specs/protocol.md`, "Deadlines"). The control thread
-//! takes the frames in order and drives the protocol's [`Target`] machine
-//! (through the [`SlotTable`]);
-//! it carries out the machine's effects: it checks the seals of each
-//! staged payload received with a register, maps it read-only, verifies
-//! its digest, installs it from that same mapping through the runtime (checks, then
-//! deserialization), and writes replies. A task frame pins its slot in
-//! frame order and is handed to the task thread, so a long task never
-//! delays a register into a timeout. Where it is pinned: a task that finds
-//! no frame queued for the control thread or being handled there
-//! ([`ControlGate`]: the reader counts the frames it hands over, the control
-//! thread counts them done) is pinned by the reader itself and goes
-//! straight to the task thread, so a task round trip on an idle target
-//! wakes two threads (reader, task thread) instead of three; pinning only
-//! takes the slot table's lock, never the runtime's. Any other task, and
-//! a task the reader could not start (it does not resolve, a hook does
-//! not), is queued behind the frames before it, and the control thread
-//! pins it (or fails it) in its turn (`specs/wire.md`).
+//! Threads, each with one job:
+//!
+//! * **reader** (no GIL): reads control frames in order, reports every
+//!   register and unregister [`Frame::Alive`] on receipt, and queues the
+//!   frames for the control thread. Why: an alive report never waits for
+//!   the interpreter.
+//! * **heartbeat** (no GIL): reports every control received and not yet
+//!   answered alive again every [`TargetSetup::heartbeat`]. Why: a busy
+//!   target (a slow unpickle, controls queued behind it, a task holding
+//!   the GIL) is never taken for a silent one (`specs/protocol.md`,
+//!   "Deadlines").
+//! * **control**: takes the frames in order and drives the protocol's
+//!   [`Target`] machine (through the [`SlotTable`]), carrying out its
+//!   effects: it checks a staged payload's seals, maps it read-only,
+//!   verifies its digest, installs it from that mapping through the
+//!   runtime (checks, then deserialization) and writes the replies.
+//! * **task**: runs the tasks, each pinned to its slot in frame order.
+//!   Why: a long task never delays a register into a timeout.
+//!
+//! Where a task is pinned:
+//!
+//! * by the reader itself, when no frame is queued for the control thread
+//!   or being handled there ([`ControlGate`]: the reader counts the frames
+//!   it hands over, the control thread counts them done). Why: a task
+//!   round trip on an idle target then wakes two threads (reader, task
+//!   thread), not three; pinning takes only the slot table's lock, never
+//!   the runtime's.
+//! * by the control thread, in its turn, for any other task and for a task
+//!   the reader could not start (it does not resolve, a hook does not)
+//!   (`specs/wire.md`).
+//!
 //! Every thread writes whole frames to the reply socket under one lock.
 //!
-//! Callable metadata (`specs/metadata.md`): a register control
-//! carries it as JSON; the target parses it and installs through
-//! [`Runtime::install`], which makes the version, dependency and executor
-//! checks before anything is deserialized. The hooks of the registration
-//! that installed a digest are kept by digest; around each task of that
-//! digest the task thread runs the `call_before` hooks, the task (with a
-//! `retval_keyword` result merged into its JSON kwargs), then the
-//! `call_after` hooks. The thread that pins the task resolves and pins
-//! every hook with
-//! the task, like any run, under target-local run seqs counted down from
-//! `u64::MAX` (a parent's seqs count up from 1 and never reach them).
+//! Callable metadata (`specs/metadata.md`):
 //!
-//! The target ends (with `_exit`, from [`super::process`]) when the control
-//! socket reports EOF (the parent closed it or died), when a frame cannot be
-//! decoded or is out of protocol ([`FRAME_EXIT_CODE`]), or when the reply
-//! pipe is gone ([`REPLY_EXIT_CODE`]). A process forked inside the target
-//! by user code (during a deserialization or a task) ends with
-//! [`super::process::FORKED_EXIT_CODE`] as soon as it is back in this
-//! code: before it reads a control, reports an install or a task result,
-//! or writes any reply.
+//! * a register control carries it as JSON; the target parses it and
+//!   installs through [`Runtime::install`], which makes the version,
+//!   dependency and executor checks before anything is deserialized;
+//! * the hooks of the registration that installed a digest are kept by
+//!   digest; around each task of that digest the task thread runs the
+//!   `call_before` hooks, the task (a `retval_keyword` result merged into
+//!   its JSON kwargs), then the `call_after` hooks;
+//! * the thread that pins the task pins every hook with it, like any run,
+//!   under target-local run seqs counted down from `u64::MAX` (a parent's
+//!   seqs count up from 1 and never reach them).
+//!
+//! The target ends (with `_exit`, from [`super::process`]):
+//!
+//! * when the control socket reports EOF (the parent closed it or died);
+//! * when a frame cannot be decoded or is out of protocol
+//!   ([`FRAME_EXIT_CODE`]);
+//! * when the reply pipe is gone ([`REPLY_EXIT_CODE`]).
+//!
+//! A process forked inside the target by user code (during a
+//! deserialization or a task) ends with
+//! [`super::process::FORKED_EXIT_CODE`] as soon as it is back in this code:
+//! before it reads a control, reports an install or a task result, or
+//! writes any reply.
 //!
 //! Layout: this file holds the target's start (runtime, startup snapshot)
 //! and what its threads share; `reply` the reply socket's writer;

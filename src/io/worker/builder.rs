@@ -143,8 +143,8 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// from a template process made at start, with the same target id and
     /// the next incarnation; it is given every live registration and
     /// serves tasks once it confirmed them all. `limit` replacements of
-    /// one slot in a row may be lost before they join (a callable that
-    /// kills every new process); then the slot stays lost, and
+    /// one target in a row may be lost before they join (a callable that
+    /// kills every new process); then the target stays lost, and
     /// [`Worker::target_loss`] says so. Default 3; 0 switches replacements
     /// off (and no template process is made).
     pub fn respawn_limit(mut self, limit: u16) -> Self {
@@ -152,7 +152,7 @@ impl<R: Runtime> WorkerBuilder<R> {
         self
     }
 
-    /// The back-off before the second replacement in a row of one slot,
+    /// The back-off before the second replacement in a row of one target,
     /// doubling for each further one (default 100 ms; `specs/protocol.md`
     /// §2.9). The first replacement after a target that had joined is
     /// lost is started at once.
@@ -265,6 +265,9 @@ impl<R: Runtime> WorkerBuilder<R> {
             probe_first: self.probe_first,
             respawn_limit: self.respawn_limit,
             respawn_backoff: u64::try_from(self.respawn_backoff.as_micros()).unwrap_or(u64::MAX),
+            // Targets are forked here: a replacement that is not ready in
+            // time is fenced (§2.9).
+            unbounded_spawn: false,
         };
         let machine = Parent::new(config);
         Ok(Worker {

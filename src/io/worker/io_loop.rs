@@ -13,17 +13,18 @@ use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags};
+use nix::unistd::Pid;
 
 use super::leader::{io_wake, poll_events, Handover, Leaving, Shared};
 use super::pending::{operation_error, OperationError, TargetTable, TaskError};
-use super::respawn::{Kept, SlotEvent, Spawned};
+use super::respawn::{Kept, Spawned, TargetEvent};
 #[cfg(doc)]
 use super::Worker;
 use super::{metadata_identity, now_since, refuse, Core, Request};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::io::handoff::Completer;
-use crate::io::lead::{Left, Watch};
+use crate::io::lead::{Left, LinkId, Watch};
 use crate::io::process::{TargetProcess, TrackedFd};
 use crate::io::staging::StagedPayload;
 use crate::io::zygote::Zygote;
@@ -86,23 +87,23 @@ pub(super) fn io_thread(shared: Arc<Shared>) {
         io.watch.plan_io(&live, expecting, &unsent, deadline);
         let mut watched: Vec<(Ready, Arc<TrackedFd>, PollFlags)> =
             vec![(Ready::Wake, io.wake.clone(), PollFlags::POLLIN)];
-        for &(index, pid) in &live {
-            let Some(link) = io.links[index].as_ref() else {
+        for &id in &live {
+            let Some(link) = io.links[id.index].as_ref() else {
                 continue;
             };
-            if io.watch.io_reads(index, pid) {
+            if io.watch.io_reads(id) {
                 watched.push((
-                    Ready::Reply(index, pid),
+                    Ready::Reply(id),
                     link.process.reply_shared(),
                     PollFlags::POLLIN,
                 ));
             }
             if let Some(pidfd) = link.process.pidfd_shared() {
-                watched.push((Ready::Ended(index, pid), pidfd, PollFlags::POLLIN));
+                watched.push((Ready::Ended(id), pidfd, PollFlags::POLLIN));
             }
             if !link.outbox.is_empty() {
                 if let Some(control) = link.process.control_shared() {
-                    watched.push((Ready::Control(index, pid), control, PollFlags::POLLOUT));
+                    watched.push((Ready::Control(id), control, PollFlags::POLLOUT));
                 }
             }
         }
@@ -160,7 +161,7 @@ pub(super) struct Link {
     /// first byte is sent, which is before that target can answer, so the
     /// payload is still released when every target answered.
     pub(super) outbox_fds: VecDeque<(usize, Arc<StagedPayload>)>,
-    /// The slot's incarnation this process is (0: forked at start).
+    /// The target's incarnation this process is (0: forked at start).
     pub(super) incarnation: u32,
 }
 
@@ -274,7 +275,7 @@ pub(super) struct IoLoop {
     /// replacements off, unless the start method is forkserver: then it
     /// forked every target and lives as long as they do).
     pub(super) zygote: Option<Arc<Zygote>>,
-    /// Whether replacements are on (slot events are recorded).
+    /// Whether replacements are on (target events are recorded).
     pub(super) respawn: bool,
     /// The threads asking the template for replacements (a spawn waits
     /// for the template's answer; the IO thread never does).
@@ -301,15 +302,15 @@ impl Drop for IoLoop {
     }
 }
 
-/// What a polled descriptor belongs to: the wake pipe, or a link by index
-/// and process id (a link replaced earlier in the same turn is not the one
-/// that was polled: its events are dropped).
+/// What a polled descriptor belongs to: the wake pipe, or a link (a link
+/// replaced earlier in the same turn is not the one that was polled: its
+/// events are dropped).
 #[derive(Clone, Copy)]
 enum Ready {
     Wake,
-    Reply(usize, i32),
-    Control(usize, i32),
-    Ended(usize, i32),
+    Reply(LinkId),
+    Control(LinkId),
+    Ended(LinkId),
 }
 
 impl IoLoop {
@@ -330,24 +331,24 @@ impl IoLoop {
         }
     }
 
-    /// Every live link: (index, pid).
-    pub(super) fn live(&self) -> Vec<(usize, i32)> {
+    /// Every live link.
+    pub(super) fn live(&self) -> Vec<LinkId> {
         self.links
             .iter()
             .enumerate()
             .filter_map(|(index, link)| {
                 link.as_ref()
-                    .map(|link| (index, link.process.pid().as_raw()))
+                    .map(|link| LinkId::new(index, link.process.pid()))
             })
             .collect()
     }
 
     /// The process id of the link at `index`, if live.
-    pub(super) fn pid_at(&self, index: usize) -> Option<i32> {
+    pub(super) fn pid_at(&self, index: usize) -> Option<Pid> {
         self.links
             .get(index)
             .and_then(Option::as_ref)
-            .map(|link| link.process.pid().as_raw())
+            .map(|link| link.process.pid())
     }
 
     /// Whether any target owes a reply: a task's result, a control's
@@ -370,13 +371,15 @@ impl IoLoop {
         machine.into_iter().min()
     }
 
-    /// Links with control bytes not yet written: (index, pid).
-    fn unsent(&self) -> Vec<(usize, i32)> {
+    /// Links with control bytes not yet written.
+    fn unsent(&self) -> Vec<LinkId> {
         self.links
             .iter()
             .enumerate()
             .filter_map(|(index, link)| match link {
-                Some(link) if !link.outbox.is_empty() => Some((index, link.process.pid().as_raw())),
+                Some(link) if !link.outbox.is_empty() => {
+                    Some(LinkId::new(index, link.process.pid()))
+                }
                 _ => None,
             })
             .collect()
@@ -441,12 +444,10 @@ impl IoLoop {
             }
             let polled_link = match what {
                 Ready::Wake => None,
-                Ready::Reply(index, pid)
-                | Ready::Control(index, pid)
-                | Ready::Ended(index, pid) => Some((index, pid)),
+                Ready::Reply(link) | Ready::Control(link) | Ready::Ended(link) => Some(link),
             };
-            if let Some((index, pid)) = polled_link {
-                if self.pid_at(index) != Some(pid) {
+            if let Some(link) = polled_link {
+                if self.pid_at(link.index) != Some(link.pid) {
                     continue;
                 }
             }
@@ -458,15 +459,15 @@ impl IoLoop {
                     {
                     }
                 }
-                Ready::Reply(index, _) => {
+                Ready::Reply(LinkId { index, .. }) => {
                     // A hung-up pipe is read to its end in this turn: a
                     // completion decided now must not be handed over
                     // while the target that died is still counted live.
                     let hung_up = event.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
                     self.read_replies(core, index, hung_up)
                 }
-                Ready::Control(index, _) => self.flush(core, index),
-                Ready::Ended(index, _) => {
+                Ready::Control(LinkId { index, .. }) => self.flush(core, index),
+                Ready::Ended(LinkId { index, .. }) => {
                     // Its last replies first (a reply socket that also
                     // closed was handled just before, as `Reply`).
                     self.read_replies(core, index, true);
@@ -597,7 +598,7 @@ impl IoLoop {
                 Effect::Joined {
                     target,
                     incarnation,
-                } => core.record(SlotEvent::Joined {
+                } => core.record(TargetEvent::Joined {
                     target,
                     incarnation,
                 }),
@@ -610,7 +611,7 @@ impl IoLoop {
                         target,
                         format!("incarnation {incarnation} failed to join ({failure})"),
                     );
-                    core.record(SlotEvent::JoinFailed {
+                    core.record(TargetEvent::JoinFailed {
                         target,
                         incarnation,
                         failure,
@@ -620,7 +621,7 @@ impl IoLoop {
                     target,
                     failed_joins,
                 } => {
-                    let event = SlotEvent::Abandoned {
+                    let event = TargetEvent::Abandoned {
                         target,
                         failed_joins,
                     };
@@ -1079,7 +1080,7 @@ impl IoLoop {
             .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
         let reason = format!("{why}; it {how}");
         if self.respawn {
-            core.record(SlotEvent::Lost {
+            core.record(TargetEvent::Lost {
                 target,
                 incarnation: link.incarnation,
                 cause: reason.clone(),
@@ -1115,8 +1116,8 @@ impl IoLoop {
             link.process.close_control();
         }
         let deadline = Instant::now() + CLOSE_GRACE;
-        for (index, slot) in self.links.iter_mut().enumerate() {
-            if let Some(mut link) = slot.take() {
+        for (index, entry) in self.links.iter_mut().enumerate() {
+            if let Some(mut link) = entry.take() {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if let Ok(exit) = link.process.reap(left) {
                     core.exits

@@ -8,6 +8,8 @@
 use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
+use nix::unistd::Pid;
+
 use super::io_loop::IoLoop;
 use super::respawn::Kept;
 use super::Core;
@@ -16,7 +18,7 @@ use super::Worker;
 use crate::io::handoff::{self, Pending};
 pub(super) use crate::io::lead::os::poll_events;
 use crate::io::lead::os::Os;
-use crate::io::lead::{self, Locked, Owed, Poller, StateLock, Watch};
+use crate::io::lead::{self, LinkId, Locked, Owed, Poller, StateLock, Watch};
 use crate::io::process::TrackedFd;
 
 pub(super) struct Shared {
@@ -124,11 +126,11 @@ impl Locked<Os> for Held<'_> {
         &mut self.parts().0.watch
     }
 
-    fn live(&self) -> Vec<(usize, i32)> {
+    fn live(&self) -> Vec<LinkId> {
         self.io().live()
     }
 
-    fn pid_at(&self, index: usize) -> Option<i32> {
+    fn pid_at(&self, index: usize) -> Option<Pid> {
         self.io().pid_at(index)
     }
 

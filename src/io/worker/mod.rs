@@ -85,7 +85,7 @@
 //! (`target_died` if it cannot), whose ready report becomes
 //! `target_spawned` (one that is not ready within the control timeout is
 //! lost); `Joined`, `JoinFailed` and `Abandoned` are recorded as
-//! [`SlotEvent`]s; `Send` encodes a wire frame into the target's
+//! [`TargetEvent`]s; `Send` encodes a wire frame into the target's
 //! outbox (a register's carries its metadata as JSON, and its staged
 //! payload, one for every target, waits beside it until the frame's first
 //! byte is sent with its descriptor); `ReleaseStaged` closes the parent's
@@ -107,7 +107,7 @@ use crate::envelope::{Envelope, HEADER_LEN};
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{
-    Handle, Lifecycle, Namespace, Parent, ParentConfig, SlotPhase, TargetId, Time,
+    Handle, Lifecycle, Namespace, Parent, ParentConfig, TargetId, TargetPhase, Time,
 };
 use crate::runtime::{Runtime, TaskEncoding};
 use crate::wire::HEADER_BYTES;
@@ -130,7 +130,7 @@ pub use pending::{
     outcome_text, registration_failure_text, OperationError, PendingOperation, PendingTask,
     StartReport, TargetTable, TaskError, TaskKey,
 };
-pub use respawn::{SlotEvent, SLOT_EVENTS_KEPT};
+pub use respawn::{TargetEvent, TARGET_EVENTS_KEPT};
 
 /// A parent worker with its forked targets (specs/design.md §4.1).
 ///
@@ -187,10 +187,9 @@ fn lifecycle_error(operation: OperationKind, message: &str) -> Error {
 }
 
 /// The identity the parent machine holds a callable's metadata by
-/// (`specs/protocol.md` §2.10): the SHA-256 of its JSON form.
+/// (`specs/protocol.md` §2.10).
 fn metadata_identity(metadata: &CallableMetadata) -> Digest {
-    use sha2::Digest as _;
-    Digest(sha2::Sha256::digest(metadata.to_json().as_bytes()).into())
+    metadata.identity()
 }
 
 /// The `LIFECYCLE_INVALID` of a Worker used in a forked child of its
@@ -689,40 +688,40 @@ impl<R: Runtime> Worker<R> {
         self.shared.lock().machine.incarnation(target)
     }
 
-    /// [`Worker::slot_phase`] and [`Worker::target_incarnation`] read
+    /// [`Worker::target_phase`] and [`Worker::target_incarnation`] read
     /// together, under one lock: the phase is that incarnation's (two
     /// separate calls can pair a lost process's phase with its
     /// replacement's incarnation).
-    pub fn slot_state(&self, target: TargetId) -> (SlotPhase, u32) {
+    pub fn target_state(&self, target: TargetId) -> (TargetPhase, u32) {
         if self.shared.foreign() {
-            return (SlotPhase::Lost, 0);
+            return (TargetPhase::Lost, 0);
         }
         let core = self.shared.lock();
         let phase = match core.machine.lifecycle() {
-            Lifecycle::Closed => SlotPhase::Lost,
-            _ => core.machine.slot_phase(target),
+            Lifecycle::Closed => TargetPhase::Lost,
+            _ => core.machine.target_phase(target),
         };
         (phase, core.machine.incarnation(target))
     }
 
-    /// Where `target`'s slot stands: serving (`Joined`), being replaced
+    /// Where `target` stands: serving (`Joined`), being replaced
     /// (`BackingOff`, `Spawning`, `Joining`) or `Lost` for good (every
-    /// slot, once closed).
-    pub fn slot_phase(&self, target: TargetId) -> SlotPhase {
+    /// target, once closed).
+    pub fn target_phase(&self, target: TargetId) -> TargetPhase {
         if self.shared.foreign() {
-            return SlotPhase::Lost;
+            return TargetPhase::Lost;
         }
         let core = self.shared.lock();
         match core.machine.lifecycle() {
-            Lifecycle::Closed => SlotPhase::Lost,
-            _ => core.machine.slot_phase(target),
+            Lifecycle::Closed => TargetPhase::Lost,
+            _ => core.machine.target_phase(target),
         }
     }
 
-    /// What happened to target slots since start, oldest first (the last
-    /// [`SLOT_EVENTS_KEPT`]): with replacements on, every loss, and every
-    /// replacement started, joined or failed, and slots given up.
-    pub fn slot_events(&self) -> Vec<SlotEvent> {
+    /// What happened to targets since start, oldest first (the last
+    /// [`TARGET_EVENTS_KEPT`]): with replacements on, every loss, and every
+    /// replacement started, joined or failed, and targets given up.
+    pub fn target_events(&self) -> Vec<TargetEvent> {
         if self.shared.foreign() {
             return Vec::new();
         }
@@ -731,7 +730,7 @@ impl<R: Runtime> Worker<R> {
 
     /// The process id of `target`'s latest process (for supervision and
     /// tests), if started; it may have ended since (see
-    /// [`Worker::slot_phase`]).
+    /// [`Worker::target_phase`]).
     pub fn target_pid(&self, target: TargetId) -> Option<i32> {
         if self.shared.foreign() {
             return None;
@@ -1029,9 +1028,9 @@ struct Core {
     /// its control carries, kept to replay it to replacements
     /// (`specs/protocol.md` §2.9).
     kept: BTreeMap<Digest, Kept>,
-    /// What happened to replaced slots, oldest first (the last
-    /// [`SLOT_EVENTS_KEPT`]).
-    events: VecDeque<SlotEvent>,
+    /// What happened to replaced targets, oldest first (the last
+    /// [`TARGET_EVENTS_KEPT`]).
+    events: VecDeque<TargetEvent>,
     /// How lost targets ended.
     exits: BTreeMap<TargetId, Exit>,
     /// Why lost targets were given up, with how they ended.
@@ -1039,8 +1038,8 @@ struct Core {
 }
 
 impl Core {
-    fn record(&mut self, event: SlotEvent) {
-        if self.events.len() == SLOT_EVENTS_KEPT {
+    fn record(&mut self, event: TargetEvent) {
+        if self.events.len() == TARGET_EVENTS_KEPT {
             self.events.pop_front();
         }
         self.events.push_back(event);

@@ -1,7 +1,7 @@
 //! Replacement targets (`specs/protocol.md` §2.9): the envelopes kept for
 //! replays, the template asked for a new process on a spawning thread, the
 //! replacement linked (or given up when it is not ready in time), and the
-//! [`SlotEvent`]s a Worker records.
+//! [`TargetEvent`]s a Worker records.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -17,10 +17,10 @@ use crate::envelope::HEADER_LEN;
 use crate::error::ErrorCode;
 use crate::io::process::{ProcessError, TargetProcess, TrackedFd};
 use crate::io::staging::StagedPayload;
-use crate::protocol::{Failure, Lifecycle, SlotPhase, StagingId, TargetId};
+use crate::protocol::{Failure, Lifecycle, StagingId, TargetId, TargetPhase};
 use crate::wire::FrameBuffer;
 
-/// A replacement the template forked for `target`'s slot, as incarnation
+/// A replacement the template forked for `target`, as incarnation
 /// `incarnation`, or why it could not.
 pub(super) struct Spawned {
     target: TargetId,
@@ -36,8 +36,8 @@ pub(super) struct Spawned {
 /// [`Zygote::close`]: crate::io::zygote::Zygote::close
 const TEMPLATE_REAP_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// How many slot events a Worker keeps ([`Worker::slot_events`]).
-pub const SLOT_EVENTS_KEPT: usize = 1024;
+/// How many target events a Worker keeps ([`Worker::target_events`]).
+pub const TARGET_EVENTS_KEPT: usize = 1024;
 
 /// An envelope kept for replays: a startup-snapshot envelope's bytes until
 /// a replay first needs it staged, then (like a post-start register's) its
@@ -58,14 +58,14 @@ impl Kept {
     }
 }
 
-/// What happened to a replaced target slot (`specs/protocol.md` §2.9), as
-/// [`Worker::slot_events`] lists it.
+/// What happened to a replaced target (`specs/protocol.md` §2.9), as
+/// [`Worker::target_events`] lists it.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
-pub enum SlotEvent {
+pub enum TargetEvent {
     /// A replacement process was started for `target`.
     Spawned {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// The new process's incarnation (the original is 0).
         incarnation: u32,
@@ -76,7 +76,7 @@ pub enum SlotEvent {
     /// replacement, or counts against the rate limit if it had not
     /// joined).
     Lost {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// The lost process's incarnation.
         incarnation: u32,
@@ -87,7 +87,7 @@ pub enum SlotEvent {
     /// A replacement could not be started (the template process failed
     /// or is gone); it counts as one lost before it joined.
     SpawnFailed {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// The incarnation that was asked for.
         incarnation: u32,
@@ -96,7 +96,7 @@ pub enum SlotEvent {
     },
     /// The replacement confirmed every live registration and serves.
     Joined {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// Its incarnation.
         incarnation: u32,
@@ -104,7 +104,7 @@ pub enum SlotEvent {
     /// The replacement refused a replayed registration, or missed a
     /// deadline while joining, and was fenced.
     JoinFailed {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// Its incarnation.
         incarnation: u32,
@@ -113,53 +113,53 @@ pub enum SlotEvent {
     },
     /// The template process that forks replacements is gone (it was
     /// killed, or exited): no replacement can be started any more, and
-    /// every slot lost from now on is abandoned at once
+    /// every target lost from now on is abandoned at once
     /// (`specs/protocol.md` §2.9, "Replacements ended").
     TemplateLost {
         /// How it ended (`killed by signal 9`, ...), when known.
         cause: String,
     },
-    /// The slot stays lost: `failed_joins` replacements in a row were lost
+    /// The target stays lost: `failed_joins` replacements in a row were lost
     /// before they joined, or the template process is gone.
     Abandoned {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// Replacements in a row lost before they joined.
         failed_joins: u16,
     },
 }
 
-impl std::fmt::Display for SlotEvent {
+impl std::fmt::Display for TargetEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            SlotEvent::Spawned {
+            TargetEvent::Spawned {
                 target,
                 incarnation,
                 pid,
             } => write!(f, "{target}: incarnation {incarnation} started (pid {pid})"),
-            SlotEvent::Lost {
+            TargetEvent::Lost {
                 target,
                 incarnation,
                 cause,
             } => write!(f, "{target}: incarnation {incarnation} lost ({cause})"),
-            SlotEvent::SpawnFailed {
+            TargetEvent::SpawnFailed {
                 target,
                 incarnation,
                 reason,
             } => write!(f, "{target}: incarnation {incarnation} could not be started: {reason}"),
-            SlotEvent::Joined {
+            TargetEvent::Joined {
                 target,
                 incarnation,
             } => write!(f, "{target}: incarnation {incarnation} joined"),
-            SlotEvent::JoinFailed {
+            TargetEvent::JoinFailed {
                 target,
                 incarnation,
                 failure,
             } => write!(f, "{target}: incarnation {incarnation} failed to join ({failure})"),
-            SlotEvent::TemplateLost { cause } => {
+            TargetEvent::TemplateLost { cause } => {
                 write!(f, "replacements ended: template process lost ({cause})")
             }
-            SlotEvent::Abandoned {
+            TargetEvent::Abandoned {
                 target,
                 failed_joins,
             } => write!(
@@ -303,7 +303,7 @@ impl IoLoop {
             Some(exit) => format!("it {exit}"),
             None => "its request socket closed".to_owned(),
         };
-        core.record(SlotEvent::TemplateLost { cause });
+        core.record(TargetEvent::TemplateLost { cause });
         core.machine.replacements_ended();
     }
 
@@ -322,7 +322,7 @@ impl IoLoop {
         }
         let index = usize::from(target.0);
         let awaited = core.machine.lifecycle() == Lifecycle::Started
-            && core.machine.slot_phase(target) == SlotPhase::Spawning
+            && core.machine.target_phase(target) == TargetPhase::Spawning
             && core.machine.incarnation(target) == incarnation;
         if !awaited {
             return;
@@ -335,11 +335,11 @@ impl IoLoop {
         match linked {
             Ok((process, input)) => {
                 let pid = process.pid().as_raw();
-                if let Some(slot) = core.pids.get_mut(index) {
-                    *slot = pid;
+                if let Some(entry) = core.pids.get_mut(index) {
+                    *entry = pid;
                 }
-                if let Some(slot) = self.links.get_mut(index) {
-                    *slot = Some(Link {
+                if let Some(entry) = self.links.get_mut(index) {
+                    *entry = Some(Link {
                         process,
                         input,
                         outbox: Vec::new(),
@@ -349,14 +349,14 @@ impl IoLoop {
                 }
                 // Its ready deadline is the machine's (§2.9).
                 self.starting.insert(index, incarnation);
-                core.record(SlotEvent::Spawned {
+                core.record(TargetEvent::Spawned {
                     target,
                     incarnation,
                     pid,
                 });
             }
             Err(reason) => {
-                core.record(SlotEvent::SpawnFailed {
+                core.record(TargetEvent::SpawnFailed {
                     target,
                     incarnation,
                     reason: reason.clone(),

@@ -15,7 +15,7 @@ use super::io_loop::{
     io_thread, read_available, Context, IoLoop, Link, ReadOutcome, LOST_GRACE, READ_CHUNK_BYTES,
 };
 use super::pending::{outcome_text, registration_failure_text, OperationError, StartReport};
-use super::respawn::{Kept, SlotEvent};
+use super::respawn::{Kept, TargetEvent};
 use super::{lifecycle_error, now_since, Worker};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
@@ -270,7 +270,7 @@ impl<R: Runtime> Worker<R> {
                     }
                 }
                 if self.respawn {
-                    core.record(SlotEvent::Lost {
+                    core.record(TargetEvent::Lost {
                         target: *target,
                         incarnation: 0,
                         cause: format!("at start: {}", outcome_text(outcome)),

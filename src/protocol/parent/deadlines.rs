@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use super::{Effect, Lifecycle, Op, OpKind, Parent, Progress, SlotPhase};
+use super::{Effect, Lifecycle, Op, OpKind, Parent, Progress, TargetPhase};
 use crate::error::{Error, ErrorCode, OperationKind};
 #[cfg(feature = "mutants")]
 use crate::protocol::Mutant;
@@ -58,9 +58,9 @@ impl Parent {
             return;
         }
         let due: Vec<TargetId> = self
-            .slots
+            .target_records
             .iter()
-            .filter(|(_, r)| matches!(r.phase, SlotPhase::BackingOff(until) if until <= now))
+            .filter(|(_, r)| matches!(r.phase, TargetPhase::BackingOff(until) if until <= now))
             .map(|(t, _)| *t)
             .collect();
         for target in due {
@@ -68,11 +68,16 @@ impl Parent {
         }
         // A replacement asked for and not ready within the control timeout
         // (§2.9: the template is stopped or gone, the process hangs before
-        // its ready report) is fenced: lost before it joined.
+        // its ready report) is fenced: lost before it joined. Arrivals
+        // (`unbounded_spawn`) have no such deadline.
         let unready: Vec<TargetId> = self
-            .slots
+            .target_records
             .iter()
-            .filter(|(_, r)| r.phase == SlotPhase::Spawning && r.ready_by <= now)
+            .filter(|(_, r)| {
+                r.phase == TargetPhase::Spawning
+                    && r.ready_by <= now
+                    && !self.config.unbounded_spawn
+            })
             .map(|(t, _)| *t)
             .collect();
         for target in unready {

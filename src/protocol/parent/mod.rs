@@ -90,20 +90,30 @@ pub struct ParentConfig {
     /// target at once.
     pub probe_first: bool,
     /// Replacement targets (`specs/protocol.md` §2.9; 0 switches them off,
-    /// the usual value is [`DEFAULT_RESPAWN_LIMIT`]): a lost target's slot
+    /// the usual value is [`DEFAULT_RESPAWN_LIMIT`]): a lost target
     /// is given a new process ([`Effect::Spawn`]), which joins the scope
     /// once it has confirmed every live registration. This many replacements
-    /// of one slot in a row may be lost before they join; after that the
-    /// slot stays lost ([`Effect::Abandoned`]).
+    /// of one target in a row may be lost before they join; after that the
+    /// target stays lost ([`Effect::Abandoned`]).
     ///
     /// [`DEFAULT_RESPAWN_LIMIT`]: super::DEFAULT_RESPAWN_LIMIT
     #[serde(default)]
     pub respawn_limit: u16,
     /// The back-off (microseconds) before the second replacement in a row
-    /// of one slot; it doubles for each further one. The first replacement
+    /// of one target; it doubles for each further one. The first replacement
     /// after a joined target is lost is asked for at once.
     #[serde(default)]
     pub respawn_backoff: u64,
+    /// Replacements arrive on their own instead of being started by the
+    /// embedder (`specs/protocol.md` §2.9, "Arrivals"; the usual value is
+    /// `false`): an [`Effect::Spawn`] only opens the target for the next
+    /// process that arrives, and the target waits for
+    /// [`Parent::target_spawned`] as long as it takes, with no ready
+    /// deadline. For an embedder whose processes join when they please,
+    /// such as the workers of a cluster; `false` fences a replacement that
+    /// is not ready within the control timeout.
+    #[serde(default)]
+    pub unbounded_spawn: bool,
 }
 
 /// The parent's lifecycle (specs/design.md §4.1).
@@ -243,40 +253,40 @@ pub enum Effect {
         /// The envelope's digest.
         digest: Digest,
     },
-    /// Start a new process for `target`'s slot (§2.9): it holds nothing,
-    /// and is incarnation `incarnation` of the slot (the original is 0).
+    /// Start a new process for `target` (§2.9): it holds nothing,
+    /// and is incarnation `incarnation` of the target (the original is 0).
     /// Then call [`Parent::target_spawned`], or [`Parent::target_died`] if
     /// it could not be started.
     Spawn {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// The new process's incarnation.
         incarnation: u32,
     },
-    /// The replacement in `target`'s slot confirmed every live
+    /// The replacement for `target` confirmed every live
     /// registration: it serves tasks from now on (§2.9).
     Joined {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// The replacement's incarnation.
         incarnation: u32,
     },
-    /// The replacement in `target`'s slot refused a replayed registration
+    /// The replacement for `target` refused a replayed registration
     /// (or did not answer it in time): it is fenced next, and replaced
     /// under the rate limit (§2.9).
     JoinFailed {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// The replacement's incarnation.
         incarnation: u32,
         /// Its answer, or the passed deadline.
         failure: Failure,
     },
-    /// `target`'s slot stays lost for the Worker's life: `failed_joins`
+    /// `target` stays lost for the Worker's life: `failed_joins`
     /// replacements in a row were lost before they joined (the rate limit,
     /// [`ParentConfig::respawn_limit`]).
     Abandoned {
-        /// The slot.
+        /// The target.
         target: TargetId,
         /// Replacements in a row lost before they joined.
         failed_joins: u16,
@@ -306,7 +316,7 @@ pub enum Effect {
         seq: Seq,
         /// Its target.
         target: TargetId,
-        /// The incarnation of the target's slot it was sent to.
+        /// The incarnation of the target it was sent to.
         incarnation: u32,
         /// The callable it ran (or was to run).
         digest: Digest,
@@ -359,11 +369,11 @@ pub struct Poison {
     pub cause: String,
 }
 
-/// Where a slot stands once replacement targets are on (§2.9); see
-/// [`Parent::slot_phase`].
+/// Where a target stands once replacement targets are on (§2.9); see
+/// [`Parent::target_phase`].
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize)]
 #[serde(rename_all = "snake_case", tag = "phase", content = "until")]
-pub enum SlotPhase {
+pub enum TargetPhase {
     /// Its process serves: the original, or a replacement that joined.
     Joined,
     /// Waiting until this time before asking for the next replacement.
@@ -378,19 +388,26 @@ pub enum SlotPhase {
     Lost,
 }
 
-/// A slot's replacement state.
+/// A target's replacement state.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
-pub(crate) struct SlotRecord {
+pub(crate) struct TargetRecord {
     /// The incarnation of its current (or next) process; the original is 0.
     pub(crate) incarnation: u32,
     /// Replacements in a row lost before they joined.
     pub(crate) failed_joins: u16,
-    pub(crate) phase: SlotPhase,
-    /// While [`SlotPhase::Spawning`]: when the replacement asked for must
+    pub(crate) phase: TargetPhase,
+    /// While [`TargetPhase::Spawning`]: when the replacement asked for must
     /// have reported ready (the [`Effect::Spawn`] plus the control
     /// timeout, §2.9); past it, it is fenced and counts as lost before it
     /// joined.
     pub(crate) ready_by: Time,
+    /// The next seq to issue when its current process was started
+    /// ([`Parent::target_spawned`]; 0 before any replacement): every
+    /// control that process is sent has this seq or a later one, and every
+    /// control sent to an earlier process of the target an earlier one (one
+    /// seq counter, and nothing goes to a lost slot), so a reply to an
+    /// earlier seq comes from a process of the target that is gone.
+    pub(crate) first_seq: Seq,
 }
 
 /// A live handle's record in the registry.
@@ -583,12 +600,12 @@ pub struct Parent {
     /// (`register_with_metadata`; a digest held without metadata has no
     /// entry). Stale once the digest is no longer held.
     pub(crate) metadata: BTreeMap<Digest, Digest>,
-    /// The replacement state of every slot that was lost once while
-    /// replacements are on (§2.9); a slot without a record is its original
+    /// The replacement state of every target that was lost once while
+    /// replacements are on (§2.9); a target without a record is its original
     /// process, joined unless lost.
-    pub(crate) slots: BTreeMap<TargetId, SlotRecord>,
+    pub(crate) target_records: BTreeMap<TargetId, TargetRecord>,
     /// No replacement can be started any more (the template process is
-    /// gone, §2.9): a slot lost from now on is abandoned at once.
+    /// gone, §2.9): a target lost from now on is abandoned at once.
     pub(crate) replacements_ended: bool,
     /// Tasks in flight, by seq (`specs/protocol.md` §2.11).
     pub(crate) tasks: BTreeMap<Seq, tasks::TaskRecord>,
@@ -617,7 +634,7 @@ impl Parent {
             proven: BTreeSet::new(),
             poisoned: BTreeMap::new(),
             metadata: BTreeMap::new(),
-            slots: BTreeMap::new(),
+            target_records: BTreeMap::new(),
             replacements_ended: false,
             tasks: BTreeMap::new(),
             cancels: BTreeMap::new(),
@@ -749,9 +766,13 @@ impl Parent {
     /// call
     /// [`Parent::handle_timeout`] once it has passed.
     pub fn poll_timeout(&self) -> Option<Time> {
-        let respawns = self.slots.values().filter_map(|r| match r.phase {
-            SlotPhase::BackingOff(until) if self.lifecycle == Lifecycle::Started => Some(until),
-            SlotPhase::Spawning if self.lifecycle == Lifecycle::Started => Some(r.ready_by),
+        let respawns = self.target_records.values().filter_map(|r| match r.phase {
+            TargetPhase::BackingOff(until) if self.lifecycle == Lifecycle::Started => Some(until),
+            TargetPhase::Spawning
+                if self.lifecycle == Lifecycle::Started && !self.config.unbounded_spawn =>
+            {
+                Some(r.ready_by)
+            }
             _ => None,
         });
         self.ops
@@ -779,28 +800,30 @@ impl Parent {
     }
 
     fn is_joining(&self, target: TargetId) -> bool {
-        self.slot_phase(target) == SlotPhase::Joining
+        self.target_phase(target) == TargetPhase::Joining
     }
 
     fn serves(&self, target: TargetId) -> bool {
         !self.lost.contains(&target) && !self.is_joining(target)
     }
 
-    /// Where `target`'s slot stands (§2.9): [`SlotPhase::Joined`] or
-    /// [`SlotPhase::Lost`] for a slot never replaced (whatever the
+    /// Where `target` stands (§2.9): [`TargetPhase::Joined`] or
+    /// [`TargetPhase::Lost`] for a target never replaced (whatever the
     /// lifecycle), else its replacement's phase.
-    pub fn slot_phase(&self, target: TargetId) -> SlotPhase {
-        match self.slots.get(&target) {
+    pub fn target_phase(&self, target: TargetId) -> TargetPhase {
+        match self.target_records.get(&target) {
             Some(record) => record.phase,
-            None if self.lost.contains(&target) => SlotPhase::Lost,
-            None => SlotPhase::Joined,
+            None if self.lost.contains(&target) => TargetPhase::Lost,
+            None => TargetPhase::Joined,
         }
     }
 
     /// The incarnation of `target`'s current (or next) process: 0 for the
     /// original, one more for each replacement asked for (§2.9).
     pub fn incarnation(&self, target: TargetId) -> u32 {
-        self.slots.get(&target).map_or(0, |r| r.incarnation)
+        self.target_records
+            .get(&target)
+            .map_or(0, |r| r.incarnation)
     }
 
     /// Whether replacements ended ([`Parent::replacements_ended`]).
@@ -808,10 +831,12 @@ impl Parent {
         self.replacements_ended
     }
 
-    /// Replacements of `target`'s slot in a row that were lost before they
+    /// Replacements of `target` in a row that were lost before they
     /// joined (§2.9; reset when one joins).
     pub fn failed_joins(&self, target: TargetId) -> u16 {
-        self.slots.get(&target).map_or(0, |r| r.failed_joins)
+        self.target_records
+            .get(&target)
+            .map_or(0, |r| r.failed_joins)
     }
 
     /// The operations in flight, in start order.
@@ -834,17 +859,18 @@ impl Parent {
             && self.cancels.is_empty()
             && self.inspections.is_empty()
             && self.effects.is_empty()
-            && !self.slots.values().any(|r| {
+            && !self.target_records.values().any(|r| {
                 self.lifecycle == Lifecycle::Started
-                    && matches!(r.phase, SlotPhase::BackingOff(_) | SlotPhase::Spawning)
+                    && matches!(r.phase, TargetPhase::BackingOff(_) | TargetPhase::Spawning)
             })
     }
 
     /// Whether an operation in flight still waits for `target`'s answer to
     /// `seq` (a register, unregister or cleanup control). A reply for which
     /// this is `false` is late or duplicate: [`Parent::handle_reply`] then
-    /// marks its digest uncertain. The model checker uses it to name late
-    /// replies in its traces; an IO layer may use it to log them.
+    /// marks its digest uncertain (unless it comes from a lost target or
+    /// from an earlier process of the target). The model checker uses it to
+    /// name late replies in its traces; an IO layer may use it to log them.
     pub fn awaits_reply(&self, target: TargetId, seq: Seq) -> bool {
         self.ops.values().any(|op| match op.scope.get(&target) {
             Some(Progress::Pending) => op.seq == seq,
@@ -901,7 +927,7 @@ impl Parent {
         for poison in copy.poisoned.values_mut() {
             poison.target = map(&poison.target);
         }
-        copy.slots = std::mem::take(&mut copy.slots)
+        copy.target_records = std::mem::take(&mut copy.target_records)
             .into_iter()
             .map(|(t, r)| (map(&t), r))
             .collect();

@@ -6,7 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::registry::poisoned_error;
 use super::{
-    Completion, Effect, Handle, HandleRecord, Lifecycle, Op, OpKind, Parent, Progress, SlotPhase,
+    Completion, Effect, Handle, HandleRecord, Lifecycle, Op, OpKind, Parent, Poison, Progress,
+    TargetPhase,
 };
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
@@ -43,6 +44,7 @@ impl Parent {
     ///     probe_first: false,
     ///     respawn_limit: 0,
     ///     respawn_backoff: 0,
+    ///     unbounded_spawn: false,
     /// };
     /// let mut parent = Parent::new(config);
     /// let digest = Digest::sha256(b"descriptor");
@@ -343,7 +345,11 @@ impl Parent {
     /// A reply that answers nothing pending (a late answer after the
     /// target's deadline passed, or a duplicate) marks its digest uncertain,
     /// since the target's state is then unknown (specs/design.md §4.1). Replies
-    /// from a lost target and replies after close are ignored.
+    /// from a lost target and replies after close are ignored, and so are
+    /// replies from an earlier process of a replaced target (§2.9: a reply to
+    /// a seq issued before the target's current process was started, which
+    /// a transport may deliver after the loss): that process is gone, and
+    /// its reply says nothing about the one serving now.
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id
@@ -364,6 +370,13 @@ impl Parent {
             .with_target(target)
             .with_seq(reply.seq)
             .with_digest(reply.digest));
+        }
+        if self
+            .target_records
+            .get(&target)
+            .is_some_and(|r| reply.seq < r.first_seq)
+        {
+            return Ok(());
         }
         if self.cancel_answered(target, &reply) {
             return Ok(());
@@ -408,6 +421,26 @@ impl Parent {
             ))
         };
         let mut uncertain = reply.digest != digest;
+        // A probe refused as poisoned by a target that is itself a registry
+        // (a cluster's worker whose own probe lost a process, §2.8 "A
+        // nested refusal") poisons the digest here too.
+        let nested_poison = match (&op.kind, &result) {
+            (
+                OpKind::Register {
+                    probe: Some(probe),
+                    cleanup: None,
+                    ..
+                },
+                Err(failure),
+            ) if !is_cleanup
+                && *probe == target
+                && failure.code == ErrorCode::REGISTER_POISONED
+                && !mutant!(self, IgnoreNestedPoison) =>
+            {
+                Some(failure.message.clone())
+            }
+            _ => None,
+        };
         if let Some(progress) = op.scope.get_mut(&target) {
             *progress = match (is_cleanup, result) {
                 (false, Ok(())) => {
@@ -432,8 +465,16 @@ impl Parent {
         if uncertain {
             self.mark_uncertain(digest);
         }
-        if proven {
+        // Poisoned is never proven (§2.8): a register of it still in
+        // flight, confirmed after another one's probe was refused as
+        // poisoned, is rolled back.
+        if proven && !self.poisoned.contains_key(&digest) {
             self.proven.insert(digest);
+        }
+        if let Some(cause) = nested_poison {
+            self.poisoned
+                .entry(digest)
+                .or_insert(Poison { target, cause });
         }
         self.advance(id, now);
         Ok(())
@@ -526,10 +567,14 @@ impl Parent {
         } = kind
         {
             // Confirmed: on to the others. Otherwise (refused, lost, fenced,
-            // timed out, or confirmed for a digest uncertain meanwhile) the
-            // register fails as it is: the others never see it.
+            // timed out, or confirmed for a digest uncertain or poisoned
+            // meanwhile) the register fails as it is: the others never see
+            // it.
             let confirmed = op.scope.get(&probe) == Some(&Progress::Confirmed);
-            if confirmed && !self.uncertain.contains_key(&digest) {
+            if confirmed
+                && !self.uncertain.contains_key(&digest)
+                && !self.poisoned.contains_key(&digest)
+            {
                 return self.broadcast(id, now);
             }
         }
@@ -548,7 +593,10 @@ impl Parent {
                         if !answered && !early {
                             return;
                         }
-                        if (all_confirmed || early) && !self.uncertain.contains_key(&digest) {
+                        if (all_confirmed || early)
+                            && !self.uncertain.contains_key(&digest)
+                            && !self.poisoned.contains_key(&digest)
+                        {
                             self.publish(id, now);
                         } else {
                             self.start_cleanup(id, now);
@@ -643,7 +691,7 @@ impl Parent {
         }
         let handle = self.issue_handle(op.digest, op.namespace);
         // A joining replacement is in no register's scope: a confirmation
-        // in its slot came from the process it replaced, which took the
+        // for its target came from the process it replaced, which took the
         // install with it (§2.9; it gets the handle as a replay below).
         let confirmed = op
             .scope
@@ -672,9 +720,9 @@ impl Parent {
         // new registration as a replay.
         if !mutant!(self, SkipReplayOfPublished) {
             let joining: Vec<TargetId> = self
-                .slots
+                .target_records
                 .iter()
-                .filter(|(_, r)| r.phase == SlotPhase::Joining)
+                .filter(|(_, r)| r.phase == TargetPhase::Joining)
                 .map(|(t, _)| *t)
                 .collect();
             for target in joining {
@@ -689,7 +737,7 @@ impl Parent {
         let unconfirmed_too = mutant!(self, CleanupUnconfirmedTargets);
         let deadline = now.saturating_add_micros(self.config.operation_timeout);
         // A target lost since it confirmed holds nothing any more, nor
-        // does a replacement now in its slot (§2.9).
+        // does its replacement (§2.9).
         let lost: BTreeSet<TargetId> = self
             .lost
             .iter()

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 #[cfg(doc)]
 use super::ParentConfig;
-use super::{Effect, Lifecycle, Op, OpKind, Parent, Poison, Progress, SlotPhase, SlotRecord};
+use super::{Effect, Lifecycle, Op, OpKind, Parent, Poison, Progress, TargetPhase, TargetRecord};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
 #[cfg(feature = "mutants")]
@@ -38,6 +38,23 @@ impl Parent {
             return Ok(());
         }
         self.lose(target, Progress::Lost, cause, now, true);
+        Ok(())
+    }
+
+    /// [`Parent::target_died`] for a target that left rather than died
+    /// of what it was doing (`specs/protocol.md` §2.8, "A departure"): a
+    /// cluster's worker that leaves or is killed, whose callables run in
+    /// processes of its own (a poison costs one of those, never the worker
+    /// itself). The loss is no evidence against a digest it was probing:
+    /// nothing is poisoned, and a later register probes again.
+    ///
+    /// # Errors
+    /// As [`Parent::target_lost`].
+    pub fn target_left(&mut self, target: TargetId, cause: &str, now: Time) -> Result<(), Error> {
+        if !self.accepts_from(target, OperationKind::Reply)? {
+            return Ok(());
+        }
+        self.lose(target, Progress::Lost, cause, now, false);
         Ok(())
     }
 
@@ -89,7 +106,7 @@ impl Parent {
         if self.lost.contains(&target) {
             // A replacement that could not be started is one lost before
             // it joined.
-            if self.slot_phase(target) == SlotPhase::Spawning {
+            if self.target_phase(target) == TargetPhase::Spawning {
                 self.after_loss(target, now);
             }
             return;
@@ -126,26 +143,27 @@ impl Parent {
 
     /// After `target`'s process was lost (§2.9): with replacements on, ask
     /// for the next one at once (the lost process had joined), after the
-    /// back-off (it had not), or give the slot up (the rate limit).
+    /// back-off (it had not), or give the target up (the rate limit).
     fn after_loss(&mut self, target: TargetId, now: Time) {
         let limit = self.config.respawn_limit;
         if limit == 0 || self.lifecycle != Lifecycle::Started {
             return;
         }
-        let record = self.slots.entry(target).or_insert(SlotRecord {
+        let record = self.target_records.entry(target).or_insert(TargetRecord {
             incarnation: 0,
             failed_joins: 0,
-            phase: SlotPhase::Joined,
+            phase: TargetPhase::Joined,
             ready_by: Time(0),
+            first_seq: Seq(0),
         });
         record.failed_joins = match record.phase {
-            SlotPhase::Joined => 0,
+            TargetPhase::Joined => 0,
             _ => record.failed_joins.saturating_add(1),
         };
         let failed_joins = record.failed_joins;
         // At the rate limit, or with no template left to start another.
         if failed_joins >= limit || self.replacements_ended {
-            record.phase = SlotPhase::Lost;
+            record.phase = TargetPhase::Lost;
             self.effects.push_back(Effect::Abandoned {
                 target,
                 failed_joins,
@@ -162,14 +180,14 @@ impl Parent {
         if delay == 0 {
             self.spawn(target, now);
         } else {
-            record.phase = SlotPhase::BackingOff(now.saturating_add_micros(delay));
+            record.phase = TargetPhase::BackingOff(now.saturating_add_micros(delay));
         }
     }
 
     /// No replacement can be started any more: the template process that
-    /// forks them is gone (§2.9). Every slot backing off is abandoned at
-    /// once ([`Effect::Abandoned`]), and so is every slot lost from now on,
-    /// without a [`Effect::Spawn`]; a slot whose replacement is being
+    /// forks them is gone (§2.9). Every target backing off is abandoned at
+    /// once ([`Effect::Abandoned`]), and so is every target lost from now on,
+    /// without a [`Effect::Spawn`]; a target whose replacement is being
     /// spawned or joins meets its own end (a failed spawn, a loss, or the
     /// join). Idempotent; ignored unless started with replacements on.
     pub fn replacements_ended(&mut self) {
@@ -180,9 +198,9 @@ impl Parent {
             return;
         }
         self.replacements_ended = true;
-        for (target, record) in self.slots.iter_mut() {
-            if matches!(record.phase, SlotPhase::BackingOff(_)) {
-                record.phase = SlotPhase::Lost;
+        for (target, record) in self.target_records.iter_mut() {
+            if matches!(record.phase, TargetPhase::BackingOff(_)) {
+                record.phase = TargetPhase::Lost;
                 self.effects.push_back(Effect::Abandoned {
                     target: *target,
                     failed_joins: record.failed_joins,
@@ -193,11 +211,11 @@ impl Parent {
 
     pub(super) fn spawn(&mut self, target: TargetId, now: Time) {
         let control_timeout = self.config.control_timeout;
-        let Some(record) = self.slots.get_mut(&target) else {
+        let Some(record) = self.target_records.get_mut(&target) else {
             return;
         };
         record.incarnation = record.incarnation.saturating_add(1);
-        record.phase = SlotPhase::Spawning;
+        record.phase = TargetPhase::Spawning;
         record.ready_by = now.saturating_add_micros(control_timeout);
         self.effects.push_back(Effect::Spawn {
             target,
@@ -205,15 +223,15 @@ impl Parent {
         });
     }
 
-    /// The process asked for by [`Effect::Spawn`] for `target`'s slot runs
-    /// and holds nothing (§2.9): it is `incarnation` of the slot, and it
+    /// The process asked for by [`Effect::Spawn`] for `target` runs
+    /// and holds nothing (§2.9): it is `incarnation` of the target, and it
     /// joins. Every live handle whose digest is not uncertain is replayed
     /// to it, in handle order ([`Effect::Restage`], then a
     /// [`ControlFrame::Register`] to it alone), and so is every handle
     /// published while it joins. It serves tasks ([`Effect::Joined`]) once
     /// every replay sent to it is confirmed and no register is in flight
     /// (a register in flight does not include it, and is replayed to it if
-    /// published; a confirmation the slot's earlier process gave it counts
+    /// published; a confirmation the target's earlier process gave it counts
     /// for nothing). Until then it is in the scope of nothing else but the
     /// unregisters of handles replayed to it (whose frame to it waits for
     /// that replay's confirmation: until then it may still be installing
@@ -225,7 +243,7 @@ impl Parent {
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target out
-    /// of range, or a slot that is not waiting for incarnation
+    /// of range, or a target that is not waiting for incarnation
     /// `incarnation` (nothing changes).
     pub fn target_spawned(
         &mut self,
@@ -237,9 +255,9 @@ impl Parent {
             return Ok(());
         }
         let waiting = self
-            .slots
+            .target_records
             .get(&target)
-            .is_some_and(|r| r.phase == SlotPhase::Spawning && r.incarnation == incarnation);
+            .is_some_and(|r| r.phase == TargetPhase::Spawning && r.incarnation == incarnation);
         if !waiting {
             return Err(Error::new(
                 ErrorCode::FRAME_INVALID,
@@ -249,10 +267,12 @@ impl Parent {
             .with_target(target));
         }
         self.lost.remove(&target);
-        if let Some(record) = self.slots.get_mut(&target) {
-            record.phase = SlotPhase::Joining;
+        let first_seq = Seq(self.next_seq);
+        if let Some(record) = self.target_records.get_mut(&target) {
+            record.phase = TargetPhase::Joining;
+            record.first_seq = first_seq;
         }
-        // What the slot's earlier processes confirmed died with them.
+        // What the target's earlier processes confirmed died with them.
         for record in self.handles.values_mut() {
             record.scope.remove(&target);
             record.confirmed.remove(&target);
@@ -315,11 +335,11 @@ impl Parent {
             .values()
             .any(|op| matches!(op.kind, OpKind::Register { cleanup: None, .. }));
         let joining: Vec<TargetId> = self
-            .slots
+            .target_records
             .iter()
             // A joining target being lost is still marked joining until
             // `lose` has settled its operations.
-            .filter(|(t, r)| r.phase == SlotPhase::Joining && !self.lost.contains(t))
+            .filter(|(t, r)| r.phase == TargetPhase::Joining && !self.lost.contains(t))
             .map(|(t, _)| *t)
             .collect();
         for target in joining {
@@ -329,8 +349,8 @@ impl Parent {
             if (replaying || registering) && !early {
                 continue;
             }
-            if let Some(record) = self.slots.get_mut(&target) {
-                record.phase = SlotPhase::Joined;
+            if let Some(record) = self.target_records.get_mut(&target) {
+                record.phase = TargetPhase::Joined;
                 record.failed_joins = 0;
                 self.effects.push_back(Effect::Joined {
                     target,

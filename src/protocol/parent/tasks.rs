@@ -97,7 +97,7 @@ pub(crate) struct TaskRecord {
     pub(crate) handle_id: u64,
     pub(crate) digest: Digest,
     pub(crate) target: TargetId,
-    /// The incarnation of `target`'s slot that was sent the task.
+    /// The incarnation of `target` that was sent the task.
     pub(crate) incarnation: u32,
     /// When it ends with [`TaskEnd::Deadline`] unless done before.
     pub(crate) deadline: Option<Time>,
@@ -112,7 +112,7 @@ pub struct TaskInfo {
     pub digest: Digest,
     /// Its target.
     pub target: TargetId,
-    /// The incarnation of the target's slot that was sent it.
+    /// The incarnation of the target that was sent it.
     pub incarnation: u32,
     /// Its deadline, if any.
     pub deadline: Option<Time>,
@@ -337,7 +337,7 @@ impl Parent {
         self.cancels.retain(|(t, _), _| *t != target);
         if mutant!(self, AcceptStaleResult) {
             // The known bug: the lost process's tasks stay in flight,
-            // awaiting a result from any process of the slot.
+            // awaiting a result from any process of the target.
             return;
         }
         let seqs: Vec<Seq> = self

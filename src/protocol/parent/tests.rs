@@ -40,6 +40,7 @@ pub(super) fn new_parent(targets: u16) -> Parent {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     })
 }
 
@@ -159,6 +160,7 @@ fn the_startup_snapshot_holds_at_most_slot_capacity_digests() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     p.register_before_start(digest(1), Namespace::LocalPython)
         .unwrap();
@@ -214,6 +216,7 @@ fn probing(targets: u16) -> Parent {
         probe_first: true,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     p.start().unwrap();
     p
@@ -341,6 +344,173 @@ fn a_probe_that_kills_its_target_poisons_the_digest_and_costs_one_target() {
         .unwrap();
     // (Seq 2 went to the failed register's empty cleanup.)
     assert_eq!(drain(&mut p)[1], register_frame(1, 3, 2));
+}
+
+/// §2.8, "A nested refusal": a probe target that is itself a registry
+/// answers `REGISTER_POISONED` (its own probe lost a process); the digest
+/// is poisoned here too, and the target stays live.
+#[test]
+fn a_probe_refused_as_poisoned_poisons_the_digest_here_too() {
+    let mut p = probing(2);
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    let inner = "installing it killed target 0 (it exited with status 3)";
+    p.handle_reply(
+        TargetId(0),
+        Reply {
+            seq: Seq(op.0),
+            digest: digest(1),
+            result: Err(Failure::new(ErrorCode::REGISTER_POISONED, inner)),
+        },
+        Time(5),
+    )
+    .unwrap();
+    let effects = drain(&mut p);
+    let Some(Effect::Completed {
+        result: Err(e),
+        outcomes,
+        ..
+    }) = effects.last()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(
+        (e.code, e.target),
+        (ErrorCode::REGISTER_POISONED, Some(TargetId(0)))
+    );
+    assert!(e.message.contains(inner), "{}", e.message);
+    assert_eq!(
+        outcomes,
+        &vec![(
+            TargetId(0),
+            TargetOutcome::Failed {
+                failure: Failure::new(ErrorCode::REGISTER_POISONED, inner)
+            }
+        )]
+    );
+    assert!(p.is_poisoned(digest(1)));
+    assert!(p.is_target_live(TargetId(0)) && p.is_target_live(TargetId(1)));
+    let again = p
+        .register(digest(1), Namespace::LocalPython, Time(6))
+        .unwrap_err();
+    assert_eq!(again.code, ErrorCode::REGISTER_POISONED);
+    assert!(drain(&mut p).is_empty());
+}
+
+/// A register of the same digest in flight when a probe's refusal
+/// poisoned it (both probing the same target, which stays live) and then
+/// confirmed by that target is neither proven, broadcast nor published: it
+/// is rolled back and fails `REGISTER_POISONED` (§2.8).
+#[test]
+fn a_probe_confirmed_after_a_nested_refusal_poisoned_its_digest_is_rolled_back() {
+    let mut p = probing(2);
+    let first = p
+        .register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    let second = p
+        .register(digest(1), Namespace::LocalPython, Time(1))
+        .unwrap();
+    drain(&mut p);
+    p.handle_reply(
+        TargetId(0),
+        Reply {
+            seq: Seq(first.0),
+            digest: digest(1),
+            result: Err(Failure::new(ErrorCode::REGISTER_POISONED, "inner")),
+        },
+        Time(2),
+    )
+    .unwrap();
+    drain(&mut p);
+    assert!(p.is_poisoned(digest(1)));
+    p.handle_reply(TargetId(0), ok(second.0, 1), Time(3))
+        .unwrap();
+    let effects = drain(&mut p);
+    assert!(!p.is_proven(digest(1)));
+    let [Effect::ReleaseStaged { .. }, Effect::Send {
+        target: TargetId(0),
+        frame: ControlFrame::Unregister { seq, digest: d },
+    }] = effects.as_slice()
+    else {
+        panic!("only the probe target's cleanup is sent: {effects:?}")
+    };
+    assert_eq!(*d, digest(1));
+    let cleanup = seq.0;
+    p.handle_reply(TargetId(0), ok(cleanup, 1), Time(4))
+        .unwrap();
+    let effects = drain(&mut p);
+    let Some(Effect::Completed {
+        op,
+        result: Err(e),
+        outcomes,
+    }) = effects.last()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!((*op, e.code), (second, ErrorCode::REGISTER_POISONED));
+    assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::RolledBack)]);
+    assert!(p.live_handles().is_empty());
+}
+
+/// Only a probe's refusal poisons: `REGISTER_POISONED` from a target that
+/// was not probing (probe first off) fails the register and poisons
+/// nothing.
+#[test]
+fn a_poisoned_refusal_outside_a_probe_poisons_nothing() {
+    let mut p = started(2);
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(1)).unwrap();
+    p.handle_reply(
+        TargetId(1),
+        Reply {
+            seq: Seq(op.0),
+            digest: digest(1),
+            result: Err(Failure::new(ErrorCode::REGISTER_POISONED, "inner")),
+        },
+        Time(2),
+    )
+    .unwrap();
+    let effects = drain(&mut p);
+    assert!(!p.is_poisoned(digest(1)));
+    assert!(
+        effects
+            .iter()
+            .all(|e| !matches!(e, Effect::Completed { .. })),
+        "the rollback of target 0 is awaited first: {effects:?}"
+    );
+}
+
+/// §2.8, "A departure": a probe target that left (`target_left`) is lost
+/// like one that died, but poisons nothing; a retry probes again.
+#[test]
+fn a_probe_target_that_left_poisons_nothing() {
+    let mut p = probing(2);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.target_left(TargetId(0), "the Dask worker left the cluster", Time(5))
+        .unwrap();
+    let effects = drain(&mut p);
+    let Some(Effect::Completed {
+        result: Err(e),
+        outcomes,
+        ..
+    }) = effects.last()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Lost)]);
+    assert!(!p.is_poisoned(digest(1)));
+    assert!(!p.is_target_live(TargetId(0)));
+    p.register(digest(1), Namespace::LocalPython, Time(6))
+        .unwrap();
+    assert_eq!(sent_to(drain(&mut p)), vec![TargetId(1)]);
 }
 
 #[test]
@@ -522,6 +692,7 @@ fn a_loss_while_an_older_control_is_pending_poisons_nothing() {
         probe_first: true,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     let h = p
         .register_before_start(digest(7), Namespace::LocalPython)
@@ -587,6 +758,7 @@ fn a_loss_while_a_cleanup_is_older_than_the_probe_poisons_nothing() {
         probe_first: true,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     p.register_before_start(digest(2), Namespace::LocalPython)
         .unwrap();
@@ -677,6 +849,7 @@ fn snapshot_digests_need_no_probe() {
         probe_first: true,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     p.register_before_start(digest(1), Namespace::LocalPython)
         .unwrap();
@@ -779,6 +952,7 @@ fn without_fencing_a_silent_target_times_out_alone() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     p.start().unwrap();
     p.register(digest(1), Namespace::LocalPython, Time(0))
@@ -1009,6 +1183,7 @@ fn unregister_with_no_live_target_in_scope_completes_at_once() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     let h = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -1038,6 +1213,7 @@ fn submit_checks_the_target() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     let h = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -1078,6 +1254,7 @@ fn replies_before_start_and_for_unknown_targets_are_refused() {
         probe_first: false,
         respawn_limit: 0,
         respawn_backoff: 0,
+        unbounded_spawn: false,
     });
     assert_eq!(
         p.handle_reply(TargetId(0), ok(1, 1), Time(0))
@@ -1134,6 +1311,7 @@ fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_
     let mut p = Parent::new(ParentConfig {
         respawn_limit: 2,
         respawn_backoff: 10,
+        unbounded_spawn: false,
         ..new_parent(1).config
     });
     p.start().unwrap();
@@ -1160,7 +1338,10 @@ fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_
             target: TargetId(0)
         }]
     );
-    assert_eq!(p.slot_phase(TargetId(0)), SlotPhase::BackingOff(Time(115)));
+    assert_eq!(
+        p.target_phase(TargetId(0)),
+        TargetPhase::BackingOff(Time(115))
+    );
     assert_eq!(p.failed_joins(TargetId(0)), 1);
     assert_eq!(p.poll_timeout(), Some(Time(115)));
     let mut closed = p.clone();
@@ -1194,6 +1375,6 @@ fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_
             }
         ]
     );
-    assert_eq!(p.slot_phase(TargetId(0)), SlotPhase::Lost);
+    assert_eq!(p.target_phase(TargetId(0)), TargetPhase::Lost);
     assert_eq!(p.poll_timeout(), None);
 }
