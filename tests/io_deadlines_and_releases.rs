@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use callreg::error::ErrorCode;
 use callreg::protocol::{TargetId, TargetOutcome};
-use io_common::{builder, envelope};
+use io_common::{builder, digest_of, envelope};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -36,6 +36,10 @@ fn main() {
         (
             "start_refuses_more_targets_than_descriptors_allow",
             start_refuses_more_targets_than_descriptors_allow,
+        ),
+        (
+            "a_late_target_heals_its_uncertain_digest",
+            a_late_target_heals_its_uncertain_digest,
         ),
     ]);
 }
@@ -74,6 +78,72 @@ fn inspect_gives_up_a_stopped_target_at_the_control_timeout() {
             .all(|(_, t)| t.as_ref().map(|t| t.installed.len()) == Some(1)),
         "{tables:?}"
     );
+    assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    io_common::check_invariants(&worker, 2);
+    worker.close();
+}
+
+/// With fencing off, a target stopped (SIGSTOP) past the deadline of a
+/// register leaves the digest uncertain; once it runs again it answers
+/// late, the parent takes its install back with a heal unregister, and the
+/// digest is certain again: it registers, serves on both targets, and
+/// every target's table agrees with the registry (`specs/protocol.md`
+/// §2.4, "Uncertainty heals"). Before the rule it stayed refused for the
+/// Worker's life.
+fn a_late_target_heals_its_uncertain_digest() {
+    let worker = builder(2)
+        .control_timeout(Duration::from_millis(200))
+        .operation_timeout(Duration::from_millis(400))
+        .fence_on_timeout(false)
+        .probe_first(false)
+        .build()
+        .unwrap();
+    worker.start().unwrap();
+    let echo = envelope("echo");
+    let digest = digest_of(&echo);
+    signal(&worker, 1, Signal::SIGSTOP);
+    let error = worker.register(&echo).unwrap_err();
+    assert_eq!(error.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{error}");
+    assert_eq!(
+        error.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::RolledBack),
+            (TargetId(1), TargetOutcome::TimedOut)
+        ]
+    );
+    assert!(worker.parent_state().is_uncertain(digest));
+    let refused = worker.register(&echo).unwrap_err();
+    assert_eq!(refused.code(), ErrorCode::REGISTER_CLEANUP_UNCERTAIN);
+    assert!(
+        refused
+            .error
+            .message
+            .contains("target 1 owes an answer to seq 1"),
+        "{refused}"
+    );
+    signal(&worker, 1, Signal::SIGCONT);
+    // Target 1 installs, answers late, is sent the heal and confirms it.
+    let healed = (0..250).any(|_| {
+        std::thread::sleep(Duration::from_millis(20));
+        !worker.parent_state().is_uncertain(digest)
+    });
+    assert!(
+        healed,
+        "still uncertain 5 s after the target ran again: {:?}",
+        worker.parent_state()
+    );
+    let handle = worker.register(&echo).unwrap();
+    for target in [0, 1] {
+        let echoed = worker
+            .submit(
+                &handle,
+                TargetId(target),
+                callreg::runtime::TaskEncoding::Json,
+                b"[7]",
+            )
+            .unwrap();
+        assert_eq!(echoed, b"[7]");
+    }
     assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
     io_common::check_invariants(&worker, 2);
     worker.close();

@@ -26,7 +26,7 @@ use callreg::protocol::{Handle, TargetId, TargetOutcome};
 use callreg::runtime::testing::TestRuntime;
 use callreg::runtime::TaskEncoding;
 use callreg::wire::{Frame, DEFAULT_MAX_FRAME_BYTES};
-use io_common::{check_invariants, envelope};
+use io_common::{check_invariants, digest_of, envelope};
 
 /// The test Worker builder with replacement targets off: these cases
 /// check how a faulty target is lost (its replacement would inherit the
@@ -692,11 +692,6 @@ fn a_staged_payload_cannot_be_changed_after_sealing() {
     assert_eq!(handle.digest(), digest_of(&envelope("echo")));
     survivors_work(&worker, "sealed staging");
     check_invariants(&worker, TARGETS);
-}
-
-fn digest_of(envelope: &[u8]) -> callreg::descriptor::Digest {
-    let parsed = callreg::envelope::Envelope::parse(envelope).unwrap();
-    callreg::descriptor::python_serialized_digest(&parsed)
 }
 
 fn malformed_and_oversized_control_frames_end_only_that_target() {

@@ -7,10 +7,10 @@ mod common;
 
 use callreg::error::ErrorCode;
 use callreg::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Namespace, Parent, ParentConfig, Reply, Seq,
+    Completion, ControlFrame, Effect, Failure, Namespace, Parent, ParentConfig, Reply, Seq,
     StagingId, TargetId, TargetOutcome, TargetPhase, Time,
 };
-use common::sim::{digest, drain, ok, parent_config, send};
+use common::sim::{digest, drain, ok, parent_config, registered, send};
 
 const BACKOFF: u64 = 500;
 
@@ -39,27 +39,6 @@ fn register_frame(seq: u64, n: u8) -> ControlFrame {
         seq: Seq(seq),
         digest: digest(n),
         staging: StagingId(seq),
-    }
-}
-
-/// Registers digest `n` and confirms it at every target in `targets`;
-/// returns the handle.
-fn registered(p: &mut Parent, n: u8, targets: &[u16], now: u64) -> Handle {
-    let op = p
-        .register(digest(n), Namespace::LocalPython, Time(now))
-        .unwrap();
-    drain(p);
-    for t in targets {
-        p.handle_reply(TargetId(*t), ok(op.0, n), Time(now))
-            .unwrap();
-    }
-    let effects = drain(p);
-    match effects.last() {
-        Some(Effect::Completed {
-            result: Ok(Completion::Registered(handle)),
-            ..
-        }) => *handle,
-        other => panic!("{other:?}"),
     }
 }
 
@@ -695,7 +674,7 @@ fn a_silent_replacement_is_fenced_even_without_fencing() {
 }
 
 #[test]
-fn uncertain_registrations_are_not_replayed() {
+fn uncertain_registrations_are_replayed_too() {
     let mut p = started(2, false, 3);
     let op = p
         .register(digest(1), Namespace::LocalPython, Time(0))
@@ -704,21 +683,34 @@ fn uncertain_registrations_are_not_replayed() {
     p.handle_reply(TargetId(0), ok(op.0, 1), Time(0)).unwrap();
     p.handle_reply(TargetId(1), ok(op.0, 1), Time(0)).unwrap();
     drain(&mut p);
-    // A duplicate reply makes the digest uncertain.
-    p.handle_reply(TargetId(1), ok(op.0, 1), Time(0)).unwrap();
+    // A duplicate reply from target 0 makes the digest uncertain there.
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(0)).unwrap();
     assert_eq!(p.uncertain_digests(), [digest(1)]);
     registered(&mut p, 2, &[0, 1], 0);
     p.target_lost(TargetId(1), Time(1)).unwrap();
     drain(&mut p);
+    assert_eq!(
+        p.uncertain_digests(),
+        [digest(1)],
+        "the doubt is target 0's"
+    );
+    // The fresh process holds exactly what it is replayed, the uncertain
+    // digest too: if the doubt about target 0 is settled, every joined
+    // target holds the registry (invariant 11).
     p.target_spawned(TargetId(1), 1, Time(1)).unwrap();
     assert_eq!(
         drain(&mut p),
         [
             Effect::Restage {
                 staging: StagingId(3),
+                digest: digest(1)
+            },
+            send(1, register_frame(3, 1)),
+            Effect::Restage {
+                staging: StagingId(4),
                 digest: digest(2)
             },
-            send(1, register_frame(3, 2)),
+            send(1, register_frame(4, 2)),
         ]
     );
 }

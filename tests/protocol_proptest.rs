@@ -170,7 +170,12 @@ proptest! {
                     prop_assert!(poisoned || e.code == ErrorCode::REGISTER_PARTIAL_FAILURE, "{}", e);
                 }
             }
-            prop_assert!(sim.ever_uncertain.is_empty(), "uncertain with fencing: {:?}", sim.ever_uncertain);
+            prop_assert!(
+                sim.uncertain.is_empty() && sim.healed.is_empty(),
+                "uncertain with fencing: {:?}, healed {:?}",
+                sim.uncertain,
+                sim.healed
+            );
         }
         // A poisoned digest was never published, and only probing poisons.
         for (digest, _) in sim.parent.poisoned_digests() {

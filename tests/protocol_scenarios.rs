@@ -11,7 +11,7 @@ use callreg::protocol::{
     ParentConfig, Reply, Seq, StagingId, Target, TargetConfig, TargetEffect, TargetId,
     TargetOutcome, Time,
 };
-use common::sim::{digest, drain, ok, parent_config, send, Sim};
+use common::sim::{digest, drain, ok, parent_config, registered, send, Sim};
 
 const OWNER: OwnerToken = OwnerToken(0x5eed);
 
@@ -306,10 +306,51 @@ fn unconfirmed_cleanup_makes_the_digest_uncertain_and_later_registers_are_reject
         .unwrap_err();
     assert_eq!(again.code, ErrorCode::REGISTER_CLEANUP_UNCERTAIN);
     assert_eq!(drain(&mut p), vec![]);
-    // A late answer to the cleanup changes nothing: uncertain is sticky.
+    // The late answer to the cleanup settles the doubt (§2.4,
+    // "Uncertainty heals"): target 0 rolled back, so the digest is certain
+    // again and may be registered.
+    assert!(p.awaits_heal(TargetId(0), Seq(2)));
+    assert!(!p.awaits_reply(TargetId(0), Seq(2)));
     p.handle_reply(TargetId(0), ok(2, 1), Time(3_001)).unwrap();
-    assert!(p.is_uncertain(digest(1)));
+    assert!(!p.is_uncertain(digest(1)));
+    assert!(!p.awaits_heal(TargetId(0), Seq(2)));
     assert_eq!(drain(&mut p), vec![]);
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(3_002))
+        .unwrap();
+    assert_eq!(op, OpId(3));
+}
+
+#[test]
+fn a_refused_late_cleanup_leaves_the_target_disagreeing_until_it_is_lost() {
+    let mut p = started(2, false);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+    p.handle_reply(
+        TargetId(1),
+        err(1, 1, ErrorCode::LOCAL_SLOT_EXHAUSTED),
+        Time(2),
+    )
+    .unwrap();
+    p.handle_timeout(Time(1_002));
+    drain(&mut p);
+    // Target 0 refuses the cleanup, late: parent and target disagree.
+    p.handle_reply(
+        TargetId(0),
+        err(2, 1, ErrorCode::DIGEST_NOT_INSTALLED),
+        Time(1_003),
+    )
+    .unwrap();
+    assert!(p.is_uncertain(digest(1)));
+    assert!(!p.awaits_heal(TargetId(0), Seq(2)));
+    assert_eq!(drain(&mut p), vec![]);
+    // Target 1's loss settles nothing of target 0's.
+    p.target_lost(TargetId(1), Time(1_004)).unwrap();
+    assert!(p.is_uncertain(digest(1)));
+    // Target 0's loss does: a lost target holds nothing.
+    p.target_lost(TargetId(0), Time(1_005)).unwrap();
+    assert!(!p.is_uncertain(digest(1)));
 }
 
 #[test]
@@ -658,9 +699,81 @@ fn a_passed_deadline_without_fencing_times_out_and_marks_uncertain() {
             (TargetId(1), TargetOutcome::TimedOut)
         ]
     );
-    // Target 1 answers late: still uncertain, no new effect.
+    // Target 1 answers late that it installed the digest: it holds one
+    // reference the registry does not, so a heal unregister (a fresh seq)
+    // takes it back (§2.4, "Uncertainty heals"); the digest stays uncertain
+    // until that is confirmed.
+    assert!(p.awaits_heal(TargetId(1), Seq(1)));
     p.handle_reply(TargetId(1), ok(1, 1), Time(2_001)).unwrap();
+    assert_eq!(
+        drain(&mut p),
+        vec![send(
+            1,
+            ControlFrame::Unregister {
+                seq: Seq(3),
+                digest: digest(1)
+            }
+        )]
+    );
+    assert!(p.is_uncertain(digest(1)));
+    assert!(p.awaits_heal(TargetId(1), Seq(3)) && !p.awaits_heal(TargetId(1), Seq(1)));
+    // Its alive reports for the heal move nothing.
+    p.handle_alive(TargetId(1), Seq(3), Time(2_002)).unwrap();
+    assert_eq!(p.poll_timeout(), None);
+    p.handle_reply(TargetId(1), ok(3, 1), Time(2_003)).unwrap();
+    assert!(!p.is_uncertain(digest(1)));
     assert_eq!(drain(&mut p), vec![]);
+}
+
+#[test]
+fn a_late_refusal_of_a_register_heals_at_once() {
+    let mut p = started(2, false);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
+    p.handle_timeout(Time(1_000));
+    p.handle_reply(TargetId(0), ok(2, 1), Time(1_001)).unwrap();
+    drain(&mut p);
+    assert!(p.is_uncertain(digest(1)));
+    // Target 1 refuses late: it installed nothing, as the registry says.
+    p.handle_reply(
+        TargetId(1),
+        err(1, 1, ErrorCode::LOCAL_SLOT_EXHAUSTED),
+        Time(1_002),
+    )
+    .unwrap();
+    assert!(!p.is_uncertain(digest(1)));
+    assert_eq!(drain(&mut p), vec![]);
+}
+
+#[test]
+fn a_late_unregister_answer_while_its_operation_waits_is_its_outcome() {
+    let mut p = started(2, false);
+    let handle = registered(&mut p, 1, &[0, 1], 0);
+    // Target 0 times out on the unregister while target 1 is heard from.
+    let op = p.unregister(&handle, Time(100)).unwrap();
+    drain(&mut p);
+    p.handle_alive(TargetId(1), Seq(op.0), Time(1_000)).unwrap();
+    p.handle_timeout(Time(1_100));
+    assert!(p.is_uncertain(digest(1)));
+    assert!(drain(&mut p).is_empty(), "still waiting for target 1");
+    // Target 0's late OK settles its doubt and becomes its outcome.
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(1_101))
+        .unwrap();
+    assert!(!p.is_uncertain(digest(1)));
+    p.handle_reply(TargetId(1), ok(op.0, 1), Time(1_102))
+        .unwrap();
+    assert_eq!(
+        drain(&mut p),
+        vec![Effect::Completed {
+            op,
+            result: Ok(Completion::Unregistered(handle)),
+            outcomes: vec![
+                (TargetId(0), TargetOutcome::Ok),
+                (TargetId(1), TargetOutcome::Ok)
+            ],
+        }]
+    );
 }
 
 // Boundaries the IO layer relies on, each pinned exactly (a reply or loss
@@ -754,10 +867,11 @@ fn an_unregister_whose_target_timed_out_without_fencing_fails() {
         ]
     );
     assert!(p.is_uncertain(digest(1)));
-    // Its late answer changes nothing more.
-    let after = p.clone();
+    // Its late OK says it let go as well: the doubt is settled, the digest
+    // certain again (§2.4, "Uncertainty heals"), and nothing is sent.
     p.handle_reply(TargetId(1), ok(1, 1), Time(1_001)).unwrap();
-    assert_eq!(p, after);
+    assert!(!p.is_uncertain(digest(1)));
+    assert_eq!(drain(&mut p), vec![]);
 }
 
 #[test]

@@ -78,6 +78,7 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
     if !config.fence_on_timeout && config.deadlines > 0 && registers {
         expected.push(SOMETIMES_UNCERTAIN);
         expected.push(SOMETIMES_LATE_REPLY);
+        expected.push(SOMETIMES_HEALED);
     }
     if config.stage_failures > 0 && registers {
         expected.push(SOMETIMES_STAGE_FAILED);

@@ -515,6 +515,9 @@ pub mod seen {
     pub const POISON_DEPARTED: u64 = 1 << 46;
     /// With departures on, a departure poisoned a digest (a violation).
     pub const DEPARTURE_POISONED: u64 = 1 << 47;
+    /// An uncertain digest became certain again: every doubt about it was
+    /// settled (`specs/protocol.md` §2.4, "Uncertainty heals"; a witness).
+    pub const HEALED: u64 = 1 << 48;
 }
 
 /// A task result in transit target → parent: the task and the
@@ -1401,9 +1404,10 @@ impl RegistrationModel {
                         frame,
                         ControlFrame::Register { .. } | ControlFrame::Unregister { .. }
                     ) && !state.parent.awaits_reply(target, frame.seq())
+                        && !state.parent.awaits_heal(target, frame.seq())
                     {
                         state.breach(
-                            "a register or unregister frame was sent that no operation awaits",
+                            "a register or unregister frame was sent that no operation or doubt awaits",
                         );
                     }
                     // The operation's scope, as the driver sees it.
@@ -3178,6 +3182,16 @@ impl stateright::Model for RegistrationModel {
                     }
                 }
             }
+        }
+        // An uncertain digest that is certain now healed (§2.4).
+        let now_uncertain = state.parent.uncertain_digests();
+        if last
+            .parent
+            .uncertain_digests()
+            .iter()
+            .any(|d| !now_uncertain.contains(d))
+        {
+            state.seen |= seen::HEALED;
         }
         Some(state)
     }

@@ -37,7 +37,7 @@ pub const INV1: &str = "1 publish after all";
 /// Name of the `always` property for invariant 2.
 pub const INV2: &str = "2 no orphan installs";
 /// Name of the `always` property for invariant 3.
-pub const INV3: &str = "3 uncertain is sticky";
+pub const INV3: &str = "3 nothing published while uncertain";
 /// Name of the `always` property for invariant 4.
 pub const INV4: &str = "4 refcount sanity";
 /// Name of the `always` property for invariant 5.
@@ -98,6 +98,8 @@ pub const SOMETIMES_SPARED: &str = "sometimes: a passed deadline spares a target
 /// (or times out) at its later silence deadline, before the bound.
 pub const SOMETIMES_SILENT_AFTER_HEARD: &str =
     "sometimes: a target heard from and then silent meets its silence deadline";
+/// Witness: an uncertain digest becomes certain again (§2.4).
+pub const SOMETIMES_HEALED: &str = "sometimes: an uncertain digest heals";
 /// Witness: a reply reaches the parent after its operation gave up.
 pub const SOMETIMES_LATE_REPLY: &str = "sometimes: a reply arrives after its operation gave up";
 /// Witness: one target has two deserializations in progress at once.
@@ -266,7 +268,7 @@ fn inv2(_: &RegistrationModel, s: &State) -> bool {
     holds(invariants::inv2_no_orphan_installs, s)
 }
 fn inv3(_: &RegistrationModel, s: &State) -> bool {
-    holds(invariants::inv3_uncertain_is_sticky, s)
+    holds(invariants::inv3_nothing_published_while_uncertain, s)
 }
 fn inv4(_: &RegistrationModel, s: &State) -> bool {
     holds(invariants::inv4_refcount_sanity, s)
@@ -416,6 +418,9 @@ fn spared_heard(_: &RegistrationModel, s: &State) -> bool {
 }
 fn silent_after_heard(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::SILENT_AFTER_HEARD != 0
+}
+fn healed(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::HEALED != 0
 }
 fn late_reply(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::LATE_REPLY != 0
@@ -870,6 +875,30 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
             if once.awaits_reply(*t, reply.seq) || once == *p {
                 return fail("Parent::awaits_reply is true but handle_reply did not take the reply as awaited");
             }
+        } else if p.awaits_heal(*t, reply.seq) {
+            // Late, and awaited by a doubt (specs/protocol.md §2.4,
+            // "Uncertainty heals"): it settles that doubt, and at most a heal
+            // unregister to the same target follows.
+            let heal = match once.poll_effect() {
+                None => true,
+                Some(callreg::protocol::Effect::Send {
+                    target,
+                    frame: ControlFrame::Unregister { seq, .. },
+                }) => target == *t && seq != reply.seq && once.awaits_heal(*t, seq),
+                Some(_) => false,
+            };
+            if once.awaits_heal(*t, reply.seq)
+                || !heal
+                || once.poll_effect().is_some()
+                || once.in_flight() != p.in_flight()
+                || once.live_handles() != handles
+                || once
+                    .uncertain_digests()
+                    .iter()
+                    .any(|d| !uncertain.contains(d) && *d != reply.digest)
+            {
+                return fail("Parent::awaits_heal is true but handle_reply did not settle the doubt that awaited the reply");
+            }
         } else {
             let mut expected = uncertain.clone();
             if p.is_target_live(*t) && !expected.contains(&reply.digest) {
@@ -1007,6 +1036,7 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_SLOT_REUSE, slot_reuse),
         Property::sometimes(SOMETIMES_INTERLEAVE, interleave),
         Property::sometimes(SOMETIMES_LATE_REPLY, late_reply),
+        Property::sometimes(SOMETIMES_HEALED, healed),
         Property::sometimes(SOMETIMES_TARGET_LOST, target_lost),
         Property::sometimes(SOMETIMES_SLOT_EXHAUSTED, slot_exhausted),
         Property::sometimes(SOMETIMES_TWO_DESERIALIZING, two_deserializing),

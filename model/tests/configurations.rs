@@ -64,8 +64,8 @@ fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.
     let expected = [
-        ("forged", 3_816, 16),
-        ("refused-unregister", 334, 23),
+        ("forged", 4_682, 17),
+        ("refused-unregister", 369, 23),
         ("staging", 2_686, 18),
         ("close", 32_397, 28),
         ("two-deserializations", 10_872, 23),
@@ -74,10 +74,10 @@ fn pinned_state_counts() {
         ("poison", 1_912, 33),
         ("poison-departures", 1_957, 33),
         ("poison-nested", 1_876, 36),
-        ("heartbeat-no-fence", 14_825, 16),
+        ("heartbeat-no-fence", 22_371, 17),
         ("heartbeat", 16_158, 19),
         ("respawn", 102_209, 32),
-        ("respawn-no-fence", 130_748, 34),
+        ("respawn-no-fence", 202_124, 34),
         ("respawn-spawn-failure", 86_297, 28),
         ("respawn-stale-replies", 89_271, 31),
         ("respawn-arrivals", 27_044, 29),
@@ -85,7 +85,7 @@ fn pinned_state_counts() {
         ("tasks-deadline", 1_406, 23),
         ("standard", 109_441, 37),
         ("no-probe", 107_282, 37),
-        ("no-fence", 407_354, 40),
+        ("no-fence", 1_017_785, 40),
     ];
     let names: Vec<&str> = configs::all().iter().map(|n| n.name).collect();
     assert_eq!(

@@ -105,7 +105,7 @@ fn a_staging_failure_fails_the_register_before_any_target_sees_it() {
 fn faulty_configurations_pass_with_pinned_state_counts() {
     let expected = [
         ("single-register", true, 185),
-        ("single-register", false, 323),
+        ("single-register", false, 360),
         ("register-unregister-same-digest", true, 29623),
         ("snapshot-then-operations", true, 20363),
     ];
@@ -735,7 +735,7 @@ fn check_a_named_configuration_as_one_json_document() {
     let stdout = String::from_utf8(out.stdout).unwrap();
     let document: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(document["name"], "forged");
-    assert_eq!(document["unique_states"], 3816);
+    assert_eq!(document["unique_states"], 4682);
     assert_eq!(document["complete"], true);
     assert_eq!(document["missing_witnesses"], serde_json::json!([]));
     let stderr = String::from_utf8(out.stderr).unwrap();

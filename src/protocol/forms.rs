@@ -261,8 +261,9 @@ pub struct RegistrySnapshot {
     /// Every digest of `handles` with its number of live handles, in
     /// hashid order (the startup snapshot).
     pub digests: Vec<DigestCount>,
-    /// The uncertain digests (a cleanup was never confirmed; sticky for
-    /// the Worker's life), in hashid order.
+    /// The uncertain digests (some target's holding of each is in doubt,
+    /// until it answers or is lost: `specs/protocol.md` §2.4), in hashid
+    /// order.
     pub uncertain: Vec<HashId>,
 }
 

@@ -113,7 +113,11 @@ pub type Predicate = fn(&View<'_>) -> Result<(), Violation>;
 pub const ALL: [(u8, &str, Predicate); 12] = [
     (1, "publish after all", inv1_publish_after_all),
     (2, "no orphan installs", inv2_no_orphan_installs),
-    (3, "uncertain is sticky", inv3_uncertain_is_sticky),
+    (
+        3,
+        "nothing published while uncertain",
+        inv3_nothing_published_while_uncertain,
+    ),
     (4, "refcount sanity", inv4_refcount_sanity),
     (5, "integrity", inv5_integrity),
     (6, "handle integrity", inv6_handle_integrity),
@@ -207,19 +211,19 @@ pub fn inv2_no_orphan_installs(view: &View<'_>) -> Result<(), Violation> {
     Ok(())
 }
 
-/// Invariant 3, uncertain is sticky: every live handle of an uncertain
-/// digest was already live when the digest became uncertain (no register of
-/// it succeeded afterwards).
+/// Invariant 3, nothing published while uncertain: every live handle of an
+/// uncertain digest was already live when the digest became uncertain (no
+/// register of it succeeded since; `specs/protocol.md` §2.4, §5).
 ///
 /// # Errors
 /// A [`Violation`] naming the digest and the handle published after.
-pub fn inv3_uncertain_is_sticky(view: &View<'_>) -> Result<(), Violation> {
+pub fn inv3_nothing_published_while_uncertain(view: &View<'_>) -> Result<(), Violation> {
     for (digest, live_then) in &view.parent.uncertain {
         for (id, record) in &view.parent.handles {
             if record.digest == *digest && !live_then.contains(id) {
                 return violation(
                     3,
-                    "uncertain is sticky",
+                    "nothing published while uncertain",
                     format!(
                         "handle {id} of {digest} was published after {digest} became uncertain"
                     ),

@@ -188,6 +188,12 @@ pub fn envelope(instruction: &str) -> Vec<u8> {
     encode(instruction.as_bytes())
 }
 
+/// The digest of `envelope` (a test envelope from [`envelope`]).
+pub fn digest_of(envelope: &[u8]) -> callreg::descriptor::Digest {
+    let parsed = callreg::envelope::Envelope::parse(envelope).expect("an envelope");
+    callreg::descriptor::python_serialized_digest(&parsed)
+}
+
 /// A builder with the test runtime, `targets` targets and a 5 s control
 /// timeout (tests that need deadlines set their own).
 pub fn builder(targets: u16) -> WorkerBuilder<TestRuntime> {

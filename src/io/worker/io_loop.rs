@@ -352,13 +352,15 @@ impl IoLoop {
     }
 
     /// Whether any target owes a reply: a task's result, a control's
-    /// answer (every operation in flight has a deadline), an inspection's
-    /// table or a replacement's ready report.
+    /// answer (every operation in flight has a deadline), a late answer a
+    /// doubt awaits (it heals an uncertain digest, `specs/protocol.md`
+    /// §2.4), an inspection's table or a replacement's ready report.
     fn expecting(&self, core: &Core) -> bool {
         !self.tasks.is_empty()
             || !self.inspects.is_empty()
             || !self.starting.is_empty()
             || core.machine.poll_timeout().is_some()
+            || core.machine.awaits_heals()
     }
 
     /// The earliest deadline: the machine's, an inspection's or a starting

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use super::{Effect, Lifecycle, Op, OpKind, Parent, Progress, TargetPhase};
+use super::{Doubt, Effect, Lifecycle, Op, OpKind, Parent, Progress, TargetPhase};
 use crate::error::{Error, ErrorCode, OperationKind};
 #[cfg(feature = "mutants")]
 use crate::protocol::Mutant;
@@ -145,19 +145,34 @@ impl Parent {
                 continue;
             };
             let digest = op.digest;
-            if let Some(progress) = op.scope.get_mut(&target) {
-                match progress {
-                    Progress::Pending => *progress = Progress::TimedOut,
-                    Progress::CleanupPending => {
-                        *progress = Progress::CleanupUnconfirmed(Failure::new(
-                            ErrorCode::DEADLINE_EXCEEDED,
-                            "no answer to the cleanup before its deadline",
-                        ))
-                    }
-                    _ => {}
+            // What would settle the doubt: the target's late answer to the
+            // control it owes (§2.4, "Uncertainty heals").
+            let doubt = match (op.scope.get_mut(&target), &op.kind) {
+                (Some(progress @ Progress::Pending), OpKind::Register { .. }) => {
+                    *progress = Progress::TimedOut;
+                    Doubt::Register(op.seq)
                 }
-            }
-            self.mark_uncertain(digest);
+                (Some(progress @ Progress::Pending), _) => {
+                    *progress = Progress::TimedOut;
+                    Doubt::Unregister(op.seq)
+                }
+                (
+                    Some(progress @ Progress::CleanupPending),
+                    OpKind::Register {
+                        cleanup: Some((seq, _)),
+                        ..
+                    },
+                ) => {
+                    let seq = *seq;
+                    *progress = Progress::CleanupUnconfirmed(Failure::new(
+                        ErrorCode::DEADLINE_EXCEEDED,
+                        "no answer to the cleanup before its deadline",
+                    ));
+                    Doubt::Unregister(seq)
+                }
+                _ => Doubt::Disagrees,
+            };
+            self.doubt(digest, target, doubt);
             touched.insert(id);
         }
         for id in touched {

@@ -388,6 +388,23 @@ pub enum TargetPhase {
     Lost,
 }
 
+/// Why a target's holding of an uncertain digest is in doubt, and what
+/// settles it (§2.4, "Uncertainty heals").
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub(crate) enum Doubt {
+    /// Its answer to this register control is unknown (it timed out): an
+    /// OK means it holds one reference more than the registry says, which
+    /// a heal unregister takes back; an error means it installed nothing.
+    Register(Seq),
+    /// Its answer to this unregister control (an unregister, a cleanup or
+    /// a heal) is unknown: an OK means it agrees with the registry again.
+    Unregister(Seq),
+    /// It answered in a way that shows it disagrees with the registry (it
+    /// refused an unregister or a cleanup, named another digest, or
+    /// answered a control twice): only its loss settles that.
+    Disagrees,
+}
+
 /// A target's replacement state.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct TargetRecord {
@@ -587,6 +604,10 @@ pub struct Parent {
     /// Uncertain digests, each with the ids of the handles that were live
     /// when it became uncertain (invariant 3).
     pub(crate) uncertain: BTreeMap<Digest, BTreeSet<u64>>,
+    /// Why each uncertain digest is uncertain: every target whose holding
+    /// of it is in doubt, with what would settle it (§2.4, "Uncertainty
+    /// heals"). A digest is uncertain exactly while it has a doubt.
+    pub(crate) doubts: BTreeMap<Digest, BTreeSet<(TargetId, Doubt)>>,
     /// Staged payloads not yet released.
     pub(crate) staged: BTreeSet<StagingId>,
     /// Digests some target installed since start (a startup-snapshot
@@ -630,6 +651,7 @@ impl Parent {
             handles: BTreeMap::new(),
             ops: BTreeMap::new(),
             uncertain: BTreeMap::new(),
+            doubts: BTreeMap::new(),
             staged: BTreeSet::new(),
             proven: BTreeSet::new(),
             poisoned: BTreeMap::new(),
@@ -865,11 +887,31 @@ impl Parent {
             })
     }
 
+    /// Whether a doubt about an uncertain digest awaits `target`'s answer
+    /// to `seq`: a control it timed out on, or a heal unregister (§2.4,
+    /// "Uncertainty heals"). Its reply is late all the same
+    /// ([`Parent::awaits_reply`] is `false`), and settles that doubt.
+    pub fn awaits_heal(&self, target: TargetId, seq: Seq) -> bool {
+        self.doubt_awaits(target, seq)
+    }
+
+    /// Whether any doubt awaits a reply ([`Parent::awaits_heal`] for some
+    /// target and seq): an IO layer keeps reading the targets' replies
+    /// while it is `true`, even with nothing in flight, so that a late
+    /// answer heals its digest as soon as it comes (§2.4).
+    pub fn awaits_heals(&self) -> bool {
+        self.doubts
+            .values()
+            .flatten()
+            .any(|(_, d)| matches!(d, Doubt::Register(_) | Doubt::Unregister(_)))
+    }
+
     /// Whether an operation in flight still waits for `target`'s answer to
     /// `seq` (a register, unregister or cleanup control). A reply for which
     /// this is `false` is late or duplicate: [`Parent::handle_reply`] then
-    /// marks its digest uncertain (unless it comes from a lost target or
-    /// from an earlier process of the target). The model checker uses it to
+    /// settles the doubt that awaits it ([`Parent::awaits_heal`]) or marks
+    /// its digest uncertain (unless it comes from a lost target or from an
+    /// earlier process of the target). The model checker uses it to
     /// name late replies in its traces; an IO layer may use it to log them.
     pub fn awaits_reply(&self, target: TargetId, seq: Seq) -> bool {
         self.ops.values().any(|op| match op.scope.get(&target) {

@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::registry::poisoned_error;
 use super::{
-    Completion, Effect, Handle, HandleRecord, Lifecycle, Op, OpKind, Parent, Poison, Progress,
-    TargetPhase,
+    Completion, Doubt, Effect, Handle, HandleRecord, Lifecycle, Op, OpKind, Parent, Poison,
+    Progress, TargetPhase,
 };
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
@@ -115,7 +115,7 @@ impl Parent {
             return Err(Error::new(
                 ErrorCode::REGISTER_CLEANUP_UNCERTAIN,
                 OperationKind::Register,
-                format!("{digest} is uncertain: a cleanup of it was never confirmed, so no target's refcount for it can be trusted"),
+                self.uncertainty(digest),
             )
             .with_namespace(namespace)
             .with_digest(digest));
@@ -399,8 +399,9 @@ impl Parent {
             }
         });
         let Some((id, is_cleanup)) = found else {
-            // Late or duplicate: the operation already gave up on this target.
-            self.mark_uncertain(reply.digest);
+            // Late or duplicate: the operation already gave up on this
+            // target; a doubt may await it (§2.4, "Uncertainty heals").
+            self.late_reply(target, &reply);
             return Ok(());
         };
         let Some(op) = self.ops.get_mut(&id) else {
@@ -463,7 +464,7 @@ impl Parent {
             };
         }
         if uncertain {
-            self.mark_uncertain(digest);
+            self.doubt(digest, target, Doubt::Disagrees);
         }
         // Poisoned is never proven (§2.8): a register of it still in
         // flight, confirmed after another one's probe was refused as

@@ -5,16 +5,18 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 #[cfg(doc)]
-use super::{Effect, ParentConfig};
-use super::{FailedRegistration, Handle, HandleRecord, Lifecycle, OpKind, Parent, Poison};
+use super::ParentConfig;
+use super::{
+    Doubt, Effect, FailedRegistration, Handle, HandleRecord, Lifecycle, OpKind, Parent, Poison,
+    Progress,
+};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
 use crate::metadata::CallableMetadata;
-#[cfg(doc)]
 use crate::protocol::ControlFrame;
 #[cfg(feature = "mutants")]
 use crate::protocol::Mutant;
-use crate::protocol::{Failure, Namespace, TargetId, Time};
+use crate::protocol::{Failure, Namespace, Reply, Seq, TargetId, Time};
 
 impl Parent {
     /// Registers a callable before start: adds a handle to the registry and
@@ -381,13 +383,14 @@ impl Parent {
         if self.uncertain.contains_key(&digest) {
             return Err(error(
                 ErrorCode::REGISTER_CLEANUP_UNCERTAIN,
-                format!("{digest} is uncertain: a cleanup of it was never confirmed"),
+                self.uncertainty(digest),
             ));
         }
         Ok(digest)
     }
 
-    /// Whether `digest` is uncertain (sticky for the Worker's life).
+    /// Whether `digest` is uncertain: some target's holding of it is in
+    /// doubt, until that target answers what it owes or is lost (§2.4).
     pub fn is_uncertain(&self, digest: Digest) -> bool {
         self.uncertain.contains_key(&digest)
     }
@@ -466,8 +469,38 @@ impl Parent {
             .collect()
     }
 
-    pub(super) fn mark_uncertain(&mut self, digest: Digest) {
-        if mutant!(self, ForgetUncertain) || self.uncertain.contains_key(&digest) {
+    /// Why `digest` is uncertain, for an error message: the targets in
+    /// doubt and what each owes (§2.4, "Uncertainty heals").
+    pub(super) fn uncertainty(&self, digest: Digest) -> String {
+        let doubts: Vec<String> = self
+            .doubts
+            .get(&digest)
+            .into_iter()
+            .flatten()
+            .map(|(target, doubt)| match doubt {
+                Doubt::Register(seq) | Doubt::Unregister(seq) => {
+                    format!("{target} owes an answer to {seq}")
+                }
+                Doubt::Disagrees => format!("{target} disagrees with the registry"),
+            })
+            .collect();
+        format!(
+            "{digest} is uncertain: no target's refcount for it can be trusted until each target in doubt answers or is lost ({})",
+            doubts.join("; ")
+        )
+    }
+
+    /// Records a doubt about `target`'s holding of `digest`, which makes
+    /// the digest uncertain until every doubt about it is settled (§2.4).
+    pub(super) fn doubt(&mut self, digest: Digest, target: TargetId, doubt: Doubt) {
+        if mutant!(self, ForgetUncertain) {
+            return;
+        }
+        self.doubts
+            .entry(digest)
+            .or_default()
+            .insert((target, doubt));
+        if self.uncertain.contains_key(&digest) {
             return;
         }
         let live = self
@@ -477,6 +510,125 @@ impl Parent {
             .map(|(id, _)| *id)
             .collect();
         self.uncertain.insert(digest, live);
+    }
+
+    /// Settles one doubt; a digest left without any is certain again.
+    pub(super) fn settle_doubt(&mut self, digest: Digest, target: TargetId, doubt: Doubt) {
+        let Some(doubts) = self.doubts.get_mut(&digest) else {
+            return;
+        };
+        doubts.remove(&(target, doubt));
+        if doubts.is_empty() {
+            self.doubts.remove(&digest);
+            self.uncertain.remove(&digest);
+        }
+    }
+
+    /// A reply to `seq` from `target` that no operation waits for: if a
+    /// doubt awaits it, the reply settles that doubt (§2.4, "Uncertainty
+    /// heals"): a register's OK is taken back by a heal unregister (a
+    /// fresh seq, awaited the same way), a register's refusal and an
+    /// unregister's OK settle it, an unregister's refusal or a reply naming
+    /// another digest leave the target disagreeing. A reply no doubt awaits
+    /// (a duplicate) makes its digest uncertain at that target for good.
+    pub(super) fn late_reply(&mut self, target: TargetId, reply: &Reply) {
+        let awaited = self.doubts.iter().find_map(|(digest, doubts)| {
+            doubts
+                .iter()
+                .find(|(t, d)| {
+                    *t == target
+                        && matches!(d, Doubt::Register(s) | Doubt::Unregister(s) if *s == reply.seq)
+                })
+                .map(|(_, d)| (*digest, *d))
+        });
+        let Some((digest, doubt)) = awaited else {
+            self.doubt(reply.digest, target, Doubt::Disagrees);
+            return;
+        };
+        if reply.digest != digest {
+            self.doubt(digest, target, Doubt::Disagrees);
+            self.doubt(reply.digest, target, Doubt::Disagrees);
+            self.settle_doubt(digest, target, doubt);
+            return;
+        }
+        self.answer_in_flight(target, reply);
+        match (doubt, &reply.result) {
+            (Doubt::Register(_), Ok(())) => {
+                let seq = self.fresh_seq();
+                self.doubt(digest, target, Doubt::Unregister(seq));
+                self.effects.push_back(Effect::Send {
+                    target,
+                    frame: ControlFrame::Unregister { seq, digest },
+                });
+            }
+            (Doubt::Unregister(_), Err(_)) => self.doubt(digest, target, Doubt::Disagrees),
+            _ => {}
+        }
+        self.settle_doubt(digest, target, doubt);
+    }
+
+    /// A late answer to a control of an operation still in flight (it
+    /// waits for other targets) becomes that target's outcome, so that the
+    /// operation reports what the target did: an unregister's answer
+    /// replaces `TimedOut`, a cleanup's `CleanupUnconfirmed`. A register's
+    /// late answer leaves `TimedOut` (the register fails; a heal takes an
+    /// install back).
+    fn answer_in_flight(&mut self, target: TargetId, reply: &Reply) {
+        for op in self.ops.values_mut() {
+            let cleanup_seq = match op.kind {
+                OpKind::Register {
+                    cleanup: Some((seq, _)),
+                    ..
+                } => Some(seq),
+                _ => None,
+            };
+            let Some(progress) = op.scope.get_mut(&target) else {
+                continue;
+            };
+            match progress {
+                Progress::TimedOut
+                    if op.seq == reply.seq && matches!(op.kind, OpKind::Unregister { .. }) =>
+                {
+                    *progress = match &reply.result {
+                        Ok(()) => Progress::Confirmed,
+                        Err(failure) => Progress::Failed(failure.clone()),
+                    };
+                }
+                Progress::CleanupUnconfirmed(_) if cleanup_seq == Some(reply.seq) => {
+                    *progress = match &reply.result {
+                        Ok(()) => Progress::RolledBack,
+                        Err(failure) => Progress::CleanupUnconfirmed(failure.clone()),
+                    };
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// `target` was lost: it holds nothing, so every doubt about it is
+    /// settled (§2.4).
+    pub(super) fn settle_doubts_of(&mut self, target: TargetId) {
+        let doubted: Vec<(Digest, Doubt)> = self
+            .doubts
+            .iter()
+            .flat_map(|(digest, doubts)| {
+                doubts
+                    .iter()
+                    .filter(|(t, _)| *t == target)
+                    .map(|(_, d)| (*digest, *d))
+            })
+            .collect();
+        for (digest, doubt) in doubted {
+            self.settle_doubt(digest, target, doubt);
+        }
+    }
+
+    /// Whether a doubt about `target` awaits its answer to `seq` (a
+    /// timed-out control, or a heal unregister).
+    pub(super) fn doubt_awaits(&self, target: TargetId, seq: Seq) -> bool {
+        self.doubts.values().flatten().any(|(t, d)| {
+            *t == target && matches!(d, Doubt::Register(s) | Doubt::Unregister(s) if *s == seq)
+        })
     }
 }
 

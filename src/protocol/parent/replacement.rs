@@ -118,6 +118,8 @@ impl Parent {
             });
         }
         self.lost.insert(target);
+        // A lost target holds nothing: no doubt about it is left (§2.4).
+        self.settle_doubts_of(target);
         // Frames queued for it by this same input are withdrawn (§2.9):
         // they would reach a process being fenced, or none.
         self.effects
@@ -225,7 +227,7 @@ impl Parent {
 
     /// The process asked for by [`Effect::Spawn`] for `target` runs
     /// and holds nothing (§2.9): it is `incarnation` of the target, and it
-    /// joins. Every live handle whose digest is not uncertain is replayed
+    /// joins. Every live handle (uncertain digests' too) is replayed
     /// to it, in handle order ([`Effect::Restage`], then a
     /// [`ControlFrame::Register`] to it alone), and so is every handle
     /// published while it joins. It serves tasks ([`Effect::Joined`]) once
@@ -277,12 +279,10 @@ impl Parent {
             record.scope.remove(&target);
             record.confirmed.remove(&target);
         }
-        let replayed: Vec<u64> = self
-            .handles
-            .iter()
-            .filter(|(_, r)| !self.uncertain.contains_key(&r.digest))
-            .map(|(id, _)| *id)
-            .collect();
+        // Every live handle, of uncertain digests too: a fresh process
+        // holds exactly what it is replayed, and an uncertain digest may
+        // heal (§2.4) while this target serves.
+        let replayed: Vec<u64> = self.handles.keys().copied().collect();
         for handle_id in replayed {
             self.begin_replay(target, handle_id, now);
         }

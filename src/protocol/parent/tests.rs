@@ -807,7 +807,7 @@ fn a_probe_confirmed_for_a_digest_uncertain_meanwhile_goes_no_further() {
     p.register(digest(1), Namespace::LocalPython, Time(0))
         .unwrap();
     drain(&mut p);
-    p.mark_uncertain(digest(1));
+    p.doubt(digest(1), TargetId(0), Doubt::Disagrees);
     p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
     let effects = drain(&mut p);
     assert!(
@@ -1045,7 +1045,7 @@ fn a_digest_that_becomes_uncertain_in_flight_is_not_published() {
     let mut p = started(2);
     p.register(digest(1), Namespace::LocalPython, Time(0))
         .unwrap();
-    p.mark_uncertain(digest(1));
+    p.doubt(digest(1), TargetId(0), Doubt::Disagrees);
     drain(&mut p);
     p.handle_reply(TargetId(0), ok(1, 1), Time(1)).unwrap();
     p.handle_reply(TargetId(1), ok(1, 1), Time(2)).unwrap();
