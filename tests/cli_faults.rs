@@ -435,8 +435,9 @@ fn run_refuses_envelope_paths_that_are_not_regular_files() {
 
 /// A target that dies during a step (here: the finalizer of the callable
 /// an unregister frees exits on one target) is reported lost, with how it
-/// ended, not `ok`, though the step succeeds: outcomes are sampled after
-/// the operation; the step ends once its replacement joined.
+/// ended, not `ok`, and the unregister fails with `TARGET_LOST` though the
+/// handle is released (`specs/protocol.md` §2.3): outcomes are sampled
+/// after the operation; the step ends once its replacement joined.
 #[test]
 fn run_reports_a_target_lost_during_a_step() {
     let dir = TempDir::new("lost-in-step");
@@ -447,7 +448,7 @@ fn run_reports_a_target_lost_during_a_step() {
         json!({"targets": 2, "steps": [
             {"op": "start"},
             {"op": "register", "name": "e", "envelope": "first_finalizer_exits.spyc"},
-            {"op": "unregister", "name": "e"},
+            {"op": "unregister", "name": "e", "expect_error": "the unregister lost targets while it was pending there"},
             {"op": "register", "name": "again", "envelope": "write_fd_3.spyc"}
         ]})
         .to_string(),
@@ -465,6 +466,7 @@ fn run_reports_a_target_lost_during_a_step() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    assert_eq!(lines[2]["code"], "TARGET_LOST", "{}", lines[2]);
     let targets = lines[2]["targets"].as_array().expect("targets").clone();
     assert_eq!(targets.len(), 2, "{}", lines[2]);
     let lost: Vec<&Value> = targets.iter().filter(|t| t["outcome"] == "lost").collect();

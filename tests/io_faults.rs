@@ -301,9 +301,16 @@ fn run_case(point: &str, scenario: Scenario, abrupt: bool) {
             let result = worker.unregister(&handle);
             match (not_hit, hit) {
                 (true, _) => result.unwrap_or_else(|e| panic!("{case}: {e}")),
-                // A target lost during an unregister holds nothing: success.
+                // A target lost during an unregister holds nothing: the
+                // handle is released, and the unregister says it lost one.
                 (false, None) => {
-                    result.unwrap_or_else(|e| panic!("{case}: {e}"));
+                    let err = result.unwrap_err();
+                    assert_eq!(err.code(), ErrorCode::TARGET_LOST, "{case}: {err}");
+                    assert_eq!(
+                        err.outcomes.iter().find(|(t, _)| *t == FAULTY),
+                        Some(&(FAULTY, TargetOutcome::Lost)),
+                        "{case}: {err}"
+                    );
                     crashed = true;
                 }
                 (false, Some(code)) => {

@@ -393,8 +393,19 @@ fn a_hundred_kills_under_load_leave_every_target_holding_the_registry() {
                 }
                 if kept.len() > 4 {
                     let handle = kept.remove(0);
+                    // A target killed under the unregister holds nothing:
+                    // the handle is released, and the unregister says it
+                    // lost a target (specs/protocol.md §2.3).
                     if let Err(error) = worker.unregister(&handle) {
-                        panic!("unregister: {error}");
+                        assert_eq!(
+                            error.code(),
+                            callreg::error::ErrorCode::TARGET_LOST,
+                            "unregister: {error}"
+                        );
+                        assert_eq!(
+                            worker.unregister(&handle).unwrap_err().code(),
+                            callreg::error::ErrorCode::HANDLE_STALE
+                        );
                     }
                 }
             }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use callreg::error::ErrorCode;
+use callreg::error::{Error, ErrorCode, OperationKind};
 use callreg::protocol::{
     Completion, ControlFrame, Effect, Failure, Namespace, Parent, ParentConfig, Reply, Seq,
     StagingId, TargetId, TargetOutcome, TargetPhase, Time,
@@ -311,9 +311,23 @@ fn an_unregister_waiting_for_a_replay_that_fails_counts_the_replacement_fenced()
         )),
         "{effects:?}"
     );
+    // The handle is released everywhere (a fenced target holds nothing),
+    // and the unregister says which target it lost.
+    let released = Error::new(
+        ErrorCode::TARGET_LOST,
+        OperationKind::Unregister,
+        format!(
+            "handle {} is released and no live target holds {}, but the unregister lost targets while it was pending there: target 1: fenced after its deadline",
+            h.handle_id,
+            digest(1)
+        ),
+    )
+    .with_namespace(Namespace::LocalPython)
+    .with_digest(digest(1))
+    .with_seq(Seq(op.0));
     assert!(effects.contains(&Effect::Completed {
         op,
-        result: Ok(Completion::Unregistered(h)),
+        result: Err(released),
         outcomes: vec![
             (TargetId(0), TargetOutcome::Ok),
             (TargetId(1), TargetOutcome::Fenced)

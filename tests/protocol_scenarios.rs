@@ -961,3 +961,183 @@ fn ids_namespaces_and_failures_display_as_documented() {
     assert_eq!(Time(u64::MAX - 1).saturating_add_micros(5), Time(u64::MAX));
     assert_eq!(Time(7).saturating_add_micros(5), Time(12));
 }
+
+/// The seq of the first `Unregister` frame sent to `target` in `effects`.
+fn unregister_seq(effects: &[Effect], target: u16) -> u64 {
+    effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Send {
+                target: t,
+                frame: ControlFrame::Unregister { seq, .. },
+            } if *t == TargetId(target) => Some(seq.0),
+            _ => None,
+        })
+        .expect("an unregister frame")
+}
+
+#[test]
+fn a_late_register_answer_while_its_register_waits_is_not_its_outcome() {
+    let mut p = started(2, false);
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    // Target 1 is heard from; target 0 times out.
+    p.handle_alive(TargetId(1), Seq(op.0), Time(900)).unwrap();
+    assert!(!p.awaits_heals());
+    p.handle_timeout(Time(1_000));
+    assert!(p.awaits_heals());
+    assert!(drain(&mut p).is_empty(), "still waiting for target 1");
+    // Target 0 answers late that it installed it: a heal goes to it, and
+    // its outcome in the register stays TimedOut.
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(1_001))
+        .unwrap();
+    let heal = unregister_seq(&drain(&mut p), 0);
+    assert!(p.awaits_heal(TargetId(0), Seq(heal)) && p.awaits_heals());
+    let refused = p
+        .register(digest(1), Namespace::LocalPython, Time(1_002))
+        .unwrap_err();
+    assert_eq!(
+        refused.message,
+        format!(
+            "{} is uncertain: no target's refcount for it can be trusted until each target in doubt answers or is lost (target 0 owes an answer to seq {heal})",
+            digest(1)
+        )
+    );
+    p.handle_reply(TargetId(1), ok(op.0, 1), Time(1_003))
+        .unwrap();
+    let cleanup = unregister_seq(&drain(&mut p), 1);
+    p.handle_reply(TargetId(1), ok(cleanup, 1), Time(1_004))
+        .unwrap();
+    let effects = drain(&mut p);
+    let Some(Effect::Completed {
+        result: Err(e),
+        outcomes,
+        ..
+    }) = effects.last()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE, "{e}");
+    assert_eq!(
+        outcomes,
+        &vec![
+            (TargetId(0), TargetOutcome::TimedOut),
+            (TargetId(1), TargetOutcome::RolledBack)
+        ]
+    );
+    // The heal's answer settles the last doubt.
+    p.handle_reply(TargetId(0), ok(heal, 1), Time(1_005))
+        .unwrap();
+    assert!(!p.is_uncertain(digest(1)) && !p.awaits_heals());
+}
+
+#[test]
+fn a_late_cleanup_answer_while_its_register_waits_is_its_outcome_and_no_other() {
+    let mut p = started(3, false);
+    let held = registered(&mut p, 2, &[0, 1, 2], 0);
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(1)).unwrap();
+    p.handle_reply(TargetId(1), ok(op.0, 1), Time(1)).unwrap();
+    p.handle_reply(
+        TargetId(2),
+        err(op.0, 1, ErrorCode::LOCAL_SLOT_EXHAUSTED),
+        Time(1),
+    )
+    .unwrap();
+    let cleanup = unregister_seq(&drain(&mut p), 0);
+    // An unregister of another digest that target 0 will answer late too.
+    let unregister = p.unregister(&held, Time(2)).unwrap();
+    drain(&mut p);
+    for t in [1, 2] {
+        p.handle_reply(TargetId(t), ok(unregister.0, 2), Time(3))
+            .unwrap();
+    }
+    p.handle_alive(TargetId(1), Seq(cleanup), Time(900))
+        .unwrap();
+    // Target 0 misses both deadlines; the cleanup still waits for target 1.
+    p.handle_timeout(Time(1_002));
+    drain(&mut p);
+    assert!(p.is_uncertain(digest(1)) && p.is_uncertain(digest(2)));
+    // Its late answer to the unregister settles that doubt and no other
+    // target's or operation's outcome.
+    p.handle_reply(TargetId(0), ok(unregister.0, 2), Time(1_003))
+        .unwrap();
+    assert!(!p.is_uncertain(digest(2)) && p.is_uncertain(digest(1)));
+    // Its late answer to the cleanup is its outcome in the register.
+    p.handle_reply(TargetId(0), ok(cleanup, 1), Time(1_004))
+        .unwrap();
+    assert!(!p.is_uncertain(digest(1)));
+    p.handle_reply(TargetId(1), ok(cleanup, 1), Time(1_005))
+        .unwrap();
+    let effects = drain(&mut p);
+    let Some(Effect::Completed {
+        result: Err(e),
+        outcomes,
+        ..
+    }) = effects.last()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE, "{e}");
+    assert_eq!(
+        outcomes,
+        &vec![
+            (TargetId(0), TargetOutcome::RolledBack),
+            (TargetId(1), TargetOutcome::RolledBack),
+            (
+                TargetId(2),
+                TargetOutcome::Failed {
+                    failure: Failure::new(ErrorCode::LOCAL_SLOT_EXHAUSTED, "refused")
+                }
+            )
+        ]
+    );
+}
+
+#[test]
+fn a_late_refused_cleanup_while_its_register_waits_is_its_outcome() {
+    let mut p = started(3, false);
+    let op = p
+        .register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(1)).unwrap();
+    p.handle_reply(TargetId(1), ok(op.0, 1), Time(1)).unwrap();
+    p.handle_reply(
+        TargetId(2),
+        err(op.0, 1, ErrorCode::LOCAL_SLOT_EXHAUSTED),
+        Time(1),
+    )
+    .unwrap();
+    let cleanup = unregister_seq(&drain(&mut p), 0);
+    p.handle_alive(TargetId(1), Seq(cleanup), Time(900))
+        .unwrap();
+    p.handle_timeout(Time(1_001));
+    p.handle_reply(
+        TargetId(0),
+        err(cleanup, 1, ErrorCode::DIGEST_NOT_INSTALLED),
+        Time(1_002),
+    )
+    .unwrap();
+    p.handle_reply(TargetId(1), ok(cleanup, 1), Time(1_003))
+        .unwrap();
+    let effects = drain(&mut p);
+    let Some(Effect::Completed { outcomes, .. }) = effects.last() else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(
+        outcomes[0],
+        (
+            TargetId(0),
+            TargetOutcome::CleanupUnconfirmed {
+                failure: Failure::new(ErrorCode::DIGEST_NOT_INSTALLED, "refused")
+            }
+        )
+    );
+    assert!(p.is_uncertain(digest(1)) && !p.awaits_heals());
+}

@@ -255,13 +255,29 @@ fn a_finalizer_runs_at_the_unregister_that_frees_it() {
 
 /// A `__del__` calling `os._exit` ends its target during the unregister
 /// that freed it: the target is lost there, with its exit status, and
-/// never during a later, unrelated operation.
+/// never during a later, unrelated operation; the unregister says so
+/// (`TARGET_LOST`) instead of succeeding, though the handle is released.
 fn a_finalizer_that_exits_loses_the_target_in_its_unregister() {
     let file = finalized_file("exits");
     let worker = worker(1);
     let handle = worker.register(envelope("del_exits")).unwrap();
     worker.start().unwrap();
-    worker.unregister(&handle).unwrap();
+    let error = worker.unregister(&handle).unwrap_err();
+    assert_eq!(error.code(), ErrorCode::TARGET_LOST, "{error}");
+    assert_eq!(error.outcomes, vec![(TargetId(0), TargetOutcome::Lost)]);
+    assert_eq!(
+        error.error.message,
+        format!(
+            "handle {} is released and no live target holds {}, but the unregister lost targets while it was pending there: \
+             target 0: lost (its reply socket closed; it exited with status 7)",
+            handle.handle_id,
+            handle.hashid
+        )
+    );
+    assert_eq!(
+        worker.unregister(&handle).unwrap_err().code(),
+        ErrorCode::HANDLE_STALE
+    );
     assert_eq!(finalized_lines(&file), 1);
     assert_eq!(worker.live_targets(), vec![]);
     assert_eq!(worker.target_exit(TargetId(0)), Some(Exit::Code(7)));
@@ -284,7 +300,15 @@ fn a_slow_finalizer_is_fenced_in_its_unregister() {
         .unwrap();
     let slow = worker.register(envelope("del_sleeps")).unwrap();
     worker.start().unwrap();
-    worker.unregister(&slow).unwrap();
+    let error = worker.unregister(&slow).unwrap_err();
+    assert_eq!(error.code(), ErrorCode::TARGET_LOST, "{error}");
+    assert_eq!(
+        error.outcomes,
+        vec![
+            (TargetId(0), TargetOutcome::Fenced),
+            (TargetId(1), TargetOutcome::Fenced)
+        ]
+    );
     assert_eq!(worker.live_targets(), vec![]);
     for target in 0..2 {
         let loss = worker.target_loss(TargetId(target)).unwrap_or_default();

@@ -1736,15 +1736,24 @@ impl RegistrationModel {
                 }
             }
             Ok(Completion::Unregistered(handle)) => {
-                // A lost or fenced target holds nothing: its references are gone.
+                if register || !all_ok || Some(handle.digest()) != digest {
+                    state.breach("an unregister succeeded although a target of its scope refused it, timed out or was lost");
+                }
+            }
+            Err(error) if !register && error.code == ErrorCode::TARGET_LOST => {
+                // A lost or fenced target holds nothing: the handle is
+                // released, and the unregister says which it lost.
+                let lost = outcomes
+                    .iter()
+                    .any(|(_, o)| matches!(o, TargetOutcome::Lost | TargetOutcome::Fenced));
                 let dropped = outcomes.iter().all(|(_, o)| {
                     matches!(
                         o,
                         TargetOutcome::Ok | TargetOutcome::Lost | TargetOutcome::Fenced
                     )
                 });
-                if register || !dropped || Some(handle.digest()) != digest {
-                    state.breach("an unregister succeeded although a target of its scope refused it or timed out");
+                if !lost || !dropped {
+                    state.breach("an unregister failed with TARGET_LOST although no target of its scope was lost, or one refused it or timed out");
                 }
             }
             Err(error) if error.code == ErrorCode::LIFECYCLE_INVALID => {

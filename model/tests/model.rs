@@ -106,8 +106,8 @@ fn faulty_configurations_pass_with_pinned_state_counts() {
     let expected = [
         ("single-register", true, 185),
         ("single-register", false, 360),
-        ("register-unregister-same-digest", true, 29623),
-        ("snapshot-then-operations", true, 20363),
+        ("register-unregister-same-digest", true, 30482),
+        ("snapshot-then-operations", true, 21237),
     ];
     let mut counted = Vec::new();
     for (name, fence, _) in expected {
@@ -182,7 +182,7 @@ fn replacing() -> ModelConfig {
 fn replacement_targets_pass_with_pinned_state_counts() {
     let outcome = run(replacing(), false);
     assert_passes(&outcome);
-    assert_eq!(outcome.unique_states, 4_360);
+    assert_eq!(outcome.unique_states, 4_496);
     let witnessed = |name: &str| outcome.witnessed.iter().any(|w| w == name);
     assert!(witnessed(SOMETIMES_JOINED));
     assert!(witnessed(SOMETIMES_JOINED_IN_FLIGHT));

@@ -71,8 +71,9 @@ class TargetLostError(CallregError):
     """The target died or was stopped before the task's result arrived, or
     there is no live target (``code`` ``"TARGET_LOST"`` or
     ``"NO_LIVE_TARGET"``). Raised by :meth:`Worker.start` when a target
-    did not start, with ``outcomes`` (as :class:`RegisterError`'s; empty
-    for a task)."""
+    did not start, and by :meth:`Worker.unregister` when a target was lost
+    while it dropped the handle (the handle is released all the same),
+    with ``outcomes`` (as :class:`RegisterError`'s; empty for a task)."""
 
     outcomes: dict[int, str]
 

@@ -15,7 +15,7 @@ from callreg import _callreg
 from callreg._callables import callable_name, check_registrable, default_metadata
 from callreg._codes import CODES
 from callreg._envelope import InheritingPickler, main_objects, pack_with, task_input
-from callreg._errors import CallregError, RegisterError
+from callreg._errors import CallregError, RegisterError, TargetLostError
 from callreg._handle import Handle
 from callreg._worker import Worker
 
@@ -193,7 +193,10 @@ class Executor(concurrent.futures.Executor):
         old, evicted = self._handles.popitem(last=False)
         for key in [key for key, value in self._seen.items() if value == old]:
             del self._seen[key]
-        self._worker.unregister(evicted)
+        try:
+            self._worker.unregister(evicted)
+        except TargetLostError:
+            pass  # released all the same: a lost target holds nothing
 
     def _register_making_room(self, envelope: bytes, meta: dict[str, Any]) -> Handle[..., Any]:
         """Registers ``envelope``; while a target has no free slot for it,

@@ -254,7 +254,13 @@ class Worker(Inspection):
     def unregister(self, handle: Handle[..., Any]) -> None:
         """Unregisters ``handle``; returns once every target dropped it.
         Raises :class:`HandleError` for a foreign or stale handle,
-        :class:`RegisterError` when a target failed to drop it."""
+        :class:`RegisterError` when a target refused to drop it or did not
+        answer in time (``UNREGISTER_PARTIAL_FAILURE``), and
+        :class:`TargetLostError` (``TARGET_LOST``) when a target was lost
+        while it dropped it, e.g. a finalizer the release ran ended the
+        process: the handle is released all the same (a lost target holds
+        nothing), and the message says how each lost target ended
+        (``specs/protocol.md`` §2.3)."""
         raw = raw_handle(handle)
         try:
             self._raw.unregister(raw)

@@ -22,6 +22,14 @@ def touch_after(path, seconds):
     return os.getpid()
 
 
+def start_then_touch(started, path, seconds):
+    """Writes ``started``, then does as :func:`touch_after`: a task whose
+    start a test can wait for."""
+    with open(started, "w") as f:
+        f.write("started")
+    return touch_after(path, seconds)
+
+
 def spin(seconds):
     """Holds its target for ``seconds``, then returns its pid."""
     time.sleep(seconds)
@@ -44,8 +52,10 @@ def test_a_queued_task_cancelled_never_runs_and_its_future_is_cancelled(tmp_path
     with callreg.Worker(1) as w:
         w.start()
         h = w.register(touch_after)
-        first = w.submit(h, str(tmp_path / "first"), 0.5)
+        first = w.submit(w.register(start_then_touch), str(tmp_path / "started"), str(tmp_path / "first"), 0.5)
         queued = w.submit(h, str(tmp_path / "queued"), 0.0)
+        # The first one runs (a loaded machine may start it late).
+        wait_until(lambda: (tmp_path / "started").exists())
         called = []
         queued.add_done_callback(called.append)
         assert queued.cancel() is True
@@ -58,7 +68,7 @@ def test_a_queued_task_cancelled_never_runs_and_its_future_is_cancelled(tmp_path
         assert first.cancel() is False
         assert first.result() == w.call(w.register(pid))
         time.sleep(0.2)  # the queued one would have run by now
-        assert sorted(os.listdir(tmp_path)) == ["first"]
+        assert sorted(os.listdir(tmp_path)) == ["first", "started"]
 
 
 def test_cancel_of_a_finished_task_is_false_and_wait_counts_a_cancelled_future_done(tmp_path):

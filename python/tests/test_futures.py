@@ -36,11 +36,26 @@ def worker():
         yield w
 
 
-def test_a_future_is_a_running_concurrent_future(worker):
-    h = worker.register(square)
-    future = worker.submit(h, 9)
+def square_once_started(x, started):
+    """Writes ``started``, then returns ``x * x`` a moment later."""
+    with open(started, "w") as f:
+        f.write("started")
+    time.sleep(0.2)
+    return x * x
+
+
+def test_a_future_is_a_running_concurrent_future(worker, tmp_path):
+    h = worker.register(square_once_started)
+    started = tmp_path / "started"
+    future = worker.submit(h, 9, str(started))
     assert isinstance(future, concurrent.futures.Future)
     assert future.running() or future.done()
+    # Once its task runs, it cannot be cancelled (a loaded machine may
+    # start it late; before it starts it could be).
+    deadline = time.monotonic() + 10
+    while not started.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     assert future.cancel() is False
     assert future.result(timeout=10) == 81
     assert future.done() and not future.running()

@@ -283,6 +283,45 @@ def test_a_killed_target_fails_its_tasks_and_the_rest_keep_working():
         assert w.call_all(h, 3) == {0: 9, 2: 9}
 
 
+class ExitsWhenFreed:
+    """Ends its process with status 7 when it is garbage collected there,
+    unless that is the process that made it."""
+
+    def __init__(self):
+        self.maker = os.getpid()
+
+    def __del__(self):
+        if os.getpid() != self.maker:
+            os._exit(7)
+
+
+def test_an_unregister_whose_finalizer_exits_says_it_lost_the_targets():
+    with callreg.Worker(2) as w:
+        w.start()
+        held = ExitsWhenFreed()
+        h = w.register(lambda: held is not None)
+        assert w.call_all(h) == {0: True, 1: True}
+        with pytest.raises(callreg.TargetLostError) as info:
+            w.unregister(h)
+        assert info.value.code == "TARGET_LOST"
+        lost = "lost (its reply socket closed; it exited with status 7)"
+        assert info.value.outcomes == {0: lost, 1: lost}
+        assert str(info.value) == (
+            "TARGET_LOST: handle %d is released and no live target holds %s, but the unregister lost "
+            "targets while it was pending there: target 0: lost (its reply socket closed; it exited "
+            "with status 7); target 1: lost (its reply socket closed; it exited with status 7) "
+            "(operation unregister, namespace LOCAL_PYTHON, hashid %s, seq %d); outcomes: target 0: "
+            "lost, target 1: lost"
+        ) % (h._raw.handle_id, h.hashid, h.hashid, info.value.seq)
+        # Released all the same: stale, and the replacements serve.
+        with pytest.raises(callreg.HandleError):
+            w.unregister(h)
+        deadline = time.monotonic() + 20
+        while w.targets != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.call_all(w.register(square), 4) == {0: 16, 1: 16}
+
+
 def test_with_every_target_lost_tasks_fail_no_live_target():
     with callreg.Worker(2, respawn_limit=0) as w:
         w.start()

@@ -14,7 +14,7 @@ from typing import Any, cast
 import distributed
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from callreg._errors import CallregError, HandleError, LifecycleError
+from callreg._errors import CallregError, HandleError, LifecycleError, TargetLostError
 from callreg._handle import Handle
 
 HOST_PLUGIN = "callreg-host"
@@ -85,7 +85,13 @@ class _Host(WorkerPlugin):
                     handle = held.pop()
                     if not held:
                         del self.handles[hashid]
-                await asyncio.to_thread(self.local.unregister, handle)
+                try:
+                    await asyncio.to_thread(self.local.unregister, handle)
+                except TargetLostError:
+                    # Released all the same: the local target lost under it
+                    # holds nothing, nor does its replacement (the worker
+                    # still serves, and agrees with the cluster).
+                    pass
             else:
                 return {"failure": ["FRAME_INVALID", "a Dask worker takes no %r frame" % kind]}
         except Exception as exc:  # noqa: BLE001 -- every failure is the reply

@@ -396,7 +396,11 @@ impl<R: Runtime> Worker<R> {
     /// The handle resolution errors (`HANDLE_FOREIGN`, `HANDLE_STALE`,
     /// `HANDLE_MUTATED`, `HANDLE_WRONG_NAMESPACE`,
     /// `REGISTER_CLEANUP_UNCERTAIN`); `LIFECYCLE_INVALID` once closed;
-    /// `UNREGISTER_PARTIAL_FAILURE` with every target's outcome.
+    /// `UNREGISTER_PARTIAL_FAILURE` with every target's outcome when a
+    /// target refused it or timed out; `TARGET_LOST` when a target was lost
+    /// while it was pending there (e.g. a finalizer the release ran ended
+    /// the process): the handle is released all the same, and the message
+    /// says how each lost target ended (`specs/protocol.md` §2.3).
     pub fn unregister(&self, handle: &Handle) -> Result<(), OperationError> {
         self.unregister_async(handle)?.wait()
     }

@@ -340,7 +340,10 @@ pub enum Effect {
         /// The handle published or dropped, or the error:
         /// `REGISTER_PARTIAL_FAILURE`, `REGISTER_CLEANUP_UNCERTAIN` (the
         /// digest became uncertain while the register was in flight),
-        /// `UNREGISTER_PARTIAL_FAILURE` or `LIFECYCLE_INVALID` (closed).
+        /// `REGISTER_POISONED`, `UNREGISTER_PARTIAL_FAILURE`, `TARGET_LOST`
+        /// (an unregister that lost a target while pending there: the
+        /// handle is released all the same, `specs/protocol.md` §2.3) or
+        /// `LIFECYCLE_INVALID` (closed).
         result: Result<Completion, Error>,
         /// Every target in the operation's scope with what it did, in
         /// target order.

@@ -860,8 +860,36 @@ impl Parent {
                 _ => None,
             })
             .collect();
-        let result = if failures.is_empty() {
+        // A target lost while the unregister was pending there (its
+        // process died, e.g. in a finalizer the release ran, or was fenced)
+        // holds nothing, so the handle is released everywhere; the
+        // unregister says so rather than succeed silently (§2.4, "Target
+        // lost").
+        let lost: Vec<String> = op
+            .scope
+            .iter()
+            .filter_map(|(target, p)| match p {
+                Progress::Lost => Some(format!("{target}: lost")),
+                Progress::Fenced => Some(format!("{target}: fenced after its deadline")),
+                _ => None,
+            })
+            .collect();
+        let result = if failures.is_empty() && lost.is_empty() {
             Ok(Completion::Unregistered(handle))
+        } else if failures.is_empty() {
+            Err(Error::new(
+                ErrorCode::TARGET_LOST,
+                OperationKind::Unregister,
+                format!(
+                    "handle {} is released and no live target holds {}, but the unregister lost targets while it was pending there: {}",
+                    handle.handle_id,
+                    op.digest,
+                    lost.join("; ")
+                ),
+            )
+            .with_namespace(op.namespace)
+            .with_digest(op.digest)
+            .with_seq(op.seq))
         } else {
             Err(Error::new(
                 ErrorCode::UNREGISTER_PARTIAL_FAILURE,
