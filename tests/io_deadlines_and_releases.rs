@@ -41,6 +41,10 @@ fn main() {
             "a_late_target_heals_its_uncertain_digest",
             a_late_target_heals_its_uncertain_digest,
         ),
+        (
+            "a_written_envelope_registers_as_its_bytes_do",
+            a_written_envelope_registers_as_its_bytes_do,
+        ),
     ]);
 }
 
@@ -145,6 +149,46 @@ fn a_late_target_heals_its_uncertain_digest() {
         assert_eq!(echoed, b"[7]");
     }
     assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
+    io_common::check_invariants(&worker, 2);
+    worker.close();
+}
+
+/// An envelope written in pieces (`StagingWriter`, as a pickler streams
+/// its output) registers as its bytes would: the same hashid, before start
+/// (read back into the startup snapshot) and after (a large one straight
+/// from the `memfd` it was written into), and serves on every target.
+fn a_written_envelope_registers_as_its_bytes_do() {
+    use callreg::io::staging::{StagingWriter, SPILL_BYTES};
+    let big = format!("echo #{}", "x".repeat(SPILL_BYTES + 12_345));
+    let written = |payload: &str| {
+        let mut writer = StagingWriter::new();
+        for piece in payload.as_bytes().chunks(65_536) {
+            writer.write(piece).unwrap();
+        }
+        writer.finish().unwrap()
+    };
+    let worker = builder(2).build().unwrap();
+    let before = worker.register_written(written(&big), None).unwrap();
+    assert_eq!(before.hashid, digest_of(&envelope(&big)).hashid());
+    assert_eq!(worker.retained_envelope_bytes(), envelope(&big).len());
+    worker.start().unwrap();
+    let after = worker.register_written(written(&big), None).unwrap();
+    let small = worker.register_written(written("echo"), None).unwrap();
+    assert_eq!(after.hashid, before.hashid);
+    assert_eq!(small.hashid, digest_of(&envelope("echo")).hashid());
+    for handle in [&before, &after, &small] {
+        for target in [0, 1] {
+            let echoed = worker
+                .submit(
+                    handle,
+                    TargetId(target),
+                    callreg::runtime::TaskEncoding::Json,
+                    b"[3]",
+                )
+                .unwrap();
+            assert_eq!(echoed, b"[3]");
+        }
+    }
     io_common::check_invariants(&worker, 2);
     worker.close();
 }

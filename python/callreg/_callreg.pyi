@@ -13,13 +13,16 @@ __all__ = [
     "encode_envelope",
     "envelope_hashid",
     "envelope_header",
+    "staging_memfd",
     "_template_main",
     "VERSION",
     "DEFAULT_MAX_FRAME_BYTES",
+    "SPILL_BYTES",
 ]
 
 VERSION: Final[str]
 DEFAULT_MAX_FRAME_BYTES: Final[int]
+SPILL_BYTES: Final[int]
 
 class _ErrorFields(TypedDict):
     """``RawError.args[0]``: a failed operation's fields."""
@@ -113,6 +116,7 @@ class RawWorker:
         template: tuple[str, list[str], bytes] | None = None,
     ) -> RawWorker: ...
     def register(self, envelope: bytes, metadata: str | None = None) -> RawHandle: ...
+    def register_memfd(self, fd: int, metadata: str | None) -> RawHandle: ...
     def unregister(self, handle: RawHandle) -> None: ...
     def start(self) -> list[tuple[int, _ErrorFields]]: ...
     def submit(
@@ -138,6 +142,7 @@ class RawWorker:
 
 def encode_envelope(payload: bytes) -> bytes: ...
 def envelope_header(payload_size: int) -> bytes: ...
+def staging_memfd() -> int: ...
 def envelope_hashid(envelope: bytes) -> str: ...
 def _template_main(prepare: Callable[[bytes], Callable[[int], object] | None]) -> int:
     """The template process of a ``start_method="forkserver"`` Worker

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import inspect
 import io
 import itertools
+import os
 import pickle
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -71,6 +73,64 @@ def pack_with(fn: object, pickler: Callable[..., Any]) -> bytes:
     buffer.write(_callreg.envelope_header(size))
     # The buffer's own bytes, not a copy (nothing else refers to it).
     return buffer.getvalue()
+
+
+class EnvelopeWriter:
+    """The file a pickler writes a callable's payload to: the payload
+    stays in memory up to ``SPILL_BYTES``, past them it goes to a sealable
+    memory file (``staging_memfd``) written once, which the Worker then
+    seals and stages where it is (``specs/staging.md`` step 1): a large
+    callable costs the parent one copy of its pickle, not two. A write the
+    system has no memory for raises ``MemoryError``. Close it when done."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray(_HEADER_LEN)
+        self.fd: int | None = None
+        self.size = 0
+
+    def dump(self, obj: object) -> None:
+        """Pickles ``obj`` with cloudpickle into this writer."""
+        cloudpickle.Pickler(self, protocol=_PROTOCOL).dump(obj)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self.fd is None and len(self._buffer) + len(view) > _HEADER_LEN + _callreg.SPILL_BYTES:
+            self.fd = _callreg.staging_memfd()
+            self._write_fd(memoryview(self._buffer))
+            self._buffer = bytearray()
+        if self.fd is None:
+            self._buffer += view
+        else:
+            self._write_fd(view)
+        self.size += len(view)
+        return len(view)
+
+    def _write_fd(self, view: memoryview) -> None:
+        assert self.fd is not None
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except OSError as failure:
+            if failure.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG):
+                raise MemoryError("no memory to stage the callable's pickle: %s" % failure) from failure
+            raise
+
+    def envelope(self) -> bytes:
+        """The envelope's bytes, when it stayed in memory."""
+        self._buffer[:_HEADER_LEN] = _callreg.envelope_header(self.size)
+        return bytes(self._buffer)
+
+    def finish(self) -> int:
+        """Writes the header into the memory file; returns its descriptor."""
+        assert self.fd is not None
+        os.pwrite(self.fd, _callreg.envelope_header(self.size), 0)
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self._buffer = bytearray()
 
 
 def hashid(obj: bytes | bytearray | memoryview | Handle[..., Any] | Callable[..., Any]) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, cast
 from callreg import _callreg
 from callreg._callables import callable_name, check_registrable, default_metadata, merge_metadata, metadata_json
 from callreg._codes import CODES
-from callreg._envelope import chunk_input, hashid, pack, task_input
+from callreg._envelope import EnvelopeWriter, chunk_input, hashid, task_input
 from callreg._errors import HandleError, RegisterError
 from callreg._futures import Dispatch, TaskFuture, in_order, shutdown
 from callreg._handle import Handle, raw_handle
@@ -219,10 +219,19 @@ class Worker(Inspection):
         for other metadata than it is registered with,
         :class:`LifecycleError` once closed."""
         check_registrable(fn, "register")
-        envelope = pack(fn)
         meta = merge_metadata(default_metadata(callable_name(fn)), metadata)
+        # Pickled once, straight where the targets read it when large.
+        writer = EnvelopeWriter()
+        try:
+            writer.dump(fn)
+            if writer.fd is None:
+                raw = self._register(writer.envelope(), meta)
+            else:
+                raw = self._register_memfd(writer.finish(), meta)
+        finally:
+            writer.close()
         # The handle of a callable of this signature.
-        handle = cast("Handle[_P, _R]", self._register(envelope, meta))
+        handle = cast("Handle[_P, _R]", raw)
         CODES.record(fn)
         return handle
 
@@ -240,9 +249,17 @@ class Worker(Inspection):
         return self._register(bytes(data), merge_metadata(None, metadata))
 
     def _register(self, envelope: bytes, meta: Mapping[str, Any] | None) -> Handle[..., Any]:
+        return self._published(lambda text: self._raw.register(envelope, text), meta)
+
+    def _register_memfd(self, fd: int, meta: Mapping[str, Any] | None) -> Handle[..., Any]:
+        return self._published(lambda text: self._raw.register_memfd(fd, text), meta)
+
+    def _published(
+        self, register: Callable[[str | None], _callreg.RawHandle], meta: Mapping[str, Any] | None
+    ) -> Handle[..., Any]:
         text = None if meta is None else metadata_json(meta)
         try:
-            raw = self._raw.register(envelope, text)
+            raw = register(text)
         except _callreg.RawError as failure:
             raise_error(failure)
         handle = Handle._of(raw)

@@ -37,12 +37,13 @@ use callreg::io::worker::{
     outcome_text, registration_failure_text, OperationError, PendingTask, TaskError, TaskKey,
 };
 use callreg::io::zygote::{ExecTemplate, TemplateCommand};
+use callreg::io::staging;
 use callreg::io::{StartMethod, Worker};
 use callreg::metadata::CallableMetadata;
 use callreg::protocol::{Handle, TargetId, TargetOutcome};
 use callreg::runtime::python::PythonRuntime;
 use callreg::runtime::TaskEncoding;
-use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyException, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use pyo3::IntoPyObjectExt;
@@ -515,6 +516,43 @@ impl RawWorker {
             .map_err(|e| self.operation_err(py, &e))
     }
 
+    /// Registers the envelope written into `fd` (a `staging_memfd()`,
+    /// header included) and waits (GIL released): it is sealed and staged
+    /// as it is, with no copy of its bytes (`specs/staging.md` step 1).
+    /// The caller keeps (and closes) its own descriptor.
+    fn register_memfd(
+        &self,
+        py: Python<'_>,
+        fd: i32,
+        metadata: Option<&str>,
+    ) -> PyResult<RawHandle> {
+        let metadata = metadata
+            .map(|text| {
+                CallableMetadata::from_json(text).map_err(|e| {
+                    plain_err(
+                        py,
+                        &Error::new(
+                            ErrorCode::METADATA_INVALID,
+                            OperationKind::Register,
+                            format!("metadata: {e}"),
+                        ),
+                    )
+                })
+            })
+            .transpose()?;
+        // SAFETY: `fd` is the caller's open descriptor for the whole call
+        // (the package's envelope writer holds it until this returns); it
+        // is only duplicated here, never closed.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let owned = borrowed
+            .try_clone_to_owned()
+            .map_err(|e| PyValueError::new_err(format!("descriptor {fd}: {e}")))?;
+        let result = py.detach(|| self.worker.register_memfd(owned, metadata.as_ref()));
+        result
+            .map(|handle| RawHandle { handle })
+            .map_err(|e| self.operation_err(py, &e))
+    }
+
     /// Unregisters and waits (GIL released).
     fn unregister(&self, py: Python<'_>, handle: &RawHandle) -> PyResult<()> {
         let result = py.detach(|| self.worker.unregister(&handle.handle));
@@ -813,6 +851,16 @@ fn envelope_header(py: Python<'_>, payload_size: u64) -> Bound<'_, PyBytes> {
     PyBytes::new(py, &callreg::envelope::header(payload_size))
 }
 
+/// A new sealable `memfd` for an envelope writer (`callreg._envelope`):
+/// its descriptor, which the caller owns (close it), with `CLOEXEC`.
+#[pyfunction]
+fn staging_memfd() -> PyResult<i32> {
+    use std::os::fd::IntoRawFd;
+    staging::new_memfd()
+        .map(IntoRawFd::into_raw_fd)
+        .map_err(|e| PyOSError::new_err(e.to_string()))
+}
+
 /// The hashid of a SPYC envelope; raises `RawError` (`ENVELOPE_INVALID` and
 /// the other envelope codes) for invalid bytes.
 #[pyfunction]
@@ -871,6 +919,8 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_envelope, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_hashid, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_header, m)?)?;
+    m.add_function(wrap_pyfunction!(staging_memfd, m)?)?;
+    m.add("SPILL_BYTES", staging::SPILL_BYTES)?;
     m.add_function(wrap_pyfunction!(_template_main, m)?)?;
     m.add("VERSION", env!("CARGO_PKG_VERSION"))?;
     m.add(

@@ -6,6 +6,9 @@ checks."""
 import asyncio
 import concurrent.futures
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import tracemalloc
@@ -226,6 +229,81 @@ def test_pack_pickles_straight_into_the_envelope():
     # One buffer (and its growth slack), never a second copy of it.
     assert len(envelope) > len(blob)
     assert peak < 1.3 * len(envelope), (peak, len(envelope))
+
+
+def _memory():
+    """This process's anonymous memory plus the machine's shared memory
+    (where memory files live), in bytes."""
+    total = 0
+    for path, name in (("/proc/self/status", "RssAnon:"), ("/proc/meminfo", "Shmem:")):
+        with open(path) as f:
+            total += next(int(line.split()[1]) for line in f if line.startswith(name)) * 1024
+    return total
+
+
+def test_a_large_register_pickles_once_into_the_memory_file_the_targets_read():
+    blob = os.urandom(96 * 1024 * 1024)
+
+    def closure():
+        return len(blob)
+
+    with callreg.Worker(1) as w:
+        w.start()
+        # The bytes path for comparison: the pickle in memory, then staged.
+        h = w.register_envelope(callreg.pack(closure))
+        assert h.hashid == callreg.hashid(closure)
+        w.unregister(h)
+        del h
+        time.sleep(0.5)  # the unregistered payload's memory file is freed
+        peak = [0]
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], _memory())
+                time.sleep(0.0005)
+
+        base = _memory()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            h = w.register(closure)
+        finally:
+            stop.set()
+            sampler.join()
+        assert h.hashid == callreg.hashid(closure)
+        assert w.call(h) == len(blob)
+        # One copy of the pickle (the memory file), never two (the bytes
+        # path's 2x); the margin covers the sampling of a shared machine.
+        assert peak[0] - base < 1.5 * len(blob), (peak[0] - base, len(blob))
+
+
+def test_a_register_without_memory_for_its_pickle_raises_memory_error(tmp_path):
+    # A file size limit makes writing the memory file fail (EFBIG, as a
+    # full memory would with ENOMEM or ENOSPC); the Worker stays usable.
+    script = tmp_path / "limited.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, resource, callreg
+            blob = os.urandom(32 * 1024 * 1024)
+            with callreg.Worker(1) as w:
+                w.start()
+                resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024 * 1024, resource.RLIM_INFINITY))
+                try:
+                    w.register(lambda: len(blob))
+                except MemoryError as e:
+                    print("MemoryError:", e)
+                print(w.call(w.register(lambda: 7)))
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "MemoryError: no memory to stage the callable's pickle: [Errno 27] File too large",
+        "7",
+    ]
 
 
 def count_metadata_lookups():

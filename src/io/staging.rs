@@ -33,6 +33,7 @@ use nix::sys::memfd::{memfd_create, MFdFlags};
 use sha2::{Digest as _, Sha256};
 
 use super::process::TrackedFd;
+use crate::envelope::{header, HEADER_LEN};
 use crate::error::ErrorCode;
 
 /// The label of every staged payload's `memfd` (seen as
@@ -92,17 +93,20 @@ pub enum StagingError {
         /// Length of the bytes to stage.
         len: usize,
     },
+    /// The staged bytes are not a SPYC envelope ([`StagedPayload::adopt`]).
+    #[error("the staged bytes are not an envelope: {0}")]
+    Envelope(String),
 }
 
 impl StagingError {
-    /// `ENVELOPE_INVALID` for a size mismatch or missing seals (the bytes
-    /// cannot be trusted to be the envelope that was staged), `IO_FAILED`
-    /// otherwise.
+    /// `ENVELOPE_INVALID` for a size mismatch, missing seals or bytes that
+    /// are not an envelope (the bytes cannot be trusted to be the envelope
+    /// that was staged), `IO_FAILED` otherwise.
     pub fn code(&self) -> ErrorCode {
         match self {
-            StagingError::SizeMismatch { .. } | StagingError::Unsealed { .. } => {
-                ErrorCode::ENVELOPE_INVALID
-            }
+            StagingError::SizeMismatch { .. }
+            | StagingError::Unsealed { .. }
+            | StagingError::Envelope(_) => ErrorCode::ENVELOPE_INVALID,
             _ => ErrorCode::IO_FAILED,
         }
     }
@@ -199,19 +203,25 @@ impl StagedPayload {
             hasher.update(&chunk[start - offset..end - offset]);
             offset += chunk.len();
         }
+        Ok((
+            StagedPayload::seal(file, bytes.len() as u64)?,
+            hasher.finalize().into(),
+        ))
+    }
+
+    /// Seals `file` (a `memfd` of `size` bytes made with
+    /// `MFD_ALLOW_SEALING`) with [`REQUIRED_SEALS`].
+    fn seal(file: File, size: u64) -> Result<StagedPayload, StagingError> {
         let fd = OwnedFd::from(file);
         match fcntl(&fd, FcntlArg::F_ADD_SEALS(REQUIRED_SEALS)) {
             Err(Errno::EBUSY) => seal_from_every_cpu(fd.as_fd()),
             sealed => sealed.map(drop),
         }
         .map_err(os_error("F_ADD_SEALS"))?;
-        Ok((
-            StagedPayload {
-                fd: TrackedFd::new(fd),
-                size: bytes.len() as u64,
-            },
-            hasher.finalize().into(),
-        ))
+        Ok(StagedPayload {
+            fd: TrackedFd::new(fd),
+            size,
+        })
     }
 
     /// The sealed descriptor (sent with a register control).
@@ -222,6 +232,193 @@ impl StagedPayload {
     /// The staged size in bytes.
     pub fn size(&self) -> u64 {
         self.size
+    }
+}
+
+/// A [`StagingWriter`] keeps at most this many bytes in its own memory;
+/// past them it moves to a `memfd`, so that a large envelope is written
+/// once, straight where targets read it (`specs/staging.md` step 1).
+pub const SPILL_BYTES: usize = 1 << 20;
+
+/// An envelope written in pieces, as a pickler writes its output: the
+/// caller writes the serializer payload ([`StagingWriter::write`]), and
+/// [`StagingWriter::finish`] puts the SPYC header before it. Up to
+/// [`SPILL_BYTES`] the bytes stay in a buffer; past them they go to a
+/// `memfd` (created then, the buffer moved into it once) and every later
+/// write goes there directly, hashed on the way, so that a payload of
+/// S bytes costs S bytes of memory in the parent, not two or three copies
+/// (`specs/staging.md` step 1).
+#[derive(Debug)]
+pub struct StagingWriter {
+    /// Header room and the payload so far, while no `memfd` exists.
+    buffer: Vec<u8>,
+    /// The `memfd` once the payload passed [`SPILL_BYTES`].
+    file: Option<File>,
+    /// SHA-256 of the payload so far.
+    hasher: Sha256,
+    payload_len: u64,
+}
+
+/// What a [`StagingWriter`] made.
+#[derive(Debug)]
+pub enum WrittenEnvelope {
+    /// An envelope of at most [`SPILL_BYTES`] payload bytes: its bytes
+    /// (header and payload).
+    Bytes(Vec<u8>),
+    /// A larger one, staged and sealed, with its payload's SHA-256.
+    Staged {
+        /// The sealed `memfd` holding the whole envelope.
+        payload: StagedPayload,
+        /// SHA-256 of the payload (after the header).
+        payload_sha256: [u8; 32],
+    },
+}
+
+impl Default for StagingWriter {
+    fn default() -> Self {
+        StagingWriter::new()
+    }
+}
+
+impl StagingWriter {
+    /// An empty writer: no `memfd` yet.
+    pub fn new() -> StagingWriter {
+        StagingWriter {
+            buffer: vec![0; HEADER_LEN],
+            file: None,
+            hasher: Sha256::new(),
+            payload_len: 0,
+        }
+    }
+
+    /// Payload bytes written so far.
+    pub fn payload_len(&self) -> u64 {
+        self.payload_len
+    }
+
+    /// Appends `bytes` to the payload.
+    ///
+    /// # Errors
+    /// [`StagingError::Os`] when `memfd_create` or `write` fails (e.g.
+    /// `ENOMEM`, `ENOSPC` when memory runs out, [`StagingError::is_out_of_memory`]);
+    /// the writer is then unusable (a later `finish` fails the same way).
+    pub fn write(&mut self, bytes: &[u8]) -> Result<(), StagingError> {
+        if self.file.is_none() && self.buffer.len() + bytes.len() > HEADER_LEN + SPILL_BYTES {
+            let mut file = File::from(new_memfd()?);
+            file.write_all(&self.buffer)
+                .map_err(|e| os_error("write")(io_errno(&e)))?;
+            self.buffer = Vec::new();
+            self.file = Some(file);
+        }
+        match &mut self.file {
+            Some(file) => file
+                .write_all(bytes)
+                .map_err(|e| os_error("write")(io_errno(&e)))?,
+            None => self.buffer.extend_from_slice(bytes),
+        }
+        self.hasher.update(bytes);
+        self.payload_len += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Puts the header before the payload, and seals the `memfd` if there
+    /// is one.
+    ///
+    /// # Errors
+    /// [`StagingError::Os`] when writing the header or sealing fails.
+    pub fn finish(mut self) -> Result<WrittenEnvelope, StagingError> {
+        let header = header(self.payload_len);
+        match self.file.take() {
+            None => {
+                self.buffer[..HEADER_LEN].copy_from_slice(&header);
+                Ok(WrittenEnvelope::Bytes(self.buffer))
+            }
+            Some(file) => {
+                use std::os::unix::fs::FileExt;
+                file.write_all_at(&header, 0)
+                    .map_err(|e| os_error("write")(io_errno(&e)))?;
+                let size = HEADER_LEN as u64 + self.payload_len;
+                Ok(WrittenEnvelope::Staged {
+                    payload: StagedPayload::seal(file, size)?,
+                    payload_sha256: self.hasher.finalize().into(),
+                })
+            }
+        }
+    }
+}
+
+/// A new, empty `memfd` that can be sealed (`MFD_CLOEXEC |
+/// MFD_ALLOW_SEALING`, labelled [`MEMFD_NAME`]): where an envelope is
+/// written to be staged ([`StagingWriter`], or a writer of another
+/// language that hands it to [`StagedPayload::adopt`]).
+///
+/// # Errors
+/// [`StagingError::Os`] when `memfd_create` fails.
+pub fn new_memfd() -> Result<OwnedFd, StagingError> {
+    memfd_create(
+        MEMFD_NAME,
+        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+    )
+    .map_err(os_error("memfd_create"))
+}
+
+impl StagingError {
+    /// Whether the OS refused memory for it (`ENOMEM`, `ENOSPC`, `EFBIG`):
+    /// the caller may report it as out of memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(
+            self,
+            StagingError::Os {
+                errno: Errno::ENOMEM | Errno::ENOSPC | Errno::EFBIG,
+                ..
+            }
+        )
+    }
+}
+
+impl StagedPayload {
+    /// Stages the envelope a writer put in `fd` (a [`new_memfd`], written
+    /// from offset 0, header included): seals it, then checks the envelope
+    /// (`Envelope::parse`) and hashes its payload from a read-only mapping
+    /// of the sealed bytes, so that what is hashed is what targets read.
+    /// No copy of the bytes is made.
+    ///
+    /// # Errors
+    /// [`StagingError::Os`] when `fstat`, sealing or mapping fails (e.g.
+    /// `fd` is not a sealable `memfd`); [`StagingError::Envelope`] when
+    /// the bytes are not an envelope.
+    pub fn adopt(fd: OwnedFd) -> Result<(StagedPayload, [u8; 32]), StagingError> {
+        let size = nix::sys::stat::fstat(&fd)
+            .map_err(os_error("fstat"))?
+            .st_size as u64;
+        let staged = StagedPayload::seal(File::from(fd), size)?;
+        // SAFETY: the file is sealed against writing, growing and
+        // shrinking (just above): its bytes cannot change while mapped.
+        let map =
+            unsafe { Mmap::map(&staged.fd.as_fd()) }.map_err(|e| os_error("mmap")(io_errno(&e)))?;
+        let envelope = crate::envelope::Envelope::parse(&map)
+            .map_err(|e| StagingError::Envelope(e.to_string()))?;
+        Ok((staged, Sha256::digest(envelope.payload()).into()))
+    }
+
+    /// The whole staged file read back into memory (the startup snapshot
+    /// keeps an envelope registered before start as bytes, which every
+    /// target inherits through `fork`).
+    ///
+    /// # Errors
+    /// [`StagingError::Os`] when `pread` fails.
+    pub fn read_all(&self) -> Result<Vec<u8>, StagingError> {
+        use std::os::unix::fs::FileExt;
+        let file = File::from(
+            self.fd
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(|e| os_error("dup")(io_errno(&e)))?,
+        );
+        let mut bytes = vec![0; usize::try_from(self.size).unwrap_or(usize::MAX)];
+        file.read_exact_at(&mut bytes, 0)
+            .map_err(|e| os_error("pread")(io_errno(&e)))?;
+        Ok(bytes)
     }
 }
 
@@ -394,6 +591,108 @@ mod tests {
 
     fn dup(staged: &StagedPayload) -> OwnedFd {
         staged.fd().try_clone_to_owned().unwrap()
+    }
+
+    #[test]
+    fn a_small_written_envelope_is_its_encoded_bytes() {
+        let mut writer = StagingWriter::new();
+        writer.write(b"ab").unwrap();
+        writer.write(b"").unwrap();
+        writer.write(b"cde").unwrap();
+        assert_eq!(writer.payload_len(), 5);
+        let WrittenEnvelope::Bytes(bytes) = writer.finish().unwrap() else {
+            panic!("staged although small")
+        };
+        assert_eq!(bytes, crate::envelope::encode(b"abcde"));
+        // Exactly SPILL_BYTES stays in memory.
+        let mut writer = StagingWriter::new();
+        writer.write(&vec![1u8; SPILL_BYTES]).unwrap();
+        assert!(
+            matches!(writer.finish().unwrap(), WrittenEnvelope::Bytes(b) if b.len() == HEADER_LEN + SPILL_BYTES)
+        );
+    }
+
+    #[test]
+    fn a_large_written_envelope_is_staged_sealed_and_hashed_once() {
+        let payload: Vec<u8> = (0..SPILL_BYTES + 70_001).map(|i| (i % 251) as u8).collect();
+        let mut writer = StagingWriter::new();
+        // In pieces that cross the spill point.
+        for piece in payload.chunks(300_007) {
+            writer.write(piece).unwrap();
+        }
+        let WrittenEnvelope::Staged {
+            payload: staged,
+            payload_sha256,
+        } = writer.finish().unwrap()
+        else {
+            panic!("kept in memory although large")
+        };
+        let expected: [u8; 32] = Sha256::digest(&payload).into();
+        assert_eq!(payload_sha256, expected);
+        assert_eq!(staged.size(), (HEADER_LEN + payload.len()) as u64);
+        assert_eq!(
+            staged.read_all().unwrap(),
+            crate::envelope::encode(&payload)
+        );
+        let seals = fcntl(staged.fd(), FcntlArg::F_GET_SEALS).unwrap();
+        assert_eq!(
+            SealFlag::from_bits_truncate(seals) & REQUIRED_SEALS,
+            REQUIRED_SEALS
+        );
+        // The same bytes staged at once give the same staged file.
+        let (again, sha) = StagedPayload::create(
+            &crate::envelope::encode(&payload),
+            HEADER_LEN..HEADER_LEN + payload.len(),
+        )
+        .unwrap();
+        assert_eq!(
+            (again.read_all().unwrap(), sha),
+            (staged.read_all().unwrap(), expected)
+        );
+    }
+
+    #[test]
+    fn an_adopted_memfd_is_sealed_checked_and_hashed() {
+        let payload = vec![9u8; 100_000];
+        let mut file = File::from(new_memfd().unwrap());
+        file.write_all(&crate::envelope::encode(&payload)).unwrap();
+        let (staged, sha) = StagedPayload::adopt(OwnedFd::from(file)).unwrap();
+        assert_eq!(sha, <[u8; 32]>::from(Sha256::digest(&payload)));
+        assert_eq!(staged.size(), (HEADER_LEN + payload.len()) as u64);
+        let seals = fcntl(staged.fd(), FcntlArg::F_GET_SEALS).unwrap();
+        assert_eq!(
+            SealFlag::from_bits_truncate(seals) & REQUIRED_SEALS,
+            REQUIRED_SEALS
+        );
+        // Not an envelope.
+        let mut file = File::from(new_memfd().unwrap());
+        file.write_all(b"not an envelope at all").unwrap();
+        let e = StagedPayload::adopt(OwnedFd::from(file)).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::ENVELOPE_INVALID);
+        assert_eq!(
+            e.to_string(),
+            "the staged bytes are not an envelope: ENVELOPE_INVALID: bad magic 6e6f7420 (expected 53505943, \"SPYC\")"
+        );
+        // Not a sealable file.
+        let (read, _write) = nix::unistd::pipe().unwrap();
+        let e = StagedPayload::adopt(read).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::IO_FAILED, "{e}");
+    }
+
+    #[test]
+    fn out_of_memory_errors_are_told_apart() {
+        for (errno, oom) in [
+            (Errno::ENOMEM, true),
+            (Errno::ENOSPC, true),
+            (Errno::EFBIG, true),
+            (Errno::EBADF, false),
+        ] {
+            let e = StagingError::Os {
+                operation: "write",
+                errno,
+            };
+            assert_eq!(e.is_out_of_memory(), oom, "{errno}");
+        }
     }
 
     #[test]

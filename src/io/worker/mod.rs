@@ -101,7 +101,9 @@ use std::time::{Duration, Instant};
 
 use super::handoff::{self, Completer, Pending};
 use super::process::{Exit, ThreadPolicy, TrackedFd};
-use super::staging::StagedPayload;
+#[cfg(doc)]
+use super::staging::StagingWriter;
+use super::staging::{StagedPayload, StagingError, WrittenEnvelope};
 use crate::descriptor::{python_serialized_digest, Digest, PythonSerialized};
 use crate::envelope::{Envelope, HEADER_LEN};
 use crate::error::{Error, ErrorCode, OperationKind};
@@ -305,22 +307,7 @@ impl<R: Runtime> Worker<R> {
             .map_err(OperationError::new)?;
         let parsed = Envelope::parse(envelope).map_err(Self::envelope_error)?;
         if let Some(metadata) = metadata {
-            // Room for the register control's fixed fields: seq, digest,
-            // staged size and the metadata's length.
-            let json_bytes = metadata.to_json().len();
-            if HEADER_BYTES + 8 + 32 + 8 + 4 + json_bytes > self.max_frame_bytes {
-                return Err(OperationError::new(
-                    Error::new(
-                        ErrorCode::FRAME_INVALID,
-                        OperationKind::Register,
-                        format!(
-                            "the metadata's JSON of {json_bytes} bytes does not fit in a register control of at most {} bytes",
-                            self.max_frame_bytes
-                        ),
-                    )
-                    .with_namespace(Namespace::LocalPython),
-                ));
-            }
+            self.check_metadata_fits(metadata)?;
         }
         let mut core = self.shared.lock();
         match core.machine.lifecycle() {
@@ -358,35 +345,126 @@ impl<R: Runtime> Worker<R> {
                 drop(core);
                 let hashed = HEADER_LEN..parsed.encoded_len();
                 let (staged, payload_sha256) =
-                    StagedPayload::create(&envelope[..parsed.encoded_len()], hashed).map_err(
-                        |e| {
-                            OperationError::new(
-                                Error::new(e.code(), OperationKind::Stage, e.to_string())
-                                    .with_namespace(Namespace::LocalPython),
-                            )
-                        },
-                    )?;
-                let digest = PythonSerialized {
-                    payload_format_version: parsed.version(),
-                    serializer_id: parsed.serializer(),
-                    payload_sha256: Digest(payload_sha256),
-                }
-                .digest();
-                let (done, pending) = handoff::channel();
-                let owed = self.push(
-                    Request::Register {
-                        digest,
-                        staged,
-                        metadata: metadata.cloned().map(Box::new),
-                        done,
-                    },
-                    false,
-                );
-                Ok(PendingOperation {
-                    awaited: self.awaited(pending, owed),
-                })
+                    StagedPayload::create(&envelope[..parsed.encoded_len()], hashed)
+                        .map_err(stage_error)?;
+                Ok(self.register_staged(staged, payload_sha256, metadata))
             }
         }
+    }
+
+    /// Registers a staged envelope of the current format (SPYC v1,
+    /// cloudpickle) whose payload hashes to `payload_sha256`.
+    fn register_staged(
+        &self,
+        staged: StagedPayload,
+        payload_sha256: [u8; 32],
+        metadata: Option<&CallableMetadata>,
+    ) -> PendingOperation<Handle> {
+        let digest = PythonSerialized {
+            payload_format_version: crate::envelope::VERSION,
+            serializer_id: crate::envelope::SERIALIZER_CLOUDPICKLE,
+            payload_sha256: Digest(payload_sha256),
+        }
+        .digest();
+        let (done, pending) = handoff::channel();
+        let owed = self.push(
+            Request::Register {
+                digest,
+                staged,
+                metadata: metadata.cloned().map(Box::new),
+                done,
+            },
+            false,
+        );
+        PendingOperation {
+            awaited: self.awaited(pending, owed),
+        }
+    }
+
+    /// Registers an envelope a [`StagingWriter`] wrote (a pickler's output,
+    /// streamed; [`StagingWriter::finish`]) and waits for the handle, as
+    /// [`Worker::register_with_metadata`]. A large one (past
+    /// [`crate::io::staging::SPILL_BYTES`]) was written once, into the
+    /// `memfd` the targets read, and is registered from there: after
+    /// start the parent holds one copy of it, not two. Before start it is
+    /// read back into memory (the startup snapshot is inherited as bytes).
+    ///
+    /// # Errors
+    /// As [`Worker::register_with_metadata`]; `IO_FAILED` when reading a
+    /// staged envelope back before start fails.
+    pub fn register_written(
+        &self,
+        written: WrittenEnvelope,
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<Handle, OperationError> {
+        match written {
+            WrittenEnvelope::Bytes(bytes) => self.register_inner(&bytes, metadata)?.wait(),
+            WrittenEnvelope::Staged {
+                payload,
+                payload_sha256,
+            } => {
+                self.owned(OperationKind::Register)
+                    .map_err(OperationError::new)?;
+                let started = self.shared.lock().machine.lifecycle() == Lifecycle::Started;
+                if !started {
+                    let bytes = payload.read_all().map_err(stage_error)?;
+                    drop(payload);
+                    return self.register_inner(&bytes, metadata)?.wait();
+                }
+                if let Some(metadata) = metadata {
+                    self.check_metadata_fits(metadata)?;
+                }
+                self.register_staged(payload, payload_sha256, metadata)
+                    .wait()
+            }
+        }
+    }
+
+    /// Registers the envelope a writer put in `fd` (a
+    /// [`crate::io::staging::new_memfd`] written from offset 0, header
+    /// included; e.g. the Python package's pickler output) and waits for
+    /// the handle, as [`Worker::register_written`]: it is sealed, checked
+    /// and hashed where it is ([`StagedPayload::adopt`]), with no copy of
+    /// its bytes.
+    ///
+    /// # Errors
+    /// `ENVELOPE_INVALID` (operation `stage`) when its bytes are not an
+    /// envelope; `IO_FAILED` when `fd` cannot be sealed or mapped; then as
+    /// [`Worker::register_written`].
+    pub fn register_memfd(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<Handle, OperationError> {
+        let (payload, payload_sha256) = StagedPayload::adopt(fd).map_err(stage_error)?;
+        self.register_written(
+            WrittenEnvelope::Staged {
+                payload,
+                payload_sha256,
+            },
+            metadata,
+        )
+    }
+
+    /// Refuses metadata whose JSON cannot fit in one register control.
+    fn check_metadata_fits(&self, metadata: &CallableMetadata) -> Result<(), OperationError> {
+        // Room for the register control's fixed fields: seq, digest,
+        // staged size and the metadata's length.
+        let json_bytes = metadata.to_json().len();
+        if HEADER_BYTES + 8 + 32 + 8 + 4 + json_bytes > self.max_frame_bytes {
+            return Err(OperationError::new(
+                Error::new(
+                    ErrorCode::FRAME_INVALID,
+                    OperationKind::Register,
+                    format!(
+                        "the metadata's JSON of {json_bytes} bytes does not fit in a register control of at most {} bytes",
+                        self.max_frame_bytes
+                    ),
+                )
+                .with_namespace(Namespace::LocalPython),
+            ));
+        }
+        Ok(())
     }
 
     /// Unregisters a handle and waits until every target that holds it
@@ -1056,4 +1134,12 @@ impl Core {
         self.envelopes = BTreeMap::new();
         self.metadata = BTreeMap::new();
     }
+}
+
+/// A staging failure as the register's error (operation `stage`).
+fn stage_error(e: StagingError) -> OperationError {
+    OperationError::new(
+        Error::new(e.code(), OperationKind::Stage, e.to_string())
+            .with_namespace(Namespace::LocalPython),
+    )
 }
