@@ -48,6 +48,10 @@ fn main() {
             "a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once",
             a_killed_template_is_reaped_and_later_losses_are_abandoned_at_once,
         ),
+        (
+            "targets_and_the_template_drop_a_pre_start_callables_bytes",
+            targets_and_the_template_drop_a_pre_start_callables_bytes,
+        ),
     ]);
 }
 
@@ -479,6 +483,59 @@ fn a_hundred_kills_under_load_leave_every_target_holding_the_registry() {
 }
 
 /// The child processes of this process (any thread's).
+/// Resident memory of process `pid`, in bytes.
+fn resident(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+/// A large callable registered before start is inherited by every
+/// target (and the template) through `fork`; each drops its bytes once
+/// installed (the template at once: replacements get it by replay), so
+/// none keeps it for its life. The parent keeps it for replays.
+fn targets_and_the_template_drop_a_pre_start_callables_bytes() {
+    const BIG: u64 = 48 << 20;
+    let worker = builder(2).build().unwrap();
+    let handle = worker
+        .register(&envelope(&format!("echo #{}", "x".repeat(BIG as usize))))
+        .unwrap();
+    worker.start().unwrap();
+    let targets: Vec<i32> = (0..2)
+        .map(|t| worker.target_pid(TargetId(t)).unwrap())
+        .collect();
+    let template: Vec<i32> = children()
+        .into_iter()
+        .filter(|pid| !targets.contains(pid))
+        .collect();
+    assert_eq!(template.len(), 1, "{template:?}");
+    for pid in targets.iter().chain(&template) {
+        // The template drops them as it starts: give it a moment.
+        let dropped = (0..500).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            resident(*pid) < BIG / 2
+        });
+        assert!(dropped, "process {pid} holds {} bytes", resident(*pid));
+    }
+    assert!(worker.retained_envelope_bytes() as u64 > BIG);
+    // It serves, and a replacement gets it by replay.
+    kill(&worker, 0);
+    wait_for_target(&worker, 0, TargetPhase::Joined, 1);
+    for target in 0..2 {
+        let echoed = worker
+            .submit(&handle, TargetId(target), TaskEncoding::Json, b"[5]")
+            .unwrap();
+        assert_eq!(echoed, b"[5]");
+    }
+    check_invariants(&worker, 2);
+    worker.close();
+}
+
 fn children() -> Vec<i32> {
     let mut pids = Vec::new();
     for task in std::fs::read_dir("/proc/self/task").unwrap() {

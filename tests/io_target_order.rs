@@ -62,7 +62,7 @@ impl RawTarget {
         let setup = TargetSetup {
             runtime: Arc::new(TestRuntime),
             snapshot: vec![(digest, 1)],
-            envelopes: BTreeMap::from([(digest, Arc::new(bytes))]),
+            envelopes: std::sync::Mutex::new(BTreeMap::from([(digest, Arc::new(bytes))])),
             metadata: BTreeMap::new(),
             slot_capacity: 4,
             max_frame_bytes: MAX_FRAME,

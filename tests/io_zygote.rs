@@ -451,7 +451,7 @@ fn a_replacement_runs_the_target_loop_with_an_empty_snapshot() {
     let setup = TargetSetup {
         runtime: Arc::new(TestRuntime),
         snapshot: Vec::new(),
-        envelopes: BTreeMap::new(),
+        envelopes: std::sync::Mutex::new(BTreeMap::new()),
         metadata: BTreeMap::new(),
         slot_capacity: 8,
         max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,

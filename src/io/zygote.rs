@@ -188,6 +188,29 @@ impl Zygote {
         F: Fn(TargetEnds) -> i32,
         B: Fn(usize),
     {
+        Zygote::fork_with_start(policy, runtime, || {}, before_body, body)
+    }
+
+    /// As [`Zygote::fork`], running `at_start` once in the template before
+    /// it serves: e.g. to drop what the template inherited and does not
+    /// need (the startup snapshot's bytes, which replacements get by
+    /// replay), so that it does not hold them for its life.
+    ///
+    /// # Errors
+    /// As [`Zygote::fork`].
+    pub fn fork_with_start<R, S, F, B>(
+        policy: ThreadPolicy,
+        runtime: &R,
+        at_start: S,
+        before_body: B,
+        body: F,
+    ) -> Result<Zygote, ProcessError>
+    where
+        R: Runtime + ?Sized,
+        S: FnOnce(),
+        F: Fn(TargetEnds) -> i32,
+        B: Fn(usize),
+    {
         check_threads(policy)?;
         flush_std();
         let os = |operation| move |errno| ProcessError::Os { operation, errno };
@@ -208,6 +231,7 @@ impl Zygote {
             // SAFETY: installing SIG_DFL has no handler code to be unsafe
             // about.
             let _ = unsafe { signal::signal(Signal::SIGCHLD, signal::SigHandler::SigDfl) };
+            at_start();
             Template {
                 socket: TrackedFd::new(template_end),
                 runtime,

@@ -110,8 +110,11 @@ pub struct TargetSetup<R: Runtime> {
     /// digest order (as from the parent machine's `startup_snapshot`).
     pub snapshot: Vec<(Digest, u32)>,
     /// The envelope bytes of every snapshot digest (validated by the parent
-    /// when it computed the digest).
-    pub envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
+    /// when it computed the digest). A target takes them out once it
+    /// installed the snapshot and drops them, so that it does not keep a
+    /// large pre-start callable's bytes for its life (with the only other
+    /// reference gone too, the allocation is freed in that process).
+    pub envelopes: Mutex<BTreeMap<Digest, Arc<Vec<u8>>>>,
     /// The callable metadata of snapshot digests registered with metadata,
     /// installed with them ([`Runtime::install`]).
     pub metadata: BTreeMap<Digest, CallableMetadata>,
@@ -285,8 +288,10 @@ fn install_snapshot<R: Runtime>(
     let mut callables = Vec::with_capacity(entries.len());
     let mut outcomes = Vec::with_capacity(entries.len());
     let mut failed = Vec::new();
+    // Installed once: the bytes go when this returns.
+    let envelopes = std::mem::take(&mut *setup.envelopes.lock().unwrap_or_else(|p| p.into_inner()));
     for digest in entries {
-        let result = install_one(setup, digest);
+        let result = install_one(setup, &envelopes, digest);
         outcomes.push((
             digest,
             result
@@ -316,8 +321,12 @@ fn install_snapshot<R: Runtime>(
     )
 }
 
-fn install_one<R: Runtime>(setup: &TargetSetup<R>, digest: Digest) -> Result<R::Callable, Failure> {
-    let bytes = setup.envelopes.get(&digest).ok_or_else(|| {
+fn install_one<R: Runtime>(
+    setup: &TargetSetup<R>,
+    envelopes: &BTreeMap<Digest, Arc<Vec<u8>>>,
+    digest: Digest,
+) -> Result<R::Callable, Failure> {
+    let bytes = envelopes.get(&digest).ok_or_else(|| {
         Failure::new(
             ErrorCode::IO_FAILED,
             format!("no envelope was inherited for {digest}"),

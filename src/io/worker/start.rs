@@ -162,15 +162,19 @@ impl<R: Runtime> Worker<R> {
         // target starting its runtime at once, all count against it).
         let deadline = Instant::now() + self.control_timeout;
         let snapshot = core.machine.startup_snapshot();
-        let setup = TargetSetup {
+        // The snapshot's bytes move into the setup, so that the forked
+        // processes hold the only reference a target drops once installed
+        // (and the template at once); the parent takes them back after.
+        let setup = Arc::new(TargetSetup {
             runtime: self.runtime.clone(),
             snapshot: snapshot.clone(),
-            envelopes: core.envelopes.clone(),
+            envelopes: Mutex::new(std::mem::take(&mut core.envelopes)),
             metadata: core.metadata.clone(),
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
             heartbeat: self.control_timeout / 4,
-        };
+        });
+        let inherited = setup.clone();
         // The process's threads are counted before the forking thread
         // exists: that thread is the Worker's own. A forkserver start
         // forks nothing here (the template is a fresh process).
@@ -181,7 +185,7 @@ impl<R: Runtime> Worker<R> {
         let empty = TargetSetup {
             runtime: self.runtime.clone(),
             snapshot: Vec::new(),
-            envelopes: BTreeMap::new(),
+            envelopes: Mutex::new(BTreeMap::new()),
             metadata: BTreeMap::new(),
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
@@ -207,9 +211,16 @@ impl<R: Runtime> Worker<R> {
             // starts holding nothing and is given every live registration
             // by replay.
             let zygote = if respawn {
-                match Zygote::fork(ThreadPolicy::AcceptRisk, &*runtime, before_body, |ends| {
-                    target::run(ends, &empty)
-                }) {
+                // The template serves replacements, which are replayed
+                // what they need: it drops the snapshot's bytes at once.
+                let forget = || drop(std::mem::take(&mut *lock_envelopes(&setup)));
+                match Zygote::fork_with_start(
+                    ThreadPolicy::AcceptRisk,
+                    &*runtime,
+                    forget,
+                    before_body,
+                    |ends| target::run(ends, &empty),
+                ) {
                     Ok(zygote) => Some(zygote),
                     Err(e) => {
                         for mut process in processes {
@@ -228,6 +239,7 @@ impl<R: Runtime> Worker<R> {
             Ok((processes, zygote))
         };
         let (processes, zygote) = self.forker_run(forks)?;
+        core.envelopes = std::mem::take(&mut *lock_envelopes(&inherited));
         // Every target inherited the snapshot's bytes through `fork` (or
         // its template's setup); the parent sends them again only to
         // replacements.
@@ -624,4 +636,12 @@ fn exited_outcome(link: &mut Link) -> TargetOutcome {
         ErrorCode::TARGET_LOST,
         format!("the target {how} before it was ready"),
     )
+}
+
+/// The snapshot's bytes in a setup (poisoning cannot leave them half
+/// changed: they are only moved in and out whole).
+fn lock_envelopes<R: Runtime>(
+    setup: &TargetSetup<R>,
+) -> std::sync::MutexGuard<'_, BTreeMap<Digest, Arc<Vec<u8>>>> {
+    setup.envelopes.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -161,7 +161,11 @@ impl Setup {
             heartbeat: setup.heartbeat,
             runtime_data: runtime_data.to_vec(),
             snapshot: setup.snapshot.clone(),
-            envelopes: setup.envelopes.clone(),
+            envelopes: setup
+                .envelopes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             metadata: setup.metadata.clone(),
         }
     }
@@ -248,11 +252,11 @@ impl Setup {
             } else {
                 Vec::new()
             },
-            envelopes: if startup {
+            envelopes: Mutex::new(if startup {
                 self.envelopes.clone()
             } else {
                 BTreeMap::new()
-            },
+            }),
             metadata: if startup {
                 self.metadata.clone()
             } else {
@@ -616,10 +620,10 @@ mod tests {
         let target_setup = TargetSetup {
             runtime: Arc::new(TestRuntime),
             snapshot: vec![(a, 2), (b, 1)],
-            envelopes: BTreeMap::from([
+            envelopes: Mutex::new(BTreeMap::from([
                 (a, Arc::new(vec![7u8; 300_000])),
                 (b, Arc::new(b"small".to_vec())),
-            ]),
+            ])),
             metadata: BTreeMap::from([(b, metadata)]),
             slot_capacity: 9,
             max_frame_bytes: 1 << 20,
@@ -637,10 +641,12 @@ mod tests {
             Err("1 bytes follow the setup".to_owned())
         );
         let replacement = setup.target_setup(Arc::new(TestRuntime), false);
-        assert!(replacement.snapshot.is_empty() && replacement.envelopes.is_empty());
+        assert!(
+            replacement.snapshot.is_empty() && replacement.envelopes.lock().unwrap().is_empty()
+        );
         assert_eq!(replacement.slot_capacity, 9);
         let startup = setup.target_setup(Arc::new(TestRuntime), true);
         assert_eq!(startup.snapshot, vec![(a, 2), (b, 1)]);
-        assert_eq!(startup.envelopes[&a].len(), 300_000);
+        assert_eq!(startup.envelopes.lock().unwrap()[&a].len(), 300_000);
     }
 }
