@@ -1141,3 +1141,42 @@ fn a_late_refused_cleanup_while_its_register_waits_is_its_outcome() {
     );
     assert!(p.is_uncertain(digest(1)) && !p.awaits_heals());
 }
+
+#[test]
+fn an_unregister_that_loses_a_target_says_so_and_releases_the_handle() {
+    let mut p = started(2, true);
+    let handle = registered(&mut p, 1, &[0, 1], 0);
+    let op = p.unregister(&handle, Time(10)).unwrap();
+    drain(&mut p);
+    p.handle_reply(TargetId(0), ok(op.0, 1), Time(11)).unwrap();
+    // Target 1 dies while it drops it (e.g. in a finalizer).
+    p.target_lost(TargetId(1), Time(12)).unwrap();
+    let effects = drain(&mut p);
+    assert_eq!(
+        effects,
+        vec![Effect::Completed {
+            op,
+            result: Err(callreg::error::Error::new(
+                ErrorCode::TARGET_LOST,
+                callreg::error::OperationKind::Unregister,
+                format!(
+                    "handle {} is released and no live target holds {}, but the unregister lost targets while it was pending there: target 1: lost",
+                    handle.handle_id,
+                    digest(1)
+                ),
+            )
+            .with_namespace(Namespace::LocalPython)
+            .with_digest(digest(1))
+            .with_seq(Seq(op.0))),
+            outcomes: vec![
+                (TargetId(0), TargetOutcome::Ok),
+                (TargetId(1), TargetOutcome::Lost)
+            ],
+        }]
+    );
+    assert!(p.live_handles().is_empty() && !p.is_uncertain(digest(1)));
+    assert_eq!(
+        p.unregister(&handle, Time(13)).unwrap_err().code,
+        ErrorCode::HANDLE_STALE
+    );
+}
