@@ -1034,7 +1034,7 @@ fn a_late_register_answer_while_its_register_waits_is_not_its_outcome() {
 }
 
 #[test]
-fn a_late_cleanup_answer_while_its_register_waits_is_its_outcome_and_no_other() {
+fn a_late_answer_to_one_operation_is_no_outcome_of_another() {
     let mut p = started(3, false);
     let held = registered(&mut p, 2, &[0, 1, 2], 0);
     let op = p
@@ -1068,11 +1068,9 @@ fn a_late_cleanup_answer_while_its_register_waits_is_its_outcome_and_no_other() 
     p.handle_reply(TargetId(0), ok(unregister.0, 2), Time(1_003))
         .unwrap();
     assert!(!p.is_uncertain(digest(2)) && p.is_uncertain(digest(1)));
-    // Its late answer to the cleanup is its outcome in the register.
-    p.handle_reply(TargetId(0), ok(cleanup, 1), Time(1_004))
-        .unwrap();
-    assert!(!p.is_uncertain(digest(1)));
-    p.handle_reply(TargetId(1), ok(cleanup, 1), Time(1_005))
+    // The register completes with target 0's cleanup unconfirmed: the
+    // other operation's answer was not this one's.
+    p.handle_reply(TargetId(1), ok(cleanup, 1), Time(1_004))
         .unwrap();
     let effects = drain(&mut p);
     let Some(Effect::Completed {
@@ -1084,10 +1082,22 @@ fn a_late_cleanup_answer_while_its_register_waits_is_its_outcome_and_no_other() 
         panic!("{effects:?}")
     };
     assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE, "{e}");
+    // Its late answer to the cleanup then settles the last doubt.
+    p.handle_reply(TargetId(0), ok(cleanup, 1), Time(1_005))
+        .unwrap();
+    assert!(!p.is_uncertain(digest(1)));
     assert_eq!(
         outcomes,
         &vec![
-            (TargetId(0), TargetOutcome::RolledBack),
+            (
+                TargetId(0),
+                TargetOutcome::CleanupUnconfirmed {
+                    failure: Failure::new(
+                        ErrorCode::DEADLINE_EXCEEDED,
+                        "no answer to the cleanup before its deadline"
+                    )
+                }
+            ),
             (TargetId(1), TargetOutcome::RolledBack),
             (
                 TargetId(2),
