@@ -300,6 +300,15 @@ impl RawParent {
             .map_err(|e| plain_err(py, &e))
     }
 
+    /// `Parent::handle_alive`: `target` is alive and still busy with
+    /// frame `seq` (its silence deadline moves; the operation's bound does
+    /// not, `specs/protocol.md` §2.7).
+    fn handle_alive(&mut self, py: Python<'_>, target: u16, seq: u64, now: u64) -> PyResult<()> {
+        self.machine
+            .handle_alive(TargetId(target), Seq(seq), Time(now))
+            .map_err(|e| plain_err(py, &e))
+    }
+
     /// `Parent::target_died`: `target`'s process is gone, `cause` how.
     fn target_died(&mut self, py: Python<'_>, target: u16, cause: &str, now: u64) -> PyResult<()> {
         self.machine

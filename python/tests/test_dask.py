@@ -229,6 +229,32 @@ def test_a_worker_silent_past_the_control_timeout_is_fenced_out_of_the_cluster(t
         assert served and all(per == {0: 2} for per in served.values())
 
 
+class SlowToInstall:
+    """Unpickles (in a target) into a function returning ``"slow"`` after
+    sleeping 3.5 s: only builtins travel, so no worker needs this module."""
+
+    def __call__(self) -> str:
+        return "slow"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (eval, ("__import__('time').sleep(3.5) or (lambda: 'slow')",))
+
+
+def test_an_install_longer_than_the_control_timeout_is_bounded_by_the_operation_timeout(
+    two: tuple[Any, Any],
+) -> None:
+    # The workers' Dask heartbeats are their alive reports while they
+    # install (specs/protocol.md §2.7): 3.5 s of unpickling each, against a
+    # 1.5 s control timeout and a 6 s bound (Dask heartbeats every 0.5-1 s).
+    lc, client = two
+    with Cluster(client, control_timeout=1.5) as cluster:
+        cluster.wait_for_workers(2, timeout=WAIT)
+        before = sorted(cluster.workers)
+        h = cluster.register(SlowToInstall())
+        assert sorted(cluster.workers) == before
+        assert list(cluster.call_all(h).values()) == [{0: "slow"}, {0: "slow"}]
+
+
 def test_an_unregistered_callable_is_refused(two: tuple[Any, Any]) -> None:
     lc, client = two
     with Cluster(client) as cluster, Cluster(client) as other:

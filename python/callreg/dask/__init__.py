@@ -66,7 +66,10 @@ class Cluster:
     Worker's keyword options; ``start_method`` defaults to
     ``"forkserver"``). ``max_workers`` Dask workers serve at once at most;
     ``control_timeout`` (seconds) bounds a worker's silence about a
-    register (past it the worker is removed from the cluster), and
+    register (past it the worker is removed from the cluster; its Dask
+    heartbeats count as alive reports, so an install may take up to 4 ×
+    ``control_timeout``: keep it well above Dask's heartbeat interval,
+    0.5–2 s), and
     ``probe_first``, ``respawn_limit`` and ``respawn_backoff`` are the
     cluster-level registry's, as a Worker's.
 

@@ -250,7 +250,7 @@ class _Registry(SchedulerPlugin):
             if message is None:
                 return
             try:
-                reply = await rpc.callreg_control(frame=message)
+                reply = await self._answer(rpc, address, (target, incarnation), message)
             except Exception as exc:  # noqa: BLE001 -- any comm failure ends the worker's place
                 if self.position.get(address) == (target, incarnation):
                     self._leave(address, "its connection failed: %s: %s" % (type(exc).__name__, exc))
@@ -273,6 +273,34 @@ class _Registry(SchedulerPlugin):
             except _callreg.RawError as refused:
                 self.events.append(("reply_refused", address, str(refused.args[0].get("message"))))
             self._pump()
+
+    async def _answer(self, rpc: Any, address: str, place: tuple[int, int], message: dict[str, Any]) -> Any:
+        """The worker's answer to ``message``. While it is awaited, the
+        worker's Dask heartbeats are its alive reports (``specs/protocol.md``
+        §2.7): each quarter of the control timeout in which the scheduler
+        heard from the worker moves its silence deadline, so that an
+        install longer than the control timeout (a large callable, a slow
+        import) is bounded by the operation timeout, while a worker that
+        stops heartbeating is fenced for silence."""
+        call = asyncio.ensure_future(rpc.callreg_control(frame=message))
+        every = self.options["control_timeout"] / 4
+        worker = self.scheduler.workers.get(address)
+        heard = worker.last_seen if worker is not None else 0.0
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=every)
+            if done:
+                return call.result()
+            worker = self.scheduler.workers.get(address)
+            if worker is None or worker.last_seen <= heard or message["kind"] == "joined":
+                continue
+            heard = worker.last_seen
+            if self.position.get(address) != place:
+                continue  # no longer that target: the machine counts it lost
+            try:
+                self.machine.handle_alive(place[0], message["seq"], _now())
+            except _callreg.RawError as refused:
+                self.events.append(("alive_refused", address, str(refused.args[0].get("message"))))
+            self.wake.set()
 
     async def _deadlines(self) -> None:
         """Calls the machine's timeout handling at its deadlines."""
