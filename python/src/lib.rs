@@ -33,11 +33,11 @@ use std::time::Duration;
 use callreg::descriptor::python_serialized_digest;
 use callreg::envelope::Envelope;
 use callreg::error::{Error, ErrorCode, OperationKind};
+use callreg::io::staging;
 use callreg::io::worker::{
     outcome_text, registration_failure_text, OperationError, PendingTask, TaskError, TaskKey,
 };
 use callreg::io::zygote::{ExecTemplate, TemplateCommand};
-use callreg::io::staging;
 use callreg::io::{StartMethod, Worker};
 use callreg::metadata::CallableMetadata;
 use callreg::protocol::{Handle, TargetId, TargetOutcome};
