@@ -1170,9 +1170,8 @@ fn an_unregister_that_loses_a_target_says_so_and_releases_the_handle() {
                 ErrorCode::TARGET_LOST,
                 callreg::error::OperationKind::Unregister,
                 format!(
-                    "handle {} is released and no live target holds {}, but the unregister lost targets while it was pending there: target 1: lost",
-                    handle.handle_id,
-                    digest(1)
+                    "handle {} is released (a lost target holds nothing of it), but the unregister lost targets while it was pending there: target 1: lost",
+                    handle.handle_id
                 ),
             )
             .with_namespace(Namespace::LocalPython)

@@ -203,12 +203,27 @@ class Executor(concurrent.futures.Executor):
         unregisters the least recently used callable first, or, with none
         left to unregister, waits for the slots of unregistered callables
         whose tasks still run (tombstones) to free, for at most the
-        control timeout. Called with ``self._lock`` held."""
+        control timeout; with every target lost and being replaced, waits
+        for a replacement to serve, as long. Called with ``self._lock``
+        held."""
         deadline = time.monotonic() + self._worker._control_timeout
         delay = 0.001
         while True:
             try:
                 return self._worker._register(envelope, meta)
+            except TargetLostError as error:
+                # Every target lost, their replacements on the way (an
+                # evicted callable's finalizer may have ended them all):
+                # wait for one to serve, for at most the control timeout.
+                replacing = any(
+                    self._worker.target_phase(t) in ("backing_off", "spawning", "joining")
+                    for t in range(self._worker._count)
+                )
+                if error.code != "NO_LIVE_TARGET" or not replacing or time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
+                continue
             except RegisterError as error:
                 full = error.code == "LOCAL_SLOT_EXHAUSTED" or any(
                     "LOCAL_SLOT_EXHAUSTED" in outcome for outcome in error.outcomes.values()

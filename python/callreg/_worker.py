@@ -213,7 +213,9 @@ class Worker(Inspection):
         naming both): unregister every handle of it first.
 
         Raises ``TypeError`` for a non-callable or an ``async def``
-        function, :class:`RegisterError` (``.outcomes`` per target) when a
+        function, ``MemoryError`` when the system has no memory to stage
+        its pickle (nothing was sent; the Worker stays usable),
+        :class:`RegisterError` (``.outcomes`` per target) when a
         target failed to install it (rolled back), :class:`CallregError`
         (``METADATA_INVALID``) for bad metadata or (``METADATA_CONFLICT``)
         for other metadata than it is registered with,
@@ -261,6 +263,9 @@ class Worker(Inspection):
         try:
             raw = register(text)
         except _callreg.RawError as failure:
+            fields = failure.args[0]
+            if fields.get("operation") == "stage" and str(fields.get("message", "")).startswith("out of memory"):
+                raise MemoryError("no memory to stage the callable's pickle: %s" % fields["message"]) from None
             raise_error(failure)
         handle = Handle._of(raw)
         if self._prestart is not None:

@@ -356,15 +356,24 @@ impl RawWorker {
     ///
     /// # Errors
     /// `NO_LIVE_TARGET` when none is given and a started Worker has no
-    /// live target (as a register then fails); before start and after
-    /// close the Worker's own refusal of target 0 says which.
-    fn pick_target(&self, target: Option<u16>) -> Result<TargetId, Error> {
+    /// live target (as a register then fails), after the handle's own
+    /// checks (`specs/protocol.md` §2.5: a stale or foreign handle is
+    /// refused as such first); before start and after close the Worker's
+    /// own refusal of target 0 says which.
+    fn pick_target(&self, handle: &Handle, target: Option<u16>) -> Result<TargetId, Error> {
         if let Some(target) = target {
             return Ok(TargetId(target));
         }
         let live = self.worker.live_targets();
         if live.is_empty() {
-            if self.worker.parent_state().lifecycle() == callreg::protocol::Lifecycle::Started {
+            let parent = self.worker.parent_state();
+            if parent.lifecycle() == callreg::protocol::Lifecycle::Started {
+                parent
+                    .resolve(handle, callreg::protocol::Namespace::LocalPython)
+                    .map_err(|e| Error {
+                        operation: OperationKind::Task,
+                        ..e
+                    })?;
                 return Err(Error::new(
                     ErrorCode::NO_LIVE_TARGET,
                     OperationKind::Task,
@@ -384,7 +393,7 @@ impl RawWorker {
         input: &[u8],
         deadline: Option<Duration>,
     ) -> Result<PendingTask, Error> {
-        let target = self.pick_target(target)?;
+        let target = self.pick_target(&handle.handle, target)?;
         Ok(self.worker.submit_async_with_deadline(
             &handle.handle,
             target,

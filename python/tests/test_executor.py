@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -348,3 +349,32 @@ def test_done_and_running_see_a_finished_task_without_a_wait():
         slow_one = ex.submit(time.sleep, 0.2)
         time.sleep(0.6)
         assert slow_one.done() and not slow_one.running()
+
+
+def test_an_eviction_whose_finalizer_ends_every_target_waits_for_a_replacement(tmp_path):
+    # Each new callable evicts the last (one slot); its finalizer ends the
+    # targets, and the next register waits for a replacement to serve
+    # instead of failing NO_LIVE_TARGET. In a child process: objects whose
+    # finalizer exits must not reach this process's later targets.
+    script = tmp_path / "evict.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, callreg
+            PARENT = os.getpid()
+            class ExitsWhenFreed:
+                def __del__(self):
+                    if os.getpid() != PARENT:
+                        os._exit(3)
+            def make():
+                held = ExitsWhenFreed()
+                return lambda x: (x, type(held).__name__)
+            with callreg.Executor(2, slot_capacity=1) as ex:
+                for i in range(5):
+                    print(ex.submit(make(), i).result(), ex.submit(abs, -i).result())
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["(%d, 'ExitsWhenFreed') %d" % (i, i) for i in range(5)]

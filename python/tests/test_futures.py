@@ -287,6 +287,7 @@ def test_a_register_without_memory_for_its_pickle_raises_memory_error(tmp_path):
             """
             import os, resource, callreg
             blob = os.urandom(32 * 1024 * 1024)
+            small = os.urandom(20000)
             with callreg.Worker(1) as w:
                 w.start()
                 resource.setrlimit(resource.RLIMIT_FSIZE, (8 * 1024 * 1024, resource.RLIM_INFINITY))
@@ -294,6 +295,14 @@ def test_a_register_without_memory_for_its_pickle_raises_memory_error(tmp_path):
                     w.register(lambda: len(blob))
                 except MemoryError as e:
                     print("MemoryError:", e)
+                # Small pickles are staged from memory: the same error.
+                resource.setrlimit(resource.RLIMIT_FSIZE, (10000, resource.RLIM_INFINITY))
+                for register in (w.register, lambda f: w.register_envelope(callreg.pack(f))):
+                    try:
+                        register(lambda: len(small))
+                    except MemoryError as e:
+                        print("MemoryError:", str(e).split(":")[0])
+                resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
                 print(w.call(w.register(lambda: 7)))
             """
         )
@@ -302,6 +311,8 @@ def test_a_register_without_memory_for_its_pickle_raises_memory_error(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "MemoryError: no memory to stage the callable's pickle: [Errno 27] File too large",
+        "MemoryError: no memory to stage the callable's pickle",
+        "MemoryError: no memory to stage the callable's pickle",
         "7",
     ]
 

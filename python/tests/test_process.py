@@ -307,12 +307,12 @@ def test_an_unregister_whose_finalizer_exits_says_it_lost_the_targets():
         lost = "lost (its reply socket closed; it exited with status 7)"
         assert info.value.outcomes == {0: lost, 1: lost}
         assert str(info.value) == (
-            "TARGET_LOST: handle %d is released and no live target holds %s, but the unregister lost "
-            "targets while it was pending there: target 0: lost (its reply socket closed; it exited "
+            "TARGET_LOST: handle %d is released (a lost target holds nothing of it), but the unregister "
+            "lost targets while it was pending there: target 0: lost (its reply socket closed; it exited "
             "with status 7); target 1: lost (its reply socket closed; it exited with status 7) "
             "(operation unregister, namespace LOCAL_PYTHON, hashid %s, seq %d); outcomes: target 0: "
             "lost, target 1: lost"
-        ) % (h._raw.handle_id, h.hashid, h.hashid, info.value.seq)
+        ) % (h._raw.handle_id, h.hashid, info.value.seq)
         # Released all the same: stale, and the replacements serve.
         with pytest.raises(callreg.HandleError):
             w.unregister(h)
@@ -320,6 +320,27 @@ def test_an_unregister_whose_finalizer_exits_says_it_lost_the_targets():
         while w.targets != [0, 1] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert w.call_all(w.register(square), 4) == {0: 16, 1: 16}
+
+
+def test_a_stale_or_foreign_handle_is_refused_as_such_with_no_live_target():
+    # specs/protocol.md §2.5: the handle's checks come before the target's.
+    with callreg.Worker(1, respawn_limit=0) as w, callreg.Worker(1, respawn_limit=0) as other:
+        w.start()
+        other.start()
+        h = w.register(abs)
+        w.unregister(h)
+        os.kill(w.target_pid(0), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while w.targets and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.targets == []
+        for call in (lambda: w.call(h, -1), lambda: w.submit(h, -1).result(), lambda: w.call_all(h, -1)):
+            with pytest.raises(callreg.HandleError) as stale:
+                call()
+            assert stale.value.code == "HANDLE_STALE"
+        with pytest.raises(callreg.HandleError) as foreign:
+            w.call(other.register(abs), -1)
+        assert foreign.value.code == "HANDLE_FOREIGN"
 
 
 def test_with_every_target_lost_tasks_fail_no_live_target():

@@ -1136,10 +1136,21 @@ impl Core {
     }
 }
 
-/// A staging failure as the register's error (operation `stage`).
+/// A staging failure as the register's error (operation `stage`); one
+/// the system refused for want of memory says so first (`out of memory:
+/// …`, [`StagingError::is_out_of_memory`]).
 fn stage_error(e: StagingError) -> OperationError {
+    let message = if e.is_out_of_memory() {
+        format!("{STAGING_OUT_OF_MEMORY}: {e}")
+    } else {
+        e.to_string()
+    };
     OperationError::new(
-        Error::new(e.code(), OperationKind::Stage, e.to_string())
-            .with_namespace(Namespace::LocalPython),
+        Error::new(e.code(), OperationKind::Stage, message).with_namespace(Namespace::LocalPython),
     )
 }
+
+/// How the message of an `IO_FAILED` register begins when staging its
+/// payload found no memory (`ENOMEM`, `ENOSPC`, `EFBIG`): the Python
+/// package raises `MemoryError` for it.
+pub const STAGING_OUT_OF_MEMORY: &str = "out of memory";

@@ -132,8 +132,14 @@ impl Parent {
             .map(|t| (*t, Progress::Pending))
             .collect();
         if scope.is_empty() {
-            let message = if self.all_targets().any(|t| self.is_joining(t)) {
-                "every target is lost or a replacement that has not joined yet"
+            let replacing = self.all_targets().any(|t| {
+                matches!(
+                    self.target_phase(t),
+                    TargetPhase::BackingOff(_) | TargetPhase::Spawning | TargetPhase::Joining
+                )
+            });
+            let message = if replacing {
+                "no target serves: every target is lost or a replacement that has not joined yet"
             } else {
                 "every target is lost"
             };
@@ -881,9 +887,8 @@ impl Parent {
                 ErrorCode::TARGET_LOST,
                 OperationKind::Unregister,
                 format!(
-                    "handle {} is released and no live target holds {}, but the unregister lost targets while it was pending there: {}",
+                    "handle {} is released (a lost target holds nothing of it), but the unregister lost targets while it was pending there: {}",
                     handle.handle_id,
-                    op.digest,
                     lost.join("; ")
                 ),
             )
