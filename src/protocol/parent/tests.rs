@@ -867,8 +867,35 @@ fn register_with_every_target_lost_has_no_live_target() {
         .register(digest(1), Namespace::LocalPython, Time(0))
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::NO_LIVE_TARGET);
+    assert_eq!(e.message, "every target is lost");
     assert_eq!(drain(&mut p), vec![]);
     assert_eq!(p.next_seq, 1, "no seq consumed");
+}
+
+#[test]
+fn register_while_every_target_is_being_replaced_says_so() {
+    let mut config = new_parent(1).config;
+    config.respawn_limit = 1;
+    let mut p = Parent::new(config);
+    p.start().unwrap();
+    p.target_lost(TargetId(0), Time(0)).unwrap();
+    assert_eq!(p.target_phase(TargetId(0)), TargetPhase::Spawning);
+    let e = p
+        .register(digest(1), Namespace::LocalPython, Time(1))
+        .unwrap_err();
+    assert_eq!(
+        (e.code, e.message.as_str()),
+        (
+            ErrorCode::NO_LIVE_TARGET,
+            "no target serves: every target is lost or a replacement that has not joined yet"
+        )
+    );
+    // Nothing to replay: the replacement joins at once, and serves.
+    p.target_spawned(TargetId(0), 1, Time(1)).unwrap();
+    assert_eq!(p.target_phase(TargetId(0)), TargetPhase::Joined);
+    assert!(p
+        .register(digest(1), Namespace::LocalPython, Time(2))
+        .is_ok());
 }
 
 fn fences(effects: &[Effect]) -> Vec<TargetId> {
