@@ -332,6 +332,25 @@ fn duration(name: &str, seconds: f64, zero_ok: bool) -> PyResult<Duration> {
     }
 }
 
+/// A register's metadata JSON, parsed; `METADATA_INVALID` (a `RawError`)
+/// when it is not metadata.
+fn parse_metadata(py: Python<'_>, metadata: Option<&str>) -> PyResult<Option<CallableMetadata>> {
+    metadata
+        .map(|text| {
+            CallableMetadata::from_json(text).map_err(|e| {
+                plain_err(
+                    py,
+                    &Error::new(
+                        ErrorCode::METADATA_INVALID,
+                        OperationKind::Register,
+                        format!("metadata: {e}"),
+                    ),
+                )
+            })
+        })
+        .transpose()
+}
+
 fn plain_err(py: Python<'_>, e: &Error) -> PyErr {
     match error_dict(py, e, e.to_string(), "", &[], &[]) {
         Ok(dict) => raw_error(dict),
@@ -503,19 +522,7 @@ impl RawWorker {
         envelope: &[u8],
         metadata: Option<&str>,
     ) -> PyResult<RawHandle> {
-        let metadata = match metadata {
-            None => None,
-            Some(text) => Some(CallableMetadata::from_json(text).map_err(|e| {
-                plain_err(
-                    py,
-                    &Error::new(
-                        ErrorCode::METADATA_INVALID,
-                        OperationKind::Register,
-                        format!("metadata: {e}"),
-                    ),
-                )
-            })?),
-        };
+        let metadata = parse_metadata(py, metadata)?;
         let result = py.detach(|| {
             self.worker
                 .register_with_metadata(envelope, metadata.as_ref())
@@ -535,20 +542,7 @@ impl RawWorker {
         fd: i32,
         metadata: Option<&str>,
     ) -> PyResult<RawHandle> {
-        let metadata = metadata
-            .map(|text| {
-                CallableMetadata::from_json(text).map_err(|e| {
-                    plain_err(
-                        py,
-                        &Error::new(
-                            ErrorCode::METADATA_INVALID,
-                            OperationKind::Register,
-                            format!("metadata: {e}"),
-                        ),
-                    )
-                })
-            })
-            .transpose()?;
+        let metadata = parse_metadata(py, metadata)?;
         // SAFETY: `fd` is the caller's open descriptor for the whole call
         // (the package's envelope writer holds it until this returns); it
         // is only duplicated here, never closed.

@@ -11,7 +11,7 @@
 use std::str::FromStr;
 
 use callreg::descriptor::{Digest, HashId};
-use callreg::error::{Error, ErrorCode, OperationKind};
+use callreg::error::ErrorCode;
 use callreg::io::worker::outcome_text;
 use callreg::metadata::CallableMetadata;
 use callreg::protocol::{
@@ -226,19 +226,7 @@ impl RawParent {
         now: u64,
     ) -> PyResult<u64> {
         let digest = digest_of(hashid)?;
-        let metadata = match metadata {
-            None => None,
-            Some(text) => Some(CallableMetadata::from_json(text).map_err(|e| {
-                plain_err(
-                    py,
-                    &Error::new(
-                        ErrorCode::METADATA_INVALID,
-                        OperationKind::Register,
-                        format!("metadata: {e}"),
-                    ),
-                )
-            })?),
-        };
+        let metadata = crate::parse_metadata(py, metadata)?;
         // A register with metadata passes the same checks as a Worker's
         // (specs/metadata.md): the hooks, then one metadata per digest.
         if let Some(m) = &metadata {
