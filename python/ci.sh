@@ -55,8 +55,9 @@ rm -rf "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"
 # callreg.dask's tests need distributed, which needs cloudpickle 3 or later:
 # installed with the latest cloudpickle only (elsewhere they are skipped).
+# The shared-buffer tests of numpy arrays need numpy: installed there too.
 if [ "$cloudpickle" = cloudpickle ]; then
-  "$venv/bin/pip" install --quiet --disable-pip-version-check 'distributed==2026.8.0'
+  "$venv/bin/pip" install --quiet --disable-pip-version-check 'distributed==2026.8.0' 'numpy>=1.26'
 fi
 echo "callreg python tests: CPython $version, $("$venv/bin/python" -c 'import cloudpickle; print("cloudpickle", cloudpickle.__version__)')"
 # Lint and format of the package, its tests, benchmarks and tools (python/pyproject.toml).

@@ -14,6 +14,14 @@
 //! [`Envelope::parse`] is a zero-copy view over the caller's staged bytes;
 //! [`encode`] and [`encode_into`] build an envelope around a payload.
 //!
+//! The out-of-band form (version [`VERSION_OUT_OF_BAND`], `specs/formats.md`
+//! §1.1) has the same header; its payload is a pickle stream, the large
+//! buffers the pickle refers to (pickle protocol 5's out-of-band buffers),
+//! each at a page-aligned offset so a target maps it where it is, a table
+//! of their offsets and lengths, and a footer. The digest covers the whole
+//! payload, as in the reference form. [`encode_out_of_band`] builds one,
+//! [`Envelope::pickle`] and [`Envelope::buffers`] read one.
+//!
 //! ```
 //! use callreg::envelope::{encode, Envelope, EnvelopeError, HEADER_LEN};
 //!
@@ -38,8 +46,30 @@ pub const MAGIC: [u8; 4] = *b"SPYC";
 /// Length of the envelope header in bytes (specs/design.md §3.1).
 pub const HEADER_LEN: usize = 16;
 
-/// The only envelope format version this crate reads and writes.
+/// The envelope format version of the reference form: header and
+/// serializer payload, nothing else (`specs/formats.md` §1).
 pub const VERSION: u8 = 1;
+
+/// The envelope format version of the out-of-band form: the serializer's
+/// pickle stream, then the large buffers it refers to, each at an aligned
+/// offset, then their table and a footer (`specs/formats.md` §1.1). 129
+/// rather than 2: versions 128 to 255 are the ones callreg keeps for forms
+/// of its own, so no version the reference form may define later (nor its
+/// vectors, which use 2 as an unsupported version) can mean another layout.
+pub const VERSION_OUT_OF_BAND: u8 = 129;
+
+/// Every out-of-band buffer starts at an offset from the envelope's first
+/// byte that is a multiple of this many bytes (a page), so that a target
+/// maps it where it is (`specs/formats.md` §1.1).
+pub const BUFFER_ALIGN: u64 = 4096;
+
+/// Length in bytes of the out-of-band form's footer: `u64 pickle_size`,
+/// `u64 buffer_count` (`specs/formats.md` §1.1).
+pub const FOOTER_LEN: usize = 16;
+
+/// Length in bytes of one entry of the out-of-band buffer table:
+/// `u64 offset`, `u64 length` (`specs/formats.md` §1.1).
+pub const TABLE_ENTRY_LEN: usize = 16;
 
 /// Serializer id of cloudpickle, the only supported serializer.
 pub const SERIALIZER_CLOUDPICKLE: u8 = 1;
@@ -63,8 +93,9 @@ pub enum EnvelopeError {
         /// The four bytes found at offset 0.
         found: [u8; 4],
     },
-    /// The version byte is not [`VERSION`] (check 3).
-    #[error("ENVELOPE_INVALID: unsupported version {found} (supported: 1)")]
+    /// The version byte is neither [`VERSION`] nor [`VERSION_OUT_OF_BAND`]
+    /// (check 3).
+    #[error("ENVELOPE_INVALID: unsupported version {found} (supported: 1, and 129 for out-of-band buffers)")]
     UnsupportedVersion {
         /// The version byte found at offset 4.
         found: u8,
@@ -89,6 +120,39 @@ pub enum EnvelopeError {
         /// Staged bytes after the header (`staged_size - 16`).
         available: u64,
     },
+    /// An out-of-band envelope whose payload is shorter than its
+    /// [`FOOTER_LEN`]-byte footer (check 7, `specs/formats.md` §1.1).
+    #[error("ENVELOPE_INVALID: out-of-band footer truncated: {payload_size} payload bytes, the footer needs 16")]
+    FooterTruncated {
+        /// The declared payload size in bytes.
+        payload_size: u64,
+    },
+    /// An out-of-band envelope whose pickle and buffer table, as its footer
+    /// declares them, do not fit before the footer (check 8).
+    #[error("ENVELOPE_INVALID: out-of-band table truncated: a pickle of {pickle_size} bytes and a table of {buffer_count} buffers do not fit in {payload_size} payload bytes")]
+    TableTruncated {
+        /// The footer's pickle size in bytes.
+        pickle_size: u64,
+        /// The footer's buffer count.
+        buffer_count: u64,
+        /// The declared payload size in bytes.
+        payload_size: u64,
+    },
+    /// An out-of-band buffer that does not start at a multiple of
+    /// [`BUFFER_ALIGN`] after the pickle and the buffer before it, or does
+    /// not end before the table (check 9; offsets count from the
+    /// envelope's first byte).
+    #[error("ENVELOPE_INVALID: out-of-band buffer {index} misplaced: offset {offset}, {length} bytes (a buffer starts at a multiple of 4096 after the pickle and the buffer before it, and ends before the table at {table_offset})")]
+    BufferMisplaced {
+        /// The buffer's index in the table, from 0.
+        index: u64,
+        /// Its offset from the envelope's first byte.
+        offset: u64,
+        /// Its length in bytes.
+        length: u64,
+        /// Where the table starts, from the envelope's first byte.
+        table_offset: u64,
+    },
 }
 
 fn hex4(bytes: &[u8; 4]) -> String {
@@ -106,6 +170,9 @@ impl EnvelopeError {
             EnvelopeError::UnsupportedSerializer { .. } => "UnsupportedSerializer",
             EnvelopeError::NonZeroFlags { .. } => "NonZeroFlags",
             EnvelopeError::PayloadTruncated { .. } => "PayloadTruncated",
+            EnvelopeError::FooterTruncated { .. } => "FooterTruncated",
+            EnvelopeError::TableTruncated { .. } => "TableTruncated",
+            EnvelopeError::BufferMisplaced { .. } => "BufferMisplaced",
         }
     }
 
@@ -144,6 +211,63 @@ pub struct Envelope<'a> {
     flags: u16,
     payload: &'a [u8],
     staged_size: usize,
+    /// The pickle stream's length: the whole payload in the reference form.
+    pickle_len: usize,
+    /// The out-of-band buffer table's bytes (empty in the reference form).
+    table: &'a [u8],
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&bytes[at..at + 8]);
+    u64::from_le_bytes(b)
+}
+
+/// Checks 7 to 9 (`specs/formats.md` §1.1) of an out-of-band payload;
+/// returns the pickle's length and the table's bytes.
+fn out_of_band_layout(payload: &[u8]) -> Result<(usize, &[u8]), EnvelopeError> {
+    let payload_size = payload.len() as u64;
+    let Some(before_footer) = payload.len().checked_sub(FOOTER_LEN) else {
+        return Err(EnvelopeError::FooterTruncated { payload_size });
+    };
+    let pickle_size = u64_at(payload, before_footer);
+    let buffer_count = u64_at(payload, before_footer + 8);
+    let truncated = EnvelopeError::TableTruncated {
+        pickle_size,
+        buffer_count,
+        payload_size,
+    };
+    // pickle_size + buffer_count * 16 <= before_footer, without overflow.
+    let table_len = buffer_count
+        .checked_mul(TABLE_ENTRY_LEN as u64)
+        .ok_or(truncated)?;
+    let room = (before_footer as u64)
+        .checked_sub(table_len)
+        .ok_or(truncated)?;
+    if pickle_size > room {
+        return Err(truncated);
+    }
+    // Both fit in usize: they are at most the payload's length.
+    let table_start = before_footer - table_len as usize;
+    let table = &payload[table_start..before_footer];
+    let table_offset = (HEADER_LEN + table_start) as u64;
+    let mut free_from = HEADER_LEN as u64 + pickle_size;
+    for index in 0..buffer_count {
+        let at = index as usize * TABLE_ENTRY_LEN;
+        let (offset, length) = (u64_at(table, at), u64_at(table, at + 8));
+        let end = offset.checked_add(length);
+        if offset % BUFFER_ALIGN != 0 || offset < free_from || end.is_none_or(|e| e > table_offset)
+        {
+            return Err(EnvelopeError::BufferMisplaced {
+                index,
+                offset,
+                length,
+                table_offset,
+            });
+        }
+        free_from = offset + length;
+    }
+    Ok((pickle_size as usize, table))
 }
 
 impl<'a> Envelope<'a> {
@@ -187,7 +311,7 @@ impl<'a> Envelope<'a> {
             return Err(EnvelopeError::BadMagic { found: magic });
         }
         let version = header[4];
-        if version != VERSION {
+        if version != VERSION && version != VERSION_OUT_OF_BAND {
             return Err(EnvelopeError::UnsupportedVersion { found: version });
         }
         let serializer = header[5];
@@ -212,16 +336,43 @@ impl<'a> Envelope<'a> {
         }
         // payload_size <= rest.len(), so it fits in usize.
         let payload = &rest[..payload_size as usize];
+        let (pickle_len, table) = if version == VERSION_OUT_OF_BAND {
+            out_of_band_layout(payload)?
+        } else {
+            (payload.len(), &payload[..0])
+        };
         Ok(Envelope {
             version,
             serializer,
             flags,
             payload,
             staged_size: staged.len(),
+            pickle_len,
+            table,
         })
     }
 
-    /// The format version byte (always [`VERSION`] for a parsed envelope).
+    /// The serializer's pickle stream: the whole payload in the reference
+    /// form, its first `pickle_size` bytes in the out-of-band form.
+    pub fn pickle(&self) -> &'a [u8] {
+        &self.payload[..self.pickle_len]
+    }
+
+    /// True for the out-of-band form ([`VERSION_OUT_OF_BAND`]).
+    pub fn is_out_of_band(&self) -> bool {
+        self.version == VERSION_OUT_OF_BAND
+    }
+
+    /// The out-of-band buffers, in table order (the order the pickle
+    /// refers to them): none in the reference form.
+    pub fn buffers(&self) -> Buffers<'a> {
+        Buffers {
+            payload: self.payload,
+            table: self.table,
+        }
+    }
+
+    /// The format version byte ([`VERSION`] or [`VERSION_OUT_OF_BAND`]).
     pub fn version(&self) -> u8 {
         self.version
     }
@@ -258,6 +409,116 @@ impl<'a> Envelope<'a> {
     pub fn encoded_len(&self) -> usize {
         HEADER_LEN + self.payload.len()
     }
+}
+
+/// The out-of-band buffers of an envelope ([`Envelope::buffers`]): each
+/// item is the buffer's offset from the envelope's first byte (a multiple
+/// of [`BUFFER_ALIGN`]) and its bytes, borrowed from the staged bytes.
+#[derive(Debug, Clone)]
+pub struct Buffers<'a> {
+    payload: &'a [u8],
+    table: &'a [u8],
+}
+
+impl<'a> Iterator for Buffers<'a> {
+    type Item = (u64, &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let (entry, rest) = self.table.split_first_chunk::<TABLE_ENTRY_LEN>()?;
+        self.table = rest;
+        let (offset, length) = (u64_at(entry, 0), u64_at(entry, 8));
+        // Checked by `Envelope::parse`: offset >= 16 and the buffer ends
+        // inside the payload.
+        let start = offset as usize - HEADER_LEN;
+        Some((offset, &self.payload[start..start + length as usize]))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.table.len() / TABLE_ENTRY_LEN;
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for Buffers<'_> {}
+
+/// The offsets from an envelope's first byte at which the out-of-band
+/// form places buffers of `lengths` bytes after a pickle of `pickle_size`
+/// bytes (each at the first multiple of [`BUFFER_ALIGN`] after what
+/// precedes it), and the offset of the table that follows the last one
+/// (`specs/formats.md` §1.1).
+///
+/// ```
+/// use callreg::envelope::out_of_band_offsets;
+///
+/// assert_eq!(out_of_band_offsets(100, &[5000, 10]), (vec![4096, 12288], 12298));
+/// assert_eq!(out_of_band_offsets(100, &[]), (vec![], 116));
+/// ```
+pub fn out_of_band_offsets(pickle_size: u64, lengths: &[u64]) -> (Vec<u64>, u64) {
+    let mut at = HEADER_LEN as u64 + pickle_size;
+    let offsets = lengths
+        .iter()
+        .map(|length| {
+            let offset = at.next_multiple_of(BUFFER_ALIGN);
+            at = offset + length;
+            offset
+        })
+        .collect();
+    (offsets, at)
+}
+
+/// The buffer table and footer that end an out-of-band envelope whose
+/// pickle is `pickle_size` bytes and whose buffers are at `placed`
+/// (`(offset, length)` pairs, from [`out_of_band_offsets`]).
+pub fn out_of_band_tail(pickle_size: u64, placed: &[(u64, u64)]) -> Vec<u8> {
+    let mut tail = Vec::with_capacity(placed.len() * TABLE_ENTRY_LEN + FOOTER_LEN);
+    for (offset, length) in placed {
+        tail.extend_from_slice(&offset.to_le_bytes());
+        tail.extend_from_slice(&length.to_le_bytes());
+    }
+    tail.extend_from_slice(&pickle_size.to_le_bytes());
+    tail.extend_from_slice(&(placed.len() as u64).to_le_bytes());
+    tail
+}
+
+/// The 16-byte header of an envelope of format `version` ([`VERSION`] or
+/// [`VERSION_OUT_OF_BAND`]) with a cloudpickle payload of `payload_size`
+/// bytes (`specs/formats.md` §1, §1.1).
+pub fn header_of(version: u8, payload_size: u64) -> [u8; HEADER_LEN] {
+    let mut h = header(payload_size);
+    h[4] = version;
+    h
+}
+
+/// Encodes `pickle` and the out-of-band `buffers` it refers to (in the
+/// order it refers to them) as an envelope of the out-of-band form
+/// (`specs/formats.md` §1.1): the header, the pickle, each buffer at its
+/// aligned offset with zero bytes before it, the table, the footer.
+///
+/// ```
+/// use callreg::envelope::{encode_out_of_band, Envelope, VERSION_OUT_OF_BAND};
+///
+/// let staged = encode_out_of_band(b"pickle", &[b"first", b"second"]);
+/// let envelope = Envelope::parse(&staged).unwrap();
+/// assert_eq!(envelope.version(), VERSION_OUT_OF_BAND);
+/// assert_eq!(envelope.pickle(), b"pickle");
+/// let buffers: Vec<_> = envelope.buffers().collect();
+/// assert_eq!(buffers, [(4096, &b"first"[..]), (8192, &b"second"[..])]);
+/// ```
+pub fn encode_out_of_band(pickle: &[u8], buffers: &[&[u8]]) -> Vec<u8> {
+    let lengths: Vec<u64> = buffers.iter().map(|b| b.len() as u64).collect();
+    let (offsets, table_offset) = out_of_band_offsets(pickle.len() as u64, &lengths);
+    let placed: Vec<(u64, u64)> = offsets.iter().copied().zip(lengths).collect();
+    let tail = out_of_band_tail(pickle.len() as u64, &placed);
+    let total = table_offset as usize + tail.len();
+    let mut out = Vec::with_capacity(total);
+    out.extend_from_slice(&header_of(VERSION_OUT_OF_BAND, (total - HEADER_LEN) as u64));
+    out.extend_from_slice(pickle);
+    for (buffer, offset) in buffers.iter().zip(offsets) {
+        out.resize(offset as usize, 0);
+        out.extend_from_slice(buffer);
+    }
+    out.extend_from_slice(&tail);
+    out
 }
 
 /// The 16-byte header of a version-1 cloudpickle envelope around a payload
@@ -453,6 +714,120 @@ mod tests {
         assert_eq!(
             Envelope::parse(&b).unwrap_err().variant_name(),
             "PayloadTruncated"
+        );
+    }
+
+    /// An out-of-band envelope with its footer's and table's u64s patched.
+    fn patched(pickle: &[u8], buffers: &[&[u8]], patch: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+        let mut b = encode_out_of_band(pickle, buffers);
+        patch(&mut b);
+        b
+    }
+
+    fn put(b: &mut [u8], at: usize, value: u64) {
+        b[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    }
+
+    #[test]
+    fn out_of_band_form_round_trips_and_checks_its_layout() {
+        let staged = encode_out_of_band(b"\x80\x05N.", &[&[7u8; 5000], b"", b"xy"]);
+        // header, pickle, zeros to 4096, 5000 bytes, zeros to 12288, the
+        // empty buffer, the 2-byte one at 12288, 3 entries, the footer.
+        assert_eq!(staged.len(), 12288 + 2 + 3 * 16 + 16);
+        assert_eq!(&staged[..8], b"SPYC\x81\x01\0\0");
+        let env = Envelope::parse(&staged).unwrap();
+        assert!(env.is_out_of_band());
+        assert_eq!(env.pickle(), b"\x80\x05N.");
+        assert_eq!(env.payload().len(), staged.len() - 16);
+        let buffers: Vec<(u64, Vec<u8>)> = env.buffers().map(|(o, b)| (o, b.to_vec())).collect();
+        assert_eq!(
+            buffers,
+            vec![
+                (4096, vec![7u8; 5000]),
+                (12288, vec![]),
+                (12288, b"xy".to_vec())
+            ]
+        );
+        assert_eq!(env.buffers().len(), 3);
+        // The reference form has no buffers and its pickle is its payload.
+        let plain = encode(b"abc");
+        let env = Envelope::parse(&plain).unwrap();
+        assert!(!env.is_out_of_band());
+        assert_eq!((env.pickle(), env.buffers().len()), (&b"abc"[..], 0));
+
+        let end = staged.len();
+        // 7: no room for the footer.
+        let mut short = header_of(VERSION_OUT_OF_BAND, 15).to_vec();
+        short.extend_from_slice(&[0u8; 15]);
+        assert_eq!(
+            Envelope::parse(&short),
+            Err(EnvelopeError::FooterTruncated { payload_size: 15 })
+        );
+        // 8: a pickle, or a buffer count, the payload cannot hold.
+        let payload_size = (end - 16) as u64;
+        for (pickle_size, buffer_count) in [(payload_size, 3), (4, 1 << 60), (4, u64::MAX)] {
+            let b = patched(b"\x80\x05N.", &[&[7u8; 5000], b"", b"xy"], |b| {
+                put(b, end - 16, pickle_size);
+                put(b, end - 8, buffer_count);
+            });
+            assert_eq!(
+                Envelope::parse(&b),
+                Err(EnvelopeError::TableTruncated {
+                    pickle_size,
+                    buffer_count,
+                    payload_size
+                }),
+                "{pickle_size} {buffer_count}"
+            );
+        }
+        // 9: misaligned, overlapping the pickle or the previous buffer,
+        // running into the table, overflowing.
+        let table = end - 16 - 3 * 16;
+        for (index, offset, length) in [
+            (0u64, 4097u64, 5000u64),
+            (0, 0, 4),
+            (1, 8192, 0),
+            (2, 12288, 3),
+            (2, 12288, u64::MAX),
+        ] {
+            let b = patched(b"\x80\x05N.", &[&[7u8; 5000], b"", b"xy"], |b| {
+                put(b, table + index as usize * 16, offset);
+                put(b, table + index as usize * 16 + 8, length);
+            });
+            assert_eq!(
+                Envelope::parse(&b),
+                Err(EnvelopeError::BufferMisplaced {
+                    index,
+                    offset,
+                    length,
+                    table_offset: table as u64
+                }),
+                "{index} {offset} {length}"
+            );
+        }
+        // A pickle that runs into the first buffer.
+        let b = patched(b"\x80\x05N.", &[&[7u8; 5000]], |b| {
+            let at = b.len() - 16;
+            put(b, at, 4081)
+        });
+        assert_eq!(
+            Envelope::parse(&b).unwrap_err().variant_name(),
+            "BufferMisplaced"
+        );
+        // The digest covers every payload byte, padding included.
+        let mut b = staged.clone();
+        b[200] = 1;
+        let (one, other) = (
+            Envelope::parse(&staged).unwrap(),
+            Envelope::parse(&b).unwrap(),
+        );
+        assert_ne!(
+            crate::descriptor::python_serialized_digest(&one),
+            crate::descriptor::python_serialized_digest(&other)
+        );
+        assert_eq!(
+            crate::descriptor::PythonSerialized::from_envelope(&one).payload_format_version,
+            129
         );
     }
 

@@ -29,7 +29,7 @@ use callreg::io::Worker;
 use callreg::metadata::{CallableMetadata, DEFAULT_EXECUTOR};
 use callreg::protocol::{RegistrySnapshot, TargetId, TargetOutcomeEntry};
 use callreg::runtime::python::{PythonCallable, PythonRuntime};
-use callreg::runtime::{Runtime, RuntimeError, TaskEncoding};
+use callreg::runtime::{Runtime, RuntimeError, Staged, TaskEncoding};
 use python_common::{envelope, hashid, hook, input, metadata};
 use serde_json::{json, Value};
 
@@ -75,13 +75,18 @@ impl Runtime for Guarded {
         self.inner.deserialize(payload)
     }
 
+    fn deserialize_staged(&self, staged: Staged<'_>) -> Result<PythonCallable, RuntimeError> {
+        self.guard("deserialize_staged");
+        self.inner.deserialize_staged(staged)
+    }
+
     fn install(
         &self,
-        payload: &[u8],
+        staged: Staged<'_>,
         metadata: Option<&CallableMetadata>,
     ) -> Result<PythonCallable, RuntimeError> {
         self.guard("install");
-        self.inner.install(payload, metadata)
+        self.inner.install(staged, metadata)
     }
 
     fn call(

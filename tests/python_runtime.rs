@@ -28,10 +28,11 @@ use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use callreg::envelope::{encode, Envelope};
 use callreg::error::ErrorCode;
 use callreg::metadata::{merge_retval_keyword, CallableMetadata, ExecutorSpec};
 use callreg::runtime::python::{PythonExecutor, PythonRuntime};
-use callreg::runtime::{Runtime, RuntimeError, TaskEncoding};
+use callreg::runtime::{Runtime, RuntimeError, Staged, TaskEncoding};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{fork, pipe, ForkResult};
 use sha2::{Digest, Sha256};
@@ -217,6 +218,8 @@ with open(os.path.join(out, "python_version.txt"), "w") as f:
 struct Payloads {
     directory: PathBuf,
     files: BTreeMap<String, Vec<u8>>,
+    /// Each file's bytes as a reference-form envelope.
+    envelopes: BTreeMap<String, Vec<u8>>,
 }
 
 impl Payloads {
@@ -226,6 +229,18 @@ impl Payloads {
             .get(name)
             .map(Vec::as_slice)
             .ok_or_else(|| format!("no payload {name}.pickle was generated"))
+    }
+
+    /// `NAME.pickle` as a staged envelope held in memory, for
+    /// [`Runtime::install`].
+    fn staged(&self, name: &str) -> Result<Staged<'_>, String> {
+        let bytes = self
+            .envelopes
+            .get(name)
+            .ok_or_else(|| format!("no payload {name}.pickle was generated"))?;
+        Envelope::parse(bytes)
+            .map(Staged::in_memory)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -342,7 +357,15 @@ fn generate_payloads(python: &str) -> Result<Payloads, String> {
             files.insert(format!("{prefix}{stem}"), bytes);
         }
     }
-    Ok(Payloads { directory, files })
+    let envelopes = files
+        .iter()
+        .map(|(name, pickle)| (name.clone(), encode(pickle)))
+        .collect();
+    Ok(Payloads {
+        directory,
+        files,
+        envelopes,
+    })
 }
 
 /// Forks a child that runs `case` and reports through a pipe; returns the
@@ -483,7 +506,7 @@ fn expect_refused(
     let metadata = CallableMetadata::from_json(&metadata.to_string()).map_err(|e| e.to_string())?;
     expect_error(
         "install",
-        runtime.install(payloads.get("marks_on_unpickle")?, Some(&metadata)),
+        runtime.install(payloads.staged("marks_on_unpickle")?, Some(&metadata)),
         code,
         kind,
         message,
@@ -569,7 +592,7 @@ fn cases() -> Vec<Case> {
                 )
                 .map_err(|e| e.to_string())?;
                 let callable = runtime
-                    .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                    .install(payloads.staged("marks_on_unpickle")?, Some(&metadata))
                     .map_err(|e| e.to_string())?;
                 expect_eq("unpickled after the checks", unpickled_here(payloads), true)?;
                 expect_eq(
@@ -689,7 +712,7 @@ fn cases() -> Vec<Case> {
                     let metadata = CallableMetadata::from_json(&metadata.to_string())
                         .map_err(|e| e.to_string())?;
                     runtime
-                        .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                        .install(payloads.staged("marks_on_unpickle")?, Some(&metadata))
                         .map_err(|e| e.to_string())?;
                     let unpickled = unpickled_here(payloads);
                     let _ = std::fs::remove_file(
@@ -763,7 +786,7 @@ fn cases() -> Vec<Case> {
                 )
                 .map_err(|e| e.to_string())?;
                 let callable = runtime
-                    .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                    .install(payloads.staged("marks_on_unpickle")?, Some(&metadata))
                     .map_err(|e| e.to_string())?;
                 for _ in 0..3 {
                     runtime
@@ -776,7 +799,7 @@ fn cases() -> Vec<Case> {
                     "before".to_owned(),
                 )?;
                 runtime
-                    .install(payloads.get("marks_on_unpickle")?, Some(&metadata))
+                    .install(payloads.staged("marks_on_unpickle")?, Some(&metadata))
                     .map_err(|e| e.to_string())?;
                 let log_text = read_text(payloads, &format!("bash-{}", std::process::id()))?;
                 let _ = std::fs::remove_file(&log);
@@ -841,7 +864,7 @@ fn cases() -> Vec<Case> {
                 )
                 .map_err(|e| e.to_string())?;
                 let callable = runtime
-                    .install(payloads.get("chatty")?, Some(&metadata))
+                    .install(payloads.staged("chatty")?, Some(&metadata))
                     .map_err(|e| e.to_string())?;
                 let result = runtime
                     .call(&callable, TaskEncoding::Json, br#"{"args": [21]}"#)
@@ -869,7 +892,7 @@ fn cases() -> Vec<Case> {
                 )
                 .map_err(|e| e.to_string())?;
                 let callable = runtime
-                    .install(payloads.get("lambda_square")?, Some(&metadata))
+                    .install(payloads.staged("lambda_square")?, Some(&metadata))
                     .map_err(|e| e.to_string())?;
                 let result = runtime
                     .call(&callable, TaskEncoding::Json, br#"{"args": [4]}"#)
@@ -884,10 +907,10 @@ fn cases() -> Vec<Case> {
                 // What the target loop does around a task: run the hook,
                 // merge its result under retval_keyword, run the task.
                 let hook = runtime
-                    .install(payloads.get("make_config")?, None)
+                    .install(payloads.staged("make_config")?, None)
                     .map_err(|e| e.to_string())?;
                 let task = runtime
-                    .install(payloads.get("uses_config")?, None)
+                    .install(payloads.staged("uses_config")?, None)
                     .map_err(|e| e.to_string())?;
                 let hook_result = runtime
                     .call(&hook, TaskEncoding::Json, br#"{"args": [5]}"#)

@@ -76,7 +76,7 @@ Process model (Linux):
 """
 
 from callreg import _callreg
-from callreg._envelope import hashid, pack
+from callreg._envelope import OUT_OF_BAND_MIN_BYTES, hashid, pack
 from callreg._errors import (
     CallregError,
     EnvelopeError,
@@ -117,6 +117,7 @@ __all__ = [
     "TaskTimeoutError",
     "RemoteTraceback",
     "DEFAULT_MAX_FRAME_BYTES",
+    "OUT_OF_BAND_MIN_BYTES",
 ]
 
 __version__: str = _callreg.VERSION

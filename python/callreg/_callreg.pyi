@@ -13,16 +13,22 @@ __all__ = [
     "encode_envelope",
     "envelope_hashid",
     "envelope_header",
+    "out_of_band_offsets",
+    "out_of_band_tail",
     "staging_memfd",
     "_template_main",
     "VERSION",
     "DEFAULT_MAX_FRAME_BYTES",
     "SPILL_BYTES",
+    "OUT_OF_BAND_VERSION",
+    "BUFFER_ALIGN",
 ]
 
 VERSION: Final[str]
 DEFAULT_MAX_FRAME_BYTES: Final[int]
 SPILL_BYTES: Final[int]
+OUT_OF_BAND_VERSION: Final[int]
+BUFFER_ALIGN: Final[int]
 
 class _ErrorFields(TypedDict):
     """``RawError.args[0]``: a failed operation's fields."""
@@ -142,7 +148,9 @@ class RawWorker:
     def close(self) -> None: ...
 
 def encode_envelope(payload: bytes) -> bytes: ...
-def envelope_header(payload_size: int) -> bytes: ...
+def envelope_header(payload_size: int, version: int = 1) -> bytes: ...
+def out_of_band_offsets(pickle_size: int, lengths: list[int]) -> tuple[list[int], int]: ...
+def out_of_band_tail(pickle_size: int, placed: list[tuple[int, int]]) -> bytes: ...
 def staging_memfd() -> int: ...
 def envelope_hashid(envelope: bytes) -> str: ...
 def _template_main(prepare: Callable[[bytes], Callable[[int], object] | None]) -> int:

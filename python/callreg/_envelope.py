@@ -10,7 +10,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import cloudpickle
 
@@ -25,14 +25,29 @@ _PLAIN = frozenset((int, float, complex, str, bytes, bool, type(None)))
 
 _HEADER_LEN = 16
 
+OUT_OF_BAND_MIN_BYTES: Final = 1 << 20
+"""A buffer pickle protocol 5 can send out of band (a numpy array's data,
+a ``pickle.PickleBuffer``) of at least this many bytes goes out of band:
+the envelope then has the out-of-band form (``specs/formats.md`` §1.1) and
+every target maps the buffer read-only from the one sealed memory file."""
 
-def pack(fn: Callable[..., Any]) -> bytes:
-    """The SPYC envelope (bytes) of ``cloudpickle.dumps(fn)``: a 16-byte
-    header then the payload. The payload is pickled straight into the
-    envelope's buffer (one copy of it in all: what ``cloudpickle.dumps``
-    alone costs). Raises what cloudpickle raises for an object it cannot
-    pickle."""
-    return pack_with(fn, cloudpickle.Pickler)
+
+def pack(fn: Callable[..., Any], *, out_of_band: bool = True) -> bytes:
+    """The SPYC envelope (bytes) of ``fn`` pickled with cloudpickle: a
+    16-byte header then the payload. The payload is pickled straight into
+    the envelope's buffer (one copy of it in all: what
+    ``cloudpickle.dumps`` alone costs).
+
+    With ``out_of_band`` (the default), each buffer of at least
+    :data:`OUT_OF_BAND_MIN_BYTES` that ``fn`` captures and that pickle
+    protocol 5 can send out of band (numpy arrays, ``pickle.PickleBuffer``)
+    goes after the pickle, in an envelope of the out-of-band form (version
+    129, ``specs/formats.md`` §1.1), which targets map rather than copy;
+    a callable without such a buffer gets the reference form (version 1),
+    byte for byte ``cloudpickle.dumps``'s. ``out_of_band=False`` always
+    gives the reference form. Raises what cloudpickle raises for an object
+    it cannot pickle."""
+    return pack_with(fn, cloudpickle.Pickler, out_of_band=out_of_band)
 
 
 class InheritingPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle has no type hints
@@ -62,17 +77,58 @@ def main_objects() -> dict[int, object]:
     return found
 
 
-def pack_with(fn: object, pickler: Callable[..., Any]) -> bytes:
+def pack_with(fn: object, pickler: Callable[..., Any], *, out_of_band: bool = True) -> bytes:
     """The SPYC envelope of ``fn`` pickled by ``pickler`` (a
-    ``cloudpickle.Pickler`` class)."""
+    ``cloudpickle.Pickler`` class), as :func:`pack` says."""
     buffer = io.BytesIO()
     buffer.write(bytes(_HEADER_LEN))
-    pickler(buffer, protocol=_PROTOCOL).dump(fn)
+    taken: list[pickle.PickleBuffer] = []
+    pickler(buffer, protocol=_PROTOCOL, buffer_callback=_taker(taken) if out_of_band else None).dump(fn)
+    pickle_size = buffer.tell() - _HEADER_LEN
+    version = 1
+    if taken:
+        version = _callreg.OUT_OF_BAND_VERSION
+        _write_out_of_band(buffer.write, buffer.tell, pickle_size, taken)
     size = buffer.tell() - _HEADER_LEN
     buffer.seek(0)
-    buffer.write(_callreg.envelope_header(size))
+    buffer.write(_callreg.envelope_header(size, version))
     # The buffer's own bytes, not a copy (nothing else refers to it).
     return buffer.getvalue()
+
+
+def _taker(taken: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    """A pickler's ``buffer_callback``: takes each buffer of at least
+    :data:`OUT_OF_BAND_MIN_BYTES` out of band (into ``taken``) and leaves
+    the others in the pickle."""
+
+    def take(buffer: pickle.PickleBuffer) -> bool:
+        with buffer.raw() as view:
+            if view.nbytes < OUT_OF_BAND_MIN_BYTES:
+                return True
+        taken.append(buffer)
+        return False
+
+    return take
+
+
+def _write_out_of_band(
+    write: Callable[[Any], int], tell: Callable[[], int], pickle_size: int, taken: list[pickle.PickleBuffer]
+) -> None:
+    """Writes the buffers ``taken`` out of band after a pickle of
+    ``pickle_size`` bytes (``tell()`` is where it ends), each at its
+    aligned offset, then their table and the footer (``specs/formats.md``
+    §1.1): one copy of each buffer's bytes, from where they are."""
+    views = [buffer.raw() for buffer in taken]
+    try:
+        offsets, _ = _callreg.out_of_band_offsets(pickle_size, [view.nbytes for view in views])
+        for view, offset in zip(views, offsets, strict=True):
+            write(bytes(offset - tell()))
+            write(view)
+        tail = _callreg.out_of_band_tail(pickle_size, [(o, v.nbytes) for o, v in zip(offsets, views, strict=True)])
+        write(tail)
+    finally:
+        for view in views:
+            view.release()
 
 
 class EnvelopeWriter:
@@ -81,16 +137,24 @@ class EnvelopeWriter:
     memory file (``staging_memfd``) written once, which the Worker then
     seals and stages where it is (``specs/staging.md`` step 1): a large
     callable costs the parent one copy of its pickle, not two. A write the
-    system has no memory for raises ``MemoryError``. Close it when done."""
+    system has no memory for raises ``MemoryError``. Large out-of-band
+    buffers follow the pickle as :func:`pack` says, written once from
+    where they are. Close it when done."""
 
     def __init__(self) -> None:
         self._buffer = bytearray(_HEADER_LEN)
         self.fd: int | None = None
         self.size = 0
+        self.version = 1
 
-    def dump(self, obj: object) -> None:
+    def dump(self, obj: object, *, out_of_band: bool = True) -> None:
         """Pickles ``obj`` with cloudpickle into this writer."""
-        cloudpickle.Pickler(self, protocol=_PROTOCOL).dump(obj)
+        taken: list[pickle.PickleBuffer] = []
+        callback = _taker(taken) if out_of_band else None
+        cloudpickle.Pickler(self, protocol=_PROTOCOL, buffer_callback=callback).dump(obj)
+        if taken:
+            self.version = _callreg.OUT_OF_BAND_VERSION
+            _write_out_of_band(self.write, lambda: _HEADER_LEN + self.size, self.size, taken)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -117,13 +181,13 @@ class EnvelopeWriter:
 
     def envelope(self) -> bytes:
         """The envelope's bytes, when it stayed in memory."""
-        self._buffer[:_HEADER_LEN] = _callreg.envelope_header(self.size)
+        self._buffer[:_HEADER_LEN] = _callreg.envelope_header(self.size, self.version)
         return bytes(self._buffer)
 
     def finish(self) -> int:
         """Writes the header into the memory file; returns its descriptor."""
         assert self.fd is not None
-        os.pwrite(self.fd, _callreg.envelope_header(self.size), 0)
+        os.pwrite(self.fd, _callreg.envelope_header(self.size, self.version), 0)
         return self.fd
 
     def close(self) -> None:

@@ -197,7 +197,9 @@ class Worker(Inspection):
 
     # -- registration --------------------------------------------------
 
-    def register(self, fn: Callable[_P, _R], *, metadata: Mapping[str, Any] | None = None) -> Handle[_P, _R]:
+    def register(
+        self, fn: Callable[_P, _R], *, metadata: Mapping[str, Any] | None = None, out_of_band: bool = True
+    ) -> Handle[_P, _R]:
         """Registers ``fn`` (any callable cloudpickle can pickle) and returns
         its :class:`Handle`. The side-car metadata (this interpreter's and
         cloudpickle's versions, the callable's name) is filled in and
@@ -212,6 +214,16 @@ class Worker(Inspection):
         metadata is refused (:class:`CallregError`, ``METADATA_CONFLICT``,
         naming both): unregister every handle of it first.
 
+        Large buffers ``fn`` captures (numpy arrays, ``pickle.PickleBuffer``:
+        what pickle protocol 5 sends out of band, from
+        :data:`callreg.OUT_OF_BAND_MIN_BYTES` up) are not copied into each
+        target: every target maps them read-only from one sealed memory
+        file (``specs/formats.md`` §1.1), so such an array is **read-only
+        in targets** (a write raises ``ValueError``) and its memory is
+        counted once, however many targets there are. ``out_of_band=False``
+        pickles them into the callable's pickle instead, as the reference
+        form (version 1) does; its hashid then differs.
+
         Raises ``TypeError`` for a non-callable or an ``async def``
         function, ``MemoryError`` when the system has no memory to stage
         its pickle (nothing was sent; the Worker stays usable),
@@ -225,7 +237,7 @@ class Worker(Inspection):
         # Pickled once, straight where the targets read it when large.
         writer = EnvelopeWriter()
         try:
-            writer.dump(fn)
+            writer.dump(fn, out_of_band=out_of_band)
             if writer.fd is None:
                 raw = self._register(writer.envelope(), meta)
             else:

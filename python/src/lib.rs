@@ -847,11 +847,46 @@ fn encode_envelope<'py>(py: Python<'py>, payload: &[u8]) -> Bound<'py, PyBytes> 
 }
 
 /// The 16-byte SPYC envelope header for a payload of `payload_size`
-/// bytes (the crate's [`callreg::envelope::header`]): the package writes
-/// it before a payload it pickles straight into the envelope's buffer.
+/// bytes of format `version` (1, or 129 for the out-of-band form; the
+/// crate's [`callreg::envelope::header_of`]): the package writes it before
+/// a payload it pickles straight into the envelope's buffer. Raises
+/// `ValueError` for another version.
 #[pyfunction]
-fn envelope_header(py: Python<'_>, payload_size: u64) -> Bound<'_, PyBytes> {
-    PyBytes::new(py, &callreg::envelope::header(payload_size))
+#[pyo3(signature = (payload_size, version = callreg::envelope::VERSION))]
+fn envelope_header(py: Python<'_>, payload_size: u64, version: u8) -> PyResult<Bound<'_, PyBytes>> {
+    if version != callreg::envelope::VERSION && version != callreg::envelope::VERSION_OUT_OF_BAND {
+        return Err(PyValueError::new_err(format!(
+            "no envelope form has version {version} (1, or 129 for out-of-band buffers)"
+        )));
+    }
+    Ok(PyBytes::new(
+        py,
+        &callreg::envelope::header_of(version, payload_size),
+    ))
+}
+
+/// Where the out-of-band form (`specs/formats.md` §1.1) places buffers of
+/// `lengths` bytes after a pickle of `pickle_size` bytes: `(offsets,
+/// table_offset)`, offsets from the envelope's first byte (the crate's
+/// [`callreg::envelope::out_of_band_offsets`]).
+#[pyfunction]
+fn out_of_band_offsets(pickle_size: u64, lengths: Vec<u64>) -> (Vec<u64>, u64) {
+    callreg::envelope::out_of_band_offsets(pickle_size, &lengths)
+}
+
+/// The buffer table and footer that end an out-of-band envelope
+/// (`specs/formats.md` §1.1) with a pickle of `pickle_size` bytes and
+/// buffers at `placed` (`(offset, length)` pairs).
+#[pyfunction]
+fn out_of_band_tail(
+    py: Python<'_>,
+    pickle_size: u64,
+    placed: Vec<(u64, u64)>,
+) -> Bound<'_, PyBytes> {
+    PyBytes::new(
+        py,
+        &callreg::envelope::out_of_band_tail(pickle_size, &placed),
+    )
 }
 
 /// A new sealable `memfd` for an envelope writer (`callreg._envelope`):
@@ -922,6 +957,13 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_envelope, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_hashid, m)?)?;
     m.add_function(wrap_pyfunction!(envelope_header, m)?)?;
+    m.add_function(wrap_pyfunction!(out_of_band_offsets, m)?)?;
+    m.add_function(wrap_pyfunction!(out_of_band_tail, m)?)?;
+    m.add(
+        "OUT_OF_BAND_VERSION",
+        callreg::envelope::VERSION_OUT_OF_BAND,
+    )?;
+    m.add("BUFFER_ALIGN", callreg::envelope::BUFFER_ALIGN)?;
     m.add_function(wrap_pyfunction!(staging_memfd, m)?)?;
     m.add("SPILL_BYTES", staging::SPILL_BYTES)?;
     m.add_function(wrap_pyfunction!(_template_main, m)?)?;

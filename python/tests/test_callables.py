@@ -475,15 +475,18 @@ def test_the_package_exports_its_names_and_types_its_extension():
         "TaskTimeoutError",
         "RemoteTraceback",
         "DEFAULT_MAX_FRAME_BYTES",
+        "OUT_OF_BAND_MIN_BYTES",
     ]
     # Every public class and function is known by its name in the package
     # (reprs, tracebacks, pickles), whichever module defines it.
     named = {name: getattr(getattr(callreg, name), "__module__", None) for name in callreg.__all__}
-    assert named == dict.fromkeys(callreg.__all__[:-1], "callreg") | {"DEFAULT_MAX_FRAME_BYTES": None}
-    assert (callreg.KIND, callreg.NAMESPACE, callreg.DEFAULT_MAX_FRAME_BYTES) == (
+    constants = {"DEFAULT_MAX_FRAME_BYTES": None, "OUT_OF_BAND_MIN_BYTES": None}
+    assert named == dict.fromkeys(callreg.__all__[:-2], "callreg") | constants
+    assert (callreg.KIND, callreg.NAMESPACE, callreg.DEFAULT_MAX_FRAME_BYTES, callreg.OUT_OF_BAND_MIN_BYTES) == (
         "PYTHON_SERIALIZED",
         "LOCAL_PYTHON",
         256 * 1024 * 1024,
+        1024 * 1024,
     )
     package = os.path.dirname(callreg.__file__)
     assert os.path.exists(os.path.join(package, "py.typed"))

@@ -384,10 +384,16 @@ impl StagedPayload {
     /// No copy of the bytes is made.
     ///
     /// # Errors
+    /// Returns the staged payload and its envelope's descriptor (of either
+    /// form, `specs/formats.md` §1, §1.1).
+    ///
+    /// # Errors
     /// [`StagingError::Os`] when `fstat`, sealing or mapping fails (e.g.
     /// `fd` is not a sealable `memfd`); [`StagingError::Envelope`] when
     /// the bytes are not an envelope.
-    pub fn adopt(fd: OwnedFd) -> Result<(StagedPayload, [u8; 32]), StagingError> {
+    pub fn adopt(
+        fd: OwnedFd,
+    ) -> Result<(StagedPayload, crate::descriptor::PythonSerialized), StagingError> {
         let size = nix::sys::stat::fstat(&fd)
             .map_err(os_error("fstat"))?
             .st_size as u64;
@@ -398,7 +404,8 @@ impl StagedPayload {
             unsafe { Mmap::map(&staged.fd.as_fd()) }.map_err(|e| os_error("mmap")(io_errno(&e)))?;
         let envelope = crate::envelope::Envelope::parse(&map)
             .map_err(|e| StagingError::Envelope(e.to_string()))?;
-        Ok((staged, Sha256::digest(envelope.payload()).into()))
+        let descriptor = crate::descriptor::PythonSerialized::from_envelope(&envelope);
+        Ok((staged, descriptor))
     }
 
     /// The whole staged file read back into memory (the startup snapshot
@@ -433,6 +440,9 @@ pub const COPY_MAX_BYTES: u64 = 64 * 1024;
 #[derive(Debug)]
 pub struct StagedView {
     bytes: ViewBytes,
+    /// The sealed file, kept open with the view: a runtime may map an
+    /// out-of-band envelope's buffers from it (`specs/formats.md` §1.1).
+    file: File,
 }
 
 #[derive(Debug)]
@@ -445,8 +455,8 @@ enum ViewBytes {
 impl StagedView {
     /// Checks that `fd` carries every seal of [`REQUIRED_SEALS`] and holds
     /// exactly `expected_size` bytes, then maps it read-only (or, for at
-    /// most [`COPY_MAX_BYTES`], reads it). The descriptor is closed on
-    /// return: the mapping keeps the memory.
+    /// most [`COPY_MAX_BYTES`], reads it). The descriptor is kept with the
+    /// view ([`StagedView::file`]) and closed when it is dropped.
     ///
     /// # Errors
     /// [`StagingError::Unsealed`] when a seal is missing or `fd` is not a
@@ -464,7 +474,7 @@ impl StagedView {
         }
         let file = File::from(fd);
         if expected_size <= COPY_MAX_BYTES {
-            return Self::read_small(&file, expected_size);
+            return Self::read_small(file, expected_size);
         }
         let actual = file
             .metadata()
@@ -480,6 +490,7 @@ impl StagedView {
             // mmap of zero bytes is EINVAL; an empty view is the same bytes.
             return Ok(StagedView {
                 bytes: ViewBytes::Empty,
+                file,
             });
         }
         let len = usize::try_from(actual).map_err(|_| os_error("mmap")(Errno::EFBIG))?;
@@ -492,13 +503,14 @@ impl StagedView {
             .map_err(|e| os_error("mmap")(io_errno(&e)))?;
         Ok(StagedView {
             bytes: ViewBytes::Mapped(map),
+            file,
         })
     }
 
     /// Reads a sealed file expected to hold `expected_size` bytes (at most
     /// [`COPY_MAX_BYTES`]): one byte more is asked for, so a longer file
     /// shows as one; a file that ends early shows by its short total.
-    fn read_small(file: &File, expected_size: u64) -> Result<StagedView, StagingError> {
+    fn read_small(file: File, expected_size: u64) -> Result<StagedView, StagingError> {
         use std::os::unix::fs::FileExt;
         let expected = usize::try_from(expected_size).unwrap_or(usize::MAX);
         let mut bytes = vec![0u8; expected + 1];
@@ -528,6 +540,7 @@ impl StagedView {
             } else {
                 ViewBytes::Copied(bytes)
             },
+            file,
         })
     }
 
@@ -538,6 +551,12 @@ impl StagedView {
             ViewBytes::Copied(bytes) => bytes,
             ViewBytes::Mapped(map) => map,
         }
+    }
+
+    /// The sealed file the view was opened from (every seal checked).
+    pub fn file(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.file.as_fd()
     }
 
     /// Whether the bytes are a mapping of the staged file (payloads over
@@ -656,8 +675,12 @@ mod tests {
         let payload = vec![9u8; 100_000];
         let mut file = File::from(new_memfd().unwrap());
         file.write_all(&crate::envelope::encode(&payload)).unwrap();
-        let (staged, sha) = StagedPayload::adopt(OwnedFd::from(file)).unwrap();
-        assert_eq!(sha, <[u8; 32]>::from(Sha256::digest(&payload)));
+        let (staged, descriptor) = StagedPayload::adopt(OwnedFd::from(file)).unwrap();
+        assert_eq!(
+            descriptor.payload_sha256.0,
+            <[u8; 32]>::from(Sha256::digest(&payload))
+        );
+        assert_eq!(descriptor.payload_format_version, 1);
         assert_eq!(staged.size(), (HEADER_LEN + payload.len()) as u64);
         let seals = fcntl(staged.fd(), FcntlArg::F_GET_SEALS).unwrap();
         assert_eq!(

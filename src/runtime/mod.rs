@@ -5,6 +5,9 @@
 //! (specs/design.md §6). A runtime value is built in the parent, inherited by
 //! `fork`, and [`Runtime::start`]ed once in each target.
 
+use std::os::fd::BorrowedFd;
+
+use crate::envelope::Envelope;
 use crate::error::ErrorCode;
 use crate::metadata::CallableMetadata;
 use crate::protocol::TargetId;
@@ -36,6 +39,33 @@ pub struct RuntimeError {
     /// [`TaskEncoding::Pickle`]); empty when there is none or it could not
     /// be serialized. Carried in the task result frame (`specs/wire.md`).
     pub exception: Vec<u8>,
+}
+
+/// An envelope a target installs: validated and digest-checked, and the
+/// sealed file its bytes came from when they came as one.
+#[derive(Debug, Clone, Copy)]
+pub struct Staged<'a> {
+    /// The envelope, borrowed from the target's view of the staged bytes
+    /// (it must not be retained).
+    pub envelope: Envelope<'a>,
+    /// The sealed memory file that holds exactly the envelope's bytes from
+    /// offset 0 (`specs/staging.md` step 3): a register after start, or a
+    /// replay to a replacement. A runtime may map the out-of-band buffers
+    /// of the envelope from it for as long as the callable lives
+    /// (`specs/formats.md` §1.1): the seals keep those bytes unchanged.
+    /// `None` for bytes held in memory (the startup snapshot, inherited
+    /// by `fork`), whose buffers a runtime copies.
+    pub file: Option<BorrowedFd<'a>>,
+}
+
+impl<'a> Staged<'a> {
+    /// An envelope held in memory, with no file behind it.
+    pub fn in_memory(envelope: Envelope<'a>) -> Self {
+        Staged {
+            envelope,
+            file: None,
+        }
+    }
 }
 
 /// A target-side runtime.
@@ -106,8 +136,33 @@ pub trait Runtime: Send + Sync + 'static {
     /// message; the target stays alive and installs nothing.
     fn deserialize(&self, payload: &[u8]) -> Result<Self::Callable, RuntimeError>;
 
-    /// Installs a payload with its registration's metadata (/// `specs/metadata.md`): makes the checks the metadata asks for, then
-    /// deserializes. Nothing is deserialized when a check fails.
+    /// Deserializes a staged envelope of either form (`specs/formats.md`
+    /// §1, §1.1). This provided version deserializes the reference form's
+    /// payload ([`Runtime::deserialize`]) and refuses the out-of-band form,
+    /// which only a runtime that maps buffers can install.
+    ///
+    /// # Errors
+    /// `DESERIALIZE_FAILED` with kind `OutOfBandUnsupported` for an
+    /// out-of-band envelope; then as [`Runtime::deserialize`].
+    fn deserialize_staged(&self, staged: Staged<'_>) -> Result<Self::Callable, RuntimeError> {
+        if staged.envelope.is_out_of_band() {
+            return Err(RuntimeError {
+                code: ErrorCode::DESERIALIZE_FAILED,
+                kind: "OutOfBandUnsupported".to_owned(),
+                message: format!(
+                    "this runtime installs no envelope with out-of-band buffers (version {})",
+                    crate::envelope::VERSION_OUT_OF_BAND
+                ),
+                exception: Vec::new(),
+            });
+        }
+        self.deserialize(staged.envelope.payload())
+    }
+
+    /// Installs a staged envelope with its registration's metadata
+    /// (`specs/metadata.md`): makes the checks the metadata asks for, then
+    /// deserializes ([`Runtime::deserialize_staged`]). Nothing is
+    /// deserialized when a check fails.
     ///
     /// This provided version honours no metadata itself: it deserializes
     /// when `metadata` is `None` or asks for nothing a runtime must do (a
@@ -116,16 +171,17 @@ pub trait Runtime: Send + Sync + 'static {
     /// versions, dependencies and executors (`PythonRuntime`) override it.
     ///
     /// # Errors
-    /// As [`refuse_unhonoured_metadata`], then as [`Runtime::deserialize`].
+    /// As [`refuse_unhonoured_metadata`], then as
+    /// [`Runtime::deserialize_staged`].
     fn install(
         &self,
-        payload: &[u8],
+        staged: Staged<'_>,
         metadata: Option<&CallableMetadata>,
     ) -> Result<Self::Callable, RuntimeError> {
         if let Some(metadata) = metadata {
             refuse_unhonoured_metadata(metadata)?;
         }
-        self.deserialize(payload)
+        self.deserialize_staged(staged)
     }
 
     /// Runs `release`, which drops callables of this runtime (a slot the

@@ -52,7 +52,7 @@ use pyo3::{ffi, PyErr};
 
 use serde_json::{Map, Value};
 
-use super::{Runtime, RuntimeError, TaskEncoding};
+use super::{Runtime, RuntimeError, Staged, TaskEncoding};
 use crate::error::ErrorCode;
 use crate::metadata::CallableMetadata;
 use crate::protocol::TargetId;
@@ -305,6 +305,62 @@ impl PythonRuntime {
         unsafe { ffi::Py_IsInitialized() != 0 }
     }
 
+    /// Unpickles `pickle` (with the out-of-band buffers of `staged`, when
+    /// it is of that form) and requires a callable: the body of
+    /// [`Runtime::deserialize`] and [`Runtime::deserialize_staged`].
+    fn load(
+        &self,
+        pickle: &[u8],
+        staged: Option<&Staged<'_>>,
+    ) -> Result<PythonCallable, RuntimeError> {
+        let functions = self.functions()?;
+        Python::attach(|py| {
+            let failed = |err: PyErr| {
+                let (kind, message) = describe_exception(py, &err);
+                RuntimeError {
+                    code: ErrorCode::DESERIALIZE_FAILED,
+                    kind,
+                    message,
+                    exception: Vec::new(),
+                }
+            };
+            let buffers = match staged {
+                Some(staged) => out_of_band_buffers(py, staged).map_err(failed)?,
+                None => None,
+            };
+            let object = loads_borrowed(
+                py,
+                functions.pickle_loads.bind(py),
+                pickle,
+                buffers.as_ref(),
+            )
+            .map_err(|err| {
+                let (kind, message) = describe_exception(py, &err);
+                RuntimeError {
+                    code: ErrorCode::DESERIALIZE_FAILED,
+                    kind,
+                    message,
+                    exception: Vec::new(),
+                }
+            })?;
+            if !object.is_callable() {
+                return Err(RuntimeError {
+                    code: ErrorCode::DESERIALIZE_FAILED,
+                    kind: "TypeError".to_owned(),
+                    message: format!(
+                        "the payload unpickled to an object of type '{}', which is not callable",
+                        type_name(&object.get_type())
+                    ),
+                    exception: Vec::new(),
+                });
+            }
+            Ok(PythonCallable {
+                object: object.unbind(),
+                executor: None,
+            })
+        })
+    }
+
     /// The imported functions, once started; also retains the calling
     /// thread's Python thread state, so call it before attaching.
     fn functions(&self) -> Result<&PythonFunctions, RuntimeError> {
@@ -514,34 +570,27 @@ impl Runtime for PythonRuntime {
     ///
     /// `LIFECYCLE_INVALID` with kind `RuntimeNotStarted` before [`Runtime::start`].
     fn deserialize(&self, payload: &[u8]) -> Result<PythonCallable, RuntimeError> {
-        let functions = self.functions()?;
-        Python::attach(|py| {
-            let object =
-                loads_borrowed(py, functions.pickle_loads.bind(py), payload).map_err(|err| {
-                    let (kind, message) = describe_exception(py, &err);
-                    RuntimeError {
-                        code: ErrorCode::DESERIALIZE_FAILED,
-                        kind,
-                        message,
-                        exception: Vec::new(),
-                    }
-                })?;
-            if !object.is_callable() {
-                return Err(RuntimeError {
-                    code: ErrorCode::DESERIALIZE_FAILED,
-                    kind: "TypeError".to_owned(),
-                    message: format!(
-                        "the payload unpickled to an object of type '{}', which is not callable",
-                        type_name(&object.get_type())
-                    ),
-                    exception: Vec::new(),
-                });
-            }
-            Ok(PythonCallable {
-                object: object.unbind(),
-                executor: None,
-            })
-        })
+        self.load(payload, None)
+    }
+
+    /// Unpickles a staged envelope's pickle (borrowed from the read-only
+    /// mapping, as [`Runtime::deserialize`]) with its out-of-band buffers
+    /// (`specs/formats.md` §1.1): each buffer is a read-only `memoryview`
+    /// of one `mmap` of the sealed file per install, so every target
+    /// shares the file's pages and an array over one cannot be written
+    /// (`ValueError: assignment destination is read-only` from numpy); the
+    /// mapping lives as long as something refers to a buffer of it. From
+    /// CPython 3.13 the `mmap` keeps no descriptor (`trackfd=False`);
+    /// before, it keeps a duplicate of the file's descriptor open while it
+    /// lives. An envelope held in memory (the startup snapshot) gives each
+    /// buffer as a copy, `bytes`, read-only too. The reference form is
+    /// unpickled as [`Runtime::deserialize`] says.
+    ///
+    /// # Errors
+    /// As [`Runtime::deserialize`]; an `OSError` mapping the file is a
+    /// `DESERIALIZE_FAILED` with kind `OSError`.
+    fn deserialize_staged(&self, staged: Staged<'_>) -> Result<PythonCallable, RuntimeError> {
+        self.load(staged.envelope.pickle(), Some(&staged))
     }
 
     /// Installs a payload with its metadata (`specs/metadata.md`).
@@ -576,12 +625,12 @@ impl Runtime for PythonRuntime {
     /// [`Runtime::deserialize`]. `LIFECYCLE_INVALID` before [`Runtime::start`].
     fn install(
         &self,
-        payload: &[u8],
+        staged: Staged<'_>,
         metadata: Option<&CallableMetadata>,
     ) -> Result<PythonCallable, RuntimeError> {
         let functions = self.functions()?;
         let Some(metadata) = metadata else {
-            return self.deserialize(payload);
+            return self.deserialize_staged(staged);
         };
         if let Some(wanted) = &metadata.python {
             checks::check_versions(functions, wanted)?;
@@ -593,7 +642,7 @@ impl Runtime for PythonRuntime {
         // Without the GIL: a command may take long, and the task thread
         // keeps running Python meanwhile.
         checks::run_bash(&metadata.deps.bash.commands)?;
-        let mut callable = self.deserialize(payload)?;
+        let mut callable = self.deserialize_staged(staged)?;
         callable.executor = Some(executor);
         Ok(callable)
     }
@@ -716,10 +765,55 @@ impl Runtime for PythonRuntime {
 
 /// `pickle.loads` over a read-only memoryview of `bytes`, released before
 /// returning so that no Python object refers to `bytes` afterwards.
+/// The out-of-band buffers of `staged`, for `pickle.loads(buffers=...)`:
+/// `None` for the reference form; read-only `memoryview`s of one `mmap` of
+/// the sealed file; copies (`bytes`) when there is no file.
+fn out_of_band_buffers<'py>(
+    py: Python<'py>,
+    staged: &Staged<'_>,
+) -> PyResult<Option<Bound<'py, PyList>>> {
+    if !staged.envelope.is_out_of_band() {
+        return Ok(None);
+    }
+    let list = PyList::empty(py);
+    let buffers = staged.envelope.buffers();
+    match staged.file {
+        Some(file) if buffers.len() > 0 => {
+            use std::os::fd::AsRawFd;
+            let mmap = py.import("mmap")?;
+            let options = PyDict::new(py);
+            options.set_item("access", mmap.getattr("ACCESS_READ")?)?;
+            if py.version_info() >= (3, 13) {
+                options.set_item("trackfd", false)?;
+            }
+            // Length 0: the whole file, which is the envelope.
+            let map = mmap
+                .getattr("mmap")?
+                .call((file.as_raw_fd(), 0), Some(&options))?;
+            let view = py
+                .import("builtins")?
+                .getattr("memoryview")?
+                .call1((map,))?;
+            for (offset, bytes) in buffers {
+                let start = offset as isize;
+                let slice = pyo3::types::PySlice::new(py, start, start + bytes.len() as isize, 1);
+                list.append(view.get_item(slice)?)?;
+            }
+        }
+        _ => {
+            for (_, bytes) in buffers {
+                list.append(PyBytes::new(py, bytes))?;
+            }
+        }
+    }
+    Ok(Some(list))
+}
+
 fn loads_borrowed<'py>(
     py: Python<'py>,
     pickle_loads: &Bound<'py, PyAny>,
     bytes: &[u8],
+    buffers: Option<&Bound<'py, PyList>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     // A slice never exceeds isize::MAX bytes, so the length always fits.
     let len = ffi::Py_ssize_t::try_from(bytes.len())
@@ -734,7 +828,14 @@ fn loads_borrowed<'py>(
             ffi::PyMemoryView_FromMemory(bytes.as_ptr() as *mut c_char, len, PYBUF_READ),
         )?
     };
-    let loaded = pickle_loads.call1((&view,));
+    let loaded = match buffers {
+        None => pickle_loads.call1((&view,)),
+        Some(buffers) => {
+            let options = PyDict::new(py);
+            options.set_item("buffers", buffers)?;
+            pickle_loads.call((&view,), Some(&options))
+        }
+    };
     // Released whatever `loads` returned; a failure to release (the buffer
     // is still exported) must fail the whole deserialization, since the
     // caller unmaps the bytes next.

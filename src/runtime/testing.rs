@@ -165,6 +165,28 @@ impl Runtime for TestRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::envelope::{encode, encode_out_of_band, Envelope};
+    use crate::runtime::Staged;
+
+    #[test]
+    fn a_runtime_without_buffers_installs_the_reference_form_only() {
+        let rt = TestRuntime;
+        let plain = encode(b"echo");
+        let staged = Staged::in_memory(Envelope::parse(&plain).unwrap());
+        assert_eq!(rt.install(staged, None).unwrap(), TestCallable::Echo);
+        let out_of_band = encode_out_of_band(b"echo", &[b"buffer"]);
+        let staged = Staged::in_memory(Envelope::parse(&out_of_band).unwrap());
+        assert_eq!(
+            rt.install(staged, None).unwrap_err(),
+            RuntimeError {
+                code: ErrorCode::DESERIALIZE_FAILED,
+                kind: "OutOfBandUnsupported".to_owned(),
+                message: "this runtime installs no envelope with out-of-band buffers (version 129)"
+                    .to_owned(),
+                exception: Vec::new(),
+            }
+        );
+    }
 
     #[test]
     fn instructions_deserialize_and_run() {

@@ -23,7 +23,7 @@ use crate::io::slots::{ControlGate, Effects, SlotTable};
 use crate::io::staging::StagedView;
 use crate::metadata::CallableMetadata;
 use crate::protocol::{Failure, Reply, Seq, Slot, TargetEffect, TargetId};
-use crate::runtime::Runtime;
+use crate::runtime::{Runtime, Staged};
 use crate::wire::{Frame, FrameBuffer, ReplyError, TaskFailure};
 
 /// Bytes read from the control socket per `recvmsg` call.
@@ -430,10 +430,17 @@ impl<R: Runtime> Control<'_, R> {
         view: Option<&StagedView>,
         metadata: Option<&CallableMetadata>,
     ) -> Effects {
-        let result = match view.map(|v| Envelope::parse(v.bytes())) {
-            Some(Ok(envelope)) => install(self.runtime, envelope.payload(), metadata),
+        let result = match view.map(|v| (v, Envelope::parse(v.bytes()))) {
+            Some((view, Ok(envelope))) => install(
+                self.runtime,
+                Staged {
+                    envelope,
+                    file: Some(view.file()),
+                },
+                metadata,
+            ),
             // The machine asks to deserialize only after a verified open.
-            Some(Err(e)) => Err(Failure::new(e.code(), e.message())),
+            Some((_, Err(e))) => Err(Failure::new(e.code(), e.message())),
             None => Err(Failure::new(
                 ErrorCode::IO_FAILED,
                 "no staged payload is open",

@@ -80,7 +80,7 @@ use crate::envelope::Envelope;
 use crate::error::ErrorCode;
 use crate::metadata::CallableMetadata;
 use crate::protocol::{Failure, Target, TargetConfig, TargetId};
-use crate::runtime::{Runtime, RuntimeError};
+use crate::runtime::{Runtime, RuntimeError, Staged};
 use crate::wire::{Frame, ReplyError};
 
 mod control;
@@ -154,13 +154,13 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// a failure.
 fn install<R: Runtime>(
     runtime: &R,
-    payload: &[u8],
+    staged: Staged<'_>,
     metadata: Option<&CallableMetadata>,
 ) -> Result<R::Callable, Failure> {
     if let Err(message) = failpoints::hit(failpoints::TARGET_DESERIALIZE) {
         return Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, message));
     }
-    let installed = catch_unwind(AssertUnwindSafe(|| runtime.install(payload, metadata)));
+    let installed = catch_unwind(AssertUnwindSafe(|| runtime.install(staged, metadata)));
     // Deserializing ran user code, which may have forked: only the target
     // goes on.
     exit_unless_target();
@@ -337,7 +337,7 @@ fn install_one<R: Runtime>(
         .map_err(|m| Failure::new(ErrorCode::IO_FAILED, m))?;
     let callable = install(
         &*setup.runtime,
-        envelope.payload(),
+        Staged::in_memory(envelope),
         setup.metadata.get(&digest),
     )?;
     if failpoints::hit(failpoints::TARGET_AFTER_INSTALL).is_err() {

@@ -347,25 +347,25 @@ impl<R: Runtime> Worker<R> {
                 let (staged, payload_sha256) =
                     StagedPayload::create(&envelope[..parsed.encoded_len()], hashed)
                         .map_err(stage_error)?;
-                Ok(self.register_staged(staged, payload_sha256, metadata))
+                let descriptor = PythonSerialized {
+                    payload_format_version: parsed.version(),
+                    serializer_id: parsed.serializer(),
+                    payload_sha256: Digest(payload_sha256),
+                };
+                Ok(self.register_staged(staged, descriptor, metadata))
             }
         }
     }
 
-    /// Registers a staged envelope of the current format (SPYC v1,
-    /// cloudpickle) whose payload hashes to `payload_sha256`.
+    /// Registers a staged envelope whose descriptor (its form, serializer
+    /// and payload hash) is `descriptor`.
     fn register_staged(
         &self,
         staged: StagedPayload,
-        payload_sha256: [u8; 32],
+        descriptor: PythonSerialized,
         metadata: Option<&CallableMetadata>,
     ) -> PendingOperation<Handle> {
-        let digest = PythonSerialized {
-            payload_format_version: crate::envelope::VERSION,
-            serializer_id: crate::envelope::SERIALIZER_CLOUDPICKLE,
-            payload_sha256: Digest(payload_sha256),
-        }
-        .digest();
+        let digest = descriptor.digest();
         let (done, pending) = handoff::channel();
         let owed = self.push(
             Request::Register {
@@ -403,21 +403,37 @@ impl<R: Runtime> Worker<R> {
                 payload,
                 payload_sha256,
             } => {
-                self.owned(OperationKind::Register)
-                    .map_err(OperationError::new)?;
-                let started = self.shared.lock().machine.lifecycle() == Lifecycle::Started;
-                if !started {
-                    let bytes = payload.read_all().map_err(stage_error)?;
-                    drop(payload);
-                    return self.register_inner(&bytes, metadata)?.wait();
-                }
-                if let Some(metadata) = metadata {
-                    self.check_metadata_fits(metadata)?;
-                }
-                self.register_staged(payload, payload_sha256, metadata)
-                    .wait()
+                // A writer writes the reference form.
+                let descriptor = PythonSerialized {
+                    payload_format_version: crate::envelope::VERSION,
+                    serializer_id: crate::envelope::SERIALIZER_CLOUDPICKLE,
+                    payload_sha256: Digest(payload_sha256),
+                };
+                self.register_adopted(payload, descriptor, metadata)
             }
         }
+    }
+
+    /// Registers a sealed, hashed envelope: from where it is after start,
+    /// read back into memory before.
+    fn register_adopted(
+        &self,
+        payload: StagedPayload,
+        descriptor: PythonSerialized,
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<Handle, OperationError> {
+        self.owned(OperationKind::Register)
+            .map_err(OperationError::new)?;
+        let started = self.shared.lock().machine.lifecycle() == Lifecycle::Started;
+        if !started {
+            let bytes = payload.read_all().map_err(stage_error)?;
+            drop(payload);
+            return self.register_inner(&bytes, metadata)?.wait();
+        }
+        if let Some(metadata) = metadata {
+            self.check_metadata_fits(metadata)?;
+        }
+        self.register_staged(payload, descriptor, metadata).wait()
     }
 
     /// Registers the envelope a writer put in `fd` (a
@@ -436,14 +452,8 @@ impl<R: Runtime> Worker<R> {
         fd: std::os::fd::OwnedFd,
         metadata: Option<&CallableMetadata>,
     ) -> Result<Handle, OperationError> {
-        let (payload, payload_sha256) = StagedPayload::adopt(fd).map_err(stage_error)?;
-        self.register_written(
-            WrittenEnvelope::Staged {
-                payload,
-                payload_sha256,
-            },
-            metadata,
-        )
+        let (payload, descriptor) = StagedPayload::adopt(fd).map_err(stage_error)?;
+        self.register_adopted(payload, descriptor, metadata)
     }
 
     /// Refuses metadata whose JSON cannot fit in one register control.

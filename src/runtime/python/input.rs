@@ -106,7 +106,7 @@ pub(super) fn pickle_input<'py>(
             .bind(py)
             .call1((PyBytes::new(py, input),))
     } else {
-        loads_borrowed(py, functions.pickle_loads.bind(py), input)
+        loads_borrowed(py, functions.pickle_loads.bind(py), input, None)
     };
     let decoded = decoded.map_err(|err| {
         let (kind, message) = describe_exception(py, &err);
