@@ -31,6 +31,8 @@ DEFAULT_CONTROL_TIMEOUT: Final = 30.0
 DEFAULT_SLOT_CAPACITY: Final = 64
 DEFAULT_RESPAWN_LIMIT: Final = 3
 DEFAULT_RESPAWN_BACKOFF: Final = 0.1
+DEFAULT_SPIN: Final = 5e-5
+MAX_SPIN: Final = 1e-3
 
 # How a Worker makes its targets (``specs/python.md``, "Start methods").
 START_METHODS: Final = ("fork", "forkserver")
@@ -47,6 +49,7 @@ class WorkerOptions(TypedDict, total=False):
     probe_first: bool
     respawn_limit: int
     respawn_backoff: float
+    spin: float
     start_method: Literal["fork", "forkserver"]
     preload: Iterable[str]
 
@@ -61,6 +64,7 @@ def raw_worker(
     probe_first: bool,
     respawn_limit: int,
     respawn_backoff: float,
+    spin: float = DEFAULT_SPIN,
     target_initializer: Callable[[int], object] | None = None,
     start_method: str = "fork",
     preload: Iterable[str] = (),
@@ -81,6 +85,9 @@ def raw_worker(
         raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
     _check_int("respawn_limit", respawn_limit, _U16)
     _check_seconds("respawn_backoff", respawn_backoff)
+    _check_seconds("spin", spin)
+    if spin > MAX_SPIN:
+        raise ValueError("spin must be at most %r seconds (1 ms), got %r" % (MAX_SPIN, spin))
     template = _template(start_method, preload, target_initializer)
     if template is not None:
         # The template's runtime data carries it.
@@ -97,6 +104,7 @@ def raw_worker(
             respawn_limit,
             respawn_backoff,
             template,
+            spin,
         )
     except _callreg.RawError as raw:
         raise_error(raw)

@@ -28,6 +28,7 @@ from callreg._options import (
     DEFAULT_RESPAWN_BACKOFF,
     DEFAULT_RESPAWN_LIMIT,
     DEFAULT_SLOT_CAPACITY,
+    DEFAULT_SPIN,
     raw_worker,
 )
 from callreg._raw_errors import error, raise_error
@@ -89,6 +90,15 @@ class Worker(Inspection):
     and :meth:`target_events` says so. ``respawn_backoff`` (seconds, default
     0.1) is the wait before the second replacement in a row, doubling for
     each further one; the first comes at once.
+    ``spin`` (seconds, default 50 µs, at most 0.001; 0: never): how long a
+    caller waiting for its own result (:meth:`call`, a future's
+    ``result()``) polls for the reply before it sleeps. Waking a sleeping
+    thread on an idle CPU can cost more than a short task's whole round
+    trip; the Worker measures whether waits that spin end sooner than
+    waits that do not, and spins only while they do (by more than an
+    eighth), trying the other way every 16th wait. An idle Worker never
+    spins (``specs/threads.md``, "The leader's spin").
+
     The template process is a child of this process: killing it kills
     every replacement it forked and ends replacements for the Worker's
     life (the targets forked at start serve on).
@@ -148,6 +158,7 @@ class Worker(Inspection):
         probe_first: bool = True,
         respawn_limit: int = DEFAULT_RESPAWN_LIMIT,
         respawn_backoff: float = DEFAULT_RESPAWN_BACKOFF,
+        spin: float = DEFAULT_SPIN,
         initializer: Callable[..., object] | None = None,
         initargs: Iterable[Any] = (),
         start_method: Literal["fork", "forkserver"] = "fork",
@@ -169,6 +180,7 @@ class Worker(Inspection):
             probe_first=probe_first,
             respawn_limit=respawn_limit,
             respawn_backoff=respawn_backoff,
+            spin=spin,
             target_initializer=target_initializer,
             start_method=start_method,
             preload=preload,

@@ -444,11 +444,14 @@ impl RawWorker {
     /// the template process, which forks every target (the program runs
     /// [`_template_main`]; `runtime_data` is its `prepare`'s, and carries
     /// the target initializer: `target_initializer` must then be `None`).
+    /// `spin` (seconds, at most 0.001; 0: never): how long a caller waiting
+    /// for its own result polls before it sleeps
+    /// ([`callreg::io::WorkerBuilder::spin`]).
     ///
     /// [`WorkerBuilder::probe_first`]: callreg::io::WorkerBuilder::probe_first
     /// [`WorkerBuilder::respawn_limit`]: callreg::io::WorkerBuilder::respawn_limit
     #[new]
-    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true, respawn_limit=callreg::protocol::DEFAULT_RESPAWN_LIMIT, respawn_backoff=0.1, template=None))]
+    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true, respawn_limit=callreg::protocol::DEFAULT_RESPAWN_LIMIT, respawn_backoff=0.1, template=None, spin=5e-5))]
     // One argument per keyword of the Python constructor.
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -463,8 +466,10 @@ impl RawWorker {
         respawn_limit: u16,
         respawn_backoff: f64,
         template: Option<(String, Vec<String>, Vec<u8>)>,
+        spin: f64,
     ) -> PyResult<RawWorker> {
         let respawn_backoff = duration("respawn_backoff", respawn_backoff, true)?;
+        let spin = duration("spin", spin, true)?;
         let control_timeout = duration("control_timeout", control_timeout, false)?;
         let operation_timeout = operation_timeout
             .map(|seconds| duration("operation_timeout", seconds, false))
@@ -497,6 +502,7 @@ impl RawWorker {
             .probe_first(probe_first)
             .respawn_limit(respawn_limit)
             .respawn_backoff(respawn_backoff)
+            .spin(spin)
             // A Python process usually runs other threads; os.fork forks
             // anyway (with its before/after-fork steps), and so does this.
             .accept_thread_risk()

@@ -68,6 +68,7 @@ pub mod handoff;
 pub mod lead;
 pub mod process;
 pub mod slots;
+pub mod spin;
 pub mod staging;
 mod sys;
 pub mod target;

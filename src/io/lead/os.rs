@@ -1,5 +1,6 @@
 //! The OS pieces of the rule as the Worker runs it: `poll(2)` over its
-//! reply sockets and pipes, and its wake pipes.
+//! reply sockets and pipes, after a bounded adaptive spin ([`Spin`]), and
+//! its wake pipes.
 
 use std::os::fd::AsFd;
 use std::sync::Arc;
@@ -10,15 +11,45 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::run::{PollFailed, Poller, Readiness};
 use crate::io::process::TrackedFd;
+use crate::io::spin::Spin;
 
-/// `poll(2)` and pipes.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Os;
+/// `poll(2)` and pipes; a leader's poll first spins as its [`Spin`]
+/// decides.
+#[derive(Debug, Default)]
+pub struct Os {
+    spin: Spin,
+}
+
+impl Os {
+    /// `poll(2)` whose waits spin as `spin` decides.
+    pub fn new(spin: Spin) -> Os {
+        Os { spin }
+    }
+
+    /// Polls `polled` without blocking until one is ready, `until` or
+    /// `deadline` (the earlier): whether one is.
+    fn spin_until(polled: &mut [PollFd<'_>], until: Instant, deadline: Option<Instant>) -> bool {
+        let until = deadline.map_or(until, |deadline| deadline.min(until));
+        loop {
+            if matches!(nix::poll::poll(polled, PollTimeout::ZERO), Ok(n) if n > 0) {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
 
 impl Poller for Os {
     type Fd = Arc<TrackedFd>;
     type Pipe = TrackedFd;
 
+    /// Spins first when the [`Spin`] says this wait should (polling
+    /// without blocking, for its budget at most), then polls until an
+    /// event or `deadline`; records how long a wait that ended in an event
+    /// took, and whether it spun, for the next decisions.
     fn poll(
         &self,
         fds: &[&Arc<TrackedFd>],
@@ -28,9 +59,20 @@ impl Poller for Os {
             .iter()
             .map(|fd| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
             .collect();
+        let start = Instant::now();
+        let spun = match self.spin.next_wait(start) {
+            Some(until) if deadline.is_none_or(|deadline| deadline > start) => {
+                Self::spin_until(&mut polled, until, deadline);
+                true
+            }
+            _ => false,
+        };
         let (result, events) = poll_events(&mut polled, deadline);
         if matches!(result, Err(errno) if errno != Errno::EINTR) {
             return Err(PollFailed);
+        }
+        if events.iter().any(|event| !event.is_empty()) {
+            self.spin.ended(spun, start, Instant::now());
         }
         Ok(events
             .into_iter()
@@ -53,9 +95,14 @@ impl Poller for Os {
     }
 
     fn ring(&self, pipe: &TrackedFd) {
-        // A full pipe already guarantees a wake-up.
-        let _ = nix::unistd::write(pipe, &[1]);
+        ring(pipe);
     }
+}
+
+/// Writes a byte into a wake pipe (a full pipe already guarantees a
+/// wake-up).
+pub fn ring(pipe: &TrackedFd) {
+    let _ = nix::unistd::write(pipe, &[1]);
 }
 
 /// `poll` over `fds` until an event or `deadline`: its result, and the

@@ -18,7 +18,7 @@ use super::Worker;
 use crate::io::handoff::{self, Pending};
 pub(super) use crate::io::lead::os::poll_events;
 use crate::io::lead::os::Os;
-use crate::io::lead::{self, LinkId, Locked, Owed, Poller, StateLock, Watch};
+use crate::io::lead::{self, LinkId, Locked, Owed, StateLock, Watch};
 use crate::io::process::TrackedFd;
 
 pub(super) struct Shared {
@@ -26,6 +26,9 @@ pub(super) struct Shared {
     /// (its threads, targets and locks exist there alone).
     pub(super) process: u32,
     pub(super) core: std::sync::Mutex<Core>,
+    /// `poll(2)`, with the leader's adaptive spin
+    /// ([`crate::io::spin::Spin`]).
+    pub(super) poller: Os,
 }
 
 impl Shared {
@@ -72,7 +75,7 @@ impl StateLock for Shared {
     type Locked<'a> = Held<'a>;
 
     fn poller(&self) -> &Os {
-        &Os
+        &self.poller
     }
 
     fn enter(&self) -> Option<Held<'_>> {
@@ -205,6 +208,6 @@ impl Owed for Leaving {
 /// Wakes the IO thread (it rebuilds its `poll` set).
 pub(super) fn io_wake(core: &Core) {
     if let Some(wake) = &core.wake {
-        Os.ring(wake);
+        crate::io::lead::os::ring(wake);
     }
 }
