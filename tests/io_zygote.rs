@@ -51,6 +51,10 @@ fn main() {
             an_exec_template_that_fails_is_a_start_error,
         ),
         (
+            "an_exec_template_drops_the_startup_snapshot_after_the_start",
+            an_exec_template_drops_the_startup_snapshot_after_the_start,
+        ),
+        (
             "an_exec_template_without_replacements_serves_until_close",
             an_exec_template_without_replacements_serves_until_close,
         ),
@@ -689,6 +693,58 @@ fn an_exec_template_forks_every_target_and_replacement() {
     );
     worker.close();
     assert!(worker.live_targets().is_empty());
+}
+
+/// Resident memory of process `pid`, in bytes (`VmRSS`).
+fn resident(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+/// The exec'd template holds a pre-start callable's bytes only until the
+/// start's last target is forked (`Zygote::spawn_startup`'s `last`): a
+/// 48 MiB envelope leaves it, and its targets once they installed it,
+/// well below that; a replacement still gets it, by replay.
+fn an_exec_template_drops_the_startup_snapshot_after_the_start() {
+    const BIG: u64 = 48 << 20;
+    let worker = Worker::builder(Arc::new(TestRuntime))
+        .targets(2)
+        .control_timeout(Duration::from_secs(10))
+        .start_method(StartMethod::Forkserver(template_command()))
+        .build()
+        .unwrap();
+    let mut big = b"echo#".to_vec();
+    big.resize(BIG as usize, b'x');
+    let big = worker.register(&encode(&big)).unwrap();
+    worker.start().unwrap();
+    let pids: Vec<i32> = (0..2)
+        .map(|t| worker.target_pid(TargetId(t)).unwrap())
+        .collect();
+    let template = parent_of(pids[0]);
+    for pid in pids.iter().chain([&template]) {
+        let dropped = (0..500).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            resident(*pid) < BIG / 2
+        });
+        assert!(dropped, "process {pid} holds {} bytes", resident(*pid));
+    }
+    kill(Pid::from_raw(pids[0]), Signal::SIGKILL).unwrap();
+    io_common::wait_for_target(&worker, 0, TargetPhase::Joined, 1);
+    for t in 0..2 {
+        assert_eq!(
+            worker
+                .submit(&big, TargetId(t), TaskEncoding::Json, b"3")
+                .unwrap(),
+            b"3"
+        );
+    }
+    worker.close();
 }
 
 /// A template that refuses to start (its runtime could not be built)

@@ -37,7 +37,7 @@
 //!
 //! | bytes | field |
 //! |---|---|
-//! | 0 | `b'S'`: fork a replacement; `b'I'`: fork a target of the start ([`Zygote::spawn_startup`]) |
+//! | 0 | `b'S'`: fork a replacement; `b'I'`: fork a target of the start, `b'L'` its last one ([`Zygote::spawn_startup`]) |
 //! | 1..9 | serial (u64), unique per request to this template process |
 //! | 9..17 | the target's index (u64), passed to `before_body` and in [`TargetEnds`] |
 //!
@@ -114,7 +114,7 @@ use super::process::{
     TargetProcess, ThreadPolicy,
 };
 use super::sys::{pidfd_open, set_nonblocking, Exit, ProcessError, TrackedFd};
-use super::zygote_link::{decode_request, LinkState, Message, ZygoteLink, REQUEST_LEN};
+use super::zygote_link::{decode_request, LinkState, Message, SpawnKind, ZygoteLink, REQUEST_LEN};
 use crate::runtime::Runtime;
 
 pub use super::zygote_link::{ENDED_REPORT_GRACE, OPERATIONS, REPORT_TIMEOUT};
@@ -237,6 +237,7 @@ impl Zygote {
                 runtime,
                 before_body: &before_body,
                 body: &|ends, _startup| body(ends),
+                after_start: &|| {},
                 children: Vec::new(),
             }
             .run()
@@ -278,22 +279,33 @@ impl Zygote {
     /// the request socket failed; [`ProcessError::ZygoteTimeout`] when no
     /// reply came within the spawn timeout.
     pub fn spawn(&self, index: usize) -> Result<TargetProcess, ProcessError> {
-        self.request(index, false)
+        self.request(index, SpawnKind::Replacement)
     }
 
     /// As [`Zygote::spawn`], for a target of the start: the template of
     /// [`Zygote::exec`] forks it with the startup setup it was given (the
     /// snapshot installed at once) instead of the empty one of
-    /// replacements. The template of [`Zygote::fork`] has one body only:
-    /// this is [`Zygote::spawn`] there.
+    /// replacements. `last`: this is the start's last target, after which
+    /// the template drops the startup snapshot's bytes (replacements get
+    /// every registration by replay), so that it does not hold them for
+    /// its life. The template of [`Zygote::fork`] has one body only, and
+    /// dropped what it inherited as it started: this is [`Zygote::spawn`]
+    /// there.
     ///
     /// # Errors
     /// As [`Zygote::spawn`].
-    pub fn spawn_startup(&self, index: usize) -> Result<TargetProcess, ProcessError> {
-        self.request(index, true)
+    pub fn spawn_startup(&self, index: usize, last: bool) -> Result<TargetProcess, ProcessError> {
+        self.request(
+            index,
+            if last {
+                SpawnKind::LastStartup
+            } else {
+                SpawnKind::Startup
+            },
+        )
     }
 
-    fn request(&self, index: usize, startup: bool) -> Result<TargetProcess, ProcessError> {
+    fn request(&self, index: usize, kind: SpawnKind) -> Result<TargetProcess, ProcessError> {
         let mut state = self.link.lock();
         if state.closed || state.eof {
             return Err(ProcessError::ZygoteGone);
@@ -302,7 +314,7 @@ impl Zygote {
         state.next_serial += 1;
         state.awaiting.insert(serial);
         let deadline = Instant::now() + self.spawn_timeout;
-        let outcome = state.request(serial, index, startup, deadline, self.spawn_timeout);
+        let outcome = state.request(serial, index, kind, deadline, self.spawn_timeout);
         state.awaiting.remove(&serial);
         let (pid, [control, reply, pidfd]) = outcome?;
         let forked = Forked {
@@ -434,6 +446,8 @@ struct Template<'a, R: ?Sized, B, F> {
     runtime: &'a R,
     before_body: &'a B,
     body: &'a F,
+    /// Runs once the start's last target is forked (a `b'L'` request).
+    after_start: &'a dyn Fn(),
     children: Vec<Child>,
 }
 
@@ -499,11 +513,14 @@ where
                     Err(Errno::EINTR | Errno::EAGAIN) => continue,
                     Err(_) => return TEMPLATE_ERROR_EXIT_CODE,
                 };
-                let Some((serial, index, startup)) = decode_request(&bytes[..len]) else {
+                let Some((serial, index, kind)) = decode_request(&bytes[..len]) else {
                     return TEMPLATE_ERROR_EXIT_CODE;
                 };
-                if self.spawn(serial, index, startup).is_err() {
+                if self.spawn(serial, index, kind.startup()).is_err() {
                     return TEMPLATE_ERROR_EXIT_CODE;
+                }
+                if kind == SpawnKind::LastStartup {
+                    (self.after_start)();
                 }
             }
         }

@@ -106,36 +106,55 @@ impl Message {
     }
 }
 
-/// A request's tag: `b'I'` for a target of the start (it installs the
-/// startup snapshot), `b'S'` for a replacement.
-fn request_tag(startup: bool) -> u8 {
-    if startup {
-        b'I'
-    } else {
-        b'S'
+/// What a spawn request asks the template for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SpawnKind {
+    /// A replacement (tag `b'S'`): the empty setup.
+    Replacement,
+    /// A target of the start (tag `b'I'`): it installs the startup
+    /// snapshot.
+    Startup,
+    /// The start's last target (tag `b'L'`): as [`SpawnKind::Startup`],
+    /// then the template drops the startup snapshot's bytes (replacements
+    /// get every registration by replay).
+    LastStartup,
+}
+
+impl SpawnKind {
+    fn tag(self) -> u8 {
+        match self {
+            SpawnKind::Replacement => b'S',
+            SpawnKind::Startup => b'I',
+            SpawnKind::LastStartup => b'L',
+        }
+    }
+
+    /// Whether the target installs the startup snapshot.
+    pub(super) fn startup(self) -> bool {
+        self != SpawnKind::Replacement
     }
 }
 
-fn encode_request(serial: u64, index: usize, startup: bool) -> [u8; REQUEST_LEN] {
+fn encode_request(serial: u64, index: usize, kind: SpawnKind) -> [u8; REQUEST_LEN] {
     let mut bytes = [0u8; REQUEST_LEN];
-    bytes[0] = request_tag(startup);
+    bytes[0] = kind.tag();
     bytes[1..9].copy_from_slice(&serial.to_le_bytes());
     bytes[9..17].copy_from_slice(&(index as u64).to_le_bytes());
     bytes
 }
 
-/// A request's serial, target index and whether it asks for a target of
-/// the start (`b'I'`) rather than a replacement (`b'S'`).
-pub(super) fn decode_request(bytes: &[u8]) -> Option<(u64, usize, bool)> {
+/// A request's serial, target index and kind.
+pub(super) fn decode_request(bytes: &[u8]) -> Option<(u64, usize, SpawnKind)> {
     let bytes: &[u8; REQUEST_LEN] = bytes.try_into().ok()?;
-    let startup = match bytes[0] {
-        b'S' => false,
-        b'I' => true,
+    let kind = match bytes[0] {
+        b'S' => SpawnKind::Replacement,
+        b'I' => SpawnKind::Startup,
+        b'L' => SpawnKind::LastStartup,
         _ => return None,
     };
     let serial = u64::from_le_bytes(bytes[1..9].try_into().ok()?);
     let index = usize::try_from(u64::from_le_bytes(bytes[9..17].try_into().ok()?)).ok()?;
-    Some((serial, index, startup))
+    Some((serial, index, kind))
 }
 
 /// The parent's side of the template process, shared by the
@@ -268,11 +287,11 @@ impl LinkState {
         &mut self,
         serial: u64,
         index: usize,
-        startup: bool,
+        kind: SpawnKind,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Reply, ProcessError> {
-        let request = encode_request(serial, index, startup);
+        let request = encode_request(serial, index, kind);
         let timed_out = || ProcessError::ZygoteTimeout {
             what: "a spawn request",
             waited: timeout,
@@ -471,16 +490,19 @@ mod tests {
         assert_eq!(Message::decode(&message.encode()), Some(message));
         assert_eq!(message.encode()[0], b'X');
         assert_eq!(Message::decode(&message.encode()[..17]), None);
-        assert_eq!(
-            decode_request(&encode_request(u64::MAX, 3, false)),
-            Some((u64::MAX, 3, false))
-        );
-        assert_eq!(
-            decode_request(&encode_request(5, 0, true)),
-            Some((5, 0, true))
-        );
-        assert_eq!(encode_request(5, 0, true)[0], b'I');
-        let mut wrong = encode_request(1, 2, false);
+        for (kind, tag, startup) in [
+            (SpawnKind::Replacement, b'S', false),
+            (SpawnKind::Startup, b'I', true),
+            (SpawnKind::LastStartup, b'L', true),
+        ] {
+            assert_eq!(
+                decode_request(&encode_request(u64::MAX, 3, kind)),
+                Some((u64::MAX, 3, kind))
+            );
+            assert_eq!(encode_request(5, 0, kind)[0], tag);
+            assert_eq!(kind.startup(), startup);
+        }
+        let mut wrong = encode_request(1, 2, SpawnKind::Replacement);
         wrong[0] = b'Q';
         assert_eq!(decode_request(&wrong), None);
     }

@@ -417,7 +417,7 @@ fn forkserver_start<R: Runtime>(
     })?;
     let mut processes = Vec::with_capacity(usize::from(targets));
     for index in 0..usize::from(targets) {
-        match zygote.spawn_startup(index) {
+        match zygote.spawn_startup(index, index + 1 == usize::from(targets)) {
             Ok(process) => processes.push(process),
             Err(e) => {
                 for mut process in processes {

@@ -570,7 +570,7 @@ impl ExecTemplate {
     /// exit status to end with. Call it on a thread that lives as long as
     /// the template (the targets' parent-death signal follows it), with
     /// the process otherwise single-threaded.
-    pub fn serve<R: Runtime>(self, runtime: Arc<R>) -> i32 {
+    pub fn serve<R: Runtime>(mut self, runtime: Arc<R>) -> i32 {
         if self.send(b"H").is_err() {
             return super::TEMPLATE_ERROR_EXIT_CODE;
         }
@@ -581,11 +581,22 @@ impl ExecTemplate {
         let _ = unsafe { signal::signal(Signal::SIGCHLD, signal::SigHandler::SigDfl) };
         let startup = self.setup.target_setup(runtime.clone(), true);
         let empty = self.setup.target_setup(runtime.clone(), false);
+        // The startup setup holds the only copy of the snapshot's bytes
+        // from here, until the start's last target is forked.
+        self.setup.envelopes.clear();
+        let drop_snapshot = || {
+            startup
+                .envelopes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
+        };
         Template {
             socket: self.socket,
             runtime: &*runtime,
             before_body: &target::before_body,
             body: &|ends, is_startup| target::run(ends, if is_startup { &startup } else { &empty }),
+            after_start: &drop_snapshot,
             children: Vec::new(),
         }
         .run()
