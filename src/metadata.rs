@@ -73,7 +73,10 @@ pub const SERIALIZER_CLOUDPICKLE: &str = "cloudpickle";
 ///
 /// [`to_json`]: CallableMetadata::to_json
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object with \"name\" and the optional keys python, executor, executor_data, deps, call_before, call_after"
+)]
 pub struct CallableMetadata {
     /// Display name of the callable, e.g. `"add"`.
     pub name: String,
@@ -105,7 +108,10 @@ pub struct CallableMetadata {
 /// major version only (code objects change between Python minors;
 /// cloudpickle's format between its majors).
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object {\"version\", \"serializer\", \"serializer_version\"} of strings"
+)]
 pub struct PythonVersions {
     /// `platform.python_version()` of the producer, `MAJOR.MINOR[.…]`.
     pub version: String,
@@ -119,7 +125,10 @@ pub struct PythonVersions {
 /// `{"type": "PythonExecutor", "short_name": "python", "attributes": {...}}`.
 /// `type` and `short_name` are required, `attributes` defaults to `{}`.
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object {\"type\", \"short_name\", \"attributes\"}"
+)]
 pub struct ExecutorData {
     /// The executor's type name as its registry states it, e.g. `"PythonExecutor"`.
     #[serde(rename = "type")]
@@ -134,7 +143,10 @@ pub struct ExecutorData {
 /// Declared dependencies: `{"pip": {"packages": [...]}, "bash": {"commands": [...]}}`;
 /// each block defaults to empty.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object {\"pip\": {...}, \"bash\": {...}}"
+)]
 pub struct Deps {
     /// pip requirements verified against what is installed (never installed).
     #[serde(default)]
@@ -146,7 +158,10 @@ pub struct Deps {
 
 /// `{"packages": ["cloudpickle>=2", ...]}`: PEP 508 requirement strings.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object {\"packages\": [requirement strings]}"
+)]
 pub struct PipDeps {
     /// Requirement strings, e.g. `"numpy>=1.20,<2"`; `packages` is required.
     pub packages: Vec<String>,
@@ -154,7 +169,10 @@ pub struct PipDeps {
 
 /// `{"commands": ["true", ...]}`: each run as `/bin/sh -c COMMAND`.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object {\"commands\": [command strings]}"
+)]
 pub struct BashDeps {
     /// Shell commands, run in order; `commands` is required.
     pub commands: Vec<String>,
@@ -165,7 +183,10 @@ pub struct BashDeps {
 /// `hashid` is required; `args` defaults to `[]`, `kwargs` to `{}`;
 /// `retval_keyword` is optional and, when present, a Python identifier.
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object {\"hashid\", \"args\", \"kwargs\", \"retval_keyword\"}"
+)]
 pub struct HookCall {
     /// The hook callable's hashid (it must be live in the same namespace).
     pub hashid: HashId,

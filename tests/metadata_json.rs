@@ -334,6 +334,47 @@ fn metadata_rejects_each_fault_naming_the_field() {
         err(r#"{"name": "f", "deps": {"bash": {"commands": [" "]}}}"#),
         JsonError::at("deps.bash.commands[0]", "must not be blank")
     );
+    // A block of the wrong JSON type says what it must be, in JSON's
+    // terms (never a Rust type's name).
+    for (text, path, message) in [
+        (
+            r#"{"name": "f", "deps": {"pip": 5}}"#,
+            "deps.pip",
+            r#"invalid type: integer `5`, expected an object {"packages": [requirement strings]}"#,
+        ),
+        (
+            r#"{"name": "f", "deps": {"bash": "ls"}}"#,
+            "deps.bash",
+            r#"invalid type: string "ls", expected an object {"commands": [command strings]}"#,
+        ),
+        (
+            r#"{"name": "f", "deps": 1}"#,
+            "deps",
+            r#"invalid type: integer `1`, expected an object {"pip": {...}, "bash": {...}}"#,
+        ),
+        (
+            r#"{"name": "f", "python": "3.11"}"#,
+            "python",
+            r#"invalid type: string "3.11", expected an object {"version", "serializer", "serializer_version"} of strings"#,
+        ),
+        (
+            r#"{"name": "f", "executor_data": 1}"#,
+            "executor_data",
+            r#"invalid type: integer `1`, expected an object {"type", "short_name", "attributes"}"#,
+        ),
+        (
+            r#"{"name": "f", "call_after": [7]}"#,
+            "call_after[0]",
+            r#"invalid type: integer `7`, expected an object {"hashid", "args", "kwargs", "retval_keyword"}"#,
+        ),
+        (
+            r#"{"name": "f", "call_before": [{"hashid": 1}], "deps": 1}"#,
+            "call_before[0].hashid",
+            "invalid type: integer `1`, expected a string",
+        ),
+    ] {
+        assert_eq!(err(text), JsonError::at(path, message), "{text}");
+    }
     // Each part has its own strict from_json.
     assert_eq!(
         PipDeps::from_json(r#"{"packages": [""]}"#),

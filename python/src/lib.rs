@@ -912,7 +912,7 @@ fn envelope_hashid(py: Python<'_>, envelope: &[u8]) -> PyResult<String> {
     let parsed = py.detach(|| {
         Envelope::parse(envelope)
             .map(|parsed| python_serialized_digest(&parsed))
-            .map_err(|e| Error::new(e.code(), OperationKind::Register, e.message()))
+            .map_err(|e| Error::new(e.code(), OperationKind::Decode, e.message()))
     });
     parsed
         .map(|digest| callreg::descriptor::HashId(digest).to_string())

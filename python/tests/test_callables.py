@@ -424,6 +424,8 @@ def test_pack_and_hashid():
     with pytest.raises(callreg.EnvelopeError) as info:
         callreg.hashid(b"not an envelope at all")
     assert info.value.code == "ENVELOPE_INVALID"
+    # Computing a hashid decodes: no register is involved.
+    assert str(info.value) == 'ENVELOPE_INVALID: bad magic 6e6f7420 (expected 53505943, "SPYC") (operation decode)'
     with pytest.raises(TypeError):
         callreg.hashid(3)
     with callreg.Worker(1) as w:
