@@ -4,7 +4,7 @@
 //!
 //! | offset | size | field | rule |
 //! |---|---|---|---|
-//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (6) |
+//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (7) |
 //! | 1 | 1 | kind (u8) | a [`FrameKind`] value |
 //! | 2 | 2 | flags (u16) | 0, or [`FLAG_TASK_EXCEPTION`] on a failed task result |
 //! | 4 | 4 | body length (u32, bytes) | `8 + body length <= maximum frame size` |
@@ -27,15 +27,18 @@
 
 use crate::descriptor::Digest;
 use crate::error::ErrorCode;
+use crate::protocol::ControlPhase;
 
-/// The only wire version this implementation reads and writes. Version 6
+/// The only wire version this implementation reads and writes. Version 7
+/// added the phase of the control an [`Frame::Alive`] reports (queued or
+/// running); version 6
 /// added the target's [`Frame::StartFailed`] report; version 5
 /// added the parent's [`Frame::Cancel`] control; version 4
 /// added the target's [`Frame::Alive`] report; version 3 replaced the register control's staged shm name by a sealed descriptor
 /// passed beside the frame (`specs/staging.md`); version 2 added the
-/// register control's metadata field. Frames of versions 1 to 5 are
+/// register control's metadata field. Frames of versions 1 to 6 are
 /// refused.
-pub const WIRE_VERSION: u8 = 6;
+pub const WIRE_VERSION: u8 = 7;
 
 /// Header flag of a [`Frame::TaskResult`] with an error status whose
 /// failure carries a serialized exception ([`TaskFailure::exception`]):
@@ -265,10 +268,15 @@ pub enum Frame {
     /// The target is alive and holds the register or unregister control
     /// `seq` (cleanups are unregisters) unanswered: it sends one on
     /// receipt and then periodically while the control is queued or
-    /// running (`specs/protocol.md`, "Deadlines"). Body: `u64 seq`.
+    /// running (`specs/protocol.md` §2.7), saying which (§2.8: a probe
+    /// fenced at its bound is evidence against its digest only if it was
+    /// running). Body: `u64 seq`, `u8 phase` ([`ControlPhase`]: 0 queued,
+    /// 1 running; any other value is refused).
     Alive {
         /// The control's sequence number.
         seq: u64,
+        /// Whether its install has begun.
+        phase: ControlPhase,
     },
     /// The target's runtime could not start (an initializer or a setup
     /// raised, say): sent instead of [`Frame::Ready`], as the target's last
@@ -331,6 +339,9 @@ pub enum WireError {
     /// A task frame's encoding names no [`TaskEncoding`].
     #[error("unknown task encoding {0}")]
     Encoding(u8),
+    /// An alive report's phase names no [`ControlPhase`].
+    #[error("unknown control phase {0}")]
+    Phase(u8),
     /// An OK status followed by a non-empty message.
     #[error("an OK status carries a message")]
     OkWithMessage,
@@ -503,7 +514,14 @@ fn decode_body(kind: FrameKind, flags: u16, body: &[u8]) -> Result<Frame, WireEr
                 entries,
             }
         }
-        FrameKind::Alive => Frame::Alive { seq: r.u64("seq")? },
+        FrameKind::Alive => {
+            let seq = r.u64("seq")?;
+            let phase = r.u8("phase")?;
+            Frame::Alive {
+                seq,
+                phase: ControlPhase::from_u8(phase).ok_or(WireError::Phase(phase))?,
+            }
+        }
         FrameKind::StartFailed => Frame::StartFailed {
             kind: r.string("failure kind")?,
             message: r.string("message")?,
@@ -683,8 +701,10 @@ impl Frame {
                 out.push(*encoding as u8);
                 put_bytes(out, input)?;
             }
-            Frame::Inspect { seq } | Frame::Alive { seq } => {
-                out.extend_from_slice(&seq.to_le_bytes())
+            Frame::Inspect { seq } => out.extend_from_slice(&seq.to_le_bytes()),
+            Frame::Alive { seq, phase } => {
+                out.extend_from_slice(&seq.to_le_bytes());
+                out.push(*phase as u8);
             }
             Frame::Reply {
                 seq,
@@ -949,7 +969,14 @@ mod tests {
                     tombstones,
                     entries
                 }),
-            any::<u64>().prop_map(|seq| Frame::Alive { seq }),
+            (any::<u64>(), any::<bool>()).prop_map(|(seq, running)| Frame::Alive {
+                seq,
+                phase: if running {
+                    ControlPhase::Running
+                } else {
+                    ControlPhase::Queued
+                }
+            }),
             (".*", ".*").prop_map(|(kind, message)| Frame::StartFailed { kind, message }),
         ]
     }
@@ -1023,6 +1050,40 @@ mod tests {
             decode(&header(WIRE_VERSION, 4, 1, 0), MAX),
             Err(WireError::Flags(1))
         );
+    }
+
+    #[test]
+    fn an_alive_report_says_whether_its_control_is_queued_or_running() {
+        let queued = Frame::Alive {
+            seq: 0x0102,
+            phase: ControlPhase::Queued,
+        };
+        let running = Frame::Alive {
+            seq: 0x0102,
+            phase: ControlPhase::Running,
+        };
+        let mut expected = header(7, 20, 0, 9);
+        expected.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(queued.encode(MAX).unwrap(), expected);
+        expected[16] = 1;
+        assert_eq!(running.encode(MAX).unwrap(), expected);
+        assert_eq!(
+            decode(&expected, MAX),
+            Ok(Decoded::Frame(running, expected.len()))
+        );
+        // Any other phase byte is refused; a version 6 report (no phase
+        // byte) is refused at its header.
+        expected[16] = 2;
+        assert_eq!(decode(&expected, MAX), Err(WireError::Phase(2)));
+        let mut old = header(6, 20, 0, 8);
+        old.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(decode(&old, MAX), Err(WireError::Version(6)));
+        let mut short = header(7, 20, 0, 8);
+        short.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0]);
+        assert!(matches!(
+            decode(&short, MAX),
+            Err(WireError::Truncated { field: "phase", .. })
+        ));
     }
 
     #[test]
@@ -1235,7 +1296,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![6, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![7, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xcd; 32]);
         expected.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0]);
         expected.extend_from_slice(&[12, 0, 0, 0]);
@@ -1252,7 +1313,7 @@ mod tests {
         .encode(MAX)
         .unwrap();
         let expected = vec![
-            6, 21, 0, 0, 11, 0, 0, 0, 1, 0, 0, 0, b'E', 2, 0, 0, 0, b'n', b'o',
+            7, 21, 0, 0, 11, 0, 0, 0, 1, 0, 0, 0, b'E', 2, 0, 0, 0, b'n', b'o',
         ];
         assert_eq!(bytes, expected);
     }
@@ -1265,7 +1326,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![6, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![7, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xab; 32]);
         assert_eq!(bytes, expected);
     }

@@ -202,6 +202,34 @@ impl ControlFrame {
     }
 }
 
+/// Where a control a target reports alive stands there
+/// (`specs/protocol.md` §2.7, §2.8; `specs/wire.md`, the Alive frame):
+/// received and waiting for its turn, or being installed.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[repr(u8)]
+pub enum ControlPhase {
+    /// Received, its work not begun: queued behind other controls, or
+    /// taken by the control thread but waiting for the runtime (a task
+    /// holds the interpreter lock). Wire value 0.
+    Queued = 0,
+    /// Its install has begun: the runtime holds what it needs (for Python,
+    /// the interpreter lock) and runs it, until the control is answered.
+    /// Wire value 1.
+    Running = 1,
+}
+
+impl ControlPhase {
+    /// The phase for a wire value, or `None` for an unknown value.
+    pub fn from_u8(value: u8) -> Option<ControlPhase> {
+        match value {
+            0 => Some(ControlPhase::Queued),
+            1 => Some(ControlPhase::Running),
+            _ => None,
+        }
+    }
+}
+
 /// A failure as it travels in a reply, or as the IO layer reports it to a
 /// machine (e.g. the staged payload could not be opened): a code and the
 /// full UTF-8 message (never truncated).

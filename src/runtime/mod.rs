@@ -184,6 +184,33 @@ pub trait Runtime: Send + Sync + 'static {
         self.deserialize_staged(staged)
     }
 
+    /// [`Runtime::install`], calling `begun` once the install actually
+    /// begins: once this runtime holds what the install needs and runs it
+    /// (for Python, once the control thread holds the interpreter lock).
+    /// Until then the control is *queued* — for instance behind a task
+    /// that holds the lock — and from then on *running* until it is
+    /// answered; a target reports which in its alive reports
+    /// (`specs/protocol.md` §2.7, §2.8: only a probe fenced while running
+    /// is evidence against its digest). `begun` is called at most once,
+    /// and not at all when the install fails before it begins (a refused
+    /// check).
+    ///
+    /// This provided version calls `begun`, then [`Runtime::install`]: a
+    /// runtime that waits for nothing begins when it is called. A runtime
+    /// with a lock a task can hold (`PythonRuntime`) overrides it.
+    ///
+    /// # Errors
+    /// As [`Runtime::install`].
+    fn install_reporting(
+        &self,
+        staged: Staged<'_>,
+        metadata: Option<&CallableMetadata>,
+        begun: &dyn Fn(),
+    ) -> Result<Self::Callable, RuntimeError> {
+        begun();
+        self.install(staged, metadata)
+    }
+
     /// Runs `release`, which drops callables of this runtime (a slot the
     /// protocol freed: an unregister's last reference, or the end of the
     /// last run of a tombstoned slot), so that their finalizers run now,

@@ -307,14 +307,21 @@ impl PythonRuntime {
 
     /// Unpickles `pickle` (with the out-of-band buffers of `staged`, when
     /// it is of that form) and requires a callable: the body of
-    /// [`Runtime::deserialize`] and [`Runtime::deserialize_staged`].
+    /// [`Runtime::deserialize`], [`Runtime::deserialize_staged`] and
+    /// [`Runtime::install_reporting`], which passes the `begun` it is
+    /// given (the others, nothing); `begun` is called as soon as this
+    /// thread holds the interpreter lock, before the unpickle starts.
     fn load(
         &self,
         pickle: &[u8],
         staged: Option<&Staged<'_>>,
+        begun: &dyn Fn(),
     ) -> Result<PythonCallable, RuntimeError> {
         let functions = self.functions()?;
         Python::attach(|py| {
+            // This thread holds the interpreter lock: the unpickle runs
+            // from here (a task holding the lock kept it queued until now).
+            begun();
             let failed = |err: PyErr| {
                 let (kind, message) = describe_exception(py, &err);
                 RuntimeError {
@@ -570,7 +577,7 @@ impl Runtime for PythonRuntime {
     ///
     /// `LIFECYCLE_INVALID` with kind `RuntimeNotStarted` before [`Runtime::start`].
     fn deserialize(&self, payload: &[u8]) -> Result<PythonCallable, RuntimeError> {
-        self.load(payload, None)
+        self.load(payload, None, &|| {})
     }
 
     /// Unpickles a staged envelope's pickle (borrowed from the read-only
@@ -590,7 +597,7 @@ impl Runtime for PythonRuntime {
     /// As [`Runtime::deserialize`]; an `OSError` mapping the file is a
     /// `DESERIALIZE_FAILED` with kind `OSError`.
     fn deserialize_staged(&self, staged: Staged<'_>) -> Result<PythonCallable, RuntimeError> {
-        self.load(staged.envelope.pickle(), Some(&staged))
+        self.load(staged.envelope.pickle(), Some(&staged), &|| {})
     }
 
     /// Installs a payload with its metadata (`specs/metadata.md`).
@@ -628,9 +635,25 @@ impl Runtime for PythonRuntime {
         staged: Staged<'_>,
         metadata: Option<&CallableMetadata>,
     ) -> Result<PythonCallable, RuntimeError> {
+        self.install_reporting(staged, metadata, &|| {})
+    }
+
+    /// [`Runtime::install`] (above), calling `begun` when the unpickle
+    /// begins: once the control thread holds the interpreter lock for it,
+    /// after every check. A task holding the lock (a C call that never
+    /// releases it) keeps the install queued until then.
+    ///
+    /// # Errors
+    /// As [`Runtime::install`].
+    fn install_reporting(
+        &self,
+        staged: Staged<'_>,
+        metadata: Option<&CallableMetadata>,
+        begun: &dyn Fn(),
+    ) -> Result<PythonCallable, RuntimeError> {
         let functions = self.functions()?;
         let Some(metadata) = metadata else {
-            return self.deserialize_staged(staged);
+            return self.load(staged.envelope.pickle(), Some(&staged), begun);
         };
         if let Some(wanted) = &metadata.python {
             checks::check_versions(functions, wanted)?;
@@ -642,7 +665,7 @@ impl Runtime for PythonRuntime {
         // Without the GIL: a command may take long, and the task thread
         // keeps running Python meanwhile.
         checks::run_bash(&metadata.deps.bash.commands)?;
-        let mut callable = self.deserialize_staged(staged)?;
+        let mut callable = self.load(staged.envelope.pickle(), Some(&staged), begun)?;
         callable.executor = Some(executor);
         Ok(callable)
     }

@@ -4,7 +4,7 @@
 //! by the control thread through the slot table (a register's staged
 //! payload verified and installed, its replies written).
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -22,7 +22,7 @@ use crate::io::process::{exit_unless_target, receive_control};
 use crate::io::slots::{ControlGate, Effects, SlotTable};
 use crate::io::staging::StagedView;
 use crate::metadata::CallableMetadata;
-use crate::protocol::{Failure, Reply, Seq, Slot, TargetEffect, TargetId};
+use crate::protocol::{ControlPhase, Failure, Reply, Seq, Slot, TargetEffect, TargetId};
 use crate::runtime::{Runtime, Staged};
 use crate::wire::{Frame, FrameBuffer, ReplyError, TaskFailure};
 
@@ -64,14 +64,19 @@ pub(super) struct Control<'a, R: Runtime> {
     /// Frames handed to this thread and not yet handled (the reader's
     /// [`ControlGate::hand`], this thread's [`ControlGate::done`]).
     pub(super) idle: Arc<ControlGate>,
+    /// The controls received and not yet answered, with their phases.
+    pub(super) outstanding: Arc<Outstanding>,
 }
 
 /// Register and unregister controls received and not yet answered, by
-/// seq: the reader adds one on receipt, the control thread removes it once
-/// it answered, and the heartbeat thread reports each alive meanwhile.
+/// seq, each with its phase (`specs/wire.md`, the Alive frame): the reader
+/// adds one, queued, on receipt; the control thread marks a register
+/// running once the runtime begins its install
+/// ([`Runtime::install_reporting`]) and removes it once it answered; the
+/// heartbeat thread reports each alive meanwhile.
 #[derive(Default)]
-struct Outstanding {
-    seqs: Mutex<BTreeSet<u64>>,
+pub(super) struct Outstanding {
+    seqs: Mutex<BTreeMap<u64, ControlPhase>>,
     changed: Condvar,
 }
 
@@ -80,7 +85,21 @@ impl Outstanding {
         self.seqs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(seq);
+            .insert(seq, ControlPhase::Queued);
+        self.changed.notify_all();
+    }
+
+    /// Control `seq`'s install has begun; the heartbeat thread reports it
+    /// running at once (woken here), not a heartbeat later.
+    fn mark_running(&self, seq: u64) {
+        if let Some(phase) = self
+            .seqs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&seq)
+        {
+            *phase = ControlPhase::Running;
+        }
         self.changed.notify_all();
     }
 
@@ -173,7 +192,9 @@ fn read_controls<C>(
                     };
                     if let Some(seq) = control_seq(&frame) {
                         outstanding.insert(seq);
-                        writer.send_alive(seq);
+                        // Before the control thread has it: it cannot have
+                        // begun.
+                        writer.send_alive(seq, ControlPhase::Queued);
                     }
                     idle.hand();
                     if frames.send(Incoming::Frame(frame, payload)).is_err() {
@@ -187,8 +208,13 @@ fn read_controls<C>(
     }
 }
 
-/// The heartbeat thread: every `every`, reports each outstanding control
-/// alive; sleeps while none is outstanding. Never touches the runtime.
+/// The heartbeat thread: every `every`, and whenever a control is
+/// received or begins its install, reports each outstanding control alive
+/// with its phase; sleeps while none is outstanding. Never touches the
+/// runtime. The reports are written while the phases are locked, so a
+/// control's reports never go from running back to queued (a report read
+/// before its install began cannot be written after the one saying it
+/// did).
 fn beat(writer: &ReplyWriter, outstanding: &Outstanding, every: std::time::Duration) {
     let mut seqs = outstanding.seqs.lock().unwrap_or_else(|p| p.into_inner());
     loop {
@@ -202,12 +228,10 @@ fn beat(writer: &ReplyWriter, outstanding: &Outstanding, every: std::time::Durat
                 .changed
                 .wait_timeout(seqs, every)
                 .unwrap_or_else(|p| p.into_inner());
-            let due: Vec<u64> = guard.iter().copied().collect();
-            drop(guard);
-            for seq in due {
-                writer.send_alive(seq);
+            for (seq, phase) in guard.iter() {
+                writer.send_alive(*seq, *phase);
             }
-            outstanding.seqs.lock().unwrap_or_else(|p| p.into_inner())
+            guard
         };
     }
 }
@@ -218,7 +242,7 @@ pub(super) fn serve<R: Runtime>(
     writer: &Arc<ReplyWriter>,
     this: &Control<'_, R>,
 ) -> i32 {
-    let outstanding = Arc::new(Outstanding::default());
+    let outstanding = this.outstanding.clone();
     let (frames, incoming) = mpsc::channel::<Incoming>();
     {
         let writer = writer.clone();
@@ -438,6 +462,7 @@ impl<R: Runtime> Control<'_, R> {
                     file: Some(view.file()),
                 },
                 metadata,
+                &|| self.outstanding.mark_running(seq.0),
             ),
             // The machine asks to deserialize only after a verified open.
             Some((_, Err(e))) => Err(Failure::new(e.code(), e.message())),

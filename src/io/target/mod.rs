@@ -8,10 +8,14 @@
 //!   frames for the control thread. Why: an alive report never waits for
 //!   the interpreter.
 //! * **heartbeat** (no GIL): reports every control received and not yet
-//!   answered alive again every [`TargetSetup::heartbeat`]. Why: a busy
-//!   target (a slow unpickle, controls queued behind it, a task holding
-//!   the GIL) is never taken for a silent one (`specs/protocol.md`,
-//!   "Deadlines").
+//!   answered alive again every [`TargetSetup::heartbeat`], and at once
+//!   when a register's install begins, each with its phase: *queued* until
+//!   the runtime runs its install (it waits behind other controls, or for
+//!   the GIL a task holds), *running* from then on
+//!   ([`Runtime::install_reporting`]). Why: a busy target (a slow
+//!   unpickle, controls queued behind it, a task holding the GIL) is never
+//!   taken for a silent one (`specs/protocol.md` §2.7), and only a probe
+//!   fenced while running counts against its digest (§2.8).
 //! * **control**: takes the frames in order and drives the protocol's
 //!   [`Target`] machine (through the [`SlotTable`]), carrying out its
 //!   effects: it checks a staged payload's seals, maps it read-only,
@@ -87,7 +91,7 @@ mod control;
 mod reply;
 mod runs;
 
-use control::{serve, Control};
+use control::{serve, Control, Outstanding};
 use reply::{reply_error, ReplyWriter};
 use runs::{run_tasks, Hooks, Pinning, RunQueue};
 
@@ -148,19 +152,22 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
-/// Installs `payload` with its registration's metadata through the
-/// runtime ([`Runtime::install`]: checks first, then deserializes),
-/// honouring the `target.deserialize` fail point; a panic in the runtime is
-/// a failure.
+/// Installs `staged` with its registration's metadata through the
+/// runtime ([`Runtime::install_reporting`]: checks first, then
+/// deserializes, calling `begun` once the install runs), honouring the
+/// `target.deserialize` fail point; a panic in the runtime is a failure.
 fn install<R: Runtime>(
     runtime: &R,
     staged: Staged<'_>,
     metadata: Option<&CallableMetadata>,
+    begun: &dyn Fn(),
 ) -> Result<R::Callable, Failure> {
     if let Err(message) = failpoints::hit(failpoints::TARGET_DESERIALIZE) {
         return Err(Failure::new(ErrorCode::DESERIALIZE_FAILED, message));
     }
-    let installed = catch_unwind(AssertUnwindSafe(|| runtime.install(staged, metadata)));
+    let installed = catch_unwind(AssertUnwindSafe(|| {
+        runtime.install_reporting(staged, metadata, begun)
+    }));
     // Deserializing ran user code, which may have forked: only the target
     // goes on.
     exit_unless_target();
@@ -258,6 +265,7 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         writer: writer.clone(),
         pinning,
         idle: Arc::new(ControlGate::new()),
+        outstanding: Arc::new(Outstanding::default()),
     };
     let status = serve(control, setup, &writer, &control_thread);
     setup.runtime.stop();
@@ -335,10 +343,12 @@ fn install_one<R: Runtime>(
     let envelope = Envelope::parse(bytes).map_err(|e| Failure::new(e.code(), e.message()))?;
     failpoints::hit(failpoints::TARGET_BEFORE_INSTALL)
         .map_err(|m| Failure::new(ErrorCode::IO_FAILED, m))?;
+    // Before Ready: no control is outstanding to report running.
     let callable = install(
         &*setup.runtime,
         Staged::in_memory(envelope),
         setup.metadata.get(&digest),
+        &|| {},
     )?;
     if failpoints::hit(failpoints::TARGET_AFTER_INSTALL).is_err() {
         abrupt_exit();

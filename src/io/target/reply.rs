@@ -11,7 +11,7 @@ use super::{abrupt_exit, REPLY_EXIT_CODE};
 use crate::error::ErrorCode;
 use crate::io::failpoints;
 use crate::io::process::exit_unless_target;
-use crate::protocol::Failure;
+use crate::protocol::{ControlPhase, Failure};
 use crate::wire::{Frame, ReplyError, TaskFailure, HEADER_BYTES};
 
 /// Writes whole frames to the reply socket, from either thread.
@@ -21,12 +21,13 @@ pub(super) struct ReplyWriter {
 }
 
 impl ReplyWriter {
-    /// Sends [`Frame::Alive`] for control `seq` (never delayed by the reply
-    /// failpoint: it is not a reply). Ends the target if the pipe is gone.
-    pub(super) fn send_alive(&self, seq: u64) {
+    /// Sends [`Frame::Alive`] for control `seq` in `phase` (never delayed
+    /// by the reply failpoint: it is not a reply). Ends the target if the
+    /// pipe is gone.
+    pub(super) fn send_alive(&self, seq: u64, phase: ControlPhase) {
         exit_unless_target();
-        let Ok(bytes) = (Frame::Alive { seq }).encode(self.max_frame_bytes) else {
-            // SAFETY: see `abrupt_exit`; an 16-byte frame always fits.
+        let Ok(bytes) = (Frame::Alive { seq, phase }).encode(self.max_frame_bytes) else {
+            // SAFETY: see `abrupt_exit`; a 17-byte frame always fits.
             unsafe { libc::_exit(REPLY_EXIT_CODE) }
         };
         let mut pipe = self.pipe.lock().unwrap_or_else(|p| p.into_inner());

@@ -994,7 +994,8 @@ impl IoLoop {
                 self.drain(core, &mut Context::default());
                 Ok(())
             }
-            Frame::Alive { seq } => {
+            // The phase matters to the poison rule only (not yet read).
+            Frame::Alive { seq, .. } => {
                 let handled = core.machine.handle_alive(target, Seq(seq), self.now());
                 handled.map_err(|e| format!("it sent an alive report out of protocol: {e}"))
             }
