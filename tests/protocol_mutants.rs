@@ -195,7 +195,7 @@ fn freeing_a_slot_held_by_a_run_breaks_invariant_4() {
 #[test]
 fn ignoring_alive_reports_fences_a_target_that_was_heard_from() {
     use callreg::protocol::{
-        Effect, Namespace, OwnerToken, Parent, ParentConfig, Seq, TargetId, Time,
+        ControlPhase, Effect, Namespace, OwnerToken, Parent, ParentConfig, Seq, TargetId, Time,
     };
     let fenced = |mutant: Option<Mutant>| {
         let mut parent = Parent::new(ParentConfig {
@@ -218,10 +218,55 @@ fn ignoring_alive_reports_fences_a_target_that_was_heard_from() {
             .register(digest(1), Namespace::LocalPython, Time(0))
             .unwrap();
         while parent.poll_effect().is_some() {}
-        parent.handle_alive(TargetId(0), Seq(1), Time(90)).unwrap();
+        parent
+            .handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(90))
+            .unwrap();
         parent.handle_timeout(Time(150));
         std::iter::from_fn(|| parent.poll_effect()).any(|e| matches!(e, Effect::Fence { .. }))
     };
     assert!(!fenced(None));
     assert!(fenced(Some(Mutant::IgnoreAlive)));
+}
+
+/// Not an invariant of §4.4 but the poison rule (`specs/protocol.md` §2.8):
+/// a parent that counts a bound fence of a probe reported queued as
+/// evidence poisons the digest; the real parent does not.
+#[test]
+fn poisoning_a_queued_probe_at_its_bound_is_caught() {
+    use callreg::protocol::{
+        ControlPhase, Namespace, OwnerToken, Parent, ParentConfig, Seq, TargetId, Time,
+    };
+    let poisoned = |mutant: Option<Mutant>| {
+        let mut parent = Parent::new(ParentConfig {
+            targets: 2,
+            control_timeout: 100,
+            operation_timeout: 300,
+            fence_on_timeout: true,
+            owner: OwnerToken(1),
+            slot_capacity: 4,
+            probe_first: true,
+            respawn_limit: 0,
+            respawn_backoff: 0,
+            unbounded_spawn: false,
+        });
+        if let Some(mutant) = mutant {
+            parent = parent.with_mutant(mutant);
+        }
+        parent.start().unwrap();
+        parent
+            .register(digest(1), Namespace::LocalPython, Time(0))
+            .unwrap();
+        while parent.poll_effect().is_some() {}
+        for now in [90, 180, 270] {
+            parent
+                .handle_alive(TargetId(0), Seq(1), ControlPhase::Queued, Time(now))
+                .unwrap();
+        }
+        parent.handle_timeout(Time(300));
+        while parent.poll_effect().is_some() {}
+        assert!(!parent.is_target_live(TargetId(0)), "fenced at the bound");
+        parent.is_poisoned(digest(1))
+    };
+    assert!(!poisoned(None));
+    assert!(poisoned(Some(Mutant::PoisonQueued)));
 }

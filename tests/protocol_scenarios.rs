@@ -7,8 +7,8 @@ mod common;
 
 use callreg::error::ErrorCode;
 use callreg::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Namespace, OpId, OwnerToken, Parent,
-    ParentConfig, Reply, Seq, StagingId, Target, TargetConfig, TargetEffect, TargetId,
+    Completion, ControlFrame, ControlPhase, Effect, Failure, Handle, Namespace, OpId, OwnerToken,
+    Parent, ParentConfig, Reply, Seq, StagingId, Target, TargetConfig, TargetEffect, TargetId,
     TargetOutcome, Time,
 };
 use common::sim::{digest, drain, ok, parent_config, registered, send, Sim};
@@ -718,7 +718,8 @@ fn a_passed_deadline_without_fencing_times_out_and_marks_uncertain() {
     assert!(p.is_uncertain(digest(1)));
     assert!(p.awaits_heal(TargetId(1), Seq(3)) && !p.awaits_heal(TargetId(1), Seq(1)));
     // Its alive reports for the heal move nothing.
-    p.handle_alive(TargetId(1), Seq(3), Time(2_002)).unwrap();
+    p.handle_alive(TargetId(1), Seq(3), ControlPhase::Running, Time(2_002))
+        .unwrap();
     assert_eq!(p.poll_timeout(), None);
     p.handle_reply(TargetId(1), ok(3, 1), Time(2_003)).unwrap();
     assert!(!p.is_uncertain(digest(1)));
@@ -753,7 +754,8 @@ fn a_late_unregister_answer_while_its_operation_waits_is_its_outcome() {
     // Target 0 times out on the unregister while target 1 is heard from.
     let op = p.unregister(&handle, Time(100)).unwrap();
     drain(&mut p);
-    p.handle_alive(TargetId(1), Seq(op.0), Time(1_000)).unwrap();
+    p.handle_alive(TargetId(1), Seq(op.0), ControlPhase::Running, Time(1_000))
+        .unwrap();
     p.handle_timeout(Time(1_100));
     assert!(p.is_uncertain(digest(1)));
     assert!(drain(&mut p).is_empty(), "still waiting for target 1");
@@ -984,7 +986,8 @@ fn a_late_register_answer_while_its_register_waits_is_not_its_outcome() {
         .unwrap();
     drain(&mut p);
     // Target 1 is heard from; target 0 times out.
-    p.handle_alive(TargetId(1), Seq(op.0), Time(900)).unwrap();
+    p.handle_alive(TargetId(1), Seq(op.0), ControlPhase::Running, Time(900))
+        .unwrap();
     assert!(!p.awaits_heals());
     p.handle_timeout(Time(1_000));
     assert!(p.awaits_heals());
@@ -1057,7 +1060,7 @@ fn a_late_answer_to_one_operation_is_no_outcome_of_another() {
         p.handle_reply(TargetId(t), ok(unregister.0, 2), Time(3))
             .unwrap();
     }
-    p.handle_alive(TargetId(1), Seq(cleanup), Time(900))
+    p.handle_alive(TargetId(1), Seq(cleanup), ControlPhase::Running, Time(900))
         .unwrap();
     // Target 0 misses both deadlines; the cleanup still waits for target 1.
     p.handle_timeout(Time(1_002));
@@ -1125,7 +1128,7 @@ fn a_late_refused_cleanup_while_its_register_waits_is_its_outcome() {
     )
     .unwrap();
     let cleanup = unregister_seq(&drain(&mut p), 0);
-    p.handle_alive(TargetId(1), Seq(cleanup), Time(900))
+    p.handle_alive(TargetId(1), Seq(cleanup), ControlPhase::Running, Time(900))
         .unwrap();
     p.handle_timeout(Time(1_001));
     p.handle_reply(

@@ -56,7 +56,7 @@ fn order(mut names: Vec<&'static str>) -> Vec<&'static str> {
 /// each witnessed when their budget allows them; with probe-first on, a
 /// register on more than one target probes then broadcasts, and a way to
 /// lose the probe target (a poison kill, a crash, fencing at a bound while
-/// heartbeats report it alive, a refusal as poisoned) poisons a digest, and a later register of that digest is refused;
+/// heartbeats report it running, a refusal as poisoned) poisons a digest, and a later register of that digest is refused;
 /// a refusal as poisoned comes from the probe and, with more than one
 /// target, from a target that was not probing; with
 /// replacement targets on, a way to lose a target makes a replacement
@@ -97,7 +97,8 @@ pub fn derived_expectations(config: &ModelConfig) -> Vec<&'static str> {
     }
     // A probe target lost while it deserializes poisons the digest: a
     // poison payload, a crash, or fencing at an operation's bound while it
-    // reported alive (heartbeats); fencing for silence poisons nothing
+    // reported the probe running (heartbeats); fencing for silence, or at
+    // the bound while it reported the probe queued, poisons nothing
     // (specs/protocol.md §2.8).
     // A probe refused as poisoned by a target that is itself a registry
     // poisons it too (§2.8 "A nested refusal").
@@ -384,7 +385,7 @@ pub fn all() -> Vec<Named> {
         },
         Named {
             name: "heartbeat",
-            description: "2 targets, duplicate-register (controls queued behind each other), a failed deserialization, 2 heartbeats and 2 deadlines, fencing on (specs/protocol.md §2.7): a target heard from is spared while silent ones are fenced, then meets its silence deadline or the bound",
+            description: "2 targets, duplicate-register (controls queued behind each other), a failed deserialization, 2 heartbeats and 2 deadlines, fencing on (specs/protocol.md §2.7): a target heard from is spared while silent ones are fenced, then meets its silence deadline or the bound; a probe fenced at the bound poisons its digest only if reported running (§2.8)",
             config: ModelConfig {
                 heartbeats: 2,
                 deadlines: 2,
@@ -401,6 +402,7 @@ pub fn all() -> Vec<Named> {
                 SOMETIMES_BOUND,
                 SOMETIMES_SPARED,
                 SOMETIMES_SILENT_AFTER_HEARD,
+                SOMETIMES_QUEUED_SPARED,
             ],
         },
         Named {

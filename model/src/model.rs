@@ -17,9 +17,9 @@ use callreg::protocol::invariants::{self, View, Violation};
 #[cfg(feature = "mutants")]
 use callreg::protocol::Mutant;
 use callreg::protocol::{
-    Completion, ControlFrame, Effect, Failure, Handle, Lifecycle, Namespace, OpId, OwnerToken,
-    Parent, ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig, TargetEffect,
-    TargetId, TargetOutcome, TargetPhase, TaskEnd, Time,
+    Completion, ControlFrame, ControlPhase, Effect, Failure, Handle, Lifecycle, Namespace, OpId,
+    OwnerToken, Parent, ParentConfig, Reply, Seq, Slot, StagingId, Target, TargetConfig,
+    TargetEffect, TargetId, TargetOutcome, TargetPhase, TaskEnd, Time, BOUND_FENCE_CAUSE,
 };
 
 use crate::script::{digest_of, name_of, BeforeStart, HandleRef, Operation, Script, CORRUPTED};
@@ -335,6 +335,10 @@ pub struct TargetSide {
     /// The alive reports this target sent: control seq and model time of
     /// the latest report for it.
     pub alive: Vec<(Seq, u64)>,
+    /// The controls whose latest alive report said *running*
+    /// (`ControlPhase::Running`: their deserialization was in progress
+    /// when it was sent), in seq order; the others reported said *queued*.
+    pub running: Vec<Seq>,
     /// With [`ModelConfig::arrivals`]: this process arrived (was started)
     /// at or after the time an ordinary replacement's ready deadline would
     /// have fenced it.
@@ -518,6 +522,14 @@ pub mod seen {
     /// An uncertain digest became certain again: every doubt about it was
     /// settled (`specs/protocol.md` §2.4, "Uncertainty heals"; a witness).
     pub const HEALED: u64 = 1 << 48;
+    /// A probe target fenced at the operation bound whose last alive
+    /// report said the probe was queued (or never reported it) poisoned
+    /// the digest (a violation, `specs/protocol.md` §2.8).
+    pub const QUEUED_POISONED: u64 = 1 << 49;
+    /// A probe target heard from within the control timeout, whose last
+    /// alive report said the probe was queued, was fenced at the
+    /// operation bound and the digest stayed unpoisoned (a witness).
+    pub const QUEUED_SPARED: u64 = 1 << 50;
 }
 
 /// A task result in transit target → parent: the task and the
@@ -2582,12 +2594,12 @@ impl RegistrationModel {
             Forged::AliveNotAwaited => {
                 let newest = next_seq.map_or(1, |n| n.saturating_sub(1).max(1));
                 ok &= expect(
-                    parent.handle_alive(nobody, Seq(newest), now),
+                    parent.handle_alive(nobody, Seq(newest), ControlPhase::Running, now),
                     E::FRAME_INVALID,
                 );
                 for id in self.target_ids() {
                     for seq in [Some(0), next_seq].into_iter().flatten() {
-                        let result = parent.handle_alive(id, Seq(seq), now);
+                        let result = parent.handle_alive(id, Seq(seq), ControlPhase::Running, now);
                         ok &= match (lifecycle, state.parent.is_target_live(id)) {
                             (Lifecycle::Started, true) => refused(result, E::FRAME_INVALID),
                             // Reports from a lost target are ignored.
@@ -2597,7 +2609,9 @@ impl RegistrationModel {
                     }
                     for seq in (1..next_seq.unwrap_or(1)).map(Seq) {
                         if !state.parent.awaits_reply(id, seq) {
-                            ok &= parent.handle_alive(id, seq, now).is_ok();
+                            ok &= parent
+                                .handle_alive(id, seq, ControlPhase::Running, now)
+                                .is_ok();
                         }
                     }
                 }
@@ -3096,7 +3110,50 @@ impl stateright::Model for RegistrationModel {
                     .filter(|t| state.parent.target_phase(*t) == TargetPhase::Spawning)
                     .map(|t| (t, state.parent.incarnation(t), state.parent.failed_joins(t)))
                     .collect();
+                // Probes (`specs/protocol.md` §2.8), by the driver's own
+                // record: each live target whose oldest awaited control is
+                // a client register that probes and that no target
+                // confirmed, with its digest and whether the target's last
+                // alive report about it said running.
+                let probes: Vec<(TargetId, Digest, bool)> = self
+                    .target_ids()
+                    .filter(|t| state.parent.is_target_live(*t))
+                    .filter_map(|t| {
+                        let (oldest, _) = *state.parent.awaited_controls(t).first()?;
+                        let i = state.client.iter().position(|step| {
+                            matches!(step, StepStatus::InFlight { op, probing: true, confirmed: false, .. } if op.0 == oldest.0)
+                        })?;
+                        let Operation::Register(c) = self.config.script.operations[i].operation
+                        else {
+                            return None;
+                        };
+                        let running = state.sides[usize::from(t.0)].running.contains(&oldest);
+                        Some((t, digest_of(c)?, running))
+                    })
+                    .collect();
+                let poisoned_before = state.parent.poisoned_digests();
                 state.parent.handle_timeout(Time(now));
+                for (target, digest, running) in probes {
+                    let poison = state
+                        .parent
+                        .poisoned_digests()
+                        .into_iter()
+                        .find(|(d, _)| *d == digest)
+                        .filter(|entry| !poisoned_before.contains(entry));
+                    let bound_fenced = heard.iter().any(|(t, _, bounded)| *t == target && *bounded)
+                        && !state.parent.is_target_live(target);
+                    match poison {
+                        Some((_, poison))
+                            if poison.target == target
+                                && poison.cause == BOUND_FENCE_CAUSE
+                                && !running =>
+                        {
+                            state.seen |= seen::QUEUED_POISONED;
+                        }
+                        None if bound_fenced && !running => state.seen |= seen::QUEUED_SPARED,
+                        _ => {}
+                    }
+                }
                 if self.config.arrivals
                     && state.parent.lifecycle() == Lifecycle::Started
                     && open.iter().any(|(t, incarnation, failed)| {
@@ -3180,13 +3237,37 @@ impl stateright::Model for RegistrationModel {
                 state.now = state.now.max(deadline.0.saturating_sub(1));
                 let now = state.now;
                 let side = &mut state.sides[usize::from(id.0)];
-                for seq in &seqs {
+                // Running exactly while its deserialization is in progress
+                // here (the real target: once the runtime began its
+                // install); queued before (its frame not applied yet).
+                let phases: Vec<(Seq, ControlPhase)> = seqs
+                    .iter()
+                    .map(|seq| {
+                        let running = side.deserializing.iter().any(|(s, _)| s == seq);
+                        let phase = if running {
+                            ControlPhase::Running
+                        } else {
+                            ControlPhase::Queued
+                        };
+                        (*seq, phase)
+                    })
+                    .collect();
+                for (seq, phase) in &phases {
                     side.alive.retain(|(s, _)| s != seq);
                     side.alive.push((*seq, now));
+                    side.running.retain(|s| s != seq);
+                    if *phase == ControlPhase::Running {
+                        side.running.push(*seq);
+                    }
                 }
                 side.alive.sort();
-                for seq in seqs {
-                    if state.parent.handle_alive(id, seq, Time(now)).is_err() {
+                side.running.sort();
+                for (seq, phase) in phases {
+                    if state
+                        .parent
+                        .handle_alive(id, seq, phase, Time(now))
+                        .is_err()
+                    {
                         state.seen |= seen::DRIVER_ERROR;
                     }
                 }
@@ -3424,7 +3505,17 @@ impl RegistrationModel {
                 if seqs.is_empty() {
                     format!("{t} has nothing to report alive")
                 } else {
-                    let names: Vec<String> = seqs.iter().map(ToString::to_string).collect();
+                    let deserializing = &state.sides[usize::from(t.0)].deserializing;
+                    let names: Vec<String> = seqs
+                        .iter()
+                        .map(|seq| {
+                            if deserializing.iter().any(|(s, _)| s == seq) {
+                                format!("{seq} (running)")
+                            } else {
+                                format!("{seq} (queued)")
+                            }
+                        })
+                        .collect();
                     format!("{t} reports alive for {} at time {at}", names.join(", "))
                 }
             }

@@ -168,6 +168,16 @@ pub const POISON_NOT_SENT: &str = "a poisoned digest is never sent again";
 /// (no alive report for a control timeout: stopped, stalled) poisons
 /// nothing (`specs/protocol.md` §2.8).
 pub const SILENCE_POISONS_NOTHING: &str = "silence poisons nothing";
+/// Name of the `always` property that a probe target fenced at the
+/// operation bound poisons the digest it probed only if its last alive
+/// report said the probe was running (`specs/protocol.md` §2.8): a probe
+/// queued (behind a task that holds the interpreter, say) poisons nothing.
+pub const QUEUED_POISONS_NOTHING: &str = "a queued probe poisons nothing";
+/// Witness: a probe target heard from within the control timeout, whose
+/// last alive report said the probe was queued, is fenced at the
+/// operation bound and the digest is not poisoned.
+pub const SOMETIMES_QUEUED_SPARED: &str =
+    "sometimes: a probe queued past its bound is fenced and not poisoned";
 /// Witness: a digest is poisoned (its probe target died deserializing it).
 pub const SOMETIMES_POISONED: &str = "sometimes: a digest is poisoned";
 /// Witness: a register is refused with `REGISTER_POISONED`.
@@ -475,6 +485,12 @@ fn silence_poisons_nothing(_: &RegistrationModel, s: &State) -> bool {
         .poisoned_digests()
         .iter()
         .all(|(_, poison)| poison.cause != callreg::protocol::SILENT_FENCE_CAUSE)
+}
+fn queued_poisons_nothing(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::QUEUED_POISONED == 0
+}
+fn queued_spared(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::QUEUED_SPARED != 0
 }
 fn poisoned(_: &RegistrationModel, s: &State) -> bool {
     !s.parent.poisoned_digests().is_empty()
@@ -1016,6 +1032,7 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::always(POISON_NOT_PUBLISHED, poison_not_published),
         Property::always(POISON_NOT_SENT, poison_not_sent),
         Property::always(SILENCE_POISONS_NOTHING, silence_poisons_nothing),
+        Property::always(QUEUED_POISONS_NOTHING, queued_poisons_nothing),
         Property::always(REFUSED_PROBE_NOT_SENT, refused_probe_not_sent),
         Property::always(
             REFUSAL_OUTSIDE_PROBE_POISONS_NOTHING,
@@ -1054,6 +1071,7 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_BOUND, bound_ends_heard),
         Property::sometimes(SOMETIMES_SPARED, spared_heard),
         Property::sometimes(SOMETIMES_SILENT_AFTER_HEARD, silent_after_heard),
+        Property::sometimes(SOMETIMES_QUEUED_SPARED, queued_spared),
         Property::sometimes(SOMETIMES_JOINED, joined),
         Property::sometimes(SOMETIMES_JOINED_IN_FLIGHT, joined_in_flight),
         Property::sometimes(SOMETIMES_JOIN_FAILED, join_failed),
@@ -1150,6 +1168,9 @@ pub fn explain(model: &RegistrationModel, name: &str, state: &State) -> Option<S
         ),
         _ if name == SILENCE_POISONS_NOTHING && !silence_poisons_nothing(model, state) => Some(
             "a probe target fenced for silence (no alive report for a control timeout) poisoned the digest it probed".to_owned(),
+        ),
+        _ if name == QUEUED_POISONS_NOTHING && !queued_poisons_nothing(model, state) => Some(
+            "a probe target fenced at the operation bound poisoned the digest it probed although its last alive report said the probe was queued (see the last step)".to_owned(),
         ),
         _ if name == REFUSED_PROBE_NOT_SENT && !refused_probe_not_sent(model, state) => Some(
             "a register frame of a digest whose probe was refused as poisoned was sent after the refusal reached the parent".to_owned(),

@@ -64,7 +64,7 @@ fn pinned_state_counts() {
     // (name, unique states, max depth): single-threaded, so that the
     // symmetric (depth-first) counts are reproducible.
     let expected = [
-        ("forged", 4_682, 17),
+        ("forged", 6_250, 17),
         ("refused-unregister", 369, 23),
         ("staging", 2_686, 18),
         ("close", 33_193, 28),
@@ -74,8 +74,8 @@ fn pinned_state_counts() {
         ("poison", 1_912, 33),
         ("poison-departures", 1_957, 33),
         ("poison-nested", 1_876, 36),
-        ("heartbeat-no-fence", 22_371, 17),
-        ("heartbeat", 16_158, 19),
+        ("heartbeat-no-fence", 32_296, 17),
+        ("heartbeat", 31_184, 19),
         ("respawn", 105_715, 32),
         ("respawn-no-fence", 206_964, 34),
         ("respawn-spawn-failure", 86_297, 28),

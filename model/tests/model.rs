@@ -246,6 +246,13 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
             deadlines: 1,
             ..quiet(2, "duplicate-register")
         },
+        // Two heartbeats: the second carries the probe past its silence
+        // deadline to the bound, queued (its frame not applied yet).
+        Mutant::PoisonQueued => ModelConfig {
+            deadlines: 1,
+            heartbeats: 2,
+            ..quiet(2, "single-register")
+        },
         Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished => replacing(),
         Mutant::CancelStarted => ModelConfig {
             tasks: 1,
@@ -280,6 +287,7 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
         Mutant::RetryPoisoned => vec![POISON_NOT_SENT],
         Mutant::IgnoreAlive => vec![HEARD_NOT_FENCED],
         Mutant::PoisonSilence => vec![SILENCE_POISONS_NOTHING],
+        Mutant::PoisonQueued => vec![QUEUED_POISONS_NOTHING],
         Mutant::IgnoreNestedPoison => vec![REFUSED_PROBE_NOT_SENT],
         // Joined early, a replacement is sent the broadcast of a register
         // issued before it started; its answer, to a seq below its first,
@@ -355,7 +363,12 @@ fn mutants_are_also_caught_by_one_shared_fault_rich_configuration() {
         let config = ModelConfig {
             mutant: Some(*mutant),
             poison_refusals: u8::from(*mutant == Mutant::IgnoreNestedPoison),
-            heartbeats: u8::from(!tasks),
+            // A probe queued past its bound needs a second heartbeat.
+            heartbeats: if *mutant == Mutant::PoisonQueued {
+                2
+            } else {
+                u8::from(!tasks)
+            },
             tasks: if tasks { 2 } else { 1 },
             cancels: u8::from(tasks),
             task_deadline: tasks,
@@ -735,7 +748,7 @@ fn check_a_named_configuration_as_one_json_document() {
     let stdout = String::from_utf8(out.stdout).unwrap();
     let document: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(document["name"], "forged");
-    assert_eq!(document["unique_states"], 4682);
+    assert_eq!(document["unique_states"], 6250);
     assert_eq!(document["complete"], true);
     assert_eq!(document["missing_witnesses"], serde_json::json!([]));
     let stderr = String::from_utf8(out.stderr).unwrap();

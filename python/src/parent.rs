@@ -15,8 +15,8 @@ use callreg::error::ErrorCode;
 use callreg::io::worker::outcome_text;
 use callreg::metadata::CallableMetadata;
 use callreg::protocol::{
-    Completion, ControlFrame, Effect, Failure, Namespace, OwnerToken, Parent, ParentConfig, Reply,
-    Seq, StagingId, TargetId, Time,
+    Completion, ControlFrame, ControlPhase, Effect, Failure, Namespace, OwnerToken, Parent,
+    ParentConfig, Reply, Seq, StagingId, TargetId, Time,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -290,10 +290,26 @@ impl RawParent {
 
     /// `Parent::handle_alive`: `target` is alive and still busy with
     /// frame `seq` (its silence deadline moves; the operation's bound does
-    /// not, `specs/protocol.md` §2.7).
-    fn handle_alive(&mut self, py: Python<'_>, target: u16, seq: u64, now: u64) -> PyResult<()> {
+    /// not, `specs/protocol.md` §2.7). `running`: the report says the
+    /// frame's install has begun there (`ControlPhase::Running`); the
+    /// default, `False`, says nothing of the kind (`Queued`), so a fence of
+    /// a probe at its bound is then no evidence against its digest (§2.8).
+    #[pyo3(signature = (target, seq, now, running = false))]
+    fn handle_alive(
+        &mut self,
+        py: Python<'_>,
+        target: u16,
+        seq: u64,
+        now: u64,
+        running: bool,
+    ) -> PyResult<()> {
+        let phase = if running {
+            ControlPhase::Running
+        } else {
+            ControlPhase::Queued
+        };
         self.machine
-            .handle_alive(TargetId(target), Seq(seq), Time(now))
+            .handle_alive(TargetId(target), Seq(seq), phase, Time(now))
             .map_err(|e| plain_err(py, &e))
     }
 

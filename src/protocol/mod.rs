@@ -318,6 +318,11 @@ pub enum Mutant {
     /// poisons the digest it probed (caught by the model's `silence
     /// poisons nothing` property).
     PoisonSilence,
+    /// Parent: a probe target fenced at the operation bound while its last
+    /// alive report said the probe was queued (behind a task, say) poisons
+    /// the digest it probed (caught by the model's "a queued probe poisons
+    /// nothing").
+    PoisonQueued,
     /// Parent: a probe target's refusal with `REGISTER_POISONED` (a target
     /// that is itself a registry, §2.8 "A nested refusal") fails the
     /// register but poisons nothing here (caught by the model's "a digest
@@ -366,6 +371,7 @@ impl Mutant {
         Mutant::BroadcastBeforeProbe,
         Mutant::RetryPoisoned,
         Mutant::PoisonSilence,
+        Mutant::PoisonQueued,
         Mutant::IgnoreNestedPoison,
         Mutant::SkipDigestVerification,
         Mutant::FreeSlotHeldByRun,

@@ -994,9 +994,10 @@ impl IoLoop {
                 self.drain(core, &mut Context::default());
                 Ok(())
             }
-            // The phase matters to the poison rule only (not yet read).
-            Frame::Alive { seq, .. } => {
-                let handled = core.machine.handle_alive(target, Seq(seq), self.now());
+            Frame::Alive { seq, phase } => {
+                let handled = core
+                    .machine
+                    .handle_alive(target, Seq(seq), phase, self.now());
                 handled.map_err(|e| format!("it sent an alive report out of protocol: {e}"))
             }
             Frame::Ready { snapshot, .. } => {

@@ -9,7 +9,7 @@ use super::{Doubt, Effect, Lifecycle, Op, OpKind, Parent, Progress, TargetPhase}
 use crate::error::{Error, ErrorCode, OperationKind};
 #[cfg(feature = "mutants")]
 use crate::protocol::Mutant;
-use crate::protocol::{Failure, OpId, Seq, TargetId, Time};
+use crate::protocol::{ControlPhase, Failure, OpId, Seq, TargetId, Time};
 
 /// The cause [`Parent::handle_timeout`] gives a replacement it fences
 /// because it did not report ready within the control timeout of its
@@ -21,7 +21,8 @@ pub const NOT_READY_CAUSE: &str = "its replacement was not ready in time";
 pub const SILENT_FENCE_CAUSE: &str = "it sent no alive report for a control timeout and was fenced";
 
 /// The cause of a target fenced at an operation's bound while it still
-/// reported alive (§2.7): evidence against a digest it probed (§2.8).
+/// reported alive (§2.7): evidence against a digest it probed if its last
+/// report said that probe was running, none if it said queued (§2.8).
 pub const BOUND_FENCE_CAUSE: &str = "it did not answer before the operation's bound and was fenced";
 
 impl Parent {
@@ -115,14 +116,20 @@ impl Parent {
                 // Silence (no alive report for a control timeout: stopped,
                 // stalled, unreachable) is no evidence against what it
                 // probed; passing the operation bound while it reported
-                // alive is (§2.8).
+                // alive is, if its last report said the probe was running
+                // (its install had begun), and not if it said queued
+                // (behind a task that holds the interpreter, say) (§2.8).
                 let silent = self.is_silent(target, now);
                 let cause = if silent {
                     SILENT_FENCE_CAUSE
                 } else {
                     BOUND_FENCE_CAUSE
                 };
-                let evidence = !silent || mutant!(self, PoisonSilence);
+                let running = self
+                    .probe_at(target)
+                    .is_some_and(|op| op.running.contains(&target))
+                    || mutant!(self, PoisonQueued);
+                let evidence = (!silent && running) || mutant!(self, PoisonSilence);
                 self.lose(target, Progress::Fenced, cause, now, evidence);
             }
             return;
@@ -181,18 +188,26 @@ impl Parent {
     }
 
     /// `target` says it is alive and still busy with control `seq` (it
-    /// received it, and it is queued or running there): the silence
-    /// deadline of the operation waiting for that answer moves to `now`
-    /// plus `control_timeout`; the operation's bound does not move
-    /// (`specs/protocol.md`, "Deadlines"). An alive report for a control
-    /// no operation awaits from `target` (it raced the reply, or came after
+    /// received it, and it is queued or running there, as `phase` says):
+    /// the silence deadline of the operation waiting for that answer moves
+    /// to `now` plus `control_timeout`; the operation's bound does not
+    /// move (`specs/protocol.md` §2.7). The phase is recorded: the latest
+    /// report decides whether a fence of a probe at its bound is evidence
+    /// against its digest (§2.8). An alive report for a control no
+    /// operation awaits from `target` (it raced the reply, or came after
     /// the target's deadline passed) changes nothing: it says nothing about
     /// what the target holds. Ignored from a lost target and after close.
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target id
     /// out of range or a seq this parent never issued (nothing changes).
-    pub fn handle_alive(&mut self, target: TargetId, seq: Seq, now: Time) -> Result<(), Error> {
+    pub fn handle_alive(
+        &mut self,
+        target: TargetId,
+        seq: Seq,
+        phase: ControlPhase,
+        now: Time,
+    ) -> Result<(), Error> {
         if !self.accepts_from(target, OperationKind::Reply)? {
             return Ok(());
         }
@@ -226,6 +241,10 @@ impl Parent {
             if awaited {
                 let heard = op.heard.entry(target).or_insert(now);
                 *heard = (*heard).max(now);
+                match phase {
+                    ControlPhase::Running => op.running.insert(target),
+                    ControlPhase::Queued => op.running.remove(&target),
+                };
             }
         }
         Ok(())

@@ -527,6 +527,11 @@ pub(crate) struct Op {
     /// When each target in scope was last heard from about the control it
     /// owes (the phase's send time, then its latest alive report).
     pub(crate) heard: BTreeMap<TargetId, Time>,
+    /// The targets whose latest alive report about the control they owe
+    /// in this phase said it was running (its install had begun, §2.8);
+    /// a target leaves it at a report saying queued and when it is sent
+    /// another control of the operation (its cleanup).
+    pub(crate) running: BTreeSet<TargetId>,
     /// The scope (live targets at the start) and where each stands.
     pub(crate) scope: BTreeMap<TargetId, Progress>,
 }
@@ -991,6 +996,7 @@ impl Parent {
                 .into_iter()
                 .map(|(t, h)| (map(&t), h))
                 .collect();
+            op.running = op.running.iter().map(map).collect();
         }
         copy.tasks = std::mem::take(&mut copy.tasks)
             .into_iter()

@@ -32,7 +32,9 @@ impl Parent {
     /// ```
     /// use callreg::descriptor::Digest;
     /// use callreg::error::ErrorCode;
-    /// use callreg::protocol::{Effect, Namespace, OwnerToken, Parent, ParentConfig, TargetId, Time};
+    /// use callreg::protocol::{
+    ///     ControlPhase, Effect, Namespace, OwnerToken, Parent, ParentConfig, Seq, TargetId, Time,
+    /// };
     ///
     /// let config = ParentConfig {
     ///     targets: 2,
@@ -71,7 +73,7 @@ impl Parent {
     /// assert_eq!(parent.poll_timeout(), Some(Time(1_000_000)));
     /// assert_eq!(parent.poll_bound(), Some(Time(10_000_000)));
     /// // Target 0 reports alive at 0.9 s: only target 1 is still due at 1 s.
-    /// parent.handle_alive(TargetId(0), callreg::protocol::Seq(1), Time(900_000)).unwrap();
+    /// parent.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(900_000)).unwrap();
     /// parent.handle_timeout(Time(1_000_000));
     /// assert_eq!(parent.poll_effect(), Some(Effect::Fence { target: TargetId(1) }));
     /// assert_eq!(parent.poll_timeout(), Some(Time(1_900_000)));
@@ -174,6 +176,7 @@ impl Parent {
             seq,
             deadline: now.saturating_add_micros(self.config.operation_timeout),
             heard: scope.keys().map(|t| (*t, now)).collect(),
+            running: BTreeSet::new(),
             scope,
         };
         let id = OpId(seq.0);
@@ -258,6 +261,7 @@ impl Parent {
                 seq,
                 deadline: now.saturating_add_micros(self.config.operation_timeout),
                 heard: scope.keys().map(|t| (*t, now)).collect(),
+                running: BTreeSet::new(),
                 scope,
             },
         );
@@ -772,6 +776,7 @@ impl Parent {
             if clean {
                 *progress = Progress::CleanupPending;
                 op.heard.insert(*target, now);
+                op.running.remove(target);
                 frames.push(Effect::Send {
                     target: *target,
                     frame: ControlFrame::Unregister { seq, digest },

@@ -2,7 +2,7 @@
 //! or dead, its operations' scopes settled, a replacement spawned, its
 //! join by replaying every live registration, and a failed join fenced.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 #[cfg(doc)]
 use super::ParentConfig;
@@ -64,6 +64,13 @@ impl Parent {
     /// a probe is sent when issued, so no control pending there was sent
     /// before it).
     fn probing_at(&self, target: TargetId) -> Option<Digest> {
+        self.probe_at(target).map(|op| op.digest)
+    }
+
+    /// The operation whose probe `target` owes: the oldest control pending
+    /// there, if it is the probe of a digest not proven (as
+    /// [`Parent::probing_at`]).
+    pub(super) fn probe_at(&self, target: TargetId) -> Option<&Op> {
         let pending = |op: &Op| match (op.scope.get(&target), &op.kind) {
             (Some(Progress::Pending), _) => Some(op.seq),
             (
@@ -86,7 +93,7 @@ impl Parent {
                 probe: Some(probe),
                 cleanup: None,
                 ..
-            } if probe == target && !self.proven.contains(&oldest.digest) => Some(oldest.digest),
+            } if probe == target && !self.proven.contains(&oldest.digest) => Some(oldest),
             _ => None,
         }
     }
@@ -321,6 +328,7 @@ impl Parent {
                 seq,
                 deadline: now.saturating_add_micros(self.config.operation_timeout),
                 heard: BTreeMap::from([(target, now)]),
+                running: BTreeSet::new(),
                 scope: BTreeMap::from([(target, Progress::Pending)]),
             },
         );

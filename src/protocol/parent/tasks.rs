@@ -434,7 +434,7 @@ impl Parent {
 mod tests {
     use super::super::tests::{digest, drain, new_parent};
     use super::*;
-    use crate::protocol::{Failure, ParentConfig};
+    use crate::protocol::{ControlPhase, Failure, ParentConfig};
 
     /// A started parent of `targets` targets (replacements after
     /// `respawn_limit` > 0) holding a handle of digest 1 on every target.
@@ -654,7 +654,8 @@ mod tests {
         p.cancel(seq, Time(10)).unwrap();
         drain(&mut p);
         assert_eq!(p.poll_timeout(), Some(Time(110)));
-        p.handle_alive(TargetId(0), seq, Time(60)).unwrap();
+        p.handle_alive(TargetId(0), seq, ControlPhase::Running, Time(60))
+            .unwrap();
         assert_eq!(p.poll_timeout(), Some(Time(160)));
         p.handle_timeout(Time(160));
         let effects = drain(&mut p);

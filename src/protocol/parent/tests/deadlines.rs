@@ -11,15 +11,19 @@ fn an_alive_report_moves_the_silence_deadline_but_never_the_bound() {
     drain(&mut p);
     assert_eq!(p.poll_timeout(), Some(Time(100)));
     assert_eq!(p.poll_bound(), Some(Time(1_000)));
-    p.handle_alive(TargetId(0), Seq(1), Time(80)).unwrap();
+    p.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(80))
+        .unwrap();
     // Target 1 is still only heard from at the send.
     assert_eq!(p.poll_timeout(), Some(Time(100)));
-    p.handle_alive(TargetId(1), Seq(1), Time(90)).unwrap();
+    p.handle_alive(TargetId(1), Seq(1), ControlPhase::Running, Time(90))
+        .unwrap();
     assert_eq!(p.poll_timeout(), Some(Time(180)));
     // Both keep reporting: nothing expires before the bound.
     for now in (90..=990).step_by(90) {
-        p.handle_alive(TargetId(0), Seq(1), Time(now)).unwrap();
-        p.handle_alive(TargetId(1), Seq(1), Time(now)).unwrap();
+        p.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(now))
+            .unwrap();
+        p.handle_alive(TargetId(1), Seq(1), ControlPhase::Running, Time(now))
+            .unwrap();
         p.handle_timeout(Time(now));
         assert_eq!(fences(&drain(&mut p)), Vec::<TargetId>::new(), "at {now}");
     }
@@ -37,7 +41,8 @@ fn only_the_silent_target_is_fenced_at_its_silence_deadline() {
     p.register(digest(1), Namespace::LocalPython, Time(0))
         .unwrap();
     drain(&mut p);
-    p.handle_alive(TargetId(0), Seq(1), Time(60)).unwrap();
+    p.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(60))
+        .unwrap();
     p.handle_timeout(Time(100));
     assert_eq!(fences(&drain(&mut p)), vec![TargetId(1)]);
     assert!(p.is_target_live(TargetId(0)));
@@ -57,7 +62,8 @@ fn only_the_silent_target_is_fenced_at_its_silence_deadline() {
     assert_eq!(p.poll_timeout(), Some(Time(220)));
     assert_eq!(p.poll_bound(), Some(Time(1_120)));
     // The cleanup is kept alive the same way.
-    p.handle_alive(TargetId(0), Seq(2), Time(200)).unwrap();
+    p.handle_alive(TargetId(0), Seq(2), ControlPhase::Running, Time(200))
+        .unwrap();
     assert_eq!(p.poll_timeout(), Some(Time(300)));
     assert!(p.uncertain_digests().is_empty());
 }
@@ -80,7 +86,8 @@ fn without_fencing_a_silent_target_times_out_alone() {
     p.register(digest(1), Namespace::LocalPython, Time(0))
         .unwrap();
     drain(&mut p);
-    p.handle_alive(TargetId(0), Seq(1), Time(50)).unwrap();
+    p.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(50))
+        .unwrap();
     p.handle_timeout(Time(100));
     assert_eq!(fences(&drain(&mut p)), Vec::<TargetId>::new());
     assert!(p.is_uncertain(digest(1)));
@@ -94,7 +101,7 @@ fn without_fencing_a_silent_target_times_out_alone() {
 fn an_alive_report_for_a_control_not_awaited_changes_nothing() {
     let mut p = started(2);
     assert_eq!(
-        p.handle_alive(TargetId(0), Seq(1), Time(0))
+        p.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(0))
             .unwrap_err()
             .code,
         ErrorCode::FRAME_INVALID
@@ -105,18 +112,19 @@ fn an_alive_report_for_a_control_not_awaited_changes_nothing() {
     p.handle_reply(TargetId(0), ok(1, 1), Time(10)).unwrap();
     let before = p.clone();
     // It raced the reply: no deadline moves, nothing turns uncertain.
-    p.handle_alive(TargetId(0), Seq(1), Time(90)).unwrap();
+    p.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(90))
+        .unwrap();
     assert_eq!(p, before);
     assert_eq!(p.poll_timeout(), Some(Time(100)));
     assert!(p.uncertain_digests().is_empty());
     assert_eq!(
-        p.handle_alive(TargetId(1), Seq(2), Time(20))
+        p.handle_alive(TargetId(1), Seq(2), ControlPhase::Running, Time(20))
             .unwrap_err()
             .code,
         ErrorCode::FRAME_INVALID
     );
     assert_eq!(
-        p.handle_alive(TargetId(2), Seq(1), Time(20))
+        p.handle_alive(TargetId(2), Seq(1), ControlPhase::Running, Time(20))
             .unwrap_err()
             .code,
         ErrorCode::FRAME_INVALID
@@ -124,7 +132,7 @@ fn an_alive_report_for_a_control_not_awaited_changes_nothing() {
     let mut unstarted = new_parent(1);
     assert_eq!(
         unstarted
-            .handle_alive(TargetId(0), Seq(1), Time(0))
+            .handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(0))
             .unwrap_err()
             .code,
         ErrorCode::LIFECYCLE_INVALID

@@ -1,5 +1,5 @@
 use super::*;
-use crate::protocol::Reply;
+use crate::protocol::{ControlPhase, Reply};
 
 mod deadlines;
 mod operations;

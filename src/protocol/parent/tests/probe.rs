@@ -333,7 +333,8 @@ fn a_probe_target_past_the_operation_bound_while_alive_poisons_the_digest() {
     let mut now = 0;
     while now < 1_000 {
         now += 60;
-        p.handle_alive(TargetId(0), Seq(1), Time(now)).unwrap();
+        p.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(now))
+            .unwrap();
         p.handle_timeout(Time(now));
     }
     let effects = drain(&mut p);
@@ -344,6 +345,121 @@ fn a_probe_target_past_the_operation_bound_while_alive_poisons_the_digest() {
     let poison = &p.poisoned_digests()[0].1;
     assert_eq!(poison.target, TargetId(0));
     assert_eq!(poison.cause, BOUND_FENCE_CAUSE);
+}
+
+/// Registers digest 1 on `probing(2)` (the probe to target 0), has
+/// target 0 report it alive in `phases` (one report every 60, cycling
+/// through the list) until the operation's bound fences it, and returns
+/// the effects since the register.
+fn fenced_at_the_bound_after(p: &mut Parent, phases: &[ControlPhase]) -> Vec<Effect> {
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    let mut effects = drain(p);
+    let mut now = 0;
+    for phase in phases.iter().cycle() {
+        now += 60;
+        if now >= 1_000 {
+            break;
+        }
+        p.handle_alive(TargetId(0), Seq(1), *phase, Time(now))
+            .unwrap();
+        p.handle_timeout(Time(now));
+        assert!(fences(&drain(p)).is_empty(), "fenced before the bound");
+    }
+    p.handle_timeout(Time(1_000));
+    effects.extend(drain(p));
+    effects
+}
+
+#[test]
+fn a_probe_fenced_at_the_bound_while_queued_poisons_nothing() {
+    let mut p = probing(2);
+    // Queued the whole time (behind a task that holds the interpreter):
+    // alive, not silent, so fenced at the bound, not before.
+    let effects = fenced_at_the_bound_after(&mut p, &[ControlPhase::Queued]);
+    assert_eq!(fences(&effects), vec![TargetId(0)]);
+    assert!(!p.is_poisoned(digest(1)) && !p.is_proven(digest(1)));
+    assert_eq!(p.poisoned_digests(), vec![]);
+    let Some(Effect::Completed {
+        result: Err(e),
+        outcomes,
+        ..
+    }) = effects.last()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
+    assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Fenced)]);
+    // No evidence: a later register probes again, on the next live target.
+    p.register(digest(1), Namespace::LocalPython, Time(1_001))
+        .unwrap();
+    assert_eq!(drain(&mut p)[1], register_frame(1, 3, 1));
+}
+
+#[test]
+fn the_last_alive_report_before_the_bound_decides_whether_a_bound_fence_is_evidence() {
+    // Queued, then running (the task released the interpreter and the
+    // unpickle began): poisoned, with the bound's cause.
+    let mut p = probing(2);
+    let phases = [ControlPhase::Queued; 15]
+        .into_iter()
+        .chain([ControlPhase::Running; 2])
+        .collect::<Vec<_>>();
+    let effects = fenced_at_the_bound_after(&mut p, &phases);
+    assert_eq!(fences(&effects), vec![TargetId(0)]);
+    assert_eq!(
+        p.poisoned_digests(),
+        vec![(
+            digest(1),
+            Poison {
+                target: TargetId(0),
+                cause: BOUND_FENCE_CAUSE.to_owned()
+            }
+        )]
+    );
+    // Running, then a last report saying queued: no evidence.
+    let mut p = probing(2);
+    let phases = [ControlPhase::Running; 15]
+        .into_iter()
+        .chain([ControlPhase::Queued; 2])
+        .collect::<Vec<_>>();
+    let effects = fenced_at_the_bound_after(&mut p, &phases);
+    assert_eq!(fences(&effects), vec![TargetId(0)]);
+    assert_eq!(p.poisoned_digests(), vec![]);
+    // A report about another target's control, or one no operation awaits,
+    // marks nothing running.
+    let mut p = probing(2);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.handle_alive(TargetId(1), Seq(1), ControlPhase::Running, Time(60))
+        .unwrap();
+    for now in [
+        60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 660, 720, 780, 840, 900, 960,
+    ] {
+        p.handle_alive(TargetId(0), Seq(1), ControlPhase::Queued, Time(now))
+            .unwrap();
+    }
+    p.handle_timeout(Time(1_000));
+    assert_eq!(fences(&drain(&mut p)), vec![TargetId(0)]);
+    assert_eq!(p.poisoned_digests(), vec![]);
+}
+
+#[test]
+fn a_probe_reported_running_and_then_silent_poisons_nothing() {
+    // Running, then no report for a control timeout (stopped mid-unpickle):
+    // fenced for silence, which is no evidence whatever the phase.
+    let mut p = probing(2);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    drain(&mut p);
+    p.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(50))
+        .unwrap();
+    assert_eq!(p.poll_timeout(), Some(Time(150)));
+    p.handle_timeout(Time(150));
+    assert_eq!(fences(&drain(&mut p)), vec![TargetId(0)]);
+    assert_eq!(p.poisoned_digests(), vec![]);
+    assert!(!p.is_target_live(TargetId(0)));
 }
 
 #[test]
