@@ -206,6 +206,14 @@ fn main() {
             "a_stopped_target_is_fenced_at_the_control_timeout",
             a_stopped_target_is_fenced_at_the_control_timeout,
         ),
+        (
+            "a_register_queued_behind_a_task_holding_the_gil_past_the_bound_is_not_poisoned",
+            a_register_queued_behind_a_task_holding_the_gil_past_the_bound_is_not_poisoned,
+        ),
+        (
+            "a_probe_still_unpickling_at_the_bound_is_poisoned",
+            a_probe_still_unpickling_at_the_bound_is_poisoned,
+        ),
     ]);
 }
 
@@ -627,6 +635,123 @@ fn a_task_holding_the_gil_does_not_fence_its_target() {
     assert_eq!(worker.live_targets(), vec![TargetId(0)]);
     worker.close();
     let _ = std::fs::remove_file(&marker);
+}
+
+/// A new callable registered while its probe target runs a task that
+/// holds the GIL (a C call that never releases it) longer than the
+/// operation timeout: the control thread waits for the GIL, so the probe
+/// never begins its unpickle, and the target keeps reporting it alive,
+/// queued. It is fenced at the operation's bound, which is no evidence
+/// against the callable (`specs/protocol.md` §2.8): the register fails
+/// with `REGISTER_PARTIAL_FAILURE` (not `REGISTER_POISONED`), the digest is
+/// neither poisoned nor proven, and the next register of it probes again,
+/// on the other target, and serves. (Before the alive reports said queued
+/// or running, this poisoned the callable for the Worker's life.)
+fn a_register_queued_behind_a_task_holding_the_gil_past_the_bound_is_not_poisoned() {
+    let marker = std::env::temp_dir().join(format!("callreg-gil-queued-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let worker = Worker::builder(Arc::new(PythonRuntime::new()))
+        .targets(2)
+        // Not shorter: the control timeout also bounds the start.
+        .control_timeout(Duration::from_secs(1))
+        .operation_timeout(Duration::from_millis(2_500))
+        // Without replacements the next register's probe goes to target 1.
+        .respawn_limit(0)
+        .build()
+        .unwrap();
+    let hold = worker.register(envelope("hold_gil")).unwrap();
+    worker.start().unwrap();
+    let fresh = envelope("open_fds");
+    let parsed = callreg::envelope::Envelope::parse(fresh).unwrap();
+    let digest = callreg::descriptor::python_serialized_digest(&parsed);
+    let task = worker.submit_async(
+        &hold,
+        TargetId(0),
+        TaskEncoding::Json,
+        &python_common::input(json!([8, marker.to_str().unwrap()]), json!({})),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !marker.exists() {
+        assert!(std::time::Instant::now() < deadline, "the task never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The task is in its C call (it created the marker just before).
+    std::thread::sleep(Duration::from_millis(50));
+    let started = std::time::Instant::now();
+    let error = worker.register(fresh).unwrap_err();
+    let elapsed = started.elapsed();
+    assert_eq!(error.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{error}");
+    assert_eq!(error.outcomes, vec![(TargetId(0), TargetOutcome::Fenced)]);
+    // Fenced at the bound (heard from all along), while the task still
+    // held the GIL: not at the control timeout, not after the task.
+    assert!(
+        elapsed >= Duration::from_millis(2_400) && elapsed < Duration::from_secs(7),
+        "fenced after {elapsed:?}"
+    );
+    let parent = worker.parent_state();
+    assert!(!parent.is_poisoned(digest) && !parent.is_proven(digest));
+    assert_eq!(parent.poisoned_digests(), vec![]);
+    // The task's target is gone: the task ends with it.
+    assert_eq!(
+        task.wait().unwrap_err().error.code,
+        ErrorCode::TARGET_LOST,
+        "the task outlived its fenced target"
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(1)]);
+    // Probed again, on target 1, and served.
+    let handle = worker
+        .register(fresh)
+        .unwrap_or_else(|e| panic!("the second register failed: {e}"));
+    assert!(worker.parent_state().is_proven(digest));
+    assert_eq!(
+        call(&worker, &handle, 1, json!([]))
+            .as_array()
+            .map(Vec::len),
+        Some(5)
+    );
+    worker.close();
+    let _ = std::fs::remove_file(&marker);
+}
+
+/// The counterpart of the test above: a probe whose unpickle has begun
+/// (the target reports it running) and outlasts the operation timeout is
+/// fenced at the bound, and that is evidence (`specs/protocol.md` §2.8):
+/// `REGISTER_POISONED`, naming the probe target and the bound's cause.
+fn a_probe_still_unpickling_at_the_bound_is_poisoned() {
+    let worker = Worker::builder(Arc::new(PythonRuntime::new()))
+        .targets(2)
+        .control_timeout(Duration::from_secs(1))
+        // The unpickle of `slow_a` sleeps 2 s.
+        .operation_timeout(Duration::from_millis(1_200))
+        .respawn_limit(0)
+        .build()
+        .unwrap();
+    worker.start().unwrap();
+    let slow = envelope("slow_a");
+    let parsed = callreg::envelope::Envelope::parse(slow).unwrap();
+    let digest = callreg::descriptor::python_serialized_digest(&parsed);
+    let started = std::time::Instant::now();
+    let error = worker.register(slow).unwrap_err();
+    let elapsed = started.elapsed();
+    assert_eq!(error.code(), ErrorCode::REGISTER_POISONED, "{error}");
+    assert_eq!(error.error.target, Some(TargetId(0)));
+    assert_eq!(error.outcomes, vec![(TargetId(0), TargetOutcome::Fenced)]);
+    assert!(
+        elapsed >= Duration::from_millis(1_100) && elapsed < Duration::from_millis(1_900),
+        "fenced after {elapsed:?}"
+    );
+    assert_eq!(
+        worker.parent_state().poisoned_digests(),
+        vec![(
+            digest,
+            callreg::protocol::Poison {
+                target: TargetId(0),
+                cause: callreg::protocol::BOUND_FENCE_CAUSE.to_owned(),
+            }
+        )]
+    );
+    assert_eq!(worker.live_targets(), vec![TargetId(1)]);
+    worker.close();
 }
 
 /// A target that goes truly silent (SIGSTOP: no thread runs, no alive
