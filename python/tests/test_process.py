@@ -91,6 +91,49 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
         assert w.targets == []
 
 
+def _hold_gil(seconds, marker):
+    """Creates ``marker``, then holds the GIL for ``seconds`` in one C call
+    (a ``ctypes.PyDLL`` function keeps the GIL while it runs)."""
+    import ctypes
+
+    open(marker, "w").close()
+    started = time.monotonic()
+    ctypes.PyDLL(None).sleep(seconds)
+    return time.monotonic() - started
+
+
+def test_a_register_queued_behind_a_task_holding_the_gil_past_the_operation_timeout_is_not_poisoned(tmp_path):
+    # The probe target runs a task that holds the GIL past the bound: the
+    # register waits for the lock there, reported queued, and is fenced at
+    # the bound without poisoning the callable (specs/protocol.md §2.8).
+    marker = str(tmp_path / "holding")
+    with callreg.Worker(2, control_timeout=1, operation_timeout=2.5, respawn_limit=0) as w:
+        hold = w.register(_hold_gil)
+        w.start()
+        task = w.submit(hold, 8, marker, target=0)
+        deadline = time.monotonic() + 20
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline, "the task never ran"
+            time.sleep(0.005)
+        time.sleep(0.05)
+        fresh = lambda x: x * 3  # noqa: E731 - a callable no target has seen
+        started = time.monotonic()
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register(fresh)
+        elapsed = time.monotonic() - started
+        assert info.value.code == "REGISTER_PARTIAL_FAILURE", str(info.value)
+        assert info.value.outcomes == {0: "fenced"}
+        assert 2.4 <= elapsed < 7, elapsed
+        with pytest.raises(callreg.TargetLostError):
+            task.result()
+        assert w.targets == [1]
+        # Not poisoned: nothing to forgive, and it registers on target 1.
+        assert info.value.hashid == callreg.hashid(fresh)
+        assert w.forgive(info.value.hashid) is False
+        h = w.register(fresh)
+        assert w.call(h, 5, target=1) == 15
+
+
 def test_operation_timeout_is_checked():
     with pytest.raises(ValueError, match="operation_timeout must be positive"):
         callreg.Worker(1, operation_timeout=0)
