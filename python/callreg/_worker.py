@@ -94,9 +94,9 @@ class Worker(Inspection):
     caller waiting for its own result (:meth:`call`, a future's
     ``result()``) polls for the reply before it sleeps. Waking a sleeping
     thread on an idle CPU can cost more than a short task's whole round
-    trip; the Worker measures whether waits that spin end sooner than
-    waits that do not, and spins only while they do (by more than an
-    eighth), trying the other way every 16th wait. An idle Worker never
+    trip; the Worker measures, every 4,096 waits, a stretch of waits that
+    spin against one that does not, and spins until the next measure only
+    if spinning was faster by more than an eighth. An idle Worker never
     spins (``specs/threads.md``, "The leader's spin").
 
     The template process is a child of this process: killing it kills

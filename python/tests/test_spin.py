@@ -43,7 +43,7 @@ def test_an_idle_worker_uses_no_cpu():
 def test_a_wait_spins_for_its_budget_at_most():
     # Each reply comes 20 ms after its call: a caller spinning through the
     # wait would burn 20 ms of CPU per call; a spin of at most 1 ms burns
-    # at most that (and fewer spins once they are seen not to pay).
+    # at most that.
     with callreg.Worker(1, spin=0.001) as w:
         w.start()
         h = w.register(nap)

@@ -7,25 +7,28 @@
 //! short task's whole round trip. Polling without blocking for a few tens
 //! of microseconds first keeps the caller's CPU awake for a reply that is
 //! about to come. It does not always pay: a long task's reply comes after
-//! any spin, and when the CPUs are busy the spin takes time from the
-//! processes it waits for. So the choice is measured, per Worker:
+//! any spin, and when the CPUs are busy a spinning caller takes time from
+//! the processes it waits for and is itself scheduled later. So the choice
+//! is measured, per Worker, in periods of [`PERIOD`] waits:
 //!
-//! * every wait that ends in an event, begun within [`CYCLE_GAP`] of the
-//!   previous one's end, records the caller's whole cycle (from the end of
-//!   its previous wait to the end of this one: its own work, the target's
-//!   and the wait, so that CPU a spin takes from either shows), in one of
-//!   two moving averages (weight 1/8 for the newest): cycles whose wait
-//!   spun and the others;
-//! * a wait spins when spinning is the better mode: when no spun wait was
-//!   measured yet, or the spun waits' average is at most 7/8 of the
-//!   others' (spinning must clearly pay for the CPU it burns);
-//! * every [`EXPLORE_EVERY`]-th wait takes the other mode, so each
-//!   average follows the machine as its load changes;
+//! * the first [`TRIAL`] waits of a period spin, the next [`TRIAL`] do
+//!   not (each mode is measured over a stretch of its own, since how the
+//!   scheduler treats the caller depends on what it did for the last few
+//!   milliseconds); the first [`SETTLE`] waits of each stretch are not
+//!   measured;
+//! * a measured wait is the caller's whole cycle, from the end of its
+//!   previous wait to the end of this one (its own work, its request, the
+//!   target's work and the wait, so that CPU a spin takes from either
+//!   shows), when it began within [`CYCLE_GAP`] of that end (a caller
+//!   waiting back to back: anything else is idle time);
+//! * the rest of the period spins if the spinning stretch's mean cycle was
+//!   at most 7/8 of the other's (spinning must clearly pay for the CPU it
+//!   burns), and blocks otherwise (also when a stretch measured nothing);
 //! * a spin lasts at most the budget ([`DEFAULT_SPIN`] unless configured;
 //!   zero turns spinning off), and only while a caller waits: an idle
 //!   Worker polls nothing and uses no CPU.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The default spin budget: 50 µs, chosen by `python/benchmarks/round_trip.py`
@@ -39,19 +42,54 @@ pub const MAX_SPIN: Duration = Duration::from_millis(1);
 /// within this long of the caller's previous wait ([`Spin::ended`]).
 pub const CYCLE_GAP: Duration = Duration::from_millis(1);
 
-/// One wait in this many takes the mode the averages do not prefer.
-pub const EXPLORE_EVERY: u64 = 16;
+/// Waits in a period: two trial stretches, then the choice they made.
+pub const PERIOD: u64 = 4096;
+
+/// Waits in each trial stretch (spinning, then not).
+pub const TRIAL: u64 = 256;
+
+/// The first waits of a trial stretch that are not measured.
+pub const SETTLE: u64 = 96;
+
+/// Which part of a period a wait is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    /// The spinning trial (measured after [`SETTLE`] waits).
+    TrySpinning { measured: bool },
+    /// The blocking trial.
+    TryBlocking { measured: bool },
+    /// The rest: the trials' choice.
+    Chosen,
+}
+
+fn part(wait: u64) -> Part {
+    match wait % PERIOD {
+        w if w < TRIAL => Part::TrySpinning {
+            measured: w >= SETTLE,
+        },
+        w if w < 2 * TRIAL => Part::TryBlocking {
+            measured: w - TRIAL >= SETTLE,
+        },
+        _ => Part::Chosen,
+    }
+}
 
 /// The adaptive spin of one Worker's leaders (module docs).
 #[derive(Debug)]
 pub struct Spin {
     budget: Duration,
-    /// Waits decided so far.
+    /// Waits begun so far.
     waits: AtomicU64,
-    /// Moving averages, in nanoseconds, of the cycles whose wait spun and
-    /// of the others; 0 until one is measured.
-    spun: AtomicU64,
-    blocked: AtomicU64,
+    /// The wait last begun, for [`Spin::ended`] (a leader's waits do not
+    /// overlap; two leaders one after the other do not either).
+    current: AtomicU64,
+    /// This period's trials: summed cycles (ns) and their counts.
+    spun_ns: AtomicU64,
+    spun_n: AtomicU64,
+    blocked_ns: AtomicU64,
+    blocked_n: AtomicU64,
+    /// The choice for the rest of the period.
+    spinning: AtomicBool,
     /// When the last wait ended, in nanoseconds after `epoch` (0: none).
     last_end: AtomicU64,
     epoch: Instant,
@@ -69,34 +107,14 @@ impl Spin {
         Spin {
             budget,
             waits: AtomicU64::new(0),
-            spun: AtomicU64::new(0),
-            blocked: AtomicU64::new(0),
+            current: AtomicU64::new(0),
+            spun_ns: AtomicU64::new(0),
+            spun_n: AtomicU64::new(0),
+            blocked_ns: AtomicU64::new(0),
+            blocked_n: AtomicU64::new(0),
+            spinning: AtomicBool::new(false),
             last_end: AtomicU64::new(0),
             epoch: Instant::now(),
-        }
-    }
-
-    fn nanos(&self, at: Instant) -> u64 {
-        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos())
-            .unwrap_or(u64::MAX)
-            .max(1)
-    }
-
-    /// Records the end, at `end`, of a wait that began at `start` and
-    /// spun or not. What is measured is the caller's whole cycle, from
-    /// the end of its previous wait to the end of this one (its own work,
-    /// its request, the target's, the wait), so that a spin that takes CPU
-    /// time from the caller or its target later shows too; only when the
-    /// caller began this wait within [`CYCLE_GAP`] of its previous one (a
-    /// caller waiting back to back: anything else is idle time).
-    pub fn ended(&self, spun: bool, start: Instant, end: Instant) {
-        let last = self.last_end.swap(self.nanos(end), Ordering::Relaxed);
-        if last == 0 {
-            return;
-        }
-        let (start, end) = (self.nanos(start), self.nanos(end));
-        if start.saturating_sub(last) <= CYCLE_GAP.as_nanos() as u64 {
-            self.record(spun, Duration::from_nanos(end.saturating_sub(last)));
         }
     }
 
@@ -105,45 +123,94 @@ impl Spin {
         self.budget
     }
 
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
     /// Whether the wait starting at `now` spins, and until when.
     pub fn next_wait(&self, now: Instant) -> Option<Instant> {
         if self.budget.is_zero() {
             return None;
         }
         let wait = self.waits.fetch_add(1, Ordering::Relaxed);
-        let explore = wait % EXPLORE_EVERY == EXPLORE_EVERY - 1;
-        (self.prefers_spinning() != explore).then(|| now + self.budget)
+        self.current.store(wait, Ordering::Relaxed);
+        let spins = match part(wait) {
+            Part::TrySpinning { .. } => {
+                if wait.is_multiple_of(PERIOD) {
+                    for sum in [
+                        &self.spun_ns,
+                        &self.spun_n,
+                        &self.blocked_ns,
+                        &self.blocked_n,
+                    ] {
+                        sum.store(0, Ordering::Relaxed);
+                    }
+                }
+                true
+            }
+            Part::TryBlocking { .. } => false,
+            Part::Chosen => {
+                if wait % PERIOD == 2 * TRIAL {
+                    self.choose();
+                }
+                self.spinning.load(Ordering::Relaxed)
+            }
+        };
+        spins.then(|| now + self.budget)
     }
 
-    /// Whether spun waits are the better mode now (module docs).
+    /// Decides the rest of the period from its trials (module docs).
+    fn choose(&self) {
+        let mean = |sum: &AtomicU64, n: &AtomicU64| {
+            let n = n.load(Ordering::Relaxed);
+            (n > 0).then(|| u128::from(sum.load(Ordering::Relaxed)) / u128::from(n))
+        };
+        let spun = mean(&self.spun_ns, &self.spun_n);
+        let blocked = mean(&self.blocked_ns, &self.blocked_n);
+        let spinning = matches!((spun, blocked), (Some(s), Some(b)) if s * 8 <= b * 7);
+        self.spinning.store(spinning, Ordering::Relaxed);
+    }
+
+    /// Whether the waits after this period's trials spin.
     pub fn prefers_spinning(&self) -> bool {
-        let spun = self.spun.load(Ordering::Relaxed);
-        let blocked = self.blocked.load(Ordering::Relaxed);
-        spun == 0 || (blocked != 0 && u128::from(spun) * 8 <= u128::from(blocked) * 7)
+        self.spinning.load(Ordering::Relaxed)
     }
 
-    /// Records a cycle of `waited` whose wait spun or not.
-    pub fn record(&self, spun: bool, waited: Duration) {
-        let average = if spun { &self.spun } else { &self.blocked };
-        // At least 1 ns: 0 means "none measured yet".
-        let sample = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX).max(1);
-        let old = average.load(Ordering::Relaxed);
-        let new = if old == 0 {
-            sample
-        } else {
-            old - old / 8 + sample / 8
+    /// Records the end, at `end`, of the wait that began at `start` (the
+    /// last one [`Spin::next_wait`] decided). What is measured is the
+    /// caller's whole cycle (module docs), in its trial's sum.
+    pub fn ended(&self, start: Instant, end: Instant) {
+        let last = self.last_end.swap(self.nanos(end), Ordering::Relaxed);
+        if last == 0 || self.budget.is_zero() {
+            return;
+        }
+        let (start, end) = (self.nanos(start), self.nanos(end));
+        if start.saturating_sub(last) > CYCLE_GAP.as_nanos() as u64 {
+            return;
+        }
+        let cycle = end.saturating_sub(last);
+        let (sum, n) = match part(self.current.load(Ordering::Relaxed)) {
+            Part::TrySpinning { measured: true } => (&self.spun_ns, &self.spun_n),
+            Part::TryBlocking { measured: true } => (&self.blocked_ns, &self.blocked_n),
+            _ => return,
         };
-        average.store(new.max(1), Ordering::Relaxed);
+        sum.fetch_add(cycle, Ordering::Relaxed);
+        n.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The moving averages of spun and of other waits (`None` before the
-    /// first of each).
-    pub fn averages(&self) -> (Option<Duration>, Option<Duration>) {
-        let read = |average: &AtomicU64| match average.load(Ordering::Relaxed) {
+    /// The mean measured cycle of this period's spinning and blocking
+    /// trials so far (`None` before one is measured).
+    pub fn trials(&self) -> (Option<Duration>, Option<Duration>) {
+        let mean = |sum: &AtomicU64, n: &AtomicU64| match n.load(Ordering::Relaxed) {
             0 => None,
-            nanos => Some(Duration::from_nanos(nanos)),
+            n => Some(Duration::from_nanos(sum.load(Ordering::Relaxed) / n)),
         };
-        (read(&self.spun), read(&self.blocked))
+        (
+            mean(&self.spun_ns, &self.spun_n),
+            mean(&self.blocked_ns, &self.blocked_n),
+        )
     }
 }
 
@@ -151,85 +218,112 @@ impl Spin {
 mod tests {
     use super::*;
 
-    fn modes(spin: &Spin, waits: usize) -> Vec<bool> {
-        let now = Instant::now();
-        (0..waits).map(|_| spin.next_wait(now).is_some()).collect()
+    /// Runs `waits` waits of `spin`, each beginning 1 µs after the last
+    /// ended and lasting `spinning` or `blocking` µs as it spins or not;
+    /// returns whether each spun.
+    fn run(
+        spin: &Spin,
+        waits: u64,
+        spinning: u64,
+        blocking: u64,
+        clock: &mut Instant,
+    ) -> Vec<bool> {
+        (0..waits)
+            .map(|_| {
+                let start = *clock + Duration::from_micros(1);
+                let spun = spin.next_wait(start).is_some();
+                let end = start + Duration::from_micros(if spun { spinning } else { blocking });
+                spin.ended(start, end);
+                *clock = end;
+                spun
+            })
+            .collect()
     }
 
     #[test]
     fn a_zero_budget_never_spins() {
         let spin = Spin::new(Duration::ZERO);
-        assert_eq!(modes(&spin, 40), vec![false; 40]);
+        let mut clock = Instant::now();
+        assert_eq!(run(&spin, 300, 10, 10, &mut clock), vec![false; 300]);
     }
 
     #[test]
-    fn it_spins_until_blocking_is_measured_then_follows_the_faster_mode() {
+    fn each_period_tries_both_modes_then_keeps_the_faster() {
         let spin = Spin::new(Duration::from_micros(50));
         let now = Instant::now();
         assert_eq!(spin.next_wait(now), Some(now + Duration::from_micros(50)));
-        // Nothing measured: spin, but every 16th wait blocks.
-        let first = modes(&spin, 31);
-        assert_eq!(first.iter().filter(|spun| !**spun).count(), 2);
-        assert!(!first[14] && !first[30], "{first:?}");
-        // Spun waits of 20 µs against blocked ones of 40 µs: spinning.
-        spin.record(true, Duration::from_micros(20));
-        spin.record(false, Duration::from_micros(40));
-        assert!(spin.prefers_spinning());
-        // Spinning must beat blocking by an eighth: 36 µs against 40 does
-        // not.
         let spin = Spin::new(Duration::from_micros(50));
-        spin.record(true, Duration::from_micros(36));
-        spin.record(false, Duration::from_micros(40));
-        assert!(!spin.prefers_spinning());
-        let blocked: Vec<bool> = modes(&spin, 32);
-        // Blocking now, every 16th wait spins.
+        let mut clock = Instant::now();
+        // Spinning takes 20 µs a cycle, blocking 40: the trials, then spin.
+        let first = run(&spin, PERIOD, 19, 39, &mut clock);
+        let trial = TRIAL as usize;
+        assert_eq!(first[..trial], vec![true; trial]);
+        assert_eq!(first[trial..2 * trial], vec![false; trial]);
+        assert_eq!(first[2 * trial..], vec![true; PERIOD as usize - 2 * trial]);
         assert_eq!(
-            blocked
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| **s)
-                .map(|(i, _)| i)
-                .collect::<Vec<_>>(),
-            vec![15, 31]
+            spin.trials(),
+            (
+                Some(Duration::from_micros(20)),
+                Some(Duration::from_micros(40))
+            )
         );
-        spin.record(true, Duration::from_micros(20));
-        // 36 - 36/8 + 20/8 = 34 µs, within 7/8 of 40 (35): spinning.
-        assert_eq!(spin.averages().0, Some(Duration::from_nanos(34_000)));
-        assert!(spin.prefers_spinning());
+        // The next period: the machine got busy, spinning now costs more.
+        let second = run(&spin, PERIOD, 30, 25, &mut clock);
+        assert_eq!(second[..trial], vec![true; trial]);
+        assert_eq!(
+            second[2 * trial..],
+            vec![false; PERIOD as usize - 2 * trial]
+        );
+        assert!(!spin.prefers_spinning());
+        // Spinning must beat blocking by an eighth: 36 µs against 40 does not.
+        let third = run(&spin, PERIOD, 35, 39, &mut clock);
+        assert!(!third[2 * trial]);
+        // 35 against 40 does.
+        let fourth = run(&spin, PERIOD, 34, 39, &mut clock);
+        assert!(fourth[2 * trial]);
     }
 
     #[test]
-    fn a_cycle_counts_from_the_previous_end_when_the_caller_was_busy() {
+    fn the_settling_waits_and_idle_gaps_are_not_measured() {
         let spin = Spin::new(Duration::from_micros(50));
         let t0 = Instant::now();
         let at = |micros: u64| t0 + Duration::from_micros(micros);
         // The first end only starts the clock.
-        spin.ended(true, at(0), at(10));
-        assert_eq!(spin.averages(), (None, None));
-        // Began 5 µs after the last end, ended 30 µs after it.
-        spin.ended(true, at(15), at(40));
-        assert_eq!(spin.averages(), (Some(Duration::from_micros(30)), None));
-        spin.ended(false, at(60), at(100));
-        assert_eq!(spin.averages().1, Some(Duration::from_micros(60)));
-        // Began 2 ms after the last end: idle time, not measured.
-        spin.ended(false, at(2_100), at(2_150));
-        assert_eq!(spin.averages().1, Some(Duration::from_micros(60)));
-        // ... but it is the last end for the next one.
-        spin.ended(false, at(2_160), at(2_190));
-        assert_eq!(
-            spin.averages().1,
-            Some(Duration::from_nanos(60_000 - 7_500 + 5_000))
-        );
+        spin.next_wait(at(0));
+        spin.ended(at(0), at(10));
+        assert_eq!(spin.trials(), (None, None));
+        let mut clock = at(10);
+        // The rest of the settling waits: still nothing measured.
+        run(&spin, SETTLE - 1, 20, 20, &mut clock);
+        assert_eq!(spin.trials(), (None, None));
+        // Measured: from the last end (1 µs before the start) to this end.
+        run(&spin, 1, 29, 29, &mut clock);
+        assert_eq!(spin.trials(), (Some(Duration::from_micros(30)), None));
+        // A wait begun 2 ms after the last end: idle time, not measured,
+        // but it is the last end for the next one.
+        let start = clock + Duration::from_millis(2);
+        spin.next_wait(start);
+        spin.ended(start, start + Duration::from_micros(500));
+        assert_eq!(spin.trials(), (Some(Duration::from_micros(30)), None));
+        let mut clock = start + Duration::from_micros(500);
+        run(&spin, 1, 9, 9, &mut clock);
+        assert_eq!(spin.trials(), (Some(Duration::from_micros(20)), None));
     }
 
     #[test]
-    fn the_averages_move_by_an_eighth() {
+    fn a_period_whose_trials_measured_nothing_blocks() {
         let spin = Spin::new(Duration::from_micros(50));
-        assert_eq!(spin.averages(), (None, None));
-        spin.record(false, Duration::from_nanos(800));
-        spin.record(false, Duration::from_nanos(1_600));
-        assert_eq!(spin.averages(), (None, Some(Duration::from_nanos(900))));
-        spin.record(true, Duration::ZERO);
-        assert_eq!(spin.averages().0, Some(Duration::from_nanos(1)));
+        let mut clock = Instant::now();
+        // Every wait begins long after the last: nothing is measured.
+        let waits: Vec<bool> = (0..2 * TRIAL + 1)
+            .map(|_| {
+                clock += Duration::from_millis(5);
+                let spun = spin.next_wait(clock).is_some();
+                spin.ended(clock, clock + Duration::from_micros(10));
+                spun
+            })
+            .collect();
+        assert_eq!(spin.trials(), (None, None));
+        assert!(!waits[2 * TRIAL as usize]);
     }
 }

@@ -48,8 +48,8 @@ impl Poller for Os {
 
     /// Spins first when the [`Spin`] says this wait should (polling
     /// without blocking, for its budget at most), then polls until an
-    /// event or `deadline`; records how long a wait that ended in an event
-    /// took, and whether it spun, for the next decisions.
+    /// event or `deadline`; tells the [`Spin`] when a wait ended in an
+    /// event, for its measures.
     fn poll(
         &self,
         fds: &[&Arc<TrackedFd>],
@@ -60,19 +60,17 @@ impl Poller for Os {
             .map(|fd| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
             .collect();
         let start = Instant::now();
-        let spun = match self.spin.next_wait(start) {
-            Some(until) if deadline.is_none_or(|deadline| deadline > start) => {
+        if let Some(until) = self.spin.next_wait(start) {
+            if deadline.is_none_or(|deadline| deadline > start) {
                 Self::spin_until(&mut polled, until, deadline);
-                true
             }
-            _ => false,
-        };
+        }
         let (result, events) = poll_events(&mut polled, deadline);
         if matches!(result, Err(errno) if errno != Errno::EINTR) {
             return Err(PollFailed);
         }
         if events.iter().any(|event| !event.is_empty()) {
-            self.spin.ended(spun, start, Instant::now());
+            self.spin.ended(start, Instant::now());
         }
         Ok(events
             .into_iter()

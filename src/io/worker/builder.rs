@@ -198,8 +198,9 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// replies without blocking before it sleeps, at most (default
     /// [`DEFAULT_SPIN`], 50 µs; zero never spins; `specs/threads.md`, "The
     /// leader's spin"). Whether a wait spins is measured per Worker
-    /// ([`crate::io::spin`]): spinning is kept only while the waits that
-    /// spin end clearly sooner than those that do not.
+    /// ([`crate::io::spin`]): every 4,096 waits, a stretch that spins
+    /// against one that does not, and spinning until the next measure
+    /// only if it was clearly faster.
     pub fn spin(mut self, budget: Duration) -> Self {
         self.spin = budget;
         self
