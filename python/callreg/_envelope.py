@@ -67,13 +67,30 @@ class InheritingPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpick
 
 
 def main_objects() -> dict[int, object]:
-    """{id: object} of the functions and classes of ``__main__`` now."""
+    """{id: object} of the functions and classes of ``__main__`` now that
+    pickle can find by name: whose ``__qualname__``, looked up from
+    ``__main__``, is that very object. A lambda, a closure or a decorated
+    function's wrapper (``<lambda>``, ``<locals>`` in the name), a class
+    made under another name (``namedtuple``, ``type()``) or a function
+    rebound after it was redefined is not found by name, and so is
+    pickled by value like any other callable."""
     main = sys.modules.get("__main__")
     found: dict[int, object] = {}
     for value in list(vars(main).values()) if main is not None else ():
         if inspect.isfunction(value) or isinstance(value, type):
-            if getattr(value, "__module__", None) == "__main__":
+            if getattr(value, "__module__", None) == "__main__" and _by_name(main, value) is value:
                 found[id(value)] = value
+    return found
+
+
+def _by_name(module: object, value: object) -> object:
+    """What ``value``'s ``__qualname__`` names in ``module`` (``None``
+    when nothing)."""
+    found: object = module
+    for part in str(getattr(value, "__qualname__", "<>")).split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return None
     return found
 
 
@@ -197,11 +214,15 @@ class EnvelopeWriter:
         self._buffer = bytearray()
 
 
-def hashid(obj: bytes | bytearray | memoryview | Handle[..., Any] | Callable[..., Any]) -> str:
+def hashid(
+    obj: bytes | bytearray | memoryview | Handle[..., Any] | Callable[..., Any], *, out_of_band: bool = True
+) -> str:
     """The hashid (``"sha256:"`` + 64 hex digits) of envelope bytes, of a
-    :class:`Handle`, or of a callable (via :func:`pack`; two packs of one
-    function give one hashid). Raises :class:`EnvelopeError` for bytes that
-    are not an envelope, ``TypeError`` for anything else."""
+    :class:`Handle`, or of a callable (via :func:`pack`, with its
+    ``out_of_band``; two packs of one function give one hashid: that of
+    ``Worker.register(fn, out_of_band=...)``'s handle). Raises
+    :class:`EnvelopeError` for bytes that are not an envelope,
+    ``TypeError`` for anything else."""
     if isinstance(obj, Handle):
         return obj.hashid
     if isinstance(obj, (bytes, bytearray, memoryview)):
@@ -210,7 +231,7 @@ def hashid(obj: bytes | bytearray | memoryview | Handle[..., Any] | Callable[...
         except _callreg.RawError as raw:
             raise_error(raw)
     if callable(obj):
-        return _callreg.envelope_hashid(pack(obj))
+        return _callreg.envelope_hashid(pack(obj, out_of_band=out_of_band))
     raise TypeError("hashid() takes envelope bytes, a Handle or a callable, not %s" % type(obj).__name__)
 
 

@@ -378,3 +378,55 @@ def test_an_eviction_whose_finalizer_ends_every_target_waits_for_a_replacement(t
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["(%d, 'ExitsWhenFreed') %d" % (i, i) for i in range(5)]
+
+
+MAIN_BY_VALUE_PROGRAM = """
+import collections
+import callreg
+
+square = lambda x: x * x
+
+def make_adder(n):
+    def add(x):
+        return x + n
+    return add
+
+add5 = make_adder(5)
+
+def wrap(fn):
+    def inner(*a):
+        return fn(*a)
+    return inner
+
+@wrap
+def decorated(x):
+    return x + 1
+
+def f(x):
+    return x
+
+g = f
+
+def f(x):
+    return -x
+
+Point = collections.namedtuple("Point", "x y")
+P = Point
+Made = type("Made", (), {"__call__": lambda self, x: x * 10})
+M = Made
+
+with callreg.Executor(2) as ex:
+    print(ex.submit(square, 3).result(), ex.submit(add5, 3).result(), ex.submit(decorated, 1).result())
+    print(ex.submit(g, 1).result(), ex.submit(f, 1).result(), tuple(ex.submit(P, 1, 2).result()))
+    print(ex.submit(M(), 4).result(), callreg.hashid(g) != callreg.hashid(f))
+"""
+
+
+def test_main_objects_pickle_cannot_find_by_name_go_by_value():
+    # A lambda, a closure, a decorator's wrapper, a function rebound before
+    # its name was redefined and classes bound under another name are
+    # callables of __main__ that pickle cannot find by their names: the
+    # Executor pickles them by value, as Worker.register does.
+    done = subprocess.run([sys.executable, "-c", MAIN_BY_VALUE_PROGRAM], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["9 8 2", "1 -1 (1, 2)", "40 True"]

@@ -62,6 +62,7 @@ def test_a_large_buffer_goes_out_of_band_and_a_small_one_stays_in_the_pickle():
     assert plain[4] == 1
     assert plain[16:] == cloudpickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
     assert callreg.hashid(plain) != callreg.hashid(envelope) == callreg.hashid(fn)
+    assert callreg.hashid(fn, out_of_band=False) == callreg.hashid(plain)
     # A buffer under the bound stays in the pickle: version 1, the bytes
     # cloudpickle gives.
     small = closure_over(pickle.PickleBuffer(bytearray(callreg.OUT_OF_BAND_MIN_BYTES - 1)))
