@@ -232,7 +232,11 @@ class Worker(Inspection):
         target: every target maps them read-only from one sealed memory
         file (``specs/formats.md`` §1.1), so such an array is **read-only
         in targets** (a write raises ``ValueError``) and its memory is
-        counted once, however many targets there are. ``out_of_band=False``
+        counted once, however many targets there are, for a register after
+        :meth:`start` (one before it reaches the targets by ``fork``, as
+        bytes: each target then holds its own read-only copies). Which
+        arrays go out of band is numpy's choice (contiguous ones of plain
+        dtypes; ``docs/identity.md``). ``out_of_band=False``
         pickles them into the callable's pickle instead, as the reference
         form (version 1) does; its hashid then differs.
 
