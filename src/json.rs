@@ -95,6 +95,106 @@ pub fn from_object_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> 
     from_str(text)
 }
 
+/// What a struct's JSON form is, as an error message says it when given
+/// another JSON type (`expected an object {"packages": [...]}`).
+pub trait Expects {
+    /// The expected JSON, after "expected".
+    const EXPECTS: &'static str;
+}
+
+/// Reads a struct field's value as `T` from a JSON object only:
+/// `#[serde(deserialize_with = "crate::json::object")]`. serde's derive
+/// also reads a struct from an array of its fields in order, which no
+/// JSON form of this crate documents (a list given where an object
+/// belongs would otherwise be read field by field).
+///
+/// # Errors
+/// `invalid type: ..., expected` [`Expects::EXPECTS`] for anything but an
+/// object; then `T`'s errors.
+pub fn object<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de> + Expects,
+{
+    deserializer.deserialize_map(ObjectVisitor(std::marker::PhantomData))
+}
+
+/// [`object`] for an optional field: `null` is `None`.
+///
+/// # Errors
+/// As [`object`].
+pub fn optional_object<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de> + Expects,
+{
+    struct Optional<T>(std::marker::PhantomData<T>);
+    impl<'de, T: serde::Deserialize<'de> + Expects> serde::de::Visitor<'de> for Optional<T> {
+        type Value = Option<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "null or {}", T::EXPECTS)
+        }
+        fn visit_none<E: serde::de::Error>(self) -> Result<Option<T>, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Option<T>, E> {
+            Ok(None)
+        }
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Option<T>, D::Error> {
+            object(d).map(Some)
+        }
+    }
+    deserializer.deserialize_option(Optional(std::marker::PhantomData))
+}
+
+/// [`object`] for each element of a list field.
+///
+/// # Errors
+/// `invalid type: ..., expected a list, each element ...` for anything but
+/// a list; then as [`object`] for each element.
+pub fn objects<'de, D, T>(deserializer: D) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de> + Expects,
+{
+    struct Element<T>(std::marker::PhantomData<T>);
+    impl<'de, T: serde::Deserialize<'de> + Expects> serde::de::DeserializeSeed<'de> for Element<T> {
+        type Value = T;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<T, D::Error> {
+            object(d)
+        }
+    }
+    struct List<T>(std::marker::PhantomData<T>);
+    impl<'de, T: serde::Deserialize<'de> + Expects> serde::de::Visitor<'de> for List<T> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "a list, each element {}", T::EXPECTS)
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut found = Vec::new();
+            while let Some(element) = seq.next_element_seed(Element(std::marker::PhantomData))? {
+                found.push(element);
+            }
+            Ok(found)
+        }
+    }
+    deserializer.deserialize_seq(List(std::marker::PhantomData))
+}
+
+struct ObjectVisitor<T>(std::marker::PhantomData<T>);
+
+impl<'de, T: serde::Deserialize<'de> + Expects> serde::de::Visitor<'de> for ObjectVisitor<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(T::EXPECTS)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+        T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+    }
+}
+
 /// serde_json's message without its " at line L column C" suffix.
 fn strip_position(message: &str) -> String {
     match message.rfind(" at line ") {

@@ -73,30 +73,35 @@ pub const SERIALIZER_CLOUDPICKLE: &str = "cloudpickle";
 ///
 /// [`to_json`]: CallableMetadata::to_json
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "an object with \"name\" and the optional keys python, executor, executor_data, deps, call_before, call_after"
-)]
+#[serde(deny_unknown_fields)]
 pub struct CallableMetadata {
     /// Display name of the callable, e.g. `"add"`.
     pub name: String,
     /// Interpreter and serializer versions of the producer.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::json::optional_object"
+    )]
     pub python: Option<PythonVersions>,
     /// Executor short name, e.g. `"python"`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub executor: Option<String>,
     /// Data to rehydrate the executor from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::json::optional_object"
+    )]
     pub executor_data: Option<ExecutorData>,
     /// Dependencies verified (pip) or run (bash) at install.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::object")]
     pub deps: Deps,
     /// Hooks run before each task of the callable, in order.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::objects")]
     pub call_before: Vec<HookCall>,
     /// Hooks run after each task of the callable, in order.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::objects")]
     pub call_after: Vec<HookCall>,
 }
 
@@ -108,10 +113,7 @@ pub struct CallableMetadata {
 /// major version only (code objects change between Python minors;
 /// cloudpickle's format between its majors).
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "an object {\"version\", \"serializer\", \"serializer_version\"} of strings"
-)]
+#[serde(deny_unknown_fields)]
 pub struct PythonVersions {
     /// `platform.python_version()` of the producer, `MAJOR.MINOR[.…]`.
     pub version: String,
@@ -125,10 +127,7 @@ pub struct PythonVersions {
 /// `{"type": "PythonExecutor", "short_name": "python", "attributes": {...}}`.
 /// `type` and `short_name` are required, `attributes` defaults to `{}`.
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "an object {\"type\", \"short_name\", \"attributes\"}"
-)]
+#[serde(deny_unknown_fields)]
 pub struct ExecutorData {
     /// The executor's type name as its registry states it, e.g. `"PythonExecutor"`.
     #[serde(rename = "type")]
@@ -143,25 +142,19 @@ pub struct ExecutorData {
 /// Declared dependencies: `{"pip": {"packages": [...]}, "bash": {"commands": [...]}}`;
 /// each block defaults to empty.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "an object {\"pip\": {...}, \"bash\": {...}}"
-)]
+#[serde(deny_unknown_fields)]
 pub struct Deps {
     /// pip requirements verified against what is installed (never installed).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::object")]
     pub pip: PipDeps,
     /// Shell commands run once per install, before deserializing.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::object")]
     pub bash: BashDeps,
 }
 
 /// `{"packages": ["cloudpickle>=2", ...]}`: PEP 508 requirement strings.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "an object {\"packages\": [requirement strings]}"
-)]
+#[serde(deny_unknown_fields)]
 pub struct PipDeps {
     /// Requirement strings, e.g. `"numpy>=1.20,<2"`; `packages` is required.
     pub packages: Vec<String>,
@@ -169,10 +162,7 @@ pub struct PipDeps {
 
 /// `{"commands": ["true", ...]}`: each run as `/bin/sh -c COMMAND`.
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "an object {\"commands\": [command strings]}"
-)]
+#[serde(deny_unknown_fields)]
 pub struct BashDeps {
     /// Shell commands, run in order; `commands` is required.
     pub commands: Vec<String>,
@@ -183,10 +173,7 @@ pub struct BashDeps {
 /// `hashid` is required; `args` defaults to `[]`, `kwargs` to `{}`;
 /// `retval_keyword` is optional and, when present, a Python identifier.
 #[derive(Clone, PartialEq, Debug, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    expecting = "an object {\"hashid\", \"args\", \"kwargs\", \"retval_keyword\"}"
-)]
+#[serde(deny_unknown_fields)]
 pub struct HookCall {
     /// The hook callable's hashid (it must be live in the same namespace).
     pub hashid: HashId,
@@ -200,6 +187,32 @@ pub struct HookCall {
     /// keyword argument ([`merge_retval_keyword`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retval_keyword: Option<String>,
+}
+
+impl crate::json::Expects for PythonVersions {
+    const EXPECTS: &'static str =
+        "an object {\"version\", \"serializer\", \"serializer_version\"} of strings";
+}
+
+impl crate::json::Expects for ExecutorData {
+    const EXPECTS: &'static str = "an object {\"type\", \"short_name\", \"attributes\"}";
+}
+
+impl crate::json::Expects for Deps {
+    const EXPECTS: &'static str = "an object {\"pip\": {...}, \"bash\": {...}}";
+}
+
+impl crate::json::Expects for PipDeps {
+    const EXPECTS: &'static str = "an object {\"packages\": [requirement strings]}";
+}
+
+impl crate::json::Expects for BashDeps {
+    const EXPECTS: &'static str = "an object {\"commands\": [command strings]}";
+}
+
+impl crate::json::Expects for HookCall {
+    const EXPECTS: &'static str =
+        "an object {\"hashid\", \"args\", \"kwargs\", \"retval_keyword\"}";
 }
 
 crate::json::json_forms!(

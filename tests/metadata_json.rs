@@ -372,6 +372,39 @@ fn metadata_rejects_each_fault_naming_the_field() {
             "call_before[0].hashid",
             "invalid type: integer `1`, expected a string",
         ),
+        // A list where an object belongs is refused, not read field by
+        // field (serde's derive alone would read `["numpy>=1"]` as
+        // `{"packages": "numpy>=1"}` and then complain about a string).
+        (
+            r#"{"name": "f", "deps": {"pip": ["numpy>=1"]}}"#,
+            "deps.pip",
+            r#"invalid type: sequence, expected an object {"packages": [requirement strings]}"#,
+        ),
+        (
+            r#"{"name": "f", "deps": {"pip": [["numpy>=1"]]}}"#,
+            "deps.pip",
+            r#"invalid type: sequence, expected an object {"packages": [requirement strings]}"#,
+        ),
+        (
+            r#"{"name": "f", "deps": []}"#,
+            "deps",
+            r#"invalid type: sequence, expected an object {"pip": {...}, "bash": {...}}"#,
+        ),
+        (
+            r#"{"name": "f", "python": ["3.11", "cloudpickle", "3.1"]}"#,
+            "python",
+            r#"invalid type: sequence, expected an object {"version", "serializer", "serializer_version"} of strings"#,
+        ),
+        (
+            r#"{"name": "f", "call_before": {"hashid": "x"}}"#,
+            "call_before",
+            r#"invalid type: map, expected a list, each element an object {"hashid", "args", "kwargs", "retval_keyword"}"#,
+        ),
+        (
+            r#"{"name": "f", "call_after": [["sha256:00"]]}"#,
+            "call_after[0]",
+            r#"invalid type: sequence, expected an object {"hashid", "args", "kwargs", "retval_keyword"}"#,
+        ),
     ] {
         assert_eq!(err(text), JsonError::at(path, message), "{text}");
     }
