@@ -88,6 +88,19 @@ fn register_frame(target: u16, seq: u64, n: u8) -> Effect {
     }
 }
 
+/// The error and the outcomes of `effect`, which must be a failed
+/// completion.
+fn failure(effect: Option<&Effect>) -> (&Error, &Vec<(TargetId, TargetOutcome)>) {
+    match effect {
+        Some(Effect::Completed {
+            result: Err(e),
+            outcomes,
+            ..
+        }) => (e, outcomes),
+        other => panic!("not a failed completion: {other:?}"),
+    }
+}
+
 fn fences(effects: &[Effect]) -> Vec<TargetId> {
     effects
         .iter()

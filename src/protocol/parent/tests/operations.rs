@@ -190,14 +190,7 @@ fn close_completes_every_operation_and_releases_staging() {
             staging: StagingId(1)
         }
     );
-    let Effect::Completed {
-        result: Err(e),
-        outcomes,
-        ..
-    } = &effects[1]
-    else {
-        panic!("{effects:?}")
-    };
+    let (e, outcomes) = failure(effects.get(1));
     assert_eq!(e.code, ErrorCode::LIFECYCLE_INVALID);
     assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Lost)]);
     assert_eq!(p.lifecycle(), Lifecycle::Closed);

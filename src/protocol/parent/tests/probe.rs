@@ -70,14 +70,7 @@ fn a_probe_that_kills_its_target_poisons_the_digest_and_costs_one_target() {
             staging: StagingId(1)
         }
     );
-    let Effect::Completed {
-        result: Err(e),
-        outcomes,
-        ..
-    } = &effects[1]
-    else {
-        panic!("{effects:?}")
-    };
+    let (e, outcomes) = failure(effects.get(1));
     assert_eq!(e.code, ErrorCode::REGISTER_POISONED);
     assert!(
         e.message
@@ -127,14 +120,7 @@ fn a_probe_refused_as_poisoned_poisons_the_digest_here_too() {
     )
     .unwrap();
     let effects = drain(&mut p);
-    let Some(Effect::Completed {
-        result: Err(e),
-        outcomes,
-        ..
-    }) = effects.last()
-    else {
-        panic!("{effects:?}")
-    };
+    let (e, outcomes) = failure(effects.last());
     assert_eq!(
         (e.code, e.target),
         (ErrorCode::REGISTER_POISONED, Some(TargetId(0)))
@@ -255,14 +241,7 @@ fn a_probe_target_that_left_poisons_nothing() {
     p.target_left(TargetId(0), "the Dask worker left the cluster", Time(5))
         .unwrap();
     let effects = drain(&mut p);
-    let Some(Effect::Completed {
-        result: Err(e),
-        outcomes,
-        ..
-    }) = effects.last()
-    else {
-        panic!("{effects:?}")
-    };
+    let (e, outcomes) = failure(effects.last());
     assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
     assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Lost)]);
     assert!(!p.is_poisoned(digest(1)));
@@ -289,14 +268,7 @@ fn a_probe_target_fenced_for_silence_poisons_nothing() {
         }
     );
     assert!(!p.is_poisoned(digest(1)));
-    let Some(Effect::Completed {
-        result: Err(e),
-        outcomes,
-        ..
-    }) = effects.last()
-    else {
-        panic!("{effects:?}")
-    };
+    let (e, outcomes) = failure(effects.last());
     assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
     assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Fenced)]);
     // A retry probes again, on the next live target.
@@ -380,14 +352,7 @@ fn a_probe_fenced_at_the_bound_while_queued_poisons_nothing() {
     assert_eq!(fences(&effects), vec![TargetId(0)]);
     assert!(!p.is_poisoned(digest(1)) && !p.is_proven(digest(1)));
     assert_eq!(p.poisoned_digests(), vec![]);
-    let Some(Effect::Completed {
-        result: Err(e),
-        outcomes,
-        ..
-    }) = effects.last()
-    else {
-        panic!("{effects:?}")
-    };
+    let (e, outcomes) = failure(effects.last());
     assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
     assert_eq!(outcomes, &vec![(TargetId(0), TargetOutcome::Fenced)]);
     // No evidence: a later register probes again, on the next live target.
@@ -514,14 +479,7 @@ fn a_refused_probe_fails_the_register_without_reaching_the_others() {
     };
     p.handle_reply(TargetId(0), refused, Time(1)).unwrap();
     let effects = drain(&mut p);
-    let Some(Effect::Completed {
-        result: Err(e),
-        outcomes,
-        ..
-    }) = effects.last()
-    else {
-        panic!("{effects:?}")
-    };
+    let (e, outcomes) = failure(effects.last());
     assert_eq!(e.code, ErrorCode::REGISTER_PARTIAL_FAILURE);
     assert_eq!(outcomes.len(), 1);
     assert!(!effects.iter().any(|e| matches!(e, Effect::Send { .. })));
