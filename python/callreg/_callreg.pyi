@@ -21,14 +21,16 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "SPILL_BYTES",
     "OUT_OF_BAND_VERSION",
-    "BUFFER_ALIGN",
+    "DEFAULT_SPIN",
+    "MAX_SPIN",
 ]
 
 VERSION: Final[str]
 DEFAULT_MAX_FRAME_BYTES: Final[int]
 SPILL_BYTES: Final[int]
 OUT_OF_BAND_VERSION: Final[int]
-BUFFER_ALIGN: Final[int]
+DEFAULT_SPIN: Final[float]
+MAX_SPIN: Final[float]
 
 class _ErrorFields(TypedDict):
     """``RawError.args[0]``: a failed operation's fields."""

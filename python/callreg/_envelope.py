@@ -99,18 +99,27 @@ def pack_with(fn: object, pickler: Callable[..., Any], *, out_of_band: bool = Tr
     ``cloudpickle.Pickler`` class), as :func:`pack` says."""
     buffer = io.BytesIO()
     buffer.write(bytes(_HEADER_LEN))
-    taken: list[pickle.PickleBuffer] = []
-    pickler(buffer, protocol=_PROTOCOL, buffer_callback=_taker(taken) if out_of_band else None).dump(fn)
-    pickle_size = buffer.tell() - _HEADER_LEN
-    version = 1
-    if taken:
-        version = _callreg.OUT_OF_BAND_VERSION
-        _write_out_of_band(buffer.write, buffer.tell, pickle_size, taken)
+    version = _pickle_into(buffer, buffer.tell, pickler, fn, out_of_band)
     size = buffer.tell() - _HEADER_LEN
     buffer.seek(0)
     buffer.write(_callreg.envelope_header(size, version))
     # The buffer's own bytes, not a copy (nothing else refers to it).
     return buffer.getvalue()
+
+
+def _pickle_into(
+    file: Any, tell: Callable[[], int], pickler: Callable[..., Any], obj: object, out_of_band: bool
+) -> int:
+    """Pickles ``obj`` with ``pickler`` into ``file`` after its 16 header
+    bytes (``tell()``: where the file ends, from the envelope's first
+    byte), then, with ``out_of_band``, the large buffers it left out of
+    the pickle (:func:`pack`); returns the envelope's version."""
+    taken: list[pickle.PickleBuffer] = []
+    pickler(file, protocol=_PROTOCOL, buffer_callback=_taker(taken) if out_of_band else None).dump(obj)
+    if not taken:
+        return 1
+    _write_out_of_band(file.write, tell, tell() - _HEADER_LEN, taken)
+    return int(_callreg.OUT_OF_BAND_VERSION)
 
 
 def _taker(taken: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
@@ -166,12 +175,7 @@ class EnvelopeWriter:
 
     def dump(self, obj: object, *, out_of_band: bool = True) -> None:
         """Pickles ``obj`` with cloudpickle into this writer."""
-        taken: list[pickle.PickleBuffer] = []
-        callback = _taker(taken) if out_of_band else None
-        cloudpickle.Pickler(self, protocol=_PROTOCOL, buffer_callback=callback).dump(obj)
-        if taken:
-            self.version = _callreg.OUT_OF_BAND_VERSION
-            _write_out_of_band(self.write, lambda: _HEADER_LEN + self.size, self.size, taken)
+        self.version = _pickle_into(self, lambda: _HEADER_LEN + self.size, cloudpickle.Pickler, obj, out_of_band)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")

@@ -31,8 +31,9 @@ DEFAULT_CONTROL_TIMEOUT: Final = 30.0
 DEFAULT_SLOT_CAPACITY: Final = 64
 DEFAULT_RESPAWN_LIMIT: Final = 3
 DEFAULT_RESPAWN_BACKOFF: Final = 0.1
-DEFAULT_SPIN: Final = 5e-5
-MAX_SPIN: Final = 1e-3
+# The leader's spin budget (seconds): the crate's default and bound.
+DEFAULT_SPIN: Final = _callreg.DEFAULT_SPIN
+MAX_SPIN: Final = _callreg.MAX_SPIN
 
 # How a Worker makes its targets (``specs/python.md``, "Start methods").
 START_METHODS: Final = ("fork", "forkserver")
@@ -87,7 +88,7 @@ def raw_worker(
     _check_seconds("respawn_backoff", respawn_backoff)
     _check_seconds("spin", spin)
     if spin > MAX_SPIN:
-        raise ValueError("spin must be at most %r seconds (1 ms), got %r" % (MAX_SPIN, spin))
+        raise ValueError("spin must be at most %r seconds, got %r" % (MAX_SPIN, spin))
     template = _template(start_method, preload, target_initializer)
     if template is not None:
         # The template's runtime data carries it.

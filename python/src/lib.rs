@@ -969,9 +969,13 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "OUT_OF_BAND_VERSION",
         callreg::envelope::VERSION_OUT_OF_BAND,
     )?;
-    m.add("BUFFER_ALIGN", callreg::envelope::BUFFER_ALIGN)?;
     m.add_function(wrap_pyfunction!(staging_memfd, m)?)?;
     m.add("SPILL_BYTES", staging::SPILL_BYTES)?;
+    m.add(
+        "DEFAULT_SPIN",
+        callreg::io::spin::DEFAULT_SPIN.as_secs_f64(),
+    )?;
+    m.add("MAX_SPIN", callreg::io::spin::MAX_SPIN.as_secs_f64())?;
     m.add_function(wrap_pyfunction!(_template_main, m)?)?;
     m.add("VERSION", env!("CARGO_PKG_VERSION"))?;
     m.add(

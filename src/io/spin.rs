@@ -118,11 +118,6 @@ impl Spin {
         }
     }
 
-    /// The spin budget.
-    pub fn budget(&self) -> Duration {
-        self.budget
-    }
-
     fn nanos(&self, at: Instant) -> u64 {
         u64::try_from(at.saturating_duration_since(self.epoch).as_nanos())
             .unwrap_or(u64::MAX)
