@@ -252,7 +252,7 @@ def _dumps(obj: object, values: Iterable[object]) -> bytes:
 
 def task_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bytes:
     """A task's input: ``(args, kwargs)`` pickled."""
-    return _dumps((args, kwargs), itertools.chain(args, kwargs.values()))
+    return _dumps((args, kwargs), itertools.chain(args, kwargs.values()) if kwargs else args)
 
 
 def chunk_input(chunk: Sequence[tuple[Any, ...]]) -> bytes:

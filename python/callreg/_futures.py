@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, RUNNING
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, RUNNING
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from callreg import _callreg
@@ -147,18 +147,36 @@ class TaskFuture(concurrent.futures.Future[Any]):
     has not started in its target (``specs/protocol.md`` §2.11)."""
 
     _pending: _callreg.RawPending | None
+    # Future.__init__'s fields, as class defaults (an instance writes its
+    # own when it changes them).
+    _state = RUNNING
+    _result: Any = None
+    _exception: BaseException | None = None
 
     def __init__(self, pending: _callreg.RawPending, dispatch: Dispatch) -> None:
-        super().__init__()
-        self._state = RUNNING
-        waiters = _ArmingList()
-        waiters.future = weakref.ref(self)
-        self._waiters = waiters
+        # Not Future.__init__: the condition, the waiter list and the
+        # done-callback list are made when first used (__getattr__), by a
+        # waiter in another thread, a done-callback,
+        # concurrent.futures.wait or cancel(); the future's own waiter and
+        # its resolution need none of them (_resolve).
         self._pending = pending
         # Kept for cancel() while another thread (or the dispatcher) holds
         # the pending task.
         self._task = pending
         self._dispatch = dispatch
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for attributes not yet set: the lazy condition and waiter
+        # list (dict.setdefault: two threads get the same one).
+        if name == "_condition":
+            return self.__dict__.setdefault(name, threading.Condition())
+        if name == "_done_callbacks":
+            return self.__dict__.setdefault(name, [])
+        if name == "_waiters":
+            waiters = _ArmingList()
+            waiters.future = weakref.ref(self)
+            return self.__dict__.setdefault(name, waiters)
+        raise AttributeError("%r object has no attribute %r" % (type(self).__name__, name))
 
     def cancel(self) -> bool:
         """Cancels the task if it has not started in its target: ``True``
@@ -197,7 +215,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
             self._condition.notify_all()
         self._pending = None
         # concurrent.futures' own step after a cancel (not in its stubs).
-        _resolve(lambda _: self._invoke_callbacks(), None)  # type: ignore[attr-defined]
+        _resolve(lambda _: self._invoke_callbacks(), None)
 
     def _resolve(self, output: bytes | None, failure: _ErrorFields | None) -> None:
         """Sets the result (``output``: pickled bytes) or the error (a
@@ -213,9 +231,29 @@ class TaskFuture(concurrent.futures.Future[Any]):
             except BaseException as exc:  # an unpicklable result
                 _resolve(self.set_exception, exc)
             else:
-                _resolve(self.set_result, value)
+                # set_result(value), without the condition when it was
+                # never made: then no other thread waits on this future
+                # or looks at it under the lock, and it has no
+                # done-callback or waiter. The result and the state are
+                # written first, so a thread that makes the condition
+                # after the look reads the state finished; one that made
+                # it before is notified under it. (A task with a result
+                # was not cancelled: the state is RUNNING here.)
+                self._result = value
+                self._state = FINISHED
+                if "_condition" in self.__dict__:
+                    self._notify_result()
         else:
             _resolve(self.set_exception, error(failure))
+
+    def _notify_result(self) -> None:
+        """``set_result``'s notifications, once the result is set."""
+        with self._condition:
+            for waiter in self._waiters:
+                waiter.add_result(self)
+            self._condition.notify_all()
+        # concurrent.futures' own step after a result (not in its stubs).
+        _resolve(lambda _: self._invoke_callbacks(), None)
 
     def _arm(self) -> None:
         """Hands the result to the dispatcher thread (once; a no-op when
@@ -269,8 +307,16 @@ class TaskFuture(concurrent.futures.Future[Any]):
                 return
 
     def result(self, timeout: float | None = None) -> Any:
+        pending = self._pending
+        if timeout is None and pending is not None and self._state == RUNNING:
+            # _wait_inline's first step, written out: the usual wait.
+            outcome = pending.wait(None)
+            if type(outcome) is tuple:
+                self._resolve(*outcome)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._wait_inline(deadline)
+        if self._state == FINISHED and self._exception is None:
+            return self._result
         return super().result(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -290,7 +336,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
             outcome = pending.wait(0)
             if isinstance(outcome, tuple):
                 self._resolve(*outcome)
-        return super().done()
+        return self._state in (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)
 
     def running(self) -> bool:
         return not self.done() and super().running()

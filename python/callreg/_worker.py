@@ -429,14 +429,25 @@ class Worker(Inspection):
         waiter, or the Worker's dispatcher thread for a future with
         done-callbacks or in ``concurrent.futures.wait`` that nobody waits
         on)."""
-        if not isinstance(handle, Handle) and callable(handle):
+        if isinstance(handle, Handle):
+            raw = handle._raw
+        elif callable(handle):
             raise HandleError(
                 "submit() takes a Handle; register %s first (h = w.register(fn)), or use "
                 "callreg.Executor, whose submit takes the callable" % callable_name(handle),
                 code="HANDLE_FOREIGN",
                 operation="resolve",
             )
-        return self._submit(raw_handle(handle), self._target(target), task_input(args, kwargs), timeout)
+        else:
+            raw = raw_handle(handle)
+        if target is not None:
+            target = self._target(target)
+        data = task_input(args, kwargs)
+        try:
+            pending = self._raw.submit(raw, target, data, timeout)
+        except _callreg.RawError as failure:
+            return _failed(failure)
+        return TaskFuture(pending, self._dispatch)
 
     def _submit(
         self, raw: _callreg.RawHandle, target: int | None, data: bytes, timeout: float | None = None
@@ -448,10 +459,7 @@ class Worker(Inspection):
         try:
             pending = self._raw.submit(raw, target, data, timeout)
         except _callreg.RawError as failure:
-            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            future.set_running_or_notify_cancel()
-            future.set_exception(error(failure))
-            return future
+            return _failed(failure)
         return TaskFuture(pending, self._dispatch)
 
     def call(
@@ -553,3 +561,12 @@ class Worker(Inspection):
                     break
                 futures.append(self._submit(raw, None, chunk_input(chunk), task_timeout))
         return in_order(futures, deadline, chunksize != 1)
+
+
+def _failed(failure: _callreg.RawError) -> concurrent.futures.Future[Any]:
+    """A future failed at once with ``failure``'s error (a task refused at
+    submit)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    future.set_exception(error(failure))
+    return future

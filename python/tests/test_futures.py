@@ -437,3 +437,56 @@ def test_waiters_and_a_poller_of_one_future_all_see_its_result(worker):
     stop.set()
     assert sorted(seen, key=str) == [9, 9, 9, "polled"]
     worker.unregister(h)
+
+
+def test_a_future_waited_on_by_its_submitter_alone_makes_no_condition(worker, monkeypatch):
+    # The future's own waiter resolves it without the Condition, waiter
+    # list or callback list of concurrent.futures (about 2 µs a task);
+    # whoever looks at it later gets them and sees it finished.
+    h = worker.register(square)
+    made = []
+    real = threading.Condition
+
+    def counted(*args):
+        made.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(threading, "Condition", counted)
+    futures = [worker.submit(h, i) for i in range(50)]
+    assert [f.result() for f in futures] == [i * i for i in range(50)]
+    assert made == []
+    called = []
+    futures[0].add_done_callback(lambda f: called.append(f.result()))
+    assert called == [0]
+    done, not_done = concurrent.futures.wait(futures, timeout=5)
+    assert (len(done), not_done) == (50, set())
+    assert sorted(f.result() for f in concurrent.futures.as_completed(futures, timeout=5)) == sorted(
+        i * i for i in range(50)
+    )
+    assert repr(futures[1]).endswith("state=finished returned int>")
+    worker.unregister(h)
+
+
+def test_a_wait_that_starts_while_the_submitter_resolves_still_ends(worker):
+    # concurrent.futures.wait in other threads, started at every moment of
+    # the submitter's own wait and resolution: each sees the future done,
+    # through its state or its notification (none waits out its timeout).
+    h = worker.register(slow_square)
+    for delay in (0.0, 0.001, 0.002, 0.005, 0.01):
+        futures = [worker.submit(h, i, delay) for i in range(20)]
+        ended = []
+
+        def watch(future, ended=ended):
+            done, _ = concurrent.futures.wait([future], timeout=10)
+            ended.append(len(done))
+
+        threads = [threading.Thread(target=watch, args=(f,)) for f in futures]
+        start = time.monotonic()
+        for thread in threads:
+            thread.start()
+        assert [f.result() for f in futures] == [i * i for i in range(20)]
+        for thread in threads:
+            thread.join(20)
+        assert ended == [1] * 20
+        assert time.monotonic() - start < 9
+    worker.unregister(h)
