@@ -4,6 +4,7 @@ their replacement history, their tables."""
 from __future__ import annotations
 
 import json
+import numbers
 import warnings
 from typing import Any
 
@@ -24,14 +25,15 @@ class Inspection:
         """A task's ``target=``: ``None`` (any) or a target id."""
         if target is None:
             return None
-        if isinstance(target, bool) or not isinstance(target, int):
+        if isinstance(target, bool) or not isinstance(target, numbers.Integral):
             raise TypeError("target must be an int or None, not %s" % type(target).__name__)
         return self._target_id(target)
 
     def _target_id(self, target: int) -> int:
         """``target``, checked to be one of this Worker's target ids."""
-        if isinstance(target, bool) or not isinstance(target, int):
+        if isinstance(target, bool) or not isinstance(target, numbers.Integral):
             raise TypeError("target must be an int, not %s" % type(target).__name__)
+        target = int(target)
         if not 0 <= target < self._count:
             raise ValueError(
                 "target must be in 0..%d (the Worker's %d target ids), got %d" % (self._count - 1, self._count, target)

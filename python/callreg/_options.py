@@ -17,6 +17,8 @@ modules.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Final, Literal, TypedDict
 
@@ -76,17 +78,17 @@ def raw_worker(
     method other than ``"fork"`` and ``"forkserver"`` or preload modules
     without ``"forkserver"``, ``TypeError`` for a preload entry that is
     not a str."""
-    _check_int("targets", targets, _U16)
-    _check_seconds("control_timeout", control_timeout)
-    _check_int("slot_capacity", slot_capacity, _U16)
-    _check_int("max_frame_bytes", max_frame_bytes, _USIZE)
+    targets = checked_int("targets", targets, 0, _U16)
+    control_timeout = checked_seconds("control_timeout", control_timeout)
+    slot_capacity = checked_int("slot_capacity", slot_capacity, 0, _U16)
+    max_frame_bytes = checked_int("max_frame_bytes", max_frame_bytes, 0, _USIZE)
     if operation_timeout is not None:
-        _check_seconds("operation_timeout", operation_timeout)
+        operation_timeout = checked_seconds("operation_timeout", operation_timeout)
     if not isinstance(probe_first, bool):
         raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
-    _check_int("respawn_limit", respawn_limit, _U16)
-    _check_seconds("respawn_backoff", respawn_backoff)
-    _check_seconds("spin", spin)
+    respawn_limit = checked_int("respawn_limit", respawn_limit, 0, _U16)
+    respawn_backoff = checked_seconds("respawn_backoff", respawn_backoff)
+    spin = checked_seconds("spin", spin)
     if spin > MAX_SPIN:
         raise ValueError("spin must be at most %r seconds, got %r" % (MAX_SPIN, spin))
     template = _template(start_method, preload, target_initializer)
@@ -146,13 +148,28 @@ _U16: Final = 0xFFFF
 _USIZE: Final = 0xFFFF_FFFF_FFFF_FFFF
 
 
-def _check_int(name: str, value: int, limit: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def checked_int(name: str, value: object, least: int, most: int) -> int:
+    """``value`` as an ``int``: any integer (numpy's too) but a bool;
+    ``TypeError`` for anything else, ``ValueError`` outside
+    ``least..most``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError("%s must be an int, not %s" % (name, type(value).__name__))
-    if not 0 <= value <= limit:
-        raise ValueError("%s must be between 0 and %d, got %d" % (name, limit, value))
+    number = int(value)
+    if not least <= number <= most:
+        raise ValueError("%s must be an int from %d to %d, got %d" % (name, least, most, number))
+    return number
 
 
-def _check_seconds(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def checked_seconds(name: str, value: object, *, zero_ok: bool | None = None) -> float:
+    """``value`` (seconds) as a ``float``: any real number (numpy's too)
+    but a bool; ``TypeError`` for anything else. With ``zero_ok`` given,
+    also ``ValueError`` unless it is finite and positive (or zero, when
+    ``zero_ok``); without, the extension judges the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError("%s must be a number of seconds, not %s" % (name, type(value).__name__))
+    seconds = float(value)
+    if zero_ok is not None and not (math.isfinite(seconds) and (seconds > 0 or (zero_ok and seconds == 0))):
+        raise ValueError(
+            "%s must be %s and finite, got %r" % (name, "zero or positive" if zero_ok else "positive", seconds)
+        )
+    return seconds

@@ -17,6 +17,7 @@ from callreg._options import (
     DEFAULT_RESPAWN_LIMIT,
     DEFAULT_SLOT_CAPACITY,
     check_start_method,
+    checked_int,
     raw_worker,
 )
 
@@ -144,12 +145,9 @@ def counts(targets: int | None, next_level: object, next_level_targets: int | No
         return targets, targets
     if next_level_targets is None:
         next_level_targets = 1
-    for name, value in (("targets", targets), ("next_level_targets", next_level_targets)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError("%s must be an int, not %s" % (name, type(value).__name__))
-    if not 1 <= next_level_targets <= 0xFFFF:
-        raise ValueError("next_level_targets must be between 1 and 65535, got %d" % next_level_targets)
-    if not 0 <= targets <= 0xFFFF - next_level_targets:
+    targets = checked_int("targets", targets, 0, 0xFFFF)
+    next_level_targets = checked_int("next_level_targets", next_level_targets, 1, 0xFFFF)
+    if targets > 0xFFFF - next_level_targets:
         raise ValueError(
             "targets must be between 0 and %d with %d next-level targets, got %d"
             % (0xFFFF - next_level_targets, next_level_targets, targets)

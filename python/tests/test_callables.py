@@ -143,9 +143,9 @@ def test_register_refuses_non_callables_and_bad_arguments():
         callreg.Worker(1, control_timeout=0)
     with pytest.raises(TypeError, match="^slot_capacity must be an int, not float$"):
         callreg.Worker(1, slot_capacity=1.5)
-    with pytest.raises(ValueError, match="^slot_capacity must be between 0 and 65535, got 65536$"):
+    with pytest.raises(ValueError, match="^slot_capacity must be an int from 0 to 65535, got 65536$"):
         callreg.Worker(1, slot_capacity=65536)
-    with pytest.raises(ValueError, match="^targets must be between 0 and 65535, got -1$"):
+    with pytest.raises(ValueError, match="^targets must be an int from 0 to 65535, got -1$"):
         callreg.Worker(-1)
     with callreg.Worker(1) as w:
         with pytest.raises(TypeError):
@@ -592,3 +592,25 @@ def test_a_callable_has_one_metadata_while_it_is_registered():
         w.unregister(again)
         other = w.register(add, metadata={"name": "another name"})
         assert w.call_all(other, 1, 2) == {0: 3, 1: 3}
+
+
+def test_numpy_numbers_are_options_and_targets_as_python_numbers_are():
+    np = pytest.importorskip("numpy")
+    with callreg.Worker(
+        np.int64(2),
+        control_timeout=np.float32(5),
+        slot_capacity=np.uint16(8),
+        respawn_backoff=np.float64(0.5),
+        spin=np.float32(1e-5),
+    ) as w:
+        w.start()
+        h = w.register(abs)
+        assert w.call(h, -3, target=np.int64(1), timeout=np.float32(5)) == 3
+        assert w.submit(h, -4, target=np.uint8(0)).result() == 4
+        assert w.targets == [0, 1]
+    with pytest.raises(TypeError, match="^control_timeout must be a number of seconds, not str$"):
+        callreg.Worker(1, control_timeout="5")
+    with pytest.raises(TypeError, match="^spin must be a number of seconds, not bool$"):
+        callreg.Worker(1, spin=True)
+    with pytest.raises(TypeError, match="^targets must be an int, not float64$"):
+        callreg.Worker(np.float64(2))

@@ -833,7 +833,7 @@ def test_a_callable_that_kills_every_new_process_stops_at_the_rate_limit():
 
 
 def test_respawn_options_are_checked():
-    with pytest.raises(ValueError, match="respawn_limit must be between 0 and 65535, got -1"):
+    with pytest.raises(ValueError, match="respawn_limit must be an int from 0 to 65535, got -1"):
         callreg.Worker(1, respawn_limit=-1)
     with pytest.raises(TypeError, match="respawn_limit must be an int, not float"):
         callreg.Worker(1, respawn_limit=1.5)

@@ -246,7 +246,7 @@ def test_bad_tree_arguments_are_refused():
         callreg.Worker(0)
     with pytest.raises(TypeError, match="setup must be a callable"):
         callreg.NextLevel(2, setup=42)
-    with pytest.raises(ValueError, match="^next_level_targets must be between 1 and 65535, got 0$"):
+    with pytest.raises(ValueError, match="^next_level_targets must be an int from 1 to 65535, got 0$"):
         callreg.NextLevel(2, next_level=callreg.NextLevel(1), next_level_targets=0)
     with pytest.raises(ValueError, match="^targets must be between 0 and 65533 with 2 next-level targets, got 65534$"):
         callreg.Worker(65534, next_level=callreg.NextLevel(1), next_level_targets=2)

@@ -20,7 +20,6 @@ Needs the ``distributed`` package (the ``dask`` extra: ``pip install './python[d
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -38,6 +37,8 @@ from callreg._options import (
     DEFAULT_CONTROL_TIMEOUT,
     DEFAULT_RESPAWN_BACKOFF,
     DEFAULT_RESPAWN_LIMIT,
+    checked_int,
+    checked_seconds,
 )
 from callreg._raw_errors import error
 from callreg.dask._host import HOST_PLUGIN, _Host, _run, _run_all
@@ -100,11 +101,11 @@ class Cluster:
             raise TypeError("client must be a distributed.Client, not %s" % type(client).__name__)
         if client.asynchronous:
             raise TypeError("callreg.dask.Cluster needs a synchronous distributed.Client")
-        _check_int("targets_per_worker", targets_per_worker, 1, 65535)
-        _check_int("max_workers", max_workers, 1, 65535)
-        _check_int("respawn_limit", respawn_limit, 0, 65535)
-        _check_seconds("control_timeout", control_timeout, zero_ok=False)
-        _check_seconds("respawn_backoff", respawn_backoff, zero_ok=True)
+        targets_per_worker = checked_int("targets_per_worker", targets_per_worker, 1, 65535)
+        max_workers = checked_int("max_workers", max_workers, 1, 65535)
+        respawn_limit = checked_int("respawn_limit", respawn_limit, 0, 65535)
+        control_timeout = checked_seconds("control_timeout", control_timeout, zero_ok=False)
+        respawn_backoff = checked_seconds("respawn_backoff", respawn_backoff, zero_ok=True)
         if not isinstance(probe_first, bool):
             raise TypeError("probe_first must be a bool, not %s" % type(probe_first).__name__)
         # The Worker's own checks, here and now rather than on every worker.
@@ -321,22 +322,6 @@ class Cluster:
             self._client.unregister_scheduler_plugin(REGISTRY_PLUGIN)
         except (ValueError, KeyError):
             pass
-
-
-def _check_int(name: str, value: object, least: int, most: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError("%s must be an int, not %s" % (name, type(value).__name__))
-    if not least <= value <= most:
-        raise ValueError("%s must be an int from %d to %d, got %r" % (name, least, most, value))
-
-
-def _check_seconds(name: str, value: object, zero_ok: bool) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError("%s must be a number of seconds, not %s" % (name, type(value).__name__))
-    if not (math.isfinite(value) and (value > 0 or (zero_ok and value == 0))):
-        raise ValueError(
-            "%s must be %s and finite, got %r" % (name, "zero or positive" if zero_ok else "positive", value)
-        )
 
 
 def _fields(fields: dict[str, Any]) -> Any:
