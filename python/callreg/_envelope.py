@@ -113,7 +113,10 @@ def _pickle_into(
     """Pickles ``obj`` with ``pickler`` into ``file`` after its 16 header
     bytes (``tell()``: where the file ends, from the envelope's first
     byte), then, with ``out_of_band``, the large buffers it left out of
-    the pickle (:func:`pack`); returns the envelope's version."""
+    the pickle (:func:`pack`); returns the envelope's version.
+    ``TypeError`` when ``out_of_band`` is not a bool."""
+    if not isinstance(out_of_band, bool):
+        raise TypeError("out_of_band must be True or False, not %s" % type(out_of_band).__name__)
     taken: list[pickle.PickleBuffer] = []
     pickler(file, protocol=_PROTOCOL, buffer_callback=_taker(taken) if out_of_band else None).dump(obj)
     if not taken:

@@ -3,6 +3,7 @@ its Worker's dispatcher thread (``specs/python.md`` §3)."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import pickle
@@ -53,6 +54,10 @@ class Dispatch:
         self.raw = raw
         self.lock = threading.Lock()
         self.futures: dict[int, TaskFuture] = {}
+        # Completions taken from the channel and not yet served (read and
+        # written by the dispatcher thread alone): a done-callback that
+        # waits on another future serves the rest of its batch first.
+        self.backlog: collections.deque[tuple[int, bytes | None, _ErrorFields | None]] = collections.deque()
         self.thread: threading.Thread | None = None
         self.closed = False
 
@@ -72,10 +77,14 @@ class Dispatch:
         """Resolves the futures of the completions there within
         ``timeout`` seconds; ``False`` once the Worker closed and every
         completion was served."""
-        batch = self.raw.next_completions(timeout)
-        if batch is None:
-            return False
-        for task, output, failure in batch:
+        backlog = self.backlog
+        if not backlog:
+            batch = self.raw.next_completions(timeout)
+            if batch is None:
+                return False
+            backlog.extend(batch)
+        while backlog:
+            task, output, failure = backlog.popleft()
             with self.lock:
                 future = self.futures.pop(task, None)
             if future is not None:

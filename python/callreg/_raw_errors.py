@@ -186,12 +186,14 @@ def _task_error(fields: _ErrorFields, common: dict[str, Any]) -> TaskError:
             loaded = None
         if isinstance(loaded, BaseException):
             remote = loaded
-    traceback_text = short
+    shown = "%s: %s" % (kind, text) if kind else text
+    # The traceback as the target printed it, names of by-value code
+    # rendered, ending with the exception's own line as Python's do.
+    traceback_text = CODES.render(short).rstrip("\n") + "\n" + shown + "\n" if short else None
     if remote is not None:
         carried = remote.__dict__.pop("__callreg_remote__", None) if hasattr(remote, "__dict__") else None
         if isinstance(carried, tuple) and len(carried) == 2 and isinstance(carried[0], str):
             traceback_text = CODES.render(carried[0])
-    shown = "%s: %s" % (kind, text) if kind else text
     plain_message = "%s (target %s, hashid %s)%s" % (
         shown,
         fields["target"],

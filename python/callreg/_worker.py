@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+import numbers
 import pickle
 import threading
 import time
@@ -29,6 +30,7 @@ from callreg._options import (
     DEFAULT_RESPAWN_LIMIT,
     DEFAULT_SLOT_CAPACITY,
     DEFAULT_SPIN,
+    checked_seconds,
     raw_worker,
 )
 from callreg._raw_errors import error, raise_error
@@ -442,6 +444,8 @@ class Worker(Inspection):
             raw = raw_handle(handle)
         if target is not None:
             target = self._target(target)
+        if timeout is not None:
+            timeout = checked_seconds("timeout", timeout)
         data = task_input(args, kwargs)
         try:
             pending = self._raw.submit(raw, target, data, timeout)
@@ -477,6 +481,8 @@ class Worker(Inspection):
         stays usable (the task runs on)."""
         raw = raw_handle(handle)
         target = self._target(target)
+        if timeout is not None:
+            timeout = checked_seconds("timeout", timeout)
         data = task_input(args, kwargs)
         try:
             output = self._raw.call(raw, target, data, timeout)
@@ -545,8 +551,11 @@ class Worker(Inspection):
         chunksize: int,
         task_timeout: float | None = None,
     ) -> Iterator[Any]:
-        if isinstance(chunksize, bool) or not isinstance(chunksize, int):
+        if isinstance(chunksize, bool) or not isinstance(chunksize, numbers.Integral):
             raise TypeError("chunksize must be an int, not %s" % type(chunksize).__name__)
+        chunksize = int(chunksize)
+        if task_timeout is not None:
+            task_timeout = checked_seconds("task_timeout", task_timeout)
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1, got %d" % chunksize)
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -319,14 +319,14 @@ fn duration(name: &str, seconds: f64, zero_ok: bool) -> PyResult<Duration> {
     };
     if !(seconds.is_finite() && (seconds > 0.0 || (zero_ok && seconds == 0.0))) {
         return Err(PyValueError::new_err(format!(
-            "{name} must be {least}, got {seconds}"
+            "{name} must be {least}, got {seconds:?}"
         )));
     }
     let max = callreg::io::worker::MAX_TIMEOUT;
     match Duration::try_from_secs_f64(seconds) {
         Ok(duration) if duration <= max => Ok(duration),
         _ => Err(PyValueError::new_err(format!(
-            "{name} must be at most {} seconds, got {seconds}",
+            "{name} must be at most {} seconds, got {seconds:?}",
             max.as_secs()
         ))),
     }

@@ -139,7 +139,7 @@ def test_register_refuses_non_callables_and_bad_arguments():
         callreg.LifecycleError, match="^LIFECYCLE_INVALID: the maximum frame size must be at least 256 bytes"
     ):
         callreg.Worker(1, max_frame_bytes=255)
-    with pytest.raises(ValueError, match="^control_timeout must be positive, got 0$"):
+    with pytest.raises(ValueError, match="^control_timeout must be positive, got 0.0$"):
         callreg.Worker(1, control_timeout=0)
     with pytest.raises(TypeError, match="^slot_capacity must be an int, not float$"):
         callreg.Worker(1, slot_capacity=1.5)
@@ -298,6 +298,16 @@ def test_task_exceptions_carry_type_message_traceback_and_cause():
         assert info.value.remote_type.endswith("Unpicklable")
         assert "no way back" in str(info.value)
         assert info.value.__cause__ is None
+        # Its traceback is whole too: the source named, the exception's
+        # own line last.
+        line = raises_unpicklable.__code__.co_firstlineno + 1
+        assert info.value.remote_traceback == (
+            "Traceback (most recent call last):\n"
+            '  File "%s", line %d, in raises_unpicklable\n'
+            '    raise Unpicklable("no way back")\n'
+            "%s: no way back\n"
+            % (os.path.basename(raises_unpicklable.__code__.co_filename), line, info.value.remote_type)
+        )
         # The Worker is still usable.
         assert w.call(h, 6, 3) == 2.0
 
@@ -614,3 +624,27 @@ def test_numpy_numbers_are_options_and_targets_as_python_numbers_are():
         callreg.Worker(1, spin=True)
     with pytest.raises(TypeError, match="^targets must be an int, not float64$"):
         callreg.Worker(np.float64(2))
+
+
+def test_task_options_are_checked_by_name():
+    np = pytest.importorskip("numpy")
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(abs)
+        with pytest.raises(TypeError, match="^timeout must be a number of seconds, not bool$"):
+            w.submit(h, 3, timeout=True)
+        with pytest.raises(TypeError, match="^timeout must be a number of seconds, not str$"):
+            w.call(h, 3, timeout="1")
+        with pytest.raises(ValueError, match="^timeout must be at most 1000000000 seconds, got 1e300$"):
+            w.call(h, 3, timeout=1e300)
+        with pytest.raises(TypeError, match="^task_timeout must be a number of seconds, not bool$"):
+            w.map(h, [1], task_timeout=False)
+        with pytest.raises(TypeError, match="^out_of_band must be True or False, not str$"):
+            w.register(abs, out_of_band="x")
+        with pytest.raises(TypeError, match="^out_of_band must be True or False, not int$"):
+            callreg.pack(abs, out_of_band=1)
+        assert list(w.map(h, [-1, -2, -3], chunksize=np.int64(2))) == [1, 2, 3]
+        with pytest.raises(TypeError, match="^chunksize must be an int, not float64$"):
+            w.map(h, [1], chunksize=np.float64(2))
+    with callreg.Executor(1) as ex:
+        assert list(ex.map(abs, [-1, -2, -3], chunksize=np.int32(2))) == [1, 2, 3]

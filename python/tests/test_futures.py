@@ -490,3 +490,24 @@ def test_a_wait_that_starts_while_the_submitter_resolves_still_ends(worker):
         assert ended == [1] * 20
         assert time.monotonic() - start < 9
     worker.unregister(h)
+
+
+def test_a_callback_waits_on_a_future_whose_result_came_in_the_same_batch(worker):
+    # Both results reach the dispatcher together: a's callback waits on b,
+    # whose result is in the batch being served, not in the channel.
+    h = worker.register(slow_square)
+    for _ in range(5):
+        a = worker.submit(h, 2, 0.05, target=0)
+        b = worker.submit(h, 3, 0.05, target=1)
+        time.sleep(0.3)  # both done in their targets, neither read yet
+        got = []
+        a.add_done_callback(lambda f, got=got, b=b: got.append((f.result(), b.result(timeout=5))))
+        b.add_done_callback(lambda f: None)
+        start = time.monotonic()
+        concurrent.futures.wait([a, b], timeout=10)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [(4, 9)]
+        assert time.monotonic() - start < 4
+    worker.unregister(h)

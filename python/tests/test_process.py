@@ -847,7 +847,7 @@ def test_respawn_options_are_checked():
     for name in ("control_timeout", "operation_timeout", "respawn_backoff"):
         with pytest.raises(ValueError) as info:
             callreg.Worker(1, **{name: 1e300})
-        assert str(info.value) == "%s must be at most 1000000000 seconds, got 1%s" % (name, "0" * 300)
+        assert str(info.value) == "%s must be at most 1000000000 seconds, got 1e300" % name
         with pytest.raises(ValueError, match="%s must be at most 1000000000 seconds" % name):
             callreg.NextLevel(1, **{name: 1e300})
     level = callreg.NextLevel(1, respawn_limit=0, respawn_backoff=2, probe_first=False)

@@ -56,7 +56,7 @@ def test_a_wait_spins_for_its_budget_at_most():
     ("spin", "error", "message"),
     [
         (0.002, ValueError, "spin must be at most 0.001 seconds, got 0.002"),
-        (-1e-6, ValueError, "spin must be zero or positive, got -0.000001"),
+        (-1e-6, ValueError, "spin must be zero or positive, got -1e-6"),
         ("50us", TypeError, "spin must be a number of seconds, not str"),
     ],
 )
