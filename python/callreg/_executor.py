@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import threading
@@ -16,6 +17,7 @@ from callreg._callables import callable_name, check_registrable, default_metadat
 from callreg._codes import CODES
 from callreg._envelope import InheritingPickler, main_objects, pack_with, task_input
 from callreg._errors import CallregError, RegisterError, TargetLostError
+from callreg._futures import TaskFuture
 from callreg._handle import Handle
 from callreg._worker import Worker
 
@@ -133,6 +135,7 @@ class Executor(concurrent.futures.Executor):
         self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         self._shutdown = False
         self._finished = threading.Event()
+        _wait_at_exit_for(self)
         # Every target's __main__ holds these (forked next): pickled by
         # name. A forkserver target's __main__ is not this one's: nothing.
         inherited = main_objects() if self._worker._start_method == "fork" else {}
@@ -254,8 +257,16 @@ class Executor(concurrent.futures.Executor):
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             future = self._worker._submit(self._raw_for(fn), None, data, timeout)
-            self._futures.add(future)
+            self._track(future)
         return future
+
+    def _track(self, future: concurrent.futures.Future[Any]) -> None:
+        """Counts ``future`` among this Executor's tasks (a shutdown waits
+        for it), and has it keep this Executor alive until it is resolved.
+        Called with ``self._lock`` held."""
+        self._futures.add(future)
+        if isinstance(future, TaskFuture):
+            future._owner = self
 
     def map(
         self, fn: Callable[..., _T], *iterables: Iterable[Any], timeout: float | None = None, chunksize: int = 1
@@ -279,13 +290,15 @@ class Executor(concurrent.futures.Executor):
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             raw = self._raw_for(fn)
-            return self._worker._map(raw, iterables, timeout, chunksize, task_timeout)
+            return self._worker._map(raw, iterables, timeout, chunksize, task_timeout, self._track)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """No new task after this. ``wait=True``: waits for every task
         submitted, then unregisters every callable and closes the Worker
         (its targets are reaped). ``wait=False``: returns at once; the same
-        happens in a background thread once the tasks finished.
+        happens in a background thread once the tasks finished (and
+        interpreter exit waits for them, as for an Executor never shut
+        down: as ``ProcessPoolExecutor``'s, its tasks run to their end).
         ``cancel_futures=True``: first cancels every task that has not
         started in its target (those never run; their futures are
         cancelled). Idempotent."""
@@ -321,3 +334,24 @@ class Executor(concurrent.futures.Executor):
         finally:
             self._worker.close()
             self._finished.set()
+
+
+# The Executors alive, each waited for at interpreter exit.
+_LIVE: weakref.WeakSet[Executor] = weakref.WeakSet()
+
+
+def _wait_at_exit_for(executor: Executor) -> None:
+    """Has interpreter exit wait for ``executor``'s tasks, as it waits for
+    a ``ProcessPoolExecutor``'s: one not shut down, or shut down without
+    waiting, runs every task submitted to its end (a task cancelled does
+    not run), then closes. The hook moves to the end of the ``atexit``
+    list, so it runs before the hook that closes every Worker left open
+    (``weakref.finalize``'s, registered at the first Worker made)."""
+    _LIVE.add(executor)
+    atexit.unregister(_wait_at_exit)
+    atexit.register(_wait_at_exit)
+
+
+def _wait_at_exit() -> None:
+    for executor in list(_LIVE):
+        executor.shutdown(wait=True)

@@ -161,6 +161,10 @@ class TaskFuture(concurrent.futures.Future[Any]):
     _state = RUNNING
     _result: Any = None
     _exception: BaseException | None = None
+    # What the future keeps alive until it is resolved (an Executor: its
+    # tasks run to their end even when nothing else holds it, as
+    # ProcessPoolExecutor's do).
+    _owner: object = None
 
     def __init__(self, pending: _callreg.RawPending, dispatch: Dispatch) -> None:
         # Not Future.__init__: the condition, the waiter list and the
@@ -223,6 +227,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
                 waiter.add_cancelled(self)
             self._condition.notify_all()
         self._pending = None
+        self._owner = None
         # concurrent.futures' own step after a cancel (not in its stubs).
         _resolve(lambda _: self._invoke_callbacks(), None)
 
@@ -232,6 +237,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
         task cancelled before it started (``TASK_CANCELLED``) leaves the
         future cancelled."""
         self._pending = None
+        self._owner = None
         if failure is not None and failure["code"] == "TASK_CANCELLED":
             self._set_cancelled()
         elif failure is None:

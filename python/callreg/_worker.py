@@ -550,7 +550,10 @@ class Worker(Inspection):
         timeout: float | None,
         chunksize: int,
         task_timeout: float | None = None,
+        track: Callable[[concurrent.futures.Future[Any]], None] | None = None,
     ) -> Iterator[Any]:
+        """The results of ``map``; ``track``, when given, is called with
+        each future made."""
         if isinstance(chunksize, bool) or not isinstance(chunksize, numbers.Integral):
             raise TypeError("chunksize must be an int, not %s" % type(chunksize).__name__)
         chunksize = int(chunksize)
@@ -569,6 +572,9 @@ class Worker(Inspection):
                 if not chunk:
                     break
                 futures.append(self._submit(raw, None, chunk_input(chunk), task_timeout))
+        if track is not None:
+            for future in futures:
+                track(future)
         return in_order(futures, deadline, chunksize != 1)
 
 

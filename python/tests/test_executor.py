@@ -430,3 +430,57 @@ def test_main_objects_pickle_cannot_find_by_name_go_by_value():
     done = subprocess.run([sys.executable, "-c", MAIN_BY_VALUE_PROGRAM], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["9 8 2", "1 -1 (1, 2)", "40 True"]
+
+
+EXIT_PROGRAM = """
+import sys, time, callreg
+OUT = sys.argv[1]
+def work(i):
+    time.sleep(0.2)
+    with open(OUT, "a") as f:
+        f.write("%d\\n" % i)
+    return i
+ex = callreg.Executor(2)
+futures = [ex.submit(work, i) for i in range(4)]
+if sys.argv[2] == "nowait":
+    ex.shutdown(wait=False)
+elif sys.argv[2] == "map":
+    results = ex.map(work, range(4, 6))
+elif sys.argv[2] == "cancel":
+    ex.shutdown(wait=False, cancel_futures=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "written"),
+    [("nowait", "0123"), ("none", "0123"), ("map", "012345"), ("cancel", "01")],
+)
+def test_interpreter_exit_waits_for_the_tasks_as_a_process_pool_does(tmp_path, mode, written):
+    # A program that ends without shutting its Executor down, or after
+    # shutdown(wait=False), has its tasks run to their end (the cancelled
+    # ones never run), and leaves no process behind.
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_PROGRAM)
+    out = tmp_path / "out.txt"
+    run = subprocess.run([sys.executable, str(script), str(out), mode], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "".join(sorted(out.read_text().split())) == written
+
+
+def test_an_executor_nobody_holds_runs_its_tasks_to_their_end():
+    # As with ProcessPoolExecutor: a future keeps its Executor alive until
+    # it is resolved, then lets it go (it closes when collected).
+    import gc
+    import weakref
+
+    assert callreg.Executor(1).submit(abs, -10).result() == 10
+    assert list(callreg.Executor(1).map(abs, range(-3, 0), chunksize=2)) == [3, 2, 1]
+    ex = callreg.Executor(1)
+    future = ex.submit(abs, -4)
+    gone = weakref.ref(ex)
+    del ex
+    gc.collect()
+    assert gone() is not None
+    assert future.result(timeout=10) == 4
+    gc.collect()
+    assert gone() is None
