@@ -45,6 +45,10 @@ fn main() {
             "a_written_envelope_registers_as_its_bytes_do",
             a_written_envelope_registers_as_its_bytes_do,
         ),
+        (
+            "a_memfd_hashed_by_its_writer_registers_by_that_digest",
+            a_memfd_hashed_by_its_writer_registers_by_that_digest,
+        ),
     ]);
 }
 
@@ -341,4 +345,63 @@ fn start_refuses_more_targets_than_descriptors_allow() {
     );
     assert_eq!(worker.target_pid(TargetId(0)), None);
     assert_eq!(worker.live_targets(), vec![]);
+}
+
+/// A `memfd` whose writer hashed the payload as it wrote it registers by
+/// that digest without the parent reading it back; a digest the payload
+/// does not have is refused by every target it reaches, and nothing is
+/// left installed or staged.
+fn a_memfd_hashed_by_its_writer_registers_by_that_digest() {
+    use callreg::descriptor::PythonSerialized;
+    use callreg::envelope::Envelope;
+    use callreg::io::staging::new_memfd;
+    use std::io::Write;
+    let bytes = envelope(&format!("echo #{}", "y".repeat(70_000)));
+    let written = || {
+        let fd = new_memfd().unwrap();
+        std::fs::File::from(fd.try_clone().unwrap())
+            .write_all(&bytes)
+            .unwrap();
+        fd
+    };
+    let payload_sha256 = PythonSerialized::from_envelope(&Envelope::parse(&bytes).unwrap())
+        .payload_sha256
+        .0;
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let handle = worker
+        .register_memfd_hashed(written(), payload_sha256, None)
+        .unwrap();
+    assert_eq!(handle.hashid, digest_of(&bytes).hashid());
+    for target in [0, 1] {
+        let echoed = worker
+            .submit(
+                &handle,
+                TargetId(target),
+                callreg::runtime::TaskEncoding::Json,
+                b"[5]",
+            )
+            .unwrap();
+        assert_eq!(echoed, b"[5]");
+    }
+    worker.unregister(&handle).unwrap();
+    let mut wrong = payload_sha256;
+    wrong[0] ^= 1;
+    let error = worker
+        .register_memfd_hashed(written(), wrong, None)
+        .unwrap_err();
+    assert_eq!(error.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{error}");
+    assert_eq!(error.outcomes.len(), 1, "the probe alone: {error}");
+    let (target, outcome) = &error.outcomes[0];
+    assert_eq!(*target, TargetId(0));
+    let TargetOutcome::Failed { failure } = outcome else {
+        panic!("{outcome:?}");
+    };
+    assert_eq!(
+        failure.code,
+        ErrorCode::HASHID_DESCRIPTOR_MISMATCH,
+        "{error}"
+    );
+    io_common::check_invariants(&worker, 2);
+    worker.close();
 }

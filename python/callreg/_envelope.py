@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import inspect
 import io
 import itertools
 import os
 import pickle
 import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final
 
@@ -107,6 +109,11 @@ def pack_with(fn: object, pickler: Callable[..., Any], *, out_of_band: bool = Tr
     return buffer.getvalue()
 
 
+# A write to the memory file at least this long (bytes) is hashed in a
+# second thread while it is written.
+_PARALLEL_HASH_BYTES: Final = 1 << 20
+
+
 def _pickle_into(
     file: Any, tell: Callable[[], int], pickler: Callable[..., Any], obj: object, out_of_band: bool
 ) -> int:
@@ -168,13 +175,17 @@ class EnvelopeWriter:
     callable costs the parent one copy of its pickle, not two. A write the
     system has no memory for raises ``MemoryError``. Large out-of-band
     buffers follow the pickle as :func:`pack` says, written once from
-    where they are. Close it when done."""
+    where they are. Once in the memory file, the payload is hashed as it
+    is written (:attr:`payload_sha256`), a large write's bytes in a
+    second thread while this one writes them, so that the Worker need not
+    read them back. Close it when done."""
 
     def __init__(self) -> None:
         self._buffer = bytearray(_HEADER_LEN)
         self.fd: int | None = None
         self.size = 0
         self.version = 1
+        self._sha256: Any = None
 
     def dump(self, obj: object, *, out_of_band: bool = True) -> None:
         """Pickles ``obj`` with cloudpickle into this writer."""
@@ -184,14 +195,32 @@ class EnvelopeWriter:
         view = memoryview(data).cast("B")
         if self.fd is None and len(self._buffer) + len(view) > _HEADER_LEN + _callreg.SPILL_BYTES:
             self.fd = _callreg.staging_memfd()
+            self._sha256 = hashlib.sha256(memoryview(self._buffer)[_HEADER_LEN:])
             self._write_fd(memoryview(self._buffer))
             self._buffer = bytearray()
         if self.fd is None:
             self._buffer += view
-        else:
+        elif len(view) < _PARALLEL_HASH_BYTES:
+            self._sha256.update(view)
             self._write_fd(view)
+        else:
+            # Both release the GIL: the hash and the write run at once.
+            hashing = threading.Thread(target=self._sha256.update, args=(view,), name="callreg-hash")
+            hashing.start()
+            try:
+                self._write_fd(view)
+            finally:
+                hashing.join()
         self.size += len(view)
         return len(view)
+
+    @property
+    def payload_sha256(self) -> bytes:
+        """The SHA-256 of the payload written to the memory file (the
+        bytes after the header)."""
+        assert self._sha256 is not None
+        digest: bytes = self._sha256.digest()
+        return digest
 
     def _write_fd(self, view: memoryview) -> None:
         assert self.fd is not None

@@ -328,6 +328,8 @@ class TaskFuture(concurrent.futures.Future[Any]):
             outcome = pending.wait(None)
             if type(outcome) is tuple:
                 self._resolve(*outcome)
+                if self._state == FINISHED and self._exception is None:
+                    return self._result
         deadline = None if timeout is None else time.monotonic() + timeout
         self._wait_inline(deadline)
         if self._state == FINISHED and self._exception is None:

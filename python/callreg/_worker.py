@@ -259,7 +259,7 @@ class Worker(Inspection):
             if writer.fd is None:
                 raw = self._register(writer.envelope(), meta)
             else:
-                raw = self._register_memfd(writer.finish(), meta)
+                raw = self._register_memfd(writer.finish(), meta, writer.payload_sha256)
         finally:
             writer.close()
         # The handle of a callable of this signature.
@@ -283,8 +283,10 @@ class Worker(Inspection):
     def _register(self, envelope: bytes, meta: Mapping[str, Any] | None) -> Handle[..., Any]:
         return self._published(lambda text: self._raw.register(envelope, text), meta)
 
-    def _register_memfd(self, fd: int, meta: Mapping[str, Any] | None) -> Handle[..., Any]:
-        return self._published(lambda text: self._raw.register_memfd(fd, text), meta)
+    def _register_memfd(
+        self, fd: int, meta: Mapping[str, Any] | None, payload_sha256: bytes | None = None
+    ) -> Handle[..., Any]:
+        return self._published(lambda text: self._raw.register_memfd(fd, text, payload_sha256), meta)
 
     def _published(
         self, register: Callable[[str | None], _callreg.RawHandle], meta: Mapping[str, Any] | None

@@ -541,13 +541,29 @@ impl RawWorker {
     /// Registers the envelope written into `fd` (a `staging_memfd()`,
     /// header included) and waits (GIL released): it is sealed and staged
     /// as it is, with no copy of its bytes (`specs/staging.md` step 1).
-    /// The caller keeps (and closes) its own descriptor.
+    /// The caller keeps (and closes) its own descriptor. `payload_sha256`
+    /// (32 bytes), when given, is the SHA-256 the writer took of the
+    /// payload as it wrote it: the payload is then not read back
+    /// ([`Worker::register_memfd_hashed`]). `ValueError` for another
+    /// length.
+    #[pyo3(signature = (fd, metadata, payload_sha256=None))]
     fn register_memfd(
         &self,
         py: Python<'_>,
         fd: i32,
         metadata: Option<&str>,
+        payload_sha256: Option<&[u8]>,
     ) -> PyResult<RawHandle> {
+        let payload_sha256 = payload_sha256
+            .map(|bytes| {
+                <[u8; 32]>::try_from(bytes).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "payload_sha256 must be 32 bytes, got {}",
+                        bytes.len()
+                    ))
+                })
+            })
+            .transpose()?;
         let metadata = parse_metadata(py, metadata)?;
         // SAFETY: `fd` is the caller's open descriptor for the whole call
         // (the package's envelope writer holds it until this returns); it
@@ -556,7 +572,12 @@ impl RawWorker {
         let owned = borrowed
             .try_clone_to_owned()
             .map_err(|e| PyValueError::new_err(format!("descriptor {fd}: {e}")))?;
-        let result = py.detach(|| self.worker.register_memfd(owned, metadata.as_ref()));
+        let result = py.detach(|| match payload_sha256 {
+            Some(sha256) => self
+                .worker
+                .register_memfd_hashed(owned, sha256, metadata.as_ref()),
+            None => self.worker.register_memfd(owned, metadata.as_ref()),
+        });
         result
             .map(|handle| RawHandle { handle })
             .map_err(|e| self.operation_err(py, &e))

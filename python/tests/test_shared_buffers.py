@@ -77,6 +77,9 @@ def test_targets_share_the_buffer_pages_read_only_until_unregistered():
     with callreg.Worker(2) as w:
         w.start()
         h = w.register(fn)
+        # Hashed by the writer as it wrote (not read back): the digest of
+        # the envelope pack() makes.
+        assert h.hashid == callreg.hashid(fn) == callreg.hashid(callreg.pack(fn))
         assert w.call_all(h, 4096) == {0: expected, 1: expected}
         maps = [staged_mappings(w.target_pid(t)) for t in (0, 1)]
         # One mapping of the same file (inode) in both targets, of the whole

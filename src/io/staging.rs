@@ -394,6 +394,30 @@ impl StagedPayload {
     pub fn adopt(
         fd: OwnedFd,
     ) -> Result<(StagedPayload, crate::descriptor::PythonSerialized), StagingError> {
+        StagedPayload::adopt_with(fd, None)
+    }
+
+    /// As [`StagedPayload::adopt`], for a writer that hashed the payload
+    /// as it wrote it: `payload_sha256` is taken as the SHA-256 of the
+    /// bytes after the header, and the payload is not read back (only
+    /// the envelope's header, and an out-of-band envelope's table and
+    /// footer, are checked). A wrong one names a digest the payload does
+    /// not have: every target then refuses the register with
+    /// `HASHID_DESCRIPTOR_MISMATCH` (`specs/staging.md` step 1).
+    ///
+    /// # Errors
+    /// As [`StagedPayload::adopt`].
+    pub fn adopt_hashed(
+        fd: OwnedFd,
+        payload_sha256: [u8; 32],
+    ) -> Result<(StagedPayload, crate::descriptor::PythonSerialized), StagingError> {
+        StagedPayload::adopt_with(fd, Some(payload_sha256))
+    }
+
+    fn adopt_with(
+        fd: OwnedFd,
+        payload_sha256: Option<[u8; 32]>,
+    ) -> Result<(StagedPayload, crate::descriptor::PythonSerialized), StagingError> {
         let size = nix::sys::stat::fstat(&fd)
             .map_err(os_error("fstat"))?
             .st_size as u64;
@@ -404,7 +428,14 @@ impl StagedPayload {
             unsafe { Mmap::map(&staged.fd.as_fd()) }.map_err(|e| os_error("mmap")(io_errno(&e)))?;
         let envelope = crate::envelope::Envelope::parse(&map)
             .map_err(|e| StagingError::Envelope(e.to_string()))?;
-        let descriptor = crate::descriptor::PythonSerialized::from_envelope(&envelope);
+        let descriptor = match payload_sha256 {
+            Some(sha256) => crate::descriptor::PythonSerialized {
+                payload_format_version: envelope.version(),
+                serializer_id: envelope.serializer(),
+                payload_sha256: crate::descriptor::Digest(sha256),
+            },
+            None => crate::descriptor::PythonSerialized::from_envelope(&envelope),
+        };
         Ok((staged, descriptor))
     }
 

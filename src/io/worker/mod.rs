@@ -456,6 +456,25 @@ impl<R: Runtime> Worker<R> {
         self.register_adopted(payload, descriptor, metadata)
     }
 
+    /// As [`Worker::register_memfd`], for a writer that hashed the
+    /// payload as it wrote it ([`StagedPayload::adopt_hashed`]): the
+    /// payload is not read back here. A `payload_sha256` that is not the
+    /// payload's makes every target refuse the register
+    /// (`HASHID_DESCRIPTOR_MISMATCH`, a `REGISTER_PARTIAL_FAILURE`).
+    ///
+    /// # Errors
+    /// As [`Worker::register_memfd`].
+    pub fn register_memfd_hashed(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        payload_sha256: [u8; 32],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<Handle, OperationError> {
+        let (payload, descriptor) =
+            StagedPayload::adopt_hashed(fd, payload_sha256).map_err(stage_error)?;
+        self.register_adopted(payload, descriptor, metadata)
+    }
+
     /// Refuses metadata whose JSON cannot fit in one register control.
     fn check_metadata_fits(&self, metadata: &CallableMetadata) -> Result<(), OperationError> {
         // Room for the register control's fixed fields: seq, digest,
