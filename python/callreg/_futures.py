@@ -33,6 +33,14 @@ _PENDING_TIMED_OUT = 1
 _HELD_SLICE = 0.005
 
 
+def noted(error: BaseException) -> BaseException:
+    """``error``, raised by unpickling a task's result here, with a note
+    saying so (Python 3.11 and later): the task itself ran to its end."""
+    if hasattr(error, "add_note"):
+        error.add_note("(raised unpickling the task's result in this process; the task itself returned)")
+    return error
+
+
 def _resolve(resolve: Callable[[_T], None], value: _T) -> None:
     """Resolves a future in the dispatcher thread. ``concurrent.futures``
     logs an ``Exception`` raised by a done-callback; a ``BaseException``
@@ -244,7 +252,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
             try:
                 value = pickle.loads(output)  # type: ignore[arg-type]  # a result without error has its output
             except BaseException as exc:  # an unpicklable result
-                _resolve(self.set_exception, exc)
+                _resolve(self.set_exception, noted(exc))
             else:
                 # set_result(value), without the condition when it was
                 # never made: then no other thread waits on this future

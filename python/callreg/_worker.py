@@ -20,7 +20,7 @@ from callreg._callables import callable_name, check_registrable, default_metadat
 from callreg._codes import CODES
 from callreg._envelope import EnvelopeWriter, chunk_input, hashid, task_input
 from callreg._errors import HandleError, RegisterError
-from callreg._futures import Dispatch, TaskFuture, in_order, shutdown
+from callreg._futures import Dispatch, TaskFuture, in_order, noted, shutdown
 from callreg._handle import Handle, raw_handle
 from callreg._inspection import Inspection
 from callreg._options import (
@@ -490,7 +490,10 @@ class Worker(Inspection):
             output = self._raw.call(raw, target, data, timeout)
         except _callreg.RawError as failure:
             raise_error(failure)
-        result: _R = pickle.loads(output)
+        try:
+            result: _R = pickle.loads(output)
+        except BaseException as exc:  # an unpicklable result
+            raise noted(exc) from None
         return result
 
     def call_all(self, handle: Handle[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> dict[int, _R]:

@@ -368,6 +368,41 @@ def test_an_unpicklable_result_fails_the_task():
         assert "is not picklable" in str(info.value)
 
 
+class RefusedHere:
+    """Pickles anywhere; unpickles only in a target (a forked child)."""
+
+    def __init__(self, parent):
+        self.parent = parent
+
+    def __reduce__(self):
+        return (_only_in_a_target, (self.parent,))
+
+
+def _only_in_a_target(parent):
+    if os.getpid() == parent:
+        raise ValueError("not in the parent")
+    return RefusedHere(parent)
+
+
+def test_a_result_that_does_not_unpickle_here_raises_what_unpickling_raised():
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(lambda parent: RefusedHere(parent))
+        for wait in (lambda: w.call(h, os.getpid()), lambda: w.submit(h, os.getpid()).result()):
+            with pytest.raises(ValueError) as info:
+                wait()
+            assert info.value.args == ("not in the parent",)
+            if sys.version_info >= (3, 11):
+                assert info.value.__notes__ == [
+                    "(raised unpickling the task's result in this process; the task itself returned)"
+                ]
+        assert w.call(abs_handle(w), -2) == 2
+
+
+def abs_handle(w):
+    return w.register(abs)
+
+
 def test_handles_are_immutable_hashable_and_equal_only_to_themselves():
     with callreg.Worker(1) as w:
         a = w.register(add)
