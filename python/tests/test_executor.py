@@ -448,12 +448,18 @@ elif sys.argv[2] == "map":
     results = ex.map(work, range(4, 6))
 elif sys.argv[2] == "cancel":
     ex.shutdown(wait=False, cancel_futures=True)
+elif sys.argv[2] == "fork":
+    import os
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)  # runs the exit hooks: waits for nothing of the parent's
+    os.waitpid(child, 0)
 """
 
 
 @pytest.mark.parametrize(
     ("mode", "written"),
-    [("nowait", "0123"), ("none", "0123"), ("map", "012345"), ("cancel", "01")],
+    [("nowait", "0123"), ("none", "0123"), ("map", "012345"), ("cancel", "01"), ("fork", "0123")],
 )
 def test_interpreter_exit_waits_for_the_tasks_as_a_process_pool_does(tmp_path, mode, written):
     # A program that ends without shutting its Executor down, or after
