@@ -323,7 +323,14 @@ class Executor(concurrent.futures.Executor):
 
     def _finish(self, futures: list[concurrent.futures.Future[Any]]) -> None:
         try:
-            concurrent.futures.wait(futures)
+            # Each waited for inline, which starts no thread (at
+            # interpreter exit, Python 3.12 and later start none).
+            for future in futures:
+                if not future.cancelled():
+                    try:
+                        future.exception()
+                    except concurrent.futures.CancelledError:
+                        pass
             with self._lock:
                 handles = list(self._handles.values())
                 self._handles.clear()

@@ -73,8 +73,11 @@ class Dispatch:
         """Starts the thread once (at the first arm)."""
         with self.lock:
             if self.thread is None and not self.closed:
-                self.thread = threading.Thread(target=self.run, name="callreg-dispatch", daemon=True)
-                self.thread.start()
+                thread = threading.Thread(target=self.run, name="callreg-dispatch", daemon=True)
+                # Set once started: at interpreter exit (Python 3.12 and
+                # later) start() raises, and no thread is left to join.
+                thread.start()
+                self.thread = thread
 
     def run(self) -> None:
         while self.serve(0.5):
