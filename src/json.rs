@@ -41,6 +41,7 @@ impl JsonError {
 /// [`JsonError`] with the path of the first offending field and serde's
 /// message without its trailing "at line L column C" (the path says where).
 pub fn from_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
+    unique_keys(text)?;
     let mut deserializer = serde_json::Deserializer::from_str(text);
     let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
         let path = err.path().to_string();
@@ -60,6 +61,83 @@ pub fn from_str<T: DeserializeOwned>(text: &str) -> Result<T, JsonError> {
         .end()
         .map_err(|err| JsonError::at(".", strip_position(&err.to_string())))?;
     Ok(value)
+}
+
+/// Refuses a JSON text in which an object names a key twice (serde_json
+/// keeps the last silently, so a plan's `"targets": 2, ..., "targets": 3`
+/// would run on 3). A text that is not JSON passes: the decoding that
+/// follows reports it.
+///
+/// # Errors
+/// [`JsonError`] at the object's path: ``duplicate key `targets` ``.
+pub fn unique_keys(text: &str) -> Result<(), JsonError> {
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    match serde_path_to_error::deserialize::<_, UniqueKeys>(&mut deserializer) {
+        Ok(UniqueKeys) => Ok(()),
+        Err(err) => {
+            let path = err.path().to_string();
+            let inner = err.into_inner();
+            if inner.is_syntax() || inner.is_eof() {
+                Ok(())
+            } else {
+                Err(JsonError::at(path, strip_position(&inner.to_string())))
+            }
+        }
+    }
+}
+
+/// Any JSON value whose objects name each key once.
+struct UniqueKeys;
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(UniqueKeysVisitor)
+    }
+}
+
+struct UniqueKeysVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeysVisitor {
+    type Value = UniqueKeys;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+    fn visit_unit<E>(self) -> Result<UniqueKeys, E> {
+        Ok(UniqueKeys)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<UniqueKeys, A::Error> {
+        while seq.next_element::<UniqueKeys>()?.is_some() {}
+        Ok(UniqueKeys)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<UniqueKeys, A::Error> {
+        let mut seen = std::collections::BTreeSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!("duplicate key `{key}`")));
+            }
+            map.next_value::<UniqueKeys>()?;
+        }
+        Ok(UniqueKeys)
+    }
 }
 
 /// The JSON type of `value` as an English noun phrase (`"an array"`,
@@ -246,6 +324,26 @@ pub(crate) use json_forms;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_named_twice_in_any_object_is_refused_where_it_is() {
+        assert_eq!(
+            unique_keys(r#"{"a": [1, {"b": 2}], "c": {"a": 1}}"#),
+            Ok(())
+        );
+        assert_eq!(
+            unique_keys(r#"{"a": 1, "a": 2}"#),
+            Err(JsonError::at(".", "duplicate key `a`"))
+        );
+        assert_eq!(
+            unique_keys(r#"{"a": [{"b": 1}, {"b": 1, "c": 2, "b": 3}]}"#),
+            Err(JsonError::at("a[1]", "duplicate key `b`"))
+        );
+        // Not JSON: left for the decoding that follows to report.
+        assert_eq!(unique_keys("{\"a\": "), Ok(()));
+        let error = from_str::<serde_json::Value>(r#"{"deps": {"pip": 1, "pip": 2}}"#).unwrap_err();
+        assert_eq!(error, JsonError::at("deps", "duplicate key `pip`"));
+    }
 
     #[derive(Debug, PartialEq, serde::Deserialize)]
     #[serde(deny_unknown_fields)]

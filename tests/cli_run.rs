@@ -296,6 +296,18 @@ fn a_malformed_plan_exits_2_with_one_line() {
             r#"{"targets": 2, "probe_first": 1, "steps": []}"#,
             r#"field "probe_first": invalid type: integer `1`, expected a boolean"#,
         ),
+        (
+            r#"{"targets": 2, "steps": [], "targets": 3}"#,
+            "the plan: duplicate key `targets`",
+        ),
+        (
+            r#"{"targets": 1, "steps": [{"op": "call", "name": "f", "args": [1], "args": [2]}]}"#,
+            "the plan: at steps[0]: duplicate key `args`",
+        ),
+        (
+            r#"{"targets": 1, "steps": [{"op": "register", "name": "f", "envelope": "f.spyc", "metadata": {"name": "a", "name": "b"}}]}"#,
+            "the plan: at steps[0].metadata: duplicate key `name`",
+        ),
     ];
     for (index, (plan_text, error)) in cases.iter().enumerate() {
         let plan = dir.0.join(format!("plan{index}.json"));

@@ -410,6 +410,13 @@ mod file {
         pub fn decode(text: &str) -> Result<PlanFile, PlanError> {
             let value: Value = serde_json::from_str(text)
                 .map_err(|e| PlanError::plan(format!("the plan is not valid JSON: {e}")))?;
+            callreg::json::unique_keys(text).map_err(|e| {
+                PlanError::plan(if e.path == "." {
+                    format!("the plan: {}", e.message)
+                } else {
+                    format!("the plan: at {}: {}", e.path, e.message)
+                })
+            })?;
             if !value.is_object() {
                 return Err(PlanError::plan(format!(
                     "the plan must be a JSON object, got {}",
