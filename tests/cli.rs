@@ -342,6 +342,17 @@ fn pack_reports_unwritable_output() {
 }
 
 #[test]
+fn pack_refuses_an_empty_payload() {
+    let out = run_stdin(&["pack", "--payload", "-", "-o", "-"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(text(&out.stdout), "");
+    assert_eq!(
+        text(&out.stderr),
+        "callreg: <stdin> is empty: there is no payload to wrap (a serializer's output is never empty)\n"
+    );
+}
+
+#[test]
 fn pack_refuses_an_envelope_unless_forced() {
     let dir = scratch("pack-envelope");
     let out_path = dir.join("twice.spyc");

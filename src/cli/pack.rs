@@ -23,9 +23,9 @@ Prints the envelope's hashid on stdout (on stderr when the envelope goes to stdo
 
 Exit status:
   0  the envelope (and side-car) were written
-  2  usage error, the payload cannot be read, it already is a SPYC envelope
-     (without --force), the versions cannot be detected, or an output cannot
-     be written")]
+  2  usage error, the payload cannot be read or is empty, it already is a
+     SPYC envelope (without --force), the versions cannot be detected, or an
+     output cannot be written")]
 pub struct Args {
     /// Raw serializer payload, e.g. `cloudpickle.dumps(fn)` bytes (`-` = stdin).
     #[arg(long, value_name = "RAW")]
@@ -66,6 +66,18 @@ pub struct Args {
 /// written.
 pub fn run(args: &Args) -> Result<u8, CliError> {
     let payload = read_input(&args.payload)?;
+    if payload.is_empty() {
+        // No serializer's output is empty: an envelope of nothing would
+        // only fail later, in every target.
+        let source = if args.payload == "-" {
+            "<stdin>"
+        } else {
+            args.payload.as_str()
+        };
+        return Err(CliError(format!(
+            "{source} is empty: there is no payload to wrap (a serializer's output is never empty)"
+        )));
+    }
     if !args.force && payload.starts_with(&MAGIC) {
         let what = match Envelope::parse(&payload) {
             Ok(envelope) => format!(
