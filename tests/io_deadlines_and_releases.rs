@@ -141,17 +141,7 @@ fn a_late_target_heals_its_uncertain_digest() {
         worker.parent_state()
     );
     let handle = worker.register(&echo).unwrap();
-    for target in [0, 1] {
-        let echoed = worker
-            .submit(
-                &handle,
-                TargetId(target),
-                callreg::runtime::TaskEncoding::Json,
-                b"[7]",
-            )
-            .unwrap();
-        assert_eq!(echoed, b"[7]");
-    }
+    echoes_on_both_targets(&worker, &handle, b"[7]");
     assert_eq!(worker.live_targets(), vec![TargetId(0), TargetId(1)]);
     io_common::check_invariants(&worker, 2);
     worker.close();
@@ -181,17 +171,7 @@ fn a_written_envelope_registers_as_its_bytes_do() {
     assert_eq!(after.hashid, before.hashid);
     assert_eq!(small.hashid, digest_of(&envelope("echo")).hashid());
     for handle in [&before, &after, &small] {
-        for target in [0, 1] {
-            let echoed = worker
-                .submit(
-                    handle,
-                    TargetId(target),
-                    callreg::runtime::TaskEncoding::Json,
-                    b"[3]",
-                )
-                .unwrap();
-            assert_eq!(echoed, b"[3]");
-        }
+        echoes_on_both_targets(&worker, handle, b"[3]");
     }
     io_common::check_invariants(&worker, 2);
     worker.close();
@@ -373,17 +353,7 @@ fn a_memfd_hashed_by_its_writer_registers_by_that_digest() {
         .register_memfd_hashed(written(), payload_sha256, None)
         .unwrap();
     assert_eq!(handle.hashid, digest_of(&bytes).hashid());
-    for target in [0, 1] {
-        let echoed = worker
-            .submit(
-                &handle,
-                TargetId(target),
-                callreg::runtime::TaskEncoding::Json,
-                b"[5]",
-            )
-            .unwrap();
-        assert_eq!(echoed, b"[5]");
-    }
+    echoes_on_both_targets(&worker, &handle, b"[5]");
     worker.unregister(&handle).unwrap();
     let mut wrong = payload_sha256;
     wrong[0] ^= 1;
@@ -404,4 +374,23 @@ fn a_memfd_hashed_by_its_writer_registers_by_that_digest() {
     );
     io_common::check_invariants(&worker, 2);
     worker.close();
+}
+
+/// `handle` (an echo) answers `input` on targets 0 and 1.
+fn echoes_on_both_targets<R: callreg::runtime::Runtime>(
+    worker: &callreg::io::Worker<R>,
+    handle: &callreg::protocol::Handle,
+    input: &[u8],
+) {
+    for target in [0, 1] {
+        let echoed = worker
+            .submit(
+                handle,
+                TargetId(target),
+                callreg::runtime::TaskEncoding::Json,
+                input,
+            )
+            .unwrap();
+        assert_eq!(echoed, input);
+    }
 }

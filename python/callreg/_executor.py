@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
-import os
 import threading
 import time
 import weakref
@@ -136,7 +135,6 @@ class Executor(concurrent.futures.Executor):
         self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         self._shutdown = False
         self._finished = threading.Event()
-        self._pid = os.getpid()
         _wait_at_exit_for(self)
         # Every target's __main__ holds these (forked next): pickled by
         # name. A forkserver target's __main__ is not this one's: nothing.
@@ -362,9 +360,8 @@ def _wait_at_exit_for(executor: Executor) -> None:
 
 
 def _wait_at_exit() -> None:
-    pid = os.getpid()
+    # In a forked child, an inherited Executor's futures resolve at once
+    # (LIFECYCLE_INVALID: the Worker is its parent's) and its close does
+    # nothing: the child waits for nothing.
     for executor in list(_LIVE):
-        # Not a copy inherited by a forked child: its tasks are the
-        # parent's, and their results never come here.
-        if executor._pid == pid:
-            executor.shutdown(wait=True)
+        executor.shutdown(wait=True)

@@ -448,12 +448,7 @@ class Worker(Inspection):
             target = self._target(target)
         if timeout is not None:
             timeout = checked_seconds("timeout", timeout)
-        data = task_input(args, kwargs)
-        try:
-            pending = self._raw.submit(raw, target, data, timeout)
-        except _callreg.RawError as failure:
-            return _failed(failure)
-        return TaskFuture(pending, self._dispatch)
+        return self._submit(raw, target, task_input(args, kwargs), timeout)
 
     def _submit(
         self, raw: _callreg.RawHandle, target: int | None, data: bytes, timeout: float | None = None
