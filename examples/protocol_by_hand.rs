@@ -42,6 +42,9 @@ impl World {
                     self.frames[usize::from(target.0)].push_back(frame)
                 }
                 Effect::Stage { .. } | Effect::ReleaseStaged { .. } => {}
+                // A hint to verify a payload ahead of its register: nothing
+                // here is worth doing early.
+                Effect::Verify { .. } => {}
                 // This example's parent runs without replacement targets
                 // (`respawn_limit: 0`), which alone emit these.
                 Effect::Restage { .. }

@@ -29,16 +29,17 @@ use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 use crate::protocol::ControlPhase;
 
-/// The only wire version this implementation reads and writes. Version 7
+/// The only wire version this implementation reads and writes. Version 8
+/// added the parent's [`Frame::Verify`] control; version 7
 /// added the phase of the control an [`Frame::Alive`] reports (queued or
 /// running); version 6
 /// added the target's [`Frame::StartFailed`] report; version 5
 /// added the parent's [`Frame::Cancel`] control; version 4
 /// added the target's [`Frame::Alive`] report; version 3 replaced the register control's staged shm name by a sealed descriptor
 /// passed beside the frame (`specs/staging.md`); version 2 added the
-/// register control's metadata field. Frames of versions 1 to 6 are
+/// register control's metadata field. Frames of versions 1 to 7 are
 /// refused.
-pub const WIRE_VERSION: u8 = 7;
+pub const WIRE_VERSION: u8 = 8;
 
 /// Header flag of a [`Frame::TaskResult`] with an error status whose
 /// failure carries a serialized exception ([`TaskFailure::exception`]):
@@ -98,6 +99,8 @@ pub enum FrameKind {
     Inspect = 4,
     /// Parent → target: [`Frame::Cancel`].
     Cancel = 5,
+    /// Parent → target: [`Frame::Verify`].
+    Verify = 6,
     /// Target → parent: [`Frame::Reply`].
     Reply = 16,
     /// Target → parent: [`Frame::TaskResult`].
@@ -121,6 +124,7 @@ impl FrameKind {
             3 => FrameKind::Task,
             4 => FrameKind::Inspect,
             5 => FrameKind::Cancel,
+            6 => FrameKind::Verify,
             16 => FrameKind::Reply,
             17 => FrameKind::TaskResult,
             18 => FrameKind::Ready,
@@ -208,6 +212,21 @@ pub enum Frame {
         encoding: TaskEncoding,
         /// The encoded arguments.
         input: Vec<u8>,
+    },
+    /// Verify control (`specs/staging.md` step 3, `specs/protocol.md`
+    /// §2.8): the staged payload of a register that will come to this target
+    /// once its probe has confirmed. The target may check the payload's
+    /// seals and size and recompute its digest now, so that the register
+    /// finds that work done. It changes nothing else, owes no answer, and a
+    /// target that ignores it or fails it is correct. Body: digest (the one
+    /// the parent computed), `u64` staged size in bytes; the payload is a
+    /// sealed descriptor sent with the frame's first byte, as for
+    /// [`Frame::Register`].
+    Verify {
+        /// The digest the coming register will name.
+        digest: Digest,
+        /// The staged payload's exact size in bytes.
+        staged_size: u64,
     },
     /// Cancel control (`specs/protocol.md` §2.11): cancel task `seq` of
     /// `digest` if it has not started. Answered by a [`Frame::Reply`]
@@ -440,6 +459,10 @@ fn decode_body(kind: FrameKind, flags: u16, body: &[u8]) -> Result<Frame, WireEr
             seq: r.u64("seq")?,
             digest: r.digest()?,
         },
+        FrameKind::Verify => Frame::Verify {
+            digest: r.digest()?,
+            staged_size: r.u64("staged size")?,
+        },
         FrameKind::Task => {
             let seq = r.u64("seq")?;
             let digest = r.digest()?;
@@ -620,6 +643,7 @@ impl Frame {
             Frame::Register { .. } => FrameKind::Register,
             Frame::Unregister { .. } => FrameKind::Unregister,
             Frame::Cancel { .. } => FrameKind::Cancel,
+            Frame::Verify { .. } => FrameKind::Verify,
             Frame::Task { .. } => FrameKind::Task,
             Frame::Inspect { .. } => FrameKind::Inspect,
             Frame::Reply { .. } => FrameKind::Reply,
@@ -689,6 +713,13 @@ impl Frame {
             Frame::Unregister { seq, digest } | Frame::Cancel { seq, digest } => {
                 out.extend_from_slice(&seq.to_le_bytes());
                 out.extend_from_slice(&digest.0);
+            }
+            Frame::Verify {
+                digest,
+                staged_size,
+            } => {
+                out.extend_from_slice(&digest.0);
+                out.extend_from_slice(&staged_size.to_le_bytes());
             }
             Frame::Task {
                 seq,
@@ -904,6 +935,10 @@ mod tests {
                 .prop_map(|(seq, digest)| Frame::Unregister { seq, digest }),
             (any::<u64>(), digest_strategy())
                 .prop_map(|(seq, digest)| Frame::Cancel { seq, digest }),
+            (digest_strategy(), any::<u64>()).prop_map(|(digest, staged_size)| Frame::Verify {
+                digest,
+                staged_size
+            }),
             (any::<u64>(), digest_strategy(), any::<bool>(), bytes()).prop_map(
                 |(seq, digest, json, input)| Frame::Task {
                     seq,
@@ -1062,7 +1097,7 @@ mod tests {
             seq: 0x0102,
             phase: ControlPhase::Running,
         };
-        let mut expected = header(7, 20, 0, 9);
+        let mut expected = header(8, 20, 0, 9);
         expected.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(queued.encode(MAX).unwrap(), expected);
         expected[16] = 1;
@@ -1078,7 +1113,7 @@ mod tests {
         let mut old = header(6, 20, 0, 8);
         old.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0]);
         assert_eq!(decode(&old, MAX), Err(WireError::Version(6)));
-        let mut short = header(7, 20, 0, 8);
+        let mut short = header(8, 20, 0, 8);
         short.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0]);
         assert!(matches!(
             decode(&short, MAX),
@@ -1296,7 +1331,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![7, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![8, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xcd; 32]);
         expected.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0]);
         expected.extend_from_slice(&[12, 0, 0, 0]);
@@ -1313,9 +1348,28 @@ mod tests {
         .encode(MAX)
         .unwrap();
         let expected = vec![
-            7, 21, 0, 0, 11, 0, 0, 0, 1, 0, 0, 0, b'E', 2, 0, 0, 0, b'n', b'o',
+            8, 21, 0, 0, 11, 0, 0, 0, 1, 0, 0, 0, b'E', 2, 0, 0, 0, b'n', b'o',
         ];
         assert_eq!(bytes, expected);
+    }
+
+    #[test]
+    fn known_encoding_of_a_verify_and_a_version_7_frame_is_refused() {
+        let verify = Frame::Verify {
+            digest: Digest([0xef; 32]),
+            staged_size: 0x0203,
+        };
+        let bytes = verify.encode(MAX).unwrap();
+        let mut expected = vec![8, 6, 0, 0, 40, 0, 0, 0];
+        expected.extend_from_slice(&[0xef; 32]);
+        expected.extend_from_slice(&[3, 2, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(bytes, expected);
+        assert_eq!(
+            decode(&expected, MAX),
+            Ok(Decoded::Frame(verify, expected.len()))
+        );
+        expected[0] = 7;
+        assert_eq!(decode(&expected, MAX), Err(WireError::Version(7)));
     }
 
     #[test]
@@ -1326,7 +1380,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![7, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![8, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xab; 32]);
         assert_eq!(bytes, expected);
     }

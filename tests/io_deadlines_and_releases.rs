@@ -330,13 +330,17 @@ fn start_refuses_more_targets_than_descriptors_allow() {
 /// A `memfd` whose writer hashed the payload as it wrote it registers by
 /// that digest without the parent reading it back; a digest the payload
 /// does not have is refused by every target it reaches, and nothing is
-/// left installed or staged.
+/// left installed or staged. The payload is over a MiB, so target 1
+/// verifies it ahead of each register while target 0 probes
+/// (`specs/staging.md` step 3): the right digest's record is taken, the
+/// wrong one's is never used, and no process holds the refused payload.
 fn a_memfd_hashed_by_its_writer_registers_by_that_digest() {
     use callreg::descriptor::PythonSerialized;
     use callreg::envelope::Envelope;
     use callreg::io::staging::new_memfd;
     use std::io::Write;
-    let bytes = envelope(&format!("echo #{}", "y".repeat(70_000)));
+    use std::os::unix::fs::MetadataExt;
+    let bytes = envelope(&format!("echo #{}", "y".repeat(2 << 20)));
     let written = || {
         let fd = new_memfd().unwrap();
         std::fs::File::from(fd.try_clone().unwrap())
@@ -357,8 +361,13 @@ fn a_memfd_hashed_by_its_writer_registers_by_that_digest() {
     worker.unregister(&handle).unwrap();
     let mut wrong = payload_sha256;
     wrong[0] ^= 1;
+    let refused = written();
+    let identity = std::fs::File::from(refused.try_clone().unwrap())
+        .metadata()
+        .map(|m| (m.dev(), m.ino()))
+        .unwrap();
     let error = worker
-        .register_memfd_hashed(written(), wrong, None)
+        .register_memfd_hashed(refused, wrong, None)
         .unwrap_err();
     assert_eq!(error.code(), ErrorCode::REGISTER_PARTIAL_FAILURE, "{error}");
     assert_eq!(error.outcomes.len(), 1, "the probe alone: {error}");
@@ -373,6 +382,19 @@ fn a_memfd_hashed_by_its_writer_registers_by_that_digest() {
         "{error}"
     );
     io_common::check_invariants(&worker, 2);
+    // Target 1 may still be hashing its verify control: it lets go of the
+    // payload once done, a few milliseconds later.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !io_common::payload_holders(identity).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(io_common::payload_holders(identity), Vec::<String>::new());
+    // The next register of the right digest, in another file, is verified
+    // by target 1 again (the refused one's record names another file).
+    let handle = worker
+        .register_memfd_hashed(written(), payload_sha256, None)
+        .unwrap();
+    echoes_on_both_targets(&worker, &handle, b"[6]");
     worker.close();
 }
 

@@ -40,6 +40,9 @@ fn effect(e: &Effect) -> String {
         Effect::CancelRefused { seq, .. } => format!("cancel {} refused", seq.0),
         Effect::Inspect { target, seq } => format!("inspect {} to {}", seq.0, target.0),
         Effect::InspectDone { seq, .. } => format!("inspect {} done", seq.0),
+        Effect::Verify {
+            target, staging, ..
+        } => format!("verify {} to {}", staging.0, target.0),
         Effect::ReleaseStaged { staging } => format!("release {}", staging.0),
         Effect::Fence { target } => format!("fence {}", target.0),
         Effect::Restage { staging, .. } => format!("restage {}", staging.0),

@@ -34,6 +34,7 @@ fn named_seeds_decode_to_their_kind() {
         ("unregister", FrameKind::Unregister),
         ("task", FrameKind::Task),
         ("cancel", FrameKind::Cancel),
+        ("verify", FrameKind::Verify),
         ("inspect", FrameKind::Inspect),
         ("alive", FrameKind::Alive),
         ("start_failed", FrameKind::StartFailed),

@@ -1466,6 +1466,14 @@ impl RegistrationModel {
                         insert_ordered(&mut state.frames, target, frame);
                     }
                 }
+                // A hint the driver may ignore (the IO layer's verify
+                // control changes no target's state); it must name a
+                // payload still staged.
+                Effect::Verify { staging, .. } => {
+                    if !state.staged.contains_key(&staging) {
+                        state.breach("a verify hint named a payload that is not staged");
+                    }
+                }
                 Effect::ReleaseStaged { staging } => {
                     if state.staged.remove(&staging).is_none() {
                         state.breach("a payload was released that was not staged");

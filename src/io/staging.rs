@@ -476,6 +476,21 @@ pub struct StagedView {
     file: File,
 }
 
+/// Which file a [`StagedView`] is of: its device and inode numbers and its
+/// status change time (seconds, nanoseconds). Two views with one identity
+/// are of one sealed file, so of the same bytes: the inode numbers name
+/// one file while it exists, and the time tells a file made after an
+/// earlier one with that number was freed.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct FileIdentity {
+    /// `st_dev`.
+    pub dev: u64,
+    /// `st_ino`.
+    pub ino: u64,
+    /// `st_ctime`, `st_ctime_nsec`.
+    pub ctime: (i64, i64),
+}
+
 #[derive(Debug)]
 enum ViewBytes {
     Empty,
@@ -588,6 +603,20 @@ impl StagedView {
     pub fn file(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;
         self.file.as_fd()
+    }
+
+    /// The staged file's identity ([`FileIdentity`]).
+    ///
+    /// # Errors
+    /// The errno of `fstat`.
+    pub fn identity(&self) -> Result<FileIdentity, Errno> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = self.file.metadata().map_err(|e| io_errno(&e))?;
+        Ok(FileIdentity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        })
     }
 
     /// Whether the bytes are a mapping of the staged file (payloads over

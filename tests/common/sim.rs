@@ -544,6 +544,16 @@ impl Sim {
                     self.frames[i].push_back(frame);
                 }
             }
+            // A hint; it names a payload still staged, of its digest.
+            Effect::Verify {
+                staging, digest, ..
+            } => {
+                assert_eq!(
+                    self.staged.get(&staging),
+                    Some(&digest),
+                    "a verify hint for a payload not staged"
+                );
+            }
             Effect::ReleaseStaged { staging } => {
                 assert!(
                     self.staged.remove(&staging).is_some(),

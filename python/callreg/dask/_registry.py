@@ -199,6 +199,11 @@ class _Registry(SchedulerPlugin):
                 if staging is not None:
                     message["envelope"], message["metadata"] = self.envelopes[self.staged[staging]]
                 self.queues[address].put_nowait(message)
+            elif kind == "verify":
+                # A hint (verify a payload before its register comes): a
+                # cluster's workers receive the envelope with the register,
+                # so there is nothing to send ahead.
+                pass
             elif kind == "release":
                 hashid = self.staged.pop(effect[1])
                 if hashid not in self.staged.values() and not self.machine.keeps_envelope(hashid):

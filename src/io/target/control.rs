@@ -20,7 +20,7 @@ use crate::error::ErrorCode;
 use crate::io::failpoints;
 use crate::io::process::{exit_unless_target, receive_control};
 use crate::io::slots::{ControlGate, Effects, SlotTable};
-use crate::io::staging::StagedView;
+use crate::io::staging::{FileIdentity, StagedView};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{ControlPhase, Failure, Reply, Seq, Slot, TargetEffect, TargetId};
 use crate::runtime::{Runtime, Staged};
@@ -38,7 +38,17 @@ const READ_CHUNK_BYTES: usize = 64 * 1024;
 /// `IO_FAILED` when no descriptor came with the register control; the
 /// view's errors (`ENVELOPE_INVALID` for missing seals or another size);
 /// the envelope's errors.
-fn open_and_verify(payload: Option<OwnedFd>, size: u64) -> Result<(StagedView, Digest), Failure> {
+///
+/// `ahead` is what a [`Frame::Verify`] found for this register: when it
+/// names the same sealed file ([`StagedView::identity`]), the same size
+/// and the same claimed digest, its recomputed digest is taken, not
+/// computed again (the file's seals keep its bytes those it hashed).
+fn open_and_verify(
+    payload: Option<OwnedFd>,
+    size: u64,
+    claimed: Digest,
+    ahead: Option<VerifiedAhead>,
+) -> Result<(StagedView, Digest), Failure> {
     let payload = payload.ok_or_else(|| {
         Failure::new(
             ErrorCode::IO_FAILED,
@@ -47,12 +57,30 @@ fn open_and_verify(payload: Option<OwnedFd>, size: u64) -> Result<(StagedView, D
     })?;
     let view =
         StagedView::open(payload, size).map_err(|e| Failure::new(e.code(), e.to_string()))?;
+    if let Some(ahead) = ahead {
+        if ahead.claimed == claimed && ahead.size == size && view.identity() == Ok(ahead.identity) {
+            return Ok((view, ahead.digest));
+        }
+    }
     let digest = {
         let envelope =
             Envelope::parse(view.bytes()).map_err(|e| Failure::new(e.code(), e.message()))?;
         python_serialized_digest(&envelope)
     };
     Ok((view, digest))
+}
+
+/// What a [`Frame::Verify`] found: the payload's sealed file, its size,
+/// the digest the parent claimed for it and the digest recomputed over it.
+/// Held by the control thread until the next register control takes it
+/// (used when it is for the same file, dropped otherwise); it holds no
+/// descriptor and no mapping of the payload (`specs/staging.md` step 3).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct VerifiedAhead {
+    identity: FileIdentity,
+    size: u64,
+    claimed: Digest,
+    digest: Digest,
 }
 
 pub(super) struct Control<'a, R: Runtime> {
@@ -66,6 +94,8 @@ pub(super) struct Control<'a, R: Runtime> {
     pub(super) idle: Arc<ControlGate>,
     /// The controls received and not yet answered, with their phases.
     pub(super) outstanding: Arc<Outstanding>,
+    /// The last [`Frame::Verify`]'s result, until a register takes it.
+    pub(super) ahead: std::cell::Cell<Option<VerifiedAhead>>,
 }
 
 /// Register and unregister controls received and not yet answered, by
@@ -150,9 +180,9 @@ fn read_controls<C>(
         return FRAME_EXIT_CODE;
     };
     let mut chunk = vec![0u8; READ_CHUNK_BYTES];
-    // Staged payloads received with register controls, in arrival order:
+    // Staged payloads received with register and verify controls, in arrival order:
     // each comes with its frame's first byte, so it is here by the time
-    // the frame is whole, and the k-th register takes the k-th descriptor.
+    // the frame is whole, and the k-th of those frames takes the k-th descriptor.
     let mut payloads = VecDeque::new();
     loop {
         let received = receive_control(control.as_fd(), &mut chunk, &mut payloads);
@@ -187,7 +217,7 @@ fn read_controls<C>(
                         other => other,
                     };
                     let payload = match frame {
-                        Frame::Register { .. } => payloads.pop_front(),
+                        Frame::Register { .. } | Frame::Verify { .. } => payloads.pop_front(),
                         _ => None,
                     };
                     if let Some(seq) = control_seq(&frame) {
@@ -302,7 +332,7 @@ impl<R: Runtime> Control<'_, R> {
                 metadata,
             } => {
                 let metadata = parse_metadata(&metadata);
-                let opened = open_and_verify(payload, staged_size);
+                let opened = open_and_verify(payload, staged_size, digest, self.ahead.take());
                 let failpoint = failpoints::hit(failpoints::TARGET_BEFORE_INSTALL);
                 let verified = match (&opened, failpoint, &metadata) {
                     (_, Err(message), _) => Err(Failure::new(ErrorCode::IO_FAILED, message)),
@@ -323,6 +353,25 @@ impl<R: Runtime> Control<'_, R> {
                 let staged = view.is_some();
                 drop(view);
                 self.send_replies(replies, staged);
+            }
+            Frame::Verify {
+                digest,
+                staged_size,
+            } => {
+                // A hint: whatever goes wrong here, the register that may
+                // follow verifies the payload itself and reports it. The
+                // view (its mapping and descriptor) is dropped here.
+                let ahead = open_and_verify(payload, staged_size, digest, None)
+                    .ok()
+                    .and_then(|(view, recomputed)| {
+                        Some(VerifiedAhead {
+                            identity: view.identity().ok()?,
+                            size: staged_size,
+                            claimed: digest,
+                            digest: recomputed,
+                        })
+                    });
+                self.ahead.set(ahead);
             }
             Frame::Unregister { seq, digest } => {
                 if let Err(message) = failpoints::hit(failpoints::TARGET_BEFORE_UNREGISTER) {
@@ -504,6 +553,64 @@ fn parse_metadata(text: &str) -> Result<Option<CallableMetadata>, Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::io::staging::StagedPayload;
+
+    /// A staged envelope of a 2 MiB payload, and its digest.
+    fn staged() -> (StagedPayload, Digest) {
+        let payload: Vec<u8> = (0..2 * 1024 * 1024u32).map(|i| (i % 253) as u8).collect();
+        let bytes = crate::envelope::encode(&payload);
+        let (staged, _) = StagedPayload::create(&bytes, 0..bytes.len()).unwrap();
+        let digest = python_serialized_digest(&Envelope::parse(&bytes).unwrap());
+        (staged, digest)
+    }
+
+    fn fd(staged: &StagedPayload) -> Option<OwnedFd> {
+        Some(staged.fd().try_clone_to_owned().unwrap())
+    }
+
+    #[test]
+    fn a_register_takes_the_digest_verified_ahead_only_for_the_same_file_size_and_claim() {
+        let (staged, digest) = staged();
+        let size = staged.size();
+        let (view, recomputed) = open_and_verify(fd(&staged), size, digest, None).unwrap();
+        assert_eq!(recomputed, digest);
+        let record = VerifiedAhead {
+            identity: view.identity().unwrap(),
+            size,
+            claimed: digest,
+            // Not the payload's digest: seeing it back proves the record
+            // was taken rather than the digest recomputed.
+            digest: Digest([7; 32]),
+        };
+        drop(view);
+        let taken = |record: VerifiedAhead| {
+            open_and_verify(fd(&staged), size, digest, Some(record))
+                .unwrap()
+                .1
+        };
+        assert_eq!(taken(record), Digest([7; 32]));
+        // Another claim, another size or another file: recomputed.
+        let claim = VerifiedAhead {
+            claimed: Digest([1; 32]),
+            ..record
+        };
+        assert_eq!(taken(claim), digest);
+        let sized = VerifiedAhead {
+            size: size + 1,
+            ..record
+        };
+        assert_eq!(taken(sized), digest);
+        let (other, _) = self::staged();
+        let elsewhere = VerifiedAhead {
+            identity: StagedView::open(fd(&other).unwrap(), size)
+                .unwrap()
+                .identity()
+                .unwrap(),
+            ..record
+        };
+        assert_ne!(elsewhere.identity, record.identity);
+        assert_eq!(taken(elsewhere), digest);
+    }
 
     #[test]
     fn register_metadata_is_parsed_strictly_and_empty_means_none() {

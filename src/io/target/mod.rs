@@ -266,6 +266,7 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         pinning,
         idle: Arc::new(ControlGate::new()),
         outstanding: Arc::new(Outstanding::default()),
+        ahead: std::cell::Cell::new(None),
     };
     let status = serve(control, setup, &writer, &control_thread);
     setup.runtime.stop();

@@ -47,6 +47,11 @@ pub(super) const LOST_GRACE: Duration = Duration::from_millis(50);
 /// Bytes read from a reply socket per `read` call.
 pub(super) const READ_CHUNK_BYTES: usize = 64 * 1024;
 
+/// The smallest staged payload sent ahead to the targets a probe's register
+/// waits to reach ([`Frame::Verify`]): 1 MiB, where recomputing the digest
+/// (about a millisecond here) costs far more than the frame.
+const VERIFY_AHEAD_MIN_BYTES: u64 = 1024 * 1024;
+
 /// Kept payloads up to this size are freed by the thread that released
 /// them; larger ones by the IO thread, off the callers' path.
 const INLINE_FREE_BYTES: usize = 64 * 1024;
@@ -663,6 +668,11 @@ impl IoLoop {
                     }
                 }
                 Effect::Send { target, frame } => self.send(core, target, frame, context),
+                Effect::Verify {
+                    target,
+                    staging,
+                    digest,
+                } => self.verify_ahead(target, staging, digest),
                 Effect::ReleaseStaged { staging } => {
                     self.staged.remove(&staging);
                     self.prune_kept(core);
@@ -835,6 +845,35 @@ impl IoLoop {
             link.outbox_fds.push_back((offset, fd));
         }
         self.flush(core, index);
+    }
+
+    /// Carries out [`Effect::Verify`]: queues a [`Frame::Verify`] with the
+    /// staged payload to `target` when the payload is at least
+    /// [`VERIFY_AHEAD_MIN_BYTES`] (below that, recomputing its digest costs
+    /// less than the frame). Flushed with the frames that follow; a payload
+    /// no longer staged or a link that is gone sends nothing.
+    fn verify_ahead(&mut self, target: TargetId, staging: StagingId, digest: Digest) {
+        let Some(staged) = self.staged.get(&staging) else {
+            return;
+        };
+        let size = staged.payload.size();
+        if size < VERIFY_AHEAD_MIN_BYTES {
+            return;
+        }
+        let Some(Some(link)) = self.links.get_mut(usize::from(target.0)) else {
+            return;
+        };
+        let frame = Frame::Verify {
+            digest,
+            staged_size: size,
+        };
+        let offset = link.outbox.len();
+        if frame
+            .encode_into(&mut link.outbox, self.max_frame_bytes)
+            .is_ok()
+        {
+            link.outbox_fds.push_back((offset, staged.payload.clone()));
+        }
     }
 
     /// Writes as much of a link's outbox as the socket takes now. Each

@@ -231,6 +231,22 @@ pub enum Effect {
         /// The frame.
         frame: ControlFrame,
     },
+    /// `target` may verify `staging` now (§2.8, `specs/staging.md` step 3):
+    /// the payload of a register sent to its probe target only, which goes
+    /// to `target` once the probe confirms. Sent for each other serving
+    /// target right after the probe's register, while the payload is
+    /// staged. A hint that decides nothing: the register that may follow
+    /// is verified by its target all the same, and a driver may ignore it
+    /// (the model does; the IO layer sends a verify control for a payload
+    /// large enough to gain from it).
+    Verify {
+        /// The target that may verify the payload ahead of its register.
+        target: TargetId,
+        /// The staged payload's id.
+        staging: StagingId,
+        /// The envelope's digest (the register's).
+        digest: Digest,
+    },
     /// Unlink the staged payload: every target in scope has answered, been
     /// lost or timed out.
     ReleaseStaged {
@@ -1016,6 +1032,7 @@ impl Parent {
         for effect in copy.effects.iter_mut() {
             match effect {
                 Effect::Send { target, .. }
+                | Effect::Verify { target, .. }
                 | Effect::TaskDone { target, .. }
                 | Effect::Inspect { target, .. }
                 | Effect::Fence { target }

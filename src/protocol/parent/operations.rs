@@ -165,6 +165,15 @@ impl Parent {
                 },
             });
         }
+        // §2.8: the targets the register waits to reach may verify its
+        // payload while the probe installs it.
+        for target in live.iter().filter(|t| !scope.contains_key(t)) {
+            self.effects.push_back(Effect::Verify {
+                target: *target,
+                staging,
+                digest,
+            });
+        }
         let op = Op {
             kind: OpKind::Register {
                 probe,
@@ -494,7 +503,8 @@ impl Parent {
     /// The IO layer could not stage the payload of [`Effect::Stage`]
     /// `staging`; call it before polling the next effect. Withdraws the
     /// register's queued frames (no target has seen them) and completes the
-    /// operation with `failure` and no target outcome.
+    /// operation with `failure` and no target outcome. Its queued
+    /// [`Effect::Verify`] hints go too.
     ///
     /// # Errors
     /// `FRAME_INVALID` if no register waits for `staging` or some of its
@@ -528,8 +538,10 @@ impl Parent {
         let Some(op) = self.ops.remove(&id) else {
             return Ok(());
         };
-        self.effects
-            .retain(|e| !matches!(e, Effect::Send { frame: ControlFrame::Register { seq, .. }, .. } if *seq == op.seq));
+        self.effects.retain(|e| {
+            !matches!(e, Effect::Send { frame: ControlFrame::Register { seq, .. }, .. } if *seq == op.seq)
+                && !matches!(e, Effect::Verify { staging: s, .. } if *s == staging)
+        });
         self.staged.remove(&staging);
         let error = Error::new(failure.code, OperationKind::Stage, failure.message)
             .with_namespace(op.namespace)

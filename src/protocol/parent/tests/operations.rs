@@ -166,6 +166,21 @@ fn stage_failure_withdraws_the_frames_and_completes_with_its_error() {
 }
 
 #[test]
+fn stage_failure_of_a_probe_withdraws_its_verify_hints_too() {
+    let mut p = probing(3);
+    p.register(digest(1), Namespace::LocalPython, Time(0))
+        .unwrap();
+    assert!(matches!(p.poll_effect(), Some(Effect::Stage { .. })));
+    p.stage_failed(StagingId(1), Failure::new(ErrorCode::IO_FAILED, "ENOSPC"))
+        .unwrap();
+    let effects = drain(&mut p);
+    assert!(
+        matches!(effects.as_slice(), [Effect::Completed { result: Err(e), .. }] if e.code == ErrorCode::IO_FAILED),
+        "{effects:?}"
+    );
+}
+
+#[test]
 fn stage_failure_after_frames_were_polled_is_refused() {
     let mut p = started(1);
     p.register(digest(1), Namespace::LocalPython, Time(0))

@@ -16,7 +16,18 @@ fn a_new_digest_goes_to_one_target_then_to_the_others_once_it_confirmed() {
                 staging: StagingId(1),
                 digest: digest(1)
             },
-            register_frame(0, 1, 1)
+            register_frame(0, 1, 1),
+            // The others may verify the payload while the probe installs it.
+            Effect::Verify {
+                target: TargetId(1),
+                staging: StagingId(1),
+                digest: digest(1)
+            },
+            Effect::Verify {
+                target: TargetId(2),
+                staging: StagingId(1),
+                digest: digest(1)
+            },
         ]
     );
     assert_eq!(p.poll_timeout(), Some(Time(100)));
@@ -51,7 +62,12 @@ fn a_new_digest_goes_to_one_target_then_to_the_others_once_it_confirmed() {
     // A proven digest goes to every target at once.
     p.register(digest(1), Namespace::LocalPython, Time(50))
         .unwrap();
-    assert_eq!(drain(&mut p).len(), 4, "stage and three frames");
+    let effects = drain(&mut p);
+    assert_eq!(
+        effects.len(),
+        4,
+        "stage and three frames, no hint: {effects:?}"
+    );
     assert_eq!(p.live_handles(), vec![*handle]);
 }
 
