@@ -7,8 +7,9 @@
 //! complete, no property failed and every expected witness was found; 1
 //! when a property failed or an expected witness is missing; 2 for a bad
 //! command line, script or configuration, or an address `explore` cannot
-//! listen on; 3 when a run is incomplete (`--first` stopped it early, or
-//! `--max-depth` was reached).
+//! listen on; 3 when a run is incomplete (`--max-depth` was reached) and
+//! nothing failed. 1 comes before 3: `--first` stops a run only at a
+//! failed property, so such a run exits 1.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -26,14 +27,15 @@ const EXIT_OK: u8 = 0;
 const EXIT_VIOLATION: u8 = 1;
 /// A bad command line, script or configuration, or an unusable address.
 const EXIT_USAGE: u8 = 2;
-/// A run is incomplete (`--first`, `--max-depth`).
+/// A run is incomplete (`--max-depth`) and nothing failed.
 const EXIT_INCOMPLETE: u8 = 3;
 
 const EXIT_CODES: &str = "Exit status:
   0  every run complete, no property failed, every expected witness found
   1  a property failed, or a witness the configuration must produce is missing
   2  bad command line, script or configuration; explore: cannot listen on the address
-  3  a run is incomplete (--first stopped it, or --max-depth was reached)";
+  3  a run is incomplete (--max-depth was reached) and nothing failed;
+     a run --first stopped at a failed property exits 1";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -103,7 +105,7 @@ enum Command {
         /// Stop below this depth, at least 1 (the run is then reported incomplete).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         max_depth: Option<u64>,
-        /// Stop at the first violation (faster; the run is then incomplete).
+        /// Stop at the first violation (faster; the run is then incomplete, and exits 1).
         #[arg(long)]
         first: bool,
         /// Seconds between progress lines on stderr (0: none).

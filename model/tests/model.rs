@@ -580,6 +580,18 @@ fn check_command_prints_a_json_line_and_exits_by_verdict() {
     let stdout = String::from_utf8(shallow.stdout).unwrap();
     let document: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(document["complete"], false);
+
+    // --first stops only at a failed property: incomplete, and exit 1.
+    let first = std::process::Command::new(bin)
+        .arg("check")
+        .args(quiet)
+        .args(["--mutant", "publish-before-all-replies", "--first"])
+        .output()
+        .unwrap();
+    assert_eq!(first.status.code(), Some(1));
+    let stdout = String::from_utf8(first.stdout).unwrap();
+    let document: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(document["violations"][0]["property"], INV1);
 }
 
 /// A bad command line exits 2, as in `callreg` (specs/model.md §8);
@@ -635,7 +647,7 @@ fn usage_errors_exit_2_and_help_exits_0() {
         stderr,
         "callreg-model: unknown configuration \"no-such-config\"; `callreg-model list` shows them\n"
     );
-    let exit_codes = "Exit status:\n  0  every run complete, no property failed, every expected witness found\n  1  a property failed, or a witness the configuration must produce is missing\n  2  bad command line, script or configuration; explore: cannot listen on the address\n  3  a run is incomplete (--first stopped it, or --max-depth was reached)\n";
+    let exit_codes = "Exit status:\n  0  every run complete, no property failed, every expected witness found\n  1  a property failed, or a witness the configuration must produce is missing\n  2  bad command line, script or configuration; explore: cannot listen on the address\n  3  a run is incomplete (--max-depth was reached) and nothing failed;\n     a run --first stopped at a failed property exits 1\n";
     let (code, stdout, _) = run(&["--help"]);
     assert_eq!(code, Some(0));
     assert!(
