@@ -247,6 +247,45 @@ def test_a_callable_that_kills_its_target_at_unpickle_costs_one_target():
         callreg.Worker(1, probe_first=1)
 
 
+def _staged_held_by(pid):
+    """Descriptors and mappings of staged payloads process ``pid`` holds."""
+    held = []
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        if "memfd:callreg-staged" in link:
+            held.append("fd %s" % fd)
+    with open("/proc/%d/maps" % pid) as maps:
+        held.extend("mapped" for line in maps if "memfd:callreg-staged" in line)
+    return held
+
+
+def test_a_large_callable_that_kills_its_probe_leaves_nothing_in_the_targets_that_verified_it_ahead():
+    # Over a MiB: targets 1 and 2 receive it to verify while target 0
+    # probes it (specs/staging.md step 3); its register never reaches them.
+    envelope = callreg._callreg.encode_envelope(pickle.dumps((ExitsAtUnpickle(), b"x" * (2 << 20))))
+    with callreg.Worker(3, respawn_limit=0) as w:
+        w.start()
+        pids = [w.target_pid(t) for t in (1, 2)]
+        with pytest.raises(callreg.RegisterError) as info:
+            w.register_envelope(envelope)
+        assert info.value.code == "REGISTER_POISONED"
+        assert list(info.value.outcomes) == [0]
+        assert w.targets == [1, 2]
+        # A target still hashing lets go of it a few milliseconds later.
+        deadline = time.monotonic() + 5
+        while any(_staged_held_by(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [_staged_held_by(pid) for pid in pids] == [[], []]
+        # A large callable that loads registers on both, through the same
+        # path, and serves.
+        big = b"y" * (3 << 20)
+        h = w.register(lambda x: x + len(big))
+        assert w.call_all(h, 1) == {1: 1 + len(big), 2: 1 + len(big)}
+
+
 def test_metadata_is_filled_in_and_merged():
     with callreg.Worker(2) as w:
         w.start()
