@@ -672,7 +672,7 @@ impl IoLoop {
                     target,
                     staging,
                     digest,
-                } => self.verify_ahead(target, staging, digest),
+                } => self.verify_ahead(core, target, staging, digest),
                 Effect::ReleaseStaged { staging } => {
                     self.staged.remove(&staging);
                     self.prune_kept(core);
@@ -850,9 +850,15 @@ impl IoLoop {
     /// Carries out [`Effect::Verify`]: queues a [`Frame::Verify`] with the
     /// staged payload to `target` when the payload is at least
     /// [`VERIFY_AHEAD_MIN_BYTES`] (below that, recomputing its digest costs
-    /// less than the frame). Flushed with the frames that follow; a payload
-    /// no longer staged or a link that is gone sends nothing.
-    fn verify_ahead(&mut self, target: TargetId, staging: StagingId, digest: Digest) {
+    /// less than the frame). A payload no longer staged or a link that is
+    /// gone sends nothing.
+    fn verify_ahead(
+        &mut self,
+        core: &mut Core,
+        target: TargetId,
+        staging: StagingId,
+        digest: Digest,
+    ) {
         let Some(staged) = self.staged.get(&staging) else {
             return;
         };
@@ -860,7 +866,8 @@ impl IoLoop {
         if size < VERIFY_AHEAD_MIN_BYTES {
             return;
         }
-        let Some(Some(link)) = self.links.get_mut(usize::from(target.0)) else {
+        let index = usize::from(target.0);
+        let Some(Some(link)) = self.links.get_mut(index) else {
             return;
         };
         let frame = Frame::Verify {
@@ -873,6 +880,7 @@ impl IoLoop {
             .is_ok()
         {
             link.outbox_fds.push_back((offset, staged.payload.clone()));
+            self.flush(core, index);
         }
     }
 
