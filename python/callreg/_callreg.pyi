@@ -23,6 +23,7 @@ __all__ = [
     "OUT_OF_BAND_VERSION",
     "DEFAULT_SPIN",
     "MAX_SPIN",
+    "MIN_MAX_FRAME_BYTES",
 ]
 
 VERSION: Final[str]
@@ -31,6 +32,7 @@ SPILL_BYTES: Final[int]
 OUT_OF_BAND_VERSION: Final[int]
 DEFAULT_SPIN: Final[float]
 MAX_SPIN: Final[float]
+MIN_MAX_FRAME_BYTES: Final[int]
 
 class _ErrorFields(TypedDict):
     """``RawError.args[0]``: a failed operation's fields."""

@@ -84,10 +84,9 @@ class TargetLostError(CallregError):
 
 class LifecycleError(CallregError):
     """Not allowed in the Worker's state: not started yet, already closed,
-    or closed while the task was pending; also a Worker's options that its
-    builder refuses (no target, no slot, an operation timeout shorter
-    than the control timeout, a frame bound below 256 bytes). ``code``
-    ``"LIFECYCLE_INVALID"``."""
+    or closed while the task was pending. ``code`` ``"LIFECYCLE_INVALID"``.
+    (A Worker's option values the crate's builder refuses raise
+    ``ValueError`` when the Worker is made.)"""
 
 
 class TaskTimeoutError(CallregError, TimeoutError):

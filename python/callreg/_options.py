@@ -1,17 +1,16 @@
 """A Worker's options: their defaults, and the extension's Worker they
 build.
 
-An option's value is checked once, by what runs it: the extension
+An option's value is checked here, named after the option, with
+``TypeError`` for its type and ``ValueError`` for its value, as
+``concurrent.futures`` does: the type of each option, the range of each
+integer (at least one target and one slot, a frame bound of at least
+:data:`MIN_MAX_FRAME_BYTES`), an operation timeout at least the control
+timeout, and the start method with its preload modules. The extension
 refuses a time that is not a positive (a back-off: zero or positive)
 finite number of seconds, or is beyond what a deadline holds
-(``ValueError``), and the crate's ``WorkerBuilder`` refuses what it
-cannot run (no target, no slot, a frame bound below 256 bytes, an
-operation timeout shorter than the control timeout:
-:class:`LifecycleError`). Checked here is only what the extension's
-arguments cannot take, named after the option (its conversion errors do
-not name it): the type of each option, and the range of the integers it
-takes as unsigned numbers, and the start method with its preload
-modules.
+(``ValueError``); anything else the crate's ``WorkerBuilder`` refuses
+(``LIFECYCLE_INVALID``) is a ``ValueError`` too.
 
 """
 
@@ -36,6 +35,8 @@ DEFAULT_RESPAWN_BACKOFF: Final = 0.1
 # The leader's spin budget (seconds): the crate's default and bound.
 DEFAULT_SPIN: Final = _callreg.DEFAULT_SPIN
 MAX_SPIN: Final = _callreg.MAX_SPIN
+# The smallest max_frame_bytes (bytes): the crate's bound.
+MIN_MAX_FRAME_BYTES: Final = _callreg.MIN_MAX_FRAME_BYTES
 
 # How a Worker makes its targets (``specs/python.md``, "Start methods").
 START_METHODS: Final = ("fork", "forkserver")
@@ -78,12 +79,21 @@ def raw_worker(
     method other than ``"fork"`` and ``"forkserver"`` or preload modules
     without ``"forkserver"``, ``TypeError`` for a preload entry that is
     not a str."""
-    targets = checked_int("targets", targets, 0, _U16)
+    targets = checked_int("targets", targets, 1, _U16)
     control_timeout = checked_seconds("control_timeout", control_timeout)
-    slot_capacity = checked_int("slot_capacity", slot_capacity, 0, _U16)
-    max_frame_bytes = checked_int("max_frame_bytes", max_frame_bytes, 0, _USIZE)
+    slot_capacity = checked_int("slot_capacity", slot_capacity, 1, _U16)
+    max_frame_bytes = checked_int("max_frame_bytes", max_frame_bytes, MIN_MAX_FRAME_BYTES, _USIZE)
     if operation_timeout is not None:
         operation_timeout = checked_seconds("operation_timeout", operation_timeout)
+        # specs/protocol.md §2.7: a bound shorter than a control timeout
+        # would fence a target that reports alive. (A time that is not
+        # positive and finite is the extension's to refuse.)
+        valid = all(math.isfinite(t) and t > 0 for t in (operation_timeout, control_timeout))
+        if valid and operation_timeout < control_timeout:
+            raise ValueError(
+                "operation_timeout must be at least control_timeout (%r s), got %r"
+                % (control_timeout, operation_timeout)
+            )
     if not isinstance(probe_first, bool):
         raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
     respawn_limit = checked_int("respawn_limit", respawn_limit, 0, _U16)
@@ -110,6 +120,9 @@ def raw_worker(
             spin,
         )
     except _callreg.RawError as raw:
+        if raw.args[0]["code"] == "LIFECYCLE_INVALID":
+            # What the builder refuses is an option's value.
+            raise ValueError(raw.args[0]["message"]) from None
         raise_error(raw)
 
 

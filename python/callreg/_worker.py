@@ -144,6 +144,13 @@ class Worker(Inspection):
     and ``next_level`` are then pickled with cloudpickle into that
     interpreter. ``preload`` needs ``"forkserver"``.
 
+    Made with an option of the wrong type it raises ``TypeError``; with a
+    value it cannot run, ``ValueError`` naming the option: fewer than one
+    target or slot, ``max_frame_bytes`` below 256, a time that is not
+    positive and finite (``respawn_backoff`` may be zero), or an
+    ``operation_timeout`` shorter than ``control_timeout``
+    (``specs/python.md``, "Options").
+
     Thread-safe: any number of threads may submit at once. A context
     manager: leaving a ``with`` block closes it."""
 

@@ -997,6 +997,7 @@ fn _callreg(m: &Bound<'_, PyModule>) -> PyResult<()> {
         callreg::io::spin::DEFAULT_SPIN.as_secs_f64(),
     )?;
     m.add("MAX_SPIN", callreg::io::spin::MAX_SPIN.as_secs_f64())?;
+    m.add("MIN_MAX_FRAME_BYTES", callreg::wire::MIN_MAX_FRAME_BYTES)?;
     m.add_function(wrap_pyfunction!(_template_main, m)?)?;
     m.add("VERSION", env!("CARGO_PKG_VERSION"))?;
     m.add(

@@ -145,7 +145,7 @@ def test_operation_timeout_is_checked():
         callreg.NextLevel(1, operation_timeout=-1)
     assert callreg.NextLevel(1, control_timeout=2, operation_timeout=2.5).operation_timeout == 2.5
     # As the inner Worker's builder does, at once: not at least the control timeout.
-    with pytest.raises(callreg.LifecycleError, match=r"the operation timeout \(2.5 s\) must be at least the control"):
+    with pytest.raises(ValueError, match=r"^operation_timeout must be at least control_timeout \(30.0 s\), got 2.5$"):
         callreg.NextLevel(1, operation_timeout=2.5)
     assert callreg.NextLevel(1).operation_timeout is None
 
@@ -998,10 +998,10 @@ def test_a_stopped_probe_target_poisons_nothing():
 
 
 def test_an_operation_timeout_shorter_than_the_control_timeout_is_refused():
-    with pytest.raises(
-        callreg.LifecycleError, match=r"the operation timeout \(0.5 s\) must be at least the control timeout \(2 s\)"
-    ):
+    with pytest.raises(ValueError, match=r"^operation_timeout must be at least control_timeout \(2.0 s\), got 0.5$"):
         callreg.Worker(1, control_timeout=2, operation_timeout=0.5)
+    # Equal is allowed.
+    callreg.Worker(1, control_timeout=2, operation_timeout=2).close()
 
 
 STARTED_IN_A_THREAD = """

@@ -242,7 +242,7 @@ def test_bad_tree_arguments_are_refused():
         callreg.Worker(1, next_level_targets=2)
     with pytest.raises(TypeError, match="next_level must be a callreg.NextLevel"):
         callreg.Worker(1, next_level={"targets": 2})
-    with pytest.raises(callreg.LifecycleError, match="a Worker needs at least one target and one slot"):
+    with pytest.raises(ValueError, match="^targets must be an int from 1 to 65535, got 0$"):
         callreg.Worker(0)
     with pytest.raises(TypeError, match="setup must be a callable"):
         callreg.NextLevel(2, setup=42)
@@ -252,14 +252,12 @@ def test_bad_tree_arguments_are_refused():
         callreg.Worker(65534, next_level=callreg.NextLevel(1), next_level_targets=2)
     # A NextLevel's options are checked when it is built, by the builder
     # of the inner Worker (not only at start, in the next-level child).
-    with pytest.raises(callreg.LifecycleError) as info:
+    with pytest.raises(ValueError) as info:
         callreg.NextLevel(1, control_timeout=2, operation_timeout=1)
-    assert str(info.value) == (
-        "LIFECYCLE_INVALID: the operation timeout (1 s) must be at least the control timeout (2 s) (operation start)"
-    )
-    with pytest.raises(callreg.LifecycleError, match="the maximum frame size must be at least 256 bytes"):
+    assert str(info.value) == "operation_timeout must be at least control_timeout (2.0 s), got 1.0"
+    with pytest.raises(ValueError, match="^max_frame_bytes must be an int from 256 to 18446744073709551615, got 100$"):
         callreg.NextLevel(1, max_frame_bytes=100)
-    with pytest.raises(callreg.LifecycleError, match="a Worker needs at least one target and one slot"):
+    with pytest.raises(ValueError, match="^targets must be an int from 1 to 65535, got 0$"):
         callreg.NextLevel(0)
 
 
