@@ -58,6 +58,10 @@ fn main() {
             duplicate_register_counts_references,
         ),
         (
+            "a_register_given_up_is_unregistered_once_it_completes",
+            a_register_given_up_is_unregistered_once_it_completes,
+        ),
+        (
             "deserialize_failure_rolls_back_everywhere",
             deserialize_failure_rolls_back_everywhere,
         ),
@@ -294,6 +298,68 @@ fn a_forked_child_cannot_use_nor_close_the_worker() {
         );
     }
     check_invariants(&worker, 2);
+}
+
+/// A register waited for in slices (`PendingOperation::wait_timeout`)
+/// and then given up (`Worker::release_when_registered`, as the Python
+/// package does on Ctrl-C) leaves nothing installed once it completes; a
+/// register of the same callable still held by another handle keeps it.
+fn a_register_given_up_is_unregistered_once_it_completes() {
+    let worker = builder(2).build().unwrap();
+    worker.start().unwrap();
+    let slow = envelope("slow 300");
+    let pending = worker.register_async(&slow).unwrap();
+    let pending = match pending.wait_timeout(Duration::from_millis(20)) {
+        Err(pending) => pending,
+        Ok(done) => panic!("a 300 ms install completed within 20 ms: {done:?}"),
+    };
+    worker.release_when_registered(pending);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let installed = || -> Vec<_> {
+        worker
+            .inspect()
+            .unwrap()
+            .into_iter()
+            .map(|(_, table)| table.unwrap().installed)
+            .collect()
+    };
+    // Settled once nothing is in flight and `live` handles are left (the
+    // release's unregister drops the handle when it starts).
+    let settle = |live: usize| {
+        while Instant::now() < deadline {
+            let parent = worker.parent_state();
+            if parent.in_flight().is_empty() && parent.live_handles().len() == live {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("not settled with {live} live handles");
+    };
+    settle(0);
+    assert_eq!(installed(), vec![vec![], vec![]]);
+    check_invariants(&worker, 2);
+    // Held by another handle: the given-up one's release leaves it.
+    let held = worker.register(&slow).unwrap();
+    let pending = worker.register_async(&slow).unwrap();
+    worker.release_when_registered(pending);
+    settle(1);
+    assert_eq!(installed(), vec![vec![(held.digest(), 1)]; 2]);
+    assert_eq!(
+        worker
+            .submit(&held, TargetId(1), TaskEncoding::Json, b"[3]")
+            .unwrap(),
+        b"[3]"
+    );
+    // A completed wait in slices returns the handle.
+    let mut pending = worker.register_async(&slow).unwrap();
+    let handle = loop {
+        match pending.wait_timeout(Duration::from_millis(5)) {
+            Ok(result) => break result.unwrap(),
+            Err(again) => pending = again,
+        }
+    };
+    assert_eq!(handle.digest(), held.digest());
+    worker.close();
 }
 
 fn post_start_register_task_and_unregister() {

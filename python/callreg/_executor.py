@@ -218,11 +218,11 @@ class Executor(concurrent.futures.Executor):
                 # Every target lost, their replacements on the way (an
                 # evicted callable's finalizer may have ended them all):
                 # wait for one to serve, for at most the control timeout.
-                replacing = any(
-                    self._worker.target_phase(t) in ("backing_off", "spawning", "joining")
-                    for t in range(self._worker._count)
-                )
-                if error.code != "NO_LIVE_TARGET" or not replacing or time.monotonic() >= deadline:
+                # One may have joined since the refusal: then try again
+                # at once. Only when every target is lost for good
+                # (``"lost"``: given up) is the refusal final.
+                coming = any(self._worker.target_phase(t) != "lost" for t in range(self._worker._count))
+                if error.code != "NO_LIVE_TARGET" or not coming or time.monotonic() >= deadline:
                     raise
                 time.sleep(delay)
                 delay = min(2 * delay, 0.05)

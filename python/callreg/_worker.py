@@ -256,7 +256,9 @@ class Worker(Inspection):
         target failed to install it (rolled back), :class:`CallregError`
         (``METADATA_INVALID``) for bad metadata or (``METADATA_CONFLICT``)
         for other metadata than it is registered with,
-        :class:`LifecycleError` once closed."""
+        :class:`LifecycleError` once closed. Ctrl-C while it waits raises
+        ``KeyboardInterrupt`` at once; the register goes on in the
+        targets, and what it installs is unregistered when it completes."""
         check_registrable(fn, "register")
         meta = merge_metadata(default_metadata(callable_name(fn)), metadata)
         # Pickled once, straight where the targets read it when large.

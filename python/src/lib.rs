@@ -8,7 +8,12 @@
 //! * every wait releases the GIL; [`RawWorker::call`] waits in slices of
 //!   [`SIGNAL_CHECK_INTERVAL`] and runs `PyErr_CheckSignals` between them,
 //!   so Ctrl-C raises `KeyboardInterrupt` in the caller (the task itself
-//!   finishes in its target, its result is dropped);
+//!   finishes in its target, its result is dropped); registers and
+//!   unregisters wait the same way ([`wait_operation`]): an interrupted
+//!   register goes on, and the registration it makes is unregistered as
+//!   soon as it completes ([`Worker::release_when_registered`]), so
+//!   nothing stays installed for a handle nobody holds; an interrupted
+//!   unregister goes on (its handle was released when it began);
 //! * [`RawWorker::submit`] sends each task from the caller's thread and
 //!   returns a [`RawPending`]: the future's first waiter waits on it
 //!   inline (it may read every caller's replies, as any waiting caller of
@@ -35,7 +40,8 @@ use callreg::envelope::Envelope;
 use callreg::error::{Error, ErrorCode, OperationKind};
 use callreg::io::staging;
 use callreg::io::worker::{
-    outcome_text, registration_failure_text, OperationError, PendingTask, TaskError, TaskKey,
+    outcome_text, registration_failure_text, OperationError, PendingOperation, PendingTask,
+    TaskError, TaskKey,
 };
 use callreg::io::zygote::{ExecTemplate, TemplateCommand};
 use callreg::io::{StartMethod, Worker};
@@ -225,6 +231,27 @@ impl RawPending {
     }
 }
 
+/// Waits for `pending` with the GIL released, in slices of
+/// [`SIGNAL_CHECK_INTERVAL`], running the signal handlers between them. A
+/// handler's exception (Ctrl-C's `KeyboardInterrupt`) is returned at once,
+/// after `pending` is handed to `interrupted`.
+fn wait_operation<T: Send>(
+    py: Python<'_>,
+    mut pending: PendingOperation<T>,
+    interrupted: impl FnOnce(PendingOperation<T>),
+) -> PyResult<Result<T, OperationError>> {
+    loop {
+        match py.detach(|| pending.wait_timeout(SIGNAL_CHECK_INTERVAL)) {
+            Ok(result) => return Ok(result),
+            Err(again) => pending = again,
+        }
+        if let Err(error) = py.check_signals() {
+            interrupted(pending);
+            return Err(error);
+        }
+    }
+}
+
 /// A [`Worker`] with Python targets forked from this interpreter.
 #[pyclass(frozen, module = "callreg._callreg")]
 struct RawWorker {
@@ -272,6 +299,23 @@ fn raw_error(dict: Bound<'_, PyDict>) -> PyErr {
 }
 
 impl RawWorker {
+    /// The handle of a register `started` (its `_async` call's result),
+    /// waited for by [`wait_operation`]: interrupted, the register goes on
+    /// and the registration it makes is released once it completes.
+    fn registered(
+        &self,
+        py: Python<'_>,
+        started: Result<PendingOperation<Handle>, OperationError>,
+    ) -> PyResult<RawHandle> {
+        let pending = started.map_err(|e| self.operation_err(py, &e))?;
+        let result = wait_operation(py, pending, |pending| {
+            self.worker.release_when_registered(pending)
+        })?;
+        result
+            .map(|handle| RawHandle { handle })
+            .map_err(|e| self.operation_err(py, &e))
+    }
+
     /// The `RawError` of a failed operation, each lost target's outcome
     /// saying how it was lost (`"lost (its reply socket closed; it exited with status 5)"`,
     /// from [`Worker::target_loss`]).
@@ -529,13 +573,11 @@ impl RawWorker {
         metadata: Option<&str>,
     ) -> PyResult<RawHandle> {
         let metadata = parse_metadata(py, metadata)?;
-        let result = py.detach(|| {
+        let started = py.detach(|| {
             self.worker
-                .register_with_metadata(envelope, metadata.as_ref())
+                .register_with_metadata_async(envelope, metadata.as_ref())
         });
-        result
-            .map(|handle| RawHandle { handle })
-            .map_err(|e| self.operation_err(py, &e))
+        self.registered(py, started)
     }
 
     /// Registers the envelope written into `fd` (a `staging_memfd()`,
@@ -572,21 +614,22 @@ impl RawWorker {
         let owned = borrowed
             .try_clone_to_owned()
             .map_err(|e| PyValueError::new_err(format!("descriptor {fd}: {e}")))?;
-        let result = py.detach(|| match payload_sha256 {
-            Some(sha256) => self
-                .worker
-                .register_memfd_hashed(owned, sha256, metadata.as_ref()),
-            None => self.worker.register_memfd(owned, metadata.as_ref()),
+        let started = py.detach(|| match payload_sha256 {
+            Some(sha256) => {
+                self.worker
+                    .register_memfd_hashed_async(owned, sha256, metadata.as_ref())
+            }
+            None => self.worker.register_memfd_async(owned, metadata.as_ref()),
         });
-        result
-            .map(|handle| RawHandle { handle })
-            .map_err(|e| self.operation_err(py, &e))
+        self.registered(py, started)
     }
 
-    /// Unregisters and waits (GIL released).
+    /// Unregisters and waits (GIL released, in slices: Ctrl-C raises
+    /// `KeyboardInterrupt` here, and the unregister goes on).
     fn unregister(&self, py: Python<'_>, handle: &RawHandle) -> PyResult<()> {
-        let result = py.detach(|| self.worker.unregister(&handle.handle));
-        result.map_err(|e| self.operation_err(py, &e))
+        let started = py.detach(|| self.worker.unregister_async(&handle.handle));
+        let pending = started.map_err(|e| self.operation_err(py, &e))?;
+        wait_operation(py, pending, drop)?.map_err(|e| self.operation_err(py, &e))
     }
 
     /// Forks the targets (GIL released; the runtime's fork hooks take it

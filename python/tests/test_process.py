@@ -91,6 +91,43 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
         assert w.targets == []
 
 
+def test_ctrl_c_during_a_register_raises_at_once_and_leaves_nothing_installed():
+    slow = callreg._callreg.encode_envelope(pickle.dumps(SlowToLoad(1.0)))
+    with callreg.Worker(2) as w:
+        w.start()
+        kept = w.register(square)
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        started = time.monotonic()
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                w.register_envelope(slow)
+            # At the next signal check, not once the register completed
+            # (about 1 s on the probe, then 1 s on the other target).
+            assert time.monotonic() - started < 0.8
+        finally:
+            timer.cancel()
+        # The register goes on; the registration it made is released
+        # once it completes: no handle nobody holds, nothing installed.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            state = w.inspect()
+            if len(state["registry"]["handles"]) == 1 and all(
+                len(t["installed"]) == 1 for t in state["targets"].values()
+            ):
+                break
+            time.sleep(0.05)
+        state = w.inspect()
+        assert [h["hashid"] for h in state["registry"]["handles"]] == [kept.hashid]
+        assert {t: [i["hashid"] for i in v["installed"]] for t, v in state["targets"].items()} == {
+            0: [kept.hashid],
+            1: [kept.hashid],
+        }
+        # Registered again, it installs afresh and serves.
+        h = w.register_envelope(slow)
+        assert w.call_all(h, 4) == {0: 16, 1: 16}
+
+
 def _hold_gil(seconds, marker):
     """Creates ``marker``, then holds the GIL for ``seconds`` in one C call
     (a ``ctypes.PyDLL`` function keeps the GIL while it runs)."""

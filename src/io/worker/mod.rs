@@ -409,31 +409,32 @@ impl<R: Runtime> Worker<R> {
                     serializer_id: crate::envelope::SERIALIZER_CLOUDPICKLE,
                     payload_sha256: Digest(payload_sha256),
                 };
-                self.register_adopted(payload, descriptor, metadata)
+                self.register_adopted(payload, descriptor, metadata)?.wait()
             }
         }
     }
 
-    /// Registers a sealed, hashed envelope: from where it is after start,
-    /// read back into memory before.
+    /// Starts the register of a sealed, hashed envelope: from where it is
+    /// after start, read back into memory before (the pending operation is
+    /// then complete already).
     fn register_adopted(
         &self,
         payload: StagedPayload,
         descriptor: PythonSerialized,
         metadata: Option<&CallableMetadata>,
-    ) -> Result<Handle, OperationError> {
+    ) -> Result<PendingOperation<Handle>, OperationError> {
         self.owned(OperationKind::Register)
             .map_err(OperationError::new)?;
         let started = self.shared.lock().machine.lifecycle() == Lifecycle::Started;
         if !started {
             let bytes = payload.read_all().map_err(stage_error)?;
             drop(payload);
-            return self.register_inner(&bytes, metadata)?.wait();
+            return self.register_inner(&bytes, metadata);
         }
         if let Some(metadata) = metadata {
             self.check_metadata_fits(metadata)?;
         }
-        self.register_staged(payload, descriptor, metadata).wait()
+        Ok(self.register_staged(payload, descriptor, metadata))
     }
 
     /// Registers the envelope a writer put in `fd` (a
@@ -452,6 +453,20 @@ impl<R: Runtime> Worker<R> {
         fd: std::os::fd::OwnedFd,
         metadata: Option<&CallableMetadata>,
     ) -> Result<Handle, OperationError> {
+        self.register_memfd_async(fd, metadata)?.wait()
+    }
+
+    /// Starts [`Worker::register_memfd`] and returns at once with a
+    /// pending operation (complete already before start).
+    ///
+    /// # Errors
+    /// As [`Worker::register_memfd`], for the failures found before any
+    /// target is involved.
+    pub fn register_memfd_async(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<PendingOperation<Handle>, OperationError> {
         let (payload, descriptor) = StagedPayload::adopt(fd).map_err(stage_error)?;
         self.register_adopted(payload, descriptor, metadata)
     }
@@ -470,9 +485,50 @@ impl<R: Runtime> Worker<R> {
         payload_sha256: [u8; 32],
         metadata: Option<&CallableMetadata>,
     ) -> Result<Handle, OperationError> {
+        self.register_memfd_hashed_async(fd, payload_sha256, metadata)?
+            .wait()
+    }
+
+    /// Starts [`Worker::register_memfd_hashed`] and returns at once with a
+    /// pending operation (complete already before start).
+    ///
+    /// # Errors
+    /// As [`Worker::register_memfd_hashed`], for the failures found before
+    /// any target is involved.
+    pub fn register_memfd_hashed_async(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        payload_sha256: [u8; 32],
+        metadata: Option<&CallableMetadata>,
+    ) -> Result<PendingOperation<Handle>, OperationError> {
         let (payload, descriptor) =
             StagedPayload::adopt_hashed(fd, payload_sha256).map_err(stage_error)?;
         self.register_adopted(payload, descriptor, metadata)
+    }
+
+    /// Gives up waiting for a register: the registration it makes, if it
+    /// succeeds, is unregistered as soon as it completes, so that nothing
+    /// stays installed for a handle nobody holds (e.g. the Python package's
+    /// register interrupted by Ctrl-C). A failed register needs nothing
+    /// more (it was rolled back); a Worker closed meanwhile releases
+    /// everything itself. Returns at once.
+    pub fn release_when_registered(&self, pending: PendingOperation<Handle>) {
+        let shared = Arc::downgrade(&self.shared);
+        pending.awaited.on_complete(move |result| {
+            let (Some(shared), Ok(Ok(handle))) = (shared.upgrade(), result) else {
+                return;
+            };
+            let (done, pending) = handoff::channel();
+            let owed = push(&shared, Request::Unregister { handle, done }, false);
+            // Dropped at once: nobody waits for the unregister (the drop
+            // settles what the push owes, as any pending operation's).
+            drop(Awaited {
+                pending: Some(pending),
+                shared: Some(shared),
+                owed: AtomicBool::new(owed.is_some()),
+                wake: owed,
+            });
+        });
     }
 
     /// Refuses metadata whose JSON cannot fit in one register control.
@@ -957,39 +1013,7 @@ impl<R: Runtime> Worker<R> {
     /// leading. Returns the IO thread's wake pipe when settling is still
     /// owed.
     fn push(&self, request: Request, settle: bool) -> Option<Arc<TrackedFd>> {
-        let mut core = self.shared.lock();
-        let io = if core.io_running && !core.closing {
-            core.io.take()
-        } else {
-            None
-        };
-        let Some(mut io) = io else {
-            if core.io_running && matches!(request, Request::Close) {
-                core.closing = true;
-                io_wake(&core);
-                return None;
-            }
-            let started = core.machine.lifecycle() == Lifecycle::New;
-            drop(core);
-            refuse(request, started);
-            return None;
-        };
-        if matches!(request, Request::Close) {
-            core.closing = true;
-            io_wake(&core);
-        } else {
-            // Requests reach the machine in the order they came.
-            while let Some(queued) = core.requests.pop_front() {
-                io.request(&mut core, queued);
-            }
-            io.request(&mut core, request);
-        }
-        let leaving = io.leave(&core, settle, false);
-        core.io = Some(io);
-        let owed = if settle { None } else { core.wake.clone() };
-        drop(core);
-        self.shared.finish(leaving);
-        owed
+        push(&self.shared, request, settle)
     }
 
     /// Closes the Worker: operations in flight fail with
@@ -1183,3 +1207,42 @@ fn stage_error(e: StagingError) -> OperationError {
 /// payload found no memory (`ENOMEM`, `ENOSPC`, `EFBIG`): the Python
 /// package raises `MemoryError` for it.
 pub const STAGING_OUT_OF_MEMORY: &str = "out of memory";
+
+/// Hands `request` to the IO loop (or, when no IO thread runs, refuses it
+/// as the lifecycle says). Returns the
+/// wake-up the caller owes the IO thread when `settle` is false.
+fn push(shared: &Arc<Shared>, request: Request, settle: bool) -> Option<Arc<TrackedFd>> {
+    let mut core = shared.lock();
+    let io = if core.io_running && !core.closing {
+        core.io.take()
+    } else {
+        None
+    };
+    let Some(mut io) = io else {
+        if core.io_running && matches!(request, Request::Close) {
+            core.closing = true;
+            io_wake(&core);
+            return None;
+        }
+        let started = core.machine.lifecycle() == Lifecycle::New;
+        drop(core);
+        refuse(request, started);
+        return None;
+    };
+    if matches!(request, Request::Close) {
+        core.closing = true;
+        io_wake(&core);
+    } else {
+        // Requests reach the machine in the order they came.
+        while let Some(queued) = core.requests.pop_front() {
+            io.request(&mut core, queued);
+        }
+        io.request(&mut core, request);
+    }
+    let leaving = io.leave(&core, settle, false);
+    core.io = Some(io);
+    let owed = if settle { None } else { core.wake.clone() };
+    drop(core);
+    shared.finish(leaving);
+    owed
+}

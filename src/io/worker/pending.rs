@@ -241,7 +241,7 @@ impl<T> Awaited<T> {
         }
     }
 
-    fn on_complete<F>(mut self, callback: F)
+    pub(super) fn on_complete<F>(mut self, callback: F)
     where
         F: FnOnce(Result<T, handoff::Abandoned>) + Send + 'static,
         T: Send + 'static,
@@ -303,6 +303,27 @@ impl<T> PendingOperation<T> {
                 abandoned.to_string(),
             )))
         })
+    }
+
+    /// Waits at most `timeout`: `Ok` with what [`PendingOperation::wait`]
+    /// would return, or `Err(self)` when the time is up (e.g. to check for
+    /// signals between slices, then wait again).
+    pub fn wait_timeout(self, timeout: Duration) -> Result<Result<T, OperationError>, Self> {
+        if handoff::in_callback() {
+            return Ok(Err(OperationError::new(callback_wait_error(
+                OperationKind::Register,
+            ))));
+        }
+        match self.awaited.wait_until(Instant::now().checked_add(timeout)) {
+            Ok(result) => Ok(result.unwrap_or_else(|abandoned| {
+                Err(OperationError::new(Error::new(
+                    ErrorCode::LIFECYCLE_INVALID,
+                    OperationKind::Close,
+                    abandoned.to_string(),
+                )))
+            })),
+            Err(awaited) => Err(PendingOperation { awaited }),
+        }
     }
 
     /// Whether [`PendingOperation::wait`] would return at once.
