@@ -92,6 +92,17 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
 
 
 def test_ctrl_c_during_a_register_raises_at_once_and_leaves_nothing_installed():
+    assert threading.current_thread() is threading.main_thread()
+    # Ctrl-C's handler, whatever the process started with (Python keeps
+    # SIGINT ignored when it started ignored, as in a background job).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_a_register()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_a_register():
     slow = callreg._callreg.encode_envelope(pickle.dumps(SlowToLoad(1.0)))
     with callreg.Worker(2) as w:
         w.start()
