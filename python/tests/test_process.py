@@ -1,6 +1,7 @@
 """The process model: registration failures, lost targets, concurrency,
 close, Ctrl-C, garbage collection and interpreter exit, fork hooks."""
 
+import contextlib
 import gc
 import os
 import pickle
@@ -91,15 +92,22 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
         assert w.targets == []
 
 
-def test_ctrl_c_during_a_register_raises_at_once_and_leaves_nothing_installed():
+@contextlib.contextmanager
+def _ctrl_c_handled():
+    """Python's Ctrl-C handler for the block, whatever the process started
+    with: Python keeps SIGINT ignored when it started ignored (a shell's
+    ``trap '' INT``, a background job, as CI may run)."""
     assert threading.current_thread() is threading.main_thread()
-    # Ctrl-C's handler, whatever the process started with (Python keeps
-    # SIGINT ignored when it started ignored, as in a background job).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        _interrupt_a_register()
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_a_register_raises_at_once_and_leaves_nothing_installed():
+    with _ctrl_c_handled():
+        _interrupt_a_register()
 
 
 def _interrupt_a_register():
@@ -581,15 +589,8 @@ def test_lifecycle_errors_before_start_and_double_start():
 
 
 def test_keyboard_interrupt_during_call_leaves_the_worker_usable():
-    assert threading.current_thread() is threading.main_thread()
-    # Python keeps SIGINT ignored when it started ignored (a shell's
-    # `trap '' INT`, a background job): Ctrl-C's handler is installed for
-    # this test, whatever the process was started with.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with _ctrl_c_handled():
         _interrupt_a_call()
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_a_call():
