@@ -83,11 +83,15 @@ def test_targets_share_the_buffer_pages_read_only_until_unregistered():
         assert w.call_all(h, 4096) == {0: expected, 1: expected}
         maps = [staged_mappings(w.target_pid(t)) for t in (0, 1)]
         # One mapping of the same file (inode) in both targets, of the whole
-        # envelope; none of its pages is a private copy.
+        # envelope; none of its pages is a private copy (a copy would be
+        # 8192 kB of private dirty pages in each). The kernel counts a page
+        # as private while only one process maps it, which memory
+        # management (reclaim, page migration) may briefly make so for a
+        # page or two of a loaded machine: at most 16 pages (64 kB) here.
         assert len(maps[0][0]) == len(maps[1][0]) == 1
         assert maps[0][0] == maps[1][0]
         assert list(maps[0][0].values())[0] * 1024 >= 8 * MIB
-        assert maps[0][1] == maps[1][1] == 0
+        assert maps[0][1] <= 64 and maps[1][1] <= 64, (maps[0][1], maps[1][1])
         write = w.register(writer_into(pickle.PickleBuffer(data)))
         assert w.call(write) == "refused: cannot modify read-only memory"
         w.unregister(write)
