@@ -508,11 +508,16 @@ fn check_command_prints_a_json_line_and_exits_by_verdict() {
         "1",
         "--json",
     ];
-    let ok = std::process::Command::new(bin)
-        .arg("check")
-        .args(quiet)
-        .output()
-        .unwrap();
+    // `check` with the quiet configuration and `extra` arguments.
+    let check = |extra: &[&str]| {
+        std::process::Command::new(bin)
+            .arg("check")
+            .args(quiet)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let ok = check(&[]);
     assert_eq!(ok.status.code(), Some(0));
     // With --json, stdout is exactly one JSON document; the report goes
     // to stderr.
@@ -529,12 +534,7 @@ fn check_command_prints_a_json_line_and_exits_by_verdict() {
         "{stderr}"
     );
 
-    let caught = std::process::Command::new(bin)
-        .arg("check")
-        .args(quiet)
-        .args(["--mutant", "publish-before-all-replies"])
-        .output()
-        .unwrap();
+    let caught = check(&["--mutant", "publish-before-all-replies"]);
     assert_eq!(caught.status.code(), Some(1));
     let stdout = String::from_utf8(caught.stdout).unwrap();
     let last: serde_json::Value = serde_json::from_str(&stdout).unwrap();
@@ -549,12 +549,7 @@ fn check_command_prints_a_json_line_and_exits_by_verdict() {
             "operations": [{"register": "B"}, {"unregister": {"operation": 0}}]}"#,
     )
     .unwrap();
-    let from_file = std::process::Command::new(bin)
-        .arg("check")
-        .args(quiet)
-        .args(["--script", file.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let from_file = check(&["--script", file.to_str().unwrap()]);
     std::fs::remove_file(&file).unwrap();
     assert_eq!(from_file.status.code(), Some(0));
     let stdout = String::from_utf8(from_file.stdout).unwrap();
@@ -570,24 +565,14 @@ fn check_command_prints_a_json_line_and_exits_by_verdict() {
         .unwrap();
     assert_eq!(missing.status.code(), Some(2));
 
-    let shallow = std::process::Command::new(bin)
-        .arg("check")
-        .args(quiet)
-        .args(["--max-depth", "3"])
-        .output()
-        .unwrap();
+    let shallow = check(&["--max-depth", "3"]);
     assert_eq!(shallow.status.code(), Some(3));
     let stdout = String::from_utf8(shallow.stdout).unwrap();
     let document: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(document["complete"], false);
 
     // --first stops only at a failed property: incomplete, and exit 1.
-    let first = std::process::Command::new(bin)
-        .arg("check")
-        .args(quiet)
-        .args(["--mutant", "publish-before-all-replies", "--first"])
-        .output()
-        .unwrap();
+    let first = check(&["--mutant", "publish-before-all-replies", "--first"]);
     assert_eq!(first.status.code(), Some(1));
     let stdout = String::from_utf8(first.stdout).unwrap();
     let document: serde_json::Value = serde_json::from_str(&stdout).unwrap();

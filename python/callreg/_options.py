@@ -5,12 +5,12 @@ An option's value is checked here, named after the option, with
 ``TypeError`` for its type and ``ValueError`` for its value, as
 ``concurrent.futures`` does: the type of each option, the range of each
 integer (at least one target and one slot, a frame bound of at least
-:data:`MIN_MAX_FRAME_BYTES`), an operation timeout at least the control
-timeout, and the start method with its preload modules. The extension
-refuses a time that is not a positive (a back-off: zero or positive)
-finite number of seconds, or is beyond what a deadline holds
-(``ValueError``); anything else the crate's ``WorkerBuilder`` refuses
-(``LIFECYCLE_INVALID``) is a ``ValueError`` too.
+:data:`MIN_MAX_FRAME_BYTES`), and the start method with its preload
+modules. The extension refuses a time that is not a positive (a
+back-off: zero or positive) finite number of seconds, or is beyond what
+a deadline holds (``ValueError``); what the crate's ``WorkerBuilder``
+refuses (``LIFECYCLE_INVALID``: an operation timeout shorter than the
+control timeout) is a ``ValueError`` too, with the builder's message.
 
 """
 
@@ -85,15 +85,6 @@ def raw_worker(
     max_frame_bytes = checked_int("max_frame_bytes", max_frame_bytes, MIN_MAX_FRAME_BYTES, _USIZE)
     if operation_timeout is not None:
         operation_timeout = checked_seconds("operation_timeout", operation_timeout)
-        # specs/protocol.md §2.7: a bound shorter than a control timeout
-        # would fence a target that reports alive. (A time that is not
-        # positive and finite is the extension's to refuse.)
-        valid = all(math.isfinite(t) and t > 0 for t in (operation_timeout, control_timeout))
-        if valid and operation_timeout < control_timeout:
-            raise ValueError(
-                "operation_timeout must be at least control_timeout (%r s), got %r"
-                % (control_timeout, operation_timeout)
-            )
     if not isinstance(probe_first, bool):
         raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
     respawn_limit = checked_int("respawn_limit", respawn_limit, 0, _U16)

@@ -11,17 +11,18 @@ import pytest
 STAGED = "memfd:callreg-staged"
 
 
-def staged_left():
-    """Descriptors and mappings of staged payloads this process holds."""
+def staged_left(pid="self"):
+    """Descriptors and mappings of staged payloads process ``pid`` (this
+    one by default) holds."""
     held = []
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir("/proc/%s/fd" % pid):
         try:
-            link = os.readlink("/proc/self/fd/" + fd)
+            link = os.readlink("/proc/%s/fd/%s" % (pid, fd))
         except OSError:
             continue  # closed meanwhile (e.g. the listing's own descriptor)
         if STAGED in link:
             held.append("fd %s -> %s" % (fd, link))
-    with open("/proc/self/maps") as maps:
+    with open("/proc/%s/maps" % pid) as maps:
         held.extend("mapped: " + line.strip() for line in maps if STAGED in line)
     return held
 

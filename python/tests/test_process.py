@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from conftest import staged_left
 
 import callreg
 
@@ -201,7 +202,9 @@ def test_operation_timeout_is_checked():
         callreg.NextLevel(1, operation_timeout=-1)
     assert callreg.NextLevel(1, control_timeout=2, operation_timeout=2.5).operation_timeout == 2.5
     # As the inner Worker's builder does, at once: not at least the control timeout.
-    with pytest.raises(ValueError, match=r"^operation_timeout must be at least control_timeout \(30.0 s\), got 2.5$"):
+    with pytest.raises(
+        ValueError, match=r"^the operation timeout \(2.5 s\) must be at least the control timeout \(30 s\)$"
+    ):
         callreg.NextLevel(1, operation_timeout=2.5)
     assert callreg.NextLevel(1).operation_timeout is None
 
@@ -303,21 +306,6 @@ def test_a_callable_that_kills_its_target_at_unpickle_costs_one_target():
         callreg.Worker(1, probe_first=1)
 
 
-def _staged_held_by(pid):
-    """Descriptors and mappings of staged payloads process ``pid`` holds."""
-    held = []
-    for fd in os.listdir("/proc/%d/fd" % pid):
-        try:
-            link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
-        except OSError:
-            continue
-        if "memfd:callreg-staged" in link:
-            held.append("fd %s" % fd)
-    with open("/proc/%d/maps" % pid) as maps:
-        held.extend("mapped" for line in maps if "memfd:callreg-staged" in line)
-    return held
-
-
 def test_a_large_callable_that_kills_its_probe_leaves_nothing_in_the_targets_that_verified_it_ahead():
     # Over a MiB: targets 1 and 2 receive it to verify while target 0
     # probes it (specs/staging.md step 3); its register never reaches them.
@@ -332,9 +320,9 @@ def test_a_large_callable_that_kills_its_probe_leaves_nothing_in_the_targets_tha
         assert w.targets == [1, 2]
         # A target still hashing lets go of it a few milliseconds later.
         deadline = time.monotonic() + 5
-        while any(_staged_held_by(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(staged_left(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert [_staged_held_by(pid) for pid in pids] == [[], []]
+        assert [staged_left(pid) for pid in pids] == [[], []]
         # A large callable that loads registers on both, through the same
         # path, and serves.
         big = b"y" * (3 << 20)
@@ -1047,7 +1035,9 @@ def test_a_stopped_probe_target_poisons_nothing():
 
 
 def test_an_operation_timeout_shorter_than_the_control_timeout_is_refused():
-    with pytest.raises(ValueError, match=r"^operation_timeout must be at least control_timeout \(2.0 s\), got 0.5$"):
+    with pytest.raises(
+        ValueError, match=r"^the operation timeout \(0.5 s\) must be at least the control timeout \(2 s\)$"
+    ):
         callreg.Worker(1, control_timeout=2, operation_timeout=0.5)
     # Equal is allowed.
     callreg.Worker(1, control_timeout=2, operation_timeout=2).close()

@@ -254,7 +254,7 @@ def test_bad_tree_arguments_are_refused():
     # of the inner Worker (not only at start, in the next-level child).
     with pytest.raises(ValueError) as info:
         callreg.NextLevel(1, control_timeout=2, operation_timeout=1)
-    assert str(info.value) == "operation_timeout must be at least control_timeout (2.0 s), got 1.0"
+    assert str(info.value) == "the operation timeout (1 s) must be at least the control timeout (2 s)"
     with pytest.raises(ValueError, match="^max_frame_bytes must be an int from 256 to 18446744073709551615, got 100$"):
         callreg.NextLevel(1, max_frame_bytes=100)
     with pytest.raises(ValueError, match="^targets must be an int from 1 to 65535, got 0$"):

@@ -40,9 +40,9 @@ const READ_CHUNK_BYTES: usize = 64 * 1024;
 /// the envelope's errors.
 ///
 /// `ahead` is what a [`Frame::Verify`] found for this register: when it
-/// names the same sealed file ([`StagedView::identity`]), the same size
-/// and the same claimed digest, its recomputed digest is taken, not
-/// computed again (the file's seals keep its bytes those it hashed).
+/// names the same sealed file ([`StagedView::identity`]; the view checked
+/// its size) and the same claimed digest, its recomputed digest is taken,
+/// not computed again (the file's seals keep its bytes those it hashed).
 fn open_and_verify(
     payload: Option<OwnedFd>,
     size: u64,
@@ -58,7 +58,7 @@ fn open_and_verify(
     let view =
         StagedView::open(payload, size).map_err(|e| Failure::new(e.code(), e.to_string()))?;
     if let Some(ahead) = ahead {
-        if ahead.claimed == claimed && ahead.size == size && view.identity() == Ok(ahead.identity) {
+        if ahead.claimed == claimed && view.identity() == Ok(ahead.identity) {
             return Ok((view, ahead.digest));
         }
     }
@@ -70,15 +70,15 @@ fn open_and_verify(
     Ok((view, digest))
 }
 
-/// What a [`Frame::Verify`] found: the payload's sealed file, its size,
-/// the digest the parent claimed for it and the digest recomputed over it.
+/// What a [`Frame::Verify`] found: the payload's sealed file (whose size
+/// its seals fix), the digest the parent claimed for it and the digest
+/// recomputed over it.
 /// Held by the control thread until the next register control takes it
 /// (used when it is for the same file, dropped otherwise); it holds no
 /// descriptor and no mapping of the payload (`specs/staging.md` step 3).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct VerifiedAhead {
     identity: FileIdentity,
-    size: u64,
     claimed: Digest,
     digest: Digest,
 }
@@ -366,7 +366,6 @@ impl<R: Runtime> Control<'_, R> {
                     .and_then(|(view, recomputed)| {
                         Some(VerifiedAhead {
                             identity: view.identity().ok()?,
-                            size: staged_size,
                             claimed: digest,
                             digest: recomputed,
                         })
@@ -569,14 +568,13 @@ mod tests {
     }
 
     #[test]
-    fn a_register_takes_the_digest_verified_ahead_only_for_the_same_file_size_and_claim() {
+    fn a_register_takes_the_digest_verified_ahead_only_for_the_same_file_and_claim() {
         let (staged, digest) = staged();
         let size = staged.size();
         let (view, recomputed) = open_and_verify(fd(&staged), size, digest, None).unwrap();
         assert_eq!(recomputed, digest);
         let record = VerifiedAhead {
             identity: view.identity().unwrap(),
-            size,
             claimed: digest,
             // Not the payload's digest: seeing it back proves the record
             // was taken rather than the digest recomputed.
@@ -589,17 +587,12 @@ mod tests {
                 .1
         };
         assert_eq!(taken(record), Digest([7; 32]));
-        // Another claim, another size or another file: recomputed.
+        // Another claim or another file: recomputed.
         let claim = VerifiedAhead {
             claimed: Digest([1; 32]),
             ..record
         };
         assert_eq!(taken(claim), digest);
-        let sized = VerifiedAhead {
-            size: size + 1,
-            ..record
-        };
-        assert_eq!(taken(sized), digest);
         let (other, _) = self::staged();
         let elsewhere = VerifiedAhead {
             identity: StagedView::open(fd(&other).unwrap(), size)

@@ -94,7 +94,6 @@
 //! `parent.before_publish` first).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -403,12 +402,7 @@ impl<R: Runtime> Worker<R> {
 
     /// The waiting side of a request given to [`Worker::push`].
     fn awaited<T>(&self, pending: Pending<T>, wake: Option<Arc<TrackedFd>>) -> Awaited<T> {
-        Awaited {
-            pending: Some(pending),
-            shared: Some(self.shared.clone()),
-            owed: AtomicBool::new(wake.is_some()),
-            wake,
-        }
+        Awaited::of(pending, self.shared.clone(), wake)
     }
 
     /// Runs the task on every live target (those live when it is

@@ -166,6 +166,22 @@ pub(super) struct Awaited<T> {
 }
 
 impl<T> Awaited<T> {
+    /// The result of a request just pushed to the Worker of `shared`;
+    /// `wake`, when the push left one owed, wakes its IO thread unless
+    /// this caller settles by waiting.
+    pub(super) fn of(
+        pending: Pending<T>,
+        shared: Arc<Shared>,
+        wake: Option<Arc<TrackedFd>>,
+    ) -> Awaited<T> {
+        Awaited {
+            pending: Some(pending),
+            shared: Some(shared),
+            owed: AtomicBool::new(wake.is_some()),
+            wake,
+        }
+    }
+
     pub(super) fn done(pending: Pending<T>) -> Awaited<T> {
         Awaited {
             pending: Some(pending),
@@ -296,13 +312,7 @@ impl<T> PendingOperation<T> {
                 OperationKind::Register,
             )));
         }
-        self.awaited.wait().unwrap_or_else(|abandoned| {
-            Err(OperationError::new(Error::new(
-                ErrorCode::LIFECYCLE_INVALID,
-                OperationKind::Close,
-                abandoned.to_string(),
-            )))
-        })
+        self.awaited.wait().unwrap_or_else(operation_abandoned)
     }
 
     /// Waits at most `timeout`: `Ok` with what [`PendingOperation::wait`]
@@ -315,13 +325,7 @@ impl<T> PendingOperation<T> {
             ))));
         }
         match self.awaited.wait_until(Instant::now().checked_add(timeout)) {
-            Ok(result) => Ok(result.unwrap_or_else(|abandoned| {
-                Err(OperationError::new(Error::new(
-                    ErrorCode::LIFECYCLE_INVALID,
-                    OperationKind::Close,
-                    abandoned.to_string(),
-                )))
-            })),
+            Ok(result) => Ok(result.unwrap_or_else(operation_abandoned)),
             Err(awaited) => Err(PendingOperation { awaited }),
         }
     }
@@ -330,6 +334,16 @@ impl<T> PendingOperation<T> {
     pub fn is_complete(&self) -> bool {
         self.awaited.is_complete()
     }
+}
+
+/// The error of an operation the Worker closed without completing
+/// (`LIFECYCLE_INVALID`).
+fn operation_abandoned<T>(abandoned: handoff::Abandoned) -> Result<T, OperationError> {
+    Err(OperationError::new(Error::new(
+        ErrorCode::LIFECYCLE_INVALID,
+        OperationKind::Close,
+        abandoned.to_string(),
+    )))
 }
 
 /// A task in flight ([`Worker::submit_async`]).

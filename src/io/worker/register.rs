@@ -4,7 +4,6 @@
 //! `specs/protocol.md` §2.3, §2.8), and giving up on a register
 //! ([`Worker::release_when_registered`]).
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::pending::{completed, Awaited};
@@ -334,12 +333,7 @@ impl<R: Runtime> Worker<R> {
             let owed = push(&shared, Request::Unregister { handle, done }, false);
             // Dropped at once: nobody waits for the unregister (the drop
             // settles what the push owes, as any pending operation's).
-            drop(Awaited {
-                pending: Some(pending),
-                shared: Some(shared),
-                owed: AtomicBool::new(owed.is_some()),
-                wake: owed,
-            });
+            drop(Awaited::of(pending, shared, owed));
         });
     }
 
