@@ -70,7 +70,7 @@ pub mod process;
 pub mod slots;
 pub mod spin;
 pub mod staging;
-mod sys;
+pub(crate) mod sys;
 pub mod target;
 pub mod worker;
 pub mod zygote;

@@ -67,7 +67,10 @@ use nix::sys::socket::{
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{ForkResult, Pid};
 
-use super::sys::{pidfd_open, pidfd_send_signal, set_nonblocking, tracked};
+use super::sys::{
+    clear_process_mark, mark_process, pidfd_open, pidfd_send_signal, process_marked,
+    set_nonblocking, tracked,
+};
 use crate::runtime::Runtime;
 
 pub use super::sys::{Exit, ProcessError, TrackedFd};
@@ -92,7 +95,13 @@ static CHANNEL_FDS: [AtomicI32; 2] = [AtomicI32::new(-1), AtomicI32::new(-1)];
 
 /// Whether this process is a target itself (not its parent, and not a
 /// process forked inside it): only then may it use the target's channels.
+/// Checked before every control read and reply write, so it makes no
+/// system call where the kernel marks pages wiped on fork (the target's
+/// mark, `sys::mark_process`); elsewhere it compares process ids.
 pub fn is_target_process() -> bool {
+    if let Some(marked) = process_marked() {
+        return marked;
+    }
     let target = TARGET_PID.load(Ordering::Relaxed);
     target != 0 && target == nix::unistd::getpid().as_raw()
 }
@@ -139,6 +148,7 @@ extern "C" fn after_fork_in_child() {
 /// inside a target) must leave alone the descriptors it forks with, which
 /// may reuse the numbers of that target's (closed) channels.
 pub(crate) fn forget_target() {
+    clear_process_mark();
     TARGET_PID.store(0, Ordering::Relaxed);
     for fd in &CHANNEL_FDS {
         fd.store(-1, Ordering::Relaxed);
@@ -149,6 +159,7 @@ pub(crate) fn forget_target() {
 /// descriptors and registers [`after_fork_in_child`].
 fn guard_channels(control: RawFd, reply: RawFd) {
     TARGET_PID.store(nix::unistd::getpid().as_raw(), Ordering::Relaxed);
+    mark_process();
     CHANNEL_FDS[0].store(control, Ordering::Relaxed);
     CHANNEL_FDS[1].store(reply, Ordering::Relaxed);
     // SAFETY: registers a handler with no prepare or parent part; the

@@ -14,6 +14,7 @@ use crate::error::{Error, ErrorCode, OperationKind};
 use crate::io::lead::os::Os;
 use crate::io::process::ThreadPolicy;
 use crate::io::spin::{Spin, DEFAULT_SPIN, MAX_SPIN};
+use crate::io::sys::ForkMarker;
 use crate::io::zygote::TemplateCommand;
 use crate::protocol::{
     OwnerToken, Parent, ParentConfig, DEFAULT_RESPAWN_BACKOFF, DEFAULT_RESPAWN_LIMIT,
@@ -306,6 +307,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             config,
             shared: Arc::new(Shared {
                 process: std::process::id(),
+                fork_marker: ForkMarker::new(),
                 poller: Os::new(Spin::new(self.spin)),
                 core: Mutex::new(Core {
                     machine,

@@ -20,11 +20,15 @@ pub(super) use crate::io::lead::os::poll_events;
 use crate::io::lead::os::Os;
 use crate::io::lead::{self, LinkId, Locked, Owed, StateLock, Watch};
 use crate::io::process::TrackedFd;
+use crate::io::sys::ForkMarker;
 
 pub(super) struct Shared {
     /// The process that built the Worker: the only one that may use it
     /// (its threads, targets and locks exist there alone).
     pub(super) process: u32,
+    /// Says whether this is a child forked from `process`, without a
+    /// system call: the check every call makes ([`Shared::foreign`]).
+    pub(super) fork_marker: ForkMarker,
     pub(super) core: std::sync::Mutex<Core>,
     /// `poll(2)`, with the leader's adaptive spin
     /// ([`crate::io::spin::Spin`]).
@@ -40,7 +44,7 @@ impl Shared {
     /// (dropping would kill the owner's targets). See [`Worker`], "Forked
     /// children".
     pub(super) fn foreign(&self) -> bool {
-        std::process::id() != self.process
+        self.fork_marker.forked()
     }
 
     pub(super) fn lock(&self) -> MutexGuard<'_, Core> {

@@ -145,7 +145,11 @@ pub use respawn::{TargetEvent, TARGET_EVENTS_KEPT};
 /// a pending task or operation copied there completes at once as
 /// abandoned, the getters answer as for a closed Worker, and `close` and
 /// drop do nothing there: the owner's targets, threads and state are
-/// never touched (nor freed) by the child.
+/// never touched (nor freed) by the child. The Worker tells such a child
+/// by a page of its own that the kernel zeroes in every child forked from
+/// its process (`MADV_WIPEONFORK`, Linux 4.14), so the check on every call
+/// makes no system call; where the kernel refuses that advice it compares
+/// process ids instead.
 pub struct Worker<R: Runtime> {
     runtime: Arc<R>,
     targets: u16,
