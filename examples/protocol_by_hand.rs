@@ -52,7 +52,7 @@ impl World {
                 | Effect::Joined { .. }
                 | Effect::JoinFailed { .. }
                 | Effect::Abandoned { .. } => {}
-                Effect::Fence { target } => self.targets[usize::from(target.0)] = None,
+                Effect::Fence { target, .. } => self.targets[usize::from(target.0)] = None,
                 // The machine ends each task once (specs/protocol.md §2.11).
                 Effect::TaskDone { seq, end, .. } => {
                     println!("  parent: task {seq} ended: {end:?}")

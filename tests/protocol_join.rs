@@ -333,7 +333,8 @@ fn an_unregister_waiting_for_a_replay_that_fails_counts_the_replacement_fenced()
         ],
     }));
     assert!(effects.contains(&Effect::Fence {
-        target: TargetId(1)
+        target: TargetId(1),
+        cause: format!("it failed a replayed registration ({failure})")
     }));
 }
 
@@ -554,10 +555,11 @@ fn a_refused_replay_fences_the_replacement_and_the_rate_limit_gives_the_target_u
             Effect::JoinFailed {
                 target: TargetId(1),
                 incarnation: 1,
-                failure: refusal,
+                failure: refusal.clone(),
             },
             Effect::Fence {
-                target: TargetId(1)
+                target: TargetId(1),
+                cause: format!("it failed a replayed registration ({refusal})")
             },
         ]
     );
@@ -672,7 +674,8 @@ fn a_silent_replacement_is_fenced_even_without_fencing() {
                 ),
             },
             Effect::Fence {
-                target: TargetId(1)
+                target: TargetId(1),
+                cause: "it failed a replayed registration (DEADLINE_EXCEEDED: no answer before its deadline while it joined)".to_owned()
             },
             Effect::ReleaseStaged {
                 staging: StagingId(2)
@@ -807,10 +810,11 @@ fn a_failed_replay_staging_fails_the_join_and_withdraws_every_frame_queued_for_t
             Effect::JoinFailed {
                 target: TargetId(1),
                 incarnation: 1,
-                failure
+                failure: failure.clone()
             },
             Effect::Fence {
-                target: TargetId(1)
+                target: TargetId(1),
+                cause: format!("it failed a replayed registration ({failure})")
             },
             Effect::ReleaseStaged {
                 staging: StagingId(4)
@@ -1053,9 +1057,10 @@ fn an_arrival_that_refuses_its_replay_reopens_the_target_after_the_back_off() {
         effects.contains(&Effect::JoinFailed {
             target: TargetId(0),
             incarnation: 1,
-            failure: refused
+            failure: refused.clone()
         }) && effects.contains(&Effect::Fence {
-            target: TargetId(0)
+            target: TargetId(0),
+            cause: format!("it failed a replayed registration ({refused})")
         }),
         "{effects:?}"
     );

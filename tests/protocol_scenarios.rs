@@ -635,7 +635,8 @@ fn a_passed_deadline_fences_the_silent_target_and_nothing_becomes_uncertain() {
     assert_eq!(
         effects[0],
         Effect::Fence {
-            target: TargetId(1)
+            target: TargetId(1),
+            cause: callreg::protocol::SILENT_FENCE_CAUSE.to_owned()
         }
     );
     assert_eq!(

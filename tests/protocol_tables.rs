@@ -44,7 +44,7 @@ fn effect(e: &Effect) -> String {
             target, staging, ..
         } => format!("verify {} to {}", staging.0, target.0),
         Effect::ReleaseStaged { staging } => format!("release {}", staging.0),
-        Effect::Fence { target } => format!("fence {}", target.0),
+        Effect::Fence { target, .. } => format!("fence {}", target.0),
         Effect::Restage { staging, .. } => format!("restage {}", staging.0),
         Effect::Spawn {
             target,

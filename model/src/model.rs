@@ -1289,7 +1289,7 @@ impl RegistrationModel {
         let mut fence_due: Option<TargetId> = None;
         while let Some(effect) = state.parent.poll_effect() {
             if let Some(due) = fence_due.take() {
-                if !matches!(effect, Effect::Fence { target } if target == due) {
+                if !matches!(effect, Effect::Fence { target, .. } if target == due) {
                     state.breach("a failed join was not followed by its target's fence");
                 }
             }
@@ -1479,7 +1479,7 @@ impl RegistrationModel {
                         state.breach("a payload was released that was not staged");
                     }
                 }
-                Effect::Fence { target } => {
+                Effect::Fence { target, .. } => {
                     // A replacement not ready in time (§2.9): the driver
                     // will not start it.
                     let index = usize::from(target.0);

@@ -316,8 +316,9 @@ impl RawWorker {
             .map_err(|e| self.operation_err(py, &e))
     }
 
-    /// The `RawError` of a failed operation, each lost target's outcome
-    /// saying how it was lost (`"lost (its reply socket closed; it exited with status 5)"`,
+    /// The `RawError` of a failed operation, each lost or fenced target's
+    /// outcome saying how (`"lost (its reply socket closed; it exited with status 5)"`,
+    /// `"fenced (it sent no alive report for a control timeout and was fenced; it was killed by signal 9)"`,
     /// from [`Worker::target_loss`]).
     fn operation_err(&self, py: Python<'_>, e: &OperationError) -> PyErr {
         let full = e.to_string();
@@ -328,14 +329,14 @@ impl RawWorker {
         let lost: Vec<(u16, String)> = e
             .outcomes
             .iter()
-            .filter(|(_, o)| matches!(o, TargetOutcome::Lost))
+            .filter(|(_, o)| matches!(o, TargetOutcome::Lost | TargetOutcome::Fenced))
             .filter_map(|(t, _)| Some((t.0, self.worker.target_loss(*t)?)))
             .collect();
         if !lost.is_empty() {
             let list = PyList::empty(py);
             for (target, outcome) in &e.outcomes {
                 let text = match lost.iter().find(|(t, _)| *t == target.0) {
-                    Some((_, cause)) => format!("lost ({cause})"),
+                    Some((_, cause)) => format!("{} ({cause})", outcome_text(outcome)),
                     None => outcome_text(outcome),
                 };
                 if let Err(err) = list.append((target.0, text)) {

@@ -88,7 +88,7 @@ fn effect_tuple<'py>(py: Python<'py>, effect: Effect) -> PyResult<Bound<'py, PyT
             digest,
         } => ("verify", target.0, staging.0, hashid_text(digest)).into_pyobject(py)?,
         Effect::ReleaseStaged { staging } => ("release", staging.0).into_pyobject(py)?,
-        Effect::Fence { target } => ("fence", target.0).into_pyobject(py)?,
+        Effect::Fence { target, .. } => ("fence", target.0).into_pyobject(py)?,
         Effect::Spawn {
             target,
             incarnation,

@@ -78,7 +78,9 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
         assert info.value.code == "REGISTER_POISONED"
         assert info.value.target == 0
         assert "fenced" in str(info.value)
-        assert info.value.outcomes == {0: "fenced"}
+        assert info.value.outcomes == {
+            0: "fenced (it did not answer before the operation's bound and was fenced; it was killed by signal 9)"
+        }
         assert w.targets == [1]
     # Sent to every target at once, it is fenced on each.
     with callreg.Worker(2, control_timeout=0.5, operation_timeout=0.9, probe_first=False, respawn_limit=0) as w:
@@ -89,7 +91,10 @@ def test_a_slow_unpickle_outlives_the_control_timeout_but_not_the_operation_time
         elapsed = time.monotonic() - started
         assert 0.9 <= elapsed < 1.4, elapsed
         assert info.value.code == "REGISTER_PARTIAL_FAILURE"
-        assert info.value.outcomes == {0: "fenced", 1: "fenced"}
+        assert info.value.outcomes == {
+            0: "fenced (it did not answer before the operation's bound and was fenced; it was killed by signal 9)",
+            1: "fenced (it did not answer before the operation's bound and was fenced; it was killed by signal 9)",
+        }
         assert w.targets == []
 
 
@@ -179,7 +184,9 @@ def test_a_register_queued_behind_a_task_holding_the_gil_past_the_operation_time
             w.register(fresh)
         elapsed = time.monotonic() - started
         assert info.value.code == "REGISTER_PARTIAL_FAILURE", str(info.value)
-        assert info.value.outcomes == {0: "fenced"}
+        assert info.value.outcomes == {
+            0: "fenced (it did not answer before the operation's bound and was fenced; it was killed by signal 9)"
+        }
         assert 2.4 <= elapsed < 7, elapsed
         with pytest.raises(callreg.TargetLostError):
             task.result()
@@ -1028,7 +1035,9 @@ def test_a_stopped_probe_target_poisons_nothing():
         with pytest.raises(callreg.RegisterError) as info:
             w.register(square)
         assert info.value.code == "REGISTER_PARTIAL_FAILURE"
-        assert info.value.outcomes == {0: "fenced"}
+        assert info.value.outcomes == {
+            0: "fenced (it sent no alive report for a control timeout and was fenced; it was killed by signal 9)"
+        }
         assert w.targets == [1]
         h = w.register(square)
         assert w.call_all(h, 5) == {1: 25}

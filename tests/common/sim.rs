@@ -561,7 +561,7 @@ impl Sim {
                 );
                 self.released.insert(staging);
             }
-            Effect::Fence { target } => {
+            Effect::Fence { target, .. } => {
                 let i = usize::from(target.0);
                 self.fenced.insert(target);
                 self.targets[i] = None;

@@ -621,11 +621,10 @@ impl IoLoop {
                     self.staged.remove(&staging);
                     self.prune_kept(core);
                 }
-                Effect::Fence { target } => {
-                    let why = self
-                        .fence_reasons
-                        .remove(&target)
-                        .unwrap_or_else(|| "it missed a deadline and was fenced".to_owned());
+                Effect::Fence { target, cause } => {
+                    // A failed join's reason names the incarnation and the
+                    // failure; else the machine's cause.
+                    let why = self.fence_reasons.remove(&target).unwrap_or(cause);
                     self.bury(core, target, Duration::ZERO, &why)
                 }
                 Effect::Completed {

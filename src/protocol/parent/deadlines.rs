@@ -82,7 +82,10 @@ impl Parent {
             .map(|(t, _)| *t)
             .collect();
         for target in unready {
-            self.effects.push_back(Effect::Fence { target });
+            self.effects.push_back(Effect::Fence {
+                target,
+                cause: NOT_READY_CAUSE.to_owned(),
+            });
             self.lose(target, Progress::Fenced, NOT_READY_CAUSE, now, false);
         }
         self.expire_inspections(now);
@@ -90,7 +93,10 @@ impl Parent {
         // a deadline is no evidence against a probed digest (§2.8).
         for (target, cause) in self.expire_tasks(now) {
             if !self.lost.contains(&target) {
-                self.effects.push_back(Effect::Fence { target });
+                self.effects.push_back(Effect::Fence {
+                    target,
+                    cause: cause.clone(),
+                });
                 self.lose(target, Progress::Fenced, &cause, now, false);
             }
         }
@@ -112,7 +118,6 @@ impl Parent {
                     self.fence_joining(target, now);
                     continue;
                 }
-                self.effects.push_back(Effect::Fence { target });
                 // Silence (no alive report for a control timeout: stopped,
                 // stalled, unreachable) is no evidence against what it
                 // probed; passing the operation bound while it reported
@@ -125,6 +130,10 @@ impl Parent {
                 } else {
                     BOUND_FENCE_CAUSE
                 };
+                self.effects.push_back(Effect::Fence {
+                    target,
+                    cause: cause.to_owned(),
+                });
                 let running = self
                     .probe_at(target)
                     .is_some_and(|op| op.running.contains(&target))

@@ -258,6 +258,11 @@ pub enum Effect {
     Fence {
         /// The target to kill.
         target: TargetId,
+        /// Why, as its lost tasks' [`TaskEnd::Lost`] gives it (e.g.
+        /// [`SILENT_FENCE_CAUSE`], [`BOUND_FENCE_CAUSE`],
+        /// [`NOT_READY_CAUSE`], `"seq 4 passed its deadline"`): what the
+        /// IO layer reports of the loss.
+        cause: String,
     },
     /// Put the kept envelope of `digest` (a live registration being
     /// replayed to a joining replacement, §2.9) in shared memory as
@@ -1035,7 +1040,7 @@ impl Parent {
                 | Effect::Verify { target, .. }
                 | Effect::TaskDone { target, .. }
                 | Effect::Inspect { target, .. }
-                | Effect::Fence { target }
+                | Effect::Fence { target, .. }
                 | Effect::Spawn { target, .. }
                 | Effect::Joined { target, .. }
                 | Effect::JoinFailed { target, .. }

@@ -34,6 +34,7 @@ impl Parent {
     /// use callreg::error::ErrorCode;
     /// use callreg::protocol::{
     ///     ControlPhase, Effect, Namespace, OwnerToken, Parent, ParentConfig, Seq, TargetId, Time,
+    ///     SILENT_FENCE_CAUSE,
     /// };
     ///
     /// let config = ParentConfig {
@@ -75,7 +76,10 @@ impl Parent {
     /// // Target 0 reports alive at 0.9 s: only target 1 is still due at 1 s.
     /// parent.handle_alive(TargetId(0), Seq(1), ControlPhase::Running, Time(900_000)).unwrap();
     /// parent.handle_timeout(Time(1_000_000));
-    /// assert_eq!(parent.poll_effect(), Some(Effect::Fence { target: TargetId(1) }));
+    /// assert_eq!(
+    ///     parent.poll_effect(),
+    ///     Some(Effect::Fence { target: TargetId(1), cause: SILENT_FENCE_CAUSE.to_owned() })
+    /// );
     /// assert_eq!(parent.poll_timeout(), Some(Time(1_900_000)));
     /// ```
     pub fn register(

@@ -380,7 +380,10 @@ impl Parent {
             incarnation: self.incarnation(target),
             failure,
         });
-        self.effects.push_back(Effect::Fence { target });
+        self.effects.push_back(Effect::Fence {
+            target,
+            cause: cause.clone(),
+        });
         self.lose(target, Progress::Fenced, &cause, now, true);
     }
 

@@ -607,7 +607,8 @@ mod tests {
             vec![
                 done(late, 0, 0, TaskEnd::Deadline),
                 Effect::Fence {
-                    target: TargetId(0)
+                    target: TargetId(0),
+                    cause: cause.clone()
                 },
                 done(other, 0, 0, TaskEnd::Lost { cause }),
                 Effect::Spawn {
@@ -662,7 +663,8 @@ mod tests {
         assert_eq!(
             effects[0],
             Effect::Fence {
-                target: TargetId(0)
+                target: TargetId(0),
+                cause: format!("no answer to the cancel of {seq}")
             }
         );
         assert!(matches!(
@@ -689,17 +691,18 @@ mod tests {
         // Past both deadlines and the silent cancel's (100); the other
         // cancel's target was heard from at 150 (silent at 250).
         p.handle_timeout(Time(200));
-        let fence = |t| Effect::Fence {
+        let fence = |t, cause: String| Effect::Fence {
             target: TargetId(t),
+            cause,
         };
         assert_eq!(
             drain(&mut p),
             vec![
                 done(a, 0, 0, TaskEnd::Deadline),
                 done(b, 1, 0, TaskEnd::Deadline),
-                fence(0),
-                fence(1),
-                fence(3),
+                fence(0, format!("{a} passed its deadline")),
+                fence(1, format!("{b} passed its deadline")),
+                fence(3, format!("no answer to the cancel of {silent}")),
                 done(
                     silent,
                     3,

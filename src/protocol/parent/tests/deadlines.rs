@@ -168,7 +168,8 @@ fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_
     assert_eq!(
         drain(&mut p),
         vec![Effect::Fence {
-            target: TargetId(0)
+            target: TargetId(0),
+            cause: NOT_READY_CAUSE.to_owned()
         }]
     );
     assert_eq!(
@@ -200,7 +201,8 @@ fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_
         drain(&mut p),
         vec![
             Effect::Fence {
-                target: TargetId(0)
+                target: TargetId(0),
+                cause: NOT_READY_CAUSE.to_owned()
             },
             Effect::Abandoned {
                 target: TargetId(0),

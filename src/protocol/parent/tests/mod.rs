@@ -105,7 +105,7 @@ fn fences(effects: &[Effect]) -> Vec<TargetId> {
     effects
         .iter()
         .filter_map(|e| match e {
-            Effect::Fence { target } => Some(*target),
+            Effect::Fence { target, .. } => Some(*target),
             _ => None,
         })
         .collect()

@@ -280,7 +280,8 @@ fn a_probe_target_fenced_for_silence_poisons_nothing() {
     assert_eq!(
         effects[0],
         Effect::Fence {
-            target: TargetId(0)
+            target: TargetId(0),
+            cause: SILENT_FENCE_CAUSE.to_owned()
         }
     );
     assert!(!p.is_poisoned(digest(1)));
@@ -327,7 +328,8 @@ fn a_probe_target_past_the_operation_bound_while_alive_poisons_the_digest() {
     }
     let effects = drain(&mut p);
     assert!(effects.contains(&Effect::Fence {
-        target: TargetId(0)
+        target: TargetId(0),
+        cause: BOUND_FENCE_CAUSE.to_owned()
     }));
     assert!(p.is_poisoned(digest(1)));
     let poison = &p.poisoned_digests()[0].1;
