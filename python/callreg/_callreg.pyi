@@ -107,7 +107,8 @@ class RawPending:
     @property
     def id(self) -> int: ...
     # (output, error) once done; 1: the time was up; 0: another thread
-    # waits on it, or it was armed.
+    # waits on it, or it was armed (in a child forked from the Worker's
+    # process: the LIFECYCLE_INVALID outcome instead).
     def wait(self, timeout: float | None = None) -> tuple[bytes | None, _ErrorFields | None] | int: ...
     def is_complete(self) -> bool: ...
 

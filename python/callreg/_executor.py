@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import os
 import threading
 import time
 import weakref
@@ -345,6 +346,18 @@ class Executor(concurrent.futures.Executor):
 
 # The Executors alive, each waited for at interpreter exit.
 _LIVE: weakref.WeakSet[Executor] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # An inherited Executor's lock may have been held by a thread of the
+    # parent at the fork (a submit registering a callable): a new one, so
+    # that its submit, map and shutdown raise or return in the child
+    # instead of waiting for a thread that does not exist there.
+    for executor in list(_LIVE):
+        executor._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _wait_at_exit_for(executor: Executor) -> None:

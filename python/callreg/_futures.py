@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import pickle
 import threading
 import time
@@ -68,6 +69,11 @@ class Dispatch:
         self.backlog: collections.deque[tuple[int, bytes | None, _ErrorFields | None]] = collections.deque()
         self.thread: threading.Thread | None = None
         self.closed = False
+        # Set in a child forked from the Worker's process: no dispatcher
+        # runs there, and every future copied there resolves at once with
+        # LIFECYCLE_INVALID (specs/python.md §3, "Forked children").
+        self.forked = False
+        _DISPATCHES.add(self)
 
     def start(self) -> None:
         """Starts the thread once (at the first arm)."""
@@ -153,6 +159,23 @@ class _ArmingList(list[Any]):
         future = self.future()  # a weak reference: no cycle to collect
         if future is not None:
             future._arm()
+
+
+# Every Dispatch alive, for the fork hook below.
+_DISPATCHES: weakref.WeakSet[Dispatch] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked from the process (``os.fork``, a ``fork``
+    multiprocessing context, a target): the Workers there are the
+    parent's, so every Dispatch is marked forked, and its lock, which a
+    thread of the parent may have held at the fork, is a new one."""
+    for dispatch in list(_DISPATCHES):
+        dispatch.forked = True
+        dispatch.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TaskFuture(concurrent.futures.Future[Any]):
@@ -288,6 +311,13 @@ class TaskFuture(concurrent.futures.Future[Any]):
         if pending is None:
             return
         dispatch = self._dispatch
+        if dispatch.forked:
+            # A copy in a forked child: its result, LIFECYCLE_INVALID, is
+            # there at once.
+            outcome = pending.wait(0)
+            if isinstance(outcome, tuple):
+                self._resolve(*outcome)
+            return
         # Under the lock the dispatcher pops under: a result sent at once
         # finds the future there.
         with dispatch.lock:
@@ -316,7 +346,13 @@ class TaskFuture(concurrent.futures.Future[Any]):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             pending = self._pending
             if pending is None:  # armed: the dispatcher resolves it
-                if self._dispatch.thread is threading.current_thread():
+                if self._dispatch.forked:
+                    # ...except in a forked child, where none runs: the
+                    # copy's outcome is LIFECYCLE_INVALID, at once.
+                    outcome = self._task.wait(0)
+                    if isinstance(outcome, tuple):
+                        self._resolve(*outcome)
+                elif self._dispatch.thread is threading.current_thread():
                     self._dispatch.serve_until(self, left)
                 return
             outcome = pending.wait(left)

@@ -44,7 +44,7 @@ use callreg::io::worker::{
     TaskError, TaskKey,
 };
 use callreg::io::zygote::{ExecTemplate, TemplateCommand};
-use callreg::io::{StartMethod, Worker};
+use callreg::io::{forked_child_error, StartMethod, Worker};
 use callreg::metadata::CallableMetadata;
 use callreg::protocol::{Handle, TargetId, TargetOutcome};
 use callreg::runtime::python::PythonRuntime;
@@ -136,6 +136,8 @@ struct RawPending {
     key: TaskKey,
     /// `None` while a thread waits on it, or once armed or waited.
     pending: Mutex<Option<PendingTask>>,
+    /// The process that submitted it (its Worker's).
+    owner: u32,
 }
 
 /// What [`RawPending::wait`] returns when it holds no result: another
@@ -185,11 +187,20 @@ impl RawPending {
     /// [`SIGNAL_CHECK_INTERVAL`]: returns `(output, error)` once done;
     /// `1` when the time was up; `0` at once when another thread waits on
     /// it or it was armed (that thread, or the completion channel,
-    /// resolves the future). A signal handler's exception (Ctrl-C) is
-    /// raised here with the task still pending.
+    /// resolves the future), except in a child forked from the Worker's
+    /// process, where such a copy returns the `LIFECYCLE_INVALID` outcome
+    /// at once. A signal handler's exception (Ctrl-C) is raised here with
+    /// the task still pending.
     #[pyo3(signature = (timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
         let Some(mut pending) = self.take() else {
+            // Copied into a child forked while a thread of the owner held
+            // it (or after it was armed): neither that thread nor the
+            // dispatcher exists here, and the result never comes.
+            if std::process::id() != self.owner {
+                let error = TaskError::of(forked_child_error(OperationKind::Task, self.owner));
+                return outcome_tuple(py, Err(error));
+            }
             return PENDING_ELSEWHERE.into_bound_py_any(py);
         };
         let until = match timeout {
@@ -262,6 +273,8 @@ struct RawWorker {
     /// close, so the channel disconnects once every task completed.
     sender: Mutex<Option<mpsc::Sender<Completion>>>,
     receiver: Mutex<mpsc::Receiver<Completion>>,
+    /// The process that built it.
+    process: u32,
 }
 
 fn error_dict<'py>(
@@ -560,6 +573,7 @@ impl RawWorker {
             next_target: AtomicUsize::new(0),
             sender: Mutex::new(Some(sender)),
             receiver: Mutex::new(receiver),
+            process: std::process::id(),
         })
     }
 
@@ -693,6 +707,7 @@ impl RawWorker {
                 id,
                 key: pending.key(),
                 pending: Mutex::new(Some(pending)),
+                owner: self.process,
             }),
             Err(error) => Err(plain_err(py, &error)),
         }

@@ -491,3 +491,67 @@ def test_an_executor_nobody_holds_runs_its_tasks_to_their_end():
     assert future.result(timeout=10) == 4
     gc.collect()
     assert gone() is None
+
+
+FORKED_WHILE_BUSY_PROGRAM = """
+import os, signal, sys, threading, time
+import callreg
+
+class SlowToUnpickle:
+    def __reduce__(self):
+        return (SlowToUnpickle._make, ())
+
+    @staticmethod
+    def _make():
+        time.sleep(1.5)
+        return SlowToUnpickle()
+
+    def __call__(self, x):
+        return x + 1
+
+def slow(seconds):
+    time.sleep(seconds)
+    return seconds
+
+ex = callreg.Executor(1)
+busy = ex.submit(slow, 1.0)
+waiter = threading.Thread(target=busy.result)
+waiter.start()
+registering = threading.Thread(target=lambda: print("registered", ex.submit(SlowToUnpickle(), 1).result()))
+registering.start()
+time.sleep(0.3)  # a thread inside submit, holding the Executor's lock; another waiting on busy
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)
+    try:
+        ex.submit(abs, -1)
+    except callreg.LifecycleError as error:
+        owner = "LIFECYCLE_INVALID: this Worker belongs to process %d;" % os.getppid()
+        print("child refused:", str(error).startswith(owner), flush=True)
+    sys.exit(0)  # interpreter exit waits for the inherited Executor
+started = time.monotonic()
+_, status = os.waitpid(pid, 0)
+print("child exit:", os.waitstatus_to_exitcode(status), time.monotonic() - started < 10)
+waiter.join()
+registering.join()
+print("parent:", busy.result(), ex.submit(abs, -2).result())
+ex.shutdown()
+"""
+
+
+def test_an_executor_inherited_while_its_threads_were_busy_refuses_and_exits_at_once_in_the_child():
+    # At the fork one thread of the parent is inside submit (registering a
+    # callable, holding the Executor's lock) and another waits on a future:
+    # in the child the Executor's submit raises, and the child's exit (which
+    # waits for every Executor) does not wait for threads that are not
+    # there (specs/python.md §3, "Forked children").
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_WHILE_BUSY_PROGRAM], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "child refused: True",
+        "child exit: 0 True",
+        "registered 2",
+        "parent: 1.0 2",
+    ]

@@ -965,6 +965,49 @@ def test_a_forked_child_cannot_use_nor_close_the_worker():
         assert w.call_all(h, 3) == {0: 9, 1: 9}
 
 
+def _slow_identity(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def test_futures_copied_into_a_forked_child_resolve_there_at_once_whoever_held_them():
+    # At the fork, one future is waited on by a thread of the parent (it
+    # holds the task), one has a done-callback (the dispatcher's), one
+    # nobody touched: in the child each fails at once with the Worker's
+    # LIFECYCLE_INVALID (specs/python.md §3, "Forked children").
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(_slow_identity)
+        held, armed, idle = (w.submit(h, 0.5) for _ in range(3))
+        waiter = threading.Thread(target=held.result)
+        waiter.start()
+        armed.add_done_callback(lambda _: None)
+        time.sleep(0.2)
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                owner = "LIFECYCLE_INVALID: this Worker belongs to process %d; process %d is a child forked from it" % (
+                    os.getppid(),
+                    os.getpid(),
+                )
+                started = time.monotonic()
+                errors = [future.exception(5) for future in (held, armed, idle)]
+                code = sum(
+                    1 << i
+                    for i, e in enumerate(errors)
+                    if not (type(e) is callreg.LifecycleError and str(e).startswith(owner))
+                )
+                if code == 0 and time.monotonic() - started >= 1:
+                    code = 8
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        waiter.join()
+        assert [future.result() for future in (held, armed, idle)] == [0.5, 0.5, 0.5]
+
+
 def collect_garbage():
     return gc.collect() >= 0
 

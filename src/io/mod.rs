@@ -77,6 +77,6 @@ pub mod zygote;
 mod zygote_link;
 
 pub use worker::{
-    OperationError, PendingOperation, PendingTask, StartMethod, StartReport, TargetTable,
-    TaskError, TaskKey, Worker, WorkerBuilder,
+    forked_child_error, OperationError, PendingOperation, PendingTask, StartMethod, StartReport,
+    TargetTable, TaskError, TaskKey, Worker, WorkerBuilder,
 };

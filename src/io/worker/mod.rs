@@ -141,9 +141,9 @@ pub use respawn::{TargetEvent, TARGET_EVENTS_KEPT};
 ///
 /// A Worker belongs to the process that built it. In a child forked from
 /// that process (a copy of its memory without its threads) every operation
-/// fails with `LIFECYCLE_INVALID` ("this Worker belongs to process N …"),
-/// a pending task or operation copied there completes at once as
-/// abandoned, the getters answer as for a closed Worker, and `close` and
+/// fails with `LIFECYCLE_INVALID` ("this Worker belongs to process N …",
+/// [`forked_child_error`]), a pending task or operation copied there
+/// completes at once with that error, the getters answer as for a closed Worker, and `close` and
 /// drop do nothing there: the owner's targets, threads and state are
 /// never touched (nor freed) by the child. The Worker tells such a child
 /// by a page of its own that the kernel zeroes in every child forked from
@@ -194,9 +194,12 @@ fn metadata_identity(metadata: &CallableMetadata) -> Digest {
     metadata.identity()
 }
 
-/// The `LIFECYCLE_INVALID` of a Worker used in a forked child of its
-/// process ([`Worker`], "Forked children").
-fn foreign_error(operation: OperationKind, owner: u32) -> Error {
+/// The `LIFECYCLE_INVALID` of a Worker of process `owner` used in a child
+/// forked from it ([`Worker`], "Forked children"): `"this Worker belongs
+/// to process 120; process 131 is a child forked from it and cannot use
+/// it (build a new Worker there)"`. Also what a binding answers for a
+/// copy of a task in flight that it cannot wait on there.
+pub fn forked_child_error(operation: OperationKind, owner: u32) -> Error {
     lifecycle_error(
         operation,
         &format!(
@@ -562,7 +565,7 @@ impl<R: Runtime> Worker<R> {
     /// `LIFECYCLE_INVALID` in any other (a forked child of it).
     fn owned(&self, operation: OperationKind) -> Result<(), Error> {
         if self.shared.foreign() {
-            return Err(foreign_error(operation, self.shared.process));
+            return Err(forked_child_error(operation, self.shared.process));
         }
         Ok(())
     }

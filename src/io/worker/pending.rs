@@ -95,6 +95,18 @@ pub struct TaskError {
     pub exception: Box<[u8]>,
 }
 
+impl TaskError {
+    /// A failure of the Worker, not of the task's code: `error` with no
+    /// runtime kind or serialized exception.
+    pub fn of(error: Error) -> TaskError {
+        TaskError {
+            error,
+            kind: String::new(),
+            exception: Box::default(),
+        }
+    }
+}
+
 /// What [`Worker::start`] did at each target, and the startup-snapshot
 /// registrations that failed.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize)]
@@ -237,6 +249,15 @@ impl<T> Awaited<T> {
         }
     }
 
+    /// In a forked child of the Worker's process, the error a copy of this
+    /// request answers with there ([`super::forked_child_error`]).
+    fn forked_error(&self, operation: OperationKind) -> Option<Error> {
+        self.shared
+            .as_ref()
+            .filter(|shared| shared.foreign())
+            .map(|shared| super::forked_child_error(operation, shared.process))
+    }
+
     /// Whether this is a copy in a forked child of the Worker's process
     /// ([`Shared::foreign`]): the result never comes there.
     fn foreign(&self) -> bool {
@@ -312,6 +333,9 @@ impl<T> PendingOperation<T> {
                 OperationKind::Register,
             )));
         }
+        if let Some(error) = self.awaited.forked_error(OperationKind::Register) {
+            return Err(OperationError::new(error));
+        }
         self.awaited.wait().unwrap_or_else(operation_abandoned)
     }
 
@@ -323,6 +347,9 @@ impl<T> PendingOperation<T> {
             return Ok(Err(OperationError::new(callback_wait_error(
                 OperationKind::Register,
             ))));
+        }
+        if let Some(error) = self.awaited.forked_error(OperationKind::Register) {
+            return Ok(Err(OperationError::new(error)));
         }
         match self.awaited.wait_until(Instant::now().checked_add(timeout)) {
             Ok(result) => Ok(result.unwrap_or_else(operation_abandoned)),
@@ -384,6 +411,9 @@ impl PendingTask {
         if handoff::in_callback() {
             return Err(callback_task_error());
         }
+        if let Some(error) = self.awaited.forked_error(OperationKind::Task) {
+            return Err(TaskError::of(error));
+        }
         self.awaited.wait().unwrap_or_else(task_abandoned)
     }
 
@@ -396,6 +426,9 @@ impl PendingTask {
     ) -> Result<Result<Vec<u8>, TaskError>, PendingTask> {
         if handoff::in_callback() {
             return Ok(Err(callback_task_error()));
+        }
+        if let Some(error) = self.awaited.forked_error(OperationKind::Task) {
+            return Ok(Err(TaskError::of(error)));
         }
         match self.awaited.wait_until(Instant::now().checked_add(timeout)) {
             Ok(result) => Ok(result.unwrap_or_else(task_abandoned)),
@@ -426,6 +459,10 @@ impl PendingTask {
     where
         F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
     {
+        if let Some(error) = self.awaited.forked_error(OperationKind::Task) {
+            callback(Err(TaskError::of(error)));
+            return;
+        }
         self.awaited
             .on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
     }
@@ -447,24 +484,16 @@ pub(super) fn callback_wait_error(operation: OperationKind) -> Error {
 }
 
 fn callback_task_error() -> TaskError {
-    TaskError {
-        error: callback_wait_error(OperationKind::Task),
-        kind: String::new(),
-        exception: Box::default(),
-    }
+    TaskError::of(callback_wait_error(OperationKind::Task))
 }
 
 /// The error of a task whose completer was dropped unanswered.
 pub(super) fn task_abandoned(abandoned: handoff::Abandoned) -> Result<Vec<u8>, TaskError> {
-    Err(TaskError {
-        error: Error::new(
-            ErrorCode::LIFECYCLE_INVALID,
-            OperationKind::Task,
-            abandoned.to_string(),
-        ),
-        kind: String::new(),
-        exception: Box::default(),
-    })
+    Err(TaskError::of(Error::new(
+        ErrorCode::LIFECYCLE_INVALID,
+        OperationKind::Task,
+        abandoned.to_string(),
+    )))
 }
 
 pub(super) fn completed<T>(value: Result<T, OperationError>) -> PendingOperation<T> {
