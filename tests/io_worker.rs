@@ -12,7 +12,7 @@ mod io_common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use callreg::error::ErrorCode;
+use callreg::error::{ErrorCode, OperationKind};
 use callreg::io::process::Exit;
 use callreg::protocol::{TargetId, TargetOutcome};
 use callreg::runtime::testing::{deserialize_count, TestRuntime};
@@ -249,9 +249,11 @@ fn forked_child_checks(
     if worker.parent_state().lifecycle() != callreg::protocol::Lifecycle::Closed {
         return 4;
     }
-    // A task pending in the owner completes here at once, as abandoned.
+    // A task pending in the owner completes here at once, with the same
+    // error.
+    let forked = callreg::io::forked_child_error(OperationKind::Task, owner);
     match pending.wait() {
-        Err(e) if e.error.code == ErrorCode::LIFECYCLE_INVALID => {}
+        Err(e) if e.error == forked && e.kind.is_empty() => {}
         _ => return 5,
     }
     worker.close();
