@@ -4,11 +4,18 @@ process left (running or zombie)."""
 
 import gc
 import os
+import time
 
 import pytest
 
 # The name every staged payload's memfd has (src/io/staging.rs).
 STAGED = "memfd:callreg-staged"
+
+
+def nap(seconds):
+    """A callable for targets: sleeps ``seconds``, returns them."""
+    time.sleep(seconds)
+    return seconds
 
 
 def staged_left(pid="self"):

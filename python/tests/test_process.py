@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from conftest import staged_left
+from conftest import nap, staged_left
 
 import callreg
 
@@ -965,11 +965,6 @@ def test_a_forked_child_cannot_use_nor_close_the_worker():
         assert w.call_all(h, 3) == {0: 9, 1: 9}
 
 
-def _slow_identity(seconds):
-    time.sleep(seconds)
-    return seconds
-
-
 def test_futures_copied_into_a_forked_child_resolve_there_at_once_whoever_held_them():
     # At the fork, one future is waited on by a thread of the parent (it
     # holds the task), one has a done-callback (the dispatcher's), one
@@ -977,7 +972,7 @@ def test_futures_copied_into_a_forked_child_resolve_there_at_once_whoever_held_t
     # LIFECYCLE_INVALID (specs/python.md §3, "Forked children").
     with callreg.Worker(1) as w:
         w.start()
-        h = w.register(_slow_identity)
+        h = w.register(nap)
         held, armed, idle = (w.submit(h, 0.5) for _ in range(3))
         waiter = threading.Thread(target=held.result)
         waiter.start()

@@ -5,6 +5,7 @@ import os
 import time
 
 import pytest
+from conftest import nap
 
 import callreg
 
@@ -18,11 +19,6 @@ def _cpu(pid):
 
 def echo(x):
     return x
-
-
-def nap(seconds):
-    time.sleep(seconds)
-    return seconds
 
 
 def test_an_idle_worker_uses_no_cpu():
