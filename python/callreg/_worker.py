@@ -340,12 +340,17 @@ class Worker(Inspection):
         while installing it, or was still busy with it at the operation
         bound; forgive it when that was not its fault (an external kill,
         memory pressure). Returns whether it was poisoned. Raises
-        ``ValueError`` for a string that is not a hashid."""
+        ``ValueError`` for a string that is not a hashid, and
+        :class:`LifecycleError` in a child forked from the Worker's
+        process."""
         if isinstance(callable_or_hashid, str):
             name = callable_or_hashid
         else:
             name = hashid(callable_or_hashid)
-        return self._raw.forgive(name)
+        try:
+            return self._raw.forgive(name)
+        except _callreg.RawError as failure:
+            raise_error(failure)
 
     # -- lifecycle -----------------------------------------------------
 

@@ -827,12 +827,13 @@ impl RawWorker {
 
     /// Clears the poison of the callable named by `hashid`
     /// ([`callreg::io::Worker::forgive`]); whether it was poisoned.
-    /// `ValueError` for a malformed hashid.
-    fn forgive(&self, hashid: &str) -> PyResult<bool> {
+    /// `ValueError` for a malformed hashid; `LIFECYCLE_INVALID` (as an
+    /// error dict) in a forked child of the Worker's process.
+    fn forgive(&self, py: Python<'_>, hashid: &str) -> PyResult<bool> {
         let parsed: callreg::descriptor::HashId = hashid
             .parse()
             .map_err(|e| PyValueError::new_err(format!("{hashid:?} is not a hashid: {e}")))?;
-        Ok(self.worker.forgive(parsed))
+        self.worker.forgive(parsed).map_err(|e| plain_err(py, &e))
     }
 
     /// The live target ids, sorted.

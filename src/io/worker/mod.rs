@@ -550,13 +550,14 @@ impl<R: Runtime> Worker<R> {
 
     /// Clears the poison of the callable with `hashid` (`specs/protocol.md`
     /// §2.8): its next register probes it again on one target. Returns
-    /// whether it was poisoned (false in a forked child of the Worker's
-    /// process, which cannot use it).
-    pub fn forgive(&self, hashid: crate::descriptor::HashId) -> bool {
-        if self.shared.foreign() {
-            return false;
-        }
-        self.shared.lock().machine.forgive(hashid.0)
+    /// whether it was poisoned.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` in a forked child of the Worker's process
+    /// ([`forked_child_error`]), which cannot use it.
+    pub fn forgive(&self, hashid: crate::descriptor::HashId) -> Result<bool, Error> {
+        self.owned(OperationKind::Register)?;
+        Ok(self.shared.lock().machine.forgive(hashid.0))
     }
 
     /// `Ok` in the process that built the Worker.
