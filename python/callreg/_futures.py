@@ -311,25 +311,21 @@ class TaskFuture(concurrent.futures.Future[Any]):
         if pending is None:
             return
         dispatch = self._dispatch
-        if dispatch.forked:
-            # A copy in a forked child: its result, LIFECYCLE_INVALID, is
-            # there at once.
-            outcome = pending.wait(0)
-            if isinstance(outcome, tuple):
-                self._resolve(*outcome)
-            return
-        # Under the lock the dispatcher pops under: a result sent at once
-        # finds the future there.
-        with dispatch.lock:
-            armed = dispatch.raw.arm(pending)
+        # Never armed in a forked child, where no dispatcher runs.
+        if not dispatch.forked:
+            # Under the lock the dispatcher pops under: a result sent at
+            # once finds the future there.
+            with dispatch.lock:
+                armed = dispatch.raw.arm(pending)
+                if armed:
+                    dispatch.futures[pending.id] = self
             if armed:
-                dispatch.futures[pending.id] = self
-        if armed:
-            self._pending = None
-            dispatch.start()
-            return
-        # Another thread waits inline (it resolves), or the Worker closed
-        # (the result, LIFECYCLE_INVALID, is there at once).
+                self._pending = None
+                dispatch.start()
+                return
+        # Another thread waits inline (it resolves), or the Worker closed,
+        # or this is a copy in a forked child (the result,
+        # LIFECYCLE_INVALID, is there at once).
         outcome = pending.wait(0)
         if isinstance(outcome, tuple):
             self._resolve(*outcome)

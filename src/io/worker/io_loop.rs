@@ -493,14 +493,7 @@ impl IoLoop {
                         self.task_keys.insert(key, seq.0);
                         context.task_input = Some((encoding, input));
                     }
-                    Err(error) => self.defer(
-                        done,
-                        Err(TaskError {
-                            error,
-                            kind: String::new(),
-                            exception: Box::default(),
-                        }),
-                    ),
+                    Err(error) => self.defer(done, Err(TaskError::of(error))),
                 }
             }
             Request::Cancel { key, done } => {
@@ -692,11 +685,7 @@ impl IoLoop {
         };
         self.task_keys.remove(&waiter.key);
         let result = match end.error(seq, target, incarnation, digest) {
-            Some(error) => Err(TaskError {
-                error,
-                kind: String::new(),
-                exception: Box::default(),
-            }),
+            Some(error) => Err(TaskError::of(error)),
             None => match context.task_result.take() {
                 Some(result) => result.map_err(|failure| TaskError {
                     error: Error::new(failure.code, OperationKind::Task, failure.message)
@@ -709,17 +698,15 @@ impl IoLoop {
                 }),
                 // The machine ends a task with a result only for the
                 // result frame being given to it.
-                None => Err(TaskError {
-                    error: Error::new(
+                None => Err(TaskError::of(
+                    Error::new(
                         ErrorCode::FRAME_INVALID,
                         OperationKind::Task,
                         "the task ended with a result that was not read",
                     )
                     .with_target(target)
                     .with_seq(seq),
-                    kind: String::new(),
-                    exception: Box::default(),
-                }),
+                )),
             },
         };
         self.defer(waiter.done, result);

@@ -255,11 +255,7 @@ impl<R: Runtime> Worker<R> {
         F: FnOnce(Result<Vec<u8>, TaskError>) + Send + 'static,
     {
         if let Err(error) = self.owned(OperationKind::Task) {
-            callback(Err(TaskError {
-                error,
-                kind: String::new(),
-                exception: Box::default(),
-            }));
+            callback(Err(TaskError::of(error)));
             return;
         }
         let (done, pending) = handoff::channel();
@@ -320,11 +316,7 @@ impl<R: Runtime> Worker<R> {
         let key = TaskKey::fresh();
         let (done, pending) = handoff::channel();
         if let Err(error) = self.owned(OperationKind::Task) {
-            done.complete(Err(TaskError {
-                error,
-                kind: String::new(),
-                exception: Box::default(),
-            }));
+            done.complete(Err(TaskError::of(error)));
             return PendingTask {
                 awaited: Awaited::done(pending),
                 key,
@@ -390,8 +382,7 @@ impl<R: Runtime> Worker<R> {
         if size <= self.max_frame_bytes {
             return Ok(());
         }
-        Err(TaskError {
-            error: Error::new(
+        Err(TaskError::of(Error::new(
                 ErrorCode::FRAME_INVALID,
                 OperationKind::Task,
                 format!(
@@ -401,10 +392,7 @@ impl<R: Runtime> Worker<R> {
                 ),
             )
             .with_target(target)
-            .with_digest(handle.digest()),
-            kind: String::new(),
-            exception: Box::default(),
-        })
+            .with_digest(handle.digest())))
     }
 
     /// The waiting side of a request given to [`Worker::push`].
@@ -716,11 +704,10 @@ fn refuse(request: Request, before_start: bool) {
         Request::Unregister { done, .. } => done.complete(Err(OperationError::new(
             lifecycle_error(OperationKind::Unregister, message),
         ))),
-        Request::Task { done, .. } => done.complete(Err(TaskError {
-            error: lifecycle_error(OperationKind::Task, message),
-            kind: String::new(),
-            exception: Box::default(),
-        })),
+        Request::Task { done, .. } => done.complete(Err(TaskError::of(lifecycle_error(
+            OperationKind::Task,
+            message,
+        )))),
         Request::Cancel { done, .. } => done.complete(false),
         Request::Inspect { done } => drop(done),
         #[cfg(feature = "failpoints")]
