@@ -12,7 +12,8 @@
 //! * `task/round_trip` against `floor/pipe_round_trip`: one task (16-byte
 //!   input, echo) against a bare 16-byte pipe round trip;
 //! * after criterion: CPU ticks used by 4 idle targets and the IO thread
-//!   over one second (must be 0: they block, never spin).
+//!   over one second (must be 0: once idle they block; a target's spin
+//!   ends within its budget after its last task).
 //!
 //! Run: `cargo bench --features io --bench io` (results in `BENCHMARKS.md`,
 //! every run in `benchmarks/HISTORY.md`).

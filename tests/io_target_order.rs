@@ -67,6 +67,7 @@ impl RawTarget {
             slot_capacity: 4,
             max_frame_bytes: MAX_FRAME,
             heartbeat: Duration::from_secs(60),
+            spin: Duration::ZERO,
         };
         // The test harness runs other threads; the target only runs its
         // own code.

@@ -460,6 +460,7 @@ fn a_replacement_runs_the_target_loop_with_an_empty_snapshot() {
         slot_capacity: 8,
         max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         heartbeat: Duration::from_secs(1),
+        spin: Duration::from_micros(50),
     };
     let mut zygote = Zygote::fork(
         ThreadPolicy::RefuseIfThreaded,

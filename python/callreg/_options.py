@@ -32,7 +32,8 @@ DEFAULT_CONTROL_TIMEOUT: Final = 30.0
 DEFAULT_SLOT_CAPACITY: Final = 64
 DEFAULT_RESPAWN_LIMIT: Final = 3
 DEFAULT_RESPAWN_BACKOFF: Final = 0.1
-# The leader's spin budget (seconds): the crate's default and bound.
+# The spin budget (seconds) of a Worker's leaders and its targets' task
+# threads: the crate's default and bound.
 DEFAULT_SPIN: Final = _callreg.DEFAULT_SPIN
 MAX_SPIN: Final = _callreg.MAX_SPIN
 # The smallest max_frame_bytes (bytes): the crate's bound.

@@ -94,12 +94,15 @@ class Worker(Inspection):
     each further one; the first comes at once.
     ``spin`` (seconds, default 50 µs, at most 0.001; 0: never): how long a
     caller waiting for its own result (:meth:`call`, a future's
-    ``result()``) polls for the reply before it sleeps. Waking a sleeping
-    thread on an idle CPU can cost more than a short task's whole round
-    trip; the Worker measures, every 4,096 waits, a stretch of waits that
-    spin against one that does not, and spins until the next measure only
-    if spinning was faster by more than an eighth. An idle Worker never
-    spins (``specs/threads.md``, "The leader's spin").
+    ``result()``) polls for the reply before it sleeps, and how long each
+    target, having sent a result and having no task queued, looks for its
+    next task before it sleeps. Waking a sleeping thread on an idle CPU can
+    cost more than a short task's whole round trip; the Worker (for its
+    callers) and each target (for itself) measure, every 4,096 waits, a
+    stretch of waits that spin against one that does not, and spin until
+    the next measure only while spinning is faster by more than an eighth.
+    An idle Worker and its idle targets never spin (``specs/threads.md``,
+    "The leader's spin" and "The target's spin").
 
     The template process is a child of this process: killing it kills
     every replacement it forked and ends replacements for the Worker's

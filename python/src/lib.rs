@@ -503,7 +503,8 @@ impl RawWorker {
     /// [`_template_main`]; `runtime_data` is its `prepare`'s, and carries
     /// the target initializer: `target_initializer` must then be `None`).
     /// `spin` (seconds, at most 0.001; 0: never): how long a caller waiting
-    /// for its own result polls before it sleeps
+    /// for its own result polls before it sleeps, and a target's task
+    /// thread looks for its next task before it sleeps
     /// ([`callreg::io::WorkerBuilder::spin`]).
     ///
     /// [`WorkerBuilder::probe_first`]: callreg::io::WorkerBuilder::probe_first

@@ -1,5 +1,5 @@
-"""The leader's spin (``specs/threads.md``, "The leader's spin"): bounded,
-and never while nobody waits."""
+"""The spins (``specs/threads.md``, "The leader's spin" and "The target's
+spin"): bounded, and never while nothing is waited for."""
 
 import os
 import time
@@ -46,6 +46,21 @@ def test_a_wait_spins_for_its_budget_at_most():
         cpu = time.process_time()
         assert [w.call(h, 0.02) for _ in range(20)] == [0.02] * 20
         assert time.process_time() - cpu < 0.1
+
+
+def test_a_target_spins_for_its_budget_at_most_after_each_task():
+    # Each task comes 20 ms after the last: a task thread spinning through
+    # the gap would burn 20 ms of CPU per task; a spin of at most 1 ms
+    # burns at most that.
+    with callreg.Worker(1, spin=0.001) as w:
+        w.start()
+        h = w.register(echo)
+        pid = w.target_pid(0)
+        cpu = _cpu(pid)
+        for i in range(20):
+            assert w.call(h, i) == i
+            time.sleep(0.02)
+        assert _cpu(pid) - cpu < 0.1
 
 
 @pytest.mark.parametrize(

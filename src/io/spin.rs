@@ -1,5 +1,7 @@
 //! A bounded, adaptive spin before a caller blocks for its own reply
-//! (`specs/threads.md`, "The leader's spin").
+//! (`specs/threads.md`, "The leader's spin"), and before a target's task
+//! thread sleeps on its empty queue (the same rule, per target: "The
+//! target's spin").
 //!
 //! A caller waiting for its result as the leader polls the reply sockets.
 //! Blocking in `poll` costs a sleep and a wake-up, and on a machine whose
@@ -24,6 +26,13 @@
 //! * the rest of the period spins if the spinning stretch's mean cycle was
 //!   at most 7/8 of the other's (spinning must clearly pay for the CPU it
 //!   burns), and blocks otherwise (also when a stretch measured nothing);
+//! * while the rest of the period spins, its waits are measured too, in
+//!   windows of [`TRIAL`] measured waits: a window whose mean cycle is not
+//!   at most 7/8 of the blocking stretch's ends the spinning for the rest
+//!   of the period. Why: a short spinning stretch borrows from the
+//!   scheduler (a thread that slept before it is owed CPU time), and on
+//!   busy CPUs a long run of spinning pays that back, so a stretch that
+//!   paid can be followed by spinning that does not;
 //! * a spin lasts at most the budget ([`DEFAULT_SPIN`] unless configured;
 //!   zero turns spinning off), and only while a caller waits: an idle
 //!   Worker polls nothing and uses no CPU.
@@ -88,6 +97,10 @@ pub struct Spin {
     spun_n: AtomicU64,
     blocked_ns: AtomicU64,
     blocked_n: AtomicU64,
+    /// The current window of the chosen spinning: summed cycles (ns) and
+    /// their count.
+    window_ns: AtomicU64,
+    window_n: AtomicU64,
     /// The choice for the rest of the period.
     spinning: AtomicBool,
     /// When the last wait ended, in nanoseconds after `epoch` (0: none).
@@ -112,6 +125,8 @@ impl Spin {
             spun_n: AtomicU64::new(0),
             blocked_ns: AtomicU64::new(0),
             blocked_n: AtomicU64::new(0),
+            window_ns: AtomicU64::new(0),
+            window_n: AtomicU64::new(0),
             spinning: AtomicBool::new(false),
             last_end: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -139,6 +154,8 @@ impl Spin {
                         &self.spun_n,
                         &self.blocked_ns,
                         &self.blocked_n,
+                        &self.window_ns,
+                        &self.window_n,
                     ] {
                         sum.store(0, Ordering::Relaxed);
                     }
@@ -158,14 +175,26 @@ impl Spin {
 
     /// Decides the rest of the period from its trials (module docs).
     fn choose(&self) {
-        let mean = |sum: &AtomicU64, n: &AtomicU64| {
-            let n = n.load(Ordering::Relaxed);
-            (n > 0).then(|| u128::from(sum.load(Ordering::Relaxed)) / u128::from(n))
-        };
-        let spun = mean(&self.spun_ns, &self.spun_n);
-        let blocked = mean(&self.blocked_ns, &self.blocked_n);
-        let spinning = matches!((spun, blocked), (Some(s), Some(b)) if s * 8 <= b * 7);
-        self.spinning.store(spinning, Ordering::Relaxed);
+        let spun = mean_ns(&self.spun_ns, &self.spun_n);
+        let blocked = mean_ns(&self.blocked_ns, &self.blocked_n);
+        self.spinning.store(pays(spun, blocked), Ordering::Relaxed);
+    }
+
+    /// Adds a cycle of the chosen spinning to its window; a full window
+    /// that did not pay against the blocking stretch ends the spinning
+    /// for the rest of the period (module docs).
+    fn check_window(&self, cycle: u64) {
+        self.window_ns.fetch_add(cycle, Ordering::Relaxed);
+        if self.window_n.fetch_add(1, Ordering::Relaxed) + 1 < TRIAL {
+            return;
+        }
+        let window = mean_ns(&self.window_ns, &self.window_n);
+        let blocked = mean_ns(&self.blocked_ns, &self.blocked_n);
+        self.window_ns.store(0, Ordering::Relaxed);
+        self.window_n.store(0, Ordering::Relaxed);
+        if !pays(window, blocked) {
+            self.spinning.store(false, Ordering::Relaxed);
+        }
     }
 
     /// Whether the waits after this period's trials spin.
@@ -189,6 +218,10 @@ impl Spin {
         let (sum, n) = match part(self.current.load(Ordering::Relaxed)) {
             Part::TrySpinning { measured: true } => (&self.spun_ns, &self.spun_n),
             Part::TryBlocking { measured: true } => (&self.blocked_ns, &self.blocked_n),
+            Part::Chosen if self.spinning.load(Ordering::Relaxed) => {
+                self.check_window(cycle);
+                return;
+            }
             _ => return,
         };
         sum.fetch_add(cycle, Ordering::Relaxed);
@@ -207,6 +240,18 @@ impl Spin {
             mean(&self.blocked_ns, &self.blocked_n),
         )
     }
+}
+
+/// The mean of summed nanoseconds `sum` over `n` samples (`None`: none).
+fn mean_ns(sum: &AtomicU64, n: &AtomicU64) -> Option<u128> {
+    let n = n.load(Ordering::Relaxed);
+    (n > 0).then(|| u128::from(sum.load(Ordering::Relaxed)) / u128::from(n))
+}
+
+/// Whether a spinning mean cycle `spun` pays against a blocking one:
+/// both measured, and the spinning one at most 7/8 of the other.
+fn pays(spun: Option<u128>, blocked: Option<u128>) -> bool {
+    matches!((spun, blocked), (Some(s), Some(b)) if s * 8 <= b * 7)
 }
 
 #[cfg(test)]
@@ -276,6 +321,38 @@ mod tests {
         // 35 against 40 does.
         let fourth = run(&spin, PERIOD, 34, 39, &mut clock);
         assert!(fourth[2 * trial]);
+    }
+
+    #[test]
+    fn chosen_spinning_that_stops_paying_ends_after_one_window() {
+        let spin = Spin::new(Duration::from_micros(50));
+        let mut clock = Instant::now();
+        let trial = TRIAL as usize;
+        // The trials: spinning 20 µs a cycle against blocking 40.
+        let trials = run(&spin, 2 * TRIAL, 19, 39, &mut clock);
+        assert_eq!(trials[..trial], vec![true; trial]);
+        assert_eq!(trials[trial..], vec![false; trial]);
+        // The chosen spinning now costs 45 µs a cycle: one window of it...
+        let window = run(&spin, TRIAL, 44, 39, &mut clock);
+        assert_eq!(window, vec![true; trial]);
+        assert!(!spin.prefers_spinning());
+        // ...then the rest of the period blocks.
+        let rest = run(&spin, PERIOD - 3 * TRIAL, 44, 39, &mut clock);
+        assert_eq!(rest, vec![false; (PERIOD - 3 * TRIAL) as usize]);
+        // The next period tries both modes again.
+        let next = run(&spin, 2 * TRIAL + 1, 19, 39, &mut clock);
+        assert_eq!(next[..trial], vec![true; trial]);
+        assert!(next[2 * trial]);
+    }
+
+    #[test]
+    fn chosen_spinning_that_still_pays_keeps_spinning() {
+        let spin = Spin::new(Duration::from_micros(50));
+        let mut clock = Instant::now();
+        run(&spin, 2 * TRIAL, 19, 39, &mut clock);
+        // 35 µs a cycle against the blocking stretch's 40: still pays.
+        let chosen = run(&spin, PERIOD - 2 * TRIAL, 34, 39, &mut clock);
+        assert_eq!(chosen, vec![true; (PERIOD - 2 * TRIAL) as usize]);
     }
 
     #[test]

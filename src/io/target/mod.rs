@@ -93,7 +93,7 @@ mod runs;
 
 use control::{serve, Control, Outstanding};
 use reply::{reply_error, ReplyWriter};
-use runs::{run_tasks, Hooks, Pinning, RunQueue};
+use runs::{run_tasks, Hooks, Pinning, RunQueue, TaskSpin};
 
 /// Exit status: the runtime failed to start.
 pub const START_EXIT_CODE: i32 = 103;
@@ -130,6 +130,11 @@ pub struct TargetSetup<R: Runtime> {
     /// not yet answered alive ([`Frame::Alive`]); the parent uses a
     /// quarter of its control timeout.
     pub heartbeat: std::time::Duration,
+    /// The task thread's spin budget: how long it may spin for its next
+    /// run before it sleeps, when its adaptive rule says spinning pays
+    /// (zero: never; the Worker's spin budget, `specs/threads.md`, "The
+    /// target's spin").
+    pub spin: std::time::Duration,
 }
 
 /// Ends the target at once: a fault injected after a decision was made
@@ -245,7 +250,8 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         let runtime = setup.runtime.clone();
         let id = config.id;
         let queue = runs.clone();
-        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, &queue));
+        let mut spin = TaskSpin::new(setup.spin);
+        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, &queue, &mut spin));
     }
     let hooks = setup
         .metadata

@@ -5,8 +5,9 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
 
 use super::reply::ReplyWriter;
 use super::{panic_message, report_finalizers};
@@ -14,6 +15,7 @@ use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 use crate::io::process::exit_unless_target;
 use crate::io::slots::SlotTable;
+use crate::io::spin::Spin;
 use crate::metadata::{merge_retval_keyword, CallableMetadata, HookCall};
 use crate::protocol::{Seq, TargetId};
 use crate::runtime::{Runtime, TaskEncoding};
@@ -75,15 +77,18 @@ pub(super) struct Pinning<C> {
 }
 
 /// The runs handed to the task thread, in the order they were pinned.
-/// The task thread sleeps on it only once it is empty, and a run is
-/// followed by a wake-up only when the task thread sleeps there: no futex
-/// call for a run that finds it busy, and no spinning or yielding before
-/// it sleeps (a channel's receiver spins and yields first, which costs a
-/// round trip CPU time and context switches when tasks come one at a
-/// time). Never closed: the task thread runs until the process ends.
+/// The task thread, finding it empty, may first spin for the next run
+/// ([`RunQueue::pop`]: bounded and adaptive, `specs/threads.md`, "The
+/// target's spin"), then sleeps on it; a run is followed by a wake-up only
+/// when the task thread sleeps there: no futex call for a run that finds
+/// it busy or spinning. Never closed: the task thread runs until the
+/// process ends.
 pub(super) struct RunQueue<C> {
     state: Mutex<Queued<C>>,
     ready: Condvar,
+    /// How many runs are queued (written under the lock, read by the
+    /// spinning task thread without it).
+    queued: AtomicUsize,
 }
 
 struct Queued<C> {
@@ -93,6 +98,61 @@ struct Queued<C> {
     sleeping: bool,
 }
 
+/// The longest back-off after spins that found no run: this many pops
+/// that do not spin.
+const MAX_BACKOFF: u32 = 256;
+
+/// The task thread's spin: the adaptive rule ([`Spin`]: whether spinning
+/// pays, in stretches) and a back-off from spins that find nothing. A
+/// spin that reaches its budget without a run skips the next 1, 2, 4, …
+/// (at most [`MAX_BACKOFF`]) pops' spins; one that finds a run ends the
+/// back-off. Why: a target whose next task comes later than the budget
+/// (tasks spread over several targets, a caller busy between tasks) only
+/// burns CPU spinning, and the rule's spinning stretches would spin in
+/// vain at every pop (`specs/threads.md`, "The target's spin").
+pub(super) struct TaskSpin {
+    rule: Spin,
+    backoff: u32,
+    skip: u32,
+}
+
+impl TaskSpin {
+    /// A task thread's spin of at most `budget` per pop (zero: never).
+    pub(super) fn new(budget: std::time::Duration) -> TaskSpin {
+        TaskSpin {
+            rule: Spin::new(budget),
+            backoff: 0,
+            skip: 0,
+        }
+    }
+
+    /// Until when the pop beginning at `now` spins, if it does.
+    fn next_wait(&mut self, now: Instant) -> Option<Instant> {
+        let until = self.rule.next_wait(now)?;
+        if self.skip > 0 {
+            self.skip -= 1;
+            return None;
+        }
+        Some(until)
+    }
+
+    /// Records whether a spin found a run.
+    fn spun(&mut self, found: bool) {
+        if found {
+            self.backoff = 0;
+        } else {
+            self.backoff = (self.backoff * 2).clamp(1, MAX_BACKOFF);
+            self.skip = self.backoff;
+        }
+    }
+}
+
+/// Spin checks between two looks at the clock, each look followed by a
+/// `sched_yield`, so that a spinning task thread gives its CPU to the
+/// target's reader (which pins the run it waits for) and to any other
+/// thread ready on that CPU.
+const SPINS_PER_YIELD: u32 = 64;
+
 impl<C> RunQueue<C> {
     pub(super) fn new() -> RunQueue<C> {
         RunQueue {
@@ -101,31 +161,66 @@ impl<C> RunQueue<C> {
                 sleeping: false,
             }),
             ready: Condvar::new(),
+            queued: AtomicUsize::new(0),
         }
     }
 
-    /// Queues `run`, waking the task thread if it sleeps.
-    fn push(&self, run: Run<C>) {
+    /// Queues `run`, waking the task thread if it sleeps; returns whether
+    /// it slept.
+    fn push(&self, run: Run<C>) -> bool {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.runs.push_back(run);
+        self.queued.store(state.runs.len(), Ordering::Release);
         let wake = state.sleeping;
         drop(state);
         if wake {
             self.ready.notify_one();
         }
+        wake
     }
 
-    /// The next run, sleeping until there is one.
-    fn pop(&self) -> Run<C> {
+    /// The next run. When none is queued, the task thread spins for one
+    /// first if `spin` says so (at most its budget, yielding its CPU every
+    /// [`SPINS_PER_YIELD`] checks), then sleeps until there is one. Every
+    /// pop is one of `spin`'s waits, measured from the end of the last
+    /// (the task, its reply, and this wait: `specs/threads.md`, "The
+    /// target's spin").
+    fn pop(&self, spin: &mut TaskSpin) -> Run<C> {
+        let start = Instant::now();
+        if self.queued.load(Ordering::Acquire) == 0 {
+            if let Some(until) = spin.next_wait(start) {
+                spin.spun(self.spin_until(until));
+            }
+        }
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
+        let run = loop {
             if let Some(run) = state.runs.pop_front() {
-                return run;
+                self.queued.store(state.runs.len(), Ordering::Release);
+                break run;
             }
             state.sleeping = true;
             state = self.ready.wait(state).unwrap_or_else(|p| p.into_inner());
             state.sleeping = false;
+        };
+        drop(state);
+        spin.rule.ended(start, Instant::now());
+        run
+    }
+
+    /// Spins until a run is queued (`true`) or `until` passes (`false`).
+    fn spin_until(&self, until: Instant) -> bool {
+        let mut checks = 0u32;
+        while self.queued.load(Ordering::Acquire) == 0 {
+            checks = checks.wrapping_add(1);
+            if checks.is_multiple_of(SPINS_PER_YIELD) {
+                if Instant::now() >= until {
+                    return false;
+                }
+                std::thread::yield_now();
+            }
+            std::hint::spin_loop();
         }
+        true
     }
 }
 
@@ -269,9 +364,10 @@ pub(super) fn run_tasks<R: Runtime>(
     table: &SlotTable<R::Callable>,
     writer: &ReplyWriter,
     queue: &RunQueue<R::Callable>,
+    spin: &mut TaskSpin,
 ) -> ! {
     loop {
-        let run = queue.pop();
+        let run = queue.pop(spin);
         let (seq, digest) = (run.seq, run.digest);
         // A run cancelled while it was queued never starts and sends no
         // result: the cancel's reply answered for it (§2.11).
@@ -399,4 +495,124 @@ fn run_with_hooks<R: Runtime>(runtime: &R, run: &Run<R::Callable>) -> Result<Vec
         .map_err(|f| hook_failure("call_after", &hook.call, " after the task succeeded", f))?;
     }
     Ok(output)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn run(seq: u64) -> Run<()> {
+        Run {
+            seq,
+            digest: Digest([seq as u8; 32]),
+            encoding: TaskEncoding::Pickle,
+            input: Vec::new(),
+            callable: crate::sync::Arc::new(()),
+            before: Vec::new(),
+            after: Vec::new(),
+        }
+    }
+
+    impl<C> RunQueue<C> {
+        fn sleeps(&self) -> bool {
+            self.state.lock().unwrap().sleeping
+        }
+    }
+
+    /// Waits (at most 5 s) until the task thread sleeps on `queue`.
+    fn until_asleep(queue: &RunQueue<()>) -> Duration {
+        let started = Instant::now();
+        while !queue.sleeps() {
+            assert!(started.elapsed() < Duration::from_secs(5), "never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        started.elapsed()
+    }
+
+    #[test]
+    fn a_spinning_task_thread_takes_a_run_queued_during_its_spin_without_sleeping() {
+        let queue = Arc::new(RunQueue::new());
+        // A period's first waits spin: this one for up to 10 s.
+        let mut spin = TaskSpin::new(Duration::from_secs(10));
+        let popper = {
+            let queue = queue.clone();
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                (queue.pop(&mut spin).seq, started.elapsed())
+            })
+        };
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(!queue.sleeps());
+        assert!(!queue.push(run(7)), "the spinning thread needed no wake-up");
+        let (seq, waited) = popper.join().unwrap();
+        assert_eq!(seq, 7);
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        assert_eq!(queue.queued.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_task_thread_without_a_spin_budget_sleeps_at_once_and_is_woken() {
+        let queue = Arc::new(RunQueue::new());
+        let popper = {
+            let queue = queue.clone();
+            std::thread::spawn(move || queue.pop(&mut TaskSpin::new(Duration::ZERO)).seq)
+        };
+        until_asleep(&queue);
+        assert!(queue.push(run(3)), "the sleeping thread was woken");
+        assert_eq!(popper.join().unwrap(), 3);
+    }
+
+    #[test]
+    fn a_spin_ends_at_its_budget_and_the_task_thread_sleeps() {
+        let queue = Arc::new(RunQueue::new());
+        let popper = {
+            let queue = queue.clone();
+            std::thread::spawn(move || queue.pop(&mut TaskSpin::new(Duration::from_millis(20))).seq)
+        };
+        let asleep = until_asleep(&queue);
+        assert!(asleep >= Duration::from_millis(20), "{asleep:?}");
+        assert!(queue.push(run(5)));
+        assert_eq!(popper.join().unwrap(), 5);
+    }
+
+    #[test]
+    fn spins_that_find_nothing_back_off_doubling_and_one_that_finds_a_run_ends_it() {
+        let mut spin = TaskSpin::new(Duration::from_micros(50));
+        let now = Instant::now();
+        // Which of the next `n` pops spin (a period's first pops: the rule
+        // says spin).
+        let spins = |spin: &mut TaskSpin, n: usize| -> Vec<bool> {
+            (0..n).map(|_| spin.next_wait(now).is_some()).collect()
+        };
+        assert_eq!(spins(&mut spin, 1), vec![true]);
+        spin.spun(false);
+        assert_eq!(spins(&mut spin, 2), vec![false, true]);
+        spin.spun(false);
+        assert_eq!(spins(&mut spin, 3), vec![false, false, true]);
+        spin.spun(false);
+        assert_eq!(spins(&mut spin, 5), vec![false, false, false, false, true]);
+        spin.spun(true);
+        assert_eq!(spins(&mut spin, 2), vec![true, true]);
+        // The back-off stops doubling at MAX_BACKOFF.
+        for _ in 0..12 {
+            spin.spun(false);
+        }
+        assert_eq!(spin.backoff, MAX_BACKOFF);
+        assert_eq!(spin.skip, MAX_BACKOFF);
+    }
+
+    #[test]
+    fn queued_runs_are_taken_in_order_without_a_wait() {
+        let queue = RunQueue::new();
+        let mut spin = TaskSpin::new(Duration::from_secs(10));
+        for seq in 1..=3 {
+            assert!(!queue.push(run(seq)));
+        }
+        assert_eq!(queue.queued.load(Ordering::Relaxed), 3);
+        let seqs: Vec<u64> = (0..3).map(|_| queue.pop(&mut spin).seq).collect();
+        assert_eq!(seqs, vec![1, 2, 3]);
+        assert_eq!(queue.queued.load(Ordering::Relaxed), 0);
+    }
 }

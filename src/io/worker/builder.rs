@@ -196,12 +196,14 @@ impl<R: Runtime> WorkerBuilder<R> {
     }
 
     /// How long a caller waiting for its own result polls its targets'
-    /// replies without blocking before it sleeps, at most (default
-    /// [`DEFAULT_SPIN`], 50 µs; zero never spins; `specs/threads.md`, "The
-    /// leader's spin"). Whether a wait spins is measured per Worker
-    /// ([`crate::io::spin`]): every 4,096 waits, a stretch that spins
-    /// against one that does not, and spinning until the next measure
-    /// only if it was clearly faster.
+    /// replies without blocking before it sleeps, and how long a target's
+    /// task thread, its queue empty, looks for its next task before it
+    /// sleeps, at most (default [`DEFAULT_SPIN`], 50 µs; zero never spins;
+    /// `specs/threads.md`, "The leader's spin" and "The target's spin").
+    /// Whether a wait spins is measured per Worker for its leaders and per
+    /// target for its task thread ([`crate::io::spin`]): every 4,096
+    /// waits, a stretch that spins against one that does not, and
+    /// spinning until the next measure only if it was clearly faster.
     pub fn spin(mut self, budget: Duration) -> Self {
         self.spin = budget;
         self
@@ -300,6 +302,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             control_timeout: self.control_timeout,
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
+            spin: self.spin,
             thread_policy: self.thread_policy,
             start_method: self.start_method,
             respawn: self.respawn_limit > 0,

@@ -156,6 +156,9 @@ pub struct Worker<R: Runtime> {
     control_timeout: Duration,
     slot_capacity: u16,
     max_frame_bytes: usize,
+    /// The spin budget of each target's task thread (the same as the
+    /// leader's).
+    spin: Duration,
     thread_policy: ThreadPolicy,
     start_method: StartMethod,
     respawn: bool,

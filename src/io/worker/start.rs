@@ -173,6 +173,7 @@ impl<R: Runtime> Worker<R> {
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
             heartbeat: self.control_timeout / 4,
+            spin: self.spin,
         });
         let inherited = setup.clone();
         // The process's threads are counted before the forking thread
@@ -190,6 +191,7 @@ impl<R: Runtime> Worker<R> {
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
             heartbeat: self.control_timeout / 4,
+            spin: self.spin,
         };
         let (targets, respawn, runtime) = (self.targets, self.respawn, self.runtime.clone());
         let forks = move || -> Result<(Vec<TargetProcess>, Option<Zygote>), OperationError> {

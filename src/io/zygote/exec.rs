@@ -37,10 +37,11 @@
 //!
 //! | field | form |
 //! |---|---|
-//! | magic | the 8 bytes `CRTMPL01` |
+//! | magic | the 8 bytes `CRTMPL02` |
 //! | slot capacity | u16 |
 //! | maximum frame size | u64 |
 //! | heartbeat | u64, microseconds |
+//! | task thread's spin budget | u64, microseconds |
 //! | runtime data | bytes |
 //! | entries | u32 count, then each: digest (32 bytes), refcount (u32), envelope (bytes), metadata (u8 0: none; 1: then its JSON as bytes) |
 
@@ -80,7 +81,7 @@ pub const TEMPLATE_SOCKET_FD: RawFd = 3;
 /// [`Zygote::exec`] runs.
 pub const TEMPLATE_SETUP_FD: RawFd = 4;
 
-const MAGIC: &[u8; 8] = b"CRTMPL01";
+const MAGIC: &[u8; 8] = b"CRTMPL02";
 
 /// The longest reason an [`ExecTemplate::fail`] sends (longer ones are
 /// cut at a character boundary).
@@ -142,6 +143,7 @@ struct Setup {
     slot_capacity: u16,
     max_frame_bytes: usize,
     heartbeat: Duration,
+    spin: Duration,
     runtime_data: Vec<u8>,
     snapshot: Vec<(Digest, u32)>,
     envelopes: BTreeMap<Digest, Arc<Vec<u8>>>,
@@ -159,6 +161,7 @@ impl Setup {
             slot_capacity: setup.slot_capacity,
             max_frame_bytes: setup.max_frame_bytes,
             heartbeat: setup.heartbeat,
+            spin: setup.spin,
             runtime_data: runtime_data.to_vec(),
             snapshot: setup.snapshot.clone(),
             envelopes: setup
@@ -177,6 +180,8 @@ impl Setup {
         out.extend_from_slice(&(self.max_frame_bytes as u64).to_le_bytes());
         let heartbeat = u64::try_from(self.heartbeat.as_micros()).unwrap_or(u64::MAX);
         out.extend_from_slice(&heartbeat.to_le_bytes());
+        let spin = u64::try_from(self.spin.as_micros()).unwrap_or(u64::MAX);
+        out.extend_from_slice(&spin.to_le_bytes());
         put_bytes(&mut out, &self.runtime_data);
         let count = u32::try_from(self.snapshot.len()).unwrap_or(u32::MAX);
         out.extend_from_slice(&count.to_le_bytes());
@@ -207,12 +212,14 @@ impl Setup {
         let max_frame_bytes = usize::try_from(input.u64()?)
             .map_err(|_| "the maximum frame size does not fit".to_owned())?;
         let heartbeat = Duration::from_micros(input.u64()?);
+        let spin = Duration::from_micros(input.u64()?);
         let runtime_data = input.bytes()?.to_vec();
         let count = u32::from_le_bytes(input.array()?);
         let mut setup = Setup {
             slot_capacity,
             max_frame_bytes,
             heartbeat,
+            spin,
             runtime_data,
             snapshot: Vec::new(),
             envelopes: BTreeMap::new(),
@@ -265,6 +272,7 @@ impl Setup {
             slot_capacity: self.slot_capacity,
             max_frame_bytes: self.max_frame_bytes,
             heartbeat: self.heartbeat,
+            spin: self.spin,
         }
     }
 }
@@ -639,6 +647,7 @@ mod tests {
             slot_capacity: 9,
             max_frame_bytes: 1 << 20,
             heartbeat: Duration::from_millis(250),
+            spin: Duration::from_micros(30),
         };
         let setup = Setup::of(&target_setup, b"runtime");
         let bytes = setup.encode();
