@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from collections.abc import Callable, Iterable
 from typing import Final, Literal, TypedDict
 
@@ -167,12 +168,16 @@ def checked_int(name: str, value: object, least: int, most: int) -> int:
 
 def checked_seconds(name: str, value: object, *, zero_ok: bool | None = None) -> float:
     """``value`` (seconds) as a ``float``: any real number (numpy's too)
-    but a bool; ``TypeError`` for anything else. With ``zero_ok`` given,
-    also ``ValueError`` unless it is finite and positive (or zero, when
-    ``zero_ok``); without, the extension judges the value."""
+    but a bool; ``TypeError`` for anything else, ``ValueError`` for one
+    too large for a float (an int past about 1.8e308). With ``zero_ok``
+    given, also ``ValueError`` unless it is finite and positive (or zero,
+    when ``zero_ok``); without, the extension judges the value."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError("%s must be a number of seconds, not %s" % (name, type(value).__name__))
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:
+        raise ValueError("%s must be a finite number of seconds, got %s" % (name, reprlib.repr(value))) from None
     if zero_ok is not None and not (math.isfinite(seconds) and (seconds > 0 or (zero_ok and seconds == 0))):
         raise ValueError(
             "%s must be %s and finite, got %r" % (name, "zero or positive" if zero_ok else "positive", seconds)

@@ -16,6 +16,7 @@ from callreg._options import (
     DEFAULT_RESPAWN_BACKOFF,
     DEFAULT_RESPAWN_LIMIT,
     DEFAULT_SLOT_CAPACITY,
+    DEFAULT_SPIN,
     check_start_method,
     checked_int,
     raw_worker,
@@ -35,9 +36,11 @@ class NextLevel:
     handles (``None`` for none), given to orchestration callables as
     ``ctx.handles``. ``control_timeout``, ``operation_timeout``,
     ``slot_capacity``, ``max_frame_bytes``, ``probe_first``,
-    ``respawn_limit``, ``respawn_backoff``, ``start_method`` and ``preload``
-    are the inner Worker's, as in :class:`Worker`, and are checked here as
-    the inner Worker checks them.
+    ``respawn_limit``, ``respawn_backoff``, ``spin``, ``start_method`` and
+    ``preload`` are the inner Worker's, as in :class:`Worker`, and are
+    checked here as the inner Worker checks them (the outer Worker's
+    ``spin`` is its own and its targets': the inner Worker's callers and
+    targets spin by this one).
 
     Under the outer Worker's ``start_method="fork"`` the objects are
     inherited by ``fork``, not pickled; under ``"forkserver"`` they are
@@ -56,6 +59,7 @@ class NextLevel:
         "probe_first",
         "respawn_limit",
         "respawn_backoff",
+        "spin",
         "start_method",
         "preload",
     )
@@ -71,6 +75,7 @@ class NextLevel:
     probe_first: bool
     respawn_limit: int
     respawn_backoff: float
+    spin: float
     start_method: Literal["fork", "forkserver"]
     preload: tuple[str, ...]
 
@@ -88,6 +93,7 @@ class NextLevel:
         probe_first: bool = True,
         respawn_limit: int = DEFAULT_RESPAWN_LIMIT,
         respawn_backoff: float = DEFAULT_RESPAWN_BACKOFF,
+        spin: float = DEFAULT_SPIN,
         start_method: Literal["fork", "forkserver"] = "fork",
         preload: Iterable[str] = (),
     ) -> None:
@@ -105,6 +111,7 @@ class NextLevel:
             probe_first=probe_first,
             respawn_limit=respawn_limit,
             respawn_backoff=respawn_backoff,
+            spin=spin,
         ).close()
         preload = check_start_method(start_method, preload)
         self.targets = targets
@@ -118,6 +125,7 @@ class NextLevel:
         self.probe_first = probe_first
         self.respawn_limit = respawn_limit
         self.respawn_backoff = respawn_backoff
+        self.spin = spin
         self.start_method = start_method
         self.preload = preload
 
@@ -255,6 +263,7 @@ def _start_target(sub_targets: int, level: NextLevel, target: int) -> Context | 
             probe_first=level.probe_first,
             respawn_limit=level.respawn_limit,
             respawn_backoff=level.respawn_backoff,
+            spin=level.spin,
             start_method=level.start_method,
             preload=level.preload,
         )

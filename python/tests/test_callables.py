@@ -654,6 +654,11 @@ def test_numpy_numbers_are_options_and_targets_as_python_numbers_are():
         callreg.Worker(1, control_timeout="5")
     with pytest.raises(TypeError, match="^spin must be a number of seconds, not bool$"):
         callreg.Worker(1, spin=True)
+    # An int too large for a float: a ValueError naming the option, for
+    # every option in seconds.
+    for option in ("control_timeout", "operation_timeout", "respawn_backoff", "spin"):
+        with pytest.raises(ValueError, match="^%s must be a finite number of seconds, got 1000000000" % option):
+            callreg.Worker(1, **{option: 10**400})
     with pytest.raises(TypeError, match="^targets must be an int, not float64$"):
         callreg.Worker(np.float64(2))
 
@@ -669,6 +674,8 @@ def test_task_options_are_checked_by_name():
             w.call(h, 3, timeout="1")
         with pytest.raises(ValueError, match="^timeout must be at most 1000000000 seconds, got 1e300$"):
             w.call(h, 3, timeout=1e300)
+        with pytest.raises(ValueError, match="^timeout must be a finite number of seconds, got -1000000000"):
+            w.submit(h, 3, timeout=-(10**400))
         with pytest.raises(TypeError, match="^task_timeout must be a number of seconds, not bool$"):
             w.map(h, [1], task_timeout=False)
         with pytest.raises(TypeError, match="^out_of_band must be True or False, not str$"):

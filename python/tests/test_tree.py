@@ -452,3 +452,27 @@ def test_a_next_level_child_dying_mid_register_leaves_no_install():
         square_h = w.register(square)
         assert w.call_all(square_h, 3) == {0: 9, 1: 9}
     assert shm_of([pid] + list(inner.values())) == []
+
+
+def test_a_next_level_gives_its_inner_worker_every_option_it_was_given(monkeypatch, capfd):
+    # The inner Worker is built in the next-level target; here its
+    # constructor records what it was given and stops the build.
+    given = {}
+
+    class Recorded(Exception):
+        pass
+
+    def inner_worker(targets, **options):
+        given.update(options, targets=targets)
+        raise Recorded
+
+    monkeypatch.setattr(callreg._worker, "Worker", inner_worker)
+    level = callreg.NextLevel(3, spin=0, respawn_backoff=0.5, probe_first=False, slot_capacity=16)
+    with pytest.raises(Recorded):
+        callreg._tree._start_target(0, level, 0)
+    assert "Recorded" in capfd.readouterr().err
+    assert (given["targets"], given["spin"], given["respawn_backoff"]) == (3, 0, 0.5)
+    assert (given["probe_first"], given["slot_capacity"]) == (False, 16)
+    assert callreg.NextLevel(1).spin == callreg.Worker.__init__.__kwdefaults__["spin"]
+    with pytest.raises(ValueError, match=r"^spin must be at most 0\.001 seconds, got 0\.002$"):
+        callreg.NextLevel(1, spin=0.002)

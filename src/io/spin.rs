@@ -197,6 +197,12 @@ impl Spin {
         }
     }
 
+    /// How many waits began so far.
+    #[cfg(test)]
+    pub(crate) fn waits(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
+    }
+
     /// Whether the waits after this period's trials spin.
     pub fn prefers_spinning(&self) -> bool {
         self.spinning.load(Ordering::Relaxed)

@@ -126,9 +126,14 @@ impl TaskSpin {
         }
     }
 
-    /// Until when the pop beginning at `now` spins, if it does.
-    fn next_wait(&mut self, now: Instant) -> Option<Instant> {
+    /// Until when the pop beginning at `now` spins, if it does: only with
+    /// its queue `empty`. Every pop is one of the rule's waits, a pop that
+    /// finds a run queued too (its cycle is measured all the same).
+    fn next_wait(&mut self, now: Instant, empty: bool) -> Option<Instant> {
         let until = self.rule.next_wait(now)?;
+        if !empty {
+            return None;
+        }
         if self.skip > 0 {
             self.skip -= 1;
             return None;
@@ -187,10 +192,9 @@ impl<C> RunQueue<C> {
     /// target's spin").
     fn pop(&self, spin: &mut TaskSpin) -> Run<C> {
         let start = Instant::now();
-        if self.queued.load(Ordering::Acquire) == 0 {
-            if let Some(until) = spin.next_wait(start) {
-                spin.spun(self.spin_until(until));
-            }
+        let empty = self.queued.load(Ordering::Acquire) == 0;
+        if let Some(until) = spin.next_wait(start, empty) {
+            spin.spun(self.spin_until(until));
         }
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let run = loop {
@@ -584,7 +588,9 @@ mod tests {
         // Which of the next `n` pops spin (a period's first pops: the rule
         // says spin).
         let spins = |spin: &mut TaskSpin, n: usize| -> Vec<bool> {
-            (0..n).map(|_| spin.next_wait(now).is_some()).collect()
+            (0..n)
+                .map(|_| spin.next_wait(now, true).is_some())
+                .collect()
         };
         assert_eq!(spins(&mut spin, 1), vec![true]);
         spin.spun(false);
@@ -595,6 +601,13 @@ mod tests {
         assert_eq!(spins(&mut spin, 5), vec![false, false, false, false, true]);
         spin.spun(true);
         assert_eq!(spins(&mut spin, 2), vec![true, true]);
+        // A pop that finds a run queued never spins, and its wait does
+        // not count against a back-off.
+        spin.spun(false);
+        let waits = spin.rule.waits();
+        assert!(spin.next_wait(now, false).is_none());
+        assert_eq!(spin.skip, 1);
+        assert_eq!(spin.rule.waits(), waits + 1);
         // The back-off stops doubling at MAX_BACKOFF.
         for _ in 0..12 {
             spin.spun(false);
@@ -613,6 +626,9 @@ mod tests {
         assert_eq!(queue.queued.load(Ordering::Relaxed), 3);
         let seqs: Vec<u64> = (0..3).map(|_| queue.pop(&mut spin).seq).collect();
         assert_eq!(seqs, vec![1, 2, 3]);
+        // Each pop is one of the rule's waits, none of which spun.
+        assert_eq!(spin.rule.waits(), 3);
+        assert_eq!(spin.backoff, 0);
         assert_eq!(queue.queued.load(Ordering::Relaxed), 0);
     }
 }
