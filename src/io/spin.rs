@@ -224,7 +224,8 @@ impl Spin {
         let (sum, n) = match part(self.current.load(Ordering::Relaxed)) {
             Part::TrySpinning { measured: true } => (&self.spun_ns, &self.spun_n),
             Part::TryBlocking { measured: true } => (&self.blocked_ns, &self.blocked_n),
-            Part::Chosen if self.spinning.load(Ordering::Relaxed) => {
+            // While blocking is chosen a window can only confirm it.
+            Part::Chosen => {
                 self.check_window(cycle);
                 return;
             }

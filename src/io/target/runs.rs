@@ -525,6 +525,23 @@ mod tests {
         }
     }
 
+    /// A task thread's pop from `queue` with `spin`, on a thread of its
+    /// own: the run's seq and how long the pop took, at most 5 s later
+    /// (`None`: it did not return by then).
+    fn popped(
+        queue: &Arc<RunQueue<()>>,
+        mut spin: TaskSpin,
+    ) -> impl FnOnce() -> Option<(u64, Duration)> {
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let queue = queue.clone();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let seq = queue.pop(&mut spin).seq;
+            let _ = sender.send((seq, started.elapsed()));
+        });
+        move || receiver.recv_timeout(Duration::from_secs(5)).ok()
+    }
+
     /// Waits (at most 5 s) until the task thread sleeps on `queue`.
     fn until_asleep(queue: &RunQueue<()>) -> Duration {
         let started = Instant::now();
@@ -539,18 +556,11 @@ mod tests {
     fn a_spinning_task_thread_takes_a_run_queued_during_its_spin_without_sleeping() {
         let queue = Arc::new(RunQueue::new());
         // A period's first waits spin: this one for up to 10 s.
-        let mut spin = TaskSpin::new(Duration::from_secs(10));
-        let popper = {
-            let queue = queue.clone();
-            std::thread::spawn(move || {
-                let started = Instant::now();
-                (queue.pop(&mut spin).seq, started.elapsed())
-            })
-        };
+        let popper = popped(&queue, TaskSpin::new(Duration::from_secs(10)));
         std::thread::sleep(Duration::from_millis(30));
         assert!(!queue.sleeps());
         assert!(!queue.push(run(7)), "the spinning thread needed no wake-up");
-        let (seq, waited) = popper.join().unwrap();
+        let (seq, waited) = popper().expect("the pop returned");
         assert_eq!(seq, 7);
         assert!(waited < Duration::from_secs(5), "{waited:?}");
         assert_eq!(queue.queued.load(Ordering::Relaxed), 0);
@@ -559,26 +569,20 @@ mod tests {
     #[test]
     fn a_task_thread_without_a_spin_budget_sleeps_at_once_and_is_woken() {
         let queue = Arc::new(RunQueue::new());
-        let popper = {
-            let queue = queue.clone();
-            std::thread::spawn(move || queue.pop(&mut TaskSpin::new(Duration::ZERO)).seq)
-        };
+        let popper = popped(&queue, TaskSpin::new(Duration::ZERO));
         until_asleep(&queue);
         assert!(queue.push(run(3)), "the sleeping thread was woken");
-        assert_eq!(popper.join().unwrap(), 3);
+        assert_eq!(popper().map(|(seq, _)| seq), Some(3));
     }
 
     #[test]
     fn a_spin_ends_at_its_budget_and_the_task_thread_sleeps() {
         let queue = Arc::new(RunQueue::new());
-        let popper = {
-            let queue = queue.clone();
-            std::thread::spawn(move || queue.pop(&mut TaskSpin::new(Duration::from_millis(20))).seq)
-        };
+        let popper = popped(&queue, TaskSpin::new(Duration::from_millis(20)));
         let asleep = until_asleep(&queue);
         assert!(asleep >= Duration::from_millis(20), "{asleep:?}");
         assert!(queue.push(run(5)));
-        assert_eq!(popper.join().unwrap(), 5);
+        assert_eq!(popper().map(|(seq, _)| seq), Some(5));
     }
 
     #[test]
