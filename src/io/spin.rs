@@ -238,10 +238,8 @@ impl Spin {
     /// The mean measured cycle of this period's spinning and blocking
     /// trials so far (`None` before one is measured).
     pub fn trials(&self) -> (Option<Duration>, Option<Duration>) {
-        let mean = |sum: &AtomicU64, n: &AtomicU64| match n.load(Ordering::Relaxed) {
-            0 => None,
-            n => Some(Duration::from_nanos(sum.load(Ordering::Relaxed) / n)),
-        };
+        // A mean of u64 nanoseconds fits a u64.
+        let mean = |sum, n| mean_ns(sum, n).map(|ns| Duration::from_nanos(ns as u64));
         (
             mean(&self.spun_ns, &self.spun_n),
             mean(&self.blocked_ns, &self.blocked_n),
