@@ -181,6 +181,14 @@ save("pickle_input_len_100", pickle.dumps((("x" * 100,), {})), raw=True)
 save("pickle_input_len_10000", pickle.dumps((("x" * 10000,), {})), raw=True)
 save("pickle_expected_100", pickle.dumps(100, protocol=pickle.HIGHEST_PROTOCOL), raw=True)
 save("pickle_expected_10000", pickle.dumps(10000, protocol=pickle.HIGHEST_PROTOCOL), raw=True)
+# Results of a plain type: their pickle is the same from pickle and from
+# cloudpickle, which the target's fast path relies on.
+PLAIN_RESULTS = [7, 2**100, -1.5, complex(1, 2), "h\u00e9llo", b"\x00\xff", True, None]
+for k, value in enumerate(PLAIN_RESULTS):
+    expected = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    assert cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) == expected, value
+    save("plain_input_%d" % k, pickle.dumps(((value,), {})), raw=True)
+    save("plain_expected_%d" % k, expected, raw=True)
 
 def mark_unpickled(directory):
     with open(os.path.join(directory, "unpickled-%d" % os.getpid()), "w"):
@@ -1363,6 +1371,30 @@ fn cases() -> Vec<Case> {
                         &format!("len of {n} characters"),
                         result.as_slice(),
                         payloads.get(&format!("pickle_expected_{n}"))?,
+                    )?;
+                }
+                Ok(())
+            },
+        },
+        Case {
+            name: "pickle_plain_results",
+            started: true,
+            run: |runtime, payloads| {
+                let identity = runtime
+                    .deserialize(payloads.get("identity")?)
+                    .map_err(|e| e.to_string())?;
+                for k in 0..8 {
+                    let result = runtime
+                        .call(
+                            &identity,
+                            TaskEncoding::Pickle,
+                            payloads.get(&format!("plain_input_{k}"))?,
+                        )
+                        .map_err(|e| e.to_string())?;
+                    expect_eq(
+                        &format!("plain result {k}"),
+                        result.as_slice(),
+                        payloads.get(&format!("plain_expected_{k}"))?,
                     )?;
                 }
                 Ok(())

@@ -188,6 +188,31 @@ def test_arguments_and_results_of_many_types():
         assert w.call(h, Point(3, 4.0)) == Point(3, 4.0)
 
 
+def make_subclassed(value):
+    """Instances of subclasses of plain types, the classes defined here
+    (pickled by value)."""
+
+    class Meters(int):
+        pass
+
+    class Label(str):
+        pass
+
+    return Meters(value), Label("m%d" % value)
+
+
+def test_results_of_subclasses_of_plain_types_keep_their_class():
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(make_subclassed)
+        meters, label = w.call(h, 3)
+        assert (type(meters).__name__, meters, type(meters).__mro__[1]) == ("Meters", 3, int)
+        assert (type(label).__name__, label, type(label).__mro__[1]) == ("Label", "m3", str)
+        alone = w.register(lambda v: make_subclassed(v)[0])
+        assert type(w.call(alone, 5)).__name__ == "Meters"
+        assert w.call(h, True) == (1, "m1")
+
+
 def test_a_64_mib_bytes_argument_and_result():
     big = bytes(range(256)) * (64 * 1024 * 1024 // 256)
     with callreg.Worker(2) as w:

@@ -1,4 +1,6 @@
 """Target-side helpers of callreg's metadata checks (specs/metadata.md)."""
+import io as _io
+import pickle as _pickle
 import sys
 
 
@@ -65,15 +67,22 @@ try:
             return super().reducer_override(obj)
 
 except ImportError:
-    import pickle as _pickle
-
     ResultPickler = _pickle.Pickler
 
 
+# Types whose instances pickle to the same bytes with ResultPickler as with
+# pickle.dumps (cloudpickle's reducer leaves them to pickle): a result of
+# exactly one of these types is pickle.dumps'd.
+_PLAIN = frozenset((int, float, complex, str, bytes, bool, type(None)))
+
+
 def dump_result(obj, protocol):
-    """A task's result pickled for the parent (ResultPickler)."""
-    import io
-    buffer = io.BytesIO()
+    """A task's result pickled for the parent (ResultPickler). A result of
+    a plain type is pickled by pickle.dumps: the same bytes, without the
+    cost of making a cloudpickle pickler."""
+    if type(obj) in _PLAIN:
+        return _pickle.dumps(obj, protocol)
+    buffer = _io.BytesIO()
     ResultPickler(buffer, protocol=protocol).dump(obj)
     return buffer.getvalue()
 
