@@ -9,7 +9,9 @@ each process measures, with the scenarios of ``peers.py``:
 * ``round_trip``: ``Worker.call`` of a trivial registered function, one at
   a time (``--calls`` per round);
 * ``register_small``: ``Worker.register`` of a new closure over 16 bytes
-  after start (``--registers`` per round).
+  after start (``--registers`` per round);
+* ``in_flight``: 100 ``Worker.submit`` then each ``result()``, per task
+  (``--calls`` tasks per round, at least 100; with ``--in-flight``).
 
 Every figure is also given as a ratio to the echo floor measured in the
 same process, so that the builds are compared through ratios taken under
@@ -17,7 +19,7 @@ the same load. Wall and CPU time per operation (the parent's, all threads,
 plus every target's, from /proc); the median of the rounds.
 
 Run: ``python ab.py --before OLD/bin/python --after NEW/bin/python
-[--rounds 7] [--workers 2]``.
+[--rounds 7] [--workers 2] [--in-flight]``.
 """
 
 import argparse
@@ -29,6 +31,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("round_trip", "register_small")
+IN_FLIGHT = 100
 
 
 def measure_here(args):
@@ -39,6 +42,15 @@ def measure_here(args):
     out = {"echo": list(peers.echo_floor(args.calls))}
     for scenario in SCENARIOS:
         out[scenario] = list(peers.run_scenario(peers.Callreg, scenario, args.workers, args))
+    if args.in_flight:
+        system = peers.Callreg(args.workers)
+        try:
+            system.submit_many(IN_FLIGHT * 10)
+            batches = max(1, args.calls // IN_FLIGHT)
+            wall, cpu = peers.measure(system, lambda: system.submit_many(IN_FLIGHT), batches)
+            out["in_flight"] = [wall / IN_FLIGHT, cpu / IN_FLIGHT]
+        finally:
+            system.close()
     return out
 
 
@@ -53,7 +65,7 @@ def run_build(python, args):
         str(args.calls),
         "--registers",
         str(args.registers),
-    ]
+    ] + (["--in-flight"] if args.in_flight else [])
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
 
@@ -66,6 +78,7 @@ def main():
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--calls", type=int, default=2000, help="round trips per round")
     parser.add_argument("--registers", type=int, default=20, help="registers per round")
+    parser.add_argument("--in-flight", action="store_true", help="also measure 100 tasks in flight")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -96,7 +109,8 @@ def main():
     print()
     print("| scenario | build | wall | CPU | wall / echo | CPU / echo |")
     print("|---|---|---:|---:|---:|---:|")
-    for scenario in ("echo",) + SCENARIOS:
+    scenarios = SCENARIOS + (("in_flight",) if args.in_flight else ())
+    for scenario in ("echo",) + scenarios:
         for name in builds:
             print(
                 "| %s | %s | %.1f µs | %.1f µs | %.2f× | %.2f× |"
@@ -110,7 +124,7 @@ def main():
                 )
             )
     print()
-    for scenario in SCENARIOS:
+    for scenario in scenarios:
         wall = floor_ratio("after", scenario, 0) / floor_ratio("before", scenario, 0)
         cpu = floor_ratio("after", scenario, 1) / floor_ratio("before", scenario, 1)
         print("%s: after / before, as ratios to the floor: wall %.2f×, CPU %.2f×" % (scenario, wall, cpu))

@@ -16,6 +16,9 @@ process once per round between the package's measurements:
   ``unregister_small/1``, ``unregister_1mib/1`` (the same closures'
   envelopes, made by the same interpreter).
 
+Each round runs both sides of each comparison back to back, the Rust API
+first in even rounds and the package first in odd ones.
+
 Build the Rust side first (``cargo bench --no-run --features io,python
 --bench floors``; the path it prints is ``--floors``); ``PYO3_PYTHON``
 is set to this interpreter for it.
@@ -141,12 +144,25 @@ def main() -> None:
         h = w.register(identity)
         package_rate(w, h, 2000)
         package_operations(w, small, large)
-        for _ in range(args.rounds):
-            rust = rust_rate(args.floors)
-            rate, cpu = package_rate(w, h, args.tasks)
+        for round_ in range(args.rounds):
+            # Which side runs first alternates: the one that runs right
+            # after the other's targets exit (or right after its own
+            # one-at-a-time calls) is not always the same.
+            if round_ % 2 == 0:
+                rust = rust_rate(args.floors)
+                rate, cpu = package_rate(w, h, args.tasks)
+            else:
+                rate, cpu = package_rate(w, h, args.tasks)
+                rust = rust_rate(args.floors)
             call, submit = one_at_a_time(w, h, args.tasks // 4)
             rows.append((rust, rate, cpu, call, submit))
-            operations.append((rust_operations(args.floors), package_operations(w, small, large)))
+            if round_ % 2 == 0:
+                rust_ops = rust_operations(args.floors)
+                ours = package_operations(w, small, large)
+            else:
+                ours = package_operations(w, small, large)
+                rust_ops = rust_operations(args.floors)
+            operations.append((rust_ops, ours))
     print("load average %.2f at the end; %d rounds, medians" % (os.getloadavg()[0], args.rounds))
     print("| 100 in flight, 1 target | rate | package / Rust API (same round) |")
     print("|---|---:|---:|")
