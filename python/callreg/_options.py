@@ -92,7 +92,9 @@ def raw_worker(
     respawn_limit = checked_int("respawn_limit", respawn_limit, 0, _U16)
     respawn_backoff = checked_seconds("respawn_backoff", respawn_backoff)
     spin = checked_seconds("spin", spin)
-    if spin > MAX_SPIN:
+    # The budget is kept in whole nanoseconds: a value that rounds to the
+    # bound is the bound (numpy.float32(1e-3) is 1.0000000475e-3).
+    if spin > MAX_SPIN and not spin * 1e9 < round(MAX_SPIN * 1e9) + 0.5:
         raise ValueError("spin must be at most %r seconds, got %r" % (MAX_SPIN, spin))
     template = _template(start_method, preload, target_initializer)
     if template is not None:

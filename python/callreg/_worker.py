@@ -92,7 +92,8 @@ class Worker(Inspection):
     and :meth:`target_events` says so. ``respawn_backoff`` (seconds, default
     0.1) is the wait before the second replacement in a row, doubling for
     each further one; the first comes at once.
-    ``spin`` (seconds, default 50 µs, at most 0.001; 0: never): how long a
+    ``spin`` (seconds, default 50 µs, at most 0.001, kept in whole
+    nanoseconds, so ``numpy.float32(1e-3)`` is the bound; 0: never): how long a
     caller waiting for its own result (:meth:`call`, a future's
     ``result()``) polls for the reply before it sleeps, and how long each
     target, having sent a result and having no task queued, looks for its

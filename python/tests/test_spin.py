@@ -77,6 +77,21 @@ def test_a_spin_out_of_bounds_is_refused(spin, error, message):
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("spin", [0.001, 0.001 + 4.75e-11, 0.001 + 4.9e-10])
+def test_a_spin_that_rounds_to_the_bound_in_nanoseconds_is_the_bound(spin):
+    # numpy.float32(1e-3) is 0.001 + 4.75e-11 seconds.
+    with callreg.Worker(1, spin=spin) as w:
+        w.start()
+        assert w.call(w.register(echo), 1) == 1
+
+
+@pytest.mark.parametrize("spin", [0.001 + 5.1e-10, 0.001 + 1e-9, float("inf")])
+def test_a_spin_past_the_bound_by_half_a_nanosecond_is_refused(spin):
+    with pytest.raises(ValueError) as info:
+        callreg.Worker(1, spin=spin)
+    assert str(info.value) == "spin must be at most 0.001 seconds, got %r" % spin
+
+
 def test_a_worker_that_never_spins_serves_the_same():
     with callreg.Worker(1, spin=0) as w:
         w.start()
