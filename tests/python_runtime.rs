@@ -181,9 +181,13 @@ save("pickle_input_len_100", pickle.dumps((("x" * 100,), {})), raw=True)
 save("pickle_input_len_10000", pickle.dumps((("x" * 10000,), {})), raw=True)
 save("pickle_expected_100", pickle.dumps(100, protocol=pickle.HIGHEST_PROTOCOL), raw=True)
 save("pickle_expected_10000", pickle.dumps(10000, protocol=pickle.HIGHEST_PROTOCOL), raw=True)
-# Results of a plain type: their pickle is the same from pickle and from
-# cloudpickle, which the target's fast path relies on.
-PLAIN_RESULTS = [7, 2**100, -1.5, complex(1, 2), "h\u00e9llo", b"\x00\xff", True, None]
+# Results of a plain type, and small tuples, lists and dicts of them (and
+# one too long to be looked at): their pickle is the same from pickle and
+# from cloudpickle, which the target's fast path relies on.
+PLAIN_RESULTS = [
+    7, 2**100, -1.5, complex(1, 2), "h\u00e9llo", b"\x00\xff", True, None,
+    (1, "a"), [1.5, None], {"k": b"v", 2: 3.0}, list(range(32)), list(range(33)), (), {},
+]
 for k, value in enumerate(PLAIN_RESULTS):
     expected = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     assert cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) == expected, value
@@ -1383,7 +1387,7 @@ fn cases() -> Vec<Case> {
                 let identity = runtime
                     .deserialize(payloads.get("identity")?)
                     .map_err(|e| e.to_string())?;
-                for k in 0..8 {
+                for k in 0..15 {
                     let result = runtime
                         .call(
                             &identity,

@@ -211,6 +211,29 @@ def test_results_of_subclasses_of_plain_types_keep_their_class():
         alone = w.register(lambda v: make_subclassed(v)[0])
         assert type(w.call(alone, 5)).__name__ == "Meters"
         assert w.call(h, True) == (1, "m1")
+        # In containers: a tuple, list or dict of plain items is pickled
+        # by pickle, one holding anything else is not.
+        held = w.register(
+            lambda v: (
+                [make_subclassed(v)[0]],
+                {"label": make_subclassed(v)[1]},
+                {make_subclassed(v)[1]: 1},
+                (1, make_subclassed(v)[0]),
+            )
+        )
+        in_list, in_values, in_keys, in_tuple = w.call(held, 7)
+        assert [type(x).__name__ for x in in_list] == ["Meters"]
+        assert [type(x).__name__ for x in in_values.values()] == ["Label"]
+        assert [type(x).__name__ for x in in_keys] == ["Label"]
+        assert type(in_tuple[1]).__name__ == "Meters" and in_tuple == (1, 7)
+
+
+def test_containers_of_lambdas_as_results():
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(lambda k: ((lambda x: x + k), [lambda x: x * k], {"f": lambda x: x - k}))
+        add, (mul,), sub = w.call(h, 3)
+        assert (add(1), mul(2), sub["f"](10)) == (4, 6, 7)
 
 
 def test_a_64_mib_bytes_argument_and_result():

@@ -75,12 +75,34 @@ except ImportError:
 # exactly one of these types is pickle.dumps'd.
 _PLAIN = frozenset((int, float, complex, str, bytes, bool, type(None)))
 
+# A tuple, list or dict result whose items (keys and values) are all of
+# plain types is pickle.dumps'd too (the pickler writes those containers
+# itself, without a reducer), when it has at most this many items: past
+# about 80 the look at each item's type costs more than the pickler.
+_SCANNED_ITEMS = 32
+
+
+def _plain_container(obj):
+    """Whether obj is a tuple, list or dict of at most _SCANNED_ITEMS
+    items whose types (keys' and values') are all plain."""
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        return len(obj) <= _SCANNED_ITEMS and _PLAIN.issuperset(map(type, obj))
+    if kind is dict:
+        return (
+            len(obj) <= _SCANNED_ITEMS
+            and _PLAIN.issuperset(map(type, obj))
+            and _PLAIN.issuperset(map(type, obj.values()))
+        )
+    return False
+
 
 def dump_result(obj, protocol):
-    """A task's result pickled for the parent (ResultPickler). A result of
-    a plain type is pickled by pickle.dumps: the same bytes, without the
-    cost of making a cloudpickle pickler."""
-    if type(obj) in _PLAIN:
+    """A task's result pickled for the parent (ResultPickler). A plain
+    result (of a _PLAIN type, or a _plain_container) is pickled by
+    pickle.dumps: the same bytes, without the cost of making a
+    cloudpickle pickler."""
+    if type(obj) in _PLAIN or _plain_container(obj):
         return _pickle.dumps(obj, protocol)
     buffer = _io.BytesIO()
     ResultPickler(buffer, protocol=protocol).dump(obj)
