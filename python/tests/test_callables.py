@@ -10,9 +10,11 @@ import pickle
 import sys
 import time
 
+import cloudpickle
 import pytest
 
 import callreg
+import callreg._envelope
 
 TARGETS = 3
 
@@ -226,6 +228,34 @@ def test_results_of_subclasses_of_plain_types_keep_their_class():
         assert [type(x).__name__ for x in in_values.values()] == ["Label"]
         assert [type(x).__name__ for x in in_keys] == ["Label"]
         assert type(in_tuple[1]).__name__ == "Meters" and in_tuple == (1, 7)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((7, "x", None), {}),
+        (([1, 2.5], (b"k", True), {"k": complex(1, 2)}), {"n": 3}),
+        ((list(range(32)), list(range(33))), {}),
+        (([lambda v: v],), {}),
+        (({"f": len},), {}),
+        (({make_subclassed(1)[1]: 1},), {}),
+        (((1, make_subclassed(2)[0]),), {"x": [make_subclassed(3)[0]]}),
+    ],
+)
+def test_a_task_input_is_the_bytes_cloudpickle_gives(args, kwargs):
+    # Plain arguments (and small containers of them) are pickled by
+    # pickle, anything else by cloudpickle: the bytes are the same.
+    assert callreg._envelope.task_input(args, kwargs) == cloudpickle.dumps((args, kwargs), protocol=5)
+
+
+def test_containers_of_local_classes_and_lambdas_as_arguments():
+    with callreg.Worker(1) as w:
+        w.start()
+        h = w.register(lambda seq, mapping: ([type(x).__name__ for x in seq], sorted(mapping)))
+        meters, label = make_subclassed(4)
+        assert w.call(h, [meters, 1], {label: 1}) == (["Meters", "int"], ["m4"])
+        apply = w.register(lambda fs, x: [f(x) for f in fs])
+        assert w.call(apply, [lambda v: v + 1, abs], -5) == [-4, 5]
 
 
 def test_containers_of_lambdas_as_results():
