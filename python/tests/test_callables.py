@@ -7,6 +7,7 @@ import functools
 import math
 import os
 import pickle
+import subprocess
 import sys
 import time
 
@@ -264,6 +265,67 @@ def test_containers_of_lambdas_as_results():
         h = w.register(lambda k: ((lambda x: x + k), [lambda x: x * k], {"f": lambda x: x - k}))
         add, (mul,), sub = w.call(h, 3)
         assert (add(1), mul(2), sub["f"](10)) == (4, 6, 7)
+
+
+RESULTS_BY_NAME_PROGRAM = """
+import collections, concurrent.futures, multiprocessing, sys, threading
+import callreg
+
+LOCK = threading.Lock()
+
+def f(x):
+    with LOCK:
+        return x + 1
+
+def get_f(_):
+    return f
+
+class AttrDict(dict):
+    __getattr__ = dict.__getitem__
+
+class AutoDict(collections.defaultdict):
+    def __getattr__(self, key):
+        return self[key]
+
+def dicts(_):
+    auto = AutoDict(int)
+    auto["hits"] = 3
+    return AttrDict(a=1), auto
+
+class MyError(Exception):
+    pass
+
+def boom(_):
+    raise MyError(AttrDict(code=7))
+
+if sys.argv[1] == "ppe":
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+else:
+    pool = callreg.Executor(1)
+with pool:
+    returned = pool.submit(get_f, 0).result()
+    attr, auto = pool.submit(dicts, 0).result()
+    error = pool.submit(boom, 0).exception()
+    print(returned is f, returned(1), dict(attr), dict(auto))
+    print(isinstance(error, MyError), error.args)
+"""
+
+
+def test_results_pickle_main_functions_by_name_and_never_read_attributes_of_objects():
+    # A function of a script's __main__ comes back as the parent's own
+    # (the result holds it by name, as pickle does: a copy by value would
+    # fail on its global lock); an object whose class has a __getattr__
+    # is pickled as pickle pickles it (no attribute of it is read: an
+    # AttrDict would raise KeyError, an AutoDict would gain a key); the
+    # same goes for a raised exception. As with ProcessPoolExecutor.
+    outputs = {}
+    for kind in ("ppe", "callreg"):
+        done = subprocess.run(
+            [sys.executable, "-c", RESULTS_BY_NAME_PROGRAM, kind], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        outputs[kind] = done.stdout.splitlines()
+    assert outputs["callreg"] == outputs["ppe"] == ["True 2 {'a': 1} {'hits': 3}", "True ({'code': 7},)"]
 
 
 def test_a_64_mib_bytes_argument_and_result():

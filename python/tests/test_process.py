@@ -5,6 +5,7 @@ import contextlib
 import gc
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import textwrap
 import threading
 import time
 
+import cloudpickle
 import pytest
 from conftest import nap, staged_left
 
@@ -1141,3 +1143,68 @@ def test_targets_outlive_the_thread_that_started_them_but_not_the_process():
     while not all(_gone(p) for p in children):
         assert time.monotonic() < deadline, [p for p in children if not _gone(p)]
         time.sleep(0.02)
+
+
+def _nested(depth, limit):
+    """A list nested ``depth`` deep, made with the recursion limit raised
+    to ``limit`` (in the process that pickles it)."""
+    sys.setrecursionlimit(limit)
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _depth(value):
+    depth = 0
+    while isinstance(value, list):
+        value = value[0]
+        depth += 1
+    return depth
+
+
+def _pickled_in_a_thread(depth, limit):
+    """What pickling ``_nested(depth, limit)`` gives in a new thread of
+    this process: ``None``, or the name of the exception it raised."""
+    outcome = []
+
+    def run():
+        try:
+            cloudpickle.dumps(_nested(depth, limit), protocol=pickle.HIGHEST_PROTOCOL)
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(type(error).__name__)
+
+    before = sys.getrecursionlimit()
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    finally:
+        sys.setrecursionlimit(before)
+    return outcome[0]
+
+
+_STACK = resource.getrlimit(resource.RLIMIT_STACK)[0]
+
+
+@pytest.mark.skipif(
+    _STACK == resource.RLIM_INFINITY or _STACK < 8 << 20,
+    reason="needs a soft RLIMIT_STACK of 8 MiB or more (a thread's default stack)",
+)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_deeply_nested_result_pickles_as_deep_as_in_a_thread_here(start_method):
+    # 16,000 deep overflowed a target's 2 MiB task thread (the target died
+    # of SIGSEGV); a thread of this interpreter has RLIMIT_STACK, and so
+    # do a target's task and control threads.
+    depth, limit = 16000, 100000
+    expected = _pickled_in_a_thread(depth, limit)
+    with callreg.Worker(1, start_method=start_method) as w:
+        w.start()
+        h = w.register(_nested)
+        if expected is None:
+            assert _depth(w.call(h, depth, limit, timeout=60)) == depth
+        else:
+            with pytest.raises(callreg.TaskError, match="^%s: " % expected):
+                w.call(h, depth, limit, timeout=60)
+        assert w.call(h, 3, 1000) == [[[1]]]

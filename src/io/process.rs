@@ -86,6 +86,40 @@ pub const ORPHAN_EXIT_CODE: i32 = 102;
 /// reads a control or writes a reply.
 pub const FORKED_EXIT_CODE: i32 = 107;
 
+/// The least stack a target's runtime thread gets: Rust's own default for
+/// a spawned thread, 2 MiB.
+const MIN_RUNTIME_STACK: usize = 2 << 20;
+
+/// The most stack a target's runtime thread gets: 1 GiB (beyond that, a
+/// soft `RLIMIT_STACK` is a "no limit" in all but name).
+const MAX_RUNTIME_STACK: usize = 1 << 30;
+
+/// The stack size (bytes) of a target's threads that run the runtime's
+/// code: its control thread (the target's main thread, a copy of the
+/// Worker's forking thread) and its task thread. It is what
+/// `pthread_create` gives a thread of this process by default, so that
+/// the runtime's recursion (a deeply nested result being pickled, a
+/// recursive task) reaches as deep as in a thread of the parent's own
+/// interpreter (`specs/threads.md`, "Roles", target threads): the soft
+/// `RLIMIT_STACK` (2 MiB when it is unlimited or cannot be read, as
+/// glibc does), at least [`MIN_RUNTIME_STACK`] and at most
+/// [`MAX_RUNTIME_STACK`]. Address space only: pages are used as the
+/// stack grows into them.
+pub(crate) fn runtime_thread_stack() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` into the valid pointer given.
+    let read = unsafe { libc::getrlimit(libc::RLIMIT_STACK, &mut limit) } == 0;
+    if !read || limit.rlim_cur == libc::RLIM_INFINITY {
+        return MIN_RUNTIME_STACK;
+    }
+    usize::try_from(limit.rlim_cur)
+        .unwrap_or(MAX_RUNTIME_STACK)
+        .clamp(MIN_RUNTIME_STACK, MAX_RUNTIME_STACK)
+}
+
 /// The target's own pid, set in the target right after fork (0 elsewhere).
 static TARGET_PID: AtomicI32 = AtomicI32::new(0);
 

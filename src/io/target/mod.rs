@@ -56,7 +56,8 @@
 //! * when the control socket reports EOF (the parent closed it or died);
 //! * when a frame cannot be decoded or is out of protocol
 //!   ([`FRAME_EXIT_CODE`]);
-//! * when the reply pipe is gone ([`REPLY_EXIT_CODE`]).
+//! * when the reply pipe is gone ([`REPLY_EXIT_CODE`]);
+//! * when its task thread cannot be spawned ([`THREAD_EXIT_CODE`]).
 //!
 //! A process forked inside the target by user code (during a
 //! deserialization or a task) ends with
@@ -105,6 +106,9 @@ pub const SNAPSHOT_EXIT_CODE: i32 = 104;
 pub const FRAME_EXIT_CODE: i32 = 105;
 /// Exit status: a reply could not be written (the parent is gone).
 pub const REPLY_EXIT_CODE: i32 = 106;
+/// Exit status: the task thread could not be spawned (after the startup
+/// snapshot's [`Frame::Ready`]; the reason goes to stderr).
+pub const THREAD_EXIT_CODE: i32 = 108;
 
 /// What a target inherits from the parent through `fork`.
 pub struct TargetSetup<R: Runtime> {
@@ -251,7 +255,15 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         let id = config.id;
         let queue = runs.clone();
         let mut spin = TaskSpin::new(setup.spin);
-        std::thread::spawn(move || run_tasks(&*runtime, id, &table, &writer, &queue, &mut spin));
+        let spawned = std::thread::Builder::new()
+            .stack_size(super::process::runtime_thread_stack())
+            .spawn(move || run_tasks(&*runtime, id, &table, &writer, &queue, &mut spin));
+        if let Err(error) = spawned {
+            let line =
+                format!("callreg target {index}: the task thread could not be spawned: {error}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            return THREAD_EXIT_CODE;
+        }
     }
     let hooks = setup
         .metadata

@@ -53,8 +53,11 @@ impl<R: Runtime> Worker<R> {
         };
         let (result_tx, result_rx) = std::sync::mpsc::sync_channel(1);
         let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        // The targets' control threads are copies of this thread: their
+        // stack is its stack.
         let thread = std::thread::Builder::new()
             .name("callreg-fork".to_owned())
+            .stack_size(process::runtime_thread_stack())
             .spawn(move || {
                 let result = job();
                 let forked = result.is_ok();

@@ -2,6 +2,7 @@
 import io as _io
 import pickle as _pickle
 import sys
+import types as _types
 
 
 def installed_version(name):
@@ -61,7 +62,11 @@ try:
         that class, as with pickle)."""
 
         def reducer_override(self, obj):
-            if isinstance(obj, type) or callable(getattr(obj, "__code__", None)):
+            # By type only, as cloudpickle's own reducer tells functions
+            # and classes apart: no attribute of obj is read (a
+            # __getattr__ of its class is never called).
+            kind = type(obj)
+            if issubclass(kind, type) or issubclass(kind, _types.FunctionType):
                 if _in_main(obj):
                     return NotImplemented
             return super().reducer_override(obj)
