@@ -3,9 +3,11 @@ its side-car metadata (``specs/metadata.md``)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import platform
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,23 +16,51 @@ import cloudpickle
 from callreg._errors import CallregError
 from callreg._handle import Handle
 
+# Objects whose attributes are their own: reading one calls no
+# ``__getattr__`` of a user's class.
+_FUNCTION_LIKE: tuple[type, ...] = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.MethodWrapperType,
+    type,
+    functools.partial,
+)
+
+
+def own_attribute(obj: object, name: str) -> Any:
+    """``obj``'s attribute ``name`` (``None`` when it has none), read
+    without calling a ``__getattr__`` of its class (which could raise
+    something else than ``AttributeError``, or add what it was asked
+    for): from a function, method, class or partial as usual; from any
+    other object only from its instance ``__dict__``, where
+    ``functools.update_wrapper`` puts a wrapper's names."""
+    if isinstance(obj, _FUNCTION_LIKE):
+        return getattr(obj, name, None)
+    try:
+        attributes = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
+    return attributes.get(name) if isinstance(attributes, dict) else None
+
 
 def callable_name(fn: object) -> str:
     """The name a callable is known by (its qualified name; a partial's
     function's; else its type's)."""
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    name = own_attribute(fn, "__qualname__") or own_attribute(fn, "__name__")
     if not isinstance(name, str) or not name:
-        func = getattr(fn, "func", None)  # functools.partial
-        name = getattr(func, "__qualname__", None) or type(fn).__qualname__
+        func = own_attribute(fn, "func") if isinstance(fn, functools.partial) else None
+        name = own_attribute(func, "__qualname__") or type(fn).__qualname__
     return str(name)
 
 
 def check_registrable(fn: object, verb: str) -> None:
     """``TypeError`` unless ``fn`` is a callable whose call returns its
-    result (not an ``async def`` function's coroutine)."""
+    result (not an ``async def`` function's coroutine). Reads no
+    attribute of a callable object (:func:`own_attribute`)."""
     if not callable(fn):
         raise TypeError("%s() takes a callable, not %s" % (verb, type(fn).__name__))
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+    if isinstance(fn, _FUNCTION_LIKE) and (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
         raise TypeError(
             "%s is an async function: its call would return a coroutine, which a target "
             "cannot send back; %s a function that runs it (e.g. with asyncio.run)" % (callable_name(fn), verb)

@@ -4,11 +4,16 @@ pickled by value."""
 
 from __future__ import annotations
 
+import functools
 import linecache
 import re
 import threading
 import types
 from typing import Any
+
+# What the registry follows: functions, and the partials and methods
+# that hold one.
+_RECORDED: tuple[type, ...] = (types.FunctionType, functools.partial, types.MethodType)
 
 
 class CodeRegistry:
@@ -31,26 +36,29 @@ class CodeRegistry:
         while stack and budget:
             budget -= 1
             obj = stack.pop()
-            code = getattr(obj, "__code__", None)
-            if code is None:
-                func = getattr(obj, "func", None) or getattr(obj, "__func__", None)  # partial, method
-                if func is not None:
-                    stack.append(func)
+            # By type: no attribute of a callable object is read (its
+            # class's __getattr__ could raise or add what it is asked).
+            if isinstance(obj, functools.partial):
+                stack.append(obj.func)
                 continue
+            if isinstance(obj, types.MethodType):
+                stack.append(obj.__func__)
+                continue
+            if not isinstance(obj, types.FunctionType):
+                continue
+            code = obj.__code__
             if id(code) in seen:
                 continue
             seen.add(id(code))
             self._record_code(code, seen)
-            names = getattr(obj, "__globals__", {})
+            names = obj.__globals__
             referred = [names.get(name) for name in code.co_names]
-            for cell in getattr(obj, "__closure__", None) or ():
+            for cell in obj.__closure__ or ():
                 try:
                     referred.append(cell.cell_contents)
                 except ValueError:  # an empty cell
                     pass
-            for value in referred:
-                if callable(value) and hasattr(value, "__code__"):
-                    stack.append(value)
+            stack.extend(value for value in referred if isinstance(value, _RECORDED))
 
     def _record_code(self, code: types.CodeType, seen: set[int]) -> None:
         codes = [code]

@@ -1,5 +1,6 @@
 """Callable shapes, arguments and results, task exceptions, handles."""
 
+import collections
 import concurrent.futures
 import copy
 import dataclasses
@@ -15,6 +16,7 @@ import cloudpickle
 import pytest
 
 import callreg
+import callreg._callables
 import callreg._envelope
 
 TARGETS = 3
@@ -326,6 +328,41 @@ def test_results_pickle_main_functions_by_name_and_never_read_attributes_of_obje
         assert done.returncode == 0, done.stderr
         outputs[kind] = done.stdout.splitlines()
     assert outputs["callreg"] == outputs["ppe"] == ["True 2 {'a': 1} {'hits': 3}", "True ({'code': 7},)"]
+
+
+class AttrCall(dict):
+    """A callable dict whose missing attributes raise KeyError."""
+
+    __getattr__ = dict.__getitem__
+
+    def __call__(self, x):
+        return x + self["k"]
+
+
+class AutoCall(collections.defaultdict):
+    """A callable dict that adds every attribute it is asked for."""
+
+    def __getattr__(self, key):
+        return self[key]
+
+    def __call__(self):
+        return sorted(self)
+
+
+def test_registering_reads_no_attribute_of_a_callable_object():
+    # Its name, the async check and the code registry look at the
+    # object's type and instance __dict__ only: an AttrCall would raise
+    # KeyError, an AutoCall would gain keys before it is pickled.
+    auto = AutoCall(int)
+    auto["z"] = 1
+    with callreg.Worker(1) as w:
+        w.start()
+        assert w.call(w.register(AttrCall(k=2)), 1) == 3
+        assert w.call(w.register(auto)) == ["z"]
+        with callreg.Executor(1) as ex:
+            assert ex.submit(AttrCall(k=5), 1).result(timeout=10) == 6
+    assert dict(auto) == {"z": 1}
+    assert callreg._callables.callable_name(auto) == "AutoCall"
 
 
 def test_a_64_mib_bytes_argument_and_result():
