@@ -217,8 +217,13 @@ class Worker(Inspection):
         return False
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "targets %s" % (self.targets,)
-        return "<callreg.Worker of %d targets, %s>" % (self._count, state)
+        if self._closed:
+            state = "closed"
+        elif self._prestart is not None:
+            state = "not started"
+        else:
+            state = "live targets %s" % (self.targets,)
+        return "<callreg.Worker of %d target%s, %s>" % (self._count, "" if self._count == 1 else "s", state)
 
     # -- registration --------------------------------------------------
 

@@ -864,3 +864,15 @@ def test_task_options_are_checked_by_name():
             w.map(h, [1], chunksize=np.float64(2))
     with callreg.Executor(1) as ex:
         assert list(ex.map(abs, [-1, -2, -3], chunksize=np.int32(2))) == [1, 2, 3]
+
+
+def test_a_workers_repr_says_its_state():
+    w = callreg.Worker(1)
+    assert repr(w) == "<callreg.Worker of 1 target, not started>"
+    w.start()
+    assert repr(w) == "<callreg.Worker of 1 target, live targets [0]>"
+    w.close()
+    assert repr(w) == "<callreg.Worker of 1 target, closed>"
+    with callreg.Worker(2) as two:
+        two.start()
+        assert repr(two) == "<callreg.Worker of 2 targets, live targets [0, 1]>"
