@@ -283,10 +283,15 @@ def get_f(_):
     return f
 
 class AttrDict(dict):
-    __getattr__ = dict.__getitem__
+    def __getattr__(self, key):
+        if key == "__getstate__":  # pickle asks for it before Python 3.11
+            raise AttributeError(key)
+        return self[key]
 
 class AutoDict(collections.defaultdict):
     def __getattr__(self, key):
+        if key == "__getstate__":
+            raise AttributeError(key)
         return self[key]
 
 def dicts(_):
@@ -331,18 +336,25 @@ def test_results_pickle_main_functions_by_name_and_never_read_attributes_of_obje
 
 
 class AttrCall(dict):
-    """A callable dict whose missing attributes raise KeyError."""
+    """A callable dict whose missing attributes raise KeyError (but
+    ``__getstate__``, which pickle asks for before Python 3.11)."""
 
-    __getattr__ = dict.__getitem__
+    def __getattr__(self, key):
+        if key == "__getstate__":
+            raise AttributeError(key)
+        return self[key]
 
     def __call__(self, x):
         return x + self["k"]
 
 
 class AutoCall(collections.defaultdict):
-    """A callable dict that adds every attribute it is asked for."""
+    """A callable dict that adds every attribute it is asked for (but
+    ``__getstate__``)."""
 
     def __getattr__(self, key):
+        if key == "__getstate__":
+            raise AttributeError(key)
         return self[key]
 
     def __call__(self):
