@@ -4,6 +4,8 @@ process left (running or zombie)."""
 
 import gc
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -61,3 +63,15 @@ def pytest_collection_modifyitems(items):
     loop, its offload pool) that live as long as this process, and earlier
     tests fork with no other thread running."""
     items.sort(key=lambda item: item.module.__name__.endswith("test_dask"))
+
+
+def outputs_of(program):
+    """{"ppe": stdout, "callreg": stdout} of ``program`` run as a script
+    (``python -c``) with ``"ppe"`` and with ``"callreg"`` as its argument;
+    each run must exit 0."""
+    outputs = {}
+    for kind in ("ppe", "callreg"):
+        done = subprocess.run([sys.executable, "-c", program, kind], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        outputs[kind] = done.stdout
+    return outputs

@@ -8,12 +8,12 @@ import functools
 import math
 import os
 import pickle
-import subprocess
 import sys
 import time
 
 import cloudpickle
 import pytest
+from conftest import outputs_of
 
 import callreg
 import callreg._callables
@@ -325,14 +325,8 @@ def test_results_pickle_main_functions_by_name_and_never_read_attributes_of_obje
     # is pickled as pickle pickles it (no attribute of it is read: an
     # AttrDict would raise KeyError, an AutoDict would gain a key); the
     # same goes for a raised exception. As with ProcessPoolExecutor.
-    outputs = {}
-    for kind in ("ppe", "callreg"):
-        done = subprocess.run(
-            [sys.executable, "-c", RESULTS_BY_NAME_PROGRAM, kind], capture_output=True, text=True, timeout=120
-        )
-        assert done.returncode == 0, done.stderr
-        outputs[kind] = done.stdout.splitlines()
-    assert outputs["callreg"] == outputs["ppe"] == ["True 2 {'a': 1} {'hits': 3}", "True ({'code': 7},)"]
+    outputs = outputs_of(RESULTS_BY_NAME_PROGRAM)
+    assert outputs["callreg"] == outputs["ppe"] == "True 2 {'a': 1} {'hits': 3}\nTrue ({'code': 7},)\n"
 
 
 class AttrCall(dict):

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from conftest import outputs_of
 
 import callreg
 
@@ -294,13 +295,7 @@ with pool as ex:
 def test_the_initializer_globals_pattern_of_process_pools_works():
     # A module-level function of __main__ reads the module global its
     # initializer set in the target, as with ProcessPoolExecutor(fork).
-    outputs = {}
-    for kind in ("ppe", "callreg"):
-        done = subprocess.run(
-            [sys.executable, "-c", PPE_INITIALIZER_PROGRAM, kind], capture_output=True, text=True, timeout=120
-        )
-        assert done.returncode == 0, done.stderr
-        outputs[kind] = done.stdout
+    outputs = outputs_of(PPE_INITIALIZER_PROGRAM)
     assert outputs["callreg"] == outputs["ppe"] == "('hi', 1) [('hi', 2), ('hi', 3)] True\n"
 
 
