@@ -254,7 +254,7 @@ fn a_finalizer_runs_at_the_unregister_that_frees_it() {
                 .as_array()
                 .unwrap()
                 .len(),
-            5
+            TARGET_FDS
         );
     }
     worker.close();
@@ -363,35 +363,65 @@ fn call(
     serde_json::from_slice(&bytes).expect("a JSON result")
 }
 
+/// How many descriptors a serving target holds: 0, 1, 2, its control
+/// and reply sockets, the task thread's eventfd and the two epoll
+/// instances its task and reader threads wait in.
+const TARGET_FDS: usize = 8;
+
 /// A descriptor the parent holds without close-on-exec (like a saved copy
-/// of stdout) and one with it: a target has neither, only 0, 1, 2 and its
-/// two channel ends (control socket, reply socket).
+/// of stdout) and one with it: a target has neither, only 0, 1, 2, its
+/// two channel ends (control socket, reply socket) and the three its
+/// threads wait with (the task thread's eventfd, the task thread's and the
+/// reader's epoll instances).
 fn a_target_holds_no_descriptor_of_the_parent() {
     // Opened before the Worker exists: every target is forked after it.
     let inheritable = nix::unistd::dup(std::io::stdout()).expect("dup");
     let cloexec = std::fs::File::open("/proc/self/stat").expect("a file");
+    let parents: Vec<String> = [inheritable.as_raw_fd(), cloexec.as_raw_fd()]
+        .iter()
+        .map(|fd| {
+            std::fs::read_link(format!("/proc/self/fd/{fd}"))
+                .unwrap()
+                .display()
+                .to_string()
+        })
+        .collect();
     let worker = worker(2);
     let list = worker.register(envelope("open_fds")).unwrap();
-    let fstat = worker.register(envelope("fstat_fd")).unwrap();
     worker.start().unwrap();
     for target in 0..2 {
         let fds = call(&worker, &list, target, json!([]));
         let fds = fds.as_array().expect("a list");
         let numbers: Vec<i64> = fds.iter().map(|e| e[0].as_i64().unwrap()).collect();
-        assert_eq!(numbers.len(), 5, "target {target}: {fds:?}");
+        assert_eq!(numbers.len(), TARGET_FDS, "target {target}: {fds:?}");
         assert_eq!(&numbers[..3], &[0, 1, 2], "target {target}: {fds:?}");
-        // Its own channel ends: the control socket and the reply socket.
         let mut kinds: Vec<&str> = fds[3..]
             .iter()
-            .map(|e| e[1].as_str().unwrap().split(':').next().unwrap())
+            .map(|e| {
+                let link = e[1].as_str().unwrap();
+                if link.starts_with("socket:") {
+                    "socket"
+                } else {
+                    link
+                }
+            })
             .collect();
         kinds.sort_unstable();
-        assert_eq!(kinds, ["socket", "socket"], "target {target}: {fds:?}");
-        for fd in [inheritable.as_raw_fd(), cloexec.as_raw_fd()] {
-            assert_eq!(
-                call(&worker, &fstat, target, json!([fd])),
-                json!("Bad file descriptor"),
-                "target {target}, fd {fd}"
+        assert_eq!(
+            kinds,
+            [
+                "anon_inode:[eventfd]",
+                "anon_inode:[eventpoll]",
+                "anon_inode:[eventpoll]",
+                "socket",
+                "socket"
+            ],
+            "target {target}: {fds:?}"
+        );
+        for parent in &parents {
+            assert!(
+                fds[3..].iter().all(|e| e[1].as_str() != Some(parent)),
+                "target {target} holds the parent's {parent}: {fds:?}"
             );
         }
     }
@@ -478,7 +508,7 @@ fn a_bad_startup_callable_fails_its_registration_not_the_worker() {
                 .as_array()
                 .unwrap()
                 .len(),
-            5
+            TARGET_FDS
         );
         let stale = worker
             .submit(
@@ -556,7 +586,7 @@ fn poison_costs_one_target(payload: &str, exit: Exit) {
             call(&worker, &list, target, json!([]))
                 .as_array()
                 .map(Vec::len),
-            Some(5)
+            Some(TARGET_FDS)
         );
     }
     let tables = worker.inspect().unwrap();
@@ -711,7 +741,7 @@ fn a_register_queued_behind_a_task_holding_the_gil_past_the_bound_is_not_poisone
         call(&worker, &handle, 1, json!([]))
             .as_array()
             .map(Vec::len),
-        Some(5)
+        Some(TARGET_FDS)
     );
     worker.close();
     let _ = std::fs::remove_file(&marker);

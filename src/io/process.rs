@@ -807,14 +807,15 @@ pub fn send_control(
     )
 }
 
-/// Reads what a control socket holds into `buffer` (blocking until
-/// something arrives); descriptors that came with the bytes are appended
+/// Reads what a control socket holds into `buffer`, without waiting
+/// (`MSG_DONTWAIT`: `EAGAIN` when it holds nothing); descriptors that came with the bytes are appended
 /// to `fds` in arrival order, close-on-exec (`MSG_CMSG_CLOEXEC`). Returns
 /// the number of bytes read, 0 at EOF.
 ///
 /// # Errors
-/// The `recvmsg` error; `ENOBUFS` when more descriptors came than one read
-/// accepts (never sent by a parent: a broken channel).
+/// The `recvmsg` error (`EAGAIN`: nothing to read now); `ENOBUFS` when
+/// more descriptors came than one read accepts (never sent by a parent: a
+/// broken channel).
 pub fn receive_control(
     socket: BorrowedFd<'_>,
     buffer: &mut [u8],
@@ -826,7 +827,7 @@ pub fn receive_control(
         socket.as_raw_fd(),
         &mut iov,
         Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
+        MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
     )?;
     for cmsg in message.cmsgs()? {
         if let ControlMessageOwned::ScmRights(received) = cmsg {

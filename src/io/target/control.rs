@@ -4,13 +4,14 @@
 //! by the control thread through the slot table (a register's staged
 //! payload verified and installed, its replies written).
 
-use std::collections::{BTreeMap, VecDeque};
-use std::os::fd::{AsFd, OwnedFd};
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
-use nix::errno::Errno;
+use nix::sys::epoll::Epoll;
 
+use super::intake::{read_controls, Intake};
 use super::reply::{reply_error, ReplyWriter};
 use super::runs::{Hooks, Pinning};
 use super::{abrupt_exit, install, report_finalizers, TargetSetup, FRAME_EXIT_CODE};
@@ -18,16 +19,12 @@ use crate::descriptor::{python_serialized_digest, Digest};
 use crate::envelope::Envelope;
 use crate::error::ErrorCode;
 use crate::io::failpoints;
-use crate::io::process::{exit_unless_target, receive_control};
 use crate::io::slots::{ControlGate, Effects, SlotTable};
 use crate::io::staging::{FileIdentity, StagedView};
 use crate::metadata::CallableMetadata;
 use crate::protocol::{ControlPhase, Failure, Reply, Seq, Slot, TargetEffect, TargetId};
 use crate::runtime::{Runtime, Staged};
-use crate::wire::{Frame, FrameBuffer, ReplyError, TaskFailure};
-
-/// Bytes read from the control socket per `recvmsg` call.
-const READ_CHUNK_BYTES: usize = 64 * 1024;
+use crate::wire::{Frame, ReplyError, TaskFailure};
 
 /// Checks a staged payload's seals and size and maps it read-only
 /// ([`StagedView::open`]), validates the envelope against the mapped size
@@ -111,7 +108,7 @@ pub(super) struct Outstanding {
 }
 
 impl Outstanding {
-    fn insert(&self, seq: u64) {
+    pub(super) fn insert(&self, seq: u64) {
         self.seqs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -141,8 +138,8 @@ impl Outstanding {
     }
 }
 
-/// What the reader hands the control thread, in arrival order.
-enum Incoming {
+/// What the intake hands the control thread, in arrival order.
+pub(super) enum Incoming {
     /// A frame, with the staged payload received with it (registers).
     Frame(Frame, Option<OwnedFd>),
     /// The reader stopped: the target ends with this status once every
@@ -152,89 +149,12 @@ enum Incoming {
 
 /// The seq of a frame that owes a [`Frame::Reply`] (a register or an
 /// unregister control).
-fn control_seq(frame: &Frame) -> Option<u64> {
+pub(super) fn control_seq(frame: &Frame) -> Option<u64> {
     match frame {
         Frame::Register { seq, .. } | Frame::Unregister { seq, .. } | Frame::Cancel { seq, .. } => {
             Some(*seq)
         }
         _ => None,
-    }
-}
-
-/// The reader thread: reads frames from the control socket, reports each
-/// control alive on receipt and queues it for the control thread; never
-/// touches the runtime. A task that finds no frame queued for the control
-/// thread or being handled there is pinned here and handed to the task
-/// thread directly (one thread fewer to wake); a task that cannot start
-/// goes to the control thread like any frame, which fails it.
-fn read_controls<C>(
-    control: &OwnedFd,
-    max_frame_bytes: usize,
-    writer: &ReplyWriter,
-    outstanding: &Outstanding,
-    direct: (&Pinning<C>, &ControlGate),
-    frames: &mpsc::Sender<Incoming>,
-) -> i32 {
-    let (pinning, idle) = direct;
-    let Ok(mut buffer) = FrameBuffer::new(max_frame_bytes) else {
-        return FRAME_EXIT_CODE;
-    };
-    let mut chunk = vec![0u8; READ_CHUNK_BYTES];
-    // Staged payloads received with register and verify controls, in arrival order:
-    // each comes with its frame's first byte, so it is here by the time
-    // the frame is whole, and the k-th of those frames takes the k-th descriptor.
-    let mut payloads = VecDeque::new();
-    loop {
-        let received = receive_control(control.as_fd(), &mut chunk, &mut payloads);
-        // A process forked inside the target never serves its controls.
-        exit_unless_target();
-        let n = match received {
-            Ok(0) => return 0,
-            Ok(n) => n,
-            Err(Errno::EINTR) => continue,
-            Err(Errno::ENOBUFS) => return FRAME_EXIT_CODE,
-            Err(_) => return 0,
-        };
-        buffer.extend(&chunk[..n]);
-        loop {
-            match buffer.next_frame() {
-                Ok(Some(frame)) => {
-                    let frame = match frame {
-                        Frame::Task {
-                            seq,
-                            digest,
-                            encoding,
-                            input,
-                        } if idle.is_idle() => match pinning.begin(seq, digest, encoding, input) {
-                            Ok(()) => continue,
-                            Err(unstarted) => Frame::Task {
-                                seq,
-                                digest,
-                                encoding,
-                                input: unstarted.input,
-                            },
-                        },
-                        other => other,
-                    };
-                    let payload = match frame {
-                        Frame::Register { .. } | Frame::Verify { .. } => payloads.pop_front(),
-                        _ => None,
-                    };
-                    if let Some(seq) = control_seq(&frame) {
-                        outstanding.insert(seq);
-                        // Before the control thread has it: it cannot have
-                        // begun.
-                        writer.send_alive(seq, ControlPhase::Queued);
-                    }
-                    idle.hand();
-                    if frames.send(Incoming::Frame(frame, payload)).is_err() {
-                        return 0;
-                    }
-                }
-                Ok(None) => break,
-                Err(_) => return FRAME_EXIT_CODE,
-            }
-        }
     }
 }
 
@@ -266,38 +186,21 @@ fn beat(writer: &ReplyWriter, outstanding: &Outstanding, every: std::time::Durat
     }
 }
 
+/// Serves the target's frames: starts the reader thread (waiting on the
+/// control socket through `wait`, its epoll instance) and the heartbeat
+/// thread, then handles the frames the intake hands over on `incoming`, in
+/// order, until the intake ends; returns the target's exit status.
 pub(super) fn serve<R: Runtime>(
-    control: OwnedFd,
+    intake: Arc<Intake<R::Callable>>,
+    wait: Epoll,
+    incoming: &mpsc::Receiver<Incoming>,
     setup: &TargetSetup<R>,
-    writer: &Arc<ReplyWriter>,
     this: &Control<'_, R>,
 ) -> i32 {
     let outstanding = this.outstanding.clone();
-    let (frames, incoming) = mpsc::channel::<Incoming>();
+    std::thread::spawn(move || read_controls(&intake, &wait));
     {
-        let writer = writer.clone();
-        let outstanding = outstanding.clone();
-        let pinning = this.pinning.clone();
-        let idle = this.idle.clone();
-        let max_frame_bytes = setup.max_frame_bytes;
-        std::thread::spawn(move || {
-            // Never closed before the process ends: a parent that sees the
-            // channel close then always finds an exit status, not a target
-            // still exiting.
-            let control = std::mem::ManuallyDrop::new(control);
-            let end = read_controls(
-                &control,
-                max_frame_bytes,
-                &writer,
-                &outstanding,
-                (&pinning, &idle),
-                &frames,
-            );
-            let _ = frames.send(Incoming::End(end));
-        });
-    }
-    {
-        let writer = writer.clone();
+        let writer = this.writer.clone();
         let outstanding = outstanding.clone();
         let every = setup.heartbeat.max(std::time::Duration::from_millis(1));
         std::thread::spawn(move || beat(&writer, &outstanding, every));

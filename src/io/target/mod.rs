@@ -73,9 +73,10 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
+use std::os::fd::AsFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 
 use super::failpoints::{self, ABRUPT_EXIT_CODE};
 use super::process::{exit_unless_target, TargetEnds};
@@ -89,10 +90,12 @@ use crate::runtime::{Runtime, RuntimeError, Staged};
 use crate::wire::{Frame, ReplyError};
 
 mod control;
+mod intake;
 mod reply;
 mod runs;
 
 use control::{serve, Control, Outstanding};
+use intake::Intake;
 use reply::{reply_error, ReplyWriter};
 use runs::{run_tasks, Hooks, Pinning, RunQueue, TaskSpin};
 
@@ -247,24 +250,23 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         return SNAPSHOT_EXIT_CODE;
     };
     let table = Arc::new(table);
-    let runs = Arc::new(RunQueue::new());
-    {
-        let table = table.clone();
-        let writer = writer.clone();
-        let runtime = setup.runtime.clone();
-        let id = config.id;
-        let queue = runs.clone();
-        let mut spin = TaskSpin::new(setup.spin);
-        let spawned = std::thread::Builder::new()
-            .stack_size(super::process::runtime_thread_stack())
-            .spawn(move || run_tasks(&*runtime, id, &table, &writer, &queue, &mut spin));
-        if let Err(error) = spawned {
-            let line =
-                format!("callreg target {index}: the task thread could not be spawned: {error}\n");
+    // The task thread's wait holds the control socket before the
+    // reader's does, so that the kernel wakes it first (`intake`).
+    let waits = RunQueue::watching(control.as_fd()).and_then(|runs| {
+        let reader = intake::exclusive_wait(control.as_fd(), 0)?;
+        Ok((runs, reader))
+    });
+    let (runs, reader_wait) = match waits {
+        Ok(waits) => waits,
+        Err(error) => {
+            let line = format!(
+                "callreg target {index}: the task thread's wait could not be set up: {error}\n"
+            );
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             return THREAD_EXIT_CODE;
         }
-    }
+    };
+    let runs = Arc::new(runs);
     let hooks = setup
         .metadata
         .iter()
@@ -272,21 +274,52 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         .collect();
     let pinning = Arc::new(Pinning {
         table: table.clone(),
-        runs,
+        runs: runs.clone(),
         hooks: Mutex::new(hooks),
         next_hook_seq: AtomicU64::new(u64::MAX),
     });
+    let idle = Arc::new(ControlGate::new());
+    let outstanding = Arc::new(Outstanding::default());
+    let (frames, incoming) = mpsc::channel();
+    let Ok(intake) = Intake::new(
+        control,
+        setup.max_frame_bytes,
+        writer.clone(),
+        outstanding.clone(),
+        (pinning.clone(), idle.clone()),
+        frames,
+    ) else {
+        return FRAME_EXIT_CODE;
+    };
+    let intake = Arc::new(intake);
+    {
+        let table = table.clone();
+        let writer = writer.clone();
+        let runtime = setup.runtime.clone();
+        let id = config.id;
+        let intake = intake.clone();
+        let mut spin = TaskSpin::new(setup.spin);
+        let spawned = std::thread::Builder::new()
+            .stack_size(super::process::runtime_thread_stack())
+            .spawn(move || run_tasks(&*runtime, id, &table, &writer, (&runs, &intake), &mut spin));
+        if let Err(error) = spawned {
+            let line =
+                format!("callreg target {index}: the task thread could not be spawned: {error}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            return THREAD_EXIT_CODE;
+        }
+    }
     let control_thread = Control {
         id: config.id,
         runtime: &*setup.runtime,
         table,
-        writer: writer.clone(),
+        writer,
         pinning,
-        idle: Arc::new(ControlGate::new()),
-        outstanding: Arc::new(Outstanding::default()),
+        idle,
+        outstanding,
         ahead: std::cell::Cell::new(None),
     };
-    let status = serve(control, setup, &writer, &control_thread);
+    let status = serve(intake, reader_wait, &incoming, setup, &control_thread);
     setup.runtime.stop();
     status
 }

@@ -4,11 +4,17 @@
 //! task between its `call_before` and `call_after` hooks.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::os::fd::BorrowedFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use nix::errno::Errno;
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+
+use super::intake::Intake;
 use super::reply::ReplyWriter;
 use super::{panic_message, report_finalizers};
 use crate::descriptor::Digest;
@@ -76,26 +82,44 @@ pub(super) struct Pinning<C> {
     pub(super) next_hook_seq: AtomicU64,
 }
 
-/// The runs handed to the task thread, in the order they were pinned.
-/// The task thread, finding it empty, may first spin for the next run
-/// ([`RunQueue::pop`]: bounded and adaptive, `specs/threads.md`, "The
-/// target's spin"), then sleeps on it; a run is followed by a wake-up only
-/// when the task thread sleeps there: no futex call for a run that finds
-/// it busy or spinning. Never closed: the task thread runs until the
-/// process ends.
+/// The runs handed to the task thread, in the order they were pinned,
+/// and the task thread's wait for them.
+///
+/// The task thread, finding the queue empty, may first spin for the next
+/// run ([`RunQueue::pop`]: bounded and adaptive, `specs/threads.md`, "The
+/// target's spin"), then sleeps in its epoll instance, on the queue's
+/// eventfd and on the control socket (`EPOLLEXCLUSIVE`, registered before
+/// the reader's: [`super::intake`]). Woken by the socket, it reads it
+/// itself, so that a task arriving at an idle target is read, pinned and
+/// run by this one thread. A run pushed by another thread is followed by
+/// a write to the eventfd only when the task thread sleeps: no system
+/// call for a run that finds it busy or spinning. Never closed: the task
+/// thread runs until the process ends.
 pub(super) struct RunQueue<C> {
     state: Mutex<Queued<C>>,
-    ready: Condvar,
     /// How many runs are queued (written under the lock, read by the
     /// spinning task thread without it).
     queued: AtomicUsize,
+    /// Written by a push that finds the task thread asleep.
+    wake: EventFd,
+    /// The task thread's wait: `wake` ([`WAKE_KEY`]) and, until the
+    /// intake ends, the control socket ([`SOCKET_KEY`]).
+    wait: Epoll,
 }
+
+/// The epoll key of the run queue's eventfd.
+const WAKE_KEY: u64 = 0;
+/// The epoll key of the control socket.
+const SOCKET_KEY: u64 = 1;
 
 struct Queued<C> {
     runs: VecDeque<Run<C>>,
-    /// The task thread sleeps on `ready` (set and cleared by it, under
-    /// the lock).
+    /// The task thread sleeps in its epoll instance (set and cleared by
+    /// it, under the lock).
     sleeping: bool,
+    /// The control socket is in the task thread's epoll instance (until
+    /// the intake ends).
+    watching: bool,
 }
 
 /// The longest back-off after spins that found no run: this many pops
@@ -154,20 +178,52 @@ impl TaskSpin {
 
 /// Spin checks between two looks at the clock, each look followed by a
 /// `sched_yield`, so that a spinning task thread gives its CPU to the
-/// target's reader (which pins the run it waits for) and to any other
-/// thread ready on that CPU.
-const SPINS_PER_YIELD: u32 = 64;
+/// target's reader (woken by a frame while this thread spins, it may pin
+/// the run this one waits for) and to any other thread ready on that CPU.
+/// A check reads the control socket without waiting (a system call, some
+/// hundreds of nanoseconds), so a few checks span microseconds.
+const SPINS_PER_YIELD: u32 = 8;
 
 impl<C> RunQueue<C> {
-    pub(super) fn new() -> RunQueue<C> {
-        RunQueue {
+    /// A queue whose task thread waits on its eventfd only.
+    ///
+    /// # Errors
+    /// Creating the eventfd or the epoll instance failed.
+    pub(super) fn new() -> Result<RunQueue<C>, Errno> {
+        let wake = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
+        let wait = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+        wait.add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, WAKE_KEY))?;
+        Ok(RunQueue {
             state: Mutex::new(Queued {
                 runs: VecDeque::new(),
                 sleeping: false,
+                watching: false,
             }),
-            ready: Condvar::new(),
             queued: AtomicUsize::new(0),
-        }
+            wake,
+            wait,
+        })
+    }
+
+    /// A queue whose task thread also waits on the control socket
+    /// `socket`, with `EPOLLEXCLUSIVE`: call before any other thread
+    /// waits on it that way, so that the kernel wakes this one first.
+    ///
+    /// # Errors
+    /// Creating the eventfd or the epoll instance, or adding `socket`,
+    /// failed.
+    pub(super) fn watching(socket: BorrowedFd<'_>) -> Result<RunQueue<C>, Errno> {
+        let queue = RunQueue::new()?;
+        queue.wait.add(
+            socket,
+            EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLEXCLUSIVE, SOCKET_KEY),
+        )?;
+        queue
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .watching = true;
+        Ok(queue)
     }
 
     /// Queues `run`, waking the task thread if it sleeps; returns whether
@@ -179,42 +235,94 @@ impl<C> RunQueue<C> {
         let wake = state.sleeping;
         drop(state);
         if wake {
-            self.ready.notify_one();
+            // Cannot fail short of a full counter (2^64 - 2 writes
+            // unread), and the sleeper reads it down at every wake-up.
+            let _ = self.wake.write(1);
         }
         wake
     }
 
     /// The next run. When none is queued, the task thread spins for one
     /// first if `spin` says so (at most its budget, yielding its CPU every
-    /// [`SPINS_PER_YIELD`] checks), then sleeps until there is one. Every
-    /// pop is one of `spin`'s waits, measured from the end of the last
-    /// (the task, its reply, and this wait: `specs/threads.md`, "The
-    /// target's spin").
-    fn pop(&self, spin: &mut TaskSpin) -> Run<C> {
+    /// [`SPINS_PER_YIELD`] checks), then sleeps until there is one, reading
+    /// the control socket through `intake` whenever it is woken by it (a
+    /// task it reads is pinned and queued here like any). Every pop is one
+    /// of `spin`'s waits, measured from the end of the last (the task, its
+    /// reply, and this wait: `specs/threads.md`, "The target's spin").
+    fn pop(&self, spin: &mut TaskSpin, intake: Option<&Intake<C>>) -> Run<C> {
         let start = Instant::now();
         let empty = self.queued.load(Ordering::Acquire) == 0;
         if let Some(until) = spin.next_wait(start, empty) {
-            spin.spun(self.spin_until(until));
+            spin.spun(self.spin_until(until, intake));
         }
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut events = [EpollEvent::empty(); 2];
         let run = loop {
-            if let Some(run) = state.runs.pop_front() {
-                self.queued.store(state.runs.len(), Ordering::Release);
-                break run;
+            {
+                let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(run) = state.runs.pop_front() {
+                    self.queued.store(state.runs.len(), Ordering::Release);
+                    break run;
+                }
+                state.sleeping = true;
             }
-            state.sleeping = true;
-            state = self.ready.wait(state).unwrap_or_else(|p| p.into_inner());
-            state.sleeping = false;
+            // An error (`EINTR`; nothing else is expected of an instance
+            // this thread owns) looks at the queue again.
+            let ready = self
+                .wait
+                .wait(&mut events, EpollTimeout::NONE)
+                .unwrap_or_default();
+            self.state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .sleeping = false;
+            for event in &events[..ready] {
+                match event.data() {
+                    // Read down to zero (a stale write from a push that
+                    // found this thread asleep just before it woke is
+                    // read here too).
+                    WAKE_KEY => {
+                        let _ = self.wake.read();
+                    }
+                    _ => {
+                        if let Some(intake) = intake {
+                            if intake.read_available() {
+                                self.unwatch(intake);
+                            }
+                        }
+                    }
+                }
+            }
         };
-        drop(state);
         spin.rule.ended(start, Instant::now());
         run
     }
 
-    /// Spins until a run is queued (`true`) or `until` passes (`false`).
-    fn spin_until(&self, until: Instant) -> bool {
+    /// Takes the control socket out of the task thread's wait once the
+    /// intake ended (the socket stays readable at its end).
+    fn unwatch(&self, intake: &Intake<C>) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.watching {
+            state.watching = false;
+            let _ = self.wait.delete(intake.socket());
+        }
+    }
+
+    /// Spins until a run is queued (`true`) or `until` passes (`false`),
+    /// reading the control socket through `intake` without waiting at
+    /// each check (unless another thread reads it).
+    fn spin_until(&self, until: Instant, intake: Option<&Intake<C>>) -> bool {
         let mut checks = 0u32;
+        let mut intake = intake;
         while self.queued.load(Ordering::Acquire) == 0 {
+            if let Some(reading) = intake {
+                if reading.try_read_available() == Some(true) {
+                    self.unwatch(reading);
+                    intake = None;
+                }
+                if self.queued.load(Ordering::Acquire) > 0 {
+                    break;
+                }
+            }
             checks = checks.wrapping_add(1);
             if checks.is_multiple_of(SPINS_PER_YIELD) {
                 if Instant::now() >= until {
@@ -362,16 +470,19 @@ impl<C> Pinning<C> {
     }
 }
 
+/// The task thread: takes each run from `queue` (reading the control
+/// socket through `intake` while it has none), starts it unless it was
+/// cancelled, runs it with its hooks, unpins it and writes its result.
 pub(super) fn run_tasks<R: Runtime>(
     runtime: &R,
     id: TargetId,
     table: &SlotTable<R::Callable>,
     writer: &ReplyWriter,
-    queue: &RunQueue<R::Callable>,
+    (queue, intake): (&RunQueue<R::Callable>, &Intake<R::Callable>),
     spin: &mut TaskSpin,
 ) -> ! {
     loop {
-        let run = queue.pop(spin);
+        let run = queue.pop(spin, Some(intake));
         let (seq, digest) = (run.seq, run.digest);
         // A run cancelled while it was queued never starts and sends no
         // result: the cancel's reply answered for it (§2.11).
@@ -536,7 +647,7 @@ mod tests {
         let queue = queue.clone();
         std::thread::spawn(move || {
             let started = Instant::now();
-            let seq = queue.pop(&mut spin).seq;
+            let seq = queue.pop(&mut spin, None).seq;
             let _ = sender.send((seq, started.elapsed()));
         });
         move || receiver.recv_timeout(Duration::from_secs(5)).ok()
@@ -554,7 +665,7 @@ mod tests {
 
     #[test]
     fn a_spinning_task_thread_takes_a_run_queued_during_its_spin_without_sleeping() {
-        let queue = Arc::new(RunQueue::new());
+        let queue = Arc::new(RunQueue::new().unwrap());
         // A period's first waits spin: this one for up to 10 s.
         let popper = popped(&queue, TaskSpin::new(Duration::from_secs(10)));
         std::thread::sleep(Duration::from_millis(30));
@@ -568,7 +679,7 @@ mod tests {
 
     #[test]
     fn a_task_thread_without_a_spin_budget_sleeps_at_once_and_is_woken() {
-        let queue = Arc::new(RunQueue::new());
+        let queue = Arc::new(RunQueue::new().unwrap());
         let popper = popped(&queue, TaskSpin::new(Duration::ZERO));
         until_asleep(&queue);
         assert!(queue.push(run(3)), "the sleeping thread was woken");
@@ -577,7 +688,7 @@ mod tests {
 
     #[test]
     fn a_spin_ends_at_its_budget_and_the_task_thread_sleeps() {
-        let queue = Arc::new(RunQueue::new());
+        let queue = Arc::new(RunQueue::new().unwrap());
         let popper = popped(&queue, TaskSpin::new(Duration::from_millis(20)));
         let asleep = until_asleep(&queue);
         assert!(asleep >= Duration::from_millis(20), "{asleep:?}");
@@ -622,13 +733,13 @@ mod tests {
 
     #[test]
     fn queued_runs_are_taken_in_order_without_a_wait() {
-        let queue = RunQueue::new();
+        let queue = RunQueue::new().unwrap();
         let mut spin = TaskSpin::new(Duration::from_secs(10));
         for seq in 1..=3 {
             assert!(!queue.push(run(seq)));
         }
         assert_eq!(queue.queued.load(Ordering::Relaxed), 3);
-        let seqs: Vec<u64> = (0..3).map(|_| queue.pop(&mut spin).seq).collect();
+        let seqs: Vec<u64> = (0..3).map(|_| queue.pop(&mut spin, None).seq).collect();
         assert_eq!(seqs, vec![1, 2, 3]);
         // Each pop is one of the rule's waits, none of which spun.
         assert_eq!(spin.rule.waits(), 3);

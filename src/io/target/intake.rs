@@ -1,0 +1,247 @@
+//! The control socket's intake: the frames read from the control socket
+//! in order and handed on (a task pinned at once when no control is
+//! queued, any other frame queued for the control thread, every control
+//! reported alive on receipt), by whichever of two threads the kernel
+//! wakes (`specs/threads.md`, "Who reads the control socket").
+//!
+//! Two threads wait on the socket, each through an epoll instance of its
+//! own holding it with `EPOLLEXCLUSIVE`: the task thread while it has no
+//! run (its instance registered first), and the reader thread always. A
+//! frame's arrival wakes the first of them that waits: the task thread
+//! when it is idle, so that a task's round trip on an idle target wakes
+//! one thread, which reads the task and runs it; the reader while the
+//! task thread runs a task, so that controls are read and answered during
+//! long tasks. Whoever is woken takes the intake's lock and reads what the
+//! socket holds without waiting; the other, woken too or late, finds the
+//! lock taken or nothing to read.
+
+use std::collections::VecDeque;
+use std::mem::ManuallyDrop;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, TryLockError};
+
+use nix::errno::Errno;
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+
+use super::control::{control_seq, Incoming, Outstanding};
+use super::reply::ReplyWriter;
+use super::runs::Pinning;
+use super::FRAME_EXIT_CODE;
+use crate::io::process::{exit_unless_target, receive_control};
+use crate::io::slots::ControlGate;
+use crate::protocol::ControlPhase;
+use crate::wire::{Frame, FrameBuffer};
+
+/// Bytes read from the control socket per `recvmsg` call.
+const READ_CHUNK_BYTES: usize = 64 * 1024;
+
+/// What the intake reads with, under its lock.
+struct Reading {
+    buffer: FrameBuffer,
+    chunk: Vec<u8>,
+    /// Staged payloads received with register and verify controls, in
+    /// arrival order: each comes with its frame's first byte, so it is
+    /// here by the time the frame is whole, and the k-th of those frames
+    /// takes the k-th descriptor.
+    payloads: VecDeque<OwnedFd>,
+    /// The socket reported its end (EOF, an error, a broken frame): the
+    /// end went to the control thread and nothing more is read.
+    ended: bool,
+}
+
+/// The control socket and what reading it hands frames to; shared by the
+/// reader and the task thread.
+pub(super) struct Intake<C> {
+    /// Never closed before the process ends: a parent that sees the
+    /// socket close then always finds an exit status, not a target still
+    /// exiting.
+    socket: ManuallyDrop<OwnedFd>,
+    reading: Mutex<Reading>,
+    writer: Arc<ReplyWriter>,
+    outstanding: Arc<Outstanding>,
+    pinning: Arc<Pinning<C>>,
+    idle: Arc<ControlGate>,
+    frames: mpsc::Sender<Incoming>,
+}
+
+/// An epoll instance holding the control socket with `EPOLLEXCLUSIVE`
+/// (and, for the task thread, its wake-up eventfd).
+pub(super) fn exclusive_wait(socket: BorrowedFd<'_>, key: u64) -> Result<Epoll, Errno> {
+    let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+    epoll.add(
+        socket,
+        EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLEXCLUSIVE, key),
+    )?;
+    Ok(epoll)
+}
+
+impl<C> Intake<C> {
+    /// An intake of `socket`, whose frames of at most `max_frame_bytes`
+    /// go to `pinning` (tasks while `idle` says no control is queued) and
+    /// to `frames` (the control thread's queue).
+    ///
+    /// # Errors
+    /// [`crate::wire::WireError::MaxTooSmall`] for a `max_frame_bytes`
+    /// no frame buffer accepts.
+    pub(super) fn new(
+        socket: OwnedFd,
+        max_frame_bytes: usize,
+        writer: Arc<ReplyWriter>,
+        outstanding: Arc<Outstanding>,
+        direct: (Arc<Pinning<C>>, Arc<ControlGate>),
+        frames: mpsc::Sender<Incoming>,
+    ) -> Result<Intake<C>, crate::wire::WireError> {
+        let (pinning, idle) = direct;
+        Ok(Intake {
+            socket: ManuallyDrop::new(socket),
+            reading: Mutex::new(Reading {
+                buffer: FrameBuffer::new(max_frame_bytes)?,
+                chunk: vec![0u8; READ_CHUNK_BYTES],
+                payloads: VecDeque::new(),
+                ended: false,
+            }),
+            writer,
+            outstanding,
+            pinning,
+            idle,
+            frames,
+        })
+    }
+
+    /// The control socket.
+    pub(super) fn socket(&self) -> BorrowedFd<'_> {
+        self.socket.as_fd()
+    }
+
+    /// Reads what the socket holds, waiting only for the intake's lock,
+    /// and hands on every whole frame; `true` once the intake ended.
+    pub(super) fn read_available(&self) -> bool {
+        let reading = self.reading.lock().unwrap_or_else(|p| p.into_inner());
+        self.drain(reading)
+    }
+
+    /// The same, unless another thread holds the intake's lock (`None`:
+    /// it reads).
+    pub(super) fn try_read_available(&self) -> Option<bool> {
+        match self.reading.try_lock() {
+            Ok(reading) => Some(self.drain(reading)),
+            Err(TryLockError::Poisoned(p)) => Some(self.drain(p.into_inner())),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Reads without waiting until the socket holds nothing more: until
+    /// `EAGAIN`, or a read shorter than the chunk that brought no
+    /// descriptor (a stream socket's read stops short only when its queue
+    /// is empty or after a message carrying descriptors).
+    fn drain(&self, mut reading: MutexGuard<'_, Reading>) -> bool {
+        if reading.ended {
+            return true;
+        }
+        let reading = &mut *reading;
+        loop {
+            let before = reading.payloads.len();
+            let received = receive_control(
+                self.socket.as_fd(),
+                &mut reading.chunk,
+                &mut reading.payloads,
+            );
+            // A process forked inside the target never serves its controls.
+            exit_unless_target();
+            let n = match received {
+                Ok(0) => return self.end(reading, 0),
+                Ok(n) => n,
+                Err(Errno::EAGAIN) => return false,
+                Err(Errno::EINTR) => continue,
+                Err(Errno::ENOBUFS) => return self.end(reading, FRAME_EXIT_CODE),
+                Err(_) => return self.end(reading, 0),
+            };
+            let descriptors = reading.payloads.len() > before;
+            reading.buffer.extend(&reading.chunk[..n]);
+            if !self.hand_on(reading) {
+                return self.end(reading, FRAME_EXIT_CODE);
+            }
+            if reading.ended {
+                return true;
+            }
+            if n < reading.chunk.len() && !descriptors {
+                return false;
+            }
+        }
+    }
+
+    /// Hands on every whole frame in the buffer, in order; `false` for a
+    /// frame that cannot be decoded.
+    fn hand_on(&self, reading: &mut Reading) -> bool {
+        loop {
+            let frame = match reading.buffer.next_frame() {
+                Ok(Some(frame)) => frame,
+                Ok(None) => return true,
+                Err(_) => return false,
+            };
+            let frame = match frame {
+                Frame::Task {
+                    seq,
+                    digest,
+                    encoding,
+                    input,
+                } if self.idle.is_idle() => {
+                    match self.pinning.begin(seq, digest, encoding, input) {
+                        Ok(()) => continue,
+                        Err(unstarted) => Frame::Task {
+                            seq,
+                            digest,
+                            encoding,
+                            input: unstarted.input,
+                        },
+                    }
+                }
+                other => other,
+            };
+            let payload = match frame {
+                Frame::Register { .. } | Frame::Verify { .. } => reading.payloads.pop_front(),
+                _ => None,
+            };
+            if let Some(seq) = control_seq(&frame) {
+                self.outstanding.insert(seq);
+                // Before the control thread has it: it cannot have begun.
+                self.writer.send_alive(seq, ControlPhase::Queued);
+            }
+            self.idle.hand();
+            if self.frames.send(Incoming::Frame(frame, payload)).is_err() {
+                // The control thread is gone: the target is ending.
+                reading.ended = true;
+                return true;
+            }
+        }
+    }
+
+    /// Ends the intake with exit status `code` (once: later reads find it
+    /// ended); `true`.
+    fn end(&self, reading: &mut Reading, code: i32) -> bool {
+        if !reading.ended {
+            reading.ended = true;
+            let _ = self.frames.send(Incoming::End(code));
+        }
+        true
+    }
+}
+
+/// The reader thread: waits on the control socket through `wait` (its
+/// own epoll instance, registered after the task thread's) and reads it
+/// whenever woken, until the intake ends. Never touches the runtime.
+pub(super) fn read_controls<C>(intake: &Intake<C>, wait: &Epoll) {
+    let mut events = [EpollEvent::empty()];
+    loop {
+        match wait.wait(&mut events, EpollTimeout::NONE) {
+            Ok(_) | Err(Errno::EINTR) => {}
+            // Not expected of an epoll instance this thread owns: read
+            // anyway, which ends the intake if the socket is broken, and
+            // wait again after a pause rather than spin on the error.
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+        if intake.read_available() {
+            return;
+        }
+    }
+}
