@@ -2,8 +2,10 @@
 //! pipe (no Worker in between), to pin down the order in which it applies
 //! frames that arrive together: a task pins its slot in frame order
 //! relative to unregisters, whichever of the target's threads pins it
-//! (the reader, for a task that finds the control thread idle, or the
-//! control thread behind the controls queued before it).
+//! (the thread that read it, for a task that finds the control thread
+//! idle, or the control thread behind the controls queued before it). And
+//! which of its threads reads the control socket: the task thread while
+//! it waits for a run, the reader while it runs one.
 //!
 //! A `harness = false` binary run by the runner of `tests/io_common/mod.rs`
 //! (it forks: each test on the main thread; no staged payload and no child
@@ -40,6 +42,14 @@ fn main() {
         (
             "tasks_on_an_idle_target_are_answered_in_order",
             tasks_on_an_idle_target_are_answered_in_order,
+        ),
+        (
+            "a_round_trip_on_an_idle_target_wakes_only_its_task_thread",
+            a_round_trip_on_an_idle_target_wakes_only_its_task_thread,
+        ),
+        (
+            "a_control_sent_during_a_task_is_read_and_answered_by_the_reader",
+            a_control_sent_during_a_task_is_read_and_answered_by_the_reader,
         ),
     ]);
 }
@@ -251,5 +261,90 @@ fn tasks_on_an_idle_target_are_answered_in_order() {
             }
         );
     }
+    target.end();
+}
+
+/// How often each named thread of process `pid` slept and was woken so
+/// far (its voluntary context switches), by thread name.
+fn sleeps_by_thread(pid: i32) -> BTreeMap<String, u64> {
+    let mut sleeps = BTreeMap::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        let Ok(status) = std::fs::read_to_string(dir.join("status")) else {
+            continue;
+        };
+        let count: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        *sleeps.entry(name.trim().to_owned()).or_default() += count;
+    }
+    sleeps
+}
+
+fn a_round_trip_on_an_idle_target_wakes_only_its_task_thread() {
+    let mut target = RawTarget::start("echo");
+    let digest = target.digest;
+    let pid = target.process.pid().as_raw();
+    // Settled: every thread waits.
+    std::thread::sleep(Duration::from_millis(50));
+    let before = sleeps_by_thread(pid);
+    for seq in 1..=40u64 {
+        target.send(&[task(seq, digest, b"x")]);
+        assert_eq!(
+            target.answers(1),
+            vec![Frame::TaskResult {
+                seq,
+                digest,
+                result: Ok(b"x".to_vec())
+            }]
+        );
+        // The task thread is back in its wait before the next task.
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let after = sleeps_by_thread(pid);
+    let woken = |name: &str| after[name] - before[name];
+    // The task thread slept once per task, in its wait on the socket.
+    assert!(woken("callreg-task") >= 40, "{before:?} -> {after:?}");
+    assert_eq!(woken("callreg-reader"), 0, "{before:?} -> {after:?}");
+    assert_eq!(woken("callreg-beat"), 0, "{before:?} -> {after:?}");
+    target.end();
+}
+
+fn a_control_sent_during_a_task_is_read_and_answered_by_the_reader() {
+    let mut target = RawTarget::start("sleep 300");
+    let digest = target.digest;
+    let pid = target.process.pid().as_raw();
+    std::thread::sleep(Duration::from_millis(50));
+    let before = sleeps_by_thread(pid);
+    target.send(&[task(1, digest, b"ran")]);
+    // The task thread read the task and runs it: the unregister comes in
+    // a later write, which only the reader is there to read.
+    std::thread::sleep(Duration::from_millis(100));
+    target.send(&[Frame::Unregister { seq: 2, digest }]);
+    assert_eq!(
+        target.answers(2),
+        vec![
+            Frame::Reply {
+                seq: 2,
+                digest,
+                result: Ok(())
+            },
+            Frame::TaskResult {
+                seq: 1,
+                digest,
+                result: Ok(b"ran".to_vec())
+            },
+        ]
+    );
+    let after = sleeps_by_thread(pid);
+    assert!(
+        after["callreg-reader"] > before["callreg-reader"],
+        "{before:?} -> {after:?}"
+    );
     target.end();
 }

@@ -13,17 +13,21 @@ each process measures, with the scenarios of ``peers.py``:
 * ``in_flight``: 100 ``Worker.submit`` then each ``result()``, per task
   (``--calls`` tasks per round, at least 100; with ``--in-flight``).
 
+With ``--load N``, N busy processes (pure Python loops) run through every
+round, so both builds are measured loaded.
+
 Every figure is also given as a ratio to the echo floor measured in the
 same process, so that the builds are compared through ratios taken under
 the same load. Wall and CPU time per operation (the parent's, all threads,
 plus every target's, from /proc); the median of the rounds.
 
 Run: ``python ab.py --before OLD/bin/python --after NEW/bin/python
-[--rounds 7] [--workers 2] [--in-flight]``.
+[--rounds 7] [--workers 2] [--in-flight] [--load N]``.
 """
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -70,6 +74,11 @@ def run_build(python, args):
     return json.loads(done.stdout)
 
 
+def _busy():
+    while True:
+        pass
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="interpreter with the first build")
@@ -79,6 +88,7 @@ def main():
     parser.add_argument("--calls", type=int, default=2000, help="round trips per round")
     parser.add_argument("--registers", type=int, default=20, help="registers per round")
     parser.add_argument("--in-flight", action="store_true", help="also measure 100 tasks in flight")
+    parser.add_argument("--load", type=int, default=0, help="busy processes running meanwhile")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -90,12 +100,20 @@ def main():
         parser.error("--before and --after are required")
     builds = {"before": args.before, "after": args.after}
     samples = {name: [] for name in builds}
-    load_before = os.getloadavg()
-    for i in range(args.rounds):
-        order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
-        for name in order:
-            samples[name].append(run_build(builds[name], args))
-    load_after = os.getloadavg()
+    busy = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(args.load)]
+    for process in busy:
+        process.start()
+    try:
+        load_before = os.getloadavg()
+        for i in range(args.rounds):
+            order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
+            for name in order:
+                samples[name].append(run_build(builds[name], args))
+        load_after = os.getloadavg()
+    finally:
+        for process in busy:
+            process.terminate()
+            process.join()
 
     def median(name, scenario, index):
         return statistics.median(s[scenario][index] for s in samples[name])
@@ -105,7 +123,7 @@ def main():
 
     print("command: %s %s" % (os.path.basename(sys.executable), " ".join(sys.argv)))
     print("load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f" % (load_before + load_after))
-    print("workers: %d; rounds: %d (median shown)" % (args.workers, args.rounds))
+    print("workers: %d; rounds: %d (median shown); busy processes: %d" % (args.workers, args.rounds, args.load))
     print()
     print("| scenario | build | wall | CPU | wall / echo | CPU / echo |")
     print("|---|---|---:|---:|---:|---:|")

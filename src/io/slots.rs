@@ -11,7 +11,8 @@
 //! Runs are begun in frame order between controls (the protocol's rule: a
 //! run pins its slot before any later unregister is applied), on the
 //! control thread or, while that thread has no frame to handle, on the
-//! reader thread (which knows by the [`ControlGate`]); they are ended on
+//! thread reading the control socket (which knows by the [`ControlGate`]:
+//! the task thread or the reader, one at a time under the intake's lock); they are ended on
 //! the task thread. The gate is checked with loom too.
 
 use crate::descriptor::Digest;
@@ -237,8 +238,9 @@ impl<C> SlotTable<C> {
     }
 }
 
-/// Frames a target's reader handed to its control thread that the control
-/// thread has not finished handling. Only the reader hands frames, so when
+/// Frames a target's reading thread handed to its control thread that the
+/// control thread has not finished handling. Only the thread reading the
+/// control socket hands frames (one at a time: the intake's lock), so when
 /// it finds none ([`ControlGate::is_idle`]) no control is queued or
 /// running, and none starts before the reader hands the next one: a run
 /// the reader begins meanwhile pins its slot in frame order, after every

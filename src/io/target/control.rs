@@ -1,8 +1,8 @@
-//! The reader, heartbeat and control threads: frames read from the
-//! control socket in order, every register and unregister control
-//! reported alive on receipt and while unanswered, and each frame handled
-//! by the control thread through the slot table (a register's staged
-//! payload verified and installed, its replies written).
+//! The heartbeat and control threads: every register and unregister
+//! control reported alive while unanswered, and each frame the intake
+//! hands over handled by the control thread through the slot table (a
+//! register's staged payload verified and installed, its replies
+//! written).
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
@@ -14,7 +14,10 @@ use nix::sys::epoll::Epoll;
 use super::intake::{read_controls, Intake};
 use super::reply::{reply_error, ReplyWriter};
 use super::runs::{Hooks, Pinning};
-use super::{abrupt_exit, install, report_finalizers, TargetSetup, FRAME_EXIT_CODE};
+use super::{
+    abrupt_exit, install, report_finalizers, thread_failed, TargetSetup, FRAME_EXIT_CODE,
+    HEARTBEAT_THREAD, READER_THREAD, THREAD_EXIT_CODE,
+};
 use crate::descriptor::{python_serialized_digest, Digest};
 use crate::envelope::Envelope;
 use crate::error::ErrorCode;
@@ -86,7 +89,7 @@ pub(super) struct Control<'a, R: Runtime> {
     pub(super) table: Arc<SlotTable<R::Callable>>,
     pub(super) writer: Arc<ReplyWriter>,
     pub(super) pinning: Arc<Pinning<R::Callable>>,
-    /// Frames handed to this thread and not yet handled (the reader's
+    /// Frames handed to this thread and not yet handled (the intake's
     /// [`ControlGate::hand`], this thread's [`ControlGate::done`]).
     pub(super) idle: Arc<ControlGate>,
     /// The controls received and not yet answered, with their phases.
@@ -96,7 +99,7 @@ pub(super) struct Control<'a, R: Runtime> {
 }
 
 /// Register and unregister controls received and not yet answered, by
-/// seq, each with its phase (`specs/wire.md`, the Alive frame): the reader
+/// seq, each with its phase (`specs/wire.md`, the Alive frame): the intake
 /// adds one, queued, on receipt; the control thread marks a register
 /// running once the runtime begins its install
 /// ([`Runtime::install_reporting`]) and removes it once it answered; the
@@ -142,7 +145,7 @@ impl Outstanding {
 pub(super) enum Incoming {
     /// A frame, with the staged payload received with it (registers).
     Frame(Frame, Option<OwnedFd>),
-    /// The reader stopped: the target ends with this status once every
+    /// The intake ended: the target ends with this status once every
     /// frame before it was handled.
     End(i32),
 }
@@ -198,12 +201,20 @@ pub(super) fn serve<R: Runtime>(
     this: &Control<'_, R>,
 ) -> i32 {
     let outstanding = this.outstanding.clone();
-    std::thread::spawn(move || read_controls(&intake, &wait));
-    {
+    let reader = std::thread::Builder::new()
+        .name(READER_THREAD.to_owned())
+        .spawn(move || read_controls(&intake, &wait));
+    let heartbeat = {
         let writer = this.writer.clone();
         let outstanding = outstanding.clone();
         let every = setup.heartbeat.max(std::time::Duration::from_millis(1));
-        std::thread::spawn(move || beat(&writer, &outstanding, every));
+        std::thread::Builder::new()
+            .name(HEARTBEAT_THREAD.to_owned())
+            .spawn(move || beat(&writer, &outstanding, every))
+    };
+    if let Err(error) = reader.and(heartbeat) {
+        thread_failed(this.id, "the reader or heartbeat thread", &error);
+        return THREAD_EXIT_CODE;
     }
     loop {
         match incoming.recv() {

@@ -3,38 +3,46 @@
 //!
 //! Threads, each with one job:
 //!
-//! * **reader** (no GIL): reads control frames in order, reports every
-//!   register and unregister [`Frame::Alive`] on receipt, and queues the
-//!   frames for the control thread. Why: an alive report never waits for
-//!   the interpreter.
-//! * **heartbeat** (no GIL): reports every control received and not yet
-//!   answered alive again every [`TargetSetup::heartbeat`], and at once
-//!   when a register's install begins, each with its phase: *queued* until
-//!   the runtime runs its install (it waits behind other controls, or for
-//!   the GIL a task holds), *running* from then on
-//!   ([`Runtime::install_reporting`]). Why: a busy target (a slow
-//!   unpickle, controls queued behind it, a task holding the GIL) is never
-//!   taken for a silent one (`specs/protocol.md` §2.7), and only a probe
-//!   fenced while running counts against its digest (§2.8).
-//! * **control**: takes the frames in order and drives the protocol's
-//!   [`Target`] machine (through the [`SlotTable`]), carrying out its
-//!   effects: it checks a staged payload's seals, maps it read-only,
-//!   verifies its digest, installs it from that mapping through the
-//!   runtime (checks, then deserialization) and writes the replies.
-//! * **task**: runs the tasks, each pinned to its slot in frame order.
-//!   Why: a long task never delays a register into a timeout.
+//! * **task** (`callreg-task`): runs the tasks, each pinned to its slot in
+//!   frame order, and reads the control socket while it waits for a run.
+//!   Why: a long task never delays a register into a timeout, and a task
+//!   arriving at an idle target wakes only the thread that runs it.
+//! * **reader** (`callreg-reader`, no GIL): reads the control socket while
+//!   the task thread runs a task (`intake`: both wait on it with
+//!   `EPOLLEXCLUSIVE`, the task thread's wait first, so the kernel wakes
+//!   the reader only when the task thread does not wait). Why: a control
+//!   is read and reported alive while a task runs.
+//! * Whichever reads a frame reports every register and unregister
+//!   [`Frame::Alive`] on receipt, and queues the frames for the control
+//!   thread. Why: an alive report never waits for the interpreter.
+//! * **heartbeat** (`callreg-beat`, no GIL): reports every control
+//!   received and not yet answered alive again every
+//!   [`TargetSetup::heartbeat`], and at once when a register's install
+//!   begins, each with its phase: *queued* until the runtime runs its
+//!   install (it waits behind other controls, or for the GIL a task
+//!   holds), *running* from then on ([`Runtime::install_reporting`]). Why:
+//!   a busy target (a slow unpickle, controls queued behind it, a task
+//!   holding the GIL) is never taken for a silent one
+//!   (`specs/protocol.md` §2.7), and only a probe fenced while running
+//!   counts against its digest (§2.8).
+//! * **control** (the target's main thread): takes the frames in order
+//!   and drives the protocol's [`Target`] machine (through the
+//!   [`SlotTable`]), carrying out its effects: it checks a staged
+//!   payload's seals, maps it read-only, verifies its digest, installs it
+//!   from that mapping through the runtime (checks, then deserialization)
+//!   and writes the replies.
 //!
 //! Where a task is pinned:
 //!
-//! * by the reader itself, when no frame is queued for the control thread
-//!   or being handled there ([`ControlGate`]: the reader counts the frames
-//!   it hands over, the control thread counts them done). Why: a task
-//!   round trip on an idle target then wakes two threads (reader, task
-//!   thread), not three; pinning takes only the slot table's lock, never
-//!   the runtime's.
+//! * by the thread that read it, when no frame is queued for the control
+//!   thread or being handled there ([`ControlGate`]: the reading thread
+//!   counts the frames it hands over, the control thread counts them
+//!   done). Why: a task round trip on an idle target then wakes one
+//!   thread (the task thread reads, pins and runs it), not three;
+//!   pinning takes only the slot table's lock, never the runtime's.
 //! * by the control thread, in its turn, for any other task and for a task
-//!   the reader could not start (it does not resolve, a hook does not)
-//!   (`specs/wire.md`).
+//!   the reading thread could not start (it does not resolve, a hook does
+//!   not) (`specs/wire.md`).
 //!
 //! Every thread writes whole frames to the reply socket under one lock.
 //!
@@ -57,7 +65,8 @@
 //! * when a frame cannot be decoded or is out of protocol
 //!   ([`FRAME_EXIT_CODE`]);
 //! * when the reply pipe is gone ([`REPLY_EXIT_CODE`]);
-//! * when its task thread cannot be spawned ([`THREAD_EXIT_CODE`]).
+//! * when one of its threads cannot be spawned, or the task thread's or
+//!   the reader's wait cannot be set up ([`THREAD_EXIT_CODE`]).
 //!
 //! A process forked inside the target by user code (during a
 //! deserialization or a task) ends with
@@ -67,8 +76,9 @@
 //!
 //! Layout: this file holds the target's start (runtime, startup snapshot)
 //! and what its threads share; `reply` the reply socket's writer;
-//! `control` the reader, heartbeat and control threads; `runs` the
-//! pinning of tasks and the task thread.
+//! `intake` the reading of the control socket and the reader thread;
+//! `control` the heartbeat and control threads; `runs` the pinning of
+//! tasks, the run queue and the task thread.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -109,9 +119,18 @@ pub const SNAPSHOT_EXIT_CODE: i32 = 104;
 pub const FRAME_EXIT_CODE: i32 = 105;
 /// Exit status: a reply could not be written (the parent is gone).
 pub const REPLY_EXIT_CODE: i32 = 106;
-/// Exit status: the task thread could not be spawned (after the startup
+/// Exit status: a thread of the target (task, reader, heartbeat) could
+/// not be spawned, or the task thread's or the reader's epoll instance or
+/// the task thread's eventfd could not be made (after the startup
 /// snapshot's [`Frame::Ready`]; the reason goes to stderr).
 pub const THREAD_EXIT_CODE: i32 = 108;
+
+/// The name of a target's task thread (its `comm` in `/proc`).
+pub const TASK_THREAD: &str = "callreg-task";
+/// The name of a target's reader thread.
+pub const READER_THREAD: &str = "callreg-reader";
+/// The name of a target's heartbeat thread.
+pub const HEARTBEAT_THREAD: &str = "callreg-beat";
 
 /// What a target inherits from the parent through `fork`.
 pub struct TargetSetup<R: Runtime> {
@@ -259,10 +278,7 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     let (runs, reader_wait) = match waits {
         Ok(waits) => waits,
         Err(error) => {
-            let line = format!(
-                "callreg target {index}: the task thread's wait could not be set up: {error}\n"
-            );
-            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            thread_failed(config.id, "the task thread's wait", &error);
             return THREAD_EXIT_CODE;
         }
     };
@@ -300,12 +316,11 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
         let intake = intake.clone();
         let mut spin = TaskSpin::new(setup.spin);
         let spawned = std::thread::Builder::new()
+            .name(TASK_THREAD.to_owned())
             .stack_size(super::process::runtime_thread_stack())
             .spawn(move || run_tasks(&*runtime, id, &table, &writer, (&runs, &intake), &mut spin));
         if let Err(error) = spawned {
-            let line =
-                format!("callreg target {index}: the task thread could not be spawned: {error}\n");
-            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            thread_failed(config.id, "the task thread", &error);
             return THREAD_EXIT_CODE;
         }
     }
@@ -406,6 +421,14 @@ fn install_one<R: Runtime>(
         abrupt_exit();
     }
     Ok(callable)
+}
+
+/// Writes on the target's stderr, in one write (targets failing together
+/// do not interleave), that `what` could not be set up, before the target
+/// exits with [`THREAD_EXIT_CODE`].
+fn thread_failed(id: TargetId, what: &str, error: &dyn std::fmt::Display) {
+    let line = format!("callreg {id}: {what} could not be set up: {error}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// Writes one line on the target's stderr for each failure a finalizer

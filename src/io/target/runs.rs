@@ -1,5 +1,6 @@
 //! Runs: a task's slot and its hooks' slots pinned in frame order (by the
-//! control thread, or by the reader on an idle target), the queue that
+//! control thread, or by the thread that read it on an idle target), the
+//! queue that
 //! hands runs to the task thread, and the task thread, which runs each
 //! task between its `call_before` and `call_after` hooks.
 
@@ -68,8 +69,8 @@ struct Run<C> {
 }
 
 /// What pins a task's slot and hands the run to the task thread: used by
-/// the control thread, and by the reader thread for a task that finds no
-/// control queued or running ([`ControlGate`](crate::io::slots::ControlGate)).
+/// the control thread, and by the thread reading the control socket (the
+/// task thread or the reader) for a task that finds no control queued or running ([`ControlGate`](crate::io::slots::ControlGate)).
 /// Pinning never takes the GIL: it only clones callables' references and
 /// updates the machine.
 pub(super) struct Pinning<C> {
@@ -337,7 +338,7 @@ impl<C> RunQueue<C> {
 }
 
 /// Why a task did not start: its failure, and its input back (the
-/// reader then hands the frame to the control thread, which fails it in
+/// reading thread then hands the frame to the control thread, which fails it in
 /// order). Nothing stays pinned.
 pub(super) struct Unstarted {
     pub(super) code: ErrorCode,
@@ -347,8 +348,8 @@ pub(super) struct Unstarted {
 
 impl<C> Pinning<C> {
     /// Pins task `seq`'s slot and its hooks' slots, in frame order (the
-    /// caller is the control thread, or the reader while no control is
-    /// queued or running), and hands the run to the task thread.
+    /// caller is the control thread, or the thread reading the control
+    /// socket while no control is queued or running), and hands the run to the task thread.
     ///
     /// # Errors
     /// The machine's error when `digest` does not resolve; a hook's
