@@ -51,6 +51,10 @@ fn main() {
             "a_control_sent_during_a_task_is_read_and_answered_by_the_reader",
             a_control_sent_during_a_task_is_read_and_answered_by_the_reader,
         ),
+        (
+            "frames_sent_one_per_write_are_each_answered_once_in_order",
+            frames_sent_one_per_write_are_each_answered_once_in_order,
+        ),
     ]);
 }
 
@@ -346,5 +350,54 @@ fn a_control_sent_during_a_task_is_read_and_answered_by_the_reader() {
         after["callreg-reader"] > before["callreg-reader"],
         "{before:?} -> {after:?}"
     );
+    target.end();
+}
+
+fn frames_sent_one_per_write_are_each_answered_once_in_order() {
+    // Tasks and inspections, each in its own write, sent while earlier
+    // tasks run: the task thread and the reader take turns reading them.
+    let mut target = RawTarget::start("echo");
+    let digest = target.digest;
+    let mut tasks = 0u64;
+    for seq in 1..=400u64 {
+        let frame = if seq % 5 == 0 {
+            Frame::Inspect { seq }
+        } else {
+            tasks += 1;
+            task(seq, digest, format!("{seq}").as_bytes())
+        };
+        target.send(&[frame]);
+    }
+    let answers = target.answers(400);
+    let results: Vec<u64> = answers
+        .iter()
+        .filter_map(|a| match a {
+            Frame::TaskResult {
+                seq,
+                result: Ok(output),
+                ..
+            } => {
+                assert_eq!(output, format!("{seq}").as_bytes());
+                Some(*seq)
+            }
+            Frame::Table { .. } => None,
+            other => panic!("expected a result or a table, got {other:?}"),
+        })
+        .collect();
+    let expected: Vec<u64> = (1..=400u64).filter(|s| s % 5 != 0).collect();
+    assert_eq!(results.len() as u64, tasks);
+    assert_eq!(results, expected, "task results in frame order, each once");
+    let mut tables: Vec<u64> = answers
+        .iter()
+        .filter_map(|a| match a {
+            Frame::Table { seq, entries, .. } => {
+                assert_eq!(entries.len(), 1);
+                Some(*seq)
+            }
+            _ => None,
+        })
+        .collect();
+    tables.sort_unstable();
+    assert_eq!(tables, (1..=80u64).map(|k| k * 5).collect::<Vec<_>>());
     target.end();
 }
