@@ -3,8 +3,9 @@
 //! code that uses them (the way tokio and crossbeam do it).
 //!
 //! Only the IO layer's concurrent parts use this module: the completion
-//! hand-off ([`crate::io::handoff`]) and the target's slot table
-//! ([`crate::io::slots`]).
+//! hand-off ([`crate::io::handoff`]), the target's slot table
+//! ([`crate::io::slots`]) and the turns at its intake
+//! ([`crate::io::turn`]).
 
 #[cfg(loom)]
 pub use loom::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -8,8 +8,9 @@
 //! * [`handoff`] — results from whoever reads a reply to the waiting caller;
 //! * [`lead`] — who reads the targets' replies: the IO thread or a waiting
 //!   caller (leader/followers);
-//! * [`slots`] — a target's slot table shared by its two threads;
+//! * [`slots`] — a target's slot table shared by its threads;
 //! * [`target`] — the target process: snapshot, control and task threads;
+//! * [`turn`] — turns at a target's intake that no thread waits for;
 //! * [`worker`] — the [`Worker`]: builder, operations, the IO thread;
 //! * [`zygote`] — the template process: thread-free, it forks replacement
 //!   targets after start (and, started by `exec` for
@@ -72,6 +73,7 @@ pub mod spin;
 pub mod staging;
 pub(crate) mod sys;
 pub mod target;
+pub mod turn;
 pub mod worker;
 pub mod zygote;
 mod zygote_link;

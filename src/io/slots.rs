@@ -12,8 +12,8 @@
 //! run pins its slot before any later unregister is applied), on the
 //! control thread or, while that thread has no frame to handle, on the
 //! thread reading the control socket (which knows by the [`ControlGate`]:
-//! the task thread or the reader, one at a time under the intake's lock); they are ended on
-//! the task thread. The gate is checked with loom too.
+//! the task thread or the reader, one at a time, in turns at the intake);
+//! they are ended on the task thread. The gate is checked with loom too.
 
 use crate::descriptor::Digest;
 use crate::error::Error;
@@ -240,11 +240,12 @@ impl<C> SlotTable<C> {
 
 /// Frames a target's reading thread handed to its control thread that the
 /// control thread has not finished handling. Only the thread reading the
-/// control socket hands frames (one at a time: the intake's lock), so when
+/// control socket hands frames (one at a time: the intake's turns), so when
 /// it finds none ([`ControlGate::is_idle`]) no control is queued or
-/// running, and none starts before the reader hands the next one: a run
-/// the reader begins meanwhile pins its slot in frame order, after every
-/// control before it was applied and before every control after it.
+/// running, and none starts before the reading thread hands the next one:
+/// a run the reading thread begins meanwhile pins its slot in frame order,
+/// after every control before it was applied and before every control
+/// after it.
 pub struct ControlGate {
     handed: Mutex<usize>,
 }

@@ -5,20 +5,22 @@
 //! wakes (`specs/threads.md`, "Who reads the control socket").
 //!
 //! Two threads wait on the socket, each through an epoll instance of its
-//! own holding it with `EPOLLEXCLUSIVE`: the task thread while it has no
-//! run (its instance registered first), and the reader thread always. A
-//! frame's arrival wakes the first of them that waits: the task thread
-//! when it is idle, so that a task's round trip on an idle target wakes
-//! one thread, which reads the task and runs it; the reader while the
-//! task thread runs a task, so that controls are read and answered during
-//! long tasks. Whoever is woken takes the intake's lock and reads what the
-//! socket holds without waiting; the other, woken too or late, finds the
-//! lock taken or nothing to read.
+//! own holding it with `EPOLLEXCLUSIVE | EPOLLET`: the task thread while
+//! it has no run (its instance registered first), and the reader thread
+//! always. A frame's arrival wakes the first of them that waits: the task
+//! thread when it is idle, so that a task's round trip on an idle target
+//! wakes one thread, which reads the task and runs it; the reader while
+//! the task thread runs a task, so that controls are read and answered
+//! during long tasks. Whoever is woken takes a turn at the intake
+//! ([`Turns`]) and reads what the socket holds without waiting; a thread
+//! woken while the other has the turn leaves it to that one, which reads
+//! again once its turn is over, and never sleeps on a lock.
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 
 use nix::errno::Errno;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
@@ -29,6 +31,7 @@ use super::runs::Pinning;
 use super::FRAME_EXIT_CODE;
 use crate::io::process::{exit_unless_target, receive_control};
 use crate::io::slots::ControlGate;
+use crate::io::turn::Turns;
 use crate::protocol::ControlPhase;
 use crate::wire::{Frame, FrameBuffer};
 
@@ -44,9 +47,6 @@ struct Reading {
     /// here by the time the frame is whole, and the k-th of those frames
     /// takes the k-th descriptor.
     payloads: VecDeque<OwnedFd>,
-    /// The socket reported its end (EOF, an error, a broken frame): the
-    /// end went to the control thread and nothing more is read.
-    ended: bool,
 }
 
 /// The control socket and what reading it hands frames to; shared by the
@@ -56,7 +56,10 @@ pub(super) struct Intake<C> {
     /// socket close then always finds an exit status, not a target still
     /// exiting.
     socket: ManuallyDrop<OwnedFd>,
-    reading: Mutex<Reading>,
+    reading: Turns<Reading>,
+    /// The socket reported its end (EOF, an error, a broken frame): the
+    /// end went to the control thread and nothing more is read.
+    ended: AtomicBool,
     writer: Arc<ReplyWriter>,
     outstanding: Arc<Outstanding>,
     pinning: Arc<Pinning<C>>,
@@ -64,14 +67,19 @@ pub(super) struct Intake<C> {
     frames: mpsc::Sender<Incoming>,
 }
 
-/// An epoll instance holding the control socket with `EPOLLEXCLUSIVE`
-/// (and, for the task thread, its wake-up eventfd).
-pub(super) fn exclusive_wait(socket: BorrowedFd<'_>, key: u64) -> Result<Epoll, Errno> {
+/// The events a thread waits for on the control socket: readable, the
+/// first waiter only (`EPOLLEXCLUSIVE`), once per arrival (`EPOLLET`: a
+/// turn reads until the socket is empty, and whatever arrives after its
+/// last read is an arrival of its own, which wakes a thread again).
+pub(super) fn socket_events() -> EpollFlags {
+    EpollFlags::EPOLLIN | EpollFlags::EPOLLEXCLUSIVE | EpollFlags::EPOLLET
+}
+
+/// The reader's epoll instance, holding the control socket
+/// ([`socket_events`]); made after the task thread's.
+pub(super) fn reader_wait(socket: BorrowedFd<'_>) -> Result<Epoll, Errno> {
     let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
-    epoll.add(
-        socket,
-        EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLEXCLUSIVE, key),
-    )?;
+    epoll.add(socket, EpollEvent::new(socket_events(), 0))?;
     Ok(epoll)
 }
 
@@ -94,12 +102,12 @@ impl<C> Intake<C> {
         let (pinning, idle) = direct;
         Ok(Intake {
             socket: ManuallyDrop::new(socket),
-            reading: Mutex::new(Reading {
+            reading: Turns::new(Reading {
                 buffer: FrameBuffer::new(max_frame_bytes)?,
                 chunk: vec![0u8; READ_CHUNK_BYTES],
                 payloads: VecDeque::new(),
-                ended: false,
             }),
+            ended: AtomicBool::new(false),
             writer,
             outstanding,
             pinning,
@@ -108,37 +116,27 @@ impl<C> Intake<C> {
         })
     }
 
-    /// The control socket.
-    pub(super) fn socket(&self) -> BorrowedFd<'_> {
-        self.socket.as_fd()
+    /// Reads what the socket holds and hands on every whole frame, in a
+    /// turn of this thread's or, when the other reading thread has a turn,
+    /// in that one's next ([`Turns::take`]); never waits.
+    pub(super) fn read(&self) {
+        self.reading.take(|reading| self.drain(reading));
     }
 
-    /// Reads what the socket holds, waiting only for the intake's lock,
-    /// and hands on every whole frame; `true` once the intake ended.
-    pub(super) fn read_available(&self) -> bool {
-        let reading = self.reading.lock().unwrap_or_else(|p| p.into_inner());
-        self.drain(reading)
-    }
-
-    /// The same, unless another thread holds the intake's lock (`None`:
-    /// it reads).
-    pub(super) fn try_read_available(&self) -> Option<bool> {
-        match self.reading.try_lock() {
-            Ok(reading) => Some(self.drain(reading)),
-            Err(TryLockError::Poisoned(p)) => Some(self.drain(p.into_inner())),
-            Err(TryLockError::WouldBlock) => None,
-        }
+    /// Whether the intake ended: the socket's end went to the control
+    /// thread, and nothing more is read.
+    pub(super) fn ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
     }
 
     /// Reads without waiting until the socket holds nothing more: until
     /// `EAGAIN`, or a read shorter than the chunk that brought no
     /// descriptor (a stream socket's read stops short only when its queue
     /// is empty or after a message carrying descriptors).
-    fn drain(&self, mut reading: MutexGuard<'_, Reading>) -> bool {
-        if reading.ended {
-            return true;
+    fn drain(&self, reading: &mut Reading) {
+        if self.ended() {
+            return;
         }
-        let reading = &mut *reading;
         loop {
             let before = reading.payloads.len();
             let received = receive_control(
@@ -149,23 +147,23 @@ impl<C> Intake<C> {
             // A process forked inside the target never serves its controls.
             exit_unless_target();
             let n = match received {
-                Ok(0) => return self.end(reading, 0),
+                Ok(0) => return self.end(0),
                 Ok(n) => n,
-                Err(Errno::EAGAIN) => return false,
+                Err(Errno::EAGAIN) => return,
                 Err(Errno::EINTR) => continue,
-                Err(Errno::ENOBUFS) => return self.end(reading, FRAME_EXIT_CODE),
-                Err(_) => return self.end(reading, 0),
+                Err(Errno::ENOBUFS) => return self.end(FRAME_EXIT_CODE),
+                Err(_) => return self.end(0),
             };
             let descriptors = reading.payloads.len() > before;
             reading.buffer.extend(&reading.chunk[..n]);
             if !self.hand_on(reading) {
-                return self.end(reading, FRAME_EXIT_CODE);
+                return self.end(FRAME_EXIT_CODE);
             }
-            if reading.ended {
-                return true;
+            if self.ended() {
+                return;
             }
             if n < reading.chunk.len() && !descriptors {
-                return false;
+                return;
             }
         }
     }
@@ -210,20 +208,18 @@ impl<C> Intake<C> {
             self.idle.hand();
             if self.frames.send(Incoming::Frame(frame, payload)).is_err() {
                 // The control thread is gone: the target is ending.
-                reading.ended = true;
+                self.ended.store(true, Ordering::Release);
                 return true;
             }
         }
     }
 
-    /// Ends the intake with exit status `code` (once: later reads find it
-    /// ended); `true`.
-    fn end(&self, reading: &mut Reading, code: i32) -> bool {
-        if !reading.ended {
-            reading.ended = true;
+    /// Ends the intake with exit status `code` (once, in a turn: later
+    /// turns find it ended).
+    fn end(&self, code: i32) {
+        if !self.ended.swap(true, Ordering::AcqRel) {
             let _ = self.frames.send(Incoming::End(code));
         }
-        true
     }
 }
 
@@ -240,7 +236,8 @@ pub(super) fn read_controls<C>(intake: &Intake<C>, wait: &Epoll) {
             // wait again after a pause rather than spin on the error.
             Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
         }
-        if intake.read_available() {
+        intake.read();
+        if intake.ended() {
             return;
         }
     }

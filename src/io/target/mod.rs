@@ -272,7 +272,7 @@ pub fn run<R: Runtime>(ends: TargetEnds, setup: &TargetSetup<R>) -> i32 {
     // The task thread's wait holds the control socket before the
     // reader's does, so that the kernel wakes it first (`intake`).
     let waits = RunQueue::watching(control.as_fd()).and_then(|runs| {
-        let reader = intake::exclusive_wait(control.as_fd(), 0)?;
+        let reader = intake::reader_wait(control.as_fd())?;
         Ok((runs, reader))
     });
     let (runs, reader_wait) = match waits {

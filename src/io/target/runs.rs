@@ -103,8 +103,8 @@ pub(super) struct RunQueue<C> {
     queued: AtomicUsize,
     /// Written by a push that finds the task thread asleep.
     wake: EventFd,
-    /// The task thread's wait: `wake` ([`WAKE_KEY`]) and, until the
-    /// intake ends, the control socket ([`SOCKET_KEY`]).
+    /// The task thread's wait: `wake` ([`WAKE_KEY`]) and the control
+    /// socket ([`SOCKET_KEY`]).
     wait: Epoll,
 }
 
@@ -118,9 +118,6 @@ struct Queued<C> {
     /// The task thread sleeps in its epoll instance (set and cleared by
     /// it, under the lock).
     sleeping: bool,
-    /// The control socket is in the task thread's epoll instance (until
-    /// the intake ends).
-    watching: bool,
 }
 
 /// The longest back-off after spins that found no run: this many pops
@@ -198,7 +195,6 @@ impl<C> RunQueue<C> {
             state: Mutex::new(Queued {
                 runs: VecDeque::new(),
                 sleeping: false,
-                watching: false,
             }),
             queued: AtomicUsize::new(0),
             wake,
@@ -217,13 +213,8 @@ impl<C> RunQueue<C> {
         let queue = RunQueue::new()?;
         queue.wait.add(
             socket,
-            EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLEXCLUSIVE, SOCKET_KEY),
+            EpollEvent::new(super::intake::socket_events(), SOCKET_KEY),
         )?;
-        queue
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .watching = true;
         Ok(queue)
     }
 
@@ -286,9 +277,7 @@ impl<C> RunQueue<C> {
                     }
                     _ => {
                         if let Some(intake) = intake {
-                            if intake.read_available() {
-                                self.unwatch(intake);
-                            }
+                            intake.read();
                         }
                     }
                 }
@@ -298,28 +287,15 @@ impl<C> RunQueue<C> {
         run
     }
 
-    /// Takes the control socket out of the task thread's wait once the
-    /// intake ended (the socket stays readable at its end).
-    fn unwatch(&self, intake: &Intake<C>) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.watching {
-            state.watching = false;
-            let _ = self.wait.delete(intake.socket());
-        }
-    }
-
     /// Spins until a run is queued (`true`) or `until` passes (`false`),
     /// reading the control socket through `intake` without waiting at
-    /// each check (unless another thread reads it).
+    /// each check (or leaving the read to the reader when it reads).
     fn spin_until(&self, until: Instant, intake: Option<&Intake<C>>) -> bool {
         let mut checks = 0u32;
-        let mut intake = intake;
+        let intake = intake.filter(|intake| !intake.ended());
         while self.queued.load(Ordering::Acquire) == 0 {
-            if let Some(reading) = intake {
-                if reading.try_read_available() == Some(true) {
-                    self.unwatch(reading);
-                    intake = None;
-                }
+            if let Some(intake) = intake {
+                intake.read();
                 if self.queued.load(Ordering::Acquire) > 0 {
                     break;
                 }
