@@ -14,8 +14,8 @@ use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
 
-/// A socket that `arrivals` items came into; `read` is how many of them
-/// the turns have read (a turn reads everything there).
+/// A socket `arrived` items came into; the turns' state is how many of
+/// them the last turn read (a turn reads everything there).
 struct Socket {
     arrived: AtomicUsize,
 }
@@ -32,50 +32,42 @@ fn arrive_and_read(socket: &Socket, turns: &Turns<usize>) -> usize {
     ran
 }
 
+/// `threads` threads, each with one arrival and its ask, run together:
+/// how many turns they ran, and how many arrivals the last turn read.
+fn arrivals(threads: usize) -> (usize, usize) {
+    let socket = Arc::new(Socket {
+        arrived: AtomicUsize::new(0),
+    });
+    let turns = Arc::new(Turns::new(0usize));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let socket = socket.clone();
+            let turns = turns.clone();
+            thread::spawn(move || arrive_and_read(&socket, &turns))
+        })
+        .collect();
+    let ran = handles.into_iter().map(|t| t.join().unwrap()).sum();
+    let mut read = 0;
+    turns.take(|r| read = *r);
+    (ran, read)
+}
+
 #[test]
 fn every_arrival_is_read_by_a_turn_that_began_after_it() {
     loom::model(|| {
-        let socket = Arc::new(Socket {
-            arrived: AtomicUsize::new(0),
-        });
-        let turns = Arc::new(Turns::new(0usize));
-        let threads: Vec<_> = (0..2)
-            .map(|_| {
-                let socket = socket.clone();
-                let turns = turns.clone();
-                thread::spawn(move || arrive_and_read(&socket, &turns))
-            })
-            .collect();
-        let ran: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
-        assert!((1..=3).contains(&ran), "{ran} turns");
-        // Both arrivals were read, whoever read them.
-        let mut read = 0;
-        turns.take(|r| read = *r);
+        let (ran, read) = arrivals(2);
+        assert!((1..=2).contains(&ran), "{ran} turns");
         assert_eq!(read, 2);
     });
 }
 
 #[test]
 fn a_turn_asked_during_another_runs_in_that_thread_once_it_ends() {
+    // Three threads: an ask may come during the turn taken for another
+    // ask.
     loom::model(|| {
-        let socket = Arc::new(Socket {
-            arrived: AtomicUsize::new(0),
-        });
-        let turns = Arc::new(Turns::new(0usize));
-        // Three threads: an ask may come during the turn taken for
-        // another ask.
-        let threads: Vec<_> = (0..3)
-            .map(|_| {
-                let socket = socket.clone();
-                let turns = turns.clone();
-                thread::spawn(move || arrive_and_read(&socket, &turns))
-            })
-            .collect();
-        for thread in threads {
-            thread.join().unwrap();
-        }
-        let mut read = 0;
-        turns.take(|r| read = *r);
+        let (ran, read) = arrivals(3);
+        assert!((1..=3).contains(&ran), "{ran} turns");
         assert_eq!(read, 3);
     });
 }

@@ -174,13 +174,15 @@ impl TaskSpin {
     }
 }
 
-/// Spin checks between two looks at the clock, each look followed by a
-/// `sched_yield`, so that a spinning task thread gives its CPU to the
-/// target's reader (woken by a frame while this thread spins, it may pin
-/// the run this one waits for) and to any other thread ready on that CPU.
-/// A check reads the control socket without waiting (a system call, some
-/// hundreds of nanoseconds), so a few checks span microseconds.
-const SPINS_PER_YIELD: u32 = 8;
+/// Spin checks (each a look at the count of queued runs) between two
+/// turns at reading the control socket without waiting, each with a look
+/// at the clock and followed by a `sched_yield`, so that a spinning task
+/// thread gives its CPU to the target's reader (woken by a frame while
+/// this thread spins, it may pin the run this one waits for) and to any
+/// other thread ready on that CPU. Why not a read at every check: a read
+/// is a system call, and spinning on system calls cost a quarter of the
+/// rate of 100 tasks in flight (`BENCHMARKS.md`).
+const SPINS_PER_YIELD: u32 = 32;
 
 impl<C> RunQueue<C> {
     /// A queue whose task thread waits on its eventfd only.
@@ -288,20 +290,20 @@ impl<C> RunQueue<C> {
     }
 
     /// Spins until a run is queued (`true`) or `until` passes (`false`),
-    /// reading the control socket through `intake` without waiting at
-    /// each check (or leaving the read to the reader when it reads).
+    /// taking a turn at reading the control socket through `intake`
+    /// without waiting every [`SPINS_PER_YIELD`] checks.
     fn spin_until(&self, until: Instant, intake: Option<&Intake<C>>) -> bool {
         let mut checks = 0u32;
         let intake = intake.filter(|intake| !intake.ended());
         while self.queued.load(Ordering::Acquire) == 0 {
-            if let Some(intake) = intake {
-                intake.read();
-                if self.queued.load(Ordering::Acquire) > 0 {
-                    break;
-                }
-            }
             checks = checks.wrapping_add(1);
             if checks.is_multiple_of(SPINS_PER_YIELD) {
+                if let Some(intake) = intake {
+                    intake.read();
+                    if self.queued.load(Ordering::Acquire) > 0 {
+                        break;
+                    }
+                }
                 if Instant::now() >= until {
                     return false;
                 }
