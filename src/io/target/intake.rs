@@ -38,7 +38,7 @@ use crate::wire::{Frame, FrameBuffer};
 /// Bytes read from the control socket per `recvmsg` call.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
 
-/// What the intake reads with, under its lock.
+/// What the intake reads with, in turns.
 struct Reading {
     buffer: FrameBuffer,
     chunk: Vec<u8>,

@@ -57,7 +57,7 @@ struct PinnedHook<C> {
     callable: crate::sync::Arc<C>,
 }
 
-/// One task handed from the control thread to the task thread.
+/// One task handed to the task thread (by the thread that pinned it).
 struct Run<C> {
     seq: u64,
     digest: Digest,
@@ -70,7 +70,8 @@ struct Run<C> {
 
 /// What pins a task's slot and hands the run to the task thread: used by
 /// the control thread, and by the thread reading the control socket (the
-/// task thread or the reader) for a task that finds no control queued or running ([`ControlGate`](crate::io::slots::ControlGate)).
+/// task thread or the reader) for a task that finds no control queued or
+/// running ([`ControlGate`](crate::io::slots::ControlGate)).
 /// Pinning never takes the GIL: it only clones callables' references and
 /// updates the machine.
 pub(super) struct Pinning<C> {
@@ -316,8 +317,8 @@ impl<C> RunQueue<C> {
 }
 
 /// Why a task did not start: its failure, and its input back (the
-/// reading thread then hands the frame to the control thread, which fails it in
-/// order). Nothing stays pinned.
+/// reading thread then hands the frame to the control thread, which fails
+/// it in order). Nothing stays pinned.
 pub(super) struct Unstarted {
     pub(super) code: ErrorCode,
     pub(super) message: String,
