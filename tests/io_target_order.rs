@@ -307,8 +307,9 @@ fn a_round_trip_on_an_idle_target_wakes_only_its_task_thread() {
                 result: Ok(b"x".to_vec())
             }]
         );
-        // The task thread is back in its wait before the next task.
-        std::thread::sleep(Duration::from_millis(5));
+        // The task thread is back in its wait before the next task (with
+        // time to spare on a busy machine).
+        std::thread::sleep(Duration::from_millis(20));
     }
     let after = sleeps_by_thread(pid);
     let woken = |name: &str| after[name] - before[name];
