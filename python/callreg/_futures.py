@@ -411,15 +411,21 @@ def in_order(futures: list[concurrent.futures.Future[Any]], deadline: float | No
     ``chunked``), each waited for until ``deadline`` (a
     ``time.monotonic()`` instant, ``None``: no limit); futures not reached
     are cancelled when the iterator stops early (it is closed, a result
-    raised, Ctrl-C, the time was up): those not started never run."""
+    raised, Ctrl-C, the time was up), and so is the one whose wait timed
+    out or was interrupted, as ``concurrent.futures`` does: those not
+    started never run."""
     try:
         futures.reverse()
         while futures:
             future = futures.pop()
-            if deadline is None:
-                value = future.result()
-            else:
-                value = future.result(max(0.0, deadline - time.monotonic()))
+            try:
+                if deadline is None:
+                    value = future.result()
+                else:
+                    value = future.result(max(0.0, deadline - time.monotonic()))
+            except BaseException:
+                future.cancel()
+                raise
             if chunked:
                 yield from value
             else:

@@ -126,6 +126,31 @@ def test_map_timeout():
             next(results)
 
 
+_RAN = []  # in a target: the items `_record` ran with
+
+
+def _record(x):
+    _RAN.append(x)
+    return x
+
+
+def _ran():
+    return list(_RAN)
+
+
+def test_map_timeout_cancels_the_task_it_timed_out_on_too():
+    # As concurrent.futures does: the item whose wait timed out is
+    # cancelled with those after it, so no item of the map runs once it
+    # raised. Before, the first item ran after the timeout.
+    with callreg.Worker(1) as w:
+        w.start()
+        busy = w.submit(w.register(slow), 1, 1.0)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            list(w.map(w.register(_record), range(3), timeout=0.3))
+        assert busy.result(timeout=20) == 1
+        assert w.call(w.register(_ran)) == []
+
+
 def test_initializer_runs_in_every_target_and_replacement():
     with callreg.Executor(2, initializer=initialize, initargs=("ready",)) as ex:
         h = ex.worker.register(initialized)

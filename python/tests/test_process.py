@@ -1214,3 +1214,42 @@ def test_a_deeply_nested_result_pickles_as_deep_as_in_a_thread_here(start_method
             with pytest.raises(callreg.TaskError, match="^%s: " % re.escape(expected)):
                 w.call(h, depth, limit, timeout=60)
         assert w.call(h, 3, 1000) == [[[1]]]
+
+
+def _close_the_task_threads_wait():
+    # The task thread's epoll instance is the target's first one (made
+    # before the reader's).
+    polls = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink("/proc/self/fd/" + name) == "anon_inode:[eventpoll]":
+                polls.append(int(name))
+        except OSError:
+            pass  # the directory's own descriptor, closed by now
+    os.close(min(polls))
+    return "closed"
+
+
+def test_a_task_that_closes_its_targets_wait_ends_that_target_with_status_108(capfd):
+    # Before, the task thread spun on the failed wait for good, a CPU
+    # busy and nothing reported.
+    with callreg.Worker(1, respawn_limit=1) as w:
+        w.start()
+        pid = w.target_pid(0)
+        assert w.call(w.register(_close_the_task_threads_wait)) == "closed"
+        deadline = time.monotonic() + 10
+        while not any(e["event"] == "lost" for e in w.target_events()):
+            assert time.monotonic() < deadline, w.target_events()
+            time.sleep(0.01)
+        causes = [e["cause"] for e in w.target_events() if e["event"] == "lost"]
+        # Whichever the parent saw first: the pidfd or the reply socket.
+        assert causes in (
+            ["its process ended; it exited with status 108"],
+            ["its reply socket closed; it exited with status 108"],
+        ), causes
+        assert "callreg target (pid %d): the task thread's wait failed: EBADF" % pid in capfd.readouterr().err
+        # The replacement serves.
+        deadline = time.monotonic() + 20
+        while w.targets != [0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.call(w.register(square), 5) == 25

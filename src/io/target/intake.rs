@@ -28,7 +28,7 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTime
 use super::control::{control_seq, Incoming, Outstanding};
 use super::reply::ReplyWriter;
 use super::runs::Pinning;
-use super::FRAME_EXIT_CODE;
+use super::{wait_failed, FRAME_EXIT_CODE};
 use crate::io::process::{exit_unless_target, receive_control};
 use crate::io::slots::ControlGate;
 use crate::io::turn::Turns;
@@ -231,10 +231,7 @@ pub(super) fn read_controls<C>(intake: &Intake<C>, wait: &Epoll) {
     loop {
         match wait.wait(&mut events, EpollTimeout::NONE) {
             Ok(_) | Err(Errno::EINTR) => {}
-            // Not expected of an epoll instance this thread owns: read
-            // anyway, which ends the intake if the socket is broken, and
-            // wait again after a pause rather than spin on the error.
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            Err(error) => wait_failed("the reader's wait", error),
         }
         intake.read();
         if intake.ended() {

@@ -66,7 +66,8 @@
 //!   ([`FRAME_EXIT_CODE`]);
 //! * when the reply pipe is gone ([`REPLY_EXIT_CODE`]);
 //! * when one of its threads cannot be spawned, or the task thread's or
-//!   the reader's wait cannot be set up ([`THREAD_EXIT_CODE`]).
+//!   the reader's wait cannot be set up or fails later
+//!   ([`THREAD_EXIT_CODE`]).
 //!
 //! A process forked inside the target by user code (during a
 //! deserialization or a task) ends with
@@ -90,6 +91,8 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use super::failpoints::{self, ABRUPT_EXIT_CODE};
 use super::process::{exit_unless_target, TargetEnds};
+use nix::errno::Errno;
+
 use super::slots::{ControlGate, SlotTable};
 use crate::descriptor::Digest;
 use crate::envelope::Envelope;
@@ -122,7 +125,8 @@ pub const REPLY_EXIT_CODE: i32 = 106;
 /// Exit status: a thread of the target (task, reader, heartbeat) could
 /// not be spawned, or the task thread's or the reader's epoll instance or
 /// the task thread's eventfd could not be made (after the startup
-/// snapshot's [`Frame::Ready`]; the reason goes to stderr).
+/// snapshot's [`Frame::Ready`]), or later failed (a task closed it); the
+/// reason goes to stderr.
 pub const THREAD_EXIT_CODE: i32 = 108;
 
 /// The name of a target's task thread (its `comm` in `/proc`).
@@ -421,6 +425,23 @@ fn install_one<R: Runtime>(
         abrupt_exit();
     }
     Ok(callable)
+}
+
+/// Ends the target at once with [`THREAD_EXIT_CODE`] when one of its
+/// threads' waits fails for good (its epoll instance or eventfd closed
+/// or replaced under it, by a task that closed descriptors it does not
+/// own): a thread that cannot wait would otherwise spin on the error, or
+/// sleep through the work it is woken for. Says which wait and why on
+/// stderr first; the parent reports the target lost with that status.
+fn wait_failed(what: &str, error: Errno) -> ! {
+    let line = format!(
+        "callreg target (pid {}): {what} failed: {error}\n",
+        std::process::id()
+    );
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    // SAFETY: `_exit` ends the process without destructors; the target
+    // can no longer serve.
+    unsafe { libc::_exit(THREAD_EXIT_CODE) }
 }
 
 /// Writes on the target's stderr, in one write (targets failing together

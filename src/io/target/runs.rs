@@ -17,7 +17,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use super::intake::Intake;
 use super::reply::ReplyWriter;
-use super::{panic_message, report_finalizers};
+use super::{panic_message, report_finalizers, wait_failed};
 use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 use crate::io::process::exit_unless_target;
@@ -230,9 +230,13 @@ impl<C> RunQueue<C> {
         let wake = state.sleeping;
         drop(state);
         if wake {
-            // Cannot fail short of a full counter (2^64 - 2 writes
-            // unread), and the sleeper reads it down at every wake-up.
-            let _ = self.wake.write(1);
+            // The sleeper reads the counter down at every wake-up, so it
+            // never fills; a write fails only when a task closed the
+            // eventfd, and the task thread would then sleep through this
+            // run.
+            if let Err(error) = self.wake.write(1) {
+                wait_failed("waking the task thread", error);
+            }
         }
         wake
     }
@@ -260,12 +264,11 @@ impl<C> RunQueue<C> {
                 }
                 state.sleeping = true;
             }
-            // An error (`EINTR`; nothing else is expected of an instance
-            // this thread owns) looks at the queue again.
-            let ready = self
-                .wait
-                .wait(&mut events, EpollTimeout::NONE)
-                .unwrap_or_default();
+            let ready = match self.wait.wait(&mut events, EpollTimeout::NONE) {
+                Ok(ready) => ready,
+                Err(Errno::EINTR) => 0,
+                Err(error) => wait_failed("the task thread's wait", error),
+            };
             self.state
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -275,9 +278,10 @@ impl<C> RunQueue<C> {
                     // Read down to zero (a stale write from a push that
                     // found this thread asleep just before it woke is
                     // read here too).
-                    WAKE_KEY => {
-                        let _ = self.wake.read();
-                    }
+                    WAKE_KEY => match self.wake.read() {
+                        Ok(_) | Err(Errno::EAGAIN | Errno::EINTR) => {}
+                        Err(error) => wait_failed("the task thread's eventfd", error),
+                    },
                     _ => {
                         if let Some(intake) = intake {
                             intake.read();
