@@ -47,6 +47,7 @@ class _ErrorFields(TypedDict):
     kind: str
     exception: bytes | None
     outcomes: list[tuple[int, str]]
+    outcome_codes: list[tuple[int, str]]
 
 class RawError(Exception):
     """A failed operation: ``args[0]`` is its :class:`_ErrorFields`."""

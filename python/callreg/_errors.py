@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 
@@ -52,13 +53,29 @@ class RegisterError(CallregError):
     was rolled back everywhere: the Worker stays usable. Code
     ``"REGISTER_POISONED"``: installing the callable killed the target that
     tried it first (``target``; the message says how it died); it is
-    refused from then on without reaching any target."""
+    refused from then on without reaching any target. ``outcome_codes``
+    maps each target whose reply was an error to that error's code
+    (``"LOCAL_SLOT_EXHAUSTED"``, ...): what a program decides by, never the
+    text of ``outcomes``."""
 
     outcomes: dict[int, str]
+    outcome_codes: dict[int, str]
 
-    def __init__(self, message: str, *, outcomes: Mapping[int, str] | None = None, **fields: Any) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        outcomes: Mapping[int, str] | None = None,
+        outcome_codes: Mapping[int, str] | None = None,
+        **fields: Any,
+    ) -> None:
         super().__init__(message, **fields)
         self.outcomes = dict(outcomes or {})
+        self.outcome_codes = dict(outcome_codes or {})
+
+    def refused_for(self, code: str) -> bool:
+        """Whether ``code`` is this error's code or a target's reply's."""
+        return self.code == code or code in self.outcome_codes.values()
 
 
 class HandleError(CallregError):
@@ -67,13 +84,19 @@ class HandleError(CallregError):
     ``"HANDLE_MUTATED"`` or ``"HANDLE_WRONG_NAMESPACE"``."""
 
 
-class TargetLostError(CallregError):
+class TargetLostError(CallregError, BrokenProcessPool):
     """The target died or was stopped before the task's result arrived, or
     there is no live target (``code`` ``"TARGET_LOST"`` or
     ``"NO_LIVE_TARGET"``). Raised by :meth:`Worker.start` when a target
     did not start, and by :meth:`Worker.unregister` when a target was lost
     while it dropped the handle (the handle is released all the same),
-    with ``outcomes`` (as :class:`RegisterError`'s; empty for a task)."""
+    with ``outcomes`` (as :class:`RegisterError`'s; empty for a task).
+
+    Also a :class:`concurrent.futures.process.BrokenProcessPool` (so a
+    ``RuntimeError``), as what ``ProcessPoolExecutor`` raises when a
+    worker dies, so that ``except BrokenProcessPool`` clauses keep
+    working; unlike that pool's, a Worker or Executor stays usable (the
+    target is replaced)."""
 
     outcomes: dict[int, str]
 
@@ -104,22 +127,24 @@ class EnvelopeError(CallregError):
 
 
 class TaskError(CallregError):
-    """The task raised (``code`` ``"TASK_FAILED"``): ``remote_type`` is the
-    exception's type name as the target saw it (``"ZeroDivisionError"``,
-    ``"mymodule.MyError"``), ``remote_traceback`` its traceback as
-    ``traceback.format_exception`` formats it (chained causes included;
-    frames of code pickled by value name the file and line where it was
-    defined) or ``None``.
+    """A task failed with an exception that cannot be raised here as
+    itself (``code`` ``"TASK_FAILED"``): it could not be pickled in the
+    target or unpickled here, it is not an ``Exception`` (a task's
+    ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit``: a task
+    cannot end or interrupt the caller), or it is a
+    :class:`CallregError` raised inside the task (an inner Worker's
+    :class:`TargetLostError`, which must not pass for a loss of this
+    Worker's target). ``remote_type`` is the exception's type name as the
+    target saw it (``"SystemExit"``, ``"mymodule.MyError"``),
+    ``remote_traceback`` its traceback as ``traceback.format_exception``
+    formats it, or ``None``; ``__cause__`` is the exception itself when it
+    unpickled here. ``str()`` gives the type, message, target and hashid.
 
-    When the exception unpickles here, what is raised is an instance of a
-    class derived from both ``TaskError`` and the exception's type (named
-    as that type; ``str()``, ``args`` and attributes are the original's),
-    with a :class:`RemoteTraceback` as ``__cause__``. It is a plain
-    ``TaskError`` (whose ``str()`` gives the type, message, target and
-    hashid) when the type cannot be derived from or is a
-    :class:`CallregError` (e.g. an inner Worker's
-    :class:`TargetLostError`: then it is the ``__cause__``), and has no
-    cause when the exception could not be sent."""
+    Every other exception a task raises is raised by ``result()``,
+    :meth:`Worker.call` and the ``map`` iterators as itself (its own type,
+    ``args`` and attributes), with a :class:`RemoteTraceback` as
+    ``__cause__``; ``except TaskError`` does not catch it
+    (``specs/python.md`` §3, "Task exceptions")."""
 
     remote_type: str | None
     remote_traceback: str | None
@@ -139,17 +164,46 @@ class TaskError(CallregError):
 
 class RemoteTraceback(Exception):
     """The ``__cause__`` of a task's exception raised here: its ``str()``
-    is the traceback the target formatted (:attr:`TaskError.remote_traceback`),
-    so a traceback printed here shows where the task raised."""
+    is the traceback the target formatted (exception line and chained
+    causes included, frames of code pickled by value naming the file and
+    line where it was defined), so a traceback printed here shows where
+    the task raised. ``target``, ``hashid`` and ``seq`` say which target
+    ran which callable in which task (``None`` where not known);
+    ``remote_type`` is the exception's type name as the target saw it."""
 
     text: str
+    target: int | None
+    hashid: str | None
+    seq: int | None
+    remote_type: str | None
 
-    def __init__(self, text: str) -> None:
+    def __init__(
+        self,
+        text: str,
+        *,
+        target: int | None = None,
+        hashid: str | None = None,
+        seq: int | None = None,
+        remote_type: str | None = None,
+    ) -> None:
         super().__init__(text)
         self.text = text
+        self.target = target
+        self.hashid = hashid
+        self.seq = seq
+        self.remote_type = remote_type
 
     def __str__(self) -> str:
         return self.text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_traceback, (self.text, dict(self.__dict__)))
+
+
+def _rebuild_traceback(text: str, fields: dict[str, Any]) -> RemoteTraceback:
+    cause = RemoteTraceback(text)
+    cause.__dict__.update(fields)
+    return cause
 
 
 def _rebuild_error(cls: type[CallregError], message: str, fields: dict[str, Any]) -> CallregError:

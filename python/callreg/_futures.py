@@ -35,8 +35,19 @@ _HELD_SLICE = 0.005
 
 
 def noted(error: BaseException) -> BaseException:
-    """``error``, raised by unpickling a task's result here, with a note
-    saying so (Python 3.11 and later): the task itself ran to its end."""
+    """What a result's ``pickle.loads`` that raised ``error`` raises: an
+    ``Exception`` itself, with a note saying so (Python 3.11 and later:
+    the task itself ran to its end); a ``SystemExit`` or other
+    ``BaseException`` (not ``KeyboardInterrupt``, which stays the
+    caller's) as a ``pickle.UnpicklingError`` from it, so that a result
+    never ends or interrupts this process (``specs/python.md`` §3)."""
+    if not isinstance(error, (Exception, KeyboardInterrupt)):
+        wrapped = pickle.UnpicklingError(
+            "unpickling the task's result raised %s: %r; the task itself returned, this process goes on"
+            % (type(error).__name__, error)
+        )
+        wrapped.__cause__ = error
+        return wrapped
     if hasattr(error, "add_note"):
         error.add_note("(raised unpickling the task's result in this process; the task itself returned)")
     return error
@@ -161,6 +172,12 @@ class _ArmingList(list[Any]):
             future._arm()
 
 
+# Held while a future's condition is made, and while a resolution looks
+# whether it was made and, when not, writes the result and state
+# (TaskFuture._resolve): one lock for every future, held for a dict look
+# and two writes.
+_MADE = threading.Lock()
+
 # Every Dispatch alive, for the fork hook below.
 _DISPATCHES: weakref.WeakSet[Dispatch] = weakref.WeakSet()
 
@@ -170,6 +187,8 @@ def _after_fork_in_child() -> None:
     multiprocessing context, a target): the Workers there are the
     parent's, so every Dispatch is marked forked, and its lock, which a
     thread of the parent may have held at the fork, is a new one."""
+    global _MADE
+    _MADE = threading.Lock()
     for dispatch in list(_DISPATCHES):
         dispatch.forked = True
         dispatch.lock = threading.Lock()
@@ -195,10 +214,11 @@ class TaskFuture(concurrent.futures.Future[Any]):
     _state = RUNNING
     _result: Any = None
     _exception: BaseException | None = None
-    # What the future keeps alive until it is resolved (an Executor: its
-    # tasks run to their end even when nothing else holds it, as
-    # ProcessPoolExecutor's do).
-    _owner: object = None
+    # The set that holds the future until it is resolved (an Executor's
+    # tasks run to their end when nothing else holds their futures, as
+    # ProcessPoolExecutor's do); the resolution takes it out, so the
+    # result is then held by whoever holds the future alone.
+    _held_by: set[concurrent.futures.Future[Any]] | None = None
 
     def __init__(self, pending: _callreg.RawPending, dispatch: Dispatch) -> None:
         # Not Future.__init__: the condition, the waiter list and the
@@ -214,9 +234,14 @@ class TaskFuture(concurrent.futures.Future[Any]):
 
     def __getattr__(self, name: str) -> Any:
         # Only for attributes not yet set: the lazy condition and waiter
-        # list (dict.setdefault: two threads get the same one).
+        # list (dict.setdefault: two threads get the same one). The
+        # condition is made under _MADE, which a resolution without it
+        # holds while it writes the state (_resolve): so a thread that
+        # makes it either reads the state finished under it, or finds the
+        # resolution taking it.
         if name == "_condition":
-            return self.__dict__.setdefault(name, threading.Condition())
+            with _MADE:
+                return self.__dict__.setdefault(name, threading.Condition())
         if name == "_done_callbacks":
             return self.__dict__.setdefault(name, [])
         if name == "_waiters":
@@ -261,9 +286,16 @@ class TaskFuture(concurrent.futures.Future[Any]):
                 waiter.add_cancelled(self)
             self._condition.notify_all()
         self._pending = None
-        self._owner = None
+        self._release()
         # concurrent.futures' own step after a cancel (not in its stubs).
         _resolve(lambda _: self._invoke_callbacks(), None)
+
+    def _release(self) -> None:
+        """Out of the set that held it until now (once resolved)."""
+        held = self._held_by
+        if held is not None:
+            self._held_by = None
+            held.discard(self)
 
     def _resolve(self, output: bytes | None, failure: _ErrorFields | None) -> None:
         """Sets the result (``output``: pickled bytes) or the error (a
@@ -271,7 +303,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
         task cancelled before it started (``TASK_CANCELLED``) leaves the
         future cancelled."""
         self._pending = None
-        self._owner = None
+        self._release()
         if failure is not None and failure["code"] == "TASK_CANCELLED":
             self._set_cancelled()
         elif failure is None:
@@ -283,21 +315,31 @@ class TaskFuture(concurrent.futures.Future[Any]):
                 # set_result(value), without the condition when it was
                 # never made: then no other thread waits on this future
                 # or looks at it under the lock, and it has no
-                # done-callback or waiter. The result and the state are
-                # written first, so a thread that makes the condition
-                # after the look reads the state finished; one that made
-                # it before is notified under it. (A task with a result
-                # was not cancelled: the state is RUNNING here.)
-                self._result = value
-                self._state = FINISHED
-                if "_condition" in self.__dict__:
-                    self._notify_result()
+                # done-callback or waiter. The look and the writes are
+                # one step under _MADE, under which the condition is
+                # made: a thread that makes it later reads the state
+                # finished under it. Once it exists, the state changes
+                # under it, as Future.set_result's does, so a waiter
+                # (wait, as_completed) sees the result exactly once.
+                # (A task with a result was not cancelled: the state is
+                # RUNNING here.)
+                with _MADE:
+                    if "_condition" not in self.__dict__:
+                        self._result = value
+                        self._state = FINISHED
+                        return
+                self._set_result_notified(value)
         else:
             _resolve(self.set_exception, error(failure))
 
-    def _notify_result(self) -> None:
-        """``set_result``'s notifications, once the result is set."""
+    def _set_result_notified(self, value: Any) -> None:
+        """``set_result(value)`` under the condition, with its
+        notifications."""
         with self._condition:
+            if self._state != RUNNING:
+                return
+            self._result = value
+            self._state = FINISHED
             for waiter in self._waiters:
                 waiter.add_result(self)
             self._condition.notify_all()
@@ -406,6 +448,19 @@ class TaskFuture(concurrent.futures.Future[Any]):
         return super().__repr__()
 
 
+def _result_or_cancel(future: concurrent.futures.Future[Any], deadline: float | None) -> Any:
+    """``future``'s result, waited for until ``deadline``; the future is
+    cancelled when the wait raises (timed out, interrupted, the task
+    failed)."""
+    try:
+        if deadline is None:
+            return future.result()
+        return future.result(max(0.0, deadline - time.monotonic()))
+    except BaseException:
+        future.cancel()
+        raise
+
+
 def in_order(futures: list[concurrent.futures.Future[Any]], deadline: float | None, chunked: bool) -> Iterator[Any]:
     """The results of ``futures`` in order (each a list of results when
     ``chunked``), each waited for until ``deadline`` (a
@@ -417,19 +472,17 @@ def in_order(futures: list[concurrent.futures.Future[Any]], deadline: float | No
     try:
         futures.reverse()
         while futures:
-            future = futures.pop()
-            try:
-                if deadline is None:
-                    value = future.result()
-                else:
-                    value = future.result(max(0.0, deadline - time.monotonic()))
-            except BaseException:
-                future.cancel()
-                raise
+            # No local holds a result, a chunk or a future while the
+            # iterator waits to be resumed: each result is the caller's
+            # alone once yielded, as ProcessPoolExecutor's map does.
             if chunked:
-                yield from value
+                chunk = _result_or_cancel(futures.pop(), deadline)
+                chunk.reverse()
+                while chunk:
+                    yield chunk.pop()
+                del chunk
             else:
-                yield value
+                yield _result_or_cancel(futures.pop(), deadline)
     finally:
         # The last submitted first: they are the least likely to have
         # started.

@@ -60,6 +60,10 @@ class WorkerOptions(TypedDict, total=False):
     preload: Iterable[str]
 
 
+WORKER_OPTIONS: Final = frozenset(WorkerOptions.__required_keys__ | WorkerOptions.__optional_keys__)
+"""The names of :class:`WorkerOptions`."""
+
+
 def raw_worker(
     targets: int,
     *,

@@ -511,7 +511,8 @@ class Worker(Inspection):
         try:
             result: _R = pickle.loads(output)
         except BaseException as exc:  # an unpicklable result
-            raise noted(exc) from None
+            unpickling = noted(exc)
+            raise unpickling from unpickling.__cause__
         return result
 
     def call_all(self, handle: Handle[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs) -> dict[int, _R]:
@@ -586,15 +587,24 @@ class Worker(Inspection):
             raise ValueError("chunksize must be >= 1, got %d" % chunksize)
         deadline = None if timeout is None else time.monotonic() + timeout
         calls = zip(*iterables, strict=False)  # as map: the shortest ends it
-        if chunksize == 1:
-            futures = [self._submit(raw, None, task_input(items, {}), task_timeout) for items in calls]
-        else:
-            futures = []
-            while True:
-                chunk = list(itertools.islice(calls, chunksize))
-                if not chunk:
+        futures = []
+        while True:
+            if chunksize == 1:
+                items = next(calls, None)
+                if items is None:
                     break
-                futures.append(self._submit(raw, None, chunk_input(chunk), task_timeout))
+                make: Callable[[Any], bytes] = lambda items: task_input(items, {})  # noqa: E731
+            else:
+                items = list(itertools.islice(calls, chunksize))
+                if not items:
+                    break
+                make = chunk_input
+            try:
+                data = make(items)
+            except Exception as failure:  # an argument cannot be pickled: its result() raises
+                futures.append(_failed_with(failure))
+            else:
+                futures.append(self._submit(raw, None, data, task_timeout))
         if track is not None:
             for future in futures:
                 track(future)
@@ -604,7 +614,12 @@ class Worker(Inspection):
 def _failed(failure: _callreg.RawError) -> concurrent.futures.Future[Any]:
     """A future failed at once with ``failure``'s error (a task refused at
     submit)."""
+    return _failed_with(error(failure))
+
+
+def _failed_with(exception: BaseException) -> concurrent.futures.Future[Any]:
+    """A future failed at once with ``exception``."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
-    future.set_exception(error(failure))
+    future.set_exception(exception)
     return future

@@ -304,6 +304,15 @@ fn error_dict<'py>(
         list.append((target.0, outcome_text(outcome)))?;
     }
     dict.set_item("outcomes", list)?;
+    // Each failed reply's code, by target: what the package decides by
+    // (never the outcome's text).
+    let codes = PyList::empty(py);
+    for (target, outcome) in outcomes {
+        if let TargetOutcome::Failed { failure } | TargetOutcome::CleanupUnconfirmed { failure } = outcome {
+            codes.append((target.0, failure.code.as_str()))?;
+        }
+    }
+    dict.set_item("outcome_codes", codes)?;
     Ok(dict)
 }
 

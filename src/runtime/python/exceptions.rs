@@ -33,20 +33,7 @@ pub(super) fn task_failure(
     }
     let exception = match encoding {
         TaskEncoding::Json => Vec::new(),
-        TaskEncoding::Pickle => functions
-            .helpers
-            .bind(py)
-            .getattr("dump_exception")
-            .and_then(|dump| {
-                dump.call1((
-                    err.value(py),
-                    functions.pickle_protocol.bind(py),
-                    err.traceback(py),
-                ))
-            })
-            .ok()
-            .and_then(|b| b.cast::<PyBytes>().ok().map(|b| b.as_bytes().to_vec()))
-            .unwrap_or_default(),
+        TaskEncoding::Pickle => pickled_exception(py, functions, err),
     };
     RuntimeError {
         code: ErrorCode::TASK_FAILED,
@@ -54,6 +41,29 @@ pub(super) fn task_failure(
         message,
         exception,
     }
+}
+
+/// `err`'s exception pickled by the helper `dump_exception` (with its
+/// traceback), or empty when that fails.
+pub(super) fn pickled_exception(
+    py: Python<'_>,
+    functions: &PythonFunctions,
+    err: &PyErr,
+) -> Vec<u8> {
+    functions
+        .helpers
+        .bind(py)
+        .getattr("dump_exception")
+        .and_then(|dump| {
+            dump.call1((
+                err.value(py),
+                functions.pickle_protocol.bind(py),
+                err.traceback(py),
+            ))
+        })
+        .ok()
+        .and_then(|b| b.cast::<PyBytes>().ok().map(|b| b.as_bytes().to_vec()))
+        .unwrap_or_default()
 }
 
 /// The last [`TRACEBACK_FRAMES_KEPT`] frames of `err`'s traceback, formatted

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 use pyo3::PyErr;
 
-use super::exceptions::{describe_exception, type_name};
+use super::exceptions::{describe_exception, pickled_exception, type_name};
 use super::interpreter::PythonFunctions;
 use super::RuntimeError;
 use crate::error::ErrorCode;
@@ -43,7 +43,23 @@ pub(super) fn pickle_result(
         .result_dumps
         .bind(py)
         .call1((result, functions.pickle_protocol.bind(py)))
-        .map_err(|err| unencodable_result(py, &err, result, "picklable"))?;
+        .map_err(|err| {
+            let mut failure = unencodable_result(py, &err, result, "picklable");
+            // The pickling error itself travels too, as a task's own
+            // exception does: the parent raises it as itself, as
+            // ProcessPoolExecutor does (specs/python.md §3), with a note
+            // saying what failed to pickle (Python 3.11 and later).
+            let value = err.value(py);
+            if value.hasattr("add_note").unwrap_or(false) {
+                let note = format!(
+                    "(raised pickling the task's result, of type '{}', in its target)",
+                    type_name(&result.get_type())
+                );
+                let _ = value.call_method1("add_note", (note,));
+            }
+            failure.exception = pickled_exception(py, functions, &err);
+            failure
+        })?;
     let bytes = encoded
         .cast::<PyBytes>()
         .map_err(|_| unencodable_result_text(result, "pickle.dumps did not return bytes"))?;
