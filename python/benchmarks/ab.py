@@ -13,6 +13,13 @@ each process measures, with the scenarios of ``peers.py``:
 * ``in_flight``: 100 ``Worker.submit`` then each ``result()``, per task
   (``--calls`` tasks per round, at least 100; with ``--in-flight``).
 
+With ``--executor``, the scenarios are the Executor's instead, each with
+``ProcessPoolExecutor(mp_context=fork)`` measured in the same process as
+its floor (``ppe_*``): ``executor_round_trip`` and
+``executor_submit_result`` (``submit(f, x).result()`` one at a time) and
+``executor_in_flight`` (1000 futures submitted, then each waited for,
+per task), with the ratios to the floor taken to PPE's figures.
+
 With ``--load N``, N busy processes (pure Python loops) run through every
 round, so both builds are measured loaded.
 
@@ -38,11 +45,30 @@ SCENARIOS = ("round_trip", "register_small")
 IN_FLIGHT = 100
 
 
+EXECUTOR_SCENARIOS = ("round_trip", "submit_result", "in_flight")
+
+
+def measure_executor_here(args):
+    """One round of the Executor's scenarios and PPE's, in this
+    interpreter: {scenario: [wall, cpu]} per op."""
+    sys.path.insert(0, HERE)
+    import peers
+
+    out = {}
+    for cls, prefix in ((peers.Ppe, "ppe_"), (peers.Executor, "executor_")):
+        for scenario in EXECUTOR_SCENARIOS:
+            name = "throughput_all" if scenario == "in_flight" else scenario
+            out[prefix + scenario] = list(peers.run_scenario(cls, name, args.workers, args))
+    return out
+
+
 def measure_here(args):
     """One round in this interpreter: {scenario: [wall, cpu]} per op."""
     sys.path.insert(0, HERE)
     import peers
 
+    if args.executor:
+        return measure_executor_here(args)
     out = {"echo": list(peers.echo_floor(args.calls))}
     for scenario in SCENARIOS:
         out[scenario] = list(peers.run_scenario(peers.Callreg, scenario, args.workers, args))
@@ -69,7 +95,7 @@ def run_build(python, args):
         str(args.calls),
         "--registers",
         str(args.registers),
-    ] + (["--in-flight"] if args.in_flight else [])
+    ] + (["--in-flight"] if args.in_flight else []) + (["--executor"] if args.executor else [])
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
 
@@ -89,11 +115,12 @@ def main():
     parser.add_argument("--registers", type=int, default=20, help="registers per round")
     parser.add_argument("--in-flight", action="store_true", help="also measure 100 tasks in flight")
     parser.add_argument("--load", type=int, default=0, help="busy processes running meanwhile")
+    parser.add_argument("--executor", action="store_true", help="the Executor's scenarios, PPE as the floor")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         # Attributes run_scenario reads that this benchmark does not vary.
-        args.batches, args.closure_calls = 1, 1
+        args.batches, args.closure_calls = (3 if args.executor else 1), 1
         json.dump(measure_here(args), sys.stdout)
         return
     if not (args.before and args.after):
@@ -119,7 +146,38 @@ def main():
         return statistics.median(s[scenario][index] for s in samples[name])
 
     def floor_ratio(name, scenario, index):
-        return statistics.median(s[scenario][index] / s["echo"][index] for s in samples[name])
+        floor = "ppe_" + scenario[len("executor_") :] if args.executor else "echo"
+        return statistics.median(s[scenario][index] / s[floor][index] for s in samples[name])
+
+    if args.executor:
+        print("command: %s %s" % (os.path.basename(sys.executable), " ".join(sys.argv)))
+        print("load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f" % (load_before + load_after))
+        print("workers: %d; rounds: %d (median shown); busy processes: %d" % (args.workers, args.rounds, args.load))
+        print()
+        print("| scenario | build | Executor wall | Executor CPU | PPE wall | PPE CPU | wall / PPE | CPU / PPE |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for scenario in EXECUTOR_SCENARIOS:
+            for name in builds:
+                print(
+                    "| %s | %s | %.1f µs | %.1f µs | %.1f µs | %.1f µs | %.3f× | %.3f× |"
+                    % (
+                        scenario,
+                        name,
+                        median(name, "executor_" + scenario, 0) * 1e6,
+                        median(name, "executor_" + scenario, 1) * 1e6,
+                        median(name, "ppe_" + scenario, 0) * 1e6,
+                        median(name, "ppe_" + scenario, 1) * 1e6,
+                        floor_ratio(name, "executor_" + scenario, 0),
+                        floor_ratio(name, "executor_" + scenario, 1),
+                    )
+                )
+        print()
+        for scenario in EXECUTOR_SCENARIOS:
+            key = "executor_" + scenario
+            wall = floor_ratio("after", key, 0) / floor_ratio("before", key, 0)
+            cpu = floor_ratio("after", key, 1) / floor_ratio("before", key, 1)
+            print("%s: after / before, as ratios to PPE: wall %.2f×, CPU %.2f×" % (scenario, wall, cpu))
+        return
 
     print("command: %s %s" % (os.path.basename(sys.executable), " ".join(sys.argv)))
     print("load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f" % (load_before + load_after))

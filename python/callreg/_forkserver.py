@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import os
 import pickle
 import sys
@@ -34,18 +35,36 @@ def template_command(
     args, runtime_data)``. The runtime data is a pickle of the preload
     module names and the target initializer (cloudpickled: it may be a
     lambda or a closure)."""
+    try:
+        initializer = None if target_initializer is None else cloudpickle.dumps(target_initializer)
+    except RuntimeError as e:
+        # multiprocessing's Queue, Lock, Pipe... refuse pickling outside
+        # the start of one of its own processes ("should only be shared
+        # between processes through inheritance").
+        raise RuntimeError(
+            "the initializer or initargs hold a multiprocessing object that only a forked process can inherit "
+            "(%s); under start_method='forkserver' (mp_context forkserver or spawn) pass a "
+            "multiprocessing.Manager() proxy instead (manager.Queue(), manager.Lock(): they travel by address), "
+            "or use start_method='fork'" % (e,)
+        ) from e
     data = {
         "preload": list(preload),
-        "initializer": None if target_initializer is None else cloudpickle.dumps(target_initializer),
+        "initializer": initializer,
+        # The parent's multiprocessing authentication key: a Manager's
+        # proxy (in initargs or a task's arguments) connects to its
+        # manager with it, from the template and every target.
+        "authkey": bytes(multiprocessing.current_process().authkey),
     }
     return sys.executable, ["-c", _BOOTSTRAP, json.dumps(sys.path)], pickle.dumps(data)
 
 
 def prepare(data: bytes) -> Callable[[int], object] | None:
-    """In the template: imports each preload module, in order, and returns
-    the target initializer. Raises ``RuntimeError`` naming what failed (the
+    """In the template: takes the parent's multiprocessing authentication
+    key, imports each preload module, in order, and returns the target
+    initializer. Raises ``RuntimeError`` naming what failed (the
     parent's ``start()`` raises it with this message)."""
     spec = pickle.loads(data)
+    multiprocessing.current_process().authkey = spec["authkey"]
     for name in spec["preload"]:
         try:
             importlib.import_module(name)

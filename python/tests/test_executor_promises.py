@@ -381,3 +381,55 @@ def test_a_task_exception_reads_as_under_process_pool_executor():
     outputs = outputs_of(PPE_EXCEPTION_PROGRAM)
     assert outputs["ppe"] == "Coded 7 (7,) _RemoteTraceback\n"
     assert outputs["callreg"] == "Coded 7 (7,) RemoteTraceback\n"
+
+
+def put(queue, value):
+    queue.put(value)
+    return value
+
+
+_INIT_QUEUE = None
+
+
+def remember_queue(queue):
+    global _INIT_QUEUE
+    _INIT_QUEUE = queue
+
+
+def put_from_initializer(value):
+    _INIT_QUEUE.put(value)
+    return value
+
+
+def test_manager_proxies_reach_forkserver_targets():
+    # A Manager's proxy connects to its manager with this process's
+    # authentication key: the template and its targets hold it too.
+    with multiprocessing.Manager() as manager:
+        queue = manager.Queue()
+        with callreg.Executor(1, mp_context="forkserver") as ex:
+            assert ex.submit(put, queue, 5).result(timeout=60) == 5
+        assert queue.get(timeout=10) == 5
+        init_queue = manager.Queue()
+        with callreg.Executor(1, mp_context="spawn", initializer=remember_queue, initargs=(init_queue,)) as ex:
+            assert ex.submit(put_from_initializer, 6).result(timeout=60) == 6
+        assert init_queue.get(timeout=10) == 6
+
+
+def test_an_inherit_only_multiprocessing_object_in_initargs_names_the_fix():
+    # Under fork the targets inherit it.
+    queue = multiprocessing.get_context("fork").Queue()
+    with callreg.Executor(1, initializer=remember_queue, initargs=(queue,)) as ex:
+        assert ex.submit(put_from_initializer, 7).result(timeout=30) == 7
+    assert queue.get(timeout=10) == 7
+    queue.close()
+    queue.join_thread()
+    # Under forkserver it cannot travel: the error says what to use. (A
+    # Queue of the fork context: another context's would start
+    # multiprocessing's resource tracker, a process that outlives the
+    # test.)
+    queue = multiprocessing.get_context("fork").Queue()
+    with pytest.raises(RuntimeError, match=r"pass a multiprocessing.Manager\(\) proxy instead") as raised:
+        callreg.Executor(1, mp_context="forkserver", initializer=remember_queue, initargs=(queue,))
+    assert "should only be shared between processes through inheritance" in str(raised.value)
+    queue.close()
+    queue.join_thread()
