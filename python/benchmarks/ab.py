@@ -85,17 +85,21 @@ def measure_here(args):
 
 
 def run_build(python, args):
-    command = [
-        python,
-        os.path.abspath(__file__),
-        "--measure",
-        "--workers",
-        str(args.workers),
-        "--calls",
-        str(args.calls),
-        "--registers",
-        str(args.registers),
-    ] + (["--in-flight"] if args.in_flight else []) + (["--executor"] if args.executor else [])
+    command = (
+        [
+            python,
+            os.path.abspath(__file__),
+            "--measure",
+            "--workers",
+            str(args.workers),
+            "--calls",
+            str(args.calls),
+            "--registers",
+            str(args.registers),
+        ]
+        + (["--in-flight"] if args.in_flight else [])
+        + (["--executor"] if args.executor else [])
+    )
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
 
