@@ -86,6 +86,10 @@ fn main() {
             a_target_exiting_in_a_task_is_reaped_and_lost,
         ),
         (
+            "tasks_without_a_target_go_to_the_live_targets_in_turn",
+            tasks_without_a_target_go_to_the_live_targets_in_turn,
+        ),
+        (
             "hung_targets_are_fenced_at_the_deadline",
             hung_targets_are_fenced_at_the_deadline,
         ),
@@ -683,6 +687,68 @@ fn a_target_exiting_in_a_task_is_reaped_and_lost() {
     // Unregister reaches only the survivor.
     worker.unregister(&exit).unwrap();
     check_invariants(&worker, 2);
+}
+
+fn tasks_without_a_target_go_to_the_live_targets_in_turn() {
+    let worker = builder(3).respawn_limit(0).build().unwrap();
+    // Before start: target 0, whose submit says why it is refused.
+    let add = worker.register(&envelope("add")).unwrap();
+    assert_eq!(worker.pick_target(&add), Ok(TargetId(0)));
+    let err = worker
+        .submit_any_async(&add, TaskEncoding::Json, ADD_INPUT, None)
+        .wait()
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::LIFECYCLE_INVALID);
+    worker.start().unwrap();
+    let picks: Vec<TargetId> = (0..4).map(|_| worker.pick_target(&add).unwrap()).collect();
+    assert_eq!(
+        picks,
+        vec![TargetId(0), TargetId(1), TargetId(2), TargetId(0)]
+    );
+    let result = worker
+        .submit_any_async(&add, TaskEncoding::Json, ADD_INPUT, None)
+        .wait()
+        .unwrap();
+    assert_eq!(result, b"42");
+    // (That task went to target 1, turn 4.) Target 1 lost: the turns go
+    // over the other two.
+    let exit = worker.register(&envelope("exit 9")).unwrap();
+    let err = worker
+        .submit(&exit, TargetId(1), TaskEncoding::Json, b"")
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::TARGET_LOST);
+    let picks: Vec<TargetId> = (0..3).map(|_| worker.pick_target(&add).unwrap()).collect();
+    assert_eq!(picks, vec![TargetId(2), TargetId(0), TargetId(2)]);
+    // None live: a stale handle is refused as such first, a live one
+    // with NO_LIVE_TARGET, as the pending task's error too.
+    for target in [TargetId(0), TargetId(2)] {
+        let err = worker
+            .submit(&exit, target, TaskEncoding::Json, b"")
+            .unwrap_err();
+        assert_eq!(err.error.code, ErrorCode::TARGET_LOST);
+    }
+    assert_eq!(worker.live_targets(), vec![]);
+    worker.unregister(&exit).unwrap();
+    assert_eq!(
+        worker.pick_target(&exit).unwrap_err().code,
+        ErrorCode::HANDLE_STALE
+    );
+    let err = worker.pick_target(&add).unwrap_err();
+    assert_eq!(
+        (err.code, err.operation, err.message.as_str()),
+        (
+            ErrorCode::NO_LIVE_TARGET,
+            OperationKind::Task,
+            "every target is lost"
+        )
+    );
+    let err = worker
+        .submit_any_async(&add, TaskEncoding::Json, ADD_INPUT, None)
+        .wait()
+        .unwrap_err();
+    assert_eq!(err.error.code, ErrorCode::NO_LIVE_TARGET);
+    worker.close();
+    assert_eq!(worker.pick_target(&add), Ok(TargetId(0)));
 }
 
 /// Targets stuck in a 5 s deserialization keep reporting alive, so the

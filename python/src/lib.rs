@@ -31,7 +31,7 @@
 //! Envelope packing and hashids ([`encode_envelope`], [`envelope_hashid`])
 //! are the crate's own ([`callreg::envelope`], [`callreg::descriptor`]).
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -268,7 +268,6 @@ fn wait_operation<T: Send>(
 struct RawWorker {
     worker: Worker<PythonRuntime>,
     next_task: AtomicU64,
-    next_target: AtomicUsize,
     /// Cloned into each submitted task's completion callback; dropped at
     /// close, so the channel disconnects once every task completed.
     sender: Mutex<Option<mpsc::Sender<Completion>>>,
@@ -308,7 +307,9 @@ fn error_dict<'py>(
     // (never the outcome's text).
     let codes = PyList::empty(py);
     for (target, outcome) in outcomes {
-        if let TargetOutcome::Failed { failure } | TargetOutcome::CleanupUnconfirmed { failure } = outcome {
+        if let TargetOutcome::Failed { failure } | TargetOutcome::CleanupUnconfirmed { failure } =
+            outcome
+        {
             codes.append((target.0, failure.code.as_str()))?;
         }
     }
@@ -437,41 +438,10 @@ fn task_err_dict<'py>(py: Python<'py>, e: &TaskError) -> PyResult<Bound<'py, PyD
 }
 
 impl RawWorker {
-    /// Picks the task's target: the given one, else the live targets in
-    /// turn (round robin).
-    ///
-    /// # Errors
-    /// `NO_LIVE_TARGET` when none is given and a started Worker has no
-    /// live target (as a register then fails), after the handle's own
-    /// checks (`specs/protocol.md` §2.5: a stale or foreign handle is
-    /// refused as such first); before start and after close the Worker's
-    /// own refusal of target 0 says which.
-    fn pick_target(&self, handle: &Handle, target: Option<u16>) -> Result<TargetId, Error> {
-        if let Some(target) = target {
-            return Ok(TargetId(target));
-        }
-        let live = self.worker.live_targets();
-        if live.is_empty() {
-            let parent = self.worker.parent_state();
-            if parent.lifecycle() == callreg::protocol::Lifecycle::Started {
-                parent
-                    .resolve(handle, callreg::protocol::Namespace::LocalPython)
-                    .map_err(|e| Error {
-                        operation: OperationKind::Task,
-                        ..e
-                    })?;
-                return Err(Error::new(
-                    ErrorCode::NO_LIVE_TARGET,
-                    OperationKind::Task,
-                    "every target is lost",
-                ));
-            }
-            return Ok(TargetId(0));
-        }
-        let turn = self.next_target.fetch_add(1, Ordering::Relaxed);
-        Ok(live[turn % live.len()])
-    }
-
+    /// Starts a task on `target`, or, given none, on the target the
+    /// crate's Worker picks ([`Worker::submit_any_async`]: the live
+    /// targets in turn; a refusal of the pick is the pending task's
+    /// error).
     fn start_task(
         &self,
         handle: &RawHandle,
@@ -479,14 +449,19 @@ impl RawWorker {
         input: &[u8],
         deadline: Option<Duration>,
     ) -> Result<PendingTask, Error> {
-        let target = self.pick_target(&handle.handle, target)?;
-        Ok(self.worker.submit_async_with_deadline(
-            &handle.handle,
-            target,
-            TaskEncoding::Pickle,
-            input,
-            deadline,
-        ))
+        Ok(match target {
+            Some(target) => self.worker.submit_async_with_deadline(
+                &handle.handle,
+                TargetId(target),
+                TaskEncoding::Pickle,
+                input,
+                deadline,
+            ),
+            None => {
+                self.worker
+                    .submit_any_async(&handle.handle, TaskEncoding::Pickle, input, deadline)
+            }
+        })
     }
 }
 
@@ -580,7 +555,6 @@ impl RawWorker {
         Ok(RawWorker {
             worker,
             next_task: AtomicU64::new(1),
-            next_target: AtomicUsize::new(0),
             sender: Mutex::new(Some(sender)),
             receiver: Mutex::new(receiver),
             process: std::process::id(),

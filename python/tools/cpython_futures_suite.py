@@ -34,10 +34,11 @@ the executor:
   those tests wait for a crashed task is ``--deadlock-timeout`` at most.
 
 Each executor and start method runs in a child process of its own (this
-script with ``--child``), which writes one JSON line per test; a test that
-runs longer than ``--test-timeout`` ends that child, naming the test, with
-every thread's traceback (``faulthandler``). The command prints, per start
-method::
+script with ``--child``), which writes one JSON line per test. A test that
+runs longer than ``--test-timeout`` (and so a class or module fixture or
+cleanup after it) ends that child with every thread's traceback
+(``faulthandler``); the command names the test, fails it, and runs the
+tests left in a new child. It prints, per start method::
 
     callreg fork: N passed, M failed, K skipped
     ProcessPoolExecutor fork: N passed, M failed, K skipped
@@ -45,7 +46,8 @@ method::
 then every callreg failure with PPE's outcome of the same test, and exits
 1 when a callreg test failed that passed for PPE (with ``--executor
 callreg``: that was not run, so every callreg failure counts) and matches
-no pattern of :data:`EXPECTED_DIFFERENCES`, or when a run ended early.
+no pattern of :data:`EXPECTED_DIFFERENCES`, or when a child ended outside
+a test (a hung or crashed fixture or cleanup).
 """
 
 from __future__ import annotations

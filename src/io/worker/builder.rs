@@ -330,6 +330,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             }),
             io_thread: Mutex::new(None),
             forker: Mutex::new(None),
+            next_target: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 }

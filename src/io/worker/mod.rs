@@ -94,6 +94,7 @@
 //! `parent.before_publish` first).
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -170,6 +171,8 @@ pub struct Worker<R: Runtime> {
     io_thread: Mutex<Option<JoinHandle<()>>>,
     /// The forking thread ([`Worker::forker_run`]) and what ends it.
     forker: Mutex<Option<(std::sync::mpsc::Sender<()>, JoinHandle<()>)>>,
+    /// The turn of the next task given no target ([`Worker::pick_target`]).
+    next_target: AtomicUsize,
 }
 
 // A Worker is shared between threads: fail the build if a field breaks it.
@@ -285,6 +288,70 @@ impl<R: Runtime> Worker<R> {
                 let started = core.machine.lifecycle() == Lifecycle::New;
                 drop(core);
                 refuse(request, started);
+            }
+        }
+    }
+
+    /// The target a task of `handle` given no target goes to: the live
+    /// targets in turn (round robin over [`Worker::live_targets`]). With
+    /// none live on a started Worker, the handle's own refusal comes
+    /// first (`specs/protocol.md` §2.5: a stale or foreign handle is
+    /// refused as such), else `NO_LIVE_TARGET`; before start and after
+    /// close it is target 0, whose submit reports the Worker's state
+    /// (`LIFECYCLE_INVALID`).
+    ///
+    /// # Errors
+    /// `HANDLE_STALE`, `HANDLE_FOREIGN`, `HANDLE_MUTATED` or
+    /// `HANDLE_WRONG_NAMESPACE` for a handle the machine refuses, and
+    /// `NO_LIVE_TARGET`, each only when no target is live on a started
+    /// Worker; the operation is [`OperationKind::Task`].
+    pub fn pick_target(&self, handle: &Handle) -> Result<TargetId, Error> {
+        let live = self.live_targets();
+        if live.is_empty() {
+            if self.shared.foreign() {
+                return Ok(TargetId(0));
+            }
+            let core = self.shared.lock();
+            if core.machine.lifecycle() != Lifecycle::Started {
+                return Ok(TargetId(0));
+            }
+            core.machine
+                .resolve(handle, crate::protocol::Namespace::LocalPython)
+                .map_err(|e| Error {
+                    operation: OperationKind::Task,
+                    ..e
+                })?;
+            return Err(Error::new(
+                ErrorCode::NO_LIVE_TARGET,
+                OperationKind::Task,
+                "every target is lost",
+            ));
+        }
+        let turn = self.next_target.fetch_add(1, Ordering::Relaxed);
+        Ok(live[turn % live.len()])
+    }
+
+    /// [`Worker::submit_async_with_deadline`] on the target
+    /// [`Worker::pick_target`] picks; a refusal of the pick is the
+    /// pending task's error.
+    pub fn submit_any_async(
+        &self,
+        handle: &Handle,
+        encoding: TaskEncoding,
+        input: &[u8],
+        deadline: Option<Duration>,
+    ) -> PendingTask {
+        match self.pick_target(handle) {
+            Ok(target) => {
+                self.submit_async_with_deadline(handle, target, encoding, input, deadline)
+            }
+            Err(error) => {
+                let (done, pending) = handoff::channel();
+                done.complete(Err(TaskError::of(error)));
+                PendingTask {
+                    awaited: Awaited::done(pending),
+                    key: TaskKey::fresh(),
+                }
             }
         }
     }
