@@ -85,6 +85,16 @@ if ! "$venv/bin/python" -c 'import distributed' 2>/dev/null; then
 fi
 "$venv/bin/python" -m mypy.stubtest --mypy-config-file "$here/pyproject.toml" "${allowlists[@]}" callreg
 "$venv/bin/pytest" -q -p no:cacheprovider "$here/tests"
+# CPython's own concurrent.futures process-pool tests against
+# callreg.Executor, beside ProcessPoolExecutor as the control, on the
+# interpreters that ship the suite (3.10's module, 3.13's package); fails
+# on a test that passes for ProcessPoolExecutor and fails for callreg
+# outside the tool's documented list (python/tools/cpython_futures_suite.py,
+# docs/migrating.md). Once per interpreter (not again for the oldest
+# cloudpickle). Each run's counts are in the log.
+if [ "$cloudpickle" = cloudpickle ] && "$venv/bin/python" -c 'import test.test_concurrent_futures' 2>/dev/null; then
+  "$venv/bin/python" "$here/tools/cpython_futures_suite.py" --test-timeout 300 --log-dir "$work/cpython-suite-$version"
+fi
 # The README's tree example, with the installed wheel; its last line
 # checks its own result.
 "$venv/bin/python" "$here/../examples/tree.py" | tee "$work/tree-example.out"

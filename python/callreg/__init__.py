@@ -71,8 +71,8 @@ Process model (Linux):
 * An ``async def`` function is refused by :meth:`Worker.register` (its call
   would only return a coroutine); register a plain function that runs it,
   e.g. ``lambda *a: asyncio.run(coro_fn(*a))``. A generator function's call
-  returns a generator, which cannot be pickled: the task fails with
-  :class:`TaskError` (``remote_type`` ``"TypeError"``); return a list.
+  returns a generator, which cannot be pickled: ``result()`` raises the
+  pickling error (``TypeError``); return a list.
 """
 
 from callreg import _callreg
@@ -84,8 +84,10 @@ from callreg._errors import (
     LifecycleError,
     RegisterError,
     RemoteTraceback,
+    ResultError,
     TargetLostError,
     TaskError,
+    TaskInputError,
     TaskTimeoutError,
 )
 from callreg._executor import Executor, TaskOptions, options
@@ -114,6 +116,8 @@ __all__ = [
     "LifecycleError",
     "EnvelopeError",
     "TaskError",
+    "TaskInputError",
+    "ResultError",
     "TaskTimeoutError",
     "RemoteTraceback",
     "DEFAULT_MAX_FRAME_BYTES",
@@ -144,6 +148,8 @@ for _public in (
     LifecycleError,
     EnvelopeError,
     TaskError,
+    TaskInputError,
+    ResultError,
     RemoteTraceback,
 ):
     _public.__module__ = __name__

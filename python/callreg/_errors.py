@@ -129,22 +129,21 @@ class EnvelopeError(CallregError):
 class TaskError(CallregError):
     """A task failed with an exception that cannot be raised here as
     itself (``code`` ``"TASK_FAILED"``): it could not be pickled in the
-    target or unpickled here, it is not an ``Exception`` (a task's
-    ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit``: a task
-    cannot end or interrupt the caller), or it is a
-    :class:`CallregError` raised inside the task (an inner Worker's
-    :class:`TargetLostError`, which must not pass for a loss of this
-    Worker's target). ``remote_type`` is the exception's type name as the
-    target saw it (``"SystemExit"``, ``"mymodule.MyError"``),
+    target or unpickled here, or it is a :class:`CallregError` raised
+    inside the task (an inner Worker's :class:`TargetLostError`, which
+    must not pass for a loss of this Worker's target); and its subclass
+    :class:`TaskInputError`. ``remote_type`` is the exception's type name
+    as the target saw it (``"mymodule.MyError"``),
     ``remote_traceback`` its traceback as ``traceback.format_exception``
     formats it, or ``None``; ``__cause__`` is the exception itself when it
     unpickled here. ``str()`` gives the type, message, target and hashid.
 
     Every other exception a task raises is raised by ``result()``,
     :meth:`Worker.call` and the ``map`` iterators as itself (its own type,
-    ``args`` and attributes), with a :class:`RemoteTraceback` as
-    ``__cause__``; ``except TaskError`` does not catch it
-    (``specs/python.md`` §3, "Task exceptions")."""
+    ``args`` and attributes; a ``SystemExit`` or ``KeyboardInterrupt``
+    too, as ``ProcessPoolExecutor`` raises them), with a
+    :class:`RemoteTraceback` as ``__cause__``; ``except TaskError`` does
+    not catch it (``specs/python.md`` §3, "Task exceptions")."""
 
     remote_type: str | None
     remote_traceback: str | None
@@ -160,6 +159,28 @@ class TaskError(CallregError):
         super().__init__(message, **fields)
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+
+
+class TaskInputError(TaskError, BrokenProcessPool):
+    """The target could not unpickle a task's input (its arguments; a
+    class missing there, a ``__reduce__`` that raises or exits):
+    ``remote_type`` ``"TaskInputInvalid"``, the message says what
+    unpickling raised. The task did not run; the target stays usable
+    (it did not run anything). Also a
+    :class:`concurrent.futures.process.BrokenProcessPool`, what
+    ``ProcessPoolExecutor`` raises then (its worker dies of it)."""
+
+
+class ResultError(CallregError, BrokenProcessPool):
+    """The task returned, but its pickled result could not be unpickled
+    in this process (a class missing here, a ``__reduce__`` that raises,
+    or one that calls ``sys.exit``): ``code`` ``"DESERIALIZE_FAILED"``,
+    ``operation`` ``"result"``; ``__cause__`` is what unpickling raised.
+    Raised by ``result()``, :meth:`Worker.call` and the ``map``
+    iterators; the Worker stays usable. Also a
+    :class:`concurrent.futures.process.BrokenProcessPool`, what
+    ``ProcessPoolExecutor`` raises then (its result thread dies of it). A
+    ``KeyboardInterrupt`` while unpickling stays the caller's."""
 
 
 class RemoteTraceback(Exception):
@@ -194,6 +215,12 @@ class RemoteTraceback(Exception):
         self.remote_type = remote_type
 
     def __str__(self) -> str:
+        return self.text
+
+    @property
+    def tb(self) -> str:
+        """:attr:`text`, by the name ``ProcessPoolExecutor``'s remote
+        traceback gives it."""
         return self.text
 
     def __reduce__(self) -> tuple[Any, ...]:

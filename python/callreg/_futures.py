@@ -16,7 +16,7 @@ from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from callreg import _callreg
-from callreg._errors import LifecycleError
+from callreg._errors import LifecycleError, ResultError
 from callreg._raw_errors import error
 
 if TYPE_CHECKING:
@@ -35,22 +35,21 @@ _HELD_SLICE = 0.005
 
 
 def noted(error: BaseException) -> BaseException:
-    """What a result's ``pickle.loads`` that raised ``error`` raises: an
-    ``Exception`` itself, with a note saying so (Python 3.11 and later:
-    the task itself ran to its end); a ``SystemExit`` or other
-    ``BaseException`` (not ``KeyboardInterrupt``, which stays the
-    caller's) as a ``pickle.UnpicklingError`` from it, so that a result
-    never ends or interrupts this process (``specs/python.md`` §3)."""
-    if not isinstance(error, (Exception, KeyboardInterrupt)):
-        wrapped = pickle.UnpicklingError(
-            "unpickling the task's result raised %s: %r; the task itself returned, this process goes on"
-            % (type(error).__name__, error)
-        )
-        wrapped.__cause__ = error
-        return wrapped
-    if hasattr(error, "add_note"):
-        error.add_note("(raised unpickling the task's result in this process; the task itself returned)")
-    return error
+    """What a result's ``pickle.loads`` that raised ``error`` raises: a
+    :class:`ResultError` (also a ``BrokenProcessPool``, as
+    ``ProcessPoolExecutor`` raises then) from ``error``, so that a result
+    never ends this process (``sys.exit`` in a ``__reduce__``); a
+    ``KeyboardInterrupt`` stays the caller's (``specs/python.md`` §3)."""
+    if isinstance(error, KeyboardInterrupt):
+        return error
+    wrapped = ResultError(
+        "the task returned, but its result could not be unpickled in this process: %s: %s"
+        % (type(error).__name__, error),
+        code="DESERIALIZE_FAILED",
+        operation="result",
+    )
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def _resolve(resolve: Callable[[_T], None], value: _T) -> None:

@@ -19,6 +19,7 @@ from callreg._errors import (
     RemoteTraceback,
     TargetLostError,
     TaskError,
+    TaskInputError,
     TaskTimeoutError,
 )
 
@@ -46,6 +47,8 @@ _BY_CODE: dict[str, type[CallregError]] = {
 }
 
 _TRACEBACK_HEADER = "Traceback (most recent call last):"
+# The runtime's kind of a task input it could not unpickle.
+_INPUT_INVALID = "TaskInputInvalid"
 
 
 def error(raw: _callreg.RawError | _ErrorFields) -> BaseException:
@@ -87,14 +90,14 @@ def raise_error(raw: _callreg.RawError) -> NoReturn:
 def _task_error(fields: _ErrorFields, common: dict[str, Any]) -> BaseException:
     """The exception of a failed task (``specs/python.md`` §3, "Task
     exceptions"): the exception the task raised, unpickled, of its own
-    type and with its own attributes, with a :class:`RemoteTraceback` as
-    ``__cause__`` (the remote traceback, the target, hashid and seq) and
-    a note saying where it was raised (Python 3.11 and later); a plain
-    :class:`TaskError` when it did not travel, is not an ``Exception``
-    (a task's ``SystemExit``, ``KeyboardInterrupt``: a task cannot end or
-    interrupt the caller) or is a :class:`CallregError` (an inner
-    Worker's, which must not pass for this Worker's own; it is the
-    ``TaskError``'s cause)."""
+    type and with its own attributes (a ``SystemExit`` too, as
+    ``ProcessPoolExecutor`` raises it), with a :class:`RemoteTraceback`
+    as ``__cause__`` (the remote traceback, the target, hashid and seq)
+    and a note saying where it was raised (Python 3.11 and later); a
+    :class:`TaskInputError` when the target could not unpickle the
+    task's input; a plain :class:`TaskError` when it did not travel, or
+    is a :class:`CallregError` (an inner Worker's, which must not pass
+    for this Worker's own; it is the ``TaskError``'s cause)."""
     message = fields["message"]
     cut = message.find("\n" + _TRACEBACK_HEADER)
     short = message[cut + 1 :] if cut >= 0 else None
@@ -117,7 +120,19 @@ def _task_error(fields: _ErrorFields, common: dict[str, Any]) -> BaseException:
         carried = remote.__dict__.pop("__callreg_remote__", None) if hasattr(remote, "__dict__") else None
         if isinstance(carried, tuple) and len(carried) == 2 and isinstance(carried[0], str):
             traceback_text = CODES.render(carried[0])
-    if remote is not None and isinstance(remote, Exception) and not isinstance(remote, CallregError):
+    if kind == _INPUT_INVALID:
+        return TaskInputError(
+            "the target could not unpickle the task's arguments, so the task did not run: %s (target %s, "
+            "hashid %s)" % (text, fields["target"], fields["hashid"]),
+            remote_type=kind,
+            remote_traceback=traceback_text,
+            **common,
+        )
+    if isinstance(remote, SystemExit) and remote.code is None and remote.args:
+        # Rebuilt without its __init__ (tblib's exception pickling, which
+        # distributed installs, does so): its code as __init__ sets it.
+        remote.code = remote.args[0] if len(remote.args) == 1 else remote.args  # type: ignore[assignment]  # as __init__ sets it
+    if remote is not None and not isinstance(remote, CallregError):
         remote.__cause__ = RemoteTraceback(
             traceback_text or shown + "\n",
             target=fields["target"],

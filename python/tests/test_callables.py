@@ -570,18 +570,20 @@ def _only_in_a_target(parent):
     return RefusedHere(parent)
 
 
-def test_a_result_that_does_not_unpickle_here_raises_what_unpickling_raised():
+def test_a_result_that_does_not_unpickle_here_is_a_result_error_from_what_unpickling_raised():
     with callreg.Worker(1) as w:
         w.start()
         h = w.register(lambda parent: RefusedHere(parent))
         for wait in (lambda: w.call(h, os.getpid()), lambda: w.submit(h, os.getpid()).result()):
-            with pytest.raises(ValueError) as info:
+            with pytest.raises(callreg.ResultError) as info:
                 wait()
-            assert info.value.args == ("not in the parent",)
-            if sys.version_info >= (3, 11):
-                assert info.value.__notes__ == [
-                    "(raised unpickling the task's result in this process; the task itself returned)"
-                ]
+            assert str(info.value) == (
+                "the task returned, but its result could not be unpickled in this process: "
+                "ValueError: not in the parent"
+            )
+            assert (info.value.code, info.value.operation) == ("DESERIALIZE_FAILED", "result")
+            assert type(info.value.__cause__) is ValueError
+            assert info.value.__cause__.args == ("not in the parent",)
         assert w.call(abs_handle(w), -2) == 2
 
 
@@ -705,6 +707,8 @@ def test_the_package_exports_its_names_and_types_its_extension():
         "LifecycleError",
         "EnvelopeError",
         "TaskError",
+        "TaskInputError",
+        "ResultError",
         "TaskTimeoutError",
         "RemoteTraceback",
         "DEFAULT_MAX_FRAME_BYTES",

@@ -364,10 +364,11 @@ def test_task_exceptions_print_pickle_and_copy_as_the_originals():
             assert str(again) == "[Errno 2] No such file: '/x/y'"
         zero = ex.submit(divmod, 1, 0).exception(timeout=10)
         assert type(pickle.loads(pickle.dumps(zero))) is ZeroDivisionError
-        # A task's SystemExit stays a TaskError: a task cannot exit the caller.
+        # A task's SystemExit is itself too, as ProcessPoolExecutor's.
         stopped = ex.submit(exits).exception(timeout=10)
-        assert type(stopped) is callreg.TaskError and stopped.remote_type == "SystemExit"
-        assert "<dynamic-code>" not in str(stopped)
+        assert type(stopped) is SystemExit and stopped.code == 3
+        assert stopped.__cause__.remote_type == "SystemExit"
+        assert "<dynamic-code>" not in stopped.__cause__.text
 
 
 def test_done_and_running_see_a_finished_task_without_a_wait():

@@ -156,18 +156,66 @@ class ExitsWhenUnpickled:
 
 def test_a_result_that_exits_when_unpickled_never_ends_this_process():
     with callreg.Executor(1) as ex:
-        with pytest.raises(pickle.UnpicklingError) as raised:
+        with pytest.raises(BrokenProcessPool) as raised:
             ex.submit(ExitsWhenUnpickled).result(timeout=10)
+        assert type(raised.value) is callreg.ResultError
+        assert (raised.value.code, raised.value.operation) == ("DESERIALIZE_FAILED", "result")
         assert str(raised.value) == (
-            "unpickling the task's result raised SystemExit: SystemExit(3); the task itself returned, "
-            "this process goes on"
+            "the task returned, but its result could not be unpickled in this process: SystemExit: 3"
         )
         assert type(raised.value.__cause__) is SystemExit
         # Through the dispatcher thread too (an armed future).
         future = ex.submit(ExitsWhenUnpickled)
         concurrent.futures.wait([future], timeout=10)
-        assert type(future.exception()) is pickle.UnpicklingError
+        assert type(future.exception()) is callreg.ResultError
         assert ex.submit(abs, -5).result(timeout=10) == 5
+
+
+class RefusesToUnpickle:
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def _refuse():
+    raise ValueError("not here")
+
+
+class ExitsWhenUnpickledInTarget:
+    def __reduce__(self):
+        return (_exit_in_target, ())
+
+
+def _exit_in_target():
+    if multiprocessing.parent_process() is None and os.getpid() == _PARENT:
+        return ExitsWhenUnpickledInTarget.__new__(ExitsWhenUnpickledInTarget)
+    sys.exit(1)
+
+
+_PARENT = os.getpid()
+
+
+def test_an_argument_that_does_not_unpickle_in_the_target_fails_its_task_only():
+    with callreg.Executor(1) as ex:
+        for argument, raised in ((RefusesToUnpickle(), "ValueError: not here"), (ExitsWhenUnpickledInTarget(), "1")):
+            error = ex.submit(id, argument).exception(timeout=10)
+            assert type(error) is callreg.TaskInputError
+            assert isinstance(error, BrokenProcessPool) and isinstance(error, callreg.TaskError)
+            assert error.remote_type == "TaskInputInvalid"
+            assert raised in str(error), str(error)
+        assert ex.submit(abs, -6).result(timeout=10) == 6
+
+
+def exit_task(code):
+    sys.exit(code)
+
+
+def test_a_task_s_system_exit_is_raised_as_itself():
+    with callreg.Executor(1) as ex:
+        with pytest.raises(SystemExit) as raised:
+            ex.submit(exit_task, 4).result(timeout=10)
+        assert type(raised.value) is SystemExit and raised.value.code == 4
+        assert type(raised.value.__cause__) is callreg.RemoteTraceback
+        assert ex.submit(abs, -7).result(timeout=10) == 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,10 +356,6 @@ def test_a_lost_target_is_a_broken_process_pool_and_the_pool_stays_usable():
                 time.sleep(0.05)
 
 
-def start_method(_):
-    return multiprocessing.parent_process() is None
-
-
 def test_mp_context_names_the_start_method():
     for context, method in (
         (multiprocessing.get_context("fork"), "fork"),
@@ -431,5 +475,36 @@ def test_an_inherit_only_multiprocessing_object_in_initargs_names_the_fix():
     with pytest.raises(RuntimeError, match=r"pass a multiprocessing.Manager\(\) proxy instead") as raised:
         callreg.Executor(1, mp_context="forkserver", initializer=remember_queue, initargs=(queue,))
     assert "should only be shared between processes through inheritance" in str(raised.value)
+    queue.close()
+    queue.join_thread()
+
+
+def put_many(count):
+    for i in range(count):
+        _INIT_QUEUE.put(b"x" * 100 + str(i).encode())
+    return count
+
+
+def test_what_a_task_puts_in_a_queue_is_flushed_before_its_target_exits():
+    # A Queue used here before the fork (its feeder thread runs here, not
+    # in a target): a target runs multiprocessing's after-fork hooks, and
+    # at its end its finalizers, which flush the feeder, as a child of
+    # multiprocessing's own does. (What it put fits in the pipe: nothing
+    # reads it here until the Executor closed, and a feeder blocked on a
+    # full pipe would be joined for ever, here as under
+    # ProcessPoolExecutor; the close's grace bounds that.)
+    queue = multiprocessing.get_context("fork").Queue()
+    queue.put(b"here")
+    assert queue.get(timeout=10) == b"here"
+    with multiprocessing.Manager() as manager:
+        shared = manager.dict()
+        with callreg.Executor(1, initializer=remember_queue, initargs=(queue,)) as ex:
+            assert ex.submit(put_many, 200).result(timeout=30) == 200
+        got = [queue.get(timeout=10) for _ in range(200)]
+        assert got == [b"x" * 100 + str(i).encode() for i in range(200)]
+        # The targets ran no finalizer of this process's: its Manager
+        # still serves.
+        shared["k"] = 1
+        assert dict(shared) == {"k": 1}
     queue.close()
     queue.join_thread()

@@ -87,6 +87,10 @@ _MIXINS = {"fork": "ProcessPoolForkMixin", "forkserver": "ProcessPoolForkserverM
 # ``<suite module>.<suite class>.<test method>``) -> why callreg may fail
 # it where PPE passes. Only what no executor other than PPE can pass.
 EXPECTED_DIFFERENCES: dict[str, str] = {
+    "*.test_max_tasks_early_shutdown": (
+        "builds the executor with max_tasks_per_child, which callreg.Executor refuses (TypeError naming it): a "
+        "target serves until it is lost"
+    ),
     "*.test_python_finalization_error": (
         "mocks threading._start_joinable_thread so that the second thread ProcessPoolExecutor starts (its "
         "queue feeder) fails, and expects BrokenProcessPool from map(mul, [(2, 3)] * 10), whose calls are wrong "
@@ -98,6 +102,11 @@ EXPECTED_DIFFERENCES: dict[str, str] = {
 # Test id pattern -> why it does not run for callreg, besides what the
 # source scan finds (:func:`exclusions`).
 HAND_EXCLUDED: dict[str, str] = {
+    "*.test_traceback": (
+        "checks that the cause is exactly concurrent.futures.process._RemoteTraceback, a private class of "
+        "ProcessPoolExecutor's module; callreg's cause is callreg.RemoteTraceback, with the same .tb text "
+        "(tests/test_executor_promises.py checks it)"
+    ),
     "*.test_hang_gh83386": (
         "its script calls multiprocessing.set_start_method without importing multiprocessing (a NameError "
         "before any executor is built) whenever the test has a start method; ProcessPoolExecutor skips it "

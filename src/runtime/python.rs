@@ -441,6 +441,27 @@ impl Runtime for PythonRuntime {
     /// the initializer raises.
     fn start_target(&self, target: TargetId) -> Result<(), RuntimeError> {
         self.start()?;
+        // A child of multiprocessing's own starts so (the helper
+        // `mp_child_start`, `specs/python.md` §2); a failure there is
+        // the target's start failing.
+        let functions = self.functions()?;
+        Python::attach(|py| {
+            functions
+                .helpers
+                .bind(py)
+                .getattr("mp_child_start")
+                .and_then(|start| start.call0())
+                .map(|_| ())
+                .map_err(|err| {
+                    let (kind, message) = describe_exception(py, &err);
+                    RuntimeError {
+                        code: ErrorCode::TARGET_LOST,
+                        kind,
+                        message: format!("multiprocessing's child start failed: {message}"),
+                        exception: Vec::new(),
+                    }
+                })
+        })?;
         let Some(initializer) = &self.target_initializer else {
             return Ok(());
         };
@@ -482,19 +503,22 @@ impl Runtime for PythonRuntime {
     }
 
     /// Calls the target context's `close()` (when there is a context and it
-    /// has one); an exception it raises is ignored (the target exits next).
+    /// has one), then the helper `mp_child_stop` (multiprocessing's end of
+    /// a child: its finalizers flush what a task put in a Queue); an
+    /// exception either raises is ignored (the target exits next).
     fn stop(&self) {
-        let Some(context) = self.context.get() else {
+        let Some(functions) = self.functions.get() else {
             return;
         };
-        if self.functions.get().is_none() {
-            return;
-        }
         retain_thread_state();
         Python::attach(|py| {
-            let context = context.bind(py);
-            if let Ok(close) = context.getattr("close") {
-                let _ = close.call0();
+            if let Some(context) = self.context.get() {
+                if let Ok(close) = context.bind(py).getattr("close") {
+                    let _ = close.call0();
+                }
+            }
+            if let Ok(stop) = functions.helpers.bind(py).getattr("mp_child_stop") {
+                let _ = stop.call0();
             }
         });
     }

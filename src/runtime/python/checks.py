@@ -192,3 +192,31 @@ def call_capturing(fn, args, kwargs):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         result = fn(*args, **kwargs)
     return {"result": result, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def mp_child_start():
+    """In a target, right after its fork and before its initializer: what
+    a child of multiprocessing's own does first (BaseProcess._bootstrap):
+    the parent's multiprocessing children are not this process's, the
+    parent's finalizers do not run here, and the after-fork hooks of
+    multiprocessing objects (a Queue's feeder, a Lock's state) run. Only
+    when multiprocessing is imported."""
+    process = sys.modules.get("multiprocessing.process")
+    util = sys.modules.get("multiprocessing.util")
+    if process is None or util is None:
+        return
+    process._children = set()
+    util._finalizer_registry.clear()
+    util._run_after_forkers()
+
+
+def mp_child_stop():
+    """In a target that stops serving (its control channel closed): what
+    a child of multiprocessing's own does at its end (util._exit_function):
+    runs the finalizers, which flush what a task put in a Queue (its
+    feeder thread is joined), and joins the multiprocessing children the
+    target started. Only when multiprocessing is imported."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        util._exit_function()
+
