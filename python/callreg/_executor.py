@@ -102,33 +102,34 @@ def _takes_allow_none(get: Callable[..., Any]) -> bool:
     return True
 
 
-def _identity(fn: object) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+def _identity(fn: object) -> tuple[object, tuple[Any, ...]] | None:
     """The key of ``fn`` in an Executor's cache of callables seen, by
     identity, and what checks that the object under the key is still
-    ``fn``: weak references where the object allows them (a bound
-    method: to its object and function, so that the cache keeps neither
-    alive), ``fn`` itself for a builtin function of a module (it lives as
-    long as its module). ``None`` for other objects: those are looked up
-    by hashid only."""
+    ``fn`` (:func:`_is_same`): weak references where the object allows
+    them (a bound method, made anew at each attribute access: keyed by
+    its object and function, both held weakly, so that the cache keeps
+    neither alive), ``fn`` itself for a builtin function of a module (it
+    lives as long as its module). ``None`` for other objects: those are
+    looked up by hashid only."""
     if isinstance(fn, types.MethodType):
         try:
-            return ("method", id(fn.__self__), id(fn.__func__)), (weakref.ref(fn.__self__), weakref.ref(fn.__func__))
+            return (id(fn.__self__), id(fn.__func__)), (weakref.ref(fn.__self__), weakref.ref(fn.__func__))
         except TypeError:
             return None
     try:
-        return (id(fn),), (weakref.ref(fn),)
+        return id(fn), (weakref.ref(fn),)
     except TypeError:
         pass
     if isinstance(fn, types.BuiltinFunctionType) and isinstance(fn.__self__, (types.ModuleType, type(None))):
-        return (id(fn),), (lambda: fn,)
+        return id(fn), (lambda: fn,)
     return None
 
 
 def _is_same(fn: object, keep: tuple[Any, ...]) -> bool:
     """Whether ``keep`` (from :func:`_identity`) still names ``fn``."""
-    if isinstance(fn, types.MethodType):
-        return len(keep) == 2 and keep[0]() is fn.__self__ and keep[1]() is fn.__func__
-    return len(keep) == 1 and keep[0]() is fn
+    if len(keep) == 2:
+        return isinstance(fn, types.MethodType) and keep[0]() is fn.__self__ and keep[1]() is fn.__func__
+    return keep[0]() is fn
 
 
 class _State:
@@ -193,8 +194,13 @@ class _State:
             self.finished.set()
 
 
-# The smallest number of futures held before a submit drops those done.
-_SWEEP_MIN = 256
+# The smallest number of futures held before a submit looks whether the
+# results of those nobody waits on arrived (each look may read the
+# targets' replies: a system call). Above what a program keeps in flight
+# at once, so that such a program never pays for it; a program that
+# submits without ever waiting holds at most twice as many futures as
+# its tasks not yet ended, plus this many.
+_SWEEP_MIN = 8192
 
 
 def _finish_abandoned(state: _State) -> None:
@@ -315,7 +321,7 @@ class Executor(concurrent.futures.Executor):
         self._state = state = _State(worker)
         # callable identity (_identity) -> (what checks it, hashid), least
         # recently used first.
-        self._seen: collections.OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], str]] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[object, tuple[tuple[Any, ...], str]] = collections.OrderedDict()
         _wait_at_exit_for(self)
         # Every target's __main__ holds these (forked next): pickled by
         # name. A forkserver target's __main__ is not this one's: nothing.
@@ -355,6 +361,16 @@ class Executor(concurrent.futures.Executor):
         """The raw handle of ``fn``, registered at its first use. Called
         with the lock held."""
         state = self._state
+        # The usual case first: a function, class or other object seen
+        # before, under its own id (a bound method, made anew at each
+        # access, is under its object's and function's: below).
+        seen = self._seen.get(id(fn))
+        if seen is not None and len(seen[0]) == 1 and seen[0][0]() is fn:
+            handle = state.handles.get(seen[1])
+            if handle is not None:
+                state.handles.move_to_end(seen[1])
+                self._seen.move_to_end(id(fn))
+                return handle._raw
         identity = _identity(fn)
         if identity is not None:
             key, keep = identity

@@ -23,7 +23,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::IntoPyObjectExt;
 
-use crate::{error_dict, phase_name, plain_err, RawHandle};
+use crate::errors::{error_dict, plain_err};
+use crate::handle::RawHandle;
+use crate::worker::phase_name;
 
 /// The parent machine of a registry whose targets arrive on their own
 /// (`ParentConfig::unbounded_spawn`); driven from Python, one caller at a
@@ -231,7 +233,7 @@ impl RawParent {
         now: u64,
     ) -> PyResult<u64> {
         let digest = digest_of(hashid)?;
-        let metadata = crate::parse_metadata(py, metadata)?;
+        let metadata = crate::worker::parse_metadata(py, metadata)?;
         // A register with metadata passes the same checks as a Worker's
         // (specs/metadata.md): the hooks, then one metadata per digest.
         if let Some(m) = &metadata {

@@ -498,7 +498,12 @@ def test_what_a_task_puts_in_a_queue_is_flushed_before_its_target_exits():
     assert queue.get(timeout=10) == b"here"
     with multiprocessing.Manager() as manager:
         shared = manager.dict()
-        with callreg.Executor(1, initializer=remember_queue, initargs=(queue,)) as ex:
+        # The Queue's feeder thread runs here: the fork warns of it.
+        with pytest.warns(
+            RuntimeWarning, match=r"^callreg.Worker.start\(\) forks its targets while this process runs 1 "
+        ):
+            ex = callreg.Executor(1, initializer=remember_queue, initargs=(queue,))
+        with ex:
             assert ex.submit(put_many, 200).result(timeout=30) == 200
         got = [queue.get(timeout=10) for _ in range(200)]
         assert got == [b"x" * 100 + str(i).encode() for i in range(200)]
