@@ -51,7 +51,7 @@ const INLINE_FREE_BYTES: usize = 64 * 1024;
 
 mod links;
 
-pub(super) use links::{read_available, Link, ReadOutcome, READ_CHUNK_BYTES};
+pub(super) use links::{read_available, Link, Outbox, ReadOutcome, READ_CHUNK_BYTES};
 
 /// The IO thread (the run rule in the module docs).
 pub(super) fn io_thread(shared: Arc<Shared>) {
@@ -520,7 +520,7 @@ impl IoLoop {
             #[cfg(feature = "failpoints")]
             Request::RawControl { target, bytes } => {
                 if let Some(Some(link)) = self.links.get_mut(usize::from(target.0)) {
-                    link.outbox.extend_from_slice(&bytes);
+                    link.outbox.tail().extend_from_slice(&bytes);
                     self.flush(core, usize::from(target.0));
                 }
             }
@@ -640,7 +640,7 @@ impl IoLoop {
                     if let Some(Some(link)) = self.links.get_mut(index) {
                         let frame = Frame::Inspect { seq: seq.0 };
                         if frame
-                            .encode_into(&mut link.outbox, self.max_frame_bytes)
+                            .encode_into(link.outbox.tail(), self.max_frame_bytes)
                             .is_ok()
                         {
                             self.flush(core, index);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use super::io_loop::{Context, IoLoop, Link, Staged};
+use super::io_loop::{Context, IoLoop, Link, Outbox, Staged};
 use super::Core;
 #[cfg(doc)]
 use super::Worker;
@@ -342,7 +342,7 @@ impl IoLoop {
                     *entry = Some(Link {
                         process,
                         input,
-                        outbox: Vec::new(),
+                        outbox: Outbox::default(),
                         outbox_fds: VecDeque::new(),
                         incarnation,
                     });

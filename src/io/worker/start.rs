@@ -12,7 +12,8 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::builder::StartMethod;
 use super::io_loop::{
-    io_thread, read_available, Context, IoLoop, Link, ReadOutcome, LOST_GRACE, READ_CHUNK_BYTES,
+    io_thread, read_available, Context, IoLoop, Link, Outbox, ReadOutcome, LOST_GRACE,
+    READ_CHUNK_BYTES,
 };
 use super::pending::{outcome_text, registration_failure_text, OperationError, StartReport};
 use super::respawn::{Kept, TargetEvent};
@@ -513,7 +514,7 @@ fn wait_ready(
             Ok(input) => links.push(Some(Link {
                 process,
                 input,
-                outbox: Vec::new(),
+                outbox: Outbox::default(),
                 outbox_fds: VecDeque::new(),
                 incarnation: 0,
             })),

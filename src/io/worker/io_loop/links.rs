@@ -26,12 +26,60 @@ pub(in crate::io::worker) const READ_CHUNK_BYTES: usize = 64 * 1024;
 /// (about a millisecond here) costs far more than the frame.
 const VERIFY_AHEAD_MIN_BYTES: u64 = 1024 * 1024;
 
+/// Control bytes queued for a link's socket and sent from the front: a
+/// cursor over one buffer. The sent part is dropped (the rest moved to
+/// the front) once it is at least as long as the rest, so each byte is
+/// moved at most about once: a frame written in many partial `sendmsg`s
+/// costs time linear in its size (moving the rest after every write made
+/// a large task's send quadratic).
+#[derive(Default)]
+pub(in crate::io::worker) struct Outbox {
+    bytes: Vec<u8>,
+    sent: usize,
+}
+
+impl Outbox {
+    /// Whether every queued byte was sent.
+    pub(in crate::io::worker) fn is_empty(&self) -> bool {
+        self.sent == self.bytes.len()
+    }
+
+    /// The bytes not yet sent.
+    pub(in crate::io::worker) fn unsent(&self) -> &[u8] {
+        &self.bytes[self.sent..]
+    }
+
+    /// How many bytes are not yet sent: the offset, among them, of the
+    /// next byte appended.
+    pub(in crate::io::worker) fn len(&self) -> usize {
+        self.bytes.len() - self.sent
+    }
+
+    /// The buffer to append frames to (appends only: what is in it is
+    /// owed to the socket).
+    pub(in crate::io::worker) fn tail(&mut self) -> &mut Vec<u8> {
+        &mut self.bytes
+    }
+
+    /// The first `n` unsent bytes were sent.
+    pub(in crate::io::worker) fn consume(&mut self, n: usize) {
+        self.sent = (self.sent + n).min(self.bytes.len());
+        if self.sent == self.bytes.len() {
+            self.bytes.clear();
+            self.sent = 0;
+        } else if self.sent >= self.bytes.len() - self.sent {
+            self.bytes.drain(..self.sent);
+            self.sent = 0;
+        }
+    }
+}
+
 /// One live target as the IO thread sees it.
 pub(in crate::io::worker) struct Link {
     pub(in crate::io::worker) process: TargetProcess,
     pub(in crate::io::worker) input: FrameBuffer,
     /// Encoded control bytes not yet written (the socket was full).
-    pub(in crate::io::worker) outbox: Vec<u8>,
+    pub(in crate::io::worker) outbox: Outbox,
     /// Staged payloads whose descriptor goes with the outbox byte at
     /// their offset (a register frame's first byte), in offset order. One
     /// staged payload is shared by every target's frame (no descriptor is
@@ -128,7 +176,7 @@ impl IoLoop {
         };
         let offset = link.outbox.len();
         if wire
-            .encode_into(&mut link.outbox, self.max_frame_bytes)
+            .encode_into(link.outbox.tail(), self.max_frame_bytes)
             .is_err()
         {
             // Sizes were checked by the caller; a frame that still does not
@@ -174,7 +222,7 @@ impl IoLoop {
         };
         let offset = link.outbox.len();
         if frame
-            .encode_into(&mut link.outbox, self.max_frame_bytes)
+            .encode_into(link.outbox.tail(), self.max_frame_bytes)
             .is_ok()
         {
             link.outbox_fds.push_back((offset, staged.payload.clone()));
@@ -202,9 +250,9 @@ impl IoLoop {
             };
             let end = end.unwrap_or(link.outbox.len());
             let with_fd = fd.is_some();
-            match process::send_control(control, &link.outbox[..end], fd) {
+            match process::send_control(control, &link.outbox.unsent()[..end], fd) {
                 Ok(n) => {
-                    link.outbox.drain(..n);
+                    link.outbox.consume(n);
                     if n > 0 && with_fd {
                         link.outbox_fds.pop_front();
                     }
@@ -378,5 +426,60 @@ impl IoLoop {
                 other.kind()
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Outbox;
+    use proptest::prelude::*;
+    use std::collections::VecDeque;
+
+    proptest! {
+        /// Any sequence of appends and partial sends leaves exactly the
+        /// bytes not yet sent, in order (a queue of bytes is the model),
+        /// and the buffer never holds more than twice what is unsent plus
+        /// the last append.
+        #[test]
+        fn outbox_is_a_queue_of_bytes(steps in proptest::collection::vec((any::<bool>(), 0usize..300), 0..200)) {
+            let mut outbox = Outbox::default();
+            let mut model: VecDeque<u8> = VecDeque::new();
+            let mut next = 0u8;
+            for (append, n) in steps {
+                if append {
+                    let bytes: Vec<u8> = (0..n).map(|_| { next = next.wrapping_add(1); next }).collect();
+                    outbox.tail().extend_from_slice(&bytes);
+                    model.extend(bytes);
+                } else {
+                    let n = n.min(outbox.len());
+                    outbox.consume(n);
+                    model.drain(..n);
+                    prop_assert!(outbox.bytes.len() <= 2 * outbox.len().max(1));
+                }
+                prop_assert_eq!(outbox.len(), model.len());
+                prop_assert_eq!(outbox.is_empty(), model.is_empty());
+                let expected: Vec<u8> = model.iter().copied().collect();
+                prop_assert_eq!(outbox.unsent(), expected.as_slice());
+            }
+        }
+    }
+
+    #[test]
+    fn a_large_frame_sent_in_small_writes_is_moved_about_once() {
+        // 1 MiB sent 4 KiB at a time: the sent part is dropped only when
+        // it is at least half the buffer, so about 1 MiB is moved in all
+        // (counted here as the bytes left at each compaction).
+        let mut outbox = Outbox::default();
+        outbox.tail().resize(1 << 20, 7);
+        let mut moved = 0usize;
+        while !outbox.is_empty() {
+            let before = outbox.sent;
+            outbox.consume(4096);
+            if outbox.sent == 0 && before != 0 {
+                moved += outbox.bytes.len();
+            }
+        }
+        assert!(moved <= 1 << 20, "moved {moved} bytes");
+        assert_eq!(outbox.bytes.len(), 0);
     }
 }
