@@ -57,7 +57,7 @@ if [ -z "${CALLREG_CI_KEEP_VENV:-}" ]; then
   trap 'rm -rf "$venv"' EXIT
 fi
 "$python" -m venv "$venv"
-"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest 'mypy==2.4.1' 'ruff==0.17.6'
+"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest 'mypy==2.4.1' 'ruff==0.17.6' 'joblib==1.6.0'
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"
 # callreg.dask's tests need distributed, which needs cloudpickle 3 or later:
 # installed with the latest cloudpickle only (elsewhere they are skipped).
