@@ -57,13 +57,15 @@ if [ -z "${CALLREG_CI_KEEP_VENV:-}" ]; then
   trap 'rm -rf "$venv"' EXIT
 fi
 "$python" -m venv "$venv"
-"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest 'mypy==2.4.1' 'ruff==0.17.6' 'joblib==1.6.0'
+"$venv/bin/pip" install --quiet --disable-pip-version-check "$cloudpickle" pytest 'mypy==2.4.1' 'ruff==0.17.6'
 "$venv/bin/pip" install --quiet --disable-pip-version-check "$wheel"
 # callreg.dask's tests need distributed, which needs cloudpickle 3 or later:
 # installed with the latest cloudpickle only (elsewhere they are skipped).
 # The shared-buffer tests of numpy arrays need numpy: installed there too.
 if [ "$cloudpickle" = cloudpickle ]; then
   "$venv/bin/pip" install --quiet --disable-pip-version-check 'distributed==2026.8.0' 'numpy>=1.26'
+  # callreg.joblib's tests: joblib needs cloudpickle 3 or later too.
+  "$venv/bin/pip" install --quiet --disable-pip-version-check 'joblib==1.6.0'
 fi
 echo "callreg python tests: CPython $version, $("$venv/bin/python" -c 'import cloudpickle; print("cloudpickle", cloudpickle.__version__)')"
 # Lint and format of the package, its tests, benchmarks and tools (python/pyproject.toml).
@@ -82,6 +84,11 @@ if "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 13))'; the
 fi
 if ! "$venv/bin/python" -c 'import distributed' 2>/dev/null; then
   allowlists+=(--allowlist "$here/stubtest-allowlist-nodask.txt")
+fi
+if "$venv/bin/python" -c 'import joblib' 2>/dev/null; then
+  allowlists+=(--allowlist "$here/stubtest-allowlist-joblib.txt")
+else
+  allowlists+=(--allowlist "$here/stubtest-allowlist-nojoblib.txt")
 fi
 "$venv/bin/python" -m mypy.stubtest --mypy-config-file "$here/pyproject.toml" "${allowlists[@]}" callreg
 "$venv/bin/pytest" -q -p no:cacheprovider "$here/tests"

@@ -32,13 +32,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from joblib._parallel_backends import (  # type: ignore[import-untyped]
+from joblib._parallel_backends import (
     AutoBatchingMixin,
     FallbackToBackend,
     ParallelBackendBase,
     SequentialBackend,
 )
-from joblib.parallel import register_parallel_backend  # type: ignore[import-untyped]
+from joblib.parallel import register_parallel_backend
 
 from callreg._executor import Executor
 from callreg._options import WORKER_OPTIONS
@@ -57,7 +57,7 @@ def _run_batch(batch: Any) -> Any:
     return batch()
 
 
-class CallregBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[misc]
+class CallregBackend(AutoBatchingMixin, ParallelBackendBase):
     """joblib's backend interface over a :class:`callreg.Executor` (the
     module's docs). ``executor_options`` are the Executor's keyword
     arguments."""
