@@ -153,11 +153,11 @@ def main():
         floor = "ppe_" + scenario[len("executor_") :] if args.executor else "echo"
         return statistics.median(s[scenario][index] / s[floor][index] for s in samples[name])
 
+    print("command: %s %s" % (os.path.basename(sys.executable), " ".join(sys.argv)))
+    print("load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f" % (load_before + load_after))
+    print("workers: %d; rounds: %d (median shown); busy processes: %d" % (args.workers, args.rounds, args.load))
+    print()
     if args.executor:
-        print("command: %s %s" % (os.path.basename(sys.executable), " ".join(sys.argv)))
-        print("load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f" % (load_before + load_after))
-        print("workers: %d; rounds: %d (median shown); busy processes: %d" % (args.workers, args.rounds, args.load))
-        print()
         print("| scenario | build | Executor wall | Executor CPU | PPE wall | PPE CPU | wall / PPE | CPU / PPE |")
         print("|---|---|---:|---:|---:|---:|---:|---:|")
         for scenario in EXECUTOR_SCENARIOS:
@@ -183,10 +183,6 @@ def main():
             print("%s: after / before, as ratios to PPE: wall %.2f×, CPU %.2f×" % (scenario, wall, cpu))
         return
 
-    print("command: %s %s" % (os.path.basename(sys.executable), " ".join(sys.argv)))
-    print("load average (1/5/15 min): before %.2f %.2f %.2f, after %.2f %.2f %.2f" % (load_before + load_after))
-    print("workers: %d; rounds: %d (median shown); busy processes: %d" % (args.workers, args.rounds, args.load))
-    print()
     print("| scenario | build | wall | CPU | wall / echo | CPU / echo |")
     print("|---|---|---:|---:|---:|---:|")
     scenarios = SCENARIOS + (("in_flight",) if args.in_flight else ())

@@ -348,15 +348,6 @@ class Executor(concurrent.futures.Executor):
         ``call_all``)."""
         return self._state.worker
 
-    # What earlier releases named these (tests and tools read them).
-    @property
-    def _worker(self) -> Worker:
-        return self._state.worker
-
-    @property
-    def _lock(self) -> threading.Lock:
-        return self._state.lock
-
     def _raw_for(self, fn: Callable[..., Any]) -> _callreg.RawHandle:
         """The raw handle of ``fn``, registered at its first use. Called
         with the lock held."""
@@ -590,9 +581,7 @@ def _after_fork_in_child() -> None:
     # that its submit, map and shutdown raise or return in the child
     # instead of waiting for a thread that does not exist there.
     for executor in list(_LIVE):
-        state = getattr(executor, "_state", None)
-        if state is not None:
-            state.lock = threading.Lock()
+        executor._state.lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

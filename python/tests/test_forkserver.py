@@ -261,7 +261,7 @@ def test_start_method_and_preload_are_checked():
 def test_an_executor_passes_the_start_method_and_preload_on(tmp_path, monkeypatch):
     write_module(tmp_path, monkeypatch, "fs_exec_preloaded", "")
     with callreg.Executor(2, start_method="forkserver", preload=["fs_exec_preloaded"]) as ex:
-        pids = ex._worker.targets and [ex._worker.target_pid(t) for t in (0, 1)]
+        pids = ex.worker.targets and [ex.worker.target_pid(t) for t in (0, 1)]
         assert all(parent_of(pid) != os.getpid() for pid in pids)
         assert ex.submit(square, 5).result() == 25
         assert list(ex.map(cube, [1, 2, 3])) == [1, 8, 27]

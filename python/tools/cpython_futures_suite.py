@@ -242,19 +242,6 @@ def exclusions(cls: type[unittest.TestCase]) -> dict[str, str]:
 # -- callreg ---------------------------------------------------------------
 
 
-def _takes_mp_context() -> bool:
-    """Whether this callreg's Executor takes ``mp_context`` itself."""
-    callreg = importlib.import_module("callreg")
-    try:
-        parameters = inspect.signature(callreg.Executor).parameters
-    except (TypeError, ValueError):
-        return False
-    if "mp_context" in parameters:
-        return True
-    options = getattr(importlib.import_module("callreg._options"), "WorkerOptions", None)
-    return "mp_context" in getattr(options, "__annotations__", {})
-
-
 def CallregExecutor(
     max_workers: int | None = None,
     mp_context: Any = None,
@@ -263,17 +250,12 @@ def CallregExecutor(
     **kwargs: Any,
 ) -> Any:
     """A ``callreg.Executor`` built as the tests build ProcessPoolExecutor:
-    every keyword is passed on (``max_tasks_per_child`` too). When this
-    callreg does not take ``mp_context``, it becomes ``start_method``:
-    ``"fork"`` for a fork context, ``"forkserver"`` for any other."""
+    every keyword is passed on (``mp_context`` and ``max_tasks_per_child``
+    too)."""
     callreg = importlib.import_module("callreg")
     options: dict[str, Any] = dict(kwargs)
     if mp_context is not None:
-        if _takes_mp_context():
-            options["mp_context"] = mp_context
-        else:
-            method = mp_context if isinstance(mp_context, str) else mp_context.get_start_method()
-            options["start_method"] = "fork" if method == "fork" else "forkserver"
+        options["mp_context"] = mp_context
     return callreg.Executor(max_workers=max_workers, initializer=initializer, initargs=initargs, **options)
 
 
@@ -531,8 +513,6 @@ def run_child(args: argparse.Namespace) -> int:
     (executor,) = args.executor
     (start_method,) = args.start_method
     events = _Events(args.results)
-    if executor == "callreg":
-        events.write(event="info", mp_context="passed on" if _takes_mp_context() else "mapped by the adapter")
     omit: set[str] = set()
     if args.omit:
         with open(args.omit, encoding="utf-8") as f:
@@ -561,7 +541,6 @@ class Run:
         self.done = False
         self.returncode = 0
         self.seconds = 0.0
-        self.info: dict[str, Any] = {}
         # The tests a child ended in (each then run on by a new child).
         self.ended_in: list[str] = []
         # How children ended outside any test.
@@ -586,8 +565,6 @@ class Run:
                     self.outcomes[event["id"]] = (event["outcome"], event["detail"])
                 elif kind == "done":
                     done = True
-                else:
-                    self.info.update(event)
         if not done:
             self.returncode = returncode
             left = [key for key in started if key not in self.outcomes]
@@ -729,8 +706,7 @@ def report(runs: list[Run], executors: list[str]) -> int:
         note = " (a child ended in %s)" % ", ".join(run.ended_in) if run.ended_in else ""
         if not run.done:
             note += " (did not finish: exit code %d)" % run.returncode
-        extra = " [mp_context %s]" % run.info["mp_context"] if "mp_context" in run.info else ""
-        print("wall time %s %s: %.1f s%s%s" % (LABELS[run.executor], run.start_method, run.seconds, note, extra))
+        print("wall time %s %s: %.1f s%s" % (LABELS[run.executor], run.start_method, run.seconds, note))
         for abort in run.aborts:
             print("    %s" % abort)
         if not run.done or run.aborts:
