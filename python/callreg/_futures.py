@@ -34,7 +34,7 @@ _PENDING_TIMED_OUT = 1
 _HELD_SLICE = 0.005
 
 
-def noted(error: BaseException) -> BaseException:
+def result_error(error: BaseException) -> BaseException:
     """What a result's ``pickle.loads`` that raised ``error`` raises: a
     :class:`ResultError` (also a ``BrokenProcessPool``, as
     ``ProcessPoolExecutor`` raises then) from ``error``, so that a result
@@ -309,7 +309,7 @@ class TaskFuture(concurrent.futures.Future[Any]):
             try:
                 value = pickle.loads(output)  # type: ignore[arg-type]  # a result without error has its output
             except BaseException as exc:  # an unpicklable result
-                _resolve(self.set_exception, noted(exc))
+                _resolve(self.set_exception, result_error(exc))
             else:
                 # set_result(value), without the condition when it was
                 # never made: then no other thread waits on this future
@@ -327,23 +327,9 @@ class TaskFuture(concurrent.futures.Future[Any]):
                         self._result = value
                         self._state = FINISHED
                         return
-                self._set_result_notified(value)
+                _resolve(self.set_result, value)
         else:
             _resolve(self.set_exception, error(failure))
-
-    def _set_result_notified(self, value: Any) -> None:
-        """``set_result(value)`` under the condition, with its
-        notifications."""
-        with self._condition:
-            if self._state != RUNNING:
-                return
-            self._result = value
-            self._state = FINISHED
-            for waiter in self._waiters:
-                waiter.add_result(self)
-            self._condition.notify_all()
-        # concurrent.futures' own step after a result (not in its stubs).
-        _resolve(lambda _: self._invoke_callbacks(), None)
 
     def _arm(self) -> None:
         """Hands the result to the dispatcher thread (once; a no-op when

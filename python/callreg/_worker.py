@@ -20,7 +20,7 @@ from callreg._callables import callable_name, check_registrable, default_metadat
 from callreg._codes import CODES
 from callreg._envelope import EnvelopeWriter, chunk_input, hashid, task_input
 from callreg._errors import HandleError, RegisterError
-from callreg._futures import Dispatch, TaskFuture, in_order, noted, shutdown
+from callreg._futures import Dispatch, TaskFuture, in_order, result_error, shutdown
 from callreg._handle import Handle, raw_handle
 from callreg._inspection import Inspection
 from callreg._options import (
@@ -511,7 +511,7 @@ class Worker(Inspection):
         try:
             result: _R = pickle.loads(output)
         except BaseException as exc:  # an unpicklable result
-            unpickling = noted(exc)
+            unpickling = result_error(exc)
             raise unpickling from unpickling.__cause__
         return result
 
