@@ -48,6 +48,7 @@ impl World {
                 // This example's parent runs without replacement targets
                 // (`respawn_limit: 0`), which alone emit these.
                 Effect::Restage { .. }
+                | Effect::Retire { .. }
                 | Effect::Spawn { .. }
                 | Effect::Joined { .. }
                 | Effect::JoinFailed { .. }
@@ -118,7 +119,13 @@ impl World {
         while let Some((target, seq, digest)) = self.results.pop_front() {
             let accepted = self
                 .parent
-                .handle_task_result(target, self.parent.incarnation(target), seq, digest)
+                .handle_task_result(
+                    target,
+                    self.parent.incarnation(target),
+                    seq,
+                    digest,
+                    self.now,
+                )
                 .expect("a result of a task the parent sent");
             assert!(accepted, "the task was in flight on that target");
             self.drain_parent();
@@ -171,6 +178,7 @@ fn main() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     };
     let mut world = World {
         parent: Parent::new(config),

@@ -1028,7 +1028,7 @@ fn probe_first_decides_how_many_targets_a_deadly_register_costs() {
         } else {
             [
                 format!("step 1 register deadly: ok, failed as expected: REGISTER_PARTIAL_FAILURE: register failed: target 0: lost ({lost}); target 1: lost ({lost}) (operation register, namespace LOCAL_PYTHON, hashid {hashid}, seq 1) [target 0 lost ({lost}), target 1 lost ({lost})]"),
-                format!("step 2 register abs: ok, failed as expected: NO_LIVE_TARGET: every target is lost (operation register, namespace LOCAL_PYTHON, hashid {abs_hashid})"),
+                format!("step 2 register abs: ok, failed as expected: NO_LIVE_TARGET: every target is lost, and none is being replaced (operation register, namespace LOCAL_PYTHON, hashid {abs_hashid})"),
                 "step 3 call_all abs: ok, failed as expected: \"abs\" is not registered (its register failed: NO_LIVE_TARGET)".to_owned(),
             ]
         };

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use callreg::error::{ErrorCode, OperationKind};
 use callreg::io::process::Exit;
+use callreg::io::worker::TargetEvent;
+use callreg::io::PendingTask;
 use callreg::protocol::{TargetId, TargetOutcome};
 use callreg::runtime::testing::{deserialize_count, TestRuntime};
 use callreg::runtime::TaskEncoding;
@@ -86,8 +88,12 @@ fn main() {
             a_target_exiting_in_a_task_is_reaped_and_lost,
         ),
         (
-            "tasks_without_a_target_go_to_the_live_targets_in_turn",
-            tasks_without_a_target_go_to_the_live_targets_in_turn,
+            "tasks_without_a_target_go_to_the_least_loaded_target",
+            tasks_without_a_target_go_to_the_least_loaded_target,
+        ),
+        (
+            "a_target_retires_after_its_task_bound_and_the_waiting_tasks_follow",
+            a_target_retires_after_its_task_bound_and_the_waiting_tasks_follow,
         ),
         (
             "hung_targets_are_fenced_at_the_deadline",
@@ -689,66 +695,132 @@ fn a_target_exiting_in_a_task_is_reaped_and_lost() {
     check_invariants(&worker, 2);
 }
 
-fn tasks_without_a_target_go_to_the_live_targets_in_turn() {
+/// A task given no target goes where the machine places it
+/// (`specs/protocol.md` §2.14): the live target with the fewest tasks in
+/// flight, so three held tasks land on three targets.
+fn tasks_without_a_target_go_to_the_least_loaded_target() {
     let worker = builder(3).respawn_limit(0).build().unwrap();
-    // Before start: target 0, whose submit says why it is refused.
-    let add = worker.register(&envelope("add")).unwrap();
-    assert_eq!(worker.pick_target(&add), Ok(TargetId(0)));
+    let sleep = worker.register(&envelope("sleep 400")).unwrap();
     let err = worker
-        .submit_any_async(&add, TaskEncoding::Json, ADD_INPUT, None)
+        .submit_any_async(&sleep, TaskEncoding::Json, b"1", None)
         .wait()
         .unwrap_err();
     assert_eq!(err.error.code, ErrorCode::LIFECYCLE_INVALID);
     worker.start().unwrap();
-    let picks: Vec<TargetId> = (0..4).map(|_| worker.pick_target(&add).unwrap()).collect();
-    assert_eq!(
-        picks,
-        vec![TargetId(0), TargetId(1), TargetId(2), TargetId(0)]
-    );
-    let result = worker
-        .submit_any_async(&add, TaskEncoding::Json, ADD_INPUT, None)
-        .wait()
-        .unwrap();
-    assert_eq!(result, b"42");
-    // (That task went to target 1, turn 4.) Target 1 lost: the turns go
-    // over the other two.
+    let held: Vec<PendingTask> = (0..3)
+        .map(|_| worker.submit_any_async(&sleep, TaskEncoding::Json, b"1", None))
+        .collect();
+    // Every target holds one: the next goes to the lowest of them,
+    // target 0, after its held task (a target runs one task at a time),
+    // and ends it.
     let exit = worker.register(&envelope("exit 9")).unwrap();
     let err = worker
-        .submit(&exit, TargetId(1), TaskEncoding::Json, b"")
+        .submit_any_async(&exit, TaskEncoding::Json, b"", None)
+        .wait()
         .unwrap_err();
     assert_eq!(err.error.code, ErrorCode::TARGET_LOST);
-    let picks: Vec<TargetId> = (0..3).map(|_| worker.pick_target(&add).unwrap()).collect();
-    assert_eq!(picks, vec![TargetId(2), TargetId(0), TargetId(2)]);
-    // None live: a stale handle is refused as such first, a live one
-    // with NO_LIVE_TARGET, as the pending task's error too.
-    for target in [TargetId(0), TargetId(2)] {
+    assert_eq!(err.error.target, Some(TargetId(0)));
+    let ends: Vec<Option<ErrorCode>> = held
+        .into_iter()
+        .map(|task| task.wait().err().map(|e| e.error.code))
+        .collect();
+    assert_eq!(ends, vec![None, None, None]);
+    assert_eq!(worker.live_targets(), vec![TargetId(1), TargetId(2)]);
+    // None live and none coming: a stale handle is refused as such, a
+    // live one with NO_LIVE_TARGET.
+    for _ in 0..2 {
         let err = worker
-            .submit(&exit, target, TaskEncoding::Json, b"")
+            .submit_any_async(&exit, TaskEncoding::Json, b"", None)
+            .wait()
             .unwrap_err();
         assert_eq!(err.error.code, ErrorCode::TARGET_LOST);
     }
     assert_eq!(worker.live_targets(), vec![]);
     worker.unregister(&exit).unwrap();
-    assert_eq!(
-        worker.pick_target(&exit).unwrap_err().code,
-        ErrorCode::HANDLE_STALE
-    );
-    let err = worker.pick_target(&add).unwrap_err();
-    assert_eq!(
-        (err.code, err.operation, err.message.as_str()),
-        (
-            ErrorCode::NO_LIVE_TARGET,
-            OperationKind::Task,
-            "every target is lost"
-        )
-    );
     let err = worker
-        .submit_any_async(&add, TaskEncoding::Json, ADD_INPUT, None)
+        .submit_any_async(&exit, TaskEncoding::Json, b"", None)
         .wait()
         .unwrap_err();
-    assert_eq!(err.error.code, ErrorCode::NO_LIVE_TARGET);
+    assert_eq!(err.error.code, ErrorCode::HANDLE_STALE);
+    let err = worker
+        .submit_any_async(&sleep, TaskEncoding::Json, b"1", None)
+        .wait()
+        .unwrap_err();
+    assert_eq!(
+        (err.error.code, err.error.message.as_str()),
+        (
+            ErrorCode::NO_LIVE_TARGET,
+            "every target is lost, and none is being replaced"
+        )
+    );
     worker.close();
-    assert_eq!(worker.pick_target(&add), Ok(TargetId(0)));
+}
+
+/// `max_tasks_per_target(2)` on one target (`specs/protocol.md` §2.14):
+/// five tasks at once all run; each process is sent two, retires once
+/// they ended, and its replacement takes the tasks that waited.
+fn a_target_retires_after_its_task_bound_and_the_waiting_tasks_follow() {
+    let refused = builder(1)
+        .respawn_limit(0)
+        .max_tasks_per_target(2)
+        .build()
+        .err()
+        .unwrap();
+    assert_eq!(
+        (refused.code, refused.message.as_str()),
+        (
+            ErrorCode::LIFECYCLE_INVALID,
+            "max_tasks_per_target (2) needs replacement targets: a respawn_limit above 0"
+        )
+    );
+    let worker = builder(1).max_tasks_per_target(2).build().unwrap();
+    let echo = worker.register(&envelope("echo")).unwrap();
+    worker.start().unwrap();
+    let tasks: Vec<PendingTask> = (0..5)
+        .map(|i| {
+            let input = format!("{i}");
+            worker.submit_any_async(&echo, TaskEncoding::Json, input.as_bytes(), None)
+        })
+        .collect();
+    let results: Vec<Vec<u8>> = tasks.into_iter().map(|t| t.wait().unwrap()).collect();
+    assert_eq!(
+        results,
+        vec![
+            b"0".to_vec(),
+            b"1".to_vec(),
+            b"2".to_vec(),
+            b"3".to_vec(),
+            b"4".to_vec()
+        ]
+    );
+    assert_eq!(worker.target_incarnation(TargetId(0)), 2);
+    let retired: Vec<String> = worker
+        .target_events()
+        .iter()
+        .filter(|e| matches!(e, TargetEvent::Retired { .. } | TargetEvent::Lost { .. }))
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        retired,
+        vec![
+            "target 0: incarnation 0 retired after 2 tasks",
+            "target 0: incarnation 1 retired after 2 tasks",
+        ]
+    );
+    // A task to the retiring target itself is refused, naming the bound.
+    let held = worker.submit_any_async(&echo, TaskEncoding::Json, b"5", None);
+    let err = worker
+        .submit(&echo, TargetId(0), TaskEncoding::Json, b"6")
+        .unwrap_err();
+    assert_eq!(
+        (err.error.code, err.error.message.as_str()),
+        (
+            ErrorCode::TARGET_LOST,
+            "target 0 is retiring: it was sent its 2 tasks (max_tasks_per_target) and is replaced once they end"
+        )
+    );
+    assert_eq!(held.wait().unwrap(), b"5");
+    worker.close();
 }
 
 /// Targets stuck in a 5 s deserialization keep reporting alive, so the

@@ -19,6 +19,7 @@ fn started(targets: u16, fence_on_timeout: bool, respawn_limit: u16) -> Parent {
         respawn_limit,
         respawn_backoff: BACKOFF,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
         ..parent_config(targets, fence_on_timeout)
     });
     p.start().unwrap();
@@ -110,7 +111,7 @@ fn a_lost_target_is_replaced_replayed_and_joins() {
     // The task is in flight until its result comes.
     assert!(!p.is_idle() && p.in_flight().is_empty());
     assert_eq!(
-        p.handle_task_result(TargetId(1), 1, Seq(3), digest(1)),
+        p.handle_task_result(TargetId(1), 1, Seq(3), digest(1), Time(0)),
         Ok(true)
     );
     drain(&mut p);
@@ -891,6 +892,7 @@ fn system(targets: u16, before_start: &[u8]) -> common::sim::Sim {
             respawn_limit: 3,
             respawn_backoff: BACKOFF,
             unbounded_spawn: false,
+            max_tasks_per_target: 0,
             ..parent_config(targets, true)
         },
         before_start,
@@ -973,6 +975,7 @@ fn an_open_target_waits_for_an_arrival_without_a_deadline() {
         respawn_limit: 3,
         respawn_backoff: BACKOFF,
         unbounded_spawn: true,
+        max_tasks_per_target: 0,
         ..parent_config(2, true)
     });
     p.start().unwrap();
@@ -1030,6 +1033,7 @@ fn an_arrival_that_refuses_its_replay_reopens_the_target_after_the_back_off() {
         respawn_limit: 2,
         respawn_backoff: BACKOFF,
         unbounded_spawn: true,
+        max_tasks_per_target: 0,
         ..parent_config(1, true)
     });
     p.start().unwrap();

@@ -84,6 +84,7 @@ fn driven_parent() -> (Parent, OpId, Effect) {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     parent
         .register_before_start(digest(SERIALIZED), Namespace::LocalPython)
@@ -343,6 +344,7 @@ fn registry_snapshot_of_a_driven_parent() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     assert_eq!(
         fresh.registry_snapshot().to_json(),

@@ -209,6 +209,7 @@ fn ignoring_alive_reports_fences_a_target_that_was_heard_from() {
             respawn_limit: 0,
             respawn_backoff: 0,
             unbounded_spawn: false,
+            max_tasks_per_target: 0,
         });
         if let Some(mutant) = mutant {
             parent = parent.with_mutant(mutant);
@@ -248,6 +249,7 @@ fn poisoning_a_queued_probe_at_its_bound_is_caught() {
             respawn_limit: 0,
             respawn_backoff: 0,
             unbounded_spawn: false,
+            max_tasks_per_target: 0,
         });
         if let Some(mutant) = mutant {
             parent = parent.with_mutant(mutant);

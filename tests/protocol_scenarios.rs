@@ -154,6 +154,7 @@ fn pre_start_registrations_appear_in_the_snapshot_with_counts() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     let a = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -455,6 +456,7 @@ fn unregister_of_an_unknown_digest_is_reported() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     let h = p
         .register_before_start(digest(7), Namespace::LocalPython)
@@ -840,6 +842,7 @@ fn an_unregister_whose_target_timed_out_without_fencing_fails() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     let h = p
         .register_before_start(digest(1), Namespace::LocalPython)

@@ -24,6 +24,7 @@ fn config(fence_on_timeout: bool) -> ParentConfig {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     }
 }
 
@@ -45,6 +46,14 @@ fn effect(e: &Effect) -> String {
         } => format!("verify {} to {}", staging.0, target.0),
         Effect::ReleaseStaged { staging } => format!("release {}", staging.0),
         Effect::Fence { target, .. } => format!("fence {}", target.0),
+        Effect::Retire {
+            target,
+            incarnation,
+            tasks,
+        } => format!(
+            "retire {} incarnation {incarnation} after {tasks}",
+            target.0
+        ),
         Effect::Restage { staging, .. } => format!("restage {}", staging.0),
         Effect::Spawn {
             target,

@@ -538,6 +538,29 @@ pub fn all() -> Vec<Named> {
             expected: &[SOMETIMES_TARGET_LOST, SOMETIMES_JOINED],
         },
         Named {
+            name: "retire",
+            description: "2 targets, single-register, 2 tasks submitted with no target, a bound of 1 task per process, replacement targets with a rate limit of 1, a crash, a cancel (specs/protocol.md §2.14): the parent places each task, a process retires once its task ended and a process that joins takes the task that waited; a crash while a task waits costs that task nothing; a cancel ends a waiting task at once",
+            config: ModelConfig {
+                tasks: 2,
+                cancels: 1,
+                crashes: 1,
+                submit_any: true,
+                max_tasks_per_target: 1,
+                respawn_limit: 1,
+                ..ModelConfig::fault_free(2, script("single-register"))
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_TARGET_LOST,
+                SOMETIMES_JOINED,
+                SOMETIMES_JOINED_IN_FLIGHT,
+                SOMETIMES_ABANDONED,
+                SOMETIMES_RETIRED,
+                SOMETIMES_WAITED_RESULT,
+            ],
+        },
+        Named {
             name: "standard",
             description: "3 targets, register-unregister-same-digest, every fault, fencing on",
             config: standard.clone(),

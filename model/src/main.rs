@@ -233,6 +233,15 @@ struct ConfigArgs {
     /// end of file is reported with `target_left`, never evidence.
     #[arg(long)]
     departures: bool,
+    /// Tasks are submitted with no target (specs/protocol.md §2.14): the
+    /// parent picks it, or keeps the task until a target takes tasks.
+    #[arg(long)]
+    submit_any: bool,
+    /// At most this many tasks per target process, then it retires and is
+    /// replaced (specs/protocol.md §2.14; 0: no bound; needs
+    /// --respawn-limit above 0 to take effect).
+    #[arg(long, default_value_t = 0)]
+    max_tasks_per_target: u32,
     /// Switch on a known bug (see `list`); needs the `mutants` feature.
     #[arg(long)]
     mutant: Option<String>,
@@ -286,6 +295,8 @@ fn config_of(args: &ConfigArgs) -> Result<ModelConfig, String> {
         template_losses: args.template_losses,
         arrivals: args.arrivals,
         departures: args.departures,
+        submit_any: args.submit_any,
+        max_tasks_per_target: args.max_tasks_per_target,
         #[cfg(feature = "mutants")]
         mutant: None,
     })

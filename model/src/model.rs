@@ -173,6 +173,14 @@ pub struct ModelConfig {
     /// worker that left or was killed; no loss is evidence against a
     /// digest being probed.
     pub departures: bool,
+    /// The client submits tasks with no target ([`Action::SubmitAny`],
+    /// `Parent::submit_any`, `specs/protocol.md` §2.14): the machine picks
+    /// the target, or keeps the task waiting for one.
+    pub submit_any: bool,
+    /// At most this many tasks per target process
+    /// (`ParentConfig::max_tasks_per_target`, §2.14; 0: no bound): a
+    /// process sent them is retired once they ended, and replaced.
+    pub max_tasks_per_target: u32,
     /// The known bug switched on in both machines, if any.
     #[cfg(feature = "mutants")]
     pub mutant: Option<Mutant>,
@@ -215,6 +223,8 @@ impl ModelConfig {
             template_losses: 0,
             arrivals: false,
             departures: false,
+            submit_any: false,
+            max_tasks_per_target: 0,
             #[cfg(feature = "mutants")]
             mutant: None,
         }
@@ -530,6 +540,9 @@ pub mod seen {
     /// alive report said the probe was queued, was fenced at the
     /// operation bound and the digest stayed unpoisoned (a witness).
     pub const QUEUED_SPARED: u64 = 1 << 50;
+    /// A target's process retired after its task bound
+    /// (`Effect::Retire`, `specs/protocol.md` §2.14; a witness).
+    pub const RETIRED: u64 = 1 << 51;
 }
 
 /// A task result in transit target → parent: the task and the
@@ -558,6 +571,8 @@ pub enum Ended {
     Lost,
     /// At close.
     Closed,
+    /// At its deadline while it waited, unsent (§2.14).
+    Expired,
 }
 
 /// What the driver recorded about one submitted task (its history, for the
@@ -566,10 +581,17 @@ pub enum Ended {
 pub struct TaskNote {
     /// The task.
     pub seq: Seq,
-    /// The target it was submitted to.
+    /// The target it was sent to (while unsent: the target it waits
+    /// for).
     pub target: TargetId,
-    /// The incarnation of that target at submit.
+    /// The incarnation of that target it was sent to (while unsent: at
+    /// submit).
     pub incarnation: u32,
+    /// Its frame was sent (a task submitted with no target may wait in
+    /// the machine first, §2.14).
+    pub sent: bool,
+    /// It was not sent at its submit: it waited in the machine (§2.14).
+    pub waited: bool,
     /// Its deadline (model time), if any.
     pub deadline: Option<u64>,
     /// When the last cancel of it was sent (model time), if any.
@@ -737,6 +759,13 @@ pub enum Action {
         handle_id: u64,
         /// The target.
         target: TargetId,
+    },
+    /// The client dispatches a task for live handle `handle_id` with no
+    /// target (`Parent::submit_any`, `specs/protocol.md` §2.14): the
+    /// parent picks the target, or keeps the task until one takes tasks.
+    SubmitAny {
+        /// The handle id.
+        handle_id: u64,
     },
     /// The target applies the frame at the head of its channel.
     Deliver(TargetId),
@@ -1014,6 +1043,7 @@ impl RegistrationModel {
             respawn_limit: config.respawn_limit,
             respawn_backoff: RESPAWN_BACKOFF,
             unbounded_spawn: config.arrivals,
+            max_tasks_per_target: config.max_tasks_per_target,
         });
         #[cfg(feature = "mutants")]
         if let Some(mutant) = config.mutant {
@@ -1237,7 +1267,8 @@ impl RegistrationModel {
 
     /// Whether no action can change `state` (the checker's terminal states).
     ///
-    /// Every listed action but [`Action::Submit`] and [`Action::Forge`]
+    /// Every listed action but [`Action::Submit`], [`Action::SubmitAny`]
+    /// and [`Action::Forge`]
     /// always has a next state (`actions` lists only enabled ones); a
     /// submit may still be refused by the parent, and a forged input has a
     /// next state only when a machine mishandles it, so those are tried.
@@ -1245,8 +1276,10 @@ impl RegistrationModel {
         let mut actions = Vec::new();
         stateright::Model::actions(self, state, &mut actions);
         actions.into_iter().all(|a| {
-            matches!(a, Action::Submit { .. } | Action::Forge(_))
-                && stateright::Model::next_state(self, state, a).is_none()
+            matches!(
+                a,
+                Action::Submit { .. } | Action::SubmitAny { .. } | Action::Forge(_)
+            ) && stateright::Model::next_state(self, state, a).is_none()
         })
     }
 
@@ -1273,6 +1306,105 @@ impl RegistrationModel {
                 Some(handle_for(digest_of(c)?, *handle_id))
             }
         }
+    }
+
+    /// Fencing (or retiring) kills and reaps the child and closes both
+    /// pipe ends: nothing more is read from it (its replies are dropped,
+    /// or, the channel fault, kept to arrive late).
+    fn fence_side(state: &mut State, target: TargetId) {
+        state.keep_stale_replies(target, true);
+        state.kill(target);
+        state.replies.retain(|(t, _)| *t != target);
+        // Its results in transit are dropped, or (the channel fault, while
+        // its budget lasts) kept to arrive late.
+        let keep = state.budgets.stale_results > 0;
+        let (gone, rest): (Vec<_>, Vec<_>) =
+            state.results.drain(..).partition(|(t, _)| *t == target);
+        state.results = rest;
+        if keep {
+            state.stale.extend(gone);
+            state.stale.sort();
+        }
+        if let Some(eof) = state.eof.get_mut(usize::from(target.0)) {
+            *eof = false;
+        }
+    }
+
+    /// Whether retiring `target` now would cost something (§2.14): a
+    /// control or a task not cancelled in transit to it, a deserialization
+    /// or a run not cancelled in progress there, or a result in transit
+    /// from it.
+    fn retirement_costs(&self, state: &State, target: TargetId) -> bool {
+        let cancelled = |seq: Seq| {
+            state
+                .note(seq)
+                .is_some_and(|n| n.end == Some(Ended::Cancelled))
+        };
+        let side = &state.sides[usize::from(target.0)];
+        state.frames.iter().any(|(t, frame)| {
+            *t == target
+                && match frame {
+                    ControlFrame::Task { seq, .. } => !cancelled(*seq),
+                    // A cancel whose answer no longer matters: its task
+                    // ended (the machine waits for unanswered ones).
+                    ControlFrame::Cancel { seq, .. } => state.parent.task(*seq).is_some(),
+                    _ => true,
+                }
+        }) || !side.deserializing.is_empty()
+            || side.runs.iter().any(|(seq, _, _)| !cancelled(*seq))
+            || state.results.iter().any(|(t, _)| *t == target)
+    }
+
+    /// The client submits a task for live handle `handle_id`: to
+    /// `target`, or (`None`) to the target the machine picks (§2.14).
+    /// `None` when the parent refuses it (the action is then not taken).
+    fn submit(&self, state: &mut State, handle_id: u64, target: Option<TargetId>) -> Option<()> {
+        let digest = state
+            .parent
+            .live_handles()
+            .into_iter()
+            .find(|h| h.handle_id == handle_id)?
+            .digest();
+        // With task deadlines a submit is issuing an operation with
+        // a deadline: time advances as for an issue, never onto a
+        // pending deadline (without them the submit's time is read
+        // by nothing, and staying merges states).
+        let next = state.now + 1;
+        if self.config.task_deadline && state.parent.poll_timeout().is_none_or(|d| next < d.0) {
+            state.now = next;
+        }
+        let deadline = self
+            .config
+            .task_deadline
+            .then_some(state.now + TASK_DEADLINE);
+        let handle = handle_for(digest, handle_id);
+        let seq = match target {
+            Some(target) => state
+                .parent
+                .submit_with_deadline(&handle, target, deadline.map(Time)),
+            None => state.parent.submit_any(&handle, deadline.map(Time)),
+        }
+        .ok()?;
+        let info = state.parent.task(seq)?;
+        state.budgets.tasks -= 1;
+        state.task_log.push(TaskNote {
+            seq,
+            target: info.target,
+            incarnation: info.incarnation,
+            sent: false,
+            waited: false,
+            deadline,
+            cancelled_at: None,
+            started: false,
+            cancel_ok: false,
+            ends: 0,
+            end: None,
+        });
+        self.drain_parent(state);
+        if let Some(note) = state.note_mut(seq) {
+            note.waited = !note.sent;
+        }
+        Some(())
     }
 
     /// Carries out the parent's effects, in order (the driving rule).
@@ -1408,6 +1540,36 @@ impl RegistrationModel {
                     }
                 }
                 Effect::Send { target, frame } => {
+                    // A task's frame is sent once, to the process of its
+                    // target that takes it (at submit, or at a join after
+                    // it waited, §2.14).
+                    if let ControlFrame::Task { seq, .. } = frame {
+                        let incarnation = state.parent.incarnation(target);
+                        let handle = state.parent.task(seq).map(|info| info.handle_id);
+                        match (state.note_mut(seq), handle) {
+                            (Some(note), Some(handle)) if !note.sent => {
+                                note.sent = true;
+                                note.target = target;
+                                note.incarnation = incarnation;
+                                state.tasks.push((seq, handle));
+                                let max = self.config.max_tasks_per_target as usize;
+                                let sent = state
+                                    .task_log
+                                    .iter()
+                                    .filter(|n| {
+                                        n.sent && (n.target, n.incarnation) == (target, incarnation)
+                                    })
+                                    .count();
+                                if max > 0 && sent > max {
+                                    state.breach(
+                                        "a process was sent more tasks than max_tasks_per_target",
+                                    );
+                                }
+                            }
+                            _ => state
+                                .breach("a task frame was sent twice, or for a task not in flight"),
+                        }
+                    }
                     // A register or unregister frame is sent only for an
                     // operation that awaits its reply: a withdrawn one
                     // (a staging failure, an operation ended in the same
@@ -1479,6 +1641,28 @@ impl RegistrationModel {
                         state.breach("a payload was released that was not staged");
                     }
                 }
+                Effect::Retire {
+                    target,
+                    incarnation,
+                    tasks,
+                } => {
+                    // §2.14: retired at its bound, idle, so that the
+                    // retirement costs no task and no operation.
+                    state.seen |= seen::RETIRED;
+                    let at_bound = tasks == self.config.max_tasks_per_target
+                        && state
+                            .task_log
+                            .iter()
+                            .filter(|n| {
+                                n.sent && (n.target, n.incarnation) == (target, incarnation)
+                            })
+                            .count()
+                            == tasks as usize;
+                    if !at_bound || self.retirement_costs(state, target) {
+                        state.breach("a target retired before its task bound, or with work in progress or in transit");
+                    }
+                    Self::fence_side(state, target);
+                }
                 Effect::Fence { target, .. } => {
                     // A replacement not ready in time (§2.9): the driver
                     // will not start it.
@@ -1492,25 +1676,7 @@ impl RegistrationModel {
                         state.spawn_due[index] = None;
                         continue;
                     }
-                    // Fencing kills and reaps the child and closes both pipe
-                    // ends: nothing more is read from it (its replies are
-                    // dropped, or, the channel fault, kept to arrive late).
-                    state.keep_stale_replies(target, true);
-                    state.kill(target);
-                    state.replies.retain(|(t, _)| *t != target);
-                    // Its results in transit are dropped, or (the channel
-                    // fault, while its budget lasts) kept to arrive late.
-                    let keep = state.budgets.stale_results > 0;
-                    let (gone, rest): (Vec<_>, Vec<_>) =
-                        state.results.drain(..).partition(|(t, _)| *t == target);
-                    state.results = rest;
-                    if keep {
-                        state.stale.extend(gone);
-                        state.stale.sort();
-                    }
-                    if let Some(eof) = state.eof.get_mut(usize::from(target.0)) {
-                        *eof = false;
-                    }
+                    Self::fence_side(state, target);
                 }
                 Effect::Completed {
                     op,
@@ -1531,12 +1697,14 @@ impl RegistrationModel {
                     };
                     note.ends = note.ends.saturating_add(1);
                     let (sent_to, started) = ((note.target, note.incarnation), note.started);
+                    let note_sent = note.sent;
                     let ended = match end {
                         TaskEnd::Result => Ended::Result,
                         TaskEnd::Cancelled => Ended::Cancelled,
                         TaskEnd::Deadline => Ended::Deadline,
                         TaskEnd::Lost { .. } => Ended::Lost,
                         TaskEnd::Closed => Ended::Closed,
+                        TaskEnd::Expired => Ended::Expired,
                     };
                     note.end.get_or_insert(ended);
                     if note.ends > 1 {
@@ -1548,7 +1716,10 @@ impl RegistrationModel {
                     if ended == Ended::Result && delivering != Some((seq, true)) {
                         state.seen |= seen::FOREIGN_RESULT;
                     }
-                    if (target, incarnation) != sent_to {
+                    if ended == Ended::Expired && note_sent {
+                        state.breach("a task that was sent ended as expired, unsent");
+                    }
+                    if note_sent && (target, incarnation) != sent_to {
                         state.breach(
                             "a task ended naming another target or incarnation than it was sent to",
                         );
@@ -2153,10 +2324,13 @@ impl RegistrationModel {
         let genuine = stale.is_none() && sent_to == Some((id, result.incarnation));
         let in_flight = before.task(result.seq).is_some();
         state.delivering = Some((result.seq, genuine));
-        match state
-            .parent
-            .handle_task_result(id, result.incarnation, result.seq, result.digest)
-        {
+        match state.parent.handle_task_result(
+            id,
+            result.incarnation,
+            result.seq,
+            result.digest,
+            Time(state.now),
+        ) {
             Ok(true) => {}
             Ok(false) => {
                 if stale.is_some() {
@@ -2741,7 +2915,13 @@ impl stateright::Model for RegistrationModel {
                 }
             }
         }
-        if state.budgets.tasks > 0 {
+        if state.budgets.tasks > 0 && self.config.submit_any {
+            for handle in state.parent.live_handles() {
+                actions.push(Action::SubmitAny {
+                    handle_id: handle.handle_id,
+                });
+            }
+        } else if state.budgets.tasks > 0 {
             for handle in state.parent.live_handles() {
                 for target in self.target_ids() {
                     if state.parent.is_target_live(target) && state.target(target).is_some() {
@@ -2890,49 +3070,9 @@ impl stateright::Model for RegistrationModel {
                 self.issue(&mut state, i, true)?;
             }
             Action::Submit { handle_id, target } => {
-                let digest = state
-                    .parent
-                    .live_handles()
-                    .into_iter()
-                    .find(|h| h.handle_id == handle_id)?
-                    .digest();
-                // With task deadlines a submit is issuing an operation with
-                // a deadline: time advances as for an issue, never onto a
-                // pending deadline (without them the submit's time is read
-                // by nothing, and staying merges states).
-                let next = state.now + 1;
-                if self.config.task_deadline
-                    && state.parent.poll_timeout().is_none_or(|d| next < d.0)
-                {
-                    state.now = next;
-                }
-                let deadline = self
-                    .config
-                    .task_deadline
-                    .then_some(state.now + TASK_DEADLINE);
-                let seq = state
-                    .parent
-                    .submit_with_deadline(
-                        &handle_for(digest, handle_id),
-                        target,
-                        deadline.map(Time),
-                    )
-                    .ok()?;
-                state.budgets.tasks -= 1;
-                state.tasks.push((seq, handle_id));
-                state.task_log.push(TaskNote {
-                    seq,
-                    target,
-                    incarnation: state.parent.incarnation(target),
-                    deadline,
-                    cancelled_at: None,
-                    started: false,
-                    cancel_ok: false,
-                    ends: 0,
-                    end: None,
-                });
-                self.drain_parent(&mut state);
+                self.submit(&mut state, handle_id, Some(target))?
             }
+            Action::SubmitAny { handle_id } => self.submit(&mut state, handle_id, None)?,
             Action::Deliver(id) => self.deliver(&mut state, id, false)?,
             Action::DeliverCorrupted(id) => {
                 state.budgets.corruptions = state.budgets.corruptions.checked_sub(1)?;
@@ -3351,6 +3491,9 @@ impl RegistrationModel {
             Action::Submit { handle_id, target } => {
                 format!("client dispatches a task for handle {handle_id} to {target}")
             }
+            Action::SubmitAny { handle_id } => {
+                format!("client dispatches a task for handle {handle_id} to the target the parent picks")
+            }
             Action::Deliver(t) => match state.head_frame(*t) {
                 Some(f) => format!("{t} applies {}", frame_text(f)),
                 None => format!("{t} applies nothing"),
@@ -3637,7 +3780,7 @@ pub fn mutant_needs_no_fence(mutant: Mutant) -> bool {
 pub fn mutant_needs_respawn(mutant: Mutant) -> bool {
     matches!(
         mutant,
-        Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished
+        Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished | Mutant::RetireBusy
     )
 }
 

@@ -248,6 +248,13 @@ pub const SOMETIMES_CANCEL_REFUSED: &str = "sometimes: a cancel is refused becau
 pub const SOMETIMES_RUN_SKIPPED: &str = "sometimes: a cancelled run is skipped at its start";
 /// Witness: a task ends at its deadline.
 pub const SOMETIMES_TASK_DEADLINE: &str = "sometimes: a task ends at its deadline";
+/// Witness: a target's process retires after its task bound
+/// (`specs/protocol.md` §2.14).
+pub const SOMETIMES_RETIRED: &str = "sometimes: a target retires after its task bound";
+/// Witness: a task that waited in the machine for a target (§2.14) ends
+/// with its result.
+pub const SOMETIMES_WAITED_RESULT: &str =
+    "sometimes: a task that waited for a target ends with its result";
 /// Witness: a stale result (of a lost process) is refused.
 pub const SOMETIMES_STALE_REFUSED: &str = "sometimes: a stale result is refused";
 /// Name of the `always` property that a control reply of a lost process
@@ -337,6 +344,14 @@ fn task_cancelled(_: &RegistrationModel, s: &State) -> bool {
 }
 fn task_deadline(_: &RegistrationModel, s: &State) -> bool {
     ended(s, Ended::Deadline)
+}
+fn retired(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::RETIRED != 0
+}
+fn waited_result(_: &RegistrationModel, s: &State) -> bool {
+    s.task_log
+        .iter()
+        .any(|n| n.waited && n.end == Some(Ended::Result))
 }
 fn cancel_refused(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::CANCEL_REFUSED != 0
@@ -692,11 +707,15 @@ pub fn queries_agree(m: &RegistrationModel, s: &State) -> Result<(), String> {
     if lifecycle == Lifecycle::Started && p.tasks_in_flight() != open_tasks {
         return fail("Parent::tasks_in_flight disagrees with the tasks the driver saw submitted and not ended");
     }
+    // A task waiting unsent (§2.14) names the target it waits for, which
+    // may change; it awaits no cancel.
     for note in &s.task_log {
         let info = p.task(note.seq);
         let cancelling = p.awaits_cancel(note.target, note.seq);
         if info.is_some_and(|t| {
-            (t.target, t.incarnation, t.cancelling) != (note.target, note.incarnation, cancelling)
+            t.sent != note.sent
+                || (note.sent && (t.target, t.incarnation) != (note.target, note.incarnation))
+                || t.cancelling != cancelling
                 || t.deadline.map(|d| d.0) != note.deadline
         }) || (cancelling && note.cancelled_at.is_none())
         {
@@ -1091,6 +1110,8 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_CANCEL_REFUSED, cancel_refused),
         Property::sometimes(SOMETIMES_RUN_SKIPPED, run_skipped),
         Property::sometimes(SOMETIMES_TASK_DEADLINE, task_deadline),
+        Property::sometimes(SOMETIMES_RETIRED, retired),
+        Property::sometimes(SOMETIMES_WAITED_RESULT, waited_result),
         Property::sometimes(SOMETIMES_STALE_REFUSED, stale_refused),
         Property::sometimes(SOMETIMES_STALE_REPLY_JOINING, stale_reply_joining),
         Property::sometimes(SOMETIMES_STALE_REPLY_JOINED, stale_reply_joined),

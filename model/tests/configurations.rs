@@ -83,6 +83,7 @@ fn pinned_state_counts() {
         ("respawn-arrivals", 27_542, 29),
         ("tasks-cancel", 229, 18),
         ("tasks-deadline", 1_406, 23),
+        ("retire", 102_746, 35),
         ("standard", 111_489, 37),
         ("no-probe", 109_330, 37),
         ("no-fence", 1_026_427, 40),

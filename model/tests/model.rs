@@ -273,6 +273,13 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
             respawn_limit: 1,
             ..quiet(1, "single-register")
         },
+        Mutant::RetireBusy => ModelConfig {
+            tasks: 2,
+            submit_any: true,
+            max_tasks_per_target: 1,
+            respawn_limit: 1,
+            ..quiet(2, "single-register")
+        },
     };
     // In name order, as `violated` lists them.
     let broken = match mutant {
@@ -305,6 +312,7 @@ fn exposing(mutant: Mutant) -> (ModelConfig, Vec<&'static str>) {
         Mutant::CancelStarted => vec![TASK_CANCELLED_NOT_RUN, QUERIES],
         Mutant::DeadlineWithoutCompletion => vec![TASK_DEADLINE_FENCES],
         Mutant::AcceptStaleResult => vec![INV10_TERMINAL, INV13, TASK_RESULT_FROM_RUNNER],
+        Mutant::RetireBusy => vec![CONTRACT],
     };
     config.mutant = Some(mutant);
     (config, broken)
@@ -352,14 +360,22 @@ fn mutants_are_also_caught_by_one_shared_fault_rich_configuration() {
     for mutant in Mutant::ALL {
         let replaces = matches!(
             mutant,
-            Mutant::JoinBeforeReplay | Mutant::SkipReplayOfPublished | Mutant::AcceptStaleResult
+            Mutant::JoinBeforeReplay
+                | Mutant::SkipReplayOfPublished
+                | Mutant::AcceptStaleResult
+                | Mutant::RetireBusy
         );
         // The task mutants need what reaches their code: a cancel, task
         // deadlines, a second task and a stale result.
         let tasks = matches!(
             mutant,
-            Mutant::CancelStarted | Mutant::DeadlineWithoutCompletion | Mutant::AcceptStaleResult
+            Mutant::CancelStarted
+                | Mutant::DeadlineWithoutCompletion
+                | Mutant::AcceptStaleResult
+                | Mutant::RetireBusy
         );
+        // Retirement needs its bound and tasks placed by the parent.
+        let retire = *mutant == Mutant::RetireBusy;
         let config = ModelConfig {
             mutant: Some(*mutant),
             poison_refusals: u8::from(*mutant == Mutant::IgnoreNestedPoison),
@@ -374,6 +390,8 @@ fn mutants_are_also_caught_by_one_shared_fault_rich_configuration() {
             task_deadline: tasks,
             stale_results: u8::from(tasks),
             respawn_limit: u16::from(replaces),
+            submit_any: retire,
+            max_tasks_per_target: u32::from(retire),
             ..faulty(
                 "register-unregister-same-digest",
                 *mutant != Mutant::ForgetUncertain,

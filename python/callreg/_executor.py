@@ -270,18 +270,28 @@ class Executor(concurrent.futures.Executor):
     with ``ProcessPoolExecutor``; an Executor nothing holds any more
     finishes its tasks in a thread, then closes.
 
-    Futures are running from :meth:`submit` (the task is sent at once);
+    Futures are running from :meth:`submit` (the task is sent at once, or,
+    with ``max_tasks_per_child``, waits for a target that takes it);
     :meth:`concurrent.futures.Future.cancel` still stops a task that has
     not started in its target (it waits there behind others) and returns
     ``True``, as do ``shutdown(cancel_futures=True)`` and a ``map``
     iterator left early. A task's exception is raised by ``result()`` as
     itself (:meth:`Worker.submit`). A deadline per task: :func:`options`.
 
-    Raises ``ValueError`` when ``max_workers`` is not positive or
-    ``mp_context`` names another start method, ``TypeError`` for an
-    unknown keyword (``next_level``, ``max_tasks_per_child``: a Worker's
-    options only), a non-callable ``initializer`` or an ``mp_context``
-    that is neither, and what :meth:`Worker.start` raises."""
+    ``max_tasks_per_child`` (as ``ProcessPoolExecutor``'s; the Worker's
+    ``max_tasks_per_target``): a target process that ran this many tasks
+    is replaced by a fresh one, forked from the template made at start
+    (so, unlike ``ProcessPoolExecutor``'s, it works with the ``"fork"``
+    start method too); tasks no target can take meanwhile wait and go to
+    the replacement (``specs/protocol.md`` §2.14).
+
+    Raises ``ValueError`` when ``max_workers`` or ``max_tasks_per_child``
+    is not positive, ``mp_context`` names another start method, or
+    ``max_tasks_per_child`` is given with ``respawn_limit=0`` or beside a
+    different ``max_tasks_per_target``; ``TypeError`` for an unknown keyword
+    (``next_level``: a Worker's option only), a ``max_tasks_per_child``
+    that is not an integer, a non-callable ``initializer`` or an
+    ``mp_context`` that is neither; and what :meth:`Worker.start` raises."""
 
     def __init__(
         self,
@@ -289,6 +299,8 @@ class Executor(concurrent.futures.Executor):
         mp_context: object = None,
         initializer: Callable[..., object] | None = None,
         initargs: Iterable[Any] = (),
+        *,
+        max_tasks_per_child: int | None = None,
         **worker_options: Unpack[WorkerOptions],
     ) -> None:
         unknown = sorted(set(worker_options) - WORKER_OPTIONS)
@@ -296,11 +308,10 @@ class Executor(concurrent.futures.Executor):
             hint = {
                 "next_level": "use a Worker for trees of Workers",
                 "next_level_targets": "use a Worker for trees of Workers",
-                "max_tasks_per_child": "a target serves until it is lost; callreg.Executor has no such bound",
             }
             raise TypeError(
                 "Executor got an unexpected keyword argument %r%s; its options are max_workers, mp_context, "
-                "initializer, initargs and the Worker's: %s"
+                "initializer, initargs, max_tasks_per_child and the Worker's: %s"
                 % (
                     unknown[0],
                     " (%s)" % hint[unknown[0]] if unknown[0] in hint else "",
@@ -310,6 +321,16 @@ class Executor(concurrent.futures.Executor):
         # As ProcessPoolExecutor's; the Worker checks the rest.
         if max_workers is not None and max_workers <= 0:
             raise ValueError("max_workers must be greater than 0")
+        if max_tasks_per_child is not None:
+            if not isinstance(max_tasks_per_child, int):
+                raise TypeError("max_tasks_per_child must be an integer")
+            if max_tasks_per_child <= 0:
+                raise ValueError("max_tasks_per_child must be >= 1")
+            if worker_options.setdefault("max_tasks_per_target", max_tasks_per_child) != max_tasks_per_child:
+                raise ValueError(
+                    "Executor's max_tasks_per_child (%d) and max_tasks_per_target=%r disagree: give one of them"
+                    % (max_tasks_per_child, worker_options["max_tasks_per_target"])
+                )
         if mp_context is not None:
             method = _start_method_of(mp_context)
             if worker_options.setdefault("start_method", method) != method:  # type: ignore[typeddict-item]

@@ -91,7 +91,9 @@ class Inspection:
         {"code", "message"}}``, ``{"event": "template_lost", "cause"}``
         (the process that starts replacements is gone: every target lost
         from then on is abandoned at once), ``{"event": "abandoned",
-        "target", "failed_joins"}``."""
+        "target", "failed_joins"}``, ``{"event": "retired", "target",
+        "incarnation", "tasks"}`` (a process was sent its
+        ``max_tasks_per_target`` tasks, they ended, and it was replaced)."""
         events: list[dict[str, Any]] = json.loads(self._raw.target_events_json())
         return events
 

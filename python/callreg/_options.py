@@ -55,6 +55,7 @@ class WorkerOptions(TypedDict, total=False):
     probe_first: bool
     respawn_limit: int
     respawn_backoff: float
+    max_tasks_per_target: int
     spin: float
     start_method: Literal["fork", "forkserver"]
     preload: Iterable[str]
@@ -74,6 +75,7 @@ def raw_worker(
     probe_first: bool,
     respawn_limit: int,
     respawn_backoff: float,
+    max_tasks_per_target: int = 0,
     spin: float = DEFAULT_SPIN,
     target_initializer: Callable[[int], object] | None = None,
     start_method: str = "fork",
@@ -95,6 +97,7 @@ def raw_worker(
         raise TypeError("probe_first must be True or False, not %s" % type(probe_first).__name__)
     respawn_limit = checked_int("respawn_limit", respawn_limit, 0, _U16)
     respawn_backoff = checked_seconds("respawn_backoff", respawn_backoff)
+    max_tasks_per_target = checked_int("max_tasks_per_target", max_tasks_per_target, 0, _U32)
     spin = checked_seconds("spin", spin)
     # The budget is kept in whole nanoseconds: a value that rounds to the
     # bound is the bound (numpy.float32(1e-3) is 1.0000000475e-3).
@@ -117,6 +120,7 @@ def raw_worker(
             respawn_backoff,
             template,
             spin,
+            max_tasks_per_target,
         )
     except _callreg.RawError as raw:
         if raw.args[0]["code"] == "LIFECYCLE_INVALID":
@@ -157,6 +161,7 @@ def _template(
 
 # The largest values of the extension's unsigned arguments.
 _U16: Final = 0xFFFF
+_U32: Final = 0xFFFF_FFFF
 _USIZE: Final = 0xFFFF_FFFF_FFFF_FFFF
 
 

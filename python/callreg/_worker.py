@@ -91,7 +91,15 @@ class Worker(Inspection):
     callable that kills every new process); after that the target stays lost
     and :meth:`target_events` says so. ``respawn_backoff`` (seconds, default
     0.1) is the wait before the second replacement in a row, doubling for
-    each further one; the first comes at once.
+    each further one; the first comes at once. ``max_tasks_per_target``
+    (default 0: no bound; ``ProcessPoolExecutor``'s ``max_tasks_per_child``)
+    is how many tasks one target process is sent: a process sent them
+    takes no more, and once they ended it is killed and replaced (a
+    ``"retired"`` event in :meth:`target_events`; it counts against no
+    limit). A task no target can take meanwhile waits in the Worker and
+    goes to the first target that joins (``specs/protocol.md`` §2.14).
+    It needs replacements (``respawn_limit`` above 0); once they end (the
+    template process is gone) the processes serve on.
     ``spin`` (seconds, default 50 µs, at most 0.001, kept in whole
     nanoseconds, so ``numpy.float32(1e-3)`` is the bound; 0: never): how long a
     caller waiting for its own result (:meth:`call`, a future's
@@ -151,8 +159,9 @@ class Worker(Inspection):
     Made with an option of the wrong type it raises ``TypeError``; with a
     value it cannot run, ``ValueError`` naming the option: fewer than one
     target or slot, ``max_frame_bytes`` below 256, a time that is not
-    positive and finite (``respawn_backoff`` may be zero), or an
-    ``operation_timeout`` shorter than ``control_timeout``
+    positive and finite (``respawn_backoff`` may be zero), an
+    ``operation_timeout`` shorter than ``control_timeout``, or
+    ``max_tasks_per_target`` with ``respawn_limit=0``
     (``specs/python.md``, "Options").
 
     Thread-safe: any number of threads may submit at once. A context
@@ -171,6 +180,7 @@ class Worker(Inspection):
         probe_first: bool = True,
         respawn_limit: int = DEFAULT_RESPAWN_LIMIT,
         respawn_backoff: float = DEFAULT_RESPAWN_BACKOFF,
+        max_tasks_per_target: int = 0,
         spin: float = DEFAULT_SPIN,
         initializer: Callable[..., object] | None = None,
         initargs: Iterable[Any] = (),
@@ -193,6 +203,7 @@ class Worker(Inspection):
             probe_first=probe_first,
             respawn_limit=respawn_limit,
             respawn_backoff=respawn_backoff,
+            max_tasks_per_target=max_tasks_per_target,
             spin=spin,
             target_initializer=target_initializer,
             start_method=start_method,

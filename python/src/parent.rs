@@ -91,6 +91,11 @@ fn effect_tuple<'py>(py: Python<'py>, effect: Effect) -> PyResult<Bound<'py, PyT
         } => ("verify", target.0, staging.0, hashid_text(digest)).into_pyobject(py)?,
         Effect::ReleaseStaged { staging } => ("release", staging.0).into_pyobject(py)?,
         Effect::Fence { target, .. } => ("fence", target.0).into_pyobject(py)?,
+        Effect::Retire {
+            target,
+            incarnation,
+            tasks,
+        } => ("retire", target.0, incarnation, tasks).into_pyobject(py)?,
         Effect::Spawn {
             target,
             incarnation,
@@ -205,6 +210,7 @@ impl RawParent {
             respawn_limit,
             respawn_backoff: micros("respawn_backoff", respawn_backoff)?,
             unbounded_spawn: true,
+            max_tasks_per_target: 0,
         };
         Ok(RawParent {
             machine: Parent::new(config),

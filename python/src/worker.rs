@@ -216,6 +216,10 @@ impl RawWorker {
     /// the template process, which forks every target (the program runs
     /// [`_template_main`]; `runtime_data` is its `prepare`'s, and carries
     /// the target initializer: `target_initializer` must then be `None`).
+    /// `max_tasks_per_target` (0: no bound): how many tasks one target
+    /// process is sent before it retires and is replaced
+    /// ([`WorkerBuilder::max_tasks_per_target`], `specs/protocol.md`
+    /// §2.14).
     /// `spin` (seconds, at most 0.001; 0: never): how long a caller waiting
     /// for its own result polls before it sleeps, and a target's task
     /// thread looks for its next task before it sleeps
@@ -223,8 +227,9 @@ impl RawWorker {
     ///
     /// [`WorkerBuilder::probe_first`]: callreg::io::WorkerBuilder::probe_first
     /// [`WorkerBuilder::respawn_limit`]: callreg::io::WorkerBuilder::respawn_limit
+    /// [`WorkerBuilder::max_tasks_per_target`]: callreg::io::WorkerBuilder::max_tasks_per_target
     #[new]
-    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true, respawn_limit=callreg::protocol::DEFAULT_RESPAWN_LIMIT, respawn_backoff=0.1, template=None, spin=5e-5))]
+    #[pyo3(signature = (targets, control_timeout, slot_capacity, max_frame_bytes, target_initializer=None, operation_timeout=None, probe_first=true, respawn_limit=callreg::protocol::DEFAULT_RESPAWN_LIMIT, respawn_backoff=0.1, template=None, spin=5e-5, max_tasks_per_target=0))]
     // One argument per keyword of the Python constructor.
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -240,6 +245,7 @@ impl RawWorker {
         respawn_backoff: f64,
         template: Option<(String, Vec<String>, Vec<u8>)>,
         spin: f64,
+        max_tasks_per_target: u32,
     ) -> PyResult<RawWorker> {
         let respawn_backoff = duration("respawn_backoff", respawn_backoff, true)?;
         let spin = duration("spin", spin, true)?;
@@ -275,6 +281,7 @@ impl RawWorker {
             .probe_first(probe_first)
             .respawn_limit(respawn_limit)
             .respawn_backoff(respawn_backoff)
+            .max_tasks_per_target(max_tasks_per_target)
             .spin(spin)
             // A Python process usually runs other threads; os.fork forks
             // anyway (with its before/after-fork steps), and so does this.

@@ -356,6 +356,52 @@ def test_a_lost_target_is_a_broken_process_pool_and_the_pool_stays_usable():
                 time.sleep(0.05)
 
 
+def test_max_tasks_per_child_replaces_a_target_after_its_tasks():
+    with callreg.Executor(1, max_tasks_per_child=3) as ex:
+        pids = [ex.submit(os.getpid).result(timeout=30) for _ in range(7)]
+        assert pids[0] == pids[1] == pids[2] != pids[3] == pids[4] == pids[5] != pids[6]
+        assert len(set(pids)) == 3
+        ends = [
+            (e["event"], e["incarnation"], e.get("tasks"))
+            for e in ex.worker.target_events()
+            if e["event"] in ("retired", "lost")
+        ]
+        assert ends == [("retired", 0, 3), ("retired", 1, 3)]
+    # Every task at once, on a bound of one each: those no target can
+    # take wait for a replacement, and every one runs.
+    with callreg.Executor(3, max_tasks_per_child=1) as ex:
+        futures = [ex.submit(pow, i, 2) for i in range(12)]
+        assert [f.result(timeout=60) for f in futures] == [i * i for i in range(12)]
+        assert len({f.result() for f in futures}) == 12
+
+
+def test_a_task_waiting_for_a_replacement_is_cancelled_at_once():
+    with callreg.Executor(1, max_tasks_per_child=1) as ex:
+        running = ex.submit(time.sleep, 0.5)
+        waiting = ex.submit(abs, -1)
+        assert waiting.cancel()
+        assert waiting.cancelled()
+        assert running.result(timeout=30) is None
+        assert ex.submit(abs, -2).result(timeout=30) == 2
+
+
+def test_max_tasks_per_child_is_checked_as_process_pool_executor_checks_it():
+    with pytest.raises(ValueError, match=r"^max_tasks_per_child must be >= 1$"):
+        callreg.Executor(1, max_tasks_per_child=0)
+    with pytest.raises(TypeError, match=r"^max_tasks_per_child must be an integer$"):
+        callreg.Executor(1, max_tasks_per_child="3")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"^max_tasks_per_target \(2\) needs replacement targets: a respawn_limit above 0$",
+    ):
+        callreg.Executor(1, max_tasks_per_child=2, respawn_limit=0)
+    with pytest.raises(
+        ValueError,
+        match=r"^Executor's max_tasks_per_child \(2\) and max_tasks_per_target=3 disagree: give one of them$",
+    ):
+        callreg.Executor(1, max_tasks_per_child=2, max_tasks_per_target=3)
+
+
 def test_mp_context_names_the_start_method():
     for context, method in (
         (multiprocessing.get_context("fork"), "fork"),

@@ -87,10 +87,6 @@ _MIXINS = {"fork": "ProcessPoolForkMixin", "forkserver": "ProcessPoolForkserverM
 # ``<suite module>.<suite class>.<test method>``) -> why callreg may fail
 # it where PPE passes. Only what no executor other than PPE can pass.
 EXPECTED_DIFFERENCES: dict[str, str] = {
-    "*.test_max_tasks_early_shutdown": (
-        "builds the executor with max_tasks_per_child, which callreg.Executor refuses (TypeError naming it): a "
-        "target serves until it is lost"
-    ),
     "*.test_python_finalization_error": (
         "mocks threading._start_joinable_thread so that the second thread ProcessPoolExecutor starts (its "
         "queue feeder) fails, and expects BrokenProcessPool from map(mul, [(2, 3)] * 10), whose calls are wrong "

@@ -601,11 +601,13 @@ pub fn inv12_no_task_before_join(view: &View<'_>) -> Result<(), Violation> {
 }
 
 /// Invariant 13, tasks run on live incarnations (`specs/protocol.md`
-/// §2.11): while the Worker is started, every task in flight names a
-/// target the parent counts live, at the incarnation the parent records
-/// for that target now (a task whose target's process was lost ended with
-/// it, so a replacement never inherits it and no earlier process's result
-/// can end it).
+/// §2.11, §2.14): while the Worker is started, every task sent and in
+/// flight names a target the parent counts live, at the incarnation the
+/// parent records for that target now (a task whose target's process was
+/// lost ended with it, so a replacement never inherits it and no earlier
+/// process's result can end it); a task waiting unsent names a target
+/// that will take tasks, and no target that takes tasks has confirmed its
+/// handle (it would have been sent there).
 ///
 /// # Errors
 /// A [`Violation`] naming the task, its target and the incarnations.
@@ -614,6 +616,31 @@ pub fn inv13_tasks_on_live_incarnations(view: &View<'_>) -> Result<(), Violation
         return Ok(());
     }
     for (seq, task) in &view.parent.tasks {
+        if !task.sent {
+            let taker = (0..view.parent.config.targets).map(TargetId).find(|t| {
+                view.parent.takes_tasks(*t)
+                    && view
+                        .parent
+                        .handles
+                        .get(&task.handle_id)
+                        .is_some_and(|r| r.confirmed.contains(t))
+            });
+            let waits_for = view.parent.will_take_tasks(task.target);
+            if taker.is_some() || !waits_for {
+                return violation(
+                    13,
+                    "tasks run on live incarnations",
+                    match taker {
+                        Some(t) => format!("task {seq} waits although {t} takes tasks"),
+                        None => format!(
+                            "task {seq} waits for {}, which will never take tasks",
+                            task.target
+                        ),
+                    },
+                );
+            }
+            continue;
+        }
         let live = view.parent.is_target_live(task.target);
         let current = view.parent.incarnation(task.target);
         if !live || current != task.incarnation {
@@ -696,6 +723,7 @@ mod tests {
             respawn_limit: 0,
             respawn_backoff: 0,
             unbounded_spawn: false,
+            max_tasks_per_target: 0,
         });
         parent
             .register_before_start(digest(1), Namespace::LocalPython)
@@ -983,6 +1011,7 @@ mod tests {
             respawn_limit: 0,
             respawn_backoff: 0,
             unbounded_spawn: false,
+            max_tasks_per_target: 0,
         });
         for n in [1, 2] {
             parent
@@ -1154,6 +1183,7 @@ mod tests {
                 respawn_limit: 0,
                 respawn_backoff: 0,
                 unbounded_spawn: false,
+                max_tasks_per_target: 0,
             });
             parent
                 .register_before_start(digest(1), Namespace::LocalPython)
@@ -1218,6 +1248,7 @@ mod tests {
             respawn_limit: 0,
             respawn_backoff: 0,
             unbounded_spawn: false,
+            max_tasks_per_target: 0,
         });
         parent.start().unwrap();
         let targets = vec![Some(

@@ -50,6 +50,7 @@
 //!     respawn_limit: 0,
 //!     respawn_backoff: 0,
 //!     unbounded_spawn: false,
+//!     max_tasks_per_target: 0,
 //! });
 //! parent.start()?;
 //! let mut target = Target::new(TargetConfig::new(TargetId(0)), &parent.startup_snapshot())?;
@@ -120,8 +121,8 @@ pub use forms::{
 };
 pub use parent::{
     Completion, Effect, FailedRegistration, Handle, Lifecycle, Parent, ParentConfig, Poison,
-    TargetOutcome, TargetPhase, TaskEnd, TaskInfo, BOUND_FENCE_CAUSE, NOT_READY_CAUSE,
-    SILENT_FENCE_CAUSE,
+    TargetOutcome, TargetPhase, TaskEnd, TaskInfo, BOUND_FENCE_CAUSE, NONE_COMING, NOT_READY_CAUSE,
+    SILENT_FENCE_CAUSE, UNREGISTERED_WHILE_WAITING,
 };
 pub use target::{Slot, Target, TargetConfig, TargetEffect, DEFAULT_SLOT_CAPACITY};
 
@@ -357,6 +358,11 @@ pub enum Mutant {
     /// Parent: a registration published while a replacement joins is not
     /// replayed to it (caught by invariant 11).
     SkipReplayOfPublished,
+    /// Parent: a target sent its `max_tasks_per_target` tasks is retired
+    /// at the next input, with its tasks still in flight (§2.14; caught by
+    /// the model's "machines answer as documented": a retirement that
+    /// costs a task).
+    RetireBusy,
 }
 
 #[cfg(feature = "mutants")]
@@ -381,5 +387,6 @@ impl Mutant {
         Mutant::DeadlineWithoutCompletion,
         Mutant::AcceptStaleResult,
         Mutant::CancelStarted,
+        Mutant::RetireBusy,
     ];
 }

@@ -32,6 +32,7 @@ pub fn parent_config(targets: u16, fence_on_timeout: bool) -> ParentConfig {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     }
 }
 
@@ -201,6 +202,7 @@ impl<'a> SimSetup<'a> {
             respawn_limit: 0,
             respawn_backoff: 0,
             unbounded_spawn: false,
+            max_tasks_per_target: 0,
         };
         Sim::with_config(config, before_start)
     }
@@ -423,7 +425,7 @@ impl Sim {
         let incarnation = self.parent.incarnation(target);
         let accepted = self
             .parent
-            .handle_task_result(target, incarnation, seq, handle.digest())
+            .handle_task_result(target, incarnation, seq, handle.digest(), Time(0))
             .expect("a result of a task the parent sent");
         assert!(accepted, "the result of {seq} on {target} was refused");
     }
@@ -561,6 +563,7 @@ impl Sim {
                 );
                 self.released.insert(staging);
             }
+            Effect::Retire { .. } => panic!("no scenario bounds the tasks per target"),
             Effect::Fence { target, .. } => {
                 let i = usize::from(target.0);
                 self.fenced.insert(target);

@@ -63,6 +63,7 @@ pub struct WorkerBuilder<R: Runtime> {
     probe_first: bool,
     respawn_limit: u16,
     respawn_backoff: Duration,
+    max_tasks_per_target: u32,
     thread_policy: ThreadPolicy,
     start_method: StartMethod,
     spin: Duration,
@@ -84,6 +85,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             probe_first: true,
             respawn_limit: DEFAULT_RESPAWN_LIMIT,
             respawn_backoff: Duration::from_micros(DEFAULT_RESPAWN_BACKOFF),
+            max_tasks_per_target: 0,
             thread_policy: ThreadPolicy::RefuseIfThreaded,
             start_method: StartMethod::Fork,
             spin: DEFAULT_SPIN,
@@ -157,6 +159,19 @@ impl<R: Runtime> WorkerBuilder<R> {
         self
     }
 
+    /// At most `tasks` tasks per target process (default 0: no bound;
+    /// `specs/protocol.md` §2.14): a process sent its last one takes no
+    /// more, and once they ended it is retired (killed and reaped,
+    /// [`TargetEvent::Retired`]) and replaced, which counts against no
+    /// limit. Tasks that no target can take meanwhile wait in the Worker
+    /// and go to the replacement when it joins. Needs replacements on
+    /// ([`WorkerBuilder::respawn_limit`] above 0); once replacements end
+    /// (the template process is gone) the processes serve on.
+    pub fn max_tasks_per_target(mut self, tasks: u32) -> Self {
+        self.max_tasks_per_target = tasks;
+        self
+    }
+
     /// The back-off before the second replacement in a row of one target,
     /// doubling for each further one (default 100 ms; `specs/protocol.md`
     /// §2.9). The first replacement after a target that had joined is
@@ -215,8 +230,9 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// `LIFECYCLE_INVALID` for 0 targets, 0 slots, a zero control timeout,
     /// a control timeout, operation timeout or respawn back-off above
     /// [`MAX_TIMEOUT`], an operation timeout shorter than the control
-    /// timeout, a maximum frame size below [`MIN_MAX_FRAME_BYTES`], or a
-    /// spin budget above [`MAX_SPIN`];
+    /// timeout, a maximum frame size below [`MIN_MAX_FRAME_BYTES`], a
+    /// spin budget above [`MAX_SPIN`], or a task bound per target with
+    /// replacements off;
     /// `IO_FAILED`
     /// when no random owner token can be drawn.
     pub fn build(self) -> Result<Worker<R>, Error> {
@@ -252,6 +268,12 @@ impl<R: Runtime> WorkerBuilder<R> {
             return Err(invalid(format!(
                 "the spin budget must be at most {} microseconds",
                 MAX_SPIN.as_micros()
+            )));
+        }
+        if self.max_tasks_per_target > 0 && self.respawn_limit == 0 {
+            return Err(invalid(format!(
+                "max_tasks_per_target ({}) needs replacement targets: a respawn_limit above 0",
+                self.max_tasks_per_target
             )));
         }
         if self.max_frame_bytes < MIN_MAX_FRAME_BYTES {
@@ -294,6 +316,7 @@ impl<R: Runtime> WorkerBuilder<R> {
             // Targets are forked here: a replacement that is not ready in
             // time is fenced (§2.9).
             unbounded_spawn: false,
+            max_tasks_per_target: self.max_tasks_per_target,
         };
         let machine = Parent::new(config);
         Ok(Worker {
@@ -330,7 +353,6 @@ impl<R: Runtime> WorkerBuilder<R> {
             }),
             io_thread: Mutex::new(None),
             forker: Mutex::new(None),
-            next_target: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 }

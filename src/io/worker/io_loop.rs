@@ -161,6 +161,10 @@ pub(super) struct TaskWaiter {
     /// The key the caller may cancel it by ([`super::TaskKey`]).
     key: u64,
     done: Completer<Result<Vec<u8>, TaskError>>,
+    /// The task's input until its frame is written: at its submit, or
+    /// when a target takes it (a task may wait in the machine,
+    /// `specs/protocol.md` §2.14).
+    pub(super) input: Option<(TaskEncoding, Vec<u8>)>,
 }
 
 /// Who waits for an inspection, and the tables that came (the machine
@@ -181,7 +185,6 @@ pub(super) struct Staged {
 #[derive(Default)]
 pub(super) struct Context {
     staged: Option<(Digest, Staged)>,
-    task_input: Option<(TaskEncoding, Vec<u8>)>,
     /// The result frame being given to the machine
     /// (`handle_task_result`), for its `TaskDone`.
     task_result: Option<Result<Vec<u8>, TaskFailure>>,
@@ -487,11 +490,15 @@ impl IoLoop {
                 let deadline = deadline.map(|d| {
                     now.saturating_add_micros(u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
                 });
-                match core.machine.submit_with_deadline(&handle, target, deadline) {
+                let submitted = match target {
+                    Some(target) => core.machine.submit_with_deadline(&handle, target, deadline),
+                    None => core.machine.submit_any(&handle, deadline),
+                };
+                match submitted {
                     Ok(seq) => {
-                        self.tasks.insert(seq.0, TaskWaiter { key, done });
+                        let input = Some((encoding, input));
+                        self.tasks.insert(seq.0, TaskWaiter { key, done, input });
                         self.task_keys.insert(key, seq.0);
-                        context.task_input = Some((encoding, input));
                     }
                     Err(error) => self.defer(done, Err(TaskError::of(error))),
                 }
@@ -604,7 +611,7 @@ impl IoLoop {
                         let _ = core.machine.stage_failed(staging, failure);
                     }
                 }
-                Effect::Send { target, frame } => self.send(core, target, frame, context),
+                Effect::Send { target, frame } => self.send(core, target, frame),
                 Effect::Verify {
                     target,
                     staging,
@@ -614,11 +621,24 @@ impl IoLoop {
                     self.staged.remove(&staging);
                     self.prune_kept(core);
                 }
+                Effect::Retire {
+                    target,
+                    incarnation,
+                    tasks,
+                } => {
+                    core.record(TargetEvent::Retired {
+                        target,
+                        incarnation,
+                        tasks,
+                    });
+                    let why = format!("it retired after {tasks} tasks");
+                    self.bury(core, target, Duration::ZERO, &why, false);
+                }
                 Effect::Fence { target, cause } => {
                     // A failed join's reason names the incarnation and the
                     // failure; else the machine's cause.
                     let why = self.fence_reasons.remove(&target).unwrap_or(cause);
-                    self.bury(core, target, Duration::ZERO, &why)
+                    self.bury(core, target, Duration::ZERO, &why, true)
                 }
                 Effect::Completed {
                     op,
@@ -750,7 +770,7 @@ impl IoLoop {
     /// `grace`: how long a target that is ending on its own may take to
     /// exit before SIGKILL (its exit status then says why it ended).
     /// `why`: what the IO thread saw (kept for [`Worker::target_loss`]).
-    fn bury(&mut self, core: &mut Core, target: TargetId, grace: Duration, why: &str) {
+    fn bury(&mut self, core: &mut Core, target: TargetId, grace: Duration, why: &str, loss: bool) {
         let index = usize::from(target.0);
         let Some(mut link) = self.links.get_mut(index).and_then(Option::take) else {
             return;
@@ -765,7 +785,7 @@ impl IoLoop {
             .get(&target)
             .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
         let reason = format!("{why}; it {how}");
-        if self.respawn {
+        if self.respawn && loss {
             core.record(TargetEvent::Lost {
                 target,
                 incarnation: link.incarnation,
@@ -785,7 +805,7 @@ impl IoLoop {
             return;
         }
 
-        self.bury(core, target, LOST_GRACE, why);
+        self.bury(core, target, LOST_GRACE, why, true);
         let cause = core
             .losses
             .get(&target)

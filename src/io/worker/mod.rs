@@ -94,7 +94,7 @@
 //! `parent.before_publish` first).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -171,8 +171,6 @@ pub struct Worker<R: Runtime> {
     io_thread: Mutex<Option<JoinHandle<()>>>,
     /// The forking thread ([`Worker::forker_run`]) and what ends it.
     forker: Mutex<Option<(std::sync::mpsc::Sender<()>, JoinHandle<()>)>>,
-    /// The turn of the next task given no target ([`Worker::pick_target`]).
-    next_target: AtomicUsize,
 }
 
 // A Worker is shared between threads: fail the build if a field breaks it.
@@ -268,12 +266,12 @@ impl<R: Runtime> Worker<R> {
         // Given to the hand-off first: it runs in the thread that
         // completes the task, never in this one later.
         pending.on_complete(move |result| callback(result.unwrap_or_else(task_abandoned)));
-        if let Err(error) = self.task_frame_fits(handle, target, input) {
+        if let Err(error) = self.task_frame_fits(handle, Some(target), input) {
             done.complete(Err(error));
         } else {
             let request = Request::Task {
                 handle: *handle,
-                target,
+                target: Some(target),
                 encoding,
                 input: input.to_vec(),
                 key: TaskKey::fresh().0,
@@ -292,48 +290,13 @@ impl<R: Runtime> Worker<R> {
         }
     }
 
-    /// The target a task of `handle` given no target goes to: the live
-    /// targets in turn (round robin over [`Worker::live_targets`]). With
-    /// none live on a started Worker, the handle's own refusal comes
-    /// first (`specs/protocol.md` §2.5: a stale or foreign handle is
-    /// refused as such), else `NO_LIVE_TARGET`; before start and after
-    /// close it is target 0, whose submit reports the Worker's state
-    /// (`LIFECYCLE_INVALID`).
-    ///
-    /// # Errors
-    /// `HANDLE_STALE`, `HANDLE_FOREIGN`, `HANDLE_MUTATED` or
-    /// `HANDLE_WRONG_NAMESPACE` for a handle the machine refuses, and
-    /// `NO_LIVE_TARGET`, each only when no target is live on a started
-    /// Worker; the operation is [`OperationKind::Task`].
-    pub fn pick_target(&self, handle: &Handle) -> Result<TargetId, Error> {
-        let live = self.live_targets();
-        if live.is_empty() {
-            if self.shared.foreign() {
-                return Ok(TargetId(0));
-            }
-            let core = self.shared.lock();
-            if core.machine.lifecycle() != Lifecycle::Started {
-                return Ok(TargetId(0));
-            }
-            core.machine
-                .resolve(handle, crate::protocol::Namespace::LocalPython)
-                .map_err(|e| Error {
-                    operation: OperationKind::Task,
-                    ..e
-                })?;
-            return Err(Error::new(
-                ErrorCode::NO_LIVE_TARGET,
-                OperationKind::Task,
-                "every target is lost",
-            ));
-        }
-        let turn = self.next_target.fetch_add(1, Ordering::Relaxed);
-        Ok(live[turn % live.len()])
-    }
-
-    /// [`Worker::submit_async_with_deadline`] on the target
-    /// [`Worker::pick_target`] picks; a refusal of the pick is the
-    /// pending task's error.
+    /// Starts a task of `handle` on the target the Worker's machine picks
+    /// (`specs/protocol.md` §2.14: of the targets that take tasks, the one
+    /// with the fewest in flight; with none, the task waits for a target
+    /// being replaced or retiring, and is sent when a process of it
+    /// joins), and returns at once with a pending task. Its errors are
+    /// those of [`Worker::submit_async_with_deadline`], and
+    /// `NO_LIVE_TARGET` when no target takes tasks or will.
     pub fn submit_any_async(
         &self,
         handle: &Handle,
@@ -341,19 +304,7 @@ impl<R: Runtime> Worker<R> {
         input: &[u8],
         deadline: Option<Duration>,
     ) -> PendingTask {
-        match self.pick_target(handle) {
-            Ok(target) => {
-                self.submit_async_with_deadline(handle, target, encoding, input, deadline)
-            }
-            Err(error) => {
-                let (done, pending) = handoff::channel();
-                done.complete(Err(TaskError::of(error)));
-                PendingTask {
-                    awaited: Awaited::done(pending),
-                    key: TaskKey::fresh(),
-                }
-            }
-        }
+        self.submit_request(handle, None, encoding, input, deadline)
     }
 
     /// Starts a task and returns at once with a pending task.
@@ -379,6 +330,18 @@ impl<R: Runtime> Worker<R> {
         &self,
         handle: &Handle,
         target: TargetId,
+        encoding: TaskEncoding,
+        input: &[u8],
+        deadline: Option<Duration>,
+    ) -> PendingTask {
+        self.submit_request(handle, Some(target), encoding, input, deadline)
+    }
+
+    /// A task to `target`, or (`None`) to the target the machine picks.
+    fn submit_request(
+        &self,
+        handle: &Handle,
+        target: Option<TargetId>,
         encoding: TaskEncoding,
         input: &[u8],
         deadline: Option<Duration>,
@@ -444,7 +407,7 @@ impl<R: Runtime> Worker<R> {
     fn task_frame_fits(
         &self,
         handle: &Handle,
-        target: TargetId,
+        target: Option<TargetId>,
         input: &[u8],
     ) -> Result<(), TaskError> {
         // Task frame: header, seq, digest, encoding, input length, input.
@@ -452,17 +415,20 @@ impl<R: Runtime> Worker<R> {
         if size <= self.max_frame_bytes {
             return Ok(());
         }
-        Err(TaskError::of(Error::new(
-                ErrorCode::FRAME_INVALID,
-                OperationKind::Task,
-                format!(
-                    "a task input of {} bytes makes a frame of {size} bytes, over the maximum of {} (max_frame_bytes)",
-                    input.len(),
-                    self.max_frame_bytes
-                ),
-            )
-            .with_target(target)
-            .with_digest(handle.digest())))
+        let error = Error::new(
+            ErrorCode::FRAME_INVALID,
+            OperationKind::Task,
+            format!(
+                "a task input of {} bytes makes a frame of {size} bytes, over the maximum of {} (max_frame_bytes)",
+                input.len(),
+                self.max_frame_bytes
+            ),
+        )
+        .with_digest(handle.digest());
+        Err(TaskError::of(match target {
+            Some(target) => error.with_target(target),
+            None => error,
+        }))
     }
 
     /// The waiting side of a request given to [`Worker::push`].
@@ -734,7 +700,8 @@ enum Request {
     },
     Task {
         handle: Handle,
-        target: TargetId,
+        /// `None`: the target the machine picks (§2.14).
+        target: Option<TargetId>,
         encoding: TaskEncoding,
         input: Vec<u8>,
         /// The caller's key for it ([`TaskKey`]).

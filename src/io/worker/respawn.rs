@@ -94,6 +94,18 @@ pub enum TargetEvent {
         /// Why.
         reason: String,
     },
+    /// A target's process retired: it was sent its
+    /// `max_tasks_per_target` tasks, they ended, and it was killed and
+    /// reaped; its replacement is started next (`specs/protocol.md`
+    /// §2.14).
+    Retired {
+        /// The target.
+        target: TargetId,
+        /// The retired process's incarnation.
+        incarnation: u32,
+        /// The tasks it was sent.
+        tasks: u32,
+    },
     /// The replacement confirmed every live registration and serves.
     Joined {
         /// The target.
@@ -147,6 +159,11 @@ impl std::fmt::Display for TargetEvent {
                 incarnation,
                 reason,
             } => write!(f, "{target}: incarnation {incarnation} could not be started: {reason}"),
+            TargetEvent::Retired {
+                target,
+                incarnation,
+                tasks,
+            } => write!(f, "{target}: incarnation {incarnation} retired after {tasks} tasks"),
             TargetEvent::Joined {
                 target,
                 incarnation,

@@ -53,11 +53,17 @@ impl Parent {
     /// with `fence_on_timeout`, fenced ([`Effect::Fence`], then lost
     /// everywhere); without, it is timed out for that operation and the
     /// operation's digest becomes uncertain (its effect on the target is
-    /// unknown). Does nothing before start or after close.
+    /// unknown). A retiring target idle then is retired (§2.14). Does
+    /// nothing before start or after close.
     pub fn handle_timeout(&mut self, now: Time) {
         if self.lifecycle != Lifecycle::Started {
             return;
         }
+        self.apply_deadlines(now);
+        self.retire_idle(now);
+    }
+
+    fn apply_deadlines(&mut self, now: Time) {
         let due: Vec<TargetId> = self
             .target_records
             .iter()

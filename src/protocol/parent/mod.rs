@@ -48,7 +48,7 @@ mod tasks;
 mod tests;
 
 pub use deadlines::{BOUND_FENCE_CAUSE, NOT_READY_CAUSE, SILENT_FENCE_CAUSE};
-pub use tasks::{TaskEnd, TaskInfo};
+pub use tasks::{TaskEnd, TaskInfo, NONE_COMING, UNREGISTERED_WHILE_WAITING};
 
 /// How a [`Parent`] is set up. Every field is chosen by the embedder.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
@@ -114,6 +114,17 @@ pub struct ParentConfig {
     /// is not ready within the control timeout.
     #[serde(default)]
     pub unbounded_spawn: bool,
+    /// Retirement (`specs/protocol.md` §2.14; 0, the usual value, switches
+    /// it off): at most this many tasks are sent to one process of a
+    /// target. A target sent its last one stops taking tasks; once those
+    /// tasks ended and it owes no answer to a control, it is retired
+    /// ([`Effect::Retire`]) and replaced at once (§2.9), which costs no
+    /// failed join. Takes effect only with replacements on
+    /// ([`ParentConfig::respawn_limit`] > 0) and while they last
+    /// ([`Parent::replacements_ended`] ends it: the processes then serve
+    /// on).
+    #[serde(default)]
+    pub max_tasks_per_target: u32,
 }
 
 /// The parent's lifecycle (specs/design.md §4.1).
@@ -252,6 +263,20 @@ pub enum Effect {
     ReleaseStaged {
         /// The staged payload's id.
         staging: StagingId,
+    },
+    /// Kill and reap `target`'s process, which retired (§2.14): it was
+    /// sent its [`ParentConfig::max_tasks_per_target`] tasks, they ended,
+    /// and it owes no answer. The parent already counts it lost (no task
+    /// and no operation is affected) and asks for its replacement with the
+    /// [`Effect::Spawn`] that follows; do not call [`Parent::target_lost`]
+    /// for it.
+    Retire {
+        /// The target.
+        target: TargetId,
+        /// The incarnation that retired.
+        incarnation: u32,
+        /// The tasks it was sent.
+        tasks: u32,
     },
     /// Kill and reap `target`: its deadline passed. The parent already
     /// counts it lost; do not call [`Parent::target_lost`] for it.
@@ -657,8 +682,12 @@ pub struct Parent {
     /// No replacement can be started any more (the template process is
     /// gone, §2.9): a target lost from now on is abandoned at once.
     pub(crate) replacements_ended: bool,
-    /// Tasks in flight, by seq (`specs/protocol.md` §2.11).
+    /// Tasks in flight, by seq (`specs/protocol.md` §2.11), sent or
+    /// waiting for their target (§2.14).
     pub(crate) tasks: BTreeMap<Seq, tasks::TaskRecord>,
+    /// The tasks sent to each target's current process (§2.14); none
+    /// for a target without an entry.
+    pub(crate) served: BTreeMap<TargetId, u32>,
     /// Cancels sent and not yet answered, by target and task seq.
     pub(crate) cancels: BTreeMap<(TargetId, Seq), tasks::PendingCancel>,
     /// Inspections in flight, by seq (§2.13).
@@ -688,6 +717,7 @@ impl Parent {
             target_records: BTreeMap::new(),
             replacements_ended: false,
             tasks: BTreeMap::new(),
+            served: BTreeMap::new(),
             cancels: BTreeMap::new(),
             inspections: BTreeMap::new(),
             effects: VecDeque::new(),
@@ -845,7 +875,8 @@ impl Parent {
     }
 
     /// Whether `target` serves: live and joined, so in the scope of new
-    /// operations and open to tasks (§2.9).
+    /// operations and open to tasks (§2.9) unless it is retiring
+    /// ([`Parent::takes_tasks`], §2.14).
     pub fn is_target_joined(&self, target: TargetId) -> bool {
         self.is_target_live(target) && !self.is_joining(target)
     }
@@ -1030,6 +1061,10 @@ impl Parent {
             inspection.waiting = inspection.waiting.iter().map(map).collect();
             inspection.missing = inspection.missing.iter().map(map).collect();
         }
+        copy.served = std::mem::take(&mut copy.served)
+            .into_iter()
+            .map(|(t, n)| (map(&t), n))
+            .collect();
         copy.cancels = std::mem::take(&mut copy.cancels)
             .into_iter()
             .map(|((t, seq), c)| ((map(&t), seq), c))
@@ -1041,6 +1076,7 @@ impl Parent {
                 | Effect::TaskDone { target, .. }
                 | Effect::Inspect { target, .. }
                 | Effect::Fence { target, .. }
+                | Effect::Retire { target, .. }
                 | Effect::Spawn { target, .. }
                 | Effect::Joined { target, .. }
                 | Effect::JoinFailed { target, .. }

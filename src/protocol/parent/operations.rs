@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::registry::poisoned_error;
+use super::tasks::NONE_COMING;
 use super::{
     Completion, Doubt, Effect, Handle, HandleRecord, Lifecycle, Op, OpKind, Parent, Poison,
     Progress, TargetPhase,
@@ -48,6 +49,7 @@ impl Parent {
     ///     respawn_limit: 0,
     ///     respawn_backoff: 0,
     ///     unbounded_spawn: false,
+    ///     max_tasks_per_target: 0,
     /// };
     /// let mut parent = Parent::new(config);
     /// let digest = Digest::sha256(b"descriptor");
@@ -147,7 +149,7 @@ impl Parent {
             let message = if replacing {
                 "no target serves: every target is lost or a replacement that has not joined yet"
             } else {
-                "every target is lost"
+                NONE_COMING
             };
             return Err(
                 Error::new(ErrorCode::NO_LIVE_TARGET, OperationKind::Register, message)
@@ -316,6 +318,15 @@ impl Parent {
                 ),
             ));
         }
+        if self.is_retiring(target) {
+            return Err(error(
+                ErrorCode::TARGET_LOST,
+                format!(
+                    "{target} is retiring: it was sent its {} tasks (max_tasks_per_target) and is replaced once they end",
+                    self.served(target)
+                ),
+            ));
+        }
         let confirmed = self
             .handles
             .get(&handle.handle_id)
@@ -394,14 +405,18 @@ impl Parent {
             .with_seq(reply.seq)
             .with_digest(reply.digest));
         }
+        // A cancel awaiting its answer was sent to this process (a loss
+        // drops them), whatever its seq: a task that waited (§2.14) is
+        // sent after the replacement's first seq.
+        if self.cancel_answered(target, &reply) {
+            self.retire_idle(now);
+            return Ok(());
+        }
         if self
             .target_records
             .get(&target)
             .is_some_and(|r| reply.seq < r.first_seq)
         {
-            return Ok(());
-        }
-        if self.cancel_answered(target, &reply) {
             return Ok(());
         }
         let found = self.ops.iter().find_map(|(id, op)| {
@@ -565,6 +580,7 @@ impl Parent {
     pub(super) fn advance(&mut self, id: OpId, now: Time) {
         self.advance_op(id, now);
         self.settle_joins();
+        self.retire_idle(now);
     }
 
     fn advance_op(&mut self, id: OpId, now: Time) {

@@ -148,6 +148,8 @@ impl Parent {
             self.advance(id, now);
         }
         self.after_loss(target, now);
+        // Lost for good: what waited for it goes elsewhere (§2.14).
+        self.settle_waiting(cause);
     }
 
     /// After `target`'s process was lost (§2.9): with replacements on, ask
@@ -216,6 +218,10 @@ impl Parent {
                 });
             }
         }
+        // Retirement ends with replacements (§2.14): retiring targets
+        // take tasks again, and what waited for a target given up goes
+        // elsewhere.
+        self.settle_waiting("every target is lost, and no replacement can start");
     }
 
     pub(super) fn spawn(&mut self, target: TargetId, now: Time) {
@@ -225,6 +231,7 @@ impl Parent {
         };
         record.incarnation = record.incarnation.saturating_add(1);
         record.phase = TargetPhase::Spawning;
+        self.served.remove(&target);
         record.ready_by = now.saturating_add_micros(control_timeout);
         self.effects.push_back(Effect::Spawn {
             target,
@@ -366,6 +373,8 @@ impl Parent {
                 });
             }
         }
+        // What waited may go to a target that joined (§2.14).
+        self.settle_waiting(super::tasks::NONE_COMING);
     }
 
     /// A joining replacement refused a replay or did not answer it in

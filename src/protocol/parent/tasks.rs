@@ -10,15 +10,30 @@
 //! * A cancel is a control to the target, which decides against the start
 //!   of the run (the target machine's `start_task`), so a task is never
 //!   both cancelled and run.
+//! * Placement and retirement (§2.14): [`Parent::submit_any`] picks the
+//!   target; a task no target can take yet waits in the machine for one;
+//!   a target sent its `max_tasks_per_target` tasks is retired once they
+//!   ended, and replaced.
 
 use serde::{Deserialize, Serialize};
 
-use super::{Effect, Handle, Lifecycle, Parent};
+use super::{Effect, Handle, Lifecycle, Parent, Progress, TargetPhase};
 use crate::descriptor::Digest;
 use crate::error::{Error, ErrorCode, OperationKind};
 #[cfg(feature = "mutants")]
 use crate::protocol::Mutant;
 use crate::protocol::{ControlFrame, Namespace, Reply, Seq, TargetId, Time};
+
+/// The cause of the end of a task that waited in the machine (§2.14)
+/// while its callable was unregistered: no process that joins is given
+/// the callable, so the task can never run.
+pub const UNREGISTERED_WHILE_WAITING: &str =
+    "its callable was unregistered while the task waited for a target";
+
+/// The message of `NO_LIVE_TARGET` when no target serves and none is
+/// being replaced (§2.9, §2.14): a register or a task has nowhere to go,
+/// now or later.
+pub const NONE_COMING: &str = "every target is lost, and none is being replaced";
 
 /// How a task ended ([`Effect::TaskDone`]).
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
@@ -33,6 +48,10 @@ pub enum TaskEnd {
     /// Its deadline passed (§2.12): its target was fenced
     /// (`TASK_DEADLINE`).
     Deadline,
+    /// Its deadline passed while it waited for a process of its target to
+    /// take it (§2.14): it never ran and nothing was fenced
+    /// (`TASK_DEADLINE`).
+    Expired,
     /// Its target's process was lost first (`TARGET_LOST`): `cause` says
     /// how, as the IO layer reported it or as the machine fenced it.
     Lost {
@@ -64,6 +83,12 @@ impl TaskEnd {
                 ErrorCode::TASK_DEADLINE,
                 format!(
                     "{seq} passed its deadline on {target} (incarnation {incarnation}), which was fenced"
+                ),
+            ),
+            TaskEnd::Expired => (
+                ErrorCode::TASK_DEADLINE,
+                format!(
+                    "{seq} passed its deadline while it waited for {target} to take tasks; it never ran"
                 ),
             ),
             TaskEnd::Lost { cause } => {
@@ -101,6 +126,9 @@ pub(crate) struct TaskRecord {
     pub(crate) incarnation: u32,
     /// When it ends with [`TaskEnd::Deadline`] unless done before.
     pub(crate) deadline: Option<Time>,
+    /// Whether its frame was sent; `false` while it waits for a process
+    /// of `target` to take it (§2.14).
+    pub(crate) sent: bool,
 }
 
 /// A task in flight, as [`Parent::task`] shows it.
@@ -118,6 +146,9 @@ pub struct TaskInfo {
     pub deadline: Option<Time>,
     /// Whether a cancel of it awaits the target's answer.
     pub cancelling: bool,
+    /// Whether it was sent; `false` while it waits for a process of its
+    /// target to take it (§2.14).
+    pub sent: bool,
 }
 
 /// A cancel sent and not yet answered: when its target was last heard
@@ -158,6 +189,20 @@ impl Parent {
         deadline: Option<Time>,
     ) -> Result<Seq, Error> {
         let digest = self.check_submit(handle, target)?;
+        let seq = self.record_task(handle, digest, target, deadline);
+        self.send_task(seq, target);
+        Ok(seq)
+    }
+
+    /// A fresh seq for a task of `handle` (of `digest`) in flight, unsent,
+    /// naming `target`.
+    fn record_task(
+        &mut self,
+        handle: &Handle,
+        digest: Digest,
+        target: TargetId,
+        deadline: Option<Time>,
+    ) -> Seq {
         let seq = self.fresh_seq();
         self.tasks.insert(
             seq,
@@ -167,19 +212,211 @@ impl Parent {
                 target,
                 incarnation: self.incarnation(target),
                 deadline,
+                sent: false,
             },
         );
+        seq
+    }
+
+    /// Submits a task for `handle` to the target the machine picks
+    /// (`specs/protocol.md` §2.14), and returns its fresh seq: of the
+    /// targets that take tasks ([`Parent::takes_tasks`]) and confirmed the
+    /// handle, the one with the fewest tasks in flight (the lowest id
+    /// among equals), to which it is sent at once ([`Effect::Send`] of a
+    /// [`ControlFrame::Task`]). With none, the task waits, unsent
+    /// ([`Parent::task`] shows it with `sent` false), naming the target
+    /// that will take tasks again (a retiring target, or one being
+    /// replaced) with the fewest tasks in flight, and is sent to the first
+    /// target that takes tasks (at a join). A waiting task ends as a sent
+    /// one does (a cancel ends it at once, its deadline with
+    /// [`TaskEnd::Expired`], a close), never because a process of its
+    /// target was lost; when no target will take tasks any more, it ends
+    /// [`TaskEnd::Lost`].
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` unless started; the resolution errors of
+    /// [`Parent::resolve`]; `DIGEST_NOT_INSTALLED` when the only targets
+    /// that take tasks never confirmed the handle; `NO_LIVE_TARGET` when
+    /// no target takes tasks or will.
+    pub fn submit_any(&mut self, handle: &Handle, deadline: Option<Time>) -> Result<Seq, Error> {
+        if self.lifecycle != Lifecycle::Started {
+            return Err(self.lifecycle_error(OperationKind::Task, "started"));
+        }
+        let digest = self.resolve_for(handle, Namespace::LocalPython, OperationKind::Task)?;
+        if let Some(target) = self.pick_target(handle.handle_id, false) {
+            return self.submit_with_deadline(handle, target, deadline);
+        }
+        let Some(target) = self.pick_target(handle.handle_id, true) else {
+            // A target that takes tasks without the handle: its refusal.
+            if let Some(target) = self.all_targets().find(|t| self.takes_tasks(*t)) {
+                return self.submit_with_deadline(handle, target, deadline);
+            }
+            return Err(
+                Error::new(ErrorCode::NO_LIVE_TARGET, OperationKind::Task, NONE_COMING)
+                    .with_namespace(handle.namespace)
+                    .with_digest(digest),
+            );
+        };
+        Ok(self.record_task(handle, digest, target, deadline))
+    }
+
+    /// The target a task of handle `handle_id` goes to (§2.14): of the
+    /// targets that take tasks and confirmed the handle (`later`: of
+    /// those that will take tasks again), the one with the fewest tasks
+    /// in flight, the lowest id among equals.
+    fn pick_target(&self, handle_id: u64, later: bool) -> Option<TargetId> {
+        let mut load = vec![0usize; usize::from(self.config.targets)];
+        for task in self.tasks.values() {
+            if let Some(n) = load.get_mut(usize::from(task.target.0)) {
+                *n += 1;
+            }
+        }
+        let confirmed = |t: TargetId| {
+            self.handles
+                .get(&handle_id)
+                .is_some_and(|r| r.confirmed.contains(&t))
+        };
+        self.all_targets()
+            .filter(|t| match later {
+                false => self.takes_tasks(*t) && confirmed(*t),
+                true => self.will_take_tasks(*t),
+            })
+            .min_by_key(|t| (load.get(usize::from(t.0)).copied(), *t))
+    }
+
+    /// Sends task `seq`, in flight and unsent, to `target`'s current
+    /// process, which is sent one task more.
+    fn send_task(&mut self, seq: Seq, target: TargetId) {
+        let incarnation = self.incarnation(target);
+        let Some(task) = self.tasks.get_mut(&seq) else {
+            return;
+        };
+        task.target = target;
+        task.incarnation = incarnation;
+        task.sent = true;
+        let digest = task.digest;
+        *self.served.entry(target).or_insert(0) += 1;
         self.effects.push_back(Effect::Send {
             target,
             frame: ControlFrame::Task { seq, digest },
         });
-        Ok(seq)
+    }
+
+    /// Whether `target` takes tasks (§2.14): it serves
+    /// ([`Parent::is_target_joined`]) and is not retiring.
+    pub fn takes_tasks(&self, target: TargetId) -> bool {
+        self.is_target_joined(target) && !self.is_retiring(target)
+    }
+
+    /// Whether `target`'s process is retiring (§2.14): it serves, and was
+    /// sent its [`ParentConfig::max_tasks_per_target`] tasks while
+    /// replacements are on and have not ended. It takes no task more, and
+    /// is retired once those ended and it owes no answer.
+    ///
+    /// [`ParentConfig::max_tasks_per_target`]: crate::protocol::ParentConfig::max_tasks_per_target
+    pub fn is_retiring(&self, target: TargetId) -> bool {
+        let max = self.config.max_tasks_per_target;
+        max > 0
+            && self.config.respawn_limit > 0
+            && !self.replacements_ended
+            && self.is_target_joined(target)
+            && self.served.get(&target).is_some_and(|n| *n >= max)
+    }
+
+    /// Whether `target` does not take tasks now but will (§2.14): it is
+    /// retiring, or being replaced (backing off, spawning or joining).
+    pub(crate) fn will_take_tasks(&self, target: TargetId) -> bool {
+        self.lifecycle == Lifecycle::Started
+            && (self.is_retiring(target)
+                || matches!(
+                    self.target_phase(target),
+                    TargetPhase::BackingOff(_) | TargetPhase::Spawning | TargetPhase::Joining
+                ))
+    }
+
+    /// The tasks sent to `target`'s current process (§2.14).
+    pub fn served(&self, target: TargetId) -> u32 {
+        self.served.get(&target).copied().unwrap_or(0)
+    }
+
+    /// Settles the tasks waiting in the machine (§2.14), in seq order:
+    /// each goes to the target [`Parent::submit_any`] would pick now, if
+    /// one takes tasks; one whose handle is no longer live can never run
+    /// and ends [`TaskEnd::Lost`] ([`UNREGISTERED_WHILE_WAITING`]); one
+    /// whose target neither takes tasks nor will waits for another that
+    /// will, or, with none, ends [`TaskEnd::Lost`] with `cause`. Called
+    /// wherever a target may start taking tasks or be lost for good.
+    pub(super) fn settle_waiting(&mut self, cause: &str) {
+        let waiting: Vec<(Seq, u64)> = self
+            .tasks
+            .iter()
+            .filter(|(_, task)| !task.sent)
+            .map(|(seq, task)| (*seq, task.handle_id))
+            .collect();
+        for (seq, handle_id) in waiting {
+            if !self.handles.contains_key(&handle_id) {
+                let cause = UNREGISTERED_WHILE_WAITING.to_owned();
+                self.end_task(seq, TaskEnd::Lost { cause });
+            } else if let Some(target) = self.pick_target(handle_id, false) {
+                self.send_task(seq, target);
+            } else if !self
+                .tasks
+                .get(&seq)
+                .is_some_and(|t| self.will_take_tasks(t.target))
+            {
+                match self.pick_target(handle_id, true) {
+                    Some(target) => {
+                        let incarnation = self.incarnation(target);
+                        if let Some(task) = self.tasks.get_mut(&seq) {
+                            task.target = target;
+                            task.incarnation = incarnation;
+                        }
+                    }
+                    None => {
+                        let cause = cause.to_owned();
+                        self.end_task(seq, TaskEnd::Lost { cause });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Retires every retiring target that is idle at `now` (§2.14): none
+    /// of its tasks in flight, no cancel to it unanswered, no control
+    /// awaiting its answer. It is retired ([`Effect::Retire`]), lost (it
+    /// affects no task and no operation; an inspection counts it missing)
+    /// and replaced at once.
+    pub(super) fn retire_idle(&mut self, now: Time) {
+        if self.config.max_tasks_per_target == 0 {
+            return;
+        }
+        let busy_too = mutant!(self, RetireBusy);
+        let due: Vec<TargetId> = self
+            .all_targets()
+            .filter(|t| {
+                let idle = !self.tasks.values().any(|k| k.target == *t && k.sent)
+                    && !self.cancels.keys().any(|(c, _)| c == t)
+                    && self.awaited_controls(*t).is_empty();
+                self.is_retiring(*t) && (idle || busy_too)
+            })
+            .collect();
+        for target in due {
+            let tasks = self.served(target);
+            let cause = format!("it retired after {tasks} tasks (max_tasks_per_target)");
+            self.effects.push_back(Effect::Retire {
+                target,
+                incarnation: self.incarnation(target),
+                tasks,
+            });
+            self.lose(target, Progress::Fenced, &cause, now, false);
+        }
     }
 
     /// The result of task `seq` of `digest` arrived from incarnation
-    /// `incarnation` of `target` (§2.11): `Ok(true)` when it ends the task
-    /// ([`Effect::TaskDone`] with [`TaskEnd::Result`]: hand the result
-    /// over); `Ok(false)` when it is refused and changes nothing: the task
+    /// `incarnation` of `target` at `now` (§2.11): `Ok(true)` when it ends
+    /// the task ([`Effect::TaskDone`] with [`TaskEnd::Result`]: hand the
+    /// result over; a retiring target that is then idle is retired,
+    /// §2.14); `Ok(false)` when it is refused and changes nothing: the task
     /// is not in flight on that incarnation of that target (it ended, or
     /// was sent to another target or incarnation). Ignored (`Ok(false)`)
     /// after close.
@@ -195,6 +432,7 @@ impl Parent {
         incarnation: u32,
         seq: Seq,
         digest: Digest,
+        now: Time,
     ) -> Result<bool, Error> {
         if !self.accepts_from(target, OperationKind::Task)? {
             return Ok(false);
@@ -219,6 +457,7 @@ impl Parent {
             .with_digest(digest));
         }
         self.end_task(seq, TaskEnd::Result);
+        self.retire_idle(now);
         Ok(true)
     }
 
@@ -227,6 +466,7 @@ impl Parent {
     /// task had started: it then ends with [`TaskEnd::Cancelled`] (it never
     /// runs), or [`Effect::CancelRefused`] says it runs to its end. A
     /// second cancel of a task whose cancel is unanswered emits nothing.
+    /// A task waiting unsent (§2.14) ends [`TaskEnd::Cancelled`] at once.
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless started; `TASK_RUNNING` when `seq` is not
@@ -244,6 +484,11 @@ impl Parent {
             .with_seq(seq));
         };
         let (target, digest) = (task.target, task.digest);
+        if !task.sent {
+            // Waiting in the machine (§2.14): it will never be sent.
+            self.end_task(seq, TaskEnd::Cancelled);
+            return Ok(());
+        }
         if self.cancels.contains_key(&(target, seq)) {
             return Ok(());
         }
@@ -266,6 +511,7 @@ impl Parent {
             incarnation: task.incarnation,
             deadline: task.deadline,
             cancelling: self.cancels.contains_key(&(task.target, seq)),
+            sent: task.sent,
         })
     }
 
@@ -330,9 +576,10 @@ impl Parent {
         }
     }
 
-    /// `target`'s process is lost, `cause` saying how: every task in
-    /// flight on it ends with [`TaskEnd::Lost`], and its unanswered
-    /// cancels are dropped (their tasks' ends answer them).
+    /// `target`'s process is lost, `cause` saying how: every task sent to
+    /// it ends with [`TaskEnd::Lost`] (a task waiting for the target keeps
+    /// waiting, §2.14), and its unanswered cancels are dropped (their
+    /// tasks' ends answer them).
     pub(super) fn tasks_lost(&mut self, target: TargetId, cause: &str) {
         self.cancels.retain(|(t, _), _| *t != target);
         if mutant!(self, AcceptStaleResult) {
@@ -343,7 +590,7 @@ impl Parent {
         let seqs: Vec<Seq> = self
             .tasks
             .iter()
-            .filter(|(_, task)| task.target == target)
+            .filter(|(_, task)| task.target == target && task.sent)
             .map(|(seq, _)| *seq)
             .collect();
         for seq in seqs {
@@ -358,18 +605,24 @@ impl Parent {
 
     /// The targets to fence at `now` for their tasks (§2.11, §2.12), each
     /// with the cause: a task's deadline passed (those tasks end with
-    /// [`TaskEnd::Deadline`] here), or, with
+    /// [`TaskEnd::Deadline`] here; a waiting one, §2.14, with
+    /// [`TaskEnd::Expired`], and fences nothing), or, with
     /// [`crate::protocol::ParentConfig::fence_on_timeout`], a cancel went unanswered
     /// with no alive report for a control timeout.
     pub(super) fn expire_tasks(&mut self, now: Time) -> Vec<(TargetId, String)> {
-        let expired: Vec<(Seq, TargetId)> = self
+        let expired: Vec<(Seq, TargetId, bool)> = self
             .tasks
             .iter()
             .filter(|(_, task)| task.deadline.is_some_and(|d| d <= now))
-            .map(|(seq, task)| (*seq, task.target))
+            .map(|(seq, task)| (*seq, task.target, task.sent))
             .collect();
         let mut fence: Vec<(TargetId, String)> = Vec::new();
-        for (seq, target) in expired {
+        for (seq, target, sent) in expired {
+            if !sent {
+                // It never reached a process (§2.14): nothing to stop.
+                self.end_task(seq, TaskEnd::Expired);
+                continue;
+            }
             if mutant!(self, DeadlineWithoutCompletion) {
                 if let Some(task) = self.tasks.get_mut(&seq) {
                     task.deadline = None;
@@ -439,10 +692,16 @@ mod tests {
     /// A started parent of `targets` targets (replacements after
     /// `respawn_limit` > 0) holding a handle of digest 1 on every target.
     fn with_handle(targets: u16, respawn_limit: u16) -> (Parent, Handle) {
-        let mut p = Parent::new(ParentConfig {
+        started_with(ParentConfig {
             respawn_limit,
             ..*new_parent(targets).config()
-        });
+        })
+    }
+
+    /// A parent of `config`, started, holding a handle of digest 1 on
+    /// every target.
+    fn started_with(config: ParentConfig) -> (Parent, Handle) {
+        let mut p = Parent::new(config);
         let handle = p
             .register_before_start(digest(1), Namespace::LocalPython)
             .unwrap();
@@ -469,6 +728,223 @@ mod tests {
         }
     }
 
+    /// [`with_handle`] with a bound of `max` tasks per process.
+    fn bounded(targets: u16, max: u32) -> (Parent, Handle) {
+        started_with(ParentConfig {
+            respawn_limit: 1,
+            max_tasks_per_target: max,
+            ..*new_parent(targets).config()
+        })
+    }
+
+    fn task_frame(seq: Seq, target: u16) -> Effect {
+        Effect::Send {
+            target: TargetId(target),
+            frame: ControlFrame::Task {
+                seq,
+                digest: digest(1),
+            },
+        }
+    }
+
+    /// Replays of digest 1 answered OK by `target`'s replacement until it
+    /// joins (one live handle: one replay).
+    fn join(p: &mut Parent, target: u16, incarnation: u32) -> Vec<Effect> {
+        p.target_spawned(TargetId(target), incarnation, Time(1))
+            .unwrap();
+        let replay = drain(p)
+            .into_iter()
+            .find_map(|e| match e {
+                Effect::Send {
+                    frame: ControlFrame::Register { seq, .. },
+                    ..
+                } => Some(seq),
+                _ => None,
+            })
+            .unwrap();
+        p.handle_reply(TargetId(target), answer(replay, Ok(())), Time(2))
+            .unwrap();
+        drain(p)
+    }
+
+    #[test]
+    fn a_task_without_a_target_goes_to_the_least_loaded_target_lowest_first() {
+        let (mut p, h) = with_handle(3, 0);
+        let seqs: Vec<Seq> = (0..4).map(|_| p.submit_any(&h, None).unwrap()).collect();
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                task_frame(seqs[0], 0),
+                task_frame(seqs[1], 1),
+                task_frame(seqs[2], 2),
+                task_frame(seqs[3], 0)
+            ]
+        );
+        // Target 1's task ends: the next goes there, the least loaded.
+        p.handle_task_result(TargetId(1), 0, seqs[1], digest(1), Time(0))
+            .unwrap();
+        drain(&mut p);
+        let next = p.submit_any(&h, None).unwrap();
+        assert_eq!(drain(&mut p), vec![task_frame(next, 1)]);
+        // Every target lost, none coming: refused, a handle this parent
+        // never issued as such first.
+        for t in 0..3 {
+            p.target_lost(TargetId(t), Time(3)).unwrap();
+        }
+        drain(&mut p);
+        let e = p.submit_any(&h, None).unwrap_err();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (
+                ErrorCode::NO_LIVE_TARGET,
+                "every target is lost, and none is being replaced"
+            )
+        );
+        let foreign = Handle { handle_id: 99, ..h };
+        assert_eq!(
+            p.submit_any(&foreign, None).unwrap_err().code,
+            ErrorCode::HANDLE_FOREIGN
+        );
+    }
+
+    #[test]
+    fn a_process_sent_its_bound_retires_once_idle_and_the_waiting_task_follows() {
+        let (mut p, h) = bounded(1, 1);
+        let first = p.submit_any(&h, None).unwrap();
+        assert_eq!(drain(&mut p), vec![task_frame(first, 0)]);
+        assert!(p.is_retiring(TargetId(0)));
+        assert!(!p.takes_tasks(TargetId(0)));
+        // Given to the retiring target by name: refused.
+        let e = p.submit(&h, TargetId(0)).unwrap_err();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (
+                ErrorCode::TARGET_LOST,
+                "target 0 is retiring: it was sent its 1 tasks (max_tasks_per_target) and is replaced once they end"
+            )
+        );
+        // Given none: it waits, unsent, for target 0.
+        let second = p.submit_any(&h, Some(Time(50))).unwrap();
+        assert_eq!(drain(&mut p), vec![]);
+        let waiting = p.task(second).unwrap();
+        assert_eq!((waiting.target, waiting.sent), (TargetId(0), false));
+        // The first task's result: retired at once, replaced at once.
+        p.handle_task_result(TargetId(0), 0, first, digest(1), Time(10))
+            .unwrap();
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                done(first, 0, 0, TaskEnd::Result),
+                Effect::Retire {
+                    target: TargetId(0),
+                    incarnation: 0,
+                    tasks: 1
+                },
+                Effect::Spawn {
+                    target: TargetId(0),
+                    incarnation: 1
+                },
+            ]
+        );
+        assert_eq!(p.failed_joins(TargetId(0)), 0);
+        assert_eq!(p.task(second).map(|t| t.sent), Some(false));
+        // The replacement joins: the waiting task is sent to it.
+        let effects = join(&mut p, 0, 1);
+        assert_eq!(
+            effects[effects.len() - 2..],
+            [
+                Effect::Joined {
+                    target: TargetId(0),
+                    incarnation: 1
+                },
+                task_frame(second, 0)
+            ]
+        );
+        let sent = p.task(second).unwrap();
+        assert_eq!((sent.incarnation, sent.sent), (1, true));
+        assert_eq!(p.served(TargetId(0)), 1);
+    }
+
+    #[test]
+    fn a_waiting_task_survives_a_crash_and_ends_at_a_cancel_or_its_deadline_unsent() {
+        let (mut p, h) = bounded(1, 1);
+        let first = p.submit_any(&h, None).unwrap();
+        let second = p.submit_any(&h, Some(Time(50))).unwrap();
+        let third = p.submit_any(&h, None).unwrap();
+        drain(&mut p);
+        // The process crashes with the first task: only that one ends.
+        p.target_died(TargetId(0), "killed by signal 9", Time(5))
+            .unwrap();
+        let effects = drain(&mut p);
+        assert_eq!(
+            effects[0],
+            done(
+                first,
+                0,
+                0,
+                TaskEnd::Lost {
+                    cause: "killed by signal 9".to_owned()
+                }
+            )
+        );
+        assert_eq!(p.tasks_in_flight(), vec![second, third]);
+        // A cancel ends a waiting task at once, with no frame (it names
+        // the incarnation of its target at its submit: it reached none).
+        p.cancel(third, Time(6)).unwrap();
+        assert_eq!(drain(&mut p), vec![done(third, 0, 0, TaskEnd::Cancelled)]);
+        // Its deadline ends the other, and fences nothing.
+        assert!(p.poll_timeout().is_some_and(|t| t <= Time(50)));
+        p.handle_timeout(Time(50));
+        let effects = drain(&mut p);
+        assert!(effects.contains(&done(second, 0, 0, TaskEnd::Expired)));
+        assert!(!effects.iter().any(|e| matches!(e, Effect::Fence { .. })));
+        assert_eq!(
+            TaskEnd::Expired
+                .error(second, TargetId(0), 1, digest(1))
+                .map(|e| (e.code, e.message)),
+            Some((
+                ErrorCode::TASK_DEADLINE,
+                format!(
+                    "{second} passed its deadline while it waited for target 0 to take tasks; it never ran"
+                )
+            ))
+        );
+    }
+
+    #[test]
+    fn a_waiting_task_ends_lost_when_no_target_will_take_it_or_its_callable_goes() {
+        let (mut p, h) = bounded(1, 1);
+        let first = p.submit_any(&h, None).unwrap();
+        let second = p.submit_any(&h, None).unwrap();
+        drain(&mut p);
+        // Replacements end while target 0 retires: it takes tasks again,
+        // and the waiting task is sent to it at once.
+        p.replacements_ended();
+        assert_eq!(drain(&mut p), vec![task_frame(second, 0)]);
+        assert_eq!(p.tasks_in_flight(), vec![first, second]);
+        // Bounded again (a fresh parent): the callable is unregistered
+        // while a task waits for the replacement.
+        let (mut p, h) = bounded(1, 1);
+        let first = p.submit_any(&h, None).unwrap();
+        let second = p.submit_any(&h, None).unwrap();
+        p.handle_task_result(TargetId(0), 0, first, digest(1), Time(1))
+            .unwrap();
+        drain(&mut p);
+        p.unregister(&h, Time(2)).unwrap();
+        let effects = drain(&mut p);
+        assert!(
+            effects.contains(&done(
+                second,
+                0,
+                0,
+                TaskEnd::Lost {
+                    cause: UNREGISTERED_WHILE_WAITING.to_owned()
+                }
+            )),
+            "{effects:?}"
+        );
+    }
+
     #[test]
     fn a_result_ends_its_task_once_and_only_from_its_target_and_incarnation() {
         let (mut p, h) = with_handle(2, 0);
@@ -486,35 +962,35 @@ mod tests {
         // Another target, another incarnation: refused, nothing changes.
         let before = p.clone();
         assert_eq!(
-            p.handle_task_result(TargetId(0), 0, seq, digest(1)),
+            p.handle_task_result(TargetId(0), 0, seq, digest(1), Time(0)),
             Ok(false)
         );
         assert_eq!(
-            p.handle_task_result(TargetId(1), 1, seq, digest(1)),
+            p.handle_task_result(TargetId(1), 1, seq, digest(1), Time(0)),
             Ok(false)
         );
         assert_eq!(p, before);
         // Its target, naming another digest: out of protocol.
         let e = p
-            .handle_task_result(TargetId(1), 0, seq, digest(2))
+            .handle_task_result(TargetId(1), 0, seq, digest(2), Time(0))
             .unwrap_err();
         assert_eq!(e.code, ErrorCode::FRAME_INVALID);
         assert_eq!(p, before);
         assert_eq!(
-            p.handle_task_result(TargetId(1), 0, seq, digest(1)),
+            p.handle_task_result(TargetId(1), 0, seq, digest(1), Time(0)),
             Ok(true)
         );
         assert_eq!(drain(&mut p), vec![done(seq, 1, 0, TaskEnd::Result)]);
         // A second result for it: refused.
         assert_eq!(
-            p.handle_task_result(TargetId(1), 0, seq, digest(1)),
+            p.handle_task_result(TargetId(1), 0, seq, digest(1), Time(0)),
             Ok(false)
         );
         assert_eq!(drain(&mut p), vec![]);
         assert!(p.tasks_in_flight().is_empty());
         // A seq never issued is out of protocol.
         let e = p
-            .handle_task_result(TargetId(1), 0, Seq(99), digest(1))
+            .handle_task_result(TargetId(1), 0, Seq(99), digest(1), Time(0))
             .unwrap_err();
         assert_eq!(e.code, ErrorCode::FRAME_INVALID);
     }
@@ -557,7 +1033,7 @@ mod tests {
         // Nothing became uncertain: answers to cancels are not registers'.
         assert!(!p.is_uncertain(digest(1)));
         assert_eq!(
-            p.handle_task_result(TargetId(0), 0, first, digest(1)),
+            p.handle_task_result(TargetId(0), 0, first, digest(1), Time(0)),
             Ok(true)
         );
         assert_eq!(drain(&mut p), vec![done(first, 0, 0, TaskEnd::Result)]);
@@ -575,7 +1051,7 @@ mod tests {
         p.cancel(seq, Time(1)).unwrap();
         drain(&mut p);
         assert_eq!(
-            p.handle_task_result(TargetId(0), 0, seq, digest(1)),
+            p.handle_task_result(TargetId(0), 0, seq, digest(1), Time(0)),
             Ok(true)
         );
         assert_eq!(drain(&mut p), vec![done(seq, 0, 0, TaskEnd::Result)]);
@@ -727,7 +1203,7 @@ mod tests {
         drain(&mut p);
         // The replacement (incarnation 1) may not end a task of 0: it ended.
         assert_eq!(
-            p.handle_task_result(TargetId(0), 1, seq, digest(1)),
+            p.handle_task_result(TargetId(0), 1, seq, digest(1), Time(0)),
             Ok(false)
         );
         assert_eq!(p.incarnation(TargetId(0)), 1);

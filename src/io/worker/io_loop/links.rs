@@ -15,7 +15,6 @@ use crate::io::staging::StagedPayload;
 use crate::io::worker::pending::TargetTable;
 use crate::io::worker::Core;
 use crate::protocol::{ControlFrame, Failure, Reply, Seq, StagingId, TargetId};
-use crate::runtime::TaskEncoding;
 use crate::wire::{Frame, FrameBuffer};
 
 /// Bytes read from a reply socket per `read` call.
@@ -128,13 +127,7 @@ pub(in crate::io::worker) fn read_available(link: &mut Link, chunk: &mut [u8]) -
 }
 
 impl IoLoop {
-    pub(super) fn send(
-        &mut self,
-        core: &mut Core,
-        target: TargetId,
-        frame: ControlFrame,
-        context: &mut Context,
-    ) {
+    pub(super) fn send(&mut self, core: &mut Core, target: TargetId, frame: ControlFrame) {
         let mut attached: Option<Arc<StagedPayload>> = None;
         let wire = match frame {
             ControlFrame::Register {
@@ -158,10 +151,12 @@ impl IoLoop {
             ControlFrame::Unregister { seq, digest } => Frame::Unregister { seq: seq.0, digest },
             ControlFrame::Cancel { seq, digest } => Frame::Cancel { seq: seq.0, digest },
             ControlFrame::Task { seq, digest } => {
-                let (encoding, input) = context
-                    .task_input
-                    .take()
-                    .unwrap_or((TaskEncoding::Json, Vec::new()));
+                // The machine sends each task it was given once.
+                let Some((encoding, input)) =
+                    self.tasks.get_mut(&seq.0).and_then(|w| w.input.take())
+                else {
+                    return self.lose(core, target, "a task frame without its task's input");
+                };
                 Frame::Task {
                     seq: seq.0,
                     digest,
@@ -349,9 +344,10 @@ impl IoLoop {
                     task_result: Some(result),
                     ..Context::default()
                 };
+                let now = self.now();
                 let accepted =
                     core.machine
-                        .handle_task_result(target, incarnation, Seq(seq), digest);
+                        .handle_task_result(target, incarnation, Seq(seq), digest, now);
                 self.drain(core, &mut context);
                 accepted
                     .map(|_| ())

@@ -81,6 +81,7 @@ fn without_fencing_a_silent_target_times_out_alone() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     p.start().unwrap();
     p.register(digest(1), Namespace::LocalPython, Time(0))
@@ -145,6 +146,7 @@ fn a_replacement_not_ready_within_the_control_timeout_is_fenced_and_counts_as_a_
         respawn_limit: 2,
         respawn_backoff: 10,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
         ..new_parent(1).config
     });
     p.start().unwrap();

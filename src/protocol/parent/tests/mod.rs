@@ -46,6 +46,7 @@ pub(super) fn new_parent(targets: u16) -> Parent {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     })
 }
 
@@ -61,6 +62,7 @@ fn probing(targets: u16) -> Parent {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     p.start().unwrap();
     p

@@ -11,7 +11,10 @@ fn register_with_every_target_lost_has_no_live_target() {
         .register(digest(1), Namespace::LocalPython, Time(0))
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::NO_LIVE_TARGET);
-    assert_eq!(e.message, "every target is lost");
+    assert_eq!(
+        e.message,
+        "every target is lost, and none is being replaced"
+    );
     assert_eq!(drain(&mut p), vec![]);
     assert_eq!(p.next_seq, 1, "no seq consumed");
 }
@@ -225,6 +228,7 @@ fn unregister_with_no_live_target_in_scope_completes_at_once() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     let h = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -255,6 +259,7 @@ fn submit_checks_the_target() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     let h = p
         .register_before_start(digest(1), Namespace::LocalPython)
@@ -296,6 +301,7 @@ fn replies_before_start_and_for_unknown_targets_are_refused() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     assert_eq!(
         p.handle_reply(TargetId(0), ok(1, 1), Time(0))

@@ -458,6 +458,7 @@ fn a_loss_while_an_older_control_is_pending_poisons_nothing() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     let h = p
         .register_before_start(digest(7), Namespace::LocalPython)
@@ -517,6 +518,7 @@ fn a_loss_while_a_cleanup_is_older_than_the_probe_poisons_nothing() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     p.register_before_start(digest(2), Namespace::LocalPython)
         .unwrap();

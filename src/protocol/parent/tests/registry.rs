@@ -120,6 +120,7 @@ fn the_startup_snapshot_holds_at_most_slot_capacity_digests() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     p.register_before_start(digest(1), Namespace::LocalPython)
         .unwrap();
@@ -270,6 +271,7 @@ fn snapshot_digests_need_no_probe() {
         respawn_limit: 0,
         respawn_backoff: 0,
         unbounded_spawn: false,
+        max_tasks_per_target: 0,
     });
     p.register_before_start(digest(1), Namespace::LocalPython)
         .unwrap();
