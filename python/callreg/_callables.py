@@ -56,7 +56,8 @@ def callable_name(fn: object) -> str:
 
 def check_registrable(fn: object, verb: str) -> None:
     """``TypeError`` unless ``fn`` is a callable whose call returns its
-    result (not an ``async def`` function's coroutine). Reads no
+    result (not an ``async def`` function's coroutine, nor a generator
+    function's generator). Reads no
     attribute of a callable object (:func:`own_attribute`)."""
     if not callable(fn):
         raise TypeError("%s() takes a callable, not %s" % (verb, type(fn).__name__))
@@ -64,6 +65,12 @@ def check_registrable(fn: object, verb: str) -> None:
         raise TypeError(
             "%s is an async function: its call would return a coroutine, which a target "
             "cannot send back; %s a function that runs it (e.g. with asyncio.run)" % (callable_name(fn), verb)
+        )
+    if isinstance(fn, _FUNCTION_LIKE) and inspect.isgeneratorfunction(fn):
+        raise TypeError(
+            "%s is a generator function: its call would return a generator, which a target "
+            "cannot send back; %s a function that returns what it yields (e.g. a list of it)"
+            % (callable_name(fn), verb)
         )
 
 

@@ -479,6 +479,15 @@ def test_a_stale_or_foreign_handle_is_refused_as_such_with_no_live_target():
         assert foreign.value.code == "HANDLE_FOREIGN"
 
 
+def test_a_target_too_slow_to_start_names_the_control_timeout():
+    with pytest.raises(callreg.TargetLostError) as caught:
+        callreg.Worker(1, control_timeout=1e-6).start()
+    assert str(caught.value).startswith(
+        "TARGET_LOST: target 0 did not start and was stopped (target 0 sent no ready report within the "
+        "control timeout (0.000001 s): give a longer control_timeout) (operation start, target 0"
+    )
+
+
 def test_with_every_target_lost_tasks_fail_no_live_target():
     with callreg.Worker(2, respawn_limit=0) as w:
         w.start()
@@ -581,7 +590,10 @@ def test_lifecycle_errors_before_start_and_double_start():
             w.call(h, 2)
         error = w.submit(h, 2).exception(timeout=10)
         assert type(error) is callreg.LifecycleError
-        assert "not started" in str(error)
+        assert str(error) == (
+            "LIFECYCLE_INVALID: the Worker is not started: call start() first "
+            "(leaving its `with` block only closes it) (operation task)"
+        )
         assert w.targets == []
         assert w.target_pid(0) is None
         w.start()

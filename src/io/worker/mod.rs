@@ -729,7 +729,7 @@ enum Request {
 /// Completes a request that no IO thread will ever see.
 fn refuse(request: Request, before_start: bool) {
     let message = if before_start {
-        "the Worker is not started"
+        "the Worker is not started: call start() first (leaving its `with` block only closes it)"
     } else {
         "the Worker is closed"
     };

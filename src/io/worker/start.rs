@@ -273,6 +273,8 @@ impl<R: Runtime> Worker<R> {
         let (mut links, outcomes, snapshot_failures) =
             wait_ready(processes, &snapshot, self.max_frame_bytes, deadline);
         let now = now_since(self.clock);
+        // Why each target that did not start did not (for the error).
+        let mut causes: Vec<String> = Vec::new();
         for (target, outcome) in &outcomes {
             if *outcome != TargetOutcome::Ok {
                 if let Some(mut link) = links[usize::from(target.0)].take() {
@@ -286,6 +288,16 @@ impl<R: Runtime> Worker<R> {
                     if let Ok(exit) = link.process.reap(grace) {
                         core.exits.insert(*target, exit);
                     }
+                }
+                match (outcome, core.exits.get(target)) {
+                    (TargetOutcome::Fenced, _) => causes.push(format!(
+                        "{target} sent no ready report within the control timeout ({} s): give a longer control_timeout",
+                        self.control_timeout.as_secs_f64()
+                    )),
+                    (TargetOutcome::Lost, Some(exit)) => {
+                        causes.push(format!("{target} {exit} before it was ready"))
+                    }
+                    _ => {}
                 }
                 if self.respawn {
                     core.record(TargetEvent::Lost {
@@ -372,6 +384,9 @@ impl<R: Runtime> Worker<R> {
             )
         };
         let mut message = format!("{subject} {} {what} and {verb} stopped", failed.join(", "));
+        if !causes.is_empty() {
+            message.push_str(&format!(" ({})", causes.join("; ")));
+        }
         // Which entry a target died installing is not known (it could
         // not say): the error names the snapshot's only entry (its
         // hashid), or the message names them all, in order.
