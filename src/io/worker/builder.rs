@@ -162,8 +162,9 @@ impl<R: Runtime> WorkerBuilder<R> {
     /// At most `tasks` tasks per target process (default 0: no bound;
     /// `specs/protocol.md` §2.14): a process sent its last one takes no
     /// more, and once they ended it is retired (killed and reaped,
-    /// [`TargetEvent::Retired`]) and replaced, which counts against no
-    /// limit. Tasks that no target can take meanwhile wait in the Worker
+    /// [`TargetEvent::Retired`](super::TargetEvent::Retired)) and
+    /// replaced, which counts against no limit. Tasks that no target can
+    /// take meanwhile wait in the Worker
     /// and go to the replacement when it joins. Needs replacements on
     /// ([`WorkerBuilder::respawn_limit`] above 0); once replacements end
     /// (the template process is gone) the processes serve on.
