@@ -615,6 +615,26 @@ pub fn inv13_tasks_on_live_incarnations(view: &View<'_>) -> Result<(), Violation
     if view.parent.lifecycle != Lifecycle::Started {
         return Ok(());
     }
+    // The per-target counts placement reads agree with the tasks.
+    let mut loads = vec![(0u32, 0u32); view.parent.loads.len()];
+    for task in view.parent.tasks.values() {
+        if let Some((sent, waiting)) = loads.get_mut(usize::from(task.target.0)) {
+            *(if task.sent { sent } else { waiting }) += 1;
+        }
+    }
+    let kept: Vec<(u32, u32)> = view
+        .parent
+        .loads
+        .iter()
+        .map(|l| (l.sent, l.waiting))
+        .collect();
+    if loads != kept {
+        return violation(
+            13,
+            "tasks run on live incarnations",
+            format!("the per-target task counts {kept:?} are not those of the tasks in flight, {loads:?}"),
+        );
+    }
     for (seq, task) in &view.parent.tasks {
         if !task.sent {
             let taker = (0..view.parent.config.targets).map(TargetId).find(|t| {

@@ -688,6 +688,10 @@ pub struct Parent {
     /// The tasks sent to each target's current process (§2.14); none
     /// for a target without an entry.
     pub(crate) served: BTreeMap<TargetId, u32>,
+    /// The tasks in flight naming each target, by target index: sent to
+    /// it, and waiting for it (§2.14); kept in step with `tasks`
+    /// (invariant 13) so that placing a task reads no task.
+    pub(crate) loads: Vec<tasks::TargetLoad>,
     /// Cancels sent and not yet answered, by target and task seq.
     pub(crate) cancels: BTreeMap<(TargetId, Seq), tasks::PendingCancel>,
     /// Inspections in flight, by seq (§2.13).
@@ -700,6 +704,7 @@ pub struct Parent {
 impl Parent {
     /// A parent in [`Lifecycle::New`] with an empty registry.
     pub fn new(config: ParentConfig) -> Parent {
+        let loads = vec![tasks::TargetLoad::default(); usize::from(config.targets)];
         Parent {
             config,
             lifecycle: Lifecycle::New,
@@ -718,6 +723,7 @@ impl Parent {
             replacements_ended: false,
             tasks: BTreeMap::new(),
             served: BTreeMap::new(),
+            loads,
             cancels: BTreeMap::new(),
             inspections: BTreeMap::new(),
             effects: VecDeque::new(),
@@ -1060,6 +1066,11 @@ impl Parent {
         for inspection in copy.inspections.values_mut() {
             inspection.waiting = inspection.waiting.iter().map(map).collect();
             inspection.missing = inspection.missing.iter().map(map).collect();
+        }
+        for (target, load) in self.all_targets().zip(&self.loads) {
+            if let Some(slot) = copy.loads.get_mut(usize::from(map(&target).0)) {
+                *slot = *load;
+            }
         }
         copy.served = std::mem::take(&mut copy.served)
             .into_iter()

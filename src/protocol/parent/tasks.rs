@@ -131,6 +131,15 @@ pub(crate) struct TaskRecord {
     pub(crate) sent: bool,
 }
 
+/// The tasks in flight naming one target (§2.14).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default)]
+pub(crate) struct TargetLoad {
+    /// Sent to its current process.
+    pub(crate) sent: u32,
+    /// Waiting, unsent, naming it.
+    pub(crate) waiting: u32,
+}
+
 /// A task in flight, as [`Parent::task`] shows it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize)]
 pub struct TaskInfo {
@@ -215,7 +224,40 @@ impl Parent {
                 sent: false,
             },
         );
+        self.count_task(target, false, true);
         seq
+    }
+
+    /// Counts a task in flight naming `target` (`sent` or waiting) in or
+    /// out of its load (`in_flight`).
+    fn count_task(&mut self, target: TargetId, sent: bool, in_flight: bool) {
+        let Some(load) = self.loads.get_mut(usize::from(target.0)) else {
+            return;
+        };
+        let count = if sent {
+            &mut load.sent
+        } else {
+            &mut load.waiting
+        };
+        *count = match in_flight {
+            true => count.saturating_add(1),
+            false => count.saturating_sub(1),
+        };
+    }
+
+    /// Names `target` (at its current incarnation) as task `seq`'s,
+    /// `sent` or waiting, keeping the loads in step.
+    fn place_task(&mut self, seq: Seq, target: TargetId, sent: bool) {
+        let incarnation = self.incarnation(target);
+        let Some(task) = self.tasks.get_mut(&seq) else {
+            return;
+        };
+        let was = (task.target, task.sent);
+        task.target = target;
+        task.incarnation = incarnation;
+        task.sent = sent;
+        self.count_task(was.0, was.1, false);
+        self.count_task(target, sent, true);
     }
 
     /// Submits a task for `handle` to the target the machine picks
@@ -265,12 +307,11 @@ impl Parent {
     /// those that will take tasks again), the one with the fewest tasks
     /// in flight, the lowest id among equals.
     fn pick_target(&self, handle_id: u64, later: bool) -> Option<TargetId> {
-        let mut load = vec![0usize; usize::from(self.config.targets)];
-        for task in self.tasks.values() {
-            if let Some(n) = load.get_mut(usize::from(task.target.0)) {
-                *n += 1;
-            }
-        }
+        let load = |t: TargetId| {
+            self.loads
+                .get(usize::from(t.0))
+                .map(|l| u64::from(l.sent) + u64::from(l.waiting))
+        };
         let confirmed = |t: TargetId| {
             self.handles
                 .get(&handle_id)
@@ -281,20 +322,16 @@ impl Parent {
                 false => self.takes_tasks(*t) && confirmed(*t),
                 true => self.will_take_tasks(*t),
             })
-            .min_by_key(|t| (load.get(usize::from(t.0)).copied(), *t))
+            .min_by_key(|t| (load(*t), *t))
     }
 
     /// Sends task `seq`, in flight and unsent, to `target`'s current
     /// process, which is sent one task more.
     fn send_task(&mut self, seq: Seq, target: TargetId) {
-        let incarnation = self.incarnation(target);
-        let Some(task) = self.tasks.get_mut(&seq) else {
+        self.place_task(seq, target, true);
+        let Some(digest) = self.tasks.get(&seq).map(|task| task.digest) else {
             return;
         };
-        task.target = target;
-        task.incarnation = incarnation;
-        task.sent = true;
-        let digest = task.digest;
         *self.served.entry(target).or_insert(0) += 1;
         self.effects.push_back(Effect::Send {
             target,
@@ -347,6 +384,9 @@ impl Parent {
     /// will, or, with none, ends [`TaskEnd::Lost`] with `cause`. Called
     /// wherever a target may start taking tasks or be lost for good.
     pub(super) fn settle_waiting(&mut self, cause: &str) {
+        if self.loads.iter().all(|l| l.waiting == 0) {
+            return;
+        }
         let waiting: Vec<(Seq, u64)> = self
             .tasks
             .iter()
@@ -365,13 +405,7 @@ impl Parent {
                 .is_some_and(|t| self.will_take_tasks(t.target))
             {
                 match self.pick_target(handle_id, true) {
-                    Some(target) => {
-                        let incarnation = self.incarnation(target);
-                        if let Some(task) = self.tasks.get_mut(&seq) {
-                            task.target = target;
-                            task.incarnation = incarnation;
-                        }
-                    }
+                    Some(target) => self.place_task(seq, target, false),
                     None => {
                         let cause = cause.to_owned();
                         self.end_task(seq, TaskEnd::Lost { cause });
@@ -394,7 +428,10 @@ impl Parent {
         let due: Vec<TargetId> = self
             .all_targets()
             .filter(|t| {
-                let idle = !self.tasks.values().any(|k| k.target == *t && k.sent)
+                let idle = self
+                    .loads
+                    .get(usize::from(t.0))
+                    .is_some_and(|l| l.sent == 0)
                     && !self.cancels.keys().any(|(c, _)| c == t)
                     && self.awaited_controls(*t).is_empty();
                 self.is_retiring(*t) && (idle || busy_too)
@@ -530,6 +567,7 @@ impl Parent {
         let Some(task) = self.tasks.remove(&seq) else {
             return;
         };
+        self.count_task(task.target, task.sent, false);
         self.effects.push_back(Effect::TaskDone {
             seq,
             target: task.target,
