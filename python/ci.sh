@@ -13,37 +13,45 @@ here="$(cd "$(dirname "$0")" && pwd)"
 work="${CALLREG_CI_DIR:-$here/target/ci}"
 mkdir -p "$work"
 
-# The wheel: built once with maturin from a venv of its own (maturin and
-# auditwheel pinned exactly; the venv is rebuilt when a pin changes) and
-# reused by every later run in this checkout unless its sources changed
-# (the README too: it is the wheel's description).
-# maturin tags it manylinux_2_X from the glibc symbols the module uses
-# (its default auto detection); auditwheel must agree that it is.
+# The wheel: built once with maturin from a venv of its own (maturin,
+# auditwheel and ziglang pinned exactly; the venv is rebuilt when a pin
+# changes) and reused by every later run in this checkout unless its
+# sources changed (the README too: it is the wheel's description).
+# It is linked with zig against glibc 2.28 (--zig --compatibility
+# manylinux_2_28), not against this machine's glibc, so that it installs
+# on RHEL 8, Debian 11, Ubuntu 20.04 and newer; auditwheel must agree
+# that it is manylinux_2_28.
 maturin_pin='maturin==1.16.0'
 auditwheel_pin='auditwheel==6.8.2'
+ziglang_pin='ziglang==0.17.1'
+manylinux='manylinux_2_28'
 stamp="$(cd "$here/.." && cat Cargo.toml Cargo.lock src/**/*.rs src/*.rs python/Cargo.toml python/Cargo.lock python/pyproject.toml python/README.md python/src/*.rs python/callreg/*.py python/callreg/*.pyi python/callreg/py.typed 2>/dev/null | sha256sum | cut -c1-16)"
 wheels="$work/wheels-$stamp"
 builder="$work/build-venv"
 if ! compgen -G "$wheels/callreg-*.whl" >/dev/null; then
-  if [ "$(cat "$builder/pins" 2>/dev/null)" != "$maturin_pin $auditwheel_pin" ]; then
+  if [ "$(cat "$builder/pins" 2>/dev/null)" != "$maturin_pin $auditwheel_pin $ziglang_pin" ]; then
     rm -rf "$builder"
     python3 -m venv "$builder"
-    "$builder/bin/pip" install --quiet --disable-pip-version-check "$maturin_pin" "$auditwheel_pin"
-    echo "$maturin_pin $auditwheel_pin" >"$builder/pins"
+    "$builder/bin/pip" install --quiet --disable-pip-version-check "$maturin_pin" "$auditwheel_pin" "$ziglang_pin"
+    echo "$maturin_pin $auditwheel_pin $ziglang_pin" >"$builder/pins"
   fi
-  "$builder/bin/maturin" build --release --quiet --manifest-path "$here/Cargo.toml" -o "$wheels.tmp"
+  # maturin finds zig as the venv's ziglang module (PATH: the venv first).
+  PATH="$builder/bin:$PATH" "$builder/bin/maturin" build --release --quiet --zig --compatibility "$manylinux" \
+    --manifest-path "$here/Cargo.toml" -o "$wheels.tmp"
   mv "$wheels.tmp" "$wheels"
 fi
 wheel="$(ls "$wheels"/callreg-*.whl | head -n1)"
-# A manylinux wheel: its file name's platform tag is manylinux_2_X, and
+# A manylinux_2_28 wheel: its file name's platform tag says so, and
 # auditwheel finds it consistent with a manylinux tag no newer than that.
-"$builder/bin/python" - "$wheel" "$("$builder/bin/auditwheel" show "$wheel" 2>&1)" <<'PY'
+"$builder/bin/python" - "$wheel" "$("$builder/bin/auditwheel" show "$wheel" 2>&1)" "$manylinux" <<'PY'
 import re, sys
-wheel, report = sys.argv[1], " ".join(sys.argv[2].split())
+wheel, report, wanted = sys.argv[1], " ".join(sys.argv[2].split()), sys.argv[3]
 tag = re.fullmatch(r".*-(manylinux_(\d+)_(\d+)_\w+)\.whl", wheel)
 found = re.search(r'consistent with the following platform tag: "(manylinux_(\d+)_(\d+)_\w+)"', report)
 if tag is None or found is None or tuple(map(int, found.groups()[1:])) > tuple(map(int, tag.groups()[1:])):
     sys.exit("not a manylinux wheel: %s\nauditwheel show: %s" % (wheel, report))
+if not tag.group(1).startswith(wanted + "_"):
+    sys.exit("the wheel is %s, not %s: it would not install on older glibc" % (tag.group(1), wanted))
 print("wheel %s: auditwheel finds it consistent with %s" % (wheel.rsplit("/", 1)[-1], found.group(1)))
 PY
 
@@ -101,6 +109,23 @@ fi
 # cloudpickle). Each run's counts are in the log.
 if [ "$cloudpickle" = cloudpickle ] && "$venv/bin/python" -c 'import test.test_concurrent_futures' 2>/dev/null; then
   "$venv/bin/python" "$here/tools/cpython_futures_suite.py" --test-timeout 300 --log-dir "$work/cpython-suite-$version"
+fi
+# loky's own ProcessPoolExecutor tests (from its sdist, downloaded once per
+# checkout into $work/loky-sdist: its wheel has none) against
+# callreg.Executor, beside loky's executor as the control; fails on a test
+# that passes for loky and fails for callreg outside the tool's documented
+# list (python/tools/loky_suite.py, docs/migrating.md). Once: on the main
+# interpreter (python3's version, as .ci/run picks it) with the latest
+# cloudpickle. loky's forkserver start method with the control, then loky's
+# own (callreg's fork) for callreg alone (every callreg failure outside the
+# list counts); not spawn, which callreg runs as forkserver. About 3 minutes.
+if [ "$cloudpickle" = cloudpickle ] && [ "$version" = "$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')" ]; then
+  # psutil: the suite's process checks; tblib: its test of exception causes.
+  "$venv/bin/pip" install --quiet --disable-pip-version-check 'loky==3.7.0' psutil tblib
+  "$venv/bin/python" "$here/tools/loky_suite.py" --cache "$work/loky-sdist" --start-method forkserver \
+    --log-dir "$work/loky-suite-$version"
+  "$venv/bin/python" "$here/tools/loky_suite.py" --cache "$work/loky-sdist" --start-method loky --executor callreg \
+    --log-dir "$work/loky-suite-$version"
 fi
 # The README's tree example, with the installed wheel; its last line
 # checks its own result.
