@@ -428,13 +428,14 @@ impl Parent {
         let due: Vec<TargetId> = self
             .all_targets()
             .filter(|t| {
-                let idle = self
-                    .loads
-                    .get(usize::from(t.0))
-                    .is_some_and(|l| l.sent == 0)
-                    && !self.cancels.keys().any(|(c, _)| c == t)
-                    && self.awaited_controls(*t).is_empty();
-                self.is_retiring(*t) && (idle || busy_too)
+                let idle = || {
+                    self.loads
+                        .get(usize::from(t.0))
+                        .is_some_and(|l| l.sent == 0)
+                        && !self.cancels.keys().any(|(c, _)| c == t)
+                        && self.awaited_controls(*t).is_empty()
+                };
+                self.is_retiring(*t) && (busy_too || idle())
             })
             .collect();
         for target in due {
