@@ -177,7 +177,7 @@ fn a_version_mismatch_is_refused_before_unpickling() {
         &Failure::new(
             ErrorCode::PYTHON_VERSION_MISMATCH,
             format!(
-                "PythonVersionMismatch: the payload was serialized by Python 2.7.18 but this target runs Python {} (major.minor must match)",
+                "PythonVersionMismatch: the payload was serialized by Python 2.7.18 but this target runs Python {} (major.minor must match); serialize with the interpreter the targets run (for the callreg command, the PYO3_PYTHON it was built with)",
                 target_python_version()
             ),
         ),
@@ -216,7 +216,7 @@ fn a_version_mismatch_in_the_startup_snapshot_fails_its_registration() {
         assert_eq!(
             failure.message,
             format!(
-                "PythonVersionMismatch: the payload was serialized by Python 2.7.18 but this target runs Python {} (major.minor must match)",
+                "PythonVersionMismatch: the payload was serialized by Python 2.7.18 but this target runs Python {} (major.minor must match); serialize with the interpreter the targets run (for the callreg command, the PYO3_PYTHON it was built with)",
                 target_python_version()
             ),
             "{target}"

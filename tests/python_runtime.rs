@@ -636,7 +636,8 @@ fn cases() -> Vec<Case> {
                     "PythonVersionMismatch",
                     &format!(
                         "the payload was serialized by Python {faked} but this target runs Python {target} \
-                         (major.minor must match)"
+                         (major.minor must match); serialize with the interpreter the targets run \
+                         (for the callreg command, the PYO3_PYTHON it was built with)"
                     ),
                 )
             },
@@ -655,7 +656,8 @@ fn cases() -> Vec<Case> {
                     "SerializerMismatch",
                     &format!(
                         "the payload was serialized with cloudpickle 99.0.1 but this target deserializes with \
-                         cloudpickle {serializer} (the serializer and its major version must match)"
+                         cloudpickle {serializer} (the serializer and its major version must match); serialize with the interpreter \
+                         the targets run (for the callreg command, the PYO3_PYTHON it was built with)"
                     ),
                 )?;
                 expect_refused(
@@ -666,7 +668,8 @@ fn cases() -> Vec<Case> {
                     "SerializerMismatch",
                     &format!(
                         "the payload was serialized with dill {serializer} but this target deserializes with \
-                         cloudpickle {serializer} (the serializer and its major version must match)"
+                         cloudpickle {serializer} (the serializer and its major version must match); serialize with the interpreter \
+                         the targets run (for the callreg command, the PYO3_PYTHON it was built with)"
                     ),
                 )
             },

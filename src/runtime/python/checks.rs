@@ -67,10 +67,16 @@ fn helper<'py, T: FromPyObjectOwned<'py>>(
 /// start ([`TargetVersions`](super::interpreter::TargetVersions); never per install).
 ///
 /// # Errors
-/// `PYTHON_VERSION_MISMATCH` naming both sides: kind
+/// `PYTHON_VERSION_MISMATCH` naming both sides, then
+/// [`SERIALIZE_WHERE_THEY_RUN`]: kind
 /// `PythonVersionMismatch` for the interpreter; kind `SerializerMismatch`
 /// for another serializer than cloudpickle, a cloudpickle that is not
 /// installed here, or another cloudpickle major version.
+/// What every version mismatch adds: how to get envelopes the targets
+/// can read.
+pub const SERIALIZE_WHERE_THEY_RUN: &str = "; serialize with the interpreter the targets run \
+     (for the callreg command, the PYO3_PYTHON it was built with)";
+
 pub(super) fn check_versions(
     functions: &PythonFunctions,
     wanted: &PythonVersions,
@@ -78,7 +84,7 @@ pub(super) fn check_versions(
     let mismatch = |kind: &str, message: String| RuntimeError {
         code: ErrorCode::PYTHON_VERSION_MISMATCH,
         kind: kind.to_owned(),
-        message,
+        message: format!("{message}{SERIALIZE_WHERE_THEY_RUN}"),
         exception: Vec::new(),
     };
     let target = &functions.versions.python;
