@@ -126,7 +126,7 @@ class RawWorker:
         probe_first: bool = True,
         respawn_limit: int = ...,  # the crate's DEFAULT_RESPAWN_LIMIT (3)
         respawn_backoff: float = 0.1,
-        template: tuple[str, list[str], bytes] | None = None,
+        template: tuple[str, list[str], bytes, str | None] | None = None,
         spin: float = 5e-5,
         max_tasks_per_target: int = 0,
     ) -> RawWorker: ...

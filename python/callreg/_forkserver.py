@@ -30,11 +30,13 @@ _BOOTSTRAP = "import sys, json; sys.path[:] = json.loads(sys.argv[1]); from call
 
 def template_command(
     preload: Sequence[str], target_initializer: Callable[[int], object] | None
-) -> tuple[str, list[str], bytes]:
+) -> tuple[str, list[str], bytes, str | None]:
     """The template of a forkserver Worker for the extension: ``(program,
-    args, runtime_data)``. The runtime data is a pickle of the preload
-    module names and the target initializer (cloudpickled: it may be a
-    lambda or a closure)."""
+    args, runtime_data, before_ready)``. The runtime data is a pickle of
+    the preload module names and the target initializer (cloudpickled: it
+    may be a lambda or a closure); ``before_ready`` names the preload
+    modules for a start error when the template exits or hangs before it
+    is ready (``None`` without them)."""
     try:
         initializer = None if target_initializer is None else cloudpickle.dumps(target_initializer)
     except RuntimeError as e:
@@ -55,7 +57,8 @@ def template_command(
         # manager with it, from the template and every target.
         "authkey": bytes(multiprocessing.current_process().authkey),
     }
-    return sys.executable, ["-c", _BOOTSTRAP, json.dumps(sys.path)], pickle.dumps(data)
+    before_ready = "it imports the preload modules %r first" % (list(preload),) if preload else None
+    return sys.executable, ["-c", _BOOTSTRAP, json.dumps(sys.path)], pickle.dumps(data), before_ready
 
 
 def prepare(data: bytes) -> Callable[[int], object] | None:

@@ -149,7 +149,7 @@ def check_start_method(start_method: str, preload: Iterable[str]) -> tuple[str, 
 
 def _template(
     start_method: str, preload: Iterable[str], target_initializer: Callable[[int], object] | None
-) -> tuple[str, list[str], bytes] | None:
+) -> tuple[str, list[str], bytes, str | None] | None:
     """The extension's ``template`` argument: ``None`` under ``"fork"``."""
     names = check_start_method(start_method, preload)
     if start_method != "forkserver":

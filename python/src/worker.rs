@@ -195,6 +195,10 @@ impl RawWorker {
     }
 }
 
+/// The forkserver template as Python gives it: `(program, args,
+/// runtime_data, before_ready)`.
+type TemplateArgs = (String, Vec<String>, Vec<u8>, Option<String>);
+
 #[pymethods]
 impl RawWorker {
     /// A Worker, not started. `control_timeout` in seconds (positive): how
@@ -212,8 +216,10 @@ impl RawWorker {
     /// `respawn_limit` and `respawn_backoff` (seconds): replacement targets
     /// ([`WorkerBuilder::respawn_limit`], `specs/protocol.md` §2.9).
     /// `template`, when given, is the forkserver start method
-    /// ([`StartMethod::Forkserver`]): `(program, args, runtime_data)` of
-    /// the template process, which forks every target (the program runs
+    /// ([`StartMethod::Forkserver`]): `(program, args, runtime_data,
+    /// before_ready)` of the template process
+    /// ([`TemplateCommand::before_ready`]: what it does first, named in its
+    /// start errors), which forks every target (the program runs
     /// [`_template_main`]; `runtime_data` is its `prepare`'s, and carries
     /// the target initializer: `target_initializer` must then be `None`).
     /// `max_tasks_per_target` (0: no bound): how many tasks one target
@@ -243,7 +249,7 @@ impl RawWorker {
         probe_first: bool,
         respawn_limit: u16,
         respawn_backoff: f64,
-        template: Option<(String, Vec<String>, Vec<u8>)>,
+        template: Option<TemplateArgs>,
         spin: f64,
         max_tasks_per_target: u32,
     ) -> PyResult<RawWorker> {
@@ -265,11 +271,15 @@ impl RawWorker {
         let mut builder = Worker::builder(Arc::new(runtime))
             .targets(targets)
             .control_timeout(control_timeout);
-        if let Some((program, args, data)) = template {
+        if let Some((program, args, data, preload_note)) = template {
             let command = args
                 .into_iter()
                 .fold(TemplateCommand::new(program), TemplateCommand::arg)
                 .runtime_data(data);
+            let command = match preload_note {
+                Some(note) => command.before_ready(note),
+                None => command,
+            };
             builder = builder.start_method(StartMethod::Forkserver(command));
         }
         if let Some(timeout) = operation_timeout {

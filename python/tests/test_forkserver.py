@@ -5,6 +5,7 @@ when other threads run, and the options pass through Executor and
 NextLevel."""
 
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -200,6 +201,28 @@ def test_a_preload_module_that_fails_to_import_fails_the_start_naming_it(tmp_pat
                 "(operation start)" % (name, why)
             )
             assert w.targets == []
+
+
+def test_a_preload_module_that_exits_or_hangs_is_named_in_the_start_error(tmp_path, monkeypatch):
+    write_module(tmp_path, monkeypatch, "fs_exits", "import os\nos._exit(3)\n")
+    write_module(tmp_path, monkeypatch, "fs_hangs", "import time\ntime.sleep(60)\n")
+    with callreg.Worker(1, start_method="forkserver", preload=["fs_exits"]) as w:
+        with pytest.raises(callreg.CallregError) as raised:
+            w.start()
+    assert str(raised.value) == (
+        "IO_FAILED: the template process did not start: it exited with status 3 before it was ready "
+        "(it imports the preload modules ['fs_exits'] first) (operation start)"
+    )
+    with callreg.Worker(1, start_method="forkserver", preload=["fs_hangs"], control_timeout=1) as w:
+        started = time.monotonic()
+        with pytest.raises(callreg.CallregError) as raised:
+            w.start()
+        assert time.monotonic() - started < 10
+    assert re.fullmatch(
+        r"IO_FAILED: the template process did not start: it was not ready after [0-9.]+m?s "
+        r"\(it imports the preload modules \['fs_hangs'\] first: one of them may hang\) \(operation start\)",
+        str(raised.value),
+    ), str(raised.value)
 
 
 def test_start_under_fork_warns_once_with_another_thread_and_not_without():

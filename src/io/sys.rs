@@ -112,7 +112,9 @@ pub enum ProcessError {
     },
     /// The template process of [`super::zygote::Zygote::exec`] did not
     /// become ready: it said why (e.g. a module it was to import failed),
-    /// or it ended first.
+    /// or it ended first, or (for a command with
+    /// [`super::zygote::TemplateCommand::before_ready`]) it was not ready
+    /// by the deadline; the latter two name what it does before.
     #[error("the template process did not start: {message}")]
     TemplateStart {
         /// What the template reported, or how it ended.

@@ -99,6 +99,7 @@ pub struct TemplateCommand {
     program: PathBuf,
     args: Vec<OsString>,
     runtime_data: Vec<u8>,
+    before_ready: Option<String>,
 }
 
 impl TemplateCommand {
@@ -109,6 +110,7 @@ impl TemplateCommand {
             program: program.into(),
             args: Vec::new(),
             runtime_data: Vec::new(),
+            before_ready: None,
         }
     }
 
@@ -122,6 +124,15 @@ impl TemplateCommand {
     /// template).
     pub fn runtime_data(mut self, data: Vec<u8>) -> TemplateCommand {
         self.runtime_data = data;
+        self
+    }
+
+    /// What the program does before it reports ready, in words (e.g.
+    /// `it imports the preload modules ['app.models'] first`): named in
+    /// the start error when the template ends, or says nothing, before it
+    /// is ready ([`ProcessError::TemplateStart`]).
+    pub fn before_ready(mut self, what: impl Into<String>) -> TemplateCommand {
+        self.before_ready = Some(what.into());
         self
     }
 
@@ -444,9 +455,17 @@ impl Zygote {
                 Err(Errno::EAGAIN) => {
                     let now = Instant::now();
                     if now >= deadline {
-                        return Err(fail(ProcessError::ZygoteTimeout {
-                            what: "its start",
-                            waited: now.duration_since(started),
+                        let waited = now.duration_since(started);
+                        return Err(fail(match &command.before_ready {
+                            None => ProcessError::ZygoteTimeout {
+                                what: "its start",
+                                waited,
+                            },
+                            Some(what) => ProcessError::TemplateStart {
+                                message: format!(
+                                    "it was not ready after {waited:.1?} ({what}: one of them may hang)"
+                                ),
+                            },
                         }));
                     }
                     let timeout = nix::poll::PollTimeout::try_from(deadline - now)
@@ -467,8 +486,12 @@ impl Zygote {
             [] => {
                 let how = reap_child(pid, super::REPORT_TIMEOUT)
                     .map_or_else(|| "could not be reaped".to_owned(), |e| e.to_string());
+                let what = command
+                    .before_ready
+                    .as_ref()
+                    .map_or_else(String::new, |what| format!(" ({what})"));
                 return Err(ProcessError::TemplateStart {
-                    message: format!("it {how} before it was ready"),
+                    message: format!("it {how} before it was ready{what}"),
                 });
             }
             _ => {
