@@ -4,7 +4,7 @@
 //!
 //! | offset | size | field | rule |
 //! |---|---|---|---|
-//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (7) |
+//! | 0 | 1 | version (u8) | must be [`WIRE_VERSION`] (9) |
 //! | 1 | 1 | kind (u8) | a [`FrameKind`] value |
 //! | 2 | 2 | flags (u16) | 0, or [`FLAG_TASK_EXCEPTION`] on a failed task result |
 //! | 4 | 4 | body length (u32, bytes) | `8 + body length <= maximum frame size` |
@@ -29,7 +29,8 @@ use crate::descriptor::Digest;
 use crate::error::ErrorCode;
 use crate::protocol::ControlPhase;
 
-/// The only wire version this implementation reads and writes. Version 8
+/// The only wire version this implementation reads and writes. Version 9
+/// added the target's [`Frame::Started`] report; version 8
 /// added the parent's [`Frame::Verify`] control; version 7
 /// added the phase of the control an [`Frame::Alive`] reports (queued or
 /// running); version 6
@@ -37,9 +38,9 @@ use crate::protocol::ControlPhase;
 /// added the parent's [`Frame::Cancel`] control; version 4
 /// added the target's [`Frame::Alive`] report; version 3 replaced the register control's staged shm name by a sealed descriptor
 /// passed beside the frame (`specs/staging.md`); version 2 added the
-/// register control's metadata field. Frames of versions 1 to 7 are
+/// register control's metadata field. Frames of versions 1 to 8 are
 /// refused.
-pub const WIRE_VERSION: u8 = 8;
+pub const WIRE_VERSION: u8 = 9;
 
 /// Header flag of a [`Frame::TaskResult`] with an error status whose
 /// failure carries a serialized exception ([`TaskFailure::exception`]):
@@ -113,6 +114,8 @@ pub enum FrameKind {
     Alive = 20,
     /// Target → parent: [`Frame::StartFailed`].
     StartFailed = 21,
+    /// Target → parent: [`Frame::Started`].
+    Started = 22,
 }
 
 impl FrameKind {
@@ -131,6 +134,7 @@ impl FrameKind {
             19 => FrameKind::Table,
             20 => FrameKind::Alive,
             21 => FrameKind::StartFailed,
+            22 => FrameKind::Started,
             _ => return None,
         })
     }
@@ -296,6 +300,14 @@ pub enum Frame {
         seq: u64,
         /// Whether its install has begun.
         phase: ControlPhase,
+    },
+    /// The target's task thread starts running task `seq`
+    /// (`specs/protocol.md` §2.12, §2.15): sent, and written to the
+    /// socket, before any of the task's code runs, so a process lost
+    /// without having sent one never ran the task. Body: `u64 seq`.
+    Started {
+        /// The task's sequence number.
+        seq: u64,
     },
     /// The target's runtime could not start (an initializer or a setup
     /// raised, say): sent instead of [`Frame::Ready`], as the target's last
@@ -549,6 +561,7 @@ fn decode_body(kind: FrameKind, flags: u16, body: &[u8]) -> Result<Frame, WireEr
             kind: r.string("failure kind")?,
             message: r.string("message")?,
         },
+        FrameKind::Started => Frame::Started { seq: r.u64("seq")? },
     };
     if !r.rest.is_empty() {
         return Err(WireError::Trailing(r.rest.len()));
@@ -652,6 +665,7 @@ impl Frame {
             Frame::Table { .. } => FrameKind::Table,
             Frame::Alive { .. } => FrameKind::Alive,
             Frame::StartFailed { .. } => FrameKind::StartFailed,
+            Frame::Started { .. } => FrameKind::Started,
         }
     }
 
@@ -732,7 +746,9 @@ impl Frame {
                 out.push(*encoding as u8);
                 put_bytes(out, input)?;
             }
-            Frame::Inspect { seq } => out.extend_from_slice(&seq.to_le_bytes()),
+            Frame::Inspect { seq } | Frame::Started { seq } => {
+                out.extend_from_slice(&seq.to_le_bytes())
+            }
             Frame::Alive { seq, phase } => {
                 out.extend_from_slice(&seq.to_le_bytes());
                 out.push(*phase as u8);
@@ -1013,6 +1029,7 @@ mod tests {
                 }
             }),
             (".*", ".*").prop_map(|(kind, message)| Frame::StartFailed { kind, message }),
+            any::<u64>().prop_map(|seq| Frame::Started { seq }),
         ]
     }
 
@@ -1088,6 +1105,26 @@ mod tests {
     }
 
     #[test]
+    fn a_start_report_is_its_seq_alone_and_a_version_8_peer_is_refused() {
+        let started = Frame::Started { seq: 0x0102 };
+        let mut expected = header(9, 22, 0, 8);
+        expected.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(started.encode(MAX).unwrap(), expected);
+        assert_eq!(
+            decode(&expected, MAX),
+            Ok(Decoded::Frame(started, expected.len()))
+        );
+        expected[0] = 8;
+        assert_eq!(decode(&expected, MAX), Err(WireError::Version(8)));
+        let mut short = header(9, 22, 0, 4);
+        short.extend_from_slice(&[2, 1, 0, 0]);
+        assert!(matches!(
+            decode(&short, MAX),
+            Err(WireError::Truncated { field: "seq", .. })
+        ));
+    }
+
+    #[test]
     fn an_alive_report_says_whether_its_control_is_queued_or_running() {
         let queued = Frame::Alive {
             seq: 0x0102,
@@ -1097,7 +1134,7 @@ mod tests {
             seq: 0x0102,
             phase: ControlPhase::Running,
         };
-        let mut expected = header(8, 20, 0, 9);
+        let mut expected = header(9, 20, 0, 9);
         expected.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(queued.encode(MAX).unwrap(), expected);
         expected[16] = 1;
@@ -1113,7 +1150,7 @@ mod tests {
         let mut old = header(6, 20, 0, 8);
         old.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0]);
         assert_eq!(decode(&old, MAX), Err(WireError::Version(6)));
-        let mut short = header(8, 20, 0, 8);
+        let mut short = header(9, 20, 0, 8);
         short.extend_from_slice(&[2, 1, 0, 0, 0, 0, 0, 0]);
         assert!(matches!(
             decode(&short, MAX),
@@ -1331,7 +1368,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![8, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![9, 1, 0, 0, 64, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xcd; 32]);
         expected.extend_from_slice(&[9, 0, 0, 0, 0, 0, 0, 0]);
         expected.extend_from_slice(&[12, 0, 0, 0]);
@@ -1348,7 +1385,7 @@ mod tests {
         .encode(MAX)
         .unwrap();
         let expected = vec![
-            8, 21, 0, 0, 11, 0, 0, 0, 1, 0, 0, 0, b'E', 2, 0, 0, 0, b'n', b'o',
+            9, 21, 0, 0, 11, 0, 0, 0, 1, 0, 0, 0, b'E', 2, 0, 0, 0, b'n', b'o',
         ];
         assert_eq!(bytes, expected);
     }
@@ -1360,7 +1397,7 @@ mod tests {
             staged_size: 0x0203,
         };
         let bytes = verify.encode(MAX).unwrap();
-        let mut expected = vec![8, 6, 0, 0, 40, 0, 0, 0];
+        let mut expected = vec![9, 6, 0, 0, 40, 0, 0, 0];
         expected.extend_from_slice(&[0xef; 32]);
         expected.extend_from_slice(&[3, 2, 0, 0, 0, 0, 0, 0]);
         assert_eq!(bytes, expected);
@@ -1380,7 +1417,7 @@ mod tests {
         }
         .encode(MAX)
         .unwrap();
-        let mut expected = vec![8, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
+        let mut expected = vec![9, 2, 0, 0, 40, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0];
         expected.extend_from_slice(&[0xab; 32]);
         assert_eq!(bytes, expected);
     }

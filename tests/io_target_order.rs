@@ -148,13 +148,27 @@ impl RawTarget {
         }
     }
 
-    /// The next `n` frames other than [`Frame::Alive`].
+    /// The next `n` frames other than [`Frame::Alive`] and
+    /// [`Frame::Started`]; each task's successful result must follow its
+    /// start report (`specs/protocol.md` §2.12), sent once.
     fn answers(&mut self, n: usize) -> Vec<Frame> {
         let mut answers = Vec::new();
+        let mut started = std::collections::BTreeSet::new();
         while answers.len() < n {
             match self.next() {
                 Frame::Alive { .. } => {}
-                frame => answers.push(frame),
+                Frame::Started { seq } => assert!(started.insert(seq), "started twice: {seq}"),
+                frame => {
+                    // A task that never began (its digest gone) fails
+                    // without a start.
+                    if let Frame::TaskResult { seq, result, .. } = &frame {
+                        assert!(
+                            started.remove(seq) || result.is_err(),
+                            "a result before its start: {seq}"
+                        );
+                    }
+                    answers.push(frame)
+                }
             }
         }
         answers

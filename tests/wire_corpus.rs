@@ -38,6 +38,7 @@ fn named_seeds_decode_to_their_kind() {
         ("inspect", FrameKind::Inspect),
         ("alive", FrameKind::Alive),
         ("start_failed", FrameKind::StartFailed),
+        ("started", FrameKind::Started),
         ("reply_ok", FrameKind::Reply),
         ("reply_err", FrameKind::Reply),
         ("task_result_ok", FrameKind::TaskResult),

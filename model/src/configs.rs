@@ -422,6 +422,7 @@ pub fn all() -> Vec<Named> {
                 SOMETIMES_JOINED_IN_FLIGHT,
                 SOMETIMES_JOIN_FAILED,
                 SOMETIMES_ABANDONED,
+                SOMETIMES_HANDED_OVER,
             ],
         },
         Named {
@@ -535,7 +536,11 @@ pub fn all() -> Vec<Named> {
                 ..ModelConfig::fault_free(1, script("single-register"))
             },
             symmetry: false,
-            expected: &[SOMETIMES_TARGET_LOST, SOMETIMES_JOINED],
+            expected: &[
+                SOMETIMES_TARGET_LOST,
+                SOMETIMES_JOINED,
+                SOMETIMES_HANDED_OVER,
+            ],
         },
         Named {
             name: "retire",
@@ -558,6 +563,26 @@ pub fn all() -> Vec<Named> {
                 SOMETIMES_ABANDONED,
                 SOMETIMES_RETIRED,
                 SOMETIMES_WAITED_RESULT,
+                SOMETIMES_HANDED_OVER,
+            ],
+        },
+        Named {
+            name: "handover",
+            description: "2 targets, single-register, 3 tasks with deadlines submitted with no target, a crash, a deadline, a cancel (specs/protocol.md §2.12, §2.15): a deadline runs from the task's start report; a task its lost process never reported started goes to the other target and runs there once, one it started ends lost",
+            config: ModelConfig {
+                tasks: 3,
+                cancels: 1,
+                crashes: 1,
+                task_deadline: true,
+                deadlines: 1,
+                submit_any: true,
+                ..ModelConfig::fault_free(2, script("single-register"))
+            },
+            symmetry: false,
+            expected: &[
+                SOMETIMES_ROLLBACK,
+                SOMETIMES_TARGET_LOST,
+                SOMETIMES_HANDED_OVER,
             ],
         },
         Named {

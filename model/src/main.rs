@@ -160,8 +160,9 @@ struct ConfigArgs {
     /// Cancels of tasks in flight the client may send.
     #[arg(long, default_value_t = 0)]
     cancels: u8,
-    /// Submit every task with a deadline (a control timeout after its
-    /// submit); it passes like any deadline (--deadlines).
+    /// Submit every task with a timeout of one control timeout, counted
+    /// from its start report; its deadline passes like any deadline
+    /// (--deadlines).
     #[arg(long)]
     task_deadline: bool,
     /// Task results of a fenced process that may still reach the parent

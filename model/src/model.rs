@@ -8,7 +8,7 @@
 //! after which the driver drains that machine's effects exactly as the IO
 //! layer does (the driving rule of `callreg::protocol`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use callreg::descriptor::Digest;
@@ -89,8 +89,9 @@ pub struct ModelConfig {
     /// How many times the client may cancel a task in flight
     /// (`Parent::cancel`, `specs/protocol.md` §2.11).
     pub cancels: u8,
-    /// Whether every task is submitted with a deadline [`TASK_DEADLINE`]
-    /// after its submit (`Parent::submit_with_deadline`, §2.12); it passes
+    /// Whether every task is submitted with a timeout of
+    /// [`TASK_DEADLINE`] (`Parent::submit_with_timeout`, §2.12): its
+    /// deadline is that long after its start report is read, and passes
     /// like any deadline ([`Action::DeadlinePasses`], from the `deadlines`
     /// budget).
     pub task_deadline: bool,
@@ -543,10 +544,14 @@ pub mod seen {
     /// A target's process retired after its task bound
     /// (`Effect::Retire`, `specs/protocol.md` §2.14; a witness).
     pub const RETIRED: u64 = 1 << 51;
+    /// A task whose process was lost before it started was sent to
+    /// another process (`specs/protocol.md` §2.15).
+    pub const HANDED_OVER: u64 = 1 << 52;
 }
 
-/// A task result in transit target → parent: the task and the
-/// incarnation of the process that ran it (how the IO layer tags it).
+/// A task's start report or result in transit target → parent: the task
+/// and the incarnation of the process that ran it (how the IO layer tags
+/// it).
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
 pub struct TaskResult {
     /// The task.
@@ -555,6 +560,9 @@ pub struct TaskResult {
     pub digest: Digest,
     /// The incarnation of the target whose process sent it.
     pub incarnation: u32,
+    /// A start report (`specs/protocol.md` §2.12), sent when the run
+    /// starts, not a result.
+    pub start: bool,
 }
 
 /// How a task ended, as the driver records it (`TaskEnd` without the
@@ -571,8 +579,6 @@ pub enum Ended {
     Lost,
     /// At close.
     Closed,
-    /// At its deadline while it waited, unsent (§2.14).
-    Expired,
 }
 
 /// What the driver recorded about one submitted task (its history, for the
@@ -598,6 +604,9 @@ pub struct TaskNote {
     pub cancelled_at: Option<u64>,
     /// Its run started (`Target::start_task` said `true`).
     pub started: bool,
+    /// Its process was lost before it started, and it was handed over
+    /// (§2.15).
+    pub handed_over: bool,
     /// Its target answered a cancel of it OK.
     pub cancel_ok: bool,
     /// How many `TaskDone` effects named it.
@@ -1265,6 +1274,15 @@ impl RegistrationModel {
                 .all(|j| matches!(state.client.get(*j), Some(StepStatus::Done(_))))
     }
 
+    /// Whether a run's start is an action of its own, apart from its end:
+    /// with cancels (a cancel meets a queued or a running run) or a way to
+    /// lose a target (a loss between a start and its end is what tells a
+    /// task that ran from one that never started, §2.15).
+    fn splits_runs(&self) -> bool {
+        let c = &self.config;
+        c.cancels > 0 || c.crashes > 0 || c.poison_kills > 0 || c.deadlines > 0
+    }
+
     /// Whether no action can change `state` (the checker's terminal states).
     ///
     /// Every listed action but [`Action::Submit`], [`Action::SubmitAny`]
@@ -1315,18 +1333,59 @@ impl RegistrationModel {
         state.keep_stale_replies(target, true);
         state.kill(target);
         state.replies.retain(|(t, _)| *t != target);
-        // Its results in transit are dropped, or (the channel fault, while
+        // Its start reports in transit are read once it is reaped
+        // (§2.15); its results are dropped, or (the channel fault, while
         // its budget lasts) kept to arrive late.
         let keep = state.budgets.stale_results > 0;
         let (gone, rest): (Vec<_>, Vec<_>) =
             state.results.drain(..).partition(|(t, _)| *t == target);
         state.results = rest;
+        let (starts, gone): (Vec<_>, Vec<_>) = gone.into_iter().partition(|(_, r)| r.start);
+        let now = Time(state.now);
+        for (_, report) in starts {
+            let accepted =
+                state
+                    .parent
+                    .handle_task_started(target, report.incarnation, report.seq, now);
+            if accepted.is_err() {
+                state.seen |= seen::DRIVER_ERROR;
+            }
+        }
         if keep {
             state.stale.extend(gone);
             state.stale.sort();
         }
         if let Some(eof) = state.eof.get_mut(usize::from(target.0)) {
             *eof = false;
+        }
+        Self::drained(state, target);
+    }
+
+    /// Everything `target`'s lost process wrote was read (§2.15): the
+    /// driver says so for the process of each task in doubt there, and
+    /// records the tasks handed back to waiting.
+    fn drained(state: &mut State, target: TargetId) {
+        let doubts: BTreeSet<u32> = state
+            .parent
+            .tasks_in_flight()
+            .into_iter()
+            .filter_map(|seq| state.parent.task(seq))
+            .filter(|t| t.in_doubt && t.target == target)
+            .map(|t| t.incarnation)
+            .collect();
+        for incarnation in doubts {
+            state.parent.process_drained(target, incarnation, true);
+        }
+        for note in &mut state.task_log {
+            let Some(info) = state.parent.task(note.seq) else {
+                continue;
+            };
+            if note.sent && !info.sent {
+                note.sent = false;
+                note.handed_over = true;
+                note.target = info.target;
+                note.deadline = None;
+            }
         }
     }
 
@@ -1365,24 +1424,17 @@ impl RegistrationModel {
             .into_iter()
             .find(|h| h.handle_id == handle_id)?
             .digest();
-        // With task deadlines a submit is issuing an operation with
-        // a deadline: time advances as for an issue, never onto a
-        // pending deadline (without them the submit's time is read
-        // by nothing, and staying merges states).
-        let next = state.now + 1;
-        if self.config.task_deadline && state.parent.poll_timeout().is_none_or(|d| next < d.0) {
-            state.now = next;
-        }
-        let deadline = self
-            .config
-            .task_deadline
-            .then_some(state.now + TASK_DEADLINE);
+        // With task deadlines every task has a timeout, whose clock starts
+        // at its start report (§2.12): the submit's time is read by
+        // nothing but the known bug that counts from it.
+        let timeout = self.config.task_deadline.then_some(TASK_DEADLINE);
         let handle = handle_for(digest, handle_id);
+        let now = Time(state.now);
         let seq = match target {
             Some(target) => state
                 .parent
-                .submit_with_deadline(&handle, target, deadline.map(Time)),
-            None => state.parent.submit_any(&handle, deadline.map(Time)),
+                .submit_with_timeout(&handle, target, timeout, now),
+            None => state.parent.submit_any(&handle, timeout, now),
         }
         .ok()?;
         let info = state.parent.task(seq)?;
@@ -1393,9 +1445,10 @@ impl RegistrationModel {
             incarnation: info.incarnation,
             sent: false,
             waited: false,
-            deadline,
+            deadline: None,
             cancelled_at: None,
             started: false,
+            handed_over: false,
             cancel_ok: false,
             ends: 0,
             end: None,
@@ -1546,8 +1599,25 @@ impl RegistrationModel {
                     if let ControlFrame::Task { seq, .. } = frame {
                         let incarnation = state.parent.incarnation(target);
                         let handle = state.parent.task(seq).map(|info| info.handle_id);
+                        // Sent again only once the process it was sent to
+                        // is lost (a hand-over, §2.15).
+                        let again = state.note(seq).is_some_and(|n| {
+                            n.sent
+                                && !(state.parent.is_target_live(n.target)
+                                    && state.parent.incarnation(n.target) == n.incarnation)
+                        });
                         match (state.note_mut(seq), handle) {
-                            (Some(note), Some(handle)) if !note.sent => {
+                            (Some(note), Some(handle)) if !note.sent || again => {
+                                if again {
+                                    note.handed_over = true;
+                                    note.deadline = None;
+                                }
+                                if note.handed_over {
+                                    state.seen |= seen::HANDED_OVER;
+                                }
+                                let Some(note) = state.note_mut(seq) else {
+                                    continue;
+                                };
                                 note.sent = true;
                                 note.target = target;
                                 note.incarnation = incarnation;
@@ -1704,7 +1774,6 @@ impl RegistrationModel {
                         TaskEnd::Deadline => Ended::Deadline,
                         TaskEnd::Lost { .. } => Ended::Lost,
                         TaskEnd::Closed => Ended::Closed,
-                        TaskEnd::Expired => Ended::Expired,
                     };
                     note.end.get_or_insert(ended);
                     if note.ends > 1 {
@@ -1716,8 +1785,8 @@ impl RegistrationModel {
                     if ended == Ended::Result && delivering != Some((seq, true)) {
                         state.seen |= seen::FOREIGN_RESULT;
                     }
-                    if ended == Ended::Expired && note_sent {
-                        state.breach("a task that was sent ended as expired, unsent");
+                    if ended == Ended::Deadline && !started {
+                        state.breach("a task ended at its deadline before it started");
                     }
                     if note_sent && (target, incarnation) != sent_to {
                         state.breach(
@@ -2247,10 +2316,22 @@ impl RegistrationModel {
         if !side.runs.iter().any(|(s, _, _)| *s == seq) || side.started.contains(&seq) {
             return None;
         }
+        let digest = side.runs.iter().find(|(s, _, _)| *s == seq)?.2;
+        let incarnation = side.incarnation;
         let target = state.targets.get_mut(index)?.as_mut()?;
         match target.start_task(seq) {
             Ok(true) => {
                 state.sides[index].started.push(seq);
+                insert_ordered(
+                    &mut state.results,
+                    id,
+                    TaskResult {
+                        seq,
+                        digest,
+                        incarnation,
+                        start: true,
+                    },
+                );
                 let note = state.note_mut(seq)?;
                 let (twice, after_cancel) = (note.started, note.cancel_ok);
                 note.started = true;
@@ -2323,6 +2404,35 @@ impl RegistrationModel {
         let sent_to = state.note(result.seq).map(|n| (n.target, n.incarnation));
         let genuine = stale.is_none() && sent_to == Some((id, result.incarnation));
         let in_flight = before.task(result.seq).is_some();
+        if result.start {
+            let now = Time(state.now);
+            match state
+                .parent
+                .handle_task_started(id, result.incarnation, result.seq, now)
+            {
+                Ok(true) => {
+                    let deadline = state.parent.task(result.seq).and_then(|t| t.deadline);
+                    if let Some(note) = state.note_mut(result.seq) {
+                        note.deadline = deadline.map(|d| d.0);
+                    }
+                    if self.config.task_deadline
+                        && deadline != Some(now.saturating_add_micros(TASK_DEADLINE))
+                    {
+                        state.breach(
+                            "a started task's deadline is not its timeout after its start report",
+                        );
+                    }
+                }
+                Ok(false) => {
+                    if state.parent != before || (open && genuine && in_flight) {
+                        state.breach("a start report was refused but changed the parent, or the report of a task in flight from its process was refused");
+                    }
+                }
+                Err(_) => state.seen |= seen::DRIVER_ERROR,
+            }
+            self.drain_parent(state);
+            return Some(());
+        }
         state.delivering = Some((result.seq, genuine));
         match state.parent.handle_task_result(
             id,
@@ -2479,6 +2589,9 @@ impl RegistrationModel {
             } else if state.parent.target_died(id, LOSS_CAUSE, now).is_err() {
                 state.seen |= seen::DRIVER_ERROR;
             }
+            // Read to its end of file: what it never reported started
+            // never ran (§2.15).
+            Self::drained(state, id);
         } else {
             return None;
         }
@@ -2894,6 +3007,13 @@ impl stateright::Model for RegistrationModel {
     }
 
     fn actions(&self, state: &State, actions: &mut Vec<Action>) {
+        // A breach of the machines' contract ends its path: the
+        // counterexample stops there (a known bug may otherwise loop
+        // without bound, as a retirement of a busy target handing its
+        // tasks over again and again).
+        if state.seen & seen::CONTRACT != 0 {
+            return;
+        }
         let lifecycle = state.parent.lifecycle();
         if self.config.interleave_start {
             if let Some(i) = state.pre.iter().position(|p| *p == PreStatus::Waiting) {
@@ -2962,9 +3082,10 @@ impl stateright::Model for RegistrationModel {
                 }
             }
             for (seq, _, _) in &side.runs {
-                // Without cancels a start decides nothing (it always
-                // runs): the run starts and ends in one step.
-                let action = if side.started.contains(seq) || self.config.cancels == 0 {
+                // Without cancels or a way to lose the target a start
+                // decides nothing (it always runs, and is reported): the
+                // run starts and ends in one step.
+                let action = if side.started.contains(seq) || !self.splits_runs() {
                     Action::EndRun {
                         target: id,
                         seq: *seq,
@@ -3103,7 +3224,7 @@ impl stateright::Model for RegistrationModel {
             Action::EndRun { target: id, seq } => {
                 let index = usize::from(id.0);
                 if !state.sides.get(index)?.started.contains(&seq) {
-                    if self.config.cancels > 0 {
+                    if self.splits_runs() {
                         return None;
                     }
                     self.start_run(&mut state, id, seq)?;
@@ -3125,6 +3246,7 @@ impl stateright::Model for RegistrationModel {
                         seq,
                         digest,
                         incarnation,
+                        start: false,
                     },
                 );
             }
@@ -3529,8 +3651,10 @@ impl RegistrationModel {
             }
             Action::ReceiveResult(t) => match state.head_result(*t) {
                 Some(r) => format!(
-                    "parent receives from {t}: result of task {} (incarnation {})",
-                    r.seq, r.incarnation
+                    "parent receives from {t}: {} of task {} (incarnation {})",
+                    if r.start { "start report" } else { "result" },
+                    r.seq,
+                    r.incarnation
                 ),
                 None => format!("parent reads no result from {t}"),
             },

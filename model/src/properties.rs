@@ -255,6 +255,11 @@ pub const SOMETIMES_RETIRED: &str = "sometimes: a target retires after its task 
 /// with its result.
 pub const SOMETIMES_WAITED_RESULT: &str =
     "sometimes: a task that waited for a target ends with its result";
+/// Witness: a task whose process was lost before it started is handed
+/// to another process and ends with its result (`specs/protocol.md`
+/// §2.15).
+pub const SOMETIMES_HANDED_OVER: &str =
+    "sometimes: a task its lost process never started runs elsewhere and ends with its result";
 /// Witness: a stale result (of a lost process) is refused.
 pub const SOMETIMES_STALE_REFUSED: &str = "sometimes: a stale result is refused";
 /// Name of the `always` property that a control reply of a lost process
@@ -353,6 +358,12 @@ fn waited_result(_: &RegistrationModel, s: &State) -> bool {
         .iter()
         .any(|n| n.waited && n.end == Some(Ended::Result))
 }
+fn handed_over(_: &RegistrationModel, s: &State) -> bool {
+    s.seen & seen::HANDED_OVER != 0
+        && s.task_log
+            .iter()
+            .any(|n| n.handed_over && n.end == Some(Ended::Result))
+}
 fn cancel_refused(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::CANCEL_REFUSED != 0
 }
@@ -381,10 +392,11 @@ fn all_complete(s: &State) -> bool {
 }
 
 fn inv10_terminal(m: &RegistrationModel, s: &State) -> bool {
-    all_complete(s) || !m.is_terminal(s)
+    // A breached state ends its path: the breach is its violation.
+    all_complete(s) || !m.is_terminal(s) || s.seen & seen::CONTRACT != 0
 }
 fn inv10_eventually(_: &RegistrationModel, s: &State) -> bool {
-    all_complete(s)
+    all_complete(s) || s.seen & seen::CONTRACT != 0
 }
 fn driving_rule(_: &RegistrationModel, s: &State) -> bool {
     s.seen & seen::DRIVER_ERROR == 0
@@ -1112,6 +1124,7 @@ pub fn all() -> Vec<Property<RegistrationModel>> {
         Property::sometimes(SOMETIMES_TASK_DEADLINE, task_deadline),
         Property::sometimes(SOMETIMES_RETIRED, retired),
         Property::sometimes(SOMETIMES_WAITED_RESULT, waited_result),
+        Property::sometimes(SOMETIMES_HANDED_OVER, handed_over),
         Property::sometimes(SOMETIMES_STALE_REFUSED, stale_refused),
         Property::sometimes(SOMETIMES_STALE_REPLY_JOINING, stale_reply_joining),
         Property::sometimes(SOMETIMES_STALE_REPLY_JOINED, stale_reply_joined),

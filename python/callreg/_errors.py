@@ -85,9 +85,10 @@ class HandleError(CallregError):
 
 
 class TargetLostError(CallregError, BrokenProcessPool):
-    """The target died or was stopped before the task's result arrived, or
-    there is no live target (``code`` ``"TARGET_LOST"`` or
-    ``"NO_LIVE_TARGET"``). Raised by :meth:`Worker.start` when a target
+    """The target died or was stopped after the task started there and
+    before its result arrived (a task it never started runs on another
+    target, ``specs/protocol.md`` §2.15), or there is no live target
+    (``code`` ``"TARGET_LOST"`` or ``"NO_LIVE_TARGET"``). Raised by :meth:`Worker.start` when a target
     did not start, and by :meth:`Worker.unregister` when a target was lost
     while it dropped the handle (the handle is released all the same),
     with ``outcomes`` (as :class:`RegisterError`'s; empty for a task).
@@ -116,9 +117,10 @@ class TaskTimeoutError(CallregError, TimeoutError):
     """A task passed its deadline (``timeout=`` of :meth:`Worker.submit`,
     :meth:`Worker.call`, ``task_timeout=`` of :meth:`Worker.map`, or
     :func:`callreg.options` with the Executor): ``code``
-    ``"TASK_DEADLINE"``. Its target was killed (and is replaced, with
-    replacements on), so every other task running or queued there fails
-    with :class:`TargetLostError` (``specs/protocol.md`` §2.12). Also a
+    ``"TASK_DEADLINE"``: it ran longer than its timeout, counted from its
+    start in its target. Its target was killed (and is replaced, with
+    replacements on); the tasks queued behind it there never started and
+    run on another target (``specs/protocol.md`` §2.12, §2.15). Also a
     :class:`TimeoutError`."""
 
 

@@ -57,9 +57,11 @@ def options(fn: Callable[_P, _T], /, *, timeout: float | None = None) -> TaskOpt
 
         ex.submit(callreg.options(slow, timeout=2.0), x)
 
-    ``timeout`` (seconds, ``None``: none) is each task's deadline: past it
+    ``timeout`` (seconds, ``None``: none) is how long each task may run,
+    counted from its start in its target (never from the submit): past it
     the task fails with :class:`TaskTimeoutError` and its target is killed
-    and replaced (``specs/protocol.md`` §2.12). Raises ``ValueError`` at
+    and replaced; tasks queued there that never started run elsewhere
+    (``specs/protocol.md`` §2.12, §2.15). Raises ``ValueError`` at
     submit for a ``timeout`` that is not a positive number of seconds."""
     return TaskOptions(fn, timeout)
 

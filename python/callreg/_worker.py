@@ -258,12 +258,13 @@ class Worker(Inspection):
         Large buffers ``fn`` captures (numpy arrays, ``pickle.PickleBuffer``:
         what pickle protocol 5 sends out of band, from
         :data:`callreg.OUT_OF_BAND_MIN_BYTES` up) are not copied into each
-        target: every target maps them read-only from one sealed memory
-        file (``specs/formats.md`` §1.1), so such an array is **read-only
-        in targets** (a write raises ``ValueError``) and its memory is
+        target: every target maps them copy-on-write from one sealed memory
+        file (``specs/formats.md`` §1.1), so such an array's memory is
         counted once, however many targets there are, for a register after
-        :meth:`start` (one before it reaches the targets by ``fork``, as
-        bytes: each target then holds its own read-only copies). Which
+        :meth:`start`, and a task may write into it: the page it writes
+        becomes its target's own, never seen by another target (one
+        registered before :meth:`start` reaches the targets by ``fork``,
+        as bytes: each target then holds its own writable copies). Which
         arrays go out of band is numpy's choice (contiguous ones of plain
         dtypes; ``docs/identity.md``). ``out_of_band=False``
         pickles them into the callable's pickle instead, as the reference
@@ -451,10 +452,11 @@ class Worker(Inspection):
         :class:`concurrent.futures.Future` of its result (running at once:
         its ``cancel()`` stops it only until it starts in its target,
         ``specs/protocol.md`` §2.11). ``timeout`` (seconds, ``None``: none)
-        is the task's deadline: past it the task fails with
-        :class:`TaskTimeoutError` and its target is killed (and replaced),
-        failing the other tasks there with :class:`TargetLostError`
-        (§2.12). ``target`` and ``timeout`` are the task's options, never
+        is how long the task may run once its target started it (time
+        queued behind other tasks does not count): past it the task fails
+        with :class:`TaskTimeoutError` and its target is killed (and
+        replaced); the tasks queued behind it there never started, and run
+        on another target (§2.12, §2.15). ``target`` and ``timeout`` are the task's options, never
         the callable's: register ``functools.partial(fn, timeout=...)``
         for a callable that takes keywords of those names. The future
         fails with :class:`TaskError`, :class:`TaskTimeoutError`,

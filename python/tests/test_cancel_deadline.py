@@ -136,18 +136,68 @@ def test_a_task_past_its_deadline_raises_task_timeout_error_and_its_target_is_re
         assert w.call(h, 0.0, target=0) == w.target_pid(0)
 
 
-def test_a_deadline_fails_the_other_tasks_of_its_target_with_target_lost():
+def test_a_deadline_hands_the_tasks_queued_behind_it_to_the_replacement():
     with callreg.Worker(1, respawn_backoff=0.01) as w:
         w.start()
         h = w.register(spin)
+        first = w.target_pid(0)
         late = w.submit(h, 30.0, timeout=0.3)
         behind = w.submit(h, 0.0)
         with pytest.raises(callreg.TaskTimeoutError):
             late.result(timeout=20)
+        # It never started on the fenced process: it runs, once, on the
+        # replacement.
+        ran_on = behind.result(timeout=20)
+        assert ran_on not in (None, first)
+        assert ran_on == w.target_pid(0)
+
+
+def mark(directory, i, seconds):
+    """Appends this process's pid to ``directory/i`` (one line per run),
+    then holds its target for ``seconds``."""
+    with open(os.path.join(directory, str(i)), "a") as f:
+        f.write("%d\n" % os.getpid())
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_deadline_counts_from_the_task_start_not_its_submit():
+    # 100 tasks of 50 ms on 2 targets: the last start 2.5 s after their
+    # submit, each runs well within its 1 s.
+    with callreg.Executor(2) as ex:
+        futures = [ex.submit(callreg.options(spin, timeout=1.0), 0.05) for _ in range(100)]
+        errors = [f.exception(timeout=60) for f in futures]
+    assert errors == [None] * 100
+
+
+def test_a_killed_target_costs_only_the_task_it_was_running(tmp_path):
+    with callreg.Worker(2, respawn_backoff=0.01) as w:
+        w.start()
+        pids = {t: w.target_pid(t) for t in (0, 1)}
+        h = w.register(start_then_touch)
+        m = w.register(mark)
+        started = tmp_path / "started"
+        running = w.submit(h, str(started), str(tmp_path / "never"), 30.0)
+        holding = w.submit(m, str(tmp_path), "holder", 1.0)
+        markers = tmp_path / "markers"
+        markers.mkdir()
+        # Placed by the fewest tasks in flight: 20 queue behind each.
+        queued = [w.submit(m, str(markers), i, 0.0) for i in range(40)]
+        wait_until(started.exists)
+        victim = w.target_pid(0)
+        assert victim == pids[0]
+        os.kill(victim, signal.SIGKILL)
         with pytest.raises(callreg.TargetLostError) as info:
-            behind.result(timeout=20)
-        assert info.value.code == "TARGET_LOST"
-        assert "passed its deadline" in str(info.value)
+            running.result(timeout=20)
+        assert "killed by signal 9" in str(info.value)
+        ran_on = [f.result(timeout=30) for f in queued]
+        assert holding.result(timeout=20) == pids[1]
+    # Every queued task ran exactly once, none on the killed process.
+    runs = {int(p.name): p.read_text().split() for p in markers.iterdir()}
+    assert sorted(runs) == list(range(40))
+    assert all(len(lines) == 1 for lines in runs.values()), runs
+    assert victim not in ran_on
+    assert not (tmp_path / "never").exists()
 
 
 def test_call_and_executor_options_take_a_deadline():

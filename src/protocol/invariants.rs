@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use super::parent::{OpKind, Progress};
+use super::parent::{OpKind, Progress, Stage};
 use super::target::SlotState;
 use super::{
     ControlFrame, Handle, Lifecycle, Namespace, OwnerToken, Parent, Reply, Target, TargetId,
@@ -601,11 +601,12 @@ pub fn inv12_no_task_before_join(view: &View<'_>) -> Result<(), Violation> {
 }
 
 /// Invariant 13, tasks run on live incarnations (`specs/protocol.md`
-/// §2.11, §2.14): while the Worker is started, every task sent and in
-/// flight names a target the parent counts live, at the incarnation the
-/// parent records for that target now (a task whose target's process was
-/// lost ended with it, so a replacement never inherits it and no earlier
-/// process's result can end it); a task waiting unsent names a target
+/// §2.11, §2.14, §2.15): while the Worker is started, every task sent and
+/// in flight names a target the parent counts live, at the incarnation
+/// the parent records for that target now (a task whose target's process
+/// was lost ended with it or is in doubt, so a replacement never inherits
+/// it and no earlier process's result can end it); a task in doubt names
+/// a process that is no longer live; a task waiting unsent names a target
 /// that will take tasks, and no target that takes tasks has confirmed its
 /// handle (it would have been sent there).
 ///
@@ -619,7 +620,11 @@ pub fn inv13_tasks_on_live_incarnations(view: &View<'_>) -> Result<(), Violation
     let mut loads = vec![(0u32, 0u32); view.parent.loads.len()];
     for task in view.parent.tasks.values() {
         if let Some((sent, waiting)) = loads.get_mut(usize::from(task.target.0)) {
-            *(if task.sent { sent } else { waiting }) += 1;
+            match task.stage {
+                Stage::Waiting => *waiting += 1,
+                Stage::Sent | Stage::Started => *sent += 1,
+                Stage::InDoubt { .. } => {}
+            }
         }
     }
     let kept: Vec<(u32, u32)> = view
@@ -636,9 +641,26 @@ pub fn inv13_tasks_on_live_incarnations(view: &View<'_>) -> Result<(), Violation
         );
     }
     for (seq, task) in &view.parent.tasks {
-        if !task.sent {
+        let live = view.parent.is_target_live(task.target);
+        let current = view.parent.incarnation(task.target);
+        if matches!(task.stage, Stage::InDoubt { .. }) {
+            // In doubt (§2.15): its process was lost.
+            if live && current == task.incarnation {
+                return violation(
+                    13,
+                    "tasks run on live incarnations",
+                    format!(
+                        "task {seq} is in doubt on {} (incarnation {current}), which is live",
+                        task.target
+                    ),
+                );
+            }
+            continue;
+        }
+        if task.stage == Stage::Waiting {
             let taker = (0..view.parent.config.targets).map(TargetId).find(|t| {
-                view.parent.takes_tasks(*t)
+                (!task.pinned || *t == task.target)
+                    && view.parent.takes_tasks(*t)
                     && view
                         .parent
                         .handles
@@ -661,8 +683,6 @@ pub fn inv13_tasks_on_live_incarnations(view: &View<'_>) -> Result<(), Violation
             }
             continue;
         }
-        let live = view.parent.is_target_live(task.target);
-        let current = view.parent.incarnation(task.target);
         if !live || current != task.incarnation {
             return violation(
                 13,
@@ -1314,10 +1334,15 @@ mod tests {
         let seq = parent.submit(&handle, TargetId(1)).unwrap();
         while parent.poll_effect().is_some() {}
         assert_eq!(check(13, &parent, &targets, &[]), Ok(()));
-        // The correct machine ends the task with its target's loss.
+        // The correct machine holds the unstarted task in doubt at its
+        // target's loss, then ends it: it was named for that target, which
+        // is not replaced.
         let mut lost = parent.clone();
         lost.target_died(TargetId(1), "gone", crate::protocol::Time(1))
             .unwrap();
+        assert_eq!(lost.task(seq).map(|t| t.in_doubt), Some(true));
+        assert_eq!(check(13, &lost, &targets, &[]), Ok(()));
+        lost.process_drained(TargetId(1), 0, true);
         assert_eq!(lost.tasks_in_flight(), vec![]);
         assert_eq!(check(13, &lost, &targets, &[]), Ok(()));
         // A task left in flight on a lost target.

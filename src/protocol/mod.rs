@@ -363,6 +363,14 @@ pub enum Mutant {
     /// the model's "machines answer as documented": a retirement that
     /// costs a task).
     RetireBusy,
+    /// Parent: a task's deadline counts from its submit, not from its
+    /// target's start report (§2.12; caught by the model's "a task ends
+    /// at its deadline only once it started").
+    DeadlineFromSubmit,
+    /// Parent: a task that its lost process had reported started is
+    /// handed over like one that never started (§2.15; caught by the
+    /// model's "a task runs at most once").
+    RetryStarted,
 }
 
 #[cfg(feature = "mutants")]
@@ -388,5 +396,7 @@ impl Mutant {
         Mutant::AcceptStaleResult,
         Mutant::CancelStarted,
         Mutant::RetireBusy,
+        Mutant::DeadlineFromSubmit,
+        Mutant::RetryStarted,
     ];
 }

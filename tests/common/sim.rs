@@ -408,6 +408,12 @@ impl Sim {
             let run = target.start_task(seq).expect("run in progress");
             target.end_task(seq).expect("run in progress");
             if run {
+                // Its start report, then its result (§2.12).
+                let id = TargetId(t);
+                let incarnation = self.parent.incarnation(id);
+                self.parent
+                    .handle_task_started(id, incarnation, seq, self.now)
+                    .expect("a start report of a task the parent sent");
                 self.send_result(t, seq);
             }
         }
@@ -448,9 +454,13 @@ impl Sim {
         if !self.unnoticed.remove(&TargetId(t)) {
             return false;
         }
+        let incarnation = self.parent.incarnation(TargetId(t));
         self.parent
             .target_lost(TargetId(t), self.now)
             .expect("target_lost");
+        // Read to its end: what it never reported started never ran
+        // (§2.15).
+        self.parent.process_drained(TargetId(t), incarnation, true);
         self.settle();
         true
     }
@@ -573,6 +583,20 @@ impl Sim {
                 self.replies[i].clear();
                 self.deserializing[i].clear();
                 self.running[i].clear();
+                // Killed and read to its end (its start reports reached
+                // the parent as it sent them): what it never reported
+                // started is handed over (§2.15).
+                let doubts: BTreeSet<u32> = self
+                    .parent
+                    .tasks_in_flight()
+                    .into_iter()
+                    .filter_map(|seq| self.parent.task(seq))
+                    .filter(|t| t.in_doubt && t.target == target)
+                    .map(|t| t.incarnation)
+                    .collect();
+                for incarnation in doubts {
+                    self.parent.process_drained(target, incarnation, true);
+                }
             }
             Effect::Spawn {
                 target,

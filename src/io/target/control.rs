@@ -347,7 +347,8 @@ impl<R: Runtime> Control<'_, R> {
             | Frame::Ready { .. }
             | Frame::Table { .. }
             | Frame::Alive { .. }
-            | Frame::StartFailed { .. } => {
+            | Frame::StartFailed { .. }
+            | Frame::Started { .. } => {
                 return false;
             }
         }

@@ -21,13 +21,25 @@ pub(super) struct ReplyWriter {
 }
 
 impl ReplyWriter {
-    /// Sends [`Frame::Alive`] for control `seq` in `phase` (never delayed
-    /// by the reply failpoint: it is not a reply). Ends the target if the
-    /// pipe is gone.
+    /// Sends [`Frame::Alive`] for control `seq` in `phase`. Ends the
+    /// target if the pipe is gone.
     pub(super) fn send_alive(&self, seq: u64, phase: ControlPhase) {
+        self.send_report(Frame::Alive { seq, phase });
+    }
+
+    /// Sends [`Frame::Started`] for task `seq`: returns once the report is
+    /// in the socket. Ends the target if the pipe is gone.
+    pub(super) fn send_started(&self, seq: u64) {
+        self.send_report(Frame::Started { seq });
+    }
+
+    /// Sends a fixed-size report (never delayed by the reply failpoint: it
+    /// is not a reply). Ends the target if the pipe is gone.
+    fn send_report(&self, frame: Frame) {
         exit_unless_target();
-        let Ok(bytes) = (Frame::Alive { seq, phase }).encode(self.max_frame_bytes) else {
-            // SAFETY: see `abrupt_exit`; a 17-byte frame always fits.
+        let Ok(bytes) = frame.encode(self.max_frame_bytes) else {
+            // SAFETY: see `abrupt_exit`; a report of at most 17 bytes
+            // always fits.
             unsafe { libc::_exit(REPLY_EXIT_CODE) }
         };
         let mut pipe = self.pipe.lock().unwrap_or_else(|p| p.into_inner());

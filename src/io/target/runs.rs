@@ -474,6 +474,10 @@ pub(super) fn run_tasks<R: Runtime>(
             end_run(table, run);
             continue;
         }
+        // The start report is in the socket before any of the task's code
+        // runs: a process lost without having sent it never ran the task,
+        // and its deadline counts from here (§2.12, §2.15).
+        writer.send_started(seq);
         let result = run_with_hooks(runtime, &run);
         end_run(table, run);
         // A slot unregistered during the run is freed at its end.

@@ -161,9 +161,10 @@ pub(super) struct TaskWaiter {
     /// The key the caller may cancel it by ([`super::TaskKey`]).
     key: u64,
     done: Completer<Result<Vec<u8>, TaskError>>,
-    /// The task's input until its frame is written: at its submit, or
-    /// when a target takes it (a task may wait in the machine,
-    /// `specs/protocol.md` §2.14).
+    /// The task's input until the task ends: its frame is written at its
+    /// submit, or when a target takes it (a task may wait in the machine,
+    /// `specs/protocol.md` §2.14), and again to another process when the
+    /// one it went to was lost before starting it (§2.15).
     pub(super) input: Option<(TaskEncoding, Vec<u8>)>,
 }
 
@@ -487,12 +488,12 @@ impl IoLoop {
                 deadline,
                 done,
             } => {
-                let deadline = deadline.map(|d| {
-                    now.saturating_add_micros(u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-                });
+                let timeout = deadline.map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
                 let submitted = match target {
-                    Some(target) => core.machine.submit_with_deadline(&handle, target, deadline),
-                    None => core.machine.submit_any(&handle, deadline),
+                    Some(target) => core
+                        .machine
+                        .submit_with_timeout(&handle, target, timeout, now),
+                    None => core.machine.submit_any(&handle, timeout, now),
                 };
                 match submitted {
                     Ok(seq) => {
@@ -632,13 +633,23 @@ impl IoLoop {
                         tasks,
                     });
                     let why = format!("it retired after {tasks} tasks");
-                    self.bury(core, target, Duration::ZERO, &why, false);
+                    if let Some((incarnation, complete)) =
+                        self.bury(core, target, Duration::ZERO, &why, false)
+                    {
+                        core.machine.process_drained(target, incarnation, complete);
+                    }
                 }
                 Effect::Fence { target, cause } => {
                     // A failed join's reason names the incarnation and the
                     // failure; else the machine's cause.
                     let why = self.fence_reasons.remove(&target).unwrap_or(cause);
-                    self.bury(core, target, Duration::ZERO, &why, true)
+                    if let Some((incarnation, complete)) =
+                        self.bury(core, target, Duration::ZERO, &why, true)
+                    {
+                        // What it never reported started is handed over
+                        // (§2.15), by this same drain.
+                        core.machine.process_drained(target, incarnation, complete);
+                    }
                 }
                 Effect::Completed {
                     op,
@@ -764,22 +775,43 @@ impl IoLoop {
         }
     }
 
-    /// Kills and reaps a target (the machine ends its tasks and the
-    /// inspections' waits for it when it is told of the loss).
+    /// Kills and reaps a target, then reads what it wrote and was not read
+    /// yet (the machine ends its tasks and the inspections' waits for it
+    /// when it is told of the loss). Returns the process's incarnation and
+    /// whether everything it wrote was read (`specs/protocol.md` §2.15:
+    /// give both to [`Parent::process_drained`] once the machine counts
+    /// it lost); `None` when the target has no process.
     ///
     /// `grace`: how long a target that is ending on its own may take to
     /// exit before SIGKILL (its exit status then says why it ended).
     /// `why`: what the IO thread saw (kept for [`Worker::target_loss`]).
-    fn bury(&mut self, core: &mut Core, target: TargetId, grace: Duration, why: &str, loss: bool) {
+    ///
+    /// [`Parent::process_drained`]: crate::protocol::Parent::process_drained
+    fn bury(
+        &mut self,
+        core: &mut Core,
+        target: TargetId,
+        grace: Duration,
+        why: &str,
+        loss: bool,
+    ) -> Option<(u32, bool)> {
         let index = usize::from(target.0);
-        let Some(mut link) = self.links.get_mut(index).and_then(Option::take) else {
-            return;
+        let reaped = match self.links.get_mut(index) {
+            Some(Some(link)) => link.process.reap(grace),
+            _ => return None,
         };
+        let reaped = match reaped {
+            Ok(exit) => {
+                core.exits.insert(target, exit);
+                true
+            }
+            Err(_) => false,
+        };
+        // Reaped, it writes nothing more: what it wrote is all there.
+        let complete = reaped && self.read_buried(core, index);
+        let link = self.links.get_mut(index).and_then(Option::take)?;
         self.completed = true;
         self.starting.remove(&index);
-        if let Ok(exit) = link.process.reap(grace) {
-            core.exits.insert(target, exit);
-        }
         let how = core
             .exits
             .get(&target)
@@ -793,6 +825,7 @@ impl IoLoop {
             });
         }
         core.losses.insert(target, reason);
+        Some((link.incarnation, complete))
     }
 
     /// A target died or broke the protocol: kill, reap, tell the machine.
@@ -805,13 +838,16 @@ impl IoLoop {
             return;
         }
 
-        self.bury(core, target, LOST_GRACE, why, true);
+        let drained = self.bury(core, target, LOST_GRACE, why, true);
         let cause = core
             .losses
             .get(&target)
             .cloned()
             .unwrap_or_else(|| why.to_owned());
         let _ = core.machine.target_died(target, &cause, self.now());
+        if let Some((incarnation, complete)) = drained {
+            core.machine.process_drained(target, incarnation, complete);
+        }
         self.drain(core, &mut Context::default());
     }
 

@@ -319,10 +319,12 @@ impl<R: Runtime> Worker<R> {
     }
 
     /// [`Worker::submit_async`] with a deadline (`specs/protocol.md`
-    /// §2.12): if the task has not ended `deadline` after the Worker took
-    /// the request, it ends with `TASK_DEADLINE`, its target is killed (and
-    /// replaced, with replacements on), and every other task on that
-    /// target ends with `TARGET_LOST`. `None`: no deadline. The deadline
+    /// §2.12): if the task has not ended `deadline` after its target
+    /// reported it started (time queued behind other tasks does not
+    /// count), it ends with `TASK_DEADLINE` and its target is killed (and
+    /// replaced, with replacements on). The tasks queued behind it there
+    /// never started: they go to another target (§2.15). `None`: no
+    /// deadline. The deadline
     /// is handled by whichever thread drives the Worker (the IO thread
     /// when no caller waits), so it passes within a few milliseconds of
     /// its time, then the kill and reap take their own time.

@@ -48,6 +48,7 @@ mod tasks;
 mod tests;
 
 pub use deadlines::{BOUND_FENCE_CAUSE, NOT_READY_CAUSE, SILENT_FENCE_CAUSE};
+pub(crate) use tasks::Stage;
 pub use tasks::{TaskEnd, TaskInfo, NONE_COMING, UNREGISTERED_WHILE_WAITING};
 
 /// How a [`Parent`] is set up. Every field is chosen by the embedder.

@@ -45,15 +45,12 @@ pub enum TaskEnd {
     /// Cancelled before it started (§2.11): it never ran
     /// (`TASK_CANCELLED`).
     Cancelled,
-    /// Its deadline passed (§2.12): its target was fenced
-    /// (`TASK_DEADLINE`).
+    /// Its deadline passed, counted from its start report (§2.12): its
+    /// target was fenced (`TASK_DEADLINE`).
     Deadline,
-    /// Its deadline passed while it waited for a process of its target to
-    /// take it (§2.14): it never ran and nothing was fenced
-    /// (`TASK_DEADLINE`).
-    Expired,
-    /// Its target's process was lost first (`TARGET_LOST`): `cause` says
-    /// how, as the IO layer reported it or as the machine fenced it.
+    /// Its target's process was lost after it reported the task started,
+    /// or without everything it wrote read (`TARGET_LOST`, §2.15): `cause`
+    /// says how, as the IO layer reported it or as the machine fenced it.
     Lost {
         /// How the process ended.
         cause: String,
@@ -82,13 +79,7 @@ impl TaskEnd {
             TaskEnd::Deadline => (
                 ErrorCode::TASK_DEADLINE,
                 format!(
-                    "{seq} passed its deadline on {target} (incarnation {incarnation}), which was fenced"
-                ),
-            ),
-            TaskEnd::Expired => (
-                ErrorCode::TASK_DEADLINE,
-                format!(
-                    "{seq} passed its deadline while it waited for {target} to take tasks; it never ran"
+                    "{seq} ran past its deadline on {target} (incarnation {incarnation}), which was fenced"
                 ),
             ),
             TaskEnd::Lost { cause } => {
@@ -124,11 +115,52 @@ pub(crate) struct TaskRecord {
     pub(crate) target: TargetId,
     /// The incarnation of `target` that was sent the task.
     pub(crate) incarnation: u32,
-    /// When it ends with [`TaskEnd::Deadline`] unless done before.
+    /// How long it may run, in microseconds from its start report
+    /// (§2.12).
+    pub(crate) timeout: Option<u64>,
+    /// When it ends with [`TaskEnd::Deadline`] unless done before: set at
+    /// its start report.
     pub(crate) deadline: Option<Time>,
-    /// Whether its frame was sent; `false` while it waits for a process
-    /// of `target` to take it (§2.14).
-    pub(crate) sent: bool,
+    /// Where it stands.
+    pub(crate) stage: Stage,
+    /// Its target was named at submit ([`Parent::submit_with_timeout`]):
+    /// handed over, it goes to that target's next process only (§2.15).
+    pub(crate) pinned: bool,
+}
+
+/// Where a task in flight stands (§2.11, §2.14, §2.15).
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) enum Stage {
+    /// Unsent, waiting in the machine for a process of its target to take
+    /// it (§2.14).
+    Waiting,
+    /// Sent to its target's process, which has not reported it started.
+    Sent,
+    /// Its target's process reported it started (§2.12): its deadline
+    /// runs.
+    Started,
+    /// Sent to a process that was lost before it reported the task
+    /// started, and not everything that process wrote is read yet
+    /// (§2.15): it is handed over or ends at [`Parent::process_drained`].
+    InDoubt {
+        /// How the process was lost.
+        cause: String,
+        /// Whether a cancel of it was asked for.
+        cancel: bool,
+    },
+}
+
+impl Stage {
+    /// Whether it counts as sent in its target's load (it was sent to the
+    /// target's current process), or as waiting; `None`: in doubt,
+    /// counted in no load.
+    fn loads_sent(&self) -> Option<bool> {
+        match self {
+            Stage::Waiting => Some(false),
+            Stage::Sent | Stage::Started => Some(true),
+            Stage::InDoubt { .. } => None,
+        }
+    }
 }
 
 /// The tasks in flight naming one target (§2.14).
@@ -151,13 +183,22 @@ pub struct TaskInfo {
     pub target: TargetId,
     /// The incarnation of the target that was sent it.
     pub incarnation: u32,
-    /// Its deadline, if any.
+    /// How long it may run, in microseconds from its start report, if
+    /// limited.
+    pub timeout: Option<u64>,
+    /// Its deadline: set when its target reports it started (§2.12).
     pub deadline: Option<Time>,
-    /// Whether a cancel of it awaits the target's answer.
+    /// Whether a cancel of it awaits the target's answer (or, in doubt,
+    /// was asked for).
     pub cancelling: bool,
     /// Whether it was sent; `false` while it waits for a process of its
     /// target to take it (§2.14).
     pub sent: bool,
+    /// Whether its target reported it started (§2.12).
+    pub started: bool,
+    /// Whether its process was lost before it reported the task started
+    /// and not everything it wrote is read yet (§2.15).
+    pub in_doubt: bool,
 }
 
 /// A cancel sent and not yet answered: when its target was last heard
@@ -168,22 +209,26 @@ pub(crate) struct PendingCancel {
 }
 
 impl Parent {
-    /// Submits a task for `handle` to `target` with no deadline: see
-    /// [`Parent::submit_with_deadline`].
+    /// Submits a task for `handle` to `target` with no timeout: see
+    /// [`Parent::submit_with_timeout`].
     ///
     /// # Errors
-    /// As [`Parent::submit_with_deadline`].
+    /// As [`Parent::submit_with_timeout`].
     pub fn submit(&mut self, handle: &Handle, target: TargetId) -> Result<Seq, Error> {
-        self.submit_with_deadline(handle, target, None)
+        self.submit_with_timeout(handle, target, None, Time(0))
     }
 
-    /// Submits a task for `handle` to `target`: emits [`Effect::Send`] of a
-    /// [`ControlFrame::Task`] with a fresh seq, which it returns (the
-    /// task's input travels beside the frame; the machine holds ids only).
-    /// The task is in flight until its [`Effect::TaskDone`]: a result, a
-    /// cancel ([`Parent::cancel`]), `deadline` passing (§2.12: the task
-    /// ends with [`TaskEnd::Deadline`] and its target is fenced), a loss of
-    /// the target's process, or a close.
+    /// Submits a task for `handle` to `target` at `now`: emits
+    /// [`Effect::Send`] of a [`ControlFrame::Task`] with a fresh seq, which
+    /// it returns (the task's input travels beside the frame; the machine
+    /// holds ids only). The task is in flight until its
+    /// [`Effect::TaskDone`]: a result, a cancel ([`Parent::cancel`]), its
+    /// deadline passing — `timeout` microseconds after its target reports
+    /// it started ([`Parent::handle_task_started`], §2.12: the task ends
+    /// with [`TaskEnd::Deadline`] and its target is fenced) —, a loss of
+    /// the target's process after the task started (one that never
+    /// started is handed to the target's next process, §2.15), or a
+    /// close.
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless started; the resolution errors of
@@ -191,14 +236,18 @@ impl Parent {
     /// target id out of range; `TARGET_LOST` for a lost target or a
     /// replacement that has not joined yet (§2.9);
     /// `DIGEST_NOT_INSTALLED` if the target never confirmed the handle.
-    pub fn submit_with_deadline(
+    pub fn submit_with_timeout(
         &mut self,
         handle: &Handle,
         target: TargetId,
-        deadline: Option<Time>,
+        timeout: Option<u64>,
+        now: Time,
     ) -> Result<Seq, Error> {
         let digest = self.check_submit(handle, target)?;
-        let seq = self.record_task(handle, digest, target, deadline);
+        let seq = self.record_task(handle, digest, target, timeout, now);
+        if let Some(task) = self.tasks.get_mut(&seq) {
+            task.pinned = true;
+        }
         self.send_task(seq, target);
         Ok(seq)
     }
@@ -210,9 +259,14 @@ impl Parent {
         handle: &Handle,
         digest: Digest,
         target: TargetId,
-        deadline: Option<Time>,
+        timeout: Option<u64>,
+        now: Time,
     ) -> Seq {
         let seq = self.fresh_seq();
+        // The known bug: the clock starts at the submit.
+        let deadline = timeout
+            .filter(|_| mutant!(self, DeadlineFromSubmit))
+            .map(|t| now.saturating_add_micros(t));
         self.tasks.insert(
             seq,
             TaskRecord {
@@ -220,18 +274,20 @@ impl Parent {
                 digest,
                 target,
                 incarnation: self.incarnation(target),
+                timeout,
                 deadline,
-                sent: false,
+                stage: Stage::Waiting,
+                pinned: false,
             },
         );
-        self.count_task(target, false, true);
+        self.count_task(target, Some(false), true);
         seq
     }
 
-    /// Counts a task in flight naming `target` (`sent` or waiting) in or
-    /// out of its load (`in_flight`).
-    fn count_task(&mut self, target: TargetId, sent: bool, in_flight: bool) {
-        let Some(load) = self.loads.get_mut(usize::from(target.0)) else {
+    /// Counts a task in flight naming `target` (`sent` or waiting; `None`:
+    /// in doubt, counted in no load) in or out of its load (`in_flight`).
+    fn count_task(&mut self, target: TargetId, sent: Option<bool>, in_flight: bool) {
+        let (Some(load), Some(sent)) = (self.loads.get_mut(usize::from(target.0)), sent) else {
             return;
         };
         let count = if sent {
@@ -245,19 +301,20 @@ impl Parent {
         };
     }
 
-    /// Names `target` (at its current incarnation) as task `seq`'s,
-    /// `sent` or waiting, keeping the loads in step.
-    fn place_task(&mut self, seq: Seq, target: TargetId, sent: bool) {
+    /// Names `target` (at its current incarnation) as task `seq`'s, at
+    /// `stage`, keeping the loads in step.
+    fn place_task(&mut self, seq: Seq, target: TargetId, stage: Stage) {
         let incarnation = self.incarnation(target);
         let Some(task) = self.tasks.get_mut(&seq) else {
             return;
         };
-        let was = (task.target, task.sent);
+        let was = (task.target, task.stage.loads_sent());
+        let now = stage.loads_sent();
         task.target = target;
         task.incarnation = incarnation;
-        task.sent = sent;
+        task.stage = stage;
         self.count_task(was.0, was.1, false);
-        self.count_task(target, sent, true);
+        self.count_task(target, now, true);
     }
 
     /// Submits a task for `handle` to the target the machine picks
@@ -270,28 +327,34 @@ impl Parent {
     /// that will take tasks again (a retiring target, or one being
     /// replaced) with the fewest tasks in flight, and is sent to the first
     /// target that takes tasks (at a join). A waiting task ends as a sent
-    /// one does (a cancel ends it at once, its deadline with
-    /// [`TaskEnd::Expired`], a close), never because a process of its
-    /// target was lost; when no target will take tasks any more, it ends
-    /// [`TaskEnd::Lost`].
+    /// one does (a cancel ends it at once, a close; its deadline has not
+    /// started), never because a process of its target was lost; when no
+    /// target will take tasks any more, it ends [`TaskEnd::Lost`]. A task
+    /// its lost process never started goes to whichever target placement
+    /// picks then (§2.15).
     ///
     /// # Errors
     /// `LIFECYCLE_INVALID` unless started; the resolution errors of
     /// [`Parent::resolve`]; `DIGEST_NOT_INSTALLED` when the only targets
     /// that take tasks never confirmed the handle; `NO_LIVE_TARGET` when
     /// no target takes tasks or will.
-    pub fn submit_any(&mut self, handle: &Handle, deadline: Option<Time>) -> Result<Seq, Error> {
+    pub fn submit_any(
+        &mut self,
+        handle: &Handle,
+        timeout: Option<u64>,
+        now: Time,
+    ) -> Result<Seq, Error> {
         if self.lifecycle != Lifecycle::Started {
             return Err(self.lifecycle_error(OperationKind::Task, "started"));
         }
         let digest = self.resolve_for(handle, Namespace::LocalPython, OperationKind::Task)?;
         if let Some(target) = self.pick_target(handle.handle_id, false) {
-            return self.submit_with_deadline(handle, target, deadline);
+            return self.submit_placed(handle, target, timeout, now);
         }
         let Some(target) = self.pick_target(handle.handle_id, true) else {
             // A target that takes tasks without the handle: its refusal.
             if let Some(target) = self.all_targets().find(|t| self.takes_tasks(*t)) {
-                return self.submit_with_deadline(handle, target, deadline);
+                return self.submit_placed(handle, target, timeout, now);
             }
             return Err(
                 Error::new(ErrorCode::NO_LIVE_TARGET, OperationKind::Task, NONE_COMING)
@@ -299,7 +362,23 @@ impl Parent {
                     .with_digest(digest),
             );
         };
-        Ok(self.record_task(handle, digest, target, deadline))
+        Ok(self.record_task(handle, digest, target, timeout, now))
+    }
+
+    /// [`Parent::submit_with_timeout`] of a task placed by the machine: not
+    /// pinned to `target`.
+    fn submit_placed(
+        &mut self,
+        handle: &Handle,
+        target: TargetId,
+        timeout: Option<u64>,
+        now: Time,
+    ) -> Result<Seq, Error> {
+        let seq = self.submit_with_timeout(handle, target, timeout, now)?;
+        if let Some(task) = self.tasks.get_mut(&seq) {
+            task.pinned = false;
+        }
+        Ok(seq)
     }
 
     /// The target a task of handle `handle_id` goes to (§2.14): of the
@@ -328,7 +407,7 @@ impl Parent {
     /// Sends task `seq`, in flight and unsent, to `target`'s current
     /// process, which is sent one task more.
     fn send_task(&mut self, seq: Seq, target: TargetId) {
-        self.place_task(seq, target, true);
+        self.place_task(seq, target, Stage::Sent);
         let Some(digest) = self.tasks.get(&seq).map(|task| task.digest) else {
             return;
         };
@@ -387,16 +466,29 @@ impl Parent {
         if self.loads.iter().all(|l| l.waiting == 0) {
             return;
         }
-        let waiting: Vec<(Seq, u64)> = self
+        let waiting: Vec<(Seq, u64, Option<TargetId>)> = self
             .tasks
             .iter()
-            .filter(|(_, task)| !task.sent)
-            .map(|(seq, task)| (*seq, task.handle_id))
+            .filter(|(_, task)| task.stage == Stage::Waiting)
+            .map(|(seq, task)| (*seq, task.handle_id, task.pinned.then_some(task.target)))
             .collect();
-        for (seq, handle_id) in waiting {
+        for (seq, handle_id, pinned) in waiting {
             if !self.handles.contains_key(&handle_id) {
                 let cause = UNREGISTERED_WHILE_WAITING.to_owned();
                 self.end_task(seq, TaskEnd::Lost { cause });
+            } else if let Some(target) = pinned {
+                // Handed over with its target named (§2.15): that
+                // target's next process, or none.
+                let confirmed = self
+                    .handles
+                    .get(&handle_id)
+                    .is_some_and(|r| r.confirmed.contains(&target));
+                if self.takes_tasks(target) && confirmed {
+                    self.send_task(seq, target);
+                } else if !self.will_take_tasks(target) {
+                    let cause = cause.to_owned();
+                    self.end_task(seq, TaskEnd::Lost { cause });
+                }
             } else if let Some(target) = self.pick_target(handle_id, false) {
                 self.send_task(seq, target);
             } else if !self
@@ -405,7 +497,7 @@ impl Parent {
                 .is_some_and(|t| self.will_take_tasks(t.target))
             {
                 match self.pick_target(handle_id, true) {
-                    Some(target) => self.place_task(seq, target, false),
+                    Some(target) => self.place_task(seq, target, Stage::Waiting),
                     None => {
                         let cause = cause.to_owned();
                         self.end_task(seq, TaskEnd::Lost { cause });
@@ -478,10 +570,13 @@ impl Parent {
         self.check_issued(target, seq, "task result")?;
         let ours = self.tasks.get(&seq).is_some_and(|task| {
             task.target == target
+                && matches!(task.stage, Stage::Sent | Stage::Started)
                 && (task.incarnation == incarnation || mutant!(self, AcceptStaleResult))
         });
         if !ours {
-            return Ok(false);
+            // A result of a process lost before its start report was read
+            // proves the task ran there (§2.15).
+            return Ok(self.started_in_doubt(target, incarnation, seq));
         }
         let expected = self.tasks.get(&seq).map(|task| task.digest);
         if expected != Some(digest) {
@@ -522,10 +617,25 @@ impl Parent {
             .with_seq(seq));
         };
         let (target, digest) = (task.target, task.digest);
-        if !task.sent {
-            // Waiting in the machine (§2.14): it will never be sent.
-            self.end_task(seq, TaskEnd::Cancelled);
-            return Ok(());
+        match &task.stage {
+            Stage::Waiting => {
+                // Waiting in the machine (§2.14): it will never be sent.
+                self.end_task(seq, TaskEnd::Cancelled);
+                return Ok(());
+            }
+            Stage::InDoubt { cause, .. } => {
+                // Its process is gone: cancelled at the drain if it never
+                // started there (§2.15).
+                let cause = cause.clone();
+                if let Some(task) = self.tasks.get_mut(&seq) {
+                    task.stage = Stage::InDoubt {
+                        cause,
+                        cancel: true,
+                    };
+                }
+                return Ok(());
+            }
+            Stage::Sent | Stage::Started => {}
         }
         if self.cancels.contains_key(&(target, seq)) {
             return Ok(());
@@ -547,9 +657,13 @@ impl Parent {
             digest: task.digest,
             target: task.target,
             incarnation: task.incarnation,
+            timeout: task.timeout,
             deadline: task.deadline,
-            cancelling: self.cancels.contains_key(&(task.target, seq)),
-            sent: task.sent,
+            cancelling: self.cancels.contains_key(&(task.target, seq))
+                || matches!(task.stage, Stage::InDoubt { cancel: true, .. }),
+            sent: task.stage != Stage::Waiting,
+            started: task.stage == Stage::Started,
+            in_doubt: matches!(task.stage, Stage::InDoubt { .. }),
         })
     }
 
@@ -568,7 +682,7 @@ impl Parent {
         let Some(task) = self.tasks.remove(&seq) else {
             return;
         };
-        self.count_task(task.target, task.sent, false);
+        self.count_task(task.target, task.stage.loads_sent(), false);
         self.effects.push_back(Effect::TaskDone {
             seq,
             target: task.target,
@@ -615,53 +729,169 @@ impl Parent {
         }
     }
 
-    /// `target`'s process is lost, `cause` saying how: every task sent to
-    /// it ends with [`TaskEnd::Lost`] (a task waiting for the target keeps
-    /// waiting, §2.14), and its unanswered cancels are dropped (their
-    /// tasks' ends answer them).
+    /// `target`'s process is lost, `cause` saying how (§2.15): every task
+    /// sent to it that it reported started ends with [`TaskEnd::Lost`];
+    /// one it did not report is in doubt until the IO layer says whether
+    /// it read everything the process wrote ([`Parent::process_drained`]).
+    /// A task waiting for the target keeps waiting (§2.14). Its
+    /// unanswered cancels are dropped (a task in doubt keeps the wish).
     pub(super) fn tasks_lost(&mut self, target: TargetId, cause: &str) {
-        self.cancels.retain(|(t, _), _| *t != target);
         if mutant!(self, AcceptStaleResult) {
             // The known bug: the lost process's tasks stay in flight,
             // awaiting a result from any process of the target.
+            self.cancels.retain(|(t, _), _| *t != target);
             return;
         }
-        let seqs: Vec<Seq> = self
+        let seqs: Vec<(Seq, Stage)> = self
             .tasks
             .iter()
-            .filter(|(_, task)| task.target == target && task.sent)
-            .map(|(seq, _)| *seq)
+            .filter(|(_, task)| task.target == target && task.stage.loads_sent() == Some(true))
+            .map(|(seq, task)| (*seq, task.stage.clone()))
             .collect();
-        for seq in seqs {
-            self.end_task(
-                seq,
-                TaskEnd::Lost {
-                    cause: cause.to_owned(),
-                },
-            );
+        for (seq, stage) in seqs {
+            let cancel = self.cancels.remove(&(target, seq)).is_some();
+            let retried = mutant!(self, RetryStarted);
+            let cause = cause.to_owned();
+            if stage == Stage::Started && !retried {
+                self.end_task(seq, TaskEnd::Lost { cause });
+                continue;
+            }
+            self.count_task(target, Some(true), false);
+            if let Some(task) = self.tasks.get_mut(&seq) {
+                task.stage = Stage::InDoubt { cause, cancel };
+                task.deadline = None;
+            }
+        }
+        self.cancels.retain(|(t, _), _| *t != target);
+    }
+
+    /// Target `target`'s process `incarnation` reported task `seq`
+    /// started at `now` (§2.12): its deadline, if it has a timeout, is
+    /// `now` plus the timeout. `Ok(true)` when the report is about a task
+    /// in flight sent to that process (a task in doubt, whose process was
+    /// lost, then ends [`TaskEnd::Lost`]: it ran there, §2.15);
+    /// `Ok(false)` when it changes nothing (the task ended, or was sent
+    /// to another process). Ignored (`Ok(false)`) after close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target out
+    /// of range, a seq this parent never issued, or a second start report
+    /// of one task from its process (nothing changes; a report out of
+    /// protocol).
+    pub fn handle_task_started(
+        &mut self,
+        target: TargetId,
+        incarnation: u32,
+        seq: Seq,
+        now: Time,
+    ) -> Result<bool, Error> {
+        if !self.accepts_from(target, OperationKind::Task)? {
+            return Ok(false);
+        }
+        self.check_issued(target, seq, "start report")?;
+        let Some(task) = self.tasks.get_mut(&seq) else {
+            return Ok(false);
+        };
+        if task.target != target || task.incarnation != incarnation {
+            return Ok(false);
+        }
+        match task.stage {
+            Stage::Sent => {
+                task.stage = Stage::Started;
+                if !mutant!(self, DeadlineFromSubmit) {
+                    task.deadline = task.timeout.map(|t| now.saturating_add_micros(t));
+                }
+                Ok(true)
+            }
+            Stage::InDoubt { .. } => Ok(self.started_in_doubt(target, incarnation, seq)),
+            Stage::Started => Err(Error::new(
+                ErrorCode::FRAME_INVALID,
+                OperationKind::Reply,
+                format!("a second start report of {seq}"),
+            )
+            .with_target(target)
+            .with_seq(seq)),
+            Stage::Waiting => Ok(false),
+        }
+    }
+
+    /// Task `seq`, in doubt on process `incarnation` of `target`, is known
+    /// to have started there (a start report or a result read while that
+    /// process's output is drained, §2.15): it ends [`TaskEnd::Lost`] with
+    /// the loss's cause. `false` (nothing changes) for any other task.
+    fn started_in_doubt(&mut self, target: TargetId, incarnation: u32, seq: Seq) -> bool {
+        let cause = match self.tasks.get(&seq) {
+            Some(task) if task.target == target && task.incarnation == incarnation => {
+                match &task.stage {
+                    Stage::InDoubt { cause, .. } => cause.clone(),
+                    _ => return false,
+                }
+            }
+            _ => return false,
+        };
+        self.end_task(seq, TaskEnd::Lost { cause });
+        true
+    }
+
+    /// The IO layer has read what process `incarnation` of `target`
+    /// wrote, after its loss (§2.15): every frame, up to its end
+    /// (`complete`), or not (its output broke off unparsed). With
+    /// `complete`, each task in doubt there never started: it is handed
+    /// over — waiting again (§2.14), it goes to the target placement picks
+    /// (a task submitted for a named target: that target's next process),
+    /// exactly once — or, if a cancel of it was asked for, ends
+    /// [`TaskEnd::Cancelled`]. Without, each ends [`TaskEnd::Lost`] with
+    /// the loss's cause: it may have run. Ignored before start and after
+    /// close, and for a process with no task in doubt.
+    pub fn process_drained(&mut self, target: TargetId, incarnation: u32, complete: bool) {
+        if self.lifecycle != Lifecycle::Started {
+            return;
+        }
+        let doubts: Vec<(Seq, String, bool)> = self
+            .tasks
+            .iter()
+            .filter(|(_, task)| task.target == target && task.incarnation == incarnation)
+            .filter_map(|(seq, task)| match &task.stage {
+                Stage::InDoubt { cause, cancel } => Some((*seq, cause.clone(), *cancel)),
+                _ => None,
+            })
+            .collect();
+        let mut handed = None;
+        for (seq, cause, cancel) in doubts {
+            if !complete {
+                self.end_task(seq, TaskEnd::Lost { cause });
+            } else if cancel {
+                self.end_task(seq, TaskEnd::Cancelled);
+            } else {
+                // Waiting again, naming the process it was lost with
+                // until it is sent (as a waiting task names the
+                // incarnation at its submit).
+                if let Some(task) = self.tasks.get_mut(&seq) {
+                    task.stage = Stage::Waiting;
+                }
+                self.count_task(target, Some(false), true);
+                handed = Some(cause);
+            }
+        }
+        if let Some(cause) = handed {
+            self.settle_waiting(&cause);
         }
     }
 
     /// The targets to fence at `now` for their tasks (§2.11, §2.12), each
     /// with the cause: a task's deadline passed (those tasks end with
-    /// [`TaskEnd::Deadline`] here; a waiting one, §2.14, with
-    /// [`TaskEnd::Expired`], and fences nothing), or, with
+    /// [`TaskEnd::Deadline`] here), or, with
     /// [`crate::protocol::ParentConfig::fence_on_timeout`], a cancel went unanswered
     /// with no alive report for a control timeout.
     pub(super) fn expire_tasks(&mut self, now: Time) -> Vec<(TargetId, String)> {
-        let expired: Vec<(Seq, TargetId, bool)> = self
+        let expired: Vec<(Seq, TargetId)> = self
             .tasks
             .iter()
             .filter(|(_, task)| task.deadline.is_some_and(|d| d <= now))
-            .map(|(seq, task)| (*seq, task.target, task.sent))
+            .map(|(seq, task)| (*seq, task.target))
             .collect();
         let mut fence: Vec<(TargetId, String)> = Vec::new();
-        for (seq, target, sent) in expired {
-            if !sent {
-                // It never reached a process (§2.14): nothing to stop.
-                self.end_task(seq, TaskEnd::Expired);
-                continue;
-            }
+        for (seq, target) in expired {
             if mutant!(self, DeadlineWithoutCompletion) {
                 if let Some(task) = self.tasks.get_mut(&seq) {
                     task.deadline = None;
@@ -809,7 +1039,9 @@ mod tests {
     #[test]
     fn a_task_without_a_target_goes_to_the_least_loaded_target_lowest_first() {
         let (mut p, h) = with_handle(3, 0);
-        let seqs: Vec<Seq> = (0..4).map(|_| p.submit_any(&h, None).unwrap()).collect();
+        let seqs: Vec<Seq> = (0..4)
+            .map(|_| p.submit_any(&h, None, Time(0)).unwrap())
+            .collect();
         assert_eq!(
             drain(&mut p),
             vec![
@@ -823,7 +1055,7 @@ mod tests {
         p.handle_task_result(TargetId(1), 0, seqs[1], digest(1), Time(0))
             .unwrap();
         drain(&mut p);
-        let next = p.submit_any(&h, None).unwrap();
+        let next = p.submit_any(&h, None, Time(0)).unwrap();
         assert_eq!(drain(&mut p), vec![task_frame(next, 1)]);
         // Every target lost, none coming: refused, a handle this parent
         // never issued as such first.
@@ -831,7 +1063,7 @@ mod tests {
             p.target_lost(TargetId(t), Time(3)).unwrap();
         }
         drain(&mut p);
-        let e = p.submit_any(&h, None).unwrap_err();
+        let e = p.submit_any(&h, None, Time(0)).unwrap_err();
         assert_eq!(
             (e.code, e.message.as_str()),
             (
@@ -841,7 +1073,7 @@ mod tests {
         );
         let foreign = Handle { handle_id: 99, ..h };
         assert_eq!(
-            p.submit_any(&foreign, None).unwrap_err().code,
+            p.submit_any(&foreign, None, Time(0)).unwrap_err().code,
             ErrorCode::HANDLE_FOREIGN
         );
     }
@@ -849,7 +1081,7 @@ mod tests {
     #[test]
     fn a_process_sent_its_bound_retires_once_idle_and_the_waiting_task_follows() {
         let (mut p, h) = bounded(1, 1);
-        let first = p.submit_any(&h, None).unwrap();
+        let first = p.submit_any(&h, None, Time(0)).unwrap();
         assert_eq!(drain(&mut p), vec![task_frame(first, 0)]);
         assert!(p.is_retiring(TargetId(0)));
         assert!(!p.takes_tasks(TargetId(0)));
@@ -863,7 +1095,7 @@ mod tests {
             )
         );
         // Given none: it waits, unsent, for target 0.
-        let second = p.submit_any(&h, Some(Time(50))).unwrap();
+        let second = p.submit_any(&h, Some(50), Time(0)).unwrap();
         assert_eq!(drain(&mut p), vec![]);
         let waiting = p.task(second).unwrap();
         assert_eq!((waiting.target, waiting.sent), (TargetId(0), false));
@@ -905,13 +1137,17 @@ mod tests {
     }
 
     #[test]
-    fn a_waiting_task_survives_a_crash_and_ends_at_a_cancel_or_its_deadline_unsent() {
+    fn a_waiting_task_survives_a_crash_ends_at_a_cancel_and_its_clock_waits() {
         let (mut p, h) = bounded(1, 1);
-        let first = p.submit_any(&h, None).unwrap();
-        let second = p.submit_any(&h, Some(Time(50))).unwrap();
-        let third = p.submit_any(&h, None).unwrap();
+        let first = p.submit_any(&h, None, Time(0)).unwrap();
+        let second = p.submit_any(&h, Some(50), Time(0)).unwrap();
+        let third = p.submit_any(&h, None, Time(0)).unwrap();
         drain(&mut p);
-        // The process crashes with the first task: only that one ends.
+        assert!(p
+            .handle_task_started(TargetId(0), 0, first, Time(1))
+            .unwrap());
+        // The process crashes with the first task started: only that one
+        // ends.
         p.target_died(TargetId(0), "killed by signal 9", Time(5))
             .unwrap();
         let effects = drain(&mut p);
@@ -931,30 +1167,140 @@ mod tests {
         // the incarnation of its target at its submit: it reached none).
         p.cancel(third, Time(6)).unwrap();
         assert_eq!(drain(&mut p), vec![done(third, 0, 0, TaskEnd::Cancelled)]);
-        // Its deadline ends the other, and fences nothing.
-        assert!(p.poll_timeout().is_some_and(|t| t <= Time(50)));
-        p.handle_timeout(Time(50));
-        let effects = drain(&mut p);
-        assert!(effects.contains(&done(second, 0, 0, TaskEnd::Expired)));
-        assert!(!effects.iter().any(|e| matches!(e, Effect::Fence { .. })));
+        // The other's clock has not started: no deadline while it waits.
+        let waiting = p.task(second).unwrap();
+        assert_eq!((waiting.deadline, waiting.timeout), (None, Some(50)));
+        p.handle_timeout(Time(500));
+        assert_eq!(p.tasks_in_flight(), vec![second]);
+    }
+
+    #[test]
+    fn a_deadline_counts_from_the_start_report_not_the_submit() {
+        let (mut p, h) = with_handle(1, 0);
+        let first = p
+            .submit_with_timeout(&h, TargetId(0), Some(30), Time(0))
+            .unwrap();
+        let second = p
+            .submit_with_timeout(&h, TargetId(0), Some(30), Time(0))
+            .unwrap();
+        drain(&mut p);
+        // Nothing started yet: no clock runs.
+        assert_eq!(p.poll_timeout(), None);
         assert_eq!(
-            TaskEnd::Expired
-                .error(second, TargetId(0), 1, digest(1))
-                .map(|e| (e.code, e.message)),
-            Some((
-                ErrorCode::TASK_DEADLINE,
-                format!(
-                    "{second} passed its deadline while it waited for target 0 to take tasks; it never ran"
-                )
-            ))
+            p.handle_task_started(TargetId(0), 0, first, Time(10)),
+            Ok(true)
+        );
+        assert_eq!(
+            p.task(first).map(|t| (t.started, t.deadline)),
+            Some((true, Some(Time(40))))
+        );
+        // A second report of one start is out of protocol; another
+        // incarnation's report changes nothing.
+        let before = p.clone();
+        assert_eq!(
+            p.handle_task_started(TargetId(0), 0, first, Time(11))
+                .unwrap_err()
+                .code,
+            ErrorCode::FRAME_INVALID
+        );
+        assert_eq!(
+            p.handle_task_started(TargetId(0), 1, second, Time(11)),
+            Ok(false)
+        );
+        assert_eq!(p, before);
+        p.handle_task_result(TargetId(0), 0, first, digest(1), Time(35))
+            .unwrap();
+        drain(&mut p);
+        // The second starts at 35, long after its submit: it has until 65.
+        p.handle_task_started(TargetId(0), 0, second, Time(35))
+            .unwrap();
+        assert_eq!(p.poll_timeout(), Some(Time(65)));
+        p.handle_timeout(Time(64));
+        assert_eq!(drain(&mut p), vec![]);
+        p.handle_timeout(Time(65));
+        assert_eq!(drain(&mut p)[0], done(second, 0, 0, TaskEnd::Deadline));
+    }
+
+    #[test]
+    fn a_task_its_lost_process_never_started_is_handed_over_once_drained() {
+        let (mut p, h) = with_handle(2, 0);
+        let running = p.submit(&h, TargetId(0)).unwrap();
+        let elsewhere = p.submit(&h, TargetId(1)).unwrap();
+        // Placed by the machine: on target 0, the lowest of equal loads.
+        let queued = p.submit_any(&h, Some(20), Time(0)).unwrap();
+        let pinned = p.submit(&h, TargetId(0)).unwrap();
+        let cancelled = p.submit_any(&h, None, Time(0)).unwrap();
+        assert_eq!(p.task(cancelled).map(|t| t.target), Some(TargetId(1)));
+        let cancelled_pinned = p.submit(&h, TargetId(0)).unwrap();
+        p.cancel(cancelled_pinned, Time(1)).unwrap();
+        drain(&mut p);
+        p.handle_task_started(TargetId(0), 0, running, Time(2))
+            .unwrap();
+        p.target_died(TargetId(0), "killed by signal 9", Time(3))
+            .unwrap();
+        let lost = TaskEnd::Lost {
+            cause: "killed by signal 9".to_owned(),
+        };
+        assert_eq!(drain(&mut p), vec![done(running, 0, 0, lost.clone())]);
+        // Until the IO layer read everything the process wrote, the others
+        // are in doubt, counted on no target.
+        let doubt = p.task(queued).unwrap();
+        assert!(doubt.in_doubt && doubt.sent && !doubt.started);
+        assert!(p.task(cancelled_pinned).unwrap().cancelling);
+        // A start report read now proves the task ran there: it is lost.
+        let mut q = p.clone();
+        assert_eq!(
+            q.handle_task_started(TargetId(0), 0, queued, Time(4)),
+            Ok(true)
+        );
+        assert_eq!(drain(&mut q), vec![done(queued, 0, 0, lost.clone())]);
+        // None of them started: the placed one goes to target 1, exactly
+        // once; one named for target 0 has no process of it to go to (no
+        // replacements); one a cancel was asked for ends cancelled.
+        p.process_drained(TargetId(0), 0, true);
+        assert_eq!(
+            drain(&mut p),
+            vec![
+                done(cancelled_pinned, 0, 0, TaskEnd::Cancelled),
+                task_frame(queued, 1),
+                done(pinned, 0, 0, lost.clone()),
+            ]
+        );
+        let moved = p.task(queued).unwrap();
+        assert_eq!(
+            (moved.target, moved.sent, moved.in_doubt, moved.deadline),
+            (TargetId(1), true, false, None)
+        );
+        assert_eq!(p.tasks_in_flight(), vec![elsewhere, queued, cancelled]);
+        // A second drain changes nothing.
+        p.process_drained(TargetId(0), 0, true);
+        assert_eq!(drain(&mut p), vec![]);
+        // Read to no end: whatever was in doubt may have run, and is lost.
+        let (mut p, h) = with_handle(1, 0);
+        let queued = p.submit(&h, TargetId(0)).unwrap();
+        drain(&mut p);
+        p.target_died(TargetId(0), "it sent an invalid frame", Time(1))
+            .unwrap();
+        drain(&mut p);
+        p.process_drained(TargetId(0), 0, false);
+        assert_eq!(
+            drain(&mut p),
+            vec![done(
+                queued,
+                0,
+                0,
+                TaskEnd::Lost {
+                    cause: "it sent an invalid frame".to_owned()
+                }
+            )]
         );
     }
 
     #[test]
     fn a_waiting_task_ends_lost_when_no_target_will_take_it_or_its_callable_goes() {
         let (mut p, h) = bounded(1, 1);
-        let first = p.submit_any(&h, None).unwrap();
-        let second = p.submit_any(&h, None).unwrap();
+        let first = p.submit_any(&h, None, Time(0)).unwrap();
+        let second = p.submit_any(&h, None, Time(0)).unwrap();
         drain(&mut p);
         // Replacements end while target 0 retires: it takes tasks again,
         // and the waiting task is sent to it at once.
@@ -964,8 +1310,8 @@ mod tests {
         // Bounded again (a fresh parent): the callable is unregistered
         // while a task waits for the replacement.
         let (mut p, h) = bounded(1, 1);
-        let first = p.submit_any(&h, None).unwrap();
-        let second = p.submit_any(&h, None).unwrap();
+        let first = p.submit_any(&h, None, Time(0)).unwrap();
+        let second = p.submit_any(&h, None, Time(0)).unwrap();
         p.handle_task_result(TargetId(0), 0, first, digest(1), Time(1))
             .unwrap();
         drain(&mut p);
@@ -1104,19 +1450,23 @@ mod tests {
     }
 
     #[test]
-    fn a_deadline_ends_its_task_fences_its_target_and_loses_the_others_there() {
+    fn a_deadline_ends_its_task_fences_its_target_and_hands_the_others_over() {
         let (mut p, h) = with_handle(2, 3);
         let late = p
-            .submit_with_deadline(&h, TargetId(0), Some(Time(50)))
+            .submit_with_timeout(&h, TargetId(0), Some(50), Time(0))
             .unwrap();
         let other = p.submit(&h, TargetId(0)).unwrap();
         let elsewhere = p.submit(&h, TargetId(1)).unwrap();
         drain(&mut p);
+        p.handle_task_started(TargetId(0), 0, late, Time(0))
+            .unwrap();
         assert_eq!(p.poll_timeout(), Some(Time(50)));
         p.handle_timeout(Time(49));
         assert_eq!(drain(&mut p), vec![]);
         p.handle_timeout(Time(50));
         let cause = format!("{late} passed its deadline");
+        // The task queued behind it never started: in doubt until the
+        // fenced process's output is read, then handed over.
         assert_eq!(
             drain(&mut p),
             vec![
@@ -1125,14 +1475,18 @@ mod tests {
                     target: TargetId(0),
                     cause: cause.clone()
                 },
-                done(other, 0, 0, TaskEnd::Lost { cause }),
                 Effect::Spawn {
                     target: TargetId(0),
                     incarnation: 1
                 },
             ]
         );
-        assert_eq!(p.tasks_in_flight(), vec![elsewhere]);
+        // Named for target 0, it waits for target 0's replacement.
+        p.process_drained(TargetId(0), 0, true);
+        assert_eq!(drain(&mut p), vec![]);
+        let waiting = p.task(other).unwrap();
+        assert_eq!((waiting.target, waiting.sent), (TargetId(0), false));
+        assert_eq!(p.tasks_in_flight(), vec![other, elsewhere]);
         let error = TaskEnd::Deadline
             .error(late, TargetId(0), 0, digest(1))
             .unwrap();
@@ -1144,6 +1498,7 @@ mod tests {
         let (mut p, h) = with_handle(2, 0);
         let a = p.submit(&h, TargetId(0)).unwrap();
         let b = p.submit(&h, TargetId(1)).unwrap();
+        p.handle_task_started(TargetId(0), 0, a, Time(0)).unwrap();
         p.cancel(a, Time(1)).unwrap();
         drain(&mut p);
         p.target_died(TargetId(0), "killed by signal 9", Time(2))
@@ -1167,6 +1522,7 @@ mod tests {
     fn a_silent_cancel_fences_with_fencing_on_and_an_alive_report_moves_it() {
         let (mut p, h) = with_handle(1, 0);
         let seq = p.submit(&h, TargetId(0)).unwrap();
+        p.handle_task_started(TargetId(0), 0, seq, Time(5)).unwrap();
         p.cancel(seq, Time(10)).unwrap();
         drain(&mut p);
         assert_eq!(p.poll_timeout(), Some(Time(110)));
@@ -1192,13 +1548,16 @@ mod tests {
     fn one_timeout_fences_every_target_past_a_task_deadline_or_silent_on_a_cancel_once() {
         let (mut p, h) = with_handle(4, 0);
         let a = p
-            .submit_with_deadline(&h, TargetId(0), Some(Time(50)))
+            .submit_with_timeout(&h, TargetId(0), Some(50), Time(0))
             .unwrap();
         let b = p
-            .submit_with_deadline(&h, TargetId(1), Some(Time(60)))
+            .submit_with_timeout(&h, TargetId(1), Some(60), Time(0))
             .unwrap();
         let heard = p.submit(&h, TargetId(2)).unwrap();
         let silent = p.submit(&h, TargetId(3)).unwrap();
+        for (t, seq) in [(0, a), (1, b), (3, silent)] {
+            p.handle_task_started(TargetId(t), 0, seq, Time(0)).unwrap();
+        }
         p.cancel(silent, Time(0)).unwrap();
         p.cancel(heard, Time(150)).unwrap();
         drain(&mut p);

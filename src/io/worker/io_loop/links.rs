@@ -151,7 +151,9 @@ impl IoLoop {
             ControlFrame::Unregister { seq, digest } => Frame::Unregister { seq: seq.0, digest },
             ControlFrame::Cancel { seq, digest } => Frame::Cancel { seq: seq.0, digest },
             ControlFrame::Task { seq, digest } => {
-                // The machine sends each task it was given once.
+                // The input is put back once encoded: the machine sends a
+                // task again when the process it went to was lost before
+                // starting it (`specs/protocol.md` §2.15).
                 let Some((encoding, input)) =
                     self.tasks.get_mut(&seq.0).and_then(|w| w.input.take())
                 else {
@@ -184,6 +186,17 @@ impl IoLoop {
         }
         if let Some(fd) = attached {
             link.outbox_fds.push_back((offset, fd));
+        }
+        if let Frame::Task {
+            seq,
+            encoding,
+            input,
+            ..
+        } = wire
+        {
+            if let Some(waiter) = self.tasks.get_mut(&seq) {
+                waiter.input = Some((encoding, input));
+            }
         }
         self.flush(core, index);
     }
@@ -261,6 +274,47 @@ impl IoLoop {
                     let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
                     return self.lose(core, target, "its control socket is closed");
                 }
+            }
+        }
+    }
+
+    /// Reads what the reaped process of link `index` wrote and the parent
+    /// has not read yet (nothing more comes from it), giving the machine
+    /// its start reports and task results (`specs/protocol.md` §2.15):
+    /// `true` when everything it wrote was read and decoded, `false` when
+    /// its output broke off (an invalid frame, a frame cut short by the
+    /// kill). Other frames of a process being buried are dropped.
+    pub(in crate::io::worker) fn read_buried(&mut self, core: &mut Core, index: usize) -> bool {
+        let target = TargetId(u16::try_from(index).unwrap_or(u16::MAX));
+        if self.chunk.len() != READ_CHUNK_BYTES {
+            self.chunk = vec![0u8; READ_CHUNK_BYTES];
+        }
+        loop {
+            let read = match self.links.get_mut(index) {
+                Some(Some(link)) => read_available(link, &mut self.chunk),
+                _ => return false,
+            };
+            loop {
+                let next = match self.links.get_mut(index) {
+                    Some(Some(link)) => link.input.next_frame(),
+                    _ => return false,
+                };
+                match next {
+                    Ok(Some(frame @ (Frame::Started { .. } | Frame::TaskResult { .. }))) => {
+                        if self.reply(core, target, frame).is_err() {
+                            return false;
+                        }
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(_) => return false,
+                }
+            }
+            if !matches!(read, ReadOutcome::Data) {
+                return match self.links.get(index) {
+                    Some(Some(link)) => link.input.pending_bytes() == 0,
+                    _ => false,
+                };
             }
         }
     }
@@ -387,6 +441,23 @@ impl IoLoop {
                 }
                 self.drain(core, &mut Context::default());
                 Ok(())
+            }
+            Frame::Started { seq } => {
+                // The task's clock starts (§2.12); a report the machine
+                // refuses (its task ended, or is not this incarnation's)
+                // changes nothing.
+                let incarnation = self
+                    .links
+                    .get(usize::from(target.0))
+                    .and_then(Option::as_ref)
+                    .map_or(0, |link| link.incarnation);
+                let started =
+                    core.machine
+                        .handle_task_started(target, incarnation, Seq(seq), self.now());
+                self.drain(core, &mut Context::default());
+                started
+                    .map(|_| ())
+                    .map_err(|e| format!("it sent a start report out of protocol: {e}"))
             }
             Frame::Alive { seq, phase } => {
                 let handled = core
