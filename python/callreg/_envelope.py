@@ -34,7 +34,8 @@ OUT_OF_BAND_MIN_BYTES: Final = 1 << 20
 """A buffer pickle protocol 5 can send out of band (a numpy array's data,
 a ``pickle.PickleBuffer``) of at least this many bytes goes out of band:
 the envelope then has the out-of-band form (``specs/formats.md`` §1.1) and
-every target maps the buffer read-only from the one sealed memory file."""
+every target maps the buffer copy-on-write from the one sealed memory
+file."""
 
 
 def pack(fn: Callable[..., Any], *, out_of_band: bool = True) -> bytes:

@@ -606,15 +606,17 @@ impl Runtime for PythonRuntime {
 
     /// Unpickles a staged envelope's pickle (borrowed from the read-only
     /// mapping, as [`Runtime::deserialize`]) with its out-of-band buffers
-    /// (`specs/formats.md` §1.1): each buffer is a read-only `memoryview`
-    /// of one `mmap` of the sealed file per install, so every target
-    /// shares the file's pages and an array over one cannot be written
-    /// (`ValueError: assignment destination is read-only` from numpy); the
+    /// (`specs/formats.md` §1.1): each buffer is a writable `memoryview`
+    /// of one copy-on-write `mmap` of the sealed file per install
+    /// (`ACCESS_COPY`: a private writable mapping, which a write-sealed
+    /// file allows), so every target shares the file's pages until it
+    /// writes one, and a write lands in a page of that target's own: never
+    /// in the file, another target, another install or a replacement. The
     /// mapping lives as long as something refers to a buffer of it. From
     /// CPython 3.13 the `mmap` keeps no descriptor (`trackfd=False`);
     /// before, it keeps a duplicate of the file's descriptor open while it
     /// lives. An envelope held in memory (the startup snapshot) gives each
-    /// buffer as a copy, `bytes`, read-only too. The reference form is
+    /// buffer as a writable copy, a `bytearray`. The reference form is
     /// unpickled as [`Runtime::deserialize`] says.
     ///
     /// # Errors
@@ -813,8 +815,9 @@ impl Runtime for PythonRuntime {
 /// `pickle.loads` over a read-only memoryview of `bytes`, released before
 /// returning so that no Python object refers to `bytes` afterwards.
 /// The out-of-band buffers of `staged`, for `pickle.loads(buffers=...)`:
-/// `None` for the reference form; read-only `memoryview`s of one `mmap` of
-/// the sealed file; copies (`bytes`) when there is no file.
+/// `None` for the reference form; writable `memoryview`s of one
+/// copy-on-write `mmap` of the sealed file (`specs/formats.md` §1.1);
+/// copies (`bytearray`) when there is no file.
 fn out_of_band_buffers<'py>(
     py: Python<'py>,
     staged: &Staged<'_>,
@@ -829,7 +832,9 @@ fn out_of_band_buffers<'py>(
             use std::os::fd::AsRawFd;
             let mmap = py.import("mmap")?;
             let options = PyDict::new(py);
-            options.set_item("access", mmap.getattr("ACCESS_READ")?)?;
+            // Private and writable: a write copies its page for this
+            // process alone; the sealed file never changes.
+            options.set_item("access", mmap.getattr("ACCESS_COPY")?)?;
             if py.version_info() >= (3, 13) {
                 options.set_item("trackfd", false)?;
             }
@@ -849,7 +854,7 @@ fn out_of_band_buffers<'py>(
         }
         _ => {
             for (_, bytes) in buffers {
-                list.append(PyBytes::new(py, bytes))?;
+                list.append(pyo3::types::PyByteArray::new(py, bytes))?;
             }
         }
     }
