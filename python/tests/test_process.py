@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import cloudpickle
 import pytest
@@ -677,6 +678,31 @@ def test_fork_runs_the_interpreters_fork_hooks_and_keeps_its_state():
         assert os.getpid() not in FORKED_CHILD
         # Module state from before start is there in the target.
         assert w.call(w.register(lambda: marker)) == marker
+
+
+def test_close_with_a_forked_child_of_the_parent_alive_does_not_wait_for_it():
+    # The child holds copies of the Worker's control sockets; the targets
+    # still read the end at close, not at the kill after the grace (2 s).
+    w = callreg.Worker(2)
+    w.start()
+    assert w.call(w.register(square), 3) == 9
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+        child = os.fork()
+    if child == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        targets = [w.target_pid(t) for t in (0, 1)]
+        started = time.monotonic()
+        w.close()
+        assert time.monotonic() - started < 1.5
+        for pid in targets:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
 
 
 def test_start_with_an_idle_extra_thread_does_not_deadlock():

@@ -285,13 +285,14 @@ def test_inner_targets_do_not_hold_their_next_level_targets_channels():
         # Its sockets (one inode per end), held by neither this process nor
         # the sibling SUB target (which inherited the rest): its control and
         # reply ends, its inner Worker's control and reply ends of each of
-        # its 2 inner targets, and its end of the inner Worker's template
-        # process (replacements).
+        # its 2 inner targets, its end of the inner Worker's template
+        # process (replacements), and both ends of the inner Worker's two
+        # wake-up socket pairs.
         sockets = channels_of(pid, "socket") - channels_of(sibling, "socket") - channels_of(os.getpid(), "socket")
-        assert len(sockets) == 7
+        assert len(sockets) == 11
         for inner_pid in inner.values():
             assert channels_of(inner_pid, "socket") & sockets == set()
-            # Nor its wake pipes (only the standard streams are shared).
+            # Nor any pipe (only the standard streams are shared).
             shared = channels_of(inner_pid, "pipe") & channels_of(pid, "pipe")
             assert shared - channels_of(os.getpid(), "pipe") == set()
 

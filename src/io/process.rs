@@ -357,10 +357,14 @@ impl TargetProcess {
         self.pidfd.clone()
     }
 
-    /// Closes the control socket: the target reads EOF and exits (once no
-    /// shared copy of it is left).
+    /// Closes the control socket: the target reads EOF and exits. The
+    /// socket is shut down for writing first, so the EOF comes even while
+    /// a copy of this end lives on in a process the parent forked.
     pub fn close_control(&mut self) {
-        self.control = None;
+        if let Some(control) = self.control.take() {
+            let fd = control.as_fd().as_raw_fd();
+            let _ = nix::sys::socket::shutdown(fd, nix::sys::socket::Shutdown::Write);
+        }
     }
 
     /// How the target ended, once reaped.

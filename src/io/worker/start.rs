@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::fcntl::OFlag;
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use super::builder::StartMethod;
@@ -128,7 +127,7 @@ impl<R: Runtime> Worker<R> {
     /// `LIFECYCLE_INVALID` unless new; `IO_FAILED` when the process already
     /// runs other threads (unless accepted in the builder), when the
     /// targets' pipes would exceed the soft `RLIMIT_NOFILE`, when `fork`,
-    /// `pipe2` fails, or `FAILPOINTS` is malformed;
+    /// `socketpair` fails, or `FAILPOINTS` is malformed;
     /// `REGISTER_PARTIAL_FAILURE` (with a startup snapshot) or
     /// `TARGET_LOST` (without) when some target was not ready (it exited
     /// or broke the protocol before, or missed the deadline), with every
@@ -318,12 +317,12 @@ impl<R: Runtime> Worker<R> {
             .machine
             .snapshot_failed(&snapshot_failures, now)
             .map_err(OperationError::new)?;
-        let (wake_read, wake_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
-            .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
+        let (wake_read, wake_write) =
+            wake_channel().map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         core.wake = Some(Arc::new(TrackedFd::new(wake_write)));
         core.io_running = true;
-        let (leader_read, leader_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)
-            .map_err(|e| start_error(ErrorCode::IO_FAILED, format!("pipe2: {e}")))?;
+        let (leader_read, leader_write) =
+            wake_channel().map_err(|m| start_error(ErrorCode::IO_FAILED, m))?;
         let mut io = IoLoop {
             links,
             wake: Arc::new(TrackedFd::new(wake_read)),
@@ -665,4 +664,22 @@ fn lock_envelopes<R: Runtime>(
     setup: &TargetSetup<R>,
 ) -> std::sync::MutexGuard<'_, BTreeMap<Digest, Arc<Vec<u8>>>> {
     setup.envelopes.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A wake-up channel of the IO loop: (read end, write end), non-blocking
+/// and close-on-exec. A Unix socket pair, not a pipe: another process of
+/// the same user can reopen a pipe through `/proc/PID/fd/N` and steal its
+/// bytes (a lost wake-up), a socket it cannot reopen.
+///
+/// # Errors
+/// What `socketpair` said, when it fails.
+fn wake_channel() -> Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd), String> {
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+    )
+    .map_err(|e| format!("socketpair: {e}"))
 }
