@@ -44,9 +44,9 @@ fn config(targets: u16, faults: bool, fence: bool, failing: &[u16]) -> ModelConf
 fn a_snapshot_entry_failing_on_some_targets_keeps_every_invariant() {
     let expected = [
         (2, false, true, &[1][..], 41),
-        (2, true, true, &[1][..], 10152),
-        (2, true, true, &[0, 1][..], 7851),
-        (2, true, false, &[1][..], 35250),
+        (2, true, true, &[1][..], 16581),
+        (2, true, true, &[0, 1][..], 12923),
+        (2, true, false, &[1][..], 62507),
     ];
     let mut counted = Vec::new();
     for (targets, faults, fence, failing, _) in expected {
