@@ -53,12 +53,19 @@ impl ReplyWriter {
     /// message is cut at a character boundary, an oversized task result is
     /// replaced by an error saying so). Ends the target if the pipe is gone.
     pub(super) fn send(&self, frame: Frame) {
+        self.send_with_start(frame, None);
+    }
+
+    /// [`ReplyWriter::send`], followed in the same write by the start
+    /// report of task `started` when given (one system call, one wake-up
+    /// of the parent, for a task result and the next task's start).
+    pub(super) fn send_with_start(&self, frame: Frame, started: Option<u64>) {
         // A process forked inside the target never writes a reply.
         exit_unless_target();
         if failpoints::hit(failpoints::TARGET_REPLY_DELAY).is_err() {
             abrupt_exit();
         }
-        let bytes = match frame.encode(self.max_frame_bytes) {
+        let mut bytes = match frame.encode(self.max_frame_bytes) {
             Ok(bytes) => bytes,
             Err(_) => match fit(frame, self.max_frame_bytes).encode(self.max_frame_bytes) {
                 Ok(bytes) => bytes,
@@ -68,6 +75,10 @@ impl ReplyWriter {
                 Err(_) => unsafe { libc::_exit(REPLY_EXIT_CODE) },
             },
         };
+        if let Some(seq) = started {
+            // A 16-byte frame always fits.
+            let _ = Frame::Started { seq }.encode_into(&mut bytes, self.max_frame_bytes);
+        }
         let mut pipe = self.pipe.lock().unwrap_or_else(|p| p.into_inner());
         if pipe.write_all(&bytes).is_err() {
             // SAFETY: see `abrupt_exit`; the parent is gone, nobody listens.

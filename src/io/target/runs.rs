@@ -248,6 +248,17 @@ impl<C> RunQueue<C> {
     /// task it reads is pinned and queued here like any). Every pop is one
     /// of `spin`'s waits, measured from the end of the last (the task, its
     /// reply, and this wait: `specs/threads.md`, "The target's spin").
+    /// The next run if one is queued now, without waiting.
+    fn try_pop(&self) -> Option<Run<C>> {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let run = state.runs.pop_front();
+        self.queued.store(state.runs.len(), Ordering::Release);
+        run
+    }
+
     fn pop(&self, spin: &mut TaskSpin, intake: Option<&Intake<C>>) -> Run<C> {
         let start = Instant::now();
         let empty = self.queued.load(Ordering::Acquire) == 0;
@@ -465,19 +476,28 @@ pub(super) fn run_tasks<R: Runtime>(
     (queue, intake): (&RunQueue<R::Callable>, &Intake<R::Callable>),
     spin: &mut TaskSpin,
 ) -> ! {
+    // A run already started, its start report sent with the previous
+    // run's result.
+    let mut next: Option<Run<R::Callable>> = None;
     loop {
-        let run = queue.pop(spin, Some(intake));
+        let reported = next.is_some();
+        let run = match next.take() {
+            Some(run) => run,
+            None => queue.pop(spin, Some(intake)),
+        };
         let (seq, digest) = (run.seq, run.digest);
         // A run cancelled while it was queued never starts and sends no
         // result: the cancel's reply answered for it (§2.11).
-        if table.start_task(Seq(seq)) != Ok(true) {
+        if !reported && table.start_task(Seq(seq)) != Ok(true) {
             end_run(table, run);
             continue;
         }
         // The start report is in the socket before any of the task's code
         // runs: a process lost without having sent it never ran the task,
         // and its deadline counts from here (§2.12, §2.15).
-        writer.send_started(seq);
+        if !reported {
+            writer.send_started(seq);
+        }
         let result = run_with_hooks(runtime, &run);
         end_run(table, run);
         // A slot unregistered during the run is freed at its end.
@@ -487,11 +507,26 @@ pub(super) fn run_tasks<R: Runtime>(
                 digest.hashid()
             )
         });
-        writer.send(Frame::TaskResult {
-            seq,
-            digest,
-            result,
-        });
+        // The next run, if one is queued already, starts now (past
+        // cancelling), and its start report goes in the same write as
+        // this result, still before any of its code runs.
+        let mut started = None;
+        while let Some(run) = queue.try_pop() {
+            if table.start_task(Seq(run.seq)) == Ok(true) {
+                started = Some(run.seq);
+                next = Some(run);
+                break;
+            }
+            end_run(table, run);
+        }
+        writer.send_with_start(
+            Frame::TaskResult {
+                seq,
+                digest,
+                result,
+            },
+            started,
+        );
     }
 }
 
