@@ -8,7 +8,7 @@
 //! after which the driver drains that machine's effects exactly as the IO
 //! layer does (the driving rule of `callreg::protocol`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 
 use callreg::descriptor::Digest;
@@ -730,6 +730,18 @@ impl State {
             .map(|(_, f)| f)
     }
 
+    /// Target `id`'s process `incarnation` writes the start report
+    /// (`start`) or the result of task `seq` of `digest` to the parent.
+    fn report(&mut self, id: TargetId, seq: Seq, digest: Digest, incarnation: u32, start: bool) {
+        let report = TaskResult {
+            seq,
+            digest,
+            incarnation,
+            start,
+        };
+        insert_ordered(&mut self.results, id, report);
+    }
+
     fn head_reply(&self, target: TargetId) -> Option<&Reply> {
         self.replies
             .iter()
@@ -1365,15 +1377,7 @@ impl RegistrationModel {
     /// driver says so for the process of each task in doubt there, and
     /// records the tasks handed back to waiting.
     fn drained(state: &mut State, target: TargetId) {
-        let doubts: BTreeSet<u32> = state
-            .parent
-            .tasks_in_flight()
-            .into_iter()
-            .filter_map(|seq| state.parent.task(seq))
-            .filter(|t| t.in_doubt && t.target == target)
-            .map(|t| t.incarnation)
-            .collect();
-        for incarnation in doubts {
+        for incarnation in state.parent.in_doubt_processes(target) {
             state.parent.process_drained(target, incarnation, true);
         }
         for note in &mut state.task_log {
@@ -2322,16 +2326,7 @@ impl RegistrationModel {
         match target.start_task(seq) {
             Ok(true) => {
                 state.sides[index].started.push(seq);
-                insert_ordered(
-                    &mut state.results,
-                    id,
-                    TaskResult {
-                        seq,
-                        digest,
-                        incarnation,
-                        start: true,
-                    },
-                );
+                state.report(id, seq, digest, incarnation, true);
                 let note = state.note_mut(seq)?;
                 let (twice, after_cancel) = (note.started, note.cancel_ok);
                 note.started = true;
@@ -3239,16 +3234,7 @@ impl stateright::Model for RegistrationModel {
                     .find(|(s, _, _)| *s == seq)
                     .map(|(_, _, d)| *d)?;
                 self.end_run(&mut state, id, seq)?;
-                insert_ordered(
-                    &mut state.results,
-                    id,
-                    TaskResult {
-                        seq,
-                        digest,
-                        incarnation,
-                        start: false,
-                    },
-                );
+                state.report(id, seq, digest, incarnation, false);
             }
             Action::ReceiveResult(id) => self.receive_result(&mut state, id, None)?,
             Action::ReceiveStale { target, seq } => {

@@ -586,15 +586,7 @@ impl Sim {
                 // Killed and read to its end (its start reports reached
                 // the parent as it sent them): what it never reported
                 // started is handed over (§2.15).
-                let doubts: BTreeSet<u32> = self
-                    .parent
-                    .tasks_in_flight()
-                    .into_iter()
-                    .filter_map(|seq| self.parent.task(seq))
-                    .filter(|t| t.in_doubt && t.target == target)
-                    .map(|t| t.incarnation)
-                    .collect();
-                for incarnation in doubts {
+                for incarnation in self.parent.in_doubt_processes(target) {
                     self.parent.process_drained(target, incarnation, true);
                 }
             }

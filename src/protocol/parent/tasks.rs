@@ -243,24 +243,34 @@ impl Parent {
         timeout: Option<u64>,
         now: Time,
     ) -> Result<Seq, Error> {
+        self.submit_to(handle, target, timeout, now, true)
+    }
+
+    /// [`Parent::submit_with_timeout`], the task `pinned` to `target` (its
+    /// target named at submit) or placed by the machine.
+    fn submit_to(
+        &mut self,
+        handle: &Handle,
+        target: TargetId,
+        timeout: Option<u64>,
+        now: Time,
+        pinned: bool,
+    ) -> Result<Seq, Error> {
         let digest = self.check_submit(handle, target)?;
-        let seq = self.record_task(handle, digest, target, timeout, now);
-        if let Some(task) = self.tasks.get_mut(&seq) {
-            task.pinned = true;
-        }
+        let seq = self.record_task(handle, digest, target, (timeout, now), pinned);
         self.send_task(seq, target);
         Ok(seq)
     }
 
     /// A fresh seq for a task of `handle` (of `digest`) in flight, unsent,
-    /// naming `target`.
+    /// naming `target`, with its timeout, submitted at `now`.
     fn record_task(
         &mut self,
         handle: &Handle,
         digest: Digest,
         target: TargetId,
-        timeout: Option<u64>,
-        now: Time,
+        (timeout, now): (Option<u64>, Time),
+        pinned: bool,
     ) -> Seq {
         let seq = self.fresh_seq();
         // The known bug: the clock starts at the submit.
@@ -277,7 +287,7 @@ impl Parent {
                 timeout,
                 deadline,
                 stage: Stage::Waiting,
-                pinned: false,
+                pinned,
             },
         );
         self.count_task(target, Some(false), true);
@@ -349,12 +359,12 @@ impl Parent {
         }
         let digest = self.resolve_for(handle, Namespace::LocalPython, OperationKind::Task)?;
         if let Some(target) = self.pick_target(handle.handle_id, false) {
-            return self.submit_placed(handle, target, timeout, now);
+            return self.submit_to(handle, target, timeout, now, false);
         }
         let Some(target) = self.pick_target(handle.handle_id, true) else {
             // A target that takes tasks without the handle: its refusal.
             if let Some(target) = self.all_targets().find(|t| self.takes_tasks(*t)) {
-                return self.submit_placed(handle, target, timeout, now);
+                return self.submit_to(handle, target, timeout, now, false);
             }
             return Err(
                 Error::new(ErrorCode::NO_LIVE_TARGET, OperationKind::Task, NONE_COMING)
@@ -362,23 +372,7 @@ impl Parent {
                     .with_digest(digest),
             );
         };
-        Ok(self.record_task(handle, digest, target, timeout, now))
-    }
-
-    /// [`Parent::submit_with_timeout`] of a task placed by the machine: not
-    /// pinned to `target`.
-    fn submit_placed(
-        &mut self,
-        handle: &Handle,
-        target: TargetId,
-        timeout: Option<u64>,
-        now: Time,
-    ) -> Result<Seq, Error> {
-        let seq = self.submit_with_timeout(handle, target, timeout, now)?;
-        if let Some(task) = self.tasks.get_mut(&seq) {
-            task.pinned = false;
-        }
-        Ok(seq)
+        Ok(self.record_task(handle, digest, target, (timeout, now), false))
     }
 
     /// The target a task of handle `handle_id` goes to (§2.14): of the
@@ -391,14 +385,9 @@ impl Parent {
                 .get(usize::from(t.0))
                 .map(|l| u64::from(l.sent) + u64::from(l.waiting))
         };
-        let confirmed = |t: TargetId| {
-            self.handles
-                .get(&handle_id)
-                .is_some_and(|r| r.confirmed.contains(&t))
-        };
         self.all_targets()
             .filter(|t| match later {
-                false => self.takes_tasks(*t) && confirmed(*t),
+                false => self.takes_tasks_of(handle_id, *t),
                 true => self.will_take_tasks(*t),
             })
             .min_by_key(|t| (load(*t), *t))
@@ -416,6 +405,16 @@ impl Parent {
             target,
             frame: ControlFrame::Task { seq, digest },
         });
+    }
+
+    /// Whether `target` takes tasks now (§2.14) and confirmed handle
+    /// `handle_id`: a task of it may be sent there.
+    fn takes_tasks_of(&self, handle_id: u64, target: TargetId) -> bool {
+        self.takes_tasks(target)
+            && self
+                .handles
+                .get(&handle_id)
+                .is_some_and(|r| r.confirmed.contains(&target))
     }
 
     /// Whether `target` takes tasks (§2.14): it serves
@@ -479,11 +478,7 @@ impl Parent {
             } else if let Some(target) = pinned {
                 // Handed over with its target named (§2.15): that
                 // target's next process, or none.
-                let confirmed = self
-                    .handles
-                    .get(&handle_id)
-                    .is_some_and(|r| r.confirmed.contains(&target));
-                if self.takes_tasks(target) && confirmed {
+                if self.takes_tasks_of(handle_id, target) {
                     self.send_task(seq, target);
                 } else if !self.will_take_tasks(target) {
                     let cause = cause.to_owned();
@@ -564,10 +559,9 @@ impl Parent {
         digest: Digest,
         now: Time,
     ) -> Result<bool, Error> {
-        if !self.accepts_from(target, OperationKind::Task)? {
+        if !self.accepts_task_report(target, seq, "task result")? {
             return Ok(false);
         }
-        self.check_issued(target, seq, "task result")?;
         let ours = self.tasks.get(&seq).is_some_and(|task| {
             task.target == target
                 && matches!(task.stage, Stage::Sent | Stage::Started)
@@ -785,10 +779,9 @@ impl Parent {
         seq: Seq,
         now: Time,
     ) -> Result<bool, Error> {
-        if !self.accepts_from(target, OperationKind::Task)? {
+        if !self.accepts_task_report(target, seq, "start report")? {
             return Ok(false);
         }
-        self.check_issued(target, seq, "start report")?;
         let Some(task) = self.tasks.get_mut(&seq) else {
             return Ok(false);
         };
@@ -813,6 +806,34 @@ impl Parent {
             .with_seq(seq)),
             Stage::Waiting => Ok(false),
         }
+    }
+
+    /// Whether a task report (`what`: a result or a start report) for
+    /// `seq` from `target` is read at all: `Ok(false)` after close.
+    ///
+    /// # Errors
+    /// `LIFECYCLE_INVALID` before start; `FRAME_INVALID` for a target out
+    /// of range or a seq this parent never issued.
+    fn accepts_task_report(&self, target: TargetId, seq: Seq, what: &str) -> Result<bool, Error> {
+        if !self.accepts_from(target, OperationKind::Task)? {
+            return Ok(false);
+        }
+        self.check_issued(target, seq, what)?;
+        Ok(true)
+    }
+
+    /// The incarnations of `target` whose lost process holds tasks in
+    /// doubt (§2.15): each awaits [`Parent::process_drained`].
+    pub fn in_doubt_processes(&self, target: TargetId) -> Vec<u32> {
+        let mut incarnations: Vec<u32> = self
+            .tasks
+            .values()
+            .filter(|t| t.target == target && matches!(t.stage, Stage::InDoubt { .. }))
+            .map(|t| t.incarnation)
+            .collect();
+        incarnations.sort_unstable();
+        incarnations.dedup();
+        incarnations
     }
 
     /// Task `seq`, in doubt on process `incarnation` of `target`, is known
@@ -1247,6 +1268,8 @@ mod tests {
         let doubt = p.task(queued).unwrap();
         assert!(doubt.in_doubt && doubt.sent && !doubt.started);
         assert!(p.task(cancelled_pinned).unwrap().cancelling);
+        assert_eq!(p.in_doubt_processes(TargetId(0)), vec![0]);
+        assert_eq!(p.in_doubt_processes(TargetId(1)), Vec::<u32>::new());
         // A start report read now proves the task ran there: it is lost.
         let mut q = p.clone();
         assert_eq!(
@@ -1272,6 +1295,7 @@ mod tests {
             (TargetId(1), true, false, None)
         );
         assert_eq!(p.tasks_in_flight(), vec![elsewhere, queued, cancelled]);
+        assert_eq!(p.in_doubt_processes(TargetId(0)), Vec::<u32>::new());
         // A second drain changes nothing.
         p.process_drained(TargetId(0), 0, true);
         assert_eq!(drain(&mut p), vec![]);
