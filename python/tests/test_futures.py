@@ -101,56 +101,6 @@ def test_done_callbacks_run_once_each_with_nobody_waiting(worker):
     worker.unregister(h)
 
 
-STEAL = textwrap.dedent(
-    """
-    import os, sys, time
-    parent = int(sys.argv[1])
-    opened = []
-    for name in os.listdir("/proc/%d/fd" % parent):
-        try:
-            opened.append(os.open("/proc/%d/fd/%s" % (parent, name), os.O_RDONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-    print(len(opened), flush=True)
-    end = time.monotonic() + float(sys.argv[2])
-    while time.monotonic() < end:
-        for fd in opened:
-            try:
-                os.read(fd, 4096)
-            except OSError:
-                pass
-    """
-)
-
-
-def test_a_process_reading_every_reopenable_descriptor_cannot_stall_a_future(worker):
-    # What another process of the same user can reopen through
-    # /proc/PID/fd and read, it may take from this one: no wake-up of the
-    # Worker goes that way.
-    h = worker.register(square)
-    thief = subprocess.Popen([sys.executable, "-c", STEAL, str(os.getpid()), "5"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert int(thief.stdout.readline()) >= 0
-        every = threading.Event()
-        seen = []
-        lock = threading.Lock()
-
-        def record(future):
-            with lock:
-                seen.append(future.result())
-                if len(seen) == 300:
-                    every.set()
-
-        for i in range(300):
-            worker.submit(h, i).add_done_callback(record)
-        assert every.wait(20), len(seen)
-        assert sorted(seen) == sorted(i * i for i in range(300))
-    finally:
-        thief.kill()
-        thief.wait()
-        worker.unregister(h)
-
-
 def test_wait_and_as_completed_see_every_result(worker):
     h = worker.register(slow_square)
     futures = [worker.submit(h, i, 0.01 * (i % 3)) for i in range(12)]
